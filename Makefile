@@ -1,0 +1,31 @@
+# Two commands for a fresh machine (see README.md):
+#   make demo   install dependencies, build, run the shipped model
+#   make test   build and run every test (C++ ctest + pytest)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+JOBS   ?= $(shell nproc)
+PROMPT ?= Once upon a time, there was a little
+
+.PHONY: demo test setup build bench clean
+
+setup: $(VENV)/.setup-done
+$(VENV)/.setup-done: scripts/setup.sh requirements-dev.txt
+	bash scripts/setup.sh
+	touch $@
+
+# One CMake build (build/py) serves the Python package, the native CLI and the C++ tests.
+build: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --no-build-isolation --no-deps .
+
+demo: build
+	$(VENV)/bin/mixlens generate "$(PROMPT)" --max-new-tokens 60 --greedy
+
+test: build
+	ctest --test-dir build/py --output-on-failure -j $(JOBS)
+	$(PY) -m pytest -q tests/python
+
+bench: build
+	$(PY) bench/bench_mamba2.py
+
+clean:
+	rm -rf build
