@@ -1,0 +1,125 @@
+// Model: load a HuggingFace checkpoint folder (or a hub id from the local cache), run prompts
+// with a cache, generate, and serve every value of values.md through a Trace.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mixlens/tensor.h"
+#include "mixlens/tokenizer.h"
+#include "mixlens/trace.h"
+#include "mixlens/values.h"
+
+namespace mixlens {
+
+/// A batch of token rows of equal length, left-padded; mask[b*seq+t] is 1 for real tokens.
+struct Batch {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> mask;
+  /// Left-pads `rows` (each non-empty) to the longest with `pad_id`. InputError on an empty row.
+  static Batch left_padded(const std::vector<std::vector<int32_t>>& rows, int32_t pad_id);
+  bool has_padding() const;
+};
+
+/// Recurrent-mixer algorithm selection (values.md "Which kernel runs").
+enum class KernelRoute { default_route, chunked, recurrent };
+/// Process-wide, per family ("mamba2", "mamba", "qwen3_5", ...), like the reference's routing.
+/// `route` is "default", "chunked" or "recurrent" (InputError otherwise).
+void route_kernels(const std::string& family, const std::string& route);
+KernelRoute kernel_route(const std::string& family);
+
+/// Cached state of a batch: conv windows and recurrent states per layer (plus KV for attention).
+class Cache {
+ public:
+  ~Cache();
+  Cache(Cache&&) noexcept;
+  Cache& operator=(Cache&&) noexcept;
+  int64_t batch() const;
+  /// Tokens consumed so far (including left padding of the first call).
+  int64_t seen_tokens() const;
+  /// Number of forward calls made with this cache (the next call's step index).
+  int steps() const;
+
+ private:
+  friend class Model;
+  Cache();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct GenerateOptions {
+  int max_new_tokens = 20;
+  bool greedy = true;        ///< argmax; otherwise sample with the settings below
+  float temperature = 1.0f;  ///< > 0
+  int top_k = 0;             ///< 0 = off
+  float top_p = 1.0f;        ///< in (0, 1]; 1 = off
+  uint64_t seed = 0;
+  /// Stop a row at this id; default: config eos_token_id. -1 disables stopping on EOS.
+  std::optional<int32_t> eos_token_id;
+};
+
+struct GenerationResult {
+  std::vector<std::vector<int32_t>> new_tokens;  ///< per prompt, excluding the prompt
+  int steps = 0;                                 ///< forward calls made
+};
+
+struct ModelInfo {
+  std::string family;       ///< "mamba2"
+  std::string model_type;   ///< config.json model_type
+  std::string path;         ///< resolved folder
+  int num_layers = 0;
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;
+  std::vector<LayerKind> layer_kinds;
+};
+
+class FamilyModel;  // internal
+
+class Model {
+ public:
+  /// Loads a checkpoint folder, or a hub id ("AntonV/mamba2-130m-hf") found in the local
+  /// HuggingFace cache. Errors: CheckpointError (missing folder / file / tensor, bad shapes),
+  /// ConfigError, UnsupportedError (unknown model_type), TokenizerError.
+  static Model load(const std::string& path_or_hub_id);
+  ~Model();
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+
+  const ModelInfo& info() const;
+  /// The checkpoint's tokenizer (TokenizerError if the folder has no tokenizer.json).
+  const Tokenizer& tokenizer() const;
+  bool has_tokenizer() const;
+  int32_t pad_token_id() const;
+  std::optional<int32_t> eos_token_id() const;
+
+  /// Every value of the model for a call of `batch` rows and `seq` tokens, in forward order.
+  std::vector<ValueInfo> values(int64_t batch, int64_t seq) const;
+  /// values.md support(): value name ("linear_attn.states") -> per layer: "" when available,
+  /// else the reason. Global/block values map under layer -1 / each layer.
+  std::map<std::string, std::map<int, std::string>> support() const;
+
+  Cache new_cache(int64_t batch) const;
+  /// One forward call over `batch` starting from `cache` (updated in place). Returns logits
+  /// [B,T,vocab] when `all_logits`, else [B,1,vocab] for the last position.
+  Tensor forward(const Batch& batch, Cache& cache, Trace* trace = nullptr, bool all_logits = true) const;
+  /// Fresh cache + forward of left-padded prompts; logits [B,T,vocab].
+  Tensor run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace = nullptr) const;
+  /// Step 0 runs the prompts, then up to max_new_tokens-1 single-token decode steps.
+  GenerationResult generate(const std::vector<std::vector<int32_t>>& prompts,
+                            const GenerateOptions& options, Trace* trace = nullptr) const;
+
+  /// Mamba-2 chunk size override (values.md chunk_per_token: 1); 0 restores config.chunk_size.
+  void set_chunk_size(int64_t chunk_size);
+
+ private:
+  Model();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mixlens

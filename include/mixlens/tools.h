@@ -1,0 +1,25 @@
+// Library helpers behind the CLI (kept here so no logic lives only in a front end).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "mixlens/model.h"
+
+namespace mixlens {
+
+/// The model used when none is given: $MIXLENS_MODEL, else the small Mamba-2 shipped in the
+/// repository (models/mamba2-tinystories).
+std::string default_model_path();
+
+/// Human-readable summary: family, layer kinds, every value with its shape for a batch of one
+/// prompt of `prompt_length` tokens, and the support() reasons for values a block lacks.
+std::string describe_model(const Model& model, int64_t prompt_length);
+
+/// Writes a trace's saved values to a safetensors file: one tensor per saved path (key
+/// "PATH@step{k}" when `per_step`, else "PATH"), plus metadata "mixlens" = JSON {model, prompts,
+/// prompt_ids, generated_ids}. CheckpointError if the file cannot be written.
+void write_trace(const std::string& file, const Trace& trace, const Model& model,
+                 const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
+                 const std::vector<std::vector<int32_t>>& generated_ids, bool per_step);
+
+}  // namespace mixlens

@@ -1,0 +1,91 @@
+// Trace: reads (saves) and writes (edits) registered before a run, TransformerLens-style.
+// A trace is bound to a model when a run starts; every path is validated then, so a typo
+// fails before any computation with the closest valid name suggested.
+#pragma once
+#include <climits>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mixlens/tensor.h"
+#include "mixlens/values.h"
+
+namespace mixlens {
+
+/// Which forward calls (generation steps) a save or edit applies to: step 0 is the prompt,
+/// step k >= 1 the k-th single-token decode step. A plain run is step 0.
+struct Steps {
+  int first = 0;
+  int last = INT_MAX;  ///< inclusive
+  static Steps all() { return {}; }
+  static Steps only(int k) { return {k, k}; }
+  static Steps range(int first, int last) { return {first, last}; }
+  bool contains(int s) const { return s >= first && s <= last; }
+};
+
+/// Where an edit is being applied.
+struct SiteContext {
+  Site site;
+  std::string path;
+  int step = 0;
+  int64_t batch = 0;
+  int64_t seq = 0;          ///< tokens in this call
+  std::string kernel;       ///< "chunked" or "recurrent" for mixer values, "" otherwise
+};
+
+/// An edit receives a copy of the value and may modify it in place or assign a new tensor of
+/// the same shape. A state_input on a fresh prompt arrives undefined (None); assigning a
+/// tensor then makes the call start from it.
+using EditFn = std::function<void(Tensor& value, const SiteContext& where)>;
+
+/// One forward call as it happened: observable kernel choice and length (values.md).
+struct CallRecord {
+  int step = 0;
+  int64_t batch = 0;
+  int64_t seq = 0;
+  bool fresh = true;        ///< no cached state before the call
+  std::string kernel;       ///< recurrent-mixer algorithm that ran: "chunked" or "recurrent"
+};
+
+class Model;
+namespace detail { class TraceListener; }
+
+class Trace {
+ public:
+  Trace();
+  ~Trace();
+  Trace(Trace&&) noexcept;
+  Trace& operator=(Trace&&) noexcept;
+
+  /// Save a value (a copy) at the given steps. `path` may use "*" for the layer index
+  /// ("layers.*.linear_attn.state_output": every layer that has that value).
+  Trace& save(std::string_view path, Steps steps = Steps::all());
+  /// Modify a value before it is consumed; everything computed after it follows.
+  /// Writes are checked: same shape, no NaN, betas >= 0, decays <= 0 (WriteError otherwise).
+  Trace& edit(std::string_view path, EditFn fn, Steps steps = Steps::all());
+  /// Replace a value by a fixed tensor (checked like edit()).
+  Trace& set(std::string_view path, Tensor value, Steps steps = Steps::all());
+
+  /// True if `path` (canonical, no wildcard) was saved at `step` with a value (state_input on a
+  /// fresh prompt is None and is not stored).
+  bool has(std::string_view path, int step = 0) const;
+  /// The saved value; UnknownValueError if it was not saved at that step.
+  const Tensor& get(std::string_view path, int step = 0) const;
+  /// Every saved value as "path@step{k}" -> tensor, in the order produced.
+  const std::vector<std::pair<std::string, Tensor>>& saved() const;
+  /// The forward calls this trace observed.
+  const std::vector<CallRecord>& calls() const;
+  /// Forget saved values and call records (registrations stay).
+  void clear_results();
+
+ private:
+  friend class Model;
+  friend class detail::TraceListener;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mixlens

@@ -1,0 +1,68 @@
+// The value vocabulary of shared/spec/values.md: every readable / writable site of a model.
+// Paths are strings such as "layers.3.linear_attn.betas"; they map to typed Sites.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mixlens/tensor.h"
+
+namespace mixlens {
+
+/// Every value kind mixlens serves. Mixer values keep the names of values.md exactly.
+enum class Value : uint8_t {
+  // global
+  embed_output,     ///< "embed_tokens.output" [B,T,hidden]
+  ln_final_output,  ///< "ln_final.output" [B,T,hidden]
+  logits,           ///< "logits" [B,T,vocab]
+  // per block
+  layer_input,   ///< "layers.{i}.layer_input" [B,T,hidden] residual stream entering block i
+  layer_output,  ///< "layers.{i}.layer_output" [B,T,hidden] residual stream leaving block i
+  // recurrent mixer ("layers.{i}.linear_attn.<name>")
+  attention_queries,       ///< what reads the state (Mamba-2: C [B,T,groups,state_dim])
+  attention_keys,          ///< where each token writes (Mamba-2: B [B,T,groups,state_dim])
+  attention_values,        ///< what each token writes (Mamba-2: x [B,T,heads,head_dim])
+  betas,                   ///< write strength (Mamba-2: dt [B,T,heads], >= 0)
+  decays,                  ///< log state decay, <= 0 (Mamba-2: A*dt [B,T,heads])
+  state_input,             ///< state the call starts from (None on a fresh prompt)
+  state_output,            ///< state after the call's last token
+  states,                  ///< state after every token [B,T,...], read-only, computed on demand
+  attention_head_outputs,  ///< each head's read of the state incl. the D skip (Mamba-2: y)
+  attention_output,        ///< what the mixer adds to the residual stream [B,T,hidden]
+  kCount
+};
+constexpr int kNumValues = static_cast<int>(Value::kCount);
+
+/// Which component of a block a value belongs to.
+enum class Component : uint8_t { global, block, linear_attn, self_attn, mlp };
+
+/// The kind of a block's sequence mixer.
+enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention };
+std::string_view layer_kind_name(LayerKind k);
+
+/// A typed site: layer -1 for global values.
+struct Site {
+  int layer = -1;
+  Value value = Value::logits;
+  bool operator==(const Site&) const = default;
+};
+
+/// Name of a value inside its component ("betas", "layer_input", "output" for embed/ln_final, "logits").
+std::string_view value_name(Value v);
+Component value_component(Value v);
+/// Canonical path of a site, e.g. "layers.3.linear_attn.betas", "logits".
+std::string site_path(const Site& s);
+
+/// Description of one value of a model for a given batch and call length.
+struct ValueInfo {
+  std::string path;        ///< canonical path ("layers.0.linear_attn.states")
+  Site site;
+  Shape shape;             ///< for the batch / length asked for
+  bool writable = true;
+  bool per_token = true;   ///< has a token axis (axis 1)
+  std::string meaning;     ///< one line: what the value is and which reference quantity it equals
+};
+
+}  // namespace mixlens

@@ -1,0 +1,52 @@
+// Internal interface every model family implements (one file per family in src/models/).
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/json.h"
+#include "io/weights.h"
+#include "mixlens/model.h"
+#include "runtime/listener.h"
+
+namespace mixlens::detail {
+
+/// Per-batch cached state of one model; families extend it.
+struct CacheState {
+  virtual ~CacheState() = default;
+  int64_t batch = 0;
+  int64_t seen = 0;   ///< tokens consumed
+  int steps = 0;      ///< forward calls made
+};
+
+class FamilyModel {
+ public:
+  virtual ~FamilyModel() = default;
+  ModelInfo info;
+
+  virtual std::unique_ptr<CacheState> new_cache(int64_t batch) const = 0;
+  /// The recurrent algorithm this call will use (decided before any value is visited).
+  virtual std::string kernel_for(const CacheState& cache, int64_t seq) const = 0;
+  /// One forward call; returns logits [B,T,V] (or [B,1,V] when !all_logits and nobody wants
+  /// the full logits). `listener` may be null.
+  virtual Tensor forward(const Batch& batch, CacheState& cache, Listener* listener, const CallCtx& ctx,
+                         bool all_logits) const = 0;
+  /// Every value for a call of B rows and T tokens, in forward order.
+  virtual std::vector<ValueInfo> values(int64_t B, int64_t T) const = 0;
+  /// values.md support(): value name -> per layer reason ("" when available).
+  virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
+  virtual void set_chunk_size(int64_t) {}
+};
+
+using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;
+/// Registry lookup by config.json model_type; UnsupportedError listing the known types.
+std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights);
+
+// Factories, one per family file.
+std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
+
+}  // namespace mixlens::detail

@@ -1,0 +1,223 @@
+#include "mixlens/model.h"
+
+#include <filesystem>
+#include <mutex>
+#include <random>
+
+#include "io/hub.h"
+#include "io/json.h"
+#include "io/weights.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "models/family.h"
+#include "runtime/sampling.h"
+#include "runtime/trace_listener.h"
+
+namespace mixlens {
+
+namespace fs = std::filesystem;
+
+// ---- Batch ----------------------------------------------------------------------------------
+
+Batch Batch::left_padded(const std::vector<std::vector<int32_t>>& rows, int32_t pad_id) {
+  if (rows.empty()) throw InputError("empty batch: give at least one prompt");
+  Batch b;
+  b.batch = static_cast<int64_t>(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (rows[r].empty()) throw InputError("prompt " + std::to_string(r) + " has no tokens");
+    b.seq = std::max<int64_t>(b.seq, static_cast<int64_t>(rows[r].size()));
+  }
+  b.ids.assign(static_cast<size_t>(b.batch * b.seq), pad_id);
+  b.mask.assign(static_cast<size_t>(b.batch * b.seq), 0);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const size_t off = r * static_cast<size_t>(b.seq) + (static_cast<size_t>(b.seq) - rows[r].size());
+    for (size_t t = 0; t < rows[r].size(); ++t) {
+      b.ids[off + t] = rows[r][t];
+      b.mask[off + t] = 1;
+    }
+  }
+  return b;
+}
+
+bool Batch::has_padding() const {
+  for (uint8_t m : mask)
+    if (!m) return true;
+  return false;
+}
+
+// ---- kernel routing -------------------------------------------------------------------------
+
+namespace {
+std::mutex g_route_mu;
+std::map<std::string, KernelRoute>& routes() {
+  static std::map<std::string, KernelRoute> r;
+  return r;
+}
+}  // namespace
+
+void route_kernels(const std::string& family, const std::string& route) {
+  KernelRoute k;
+  if (route == "default") k = KernelRoute::default_route;
+  else if (route == "chunked") k = KernelRoute::chunked;
+  else if (route == "recurrent") k = KernelRoute::recurrent;
+  else throw InputError("route_kernels: route '" + route + "' must be 'default', 'chunked' or 'recurrent'");
+  std::lock_guard<std::mutex> lk(g_route_mu);
+  routes()[family] = k;
+}
+
+KernelRoute kernel_route(const std::string& family) {
+  std::lock_guard<std::mutex> lk(g_route_mu);
+  auto it = routes().find(family);
+  return it == routes().end() ? KernelRoute::default_route : it->second;
+}
+
+// ---- Cache ----------------------------------------------------------------------------------
+
+struct Cache::Impl {
+  std::unique_ptr<detail::CacheState> state;
+  const detail::FamilyModel* owner = nullptr;
+};
+Cache::Cache() : impl_(std::make_unique<Impl>()) {}
+Cache::~Cache() = default;
+Cache::Cache(Cache&&) noexcept = default;
+Cache& Cache::operator=(Cache&&) noexcept = default;
+int64_t Cache::batch() const { return impl_->state->batch; }
+int64_t Cache::seen_tokens() const { return impl_->state->seen; }
+int Cache::steps() const { return impl_->state->steps; }
+
+// ---- Model ----------------------------------------------------------------------------------
+
+struct Model::Impl {
+  std::unique_ptr<detail::FamilyModel> family;
+  std::optional<Tokenizer> tokenizer;
+  int32_t pad_id = 0;
+  std::optional<int32_t> eos_id;
+};
+
+Model::Model() : impl_(std::make_unique<Impl>()) {}
+Model::~Model() = default;
+Model::Model(Model&&) noexcept = default;
+Model& Model::operator=(Model&&) noexcept = default;
+
+namespace detail {
+std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights) {
+  const std::string type = config.get<std::string>("model_type");
+  if (type == "mamba2") return make_mamba2(config, weights);
+  throw UnsupportedError(detail::where(config) + ": model_type '" + type +
+                         "' is not supported (supported: mamba2)");
+}
+}  // namespace detail
+
+Model Model::load(const std::string& path_or_hub_id) {
+  const fs::path dir = io::resolve_model(path_or_hub_id);
+  io::Config config = io::Config::load(dir);
+  io::WeightStore weights = io::WeightStore::open(dir);
+  Model m;
+  m.impl_->family = detail::build_family(config, weights);
+  m.impl_->family->info.path = dir.string();
+  if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
+  auto id_field = [&](const char* key) -> std::optional<int32_t> {
+    if (!config.has(key) || config.json()[key].is_null()) return std::nullopt;
+    const auto& j = config.json()[key];
+    if (j.is_array()) return j.empty() ? std::nullopt : std::optional<int32_t>(j[0].get<int32_t>());
+    return config.get<int32_t>(key);
+  };
+  m.impl_->eos_id = id_field("eos_token_id");
+  m.impl_->pad_id = id_field("pad_token_id").value_or(m.impl_->eos_id.value_or(0));
+  return m;
+}
+
+const ModelInfo& Model::info() const { return impl_->family->info; }
+bool Model::has_tokenizer() const { return impl_->tokenizer.has_value(); }
+const Tokenizer& Model::tokenizer() const {
+  if (!impl_->tokenizer)
+    throw TokenizerError("model folder " + info().path + " has no tokenizer.json; pass token ids instead of text");
+  return *impl_->tokenizer;
+}
+int32_t Model::pad_token_id() const { return impl_->pad_id; }
+std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
+
+std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
+std::map<std::string, std::map<int, std::string>> Model::support() const { return impl_->family->support(); }
+void Model::set_chunk_size(int64_t c) { impl_->family->set_chunk_size(c); }
+
+Cache Model::new_cache(int64_t batch) const {
+  if (batch <= 0) throw InputError("new_cache: batch must be >= 1");
+  Cache c;
+  c.impl_->state = impl_->family->new_cache(batch);
+  c.impl_->owner = impl_->family.get();
+  return c;
+}
+
+Tensor Model::forward(const Batch& in, Cache& cache, Trace* trace, bool all_logits) const {
+  if (cache.impl_->owner != impl_->family.get()) throw InputError("forward: the cache belongs to another model");
+  auto& st = *cache.impl_->state;
+  if (in.batch != st.batch)
+    throw InputError("forward: batch has " + std::to_string(in.batch) + " rows but the cache was made for " +
+                     std::to_string(st.batch));
+  if (in.seq <= 0) throw InputError("forward: empty call (no tokens)");
+  if (in.ids.size() != static_cast<size_t>(in.batch * in.seq) || in.mask.size() != in.ids.size())
+    throw InputError("forward: ids/mask sizes do not match batch x seq");
+  detail::CallCtx ctx;
+  ctx.step = st.steps;
+  ctx.batch = in.batch;
+  ctx.seq = in.seq;
+  ctx.fresh = st.seen == 0;
+  ctx.kernel = impl_->family->kernel_for(st, in.seq);
+  std::optional<detail::TraceListener> listener;
+  if (trace) {
+    listener.emplace(*trace, *impl_->family);
+    listener->begin_call(ctx, info().num_layers);
+  }
+  Tensor logits = impl_->family->forward(in, st, listener ? &*listener : nullptr, ctx, all_logits);
+  if (listener) listener->end_call();
+  st.seen += in.seq;
+  st.steps += 1;
+  return logits;
+}
+
+Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace) const {
+  Batch b = Batch::left_padded(prompts, impl_->pad_id);
+  Cache c = new_cache(b.batch);
+  return forward(b, c, trace, true);
+}
+
+GenerationResult Model::generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,
+                                 Trace* trace) const {
+  if (o.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
+  if (!o.greedy) {
+    if (!(o.temperature > 0.0f)) throw InputError("generate: temperature must be > 0");
+    if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) throw InputError("generate: top_p must be in (0, 1]");
+    if (o.top_k < 0) throw InputError("generate: top_k must be >= 0");
+  }
+  Batch b = Batch::left_padded(prompts, impl_->pad_id);
+  Cache cache = new_cache(b.batch);
+  std::optional<int32_t> eos = impl_->eos_id;
+  if (o.eos_token_id) eos = *o.eos_token_id < 0 ? std::nullopt : o.eos_token_id;
+  std::mt19937_64 rng(o.seed);
+  GenerationResult res;
+  res.new_tokens.resize(static_cast<size_t>(b.batch));
+  std::vector<bool> done(static_cast<size_t>(b.batch), false);
+  for (int step = 0; step < o.max_new_tokens; ++step) {
+    Tensor logits = forward(b, cache, trace, false);
+    res.steps += 1;
+    const int64_t V = logits.size(2), T = logits.size(1);
+    std::vector<int32_t> next(static_cast<size_t>(b.batch));
+    for (int64_t r = 0; r < b.batch; ++r) {
+      const float* row = logits.data() + (r * T + T - 1) * V;
+      // Finished rows keep receiving the pad token, as transformers does.
+      next[r] = done[r] ? impl_->pad_id : (o.greedy ? detail::argmax(row, V) : detail::sample(row, V, o, rng));
+      if (!done[r]) {
+        res.new_tokens[r].push_back(next[r]);
+        if (eos.has_value() && next[r] == eos.value()) done[r] = true;
+      }
+    }
+    if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
+    b.seq = 1;
+    b.ids = next;
+    b.mask.assign(static_cast<size_t>(b.batch), 1);
+  }
+  return res;
+}
+
+}  // namespace mixlens

@@ -1,0 +1,60 @@
+#include "mixlens/tools.h"
+
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/safetensors.h"
+
+#ifndef MIXLENS_DEFAULT_MODEL_DIR
+#define MIXLENS_DEFAULT_MODEL_DIR "models/mamba2-tinystories"
+#endif
+
+namespace mixlens {
+
+std::string default_model_path() {
+  if (const char* env = std::getenv("MIXLENS_MODEL"); env && *env) return env;
+  return MIXLENS_DEFAULT_MODEL_DIR;
+}
+
+std::string describe_model(const Model& model, int64_t prompt_length) {
+  const auto& info = model.info();
+  std::ostringstream o;
+  o << "model:  " << info.path << "\n"
+    << "family: " << info.family << " (model_type " << info.model_type << ")\n"
+    << "layers: " << info.num_layers << ", hidden " << info.hidden_size << ", vocab " << info.vocab_size << "\n"
+    << "layer kinds:";
+  for (size_t i = 0; i < info.layer_kinds.size(); ++i) o << " " << i << ":" << layer_kind_name(info.layer_kinds[i]);
+  o << "\n\nvalues for one prompt of " << prompt_length << " tokens (B=1, T=" << prompt_length << "):\n";
+  for (const auto& v : model.values(1, prompt_length))
+    o << "  " << v.path << "  " << shape_str(v.shape) << (v.writable ? "" : "  read-only") << "\n      "
+      << v.meaning << "\n";
+  o << "\nnot available:\n";
+  for (const auto& [name, per_layer] : model.support())
+    for (const auto& [layer, reason] : per_layer)
+      if (!reason.empty()) {
+        o << "  " << name << ": " << reason << "\n";
+        break;  // one line per value name; the reason names the block kind
+      }
+  return o.str();
+}
+
+void write_trace(const std::string& file, const Trace& trace, const Model& model,
+                 const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
+                 const std::vector<std::vector<int32_t>>& generated_ids, bool per_step) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& [key, t] : trace.saved()) {
+    std::string k = key;
+    if (!per_step) k = k.substr(0, k.rfind("@step"));
+    tensors.emplace_back(k, t);
+  }
+  nlohmann::json meta;
+  meta["model"] = model.info().path;
+  meta["family"] = model.info().family;
+  meta["prompts"] = prompts;
+  meta["prompt_ids"] = prompt_ids;
+  meta["generated_ids"] = generated_ids;
+  io::write_safetensors(file, tensors, {{"mixlens", meta.dump()}});
+}
+
+}  // namespace mixlens

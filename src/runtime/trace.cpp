@@ -1,0 +1,229 @@
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "mixlens/errors.h"
+#include "mixlens/trace.h"
+#include "models/family.h"
+#include "runtime/trace_listener.h"
+
+namespace mixlens {
+
+struct Trace::Impl {
+  enum class Kind { save, edit, set };
+  struct Reg {
+    std::string path;
+    Kind kind;
+    EditFn fn;
+    Tensor value;
+    Steps steps;
+  };
+  std::vector<Reg> regs;
+  std::vector<std::pair<std::string, Tensor>> saved;
+  std::map<std::string, size_t> index;
+  std::vector<CallRecord> calls;
+};
+
+Trace::Trace() : impl_(std::make_unique<Impl>()) {}
+Trace::~Trace() = default;
+Trace::Trace(Trace&&) noexcept = default;
+Trace& Trace::operator=(Trace&&) noexcept = default;
+
+Trace& Trace::save(std::string_view path, Steps steps) {
+  impl_->regs.push_back({std::string(path), Impl::Kind::save, nullptr, Tensor(), steps});
+  return *this;
+}
+Trace& Trace::edit(std::string_view path, EditFn fn, Steps steps) {
+  if (!fn) throw InputError("Trace::edit('" + std::string(path) + "'): empty edit function");
+  impl_->regs.push_back({std::string(path), Impl::Kind::edit, std::move(fn), Tensor(), steps});
+  return *this;
+}
+Trace& Trace::set(std::string_view path, Tensor value, Steps steps) {
+  if (!value.defined()) throw InputError("Trace::set('" + std::string(path) + "'): undefined tensor");
+  impl_->regs.push_back({std::string(path), Impl::Kind::set, nullptr, std::move(value), steps});
+  return *this;
+}
+
+static std::string key_of(std::string_view path, int step) {
+  return std::string(path) + "@step" + std::to_string(step);
+}
+
+bool Trace::has(std::string_view path, int step) const { return impl_->index.count(key_of(path, step)) > 0; }
+
+const Tensor& Trace::get(std::string_view path, int step) const {
+  auto it = impl_->index.find(key_of(path, step));
+  if (it == impl_->index.end())
+    throw UnknownValueError("'" + std::string(path) + "' was not saved at step " + std::to_string(step) +
+                            (impl_->saved.empty() ? " (nothing was saved: register it with save() before the run)"
+                                                  : " (saved: " + impl_->saved.front().first + ", ...)"));
+  return impl_->saved[it->second].second;
+}
+
+const std::vector<std::pair<std::string, Tensor>>& Trace::saved() const { return impl_->saved; }
+const std::vector<CallRecord>& Trace::calls() const { return impl_->calls; }
+void Trace::clear_results() {
+  impl_->saved.clear();
+  impl_->index.clear();
+  impl_->calls.clear();
+}
+
+namespace detail {
+
+namespace {
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// "layers.12.linear_attn.betas" -> "layers.*.linear_attn.betas"
+std::string with_star(const std::string& path, std::string* layer = nullptr) {
+  if (path.rfind("layers.", 0) != 0) return path;
+  size_t end = path.find('.', 7);
+  if (end == std::string::npos) return path;
+  if (layer) *layer = path.substr(7, end - 7);
+  return "layers.*" + path.substr(end);
+}
+
+}  // namespace
+
+std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern) {
+  const auto values = model.values(1, 1);
+  std::vector<Site> out;
+  std::string layer;
+  const std::string starred = with_star(pattern, &layer);
+  const bool wildcard = layer == "*";
+  for (const auto& v : values)
+    if (wildcard ? with_star(v.path) == starred : v.path == pattern) out.push_back(v.site);
+  if (!out.empty()) return out;
+
+  const int L = model.info.num_layers;
+  if (!layer.empty() && !wildcard) {
+    bool numeric = !layer.empty() && std::all_of(layer.begin(), layer.end(), ::isdigit);
+    if (!numeric || layer.size() > 9)
+      throw UnknownValueError("value path '" + pattern + "': layer index '" + layer + "' is not a number or '*'");
+    const int li = std::stoi(layer);
+    if (li >= L)
+      throw UnknownValueError("value path '" + pattern + "': layer " + layer + " is out of range (the model has " +
+                              std::to_string(L) + " layers, 0.." + std::to_string(L - 1) + ")");
+    // A component this block does not have: name the block's kind (values.md).
+    const std::string rest = starred.substr(9);  // after "layers.*."
+    const std::string comp = rest.substr(0, rest.find('.'));
+    const auto support = model.support();
+    auto it = support.find(rest);
+    if (it != support.end()) {
+      auto r = it->second.find(li);
+      if (r != it->second.end() && !r->second.empty())
+        throw UnknownValueError("value path '" + pattern + "': " + r->second);
+    }
+    if (comp == "self_attn" || comp == "mlp" || comp == "linear_attn") {
+      std::string kind(layer_kind_name(model.info.layer_kinds[static_cast<size_t>(li)]));
+      bool has_comp = false;
+      for (const auto& v : values)
+        if (with_star(v.path).rfind("layers.*." + comp + ".", 0) == 0) has_comp = true;
+      if (!has_comp)
+        throw UnknownValueError("value path '" + pattern + "': block " + layer + " is a " + kind + " block and has no " +
+                                comp);
+    }
+  }
+  // Unknown name: suggest the nearest valid path (on the same layer when one was given).
+  std::string best;
+  size_t best_d = SIZE_MAX;
+  for (const auto& v : values) {
+    std::string cand = v.path;
+    if (!layer.empty() && cand.rfind("layers.", 0) == 0)
+      cand = "layers." + layer + with_star(cand).substr(8);
+    size_t d = edit_distance(pattern, cand);
+    if (d < best_d) best_d = d, best = cand;
+  }
+  throw UnknownValueError("unknown value path '" + pattern + "' for this " + model.info.family +
+                          " model; did you mean '" + best + "'? (`mixlens inspect` lists every value)");
+}
+
+void check_write(const std::string& path, Value v, const Tensor& w, const Shape& expected) {
+  if (!w.defined()) throw WriteError("write to '" + path + "': the new value is undefined (None)");
+  if (w.shape() != expected)
+    throw WriteError("write to '" + path + "': expected shape " + shape_str(expected) + ", got " + shape_str(w.shape()));
+  if (w.has_nan()) throw WriteError("write to '" + path + "': the new value contains NaN");
+  if (v == Value::betas)
+    for (float x : w)
+      if (x < 0.0f) throw WriteError("write to '" + path + "': betas must be >= 0 (got " + std::to_string(x) + ")");
+  if (v == Value::decays)
+    for (float x : w)
+      if (x > 0.0f) throw WriteError("write to '" + path + "': decays must be <= 0 (got " + std::to_string(x) + ")");
+}
+
+TraceListener::TraceListener(Trace& trace, const FamilyModel& model) : trace_(trace), model_(model) {
+  for (const auto& r : trace_.impl_->regs) {
+    sites_.push_back(resolve_path(model, r.path));
+    if (r.kind != Trace::Impl::Kind::save)
+      for (const Site& s : sites_.back())
+        if (s.value == Value::states)
+          throw WriteError("'" + site_path(s) +
+                           "' is read-only (the per-token state stack); write state_input or state_output instead");
+  }
+}
+
+void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
+  ctx_ = ctx;
+  mask_.assign(static_cast<size_t>(num_layers + 1), 0u);
+  const auto& regs = trace_.impl_->regs;
+  for (size_t i = 0; i < regs.size(); ++i) {
+    if (!regs[i].steps.contains(ctx.step)) continue;
+    for (const Site& s : sites_[i]) mask_[static_cast<size_t>(s.layer + 1)] |= 1u << static_cast<unsigned>(s.value);
+  }
+  trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
+}
+
+void TraceListener::end_call() {}
+
+bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape) {
+  auto& impl = *trace_.impl_;
+  const Site site{layer, v};
+  bool written = false;
+  for (size_t i = 0; i < impl.regs.size(); ++i) {
+    const auto& r = impl.regs[i];
+    if (!r.steps.contains(ctx_.step)) continue;
+    if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    const std::string path = site_path(site);
+    if (r.kind == Trace::Impl::Kind::save) {
+      if (!value.defined()) continue;  // None (state_input of a fresh prompt) is not stored
+      std::string key = path + "@step" + std::to_string(ctx_.step);
+      auto it = impl.index.find(key);
+      if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+      else {
+        impl.index[key] = impl.saved.size();
+        impl.saved.emplace_back(std::move(key), value.clone());
+      }
+      continue;
+    }
+    Tensor candidate;
+    if (r.kind == Trace::Impl::Kind::set) {
+      candidate = r.value.clone();
+    } else {
+      candidate = value.defined() ? value.clone() : Tensor();
+      SiteContext where{site, path, ctx_.step, ctx_.batch, ctx_.seq,
+                        value_component(v) == Component::linear_attn ? ctx_.kernel : std::string()};
+      r.fn(candidate, where);
+      if (!candidate.defined() && !value.defined()) continue;  // left None as None
+    }
+    check_write(path, v, candidate, shape);
+    if (value.defined() && value.shape() == shape) {
+      std::copy(candidate.begin(), candidate.end(), value.data());
+    } else {
+      value = candidate;
+    }
+    written = true;
+  }
+  return written;
+}
+
+}  // namespace detail
+}  // namespace mixlens

@@ -1,0 +1,36 @@
+// Binds a Trace's registrations to a model for one forward call and serves them as a Listener.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "mixlens/trace.h"
+#include "runtime/listener.h"
+
+namespace mixlens::detail {
+
+class FamilyModel;
+
+/// Resolves `pattern` ("layers.*.linear_attn.betas", "logits", ...) to canonical sites of `model`.
+/// UnknownValueError naming the problem (unknown name with the nearest suggestion, layer out of
+/// range, a component the block does not have, named by the block's kind).
+std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern);
+
+class TraceListener final : public Listener {
+ public:
+  /// Validates every registration of `trace` against `model` (throws before any computation).
+  TraceListener(Trace& trace, const FamilyModel& model);
+  void begin_call(const CallCtx& ctx, int num_layers) override;
+  void end_call() override;
+  bool visit(int layer, Value v, Tensor& value, const Shape& shape) override;
+
+ private:
+  Trace& trace_;
+  const FamilyModel& model_;
+  std::vector<std::vector<Site>> sites_;  // per registration
+  CallCtx ctx_;
+};
+
+/// Checks a write: defined, same shape, no NaN, value range (betas >= 0, decays <= 0).
+void check_write(const std::string& path, Value v, const Tensor& written, const Shape& expected);
+
+}  // namespace mixlens::detail
