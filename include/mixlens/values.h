@@ -31,6 +31,14 @@ enum class Value : uint8_t {
   states,                  ///< state after every token [B,T,...], read-only, computed on demand
   attention_head_outputs,  ///< each head's read of the state incl. the D skip (Mamba-2: y)
   attention_output,        ///< what the mixer adds to the residual stream [B,T,hidden]
+  // softmax attention of a hybrid ("layers.{i}.self_attn.<name>")
+  attn_queries,  ///< "attention_queries": q after q_norm and RoPE [B,T,heads,head_dim]
+  attn_keys,     ///< "attention_keys": k after k_norm and RoPE [B,T,kv_heads,head_dim]
+  attn_values,   ///< "attention_values": v [B,T,kv_heads,head_dim]
+  attn_gate,     ///< "gate": output-gate logits before the sigmoid [B,T,heads*head_dim]
+  attn_output,   ///< "attention_output": what the attention adds to the residual [B,T,hidden]
+  // feed-forward ("layers.{i}.mlp.output")
+  mlp_output,    ///< "output": MLP / MoE output added to the residual [B,T,hidden]
   kCount
 };
 constexpr int kNumValues = static_cast<int>(Value::kCount);

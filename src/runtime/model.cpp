@@ -102,9 +102,16 @@ Model& Model::operator=(Model&&) noexcept = default;
 namespace detail {
 std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights) {
   const std::string type = config.get<std::string>("model_type");
-  if (type == "mamba2") return make_mamba2(config, weights);
-  throw UnsupportedError(detail::where(config) + ": model_type '" + type +
-                         "' is not supported (supported: mamba2)");
+  // One line per family (src/models/<family>.cpp).
+  static const std::vector<std::pair<std::string, FamilyFactory>> registry = {
+      {"mamba2", make_mamba2},
+  };
+  std::string known;
+  for (const auto& [name, make] : registry) {
+    if (name == type) return make(config, weights);
+    known += (known.empty() ? "" : ", ") + name;
+  }
+  throw UnsupportedError(detail::where(config) + ": model_type '" + type + "' is not supported (supported: " + known + ")");
 }
 }  // namespace detail
 

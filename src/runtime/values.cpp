@@ -29,6 +29,12 @@ std::string_view value_name(Value v) {
     case Value::states: return "states";
     case Value::attention_head_outputs: return "attention_head_outputs";
     case Value::attention_output: return "attention_output";
+    case Value::attn_queries: return "attention_queries";
+    case Value::attn_keys: return "attention_keys";
+    case Value::attn_values: return "attention_values";
+    case Value::attn_gate: return "gate";
+    case Value::attn_output: return "attention_output";
+    case Value::mlp_output: return "output";
     case Value::kCount: break;
   }
   return "?";
@@ -41,6 +47,12 @@ Component value_component(Value v) {
     case Value::logits: return Component::global;
     case Value::layer_input:
     case Value::layer_output: return Component::block;
+    case Value::attn_queries:
+    case Value::attn_keys:
+    case Value::attn_values:
+    case Value::attn_gate:
+    case Value::attn_output: return Component::self_attn;
+    case Value::mlp_output: return Component::mlp;
     default: return Component::linear_attn;
   }
 }
@@ -53,7 +65,12 @@ std::string site_path(const Site& s) {
     default: break;
   }
   std::string p = "layers." + std::to_string(s.layer) + ".";
-  if (value_component(s.value) == Component::linear_attn) p += "linear_attn.";
+  switch (value_component(s.value)) {
+    case Component::linear_attn: p += "linear_attn."; break;
+    case Component::self_attn: p += "self_attn."; break;
+    case Component::mlp: p += "mlp."; break;
+    default: break;
+  }
   return p + std::string(value_name(s.value));
 }
 
