@@ -1,0 +1,171 @@
+#include "io/weights.h"
+
+#include <algorithm>
+#include <map>
+#include <system_error>
+
+#include "io/json.h"
+#include "mixlens/errors.h"
+
+namespace fs = std::filesystem;
+
+namespace mixlens::io {
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0u : 1u)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string closest_name(const std::string& name, const std::vector<std::string>& candidates) {
+  // Beyond half the name's length a "suggestion" is just noise.
+  const size_t limit = std::max<size_t>(3, name.size() / 2);
+  std::string best;
+  size_t best_d = limit + 1;
+  for (const std::string& c : candidates) {
+    // |len difference| is a lower bound on the distance: skip hopeless candidates cheaply.
+    const size_t diff = c.size() > name.size() ? c.size() - name.size() : name.size() - c.size();
+    if (diff >= best_d) continue;
+    const size_t d = edit_distance(name, c);
+    if (d < best_d || (d == best_d && c < best)) {
+      best_d = d;
+      best = c;
+    }
+  }
+  return best;
+}
+
+void WeightStore::add_file(const fs::path& path) {
+  files_.emplace_back(path);
+  const size_t idx = files_.size() - 1;
+  for (const TensorInfo& t : files_[idx].tensors()) {
+    auto [it, inserted] = entries_.emplace(t.name, Entry{idx, &t});
+    if (!inserted)
+      throw CheckpointError("checkpoint " + folder_.string() + ": tensor '" + t.name +
+                            "' is in both " + files_[it->second.file].path() + " and " + path.string());
+  }
+}
+
+WeightStore WeightStore::open(const fs::path& folder) {
+  std::error_code ec;
+  if (!fs::exists(folder, ec))
+    throw CheckpointError("model folder '" + folder.string() + "' does not exist");
+  if (!fs::is_directory(folder, ec))
+    throw CheckpointError("model folder '" + folder.string() + "' is not a directory");
+
+  WeightStore ws;
+  ws.folder_ = folder;
+  const fs::path single = folder / "model.safetensors";
+  const fs::path index = folder / "model.safetensors.index.json";
+
+  if (fs::exists(single, ec) || fs::is_symlink(single, ec)) {
+    ws.add_file(single);  // a dangling symlink (partial download) fails here with its name
+    return ws;
+  }
+
+  if (fs::exists(index, ec)) {
+    const nlohmann::json j = read_json_file(index, "model.safetensors.index.json", ErrorKind::Checkpoint);
+    const std::string label = "model.safetensors.index.json (" + index.string() + ")";
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      throw CheckpointError(label + ": expected an object with a \"weight_map\" object");
+    // shard file -> tensors the index says it holds
+    std::vector<std::string> shard_order;
+    std::map<std::string, std::vector<std::string>> listed;
+    for (const auto& [name, shard] : j["weight_map"].items()) {
+      if (!shard.is_string())
+        throw CheckpointError(label + ": weight_map entry for '" + name + "' is not a file name");
+      const std::string s = shard.get<std::string>();
+      const fs::path rel(s);
+      bool escapes = s.empty() || rel.is_absolute();
+      for (const auto& part : rel)
+        if (part == "..") escapes = true;
+      if (escapes)
+        throw CheckpointError(label + ": weight_map names shard '" + s + "' outside the folder");
+      auto [it, fresh] = listed.try_emplace(s);
+      if (fresh) shard_order.push_back(s);
+      it->second.push_back(name);
+    }
+    if (shard_order.empty()) throw CheckpointError(label + ": weight_map is empty");
+    std::sort(shard_order.begin(), shard_order.end());
+    for (const std::string& s : shard_order) {
+      const fs::path p = folder / s;
+      if (!fs::exists(p, ec))
+        throw CheckpointError(label + ": shard '" + s + "' does not exist (expected " + p.string() + ")");
+      ws.add_file(p);
+      for (const std::string& name : listed[s])
+        if (!ws.files_.back().has(name))
+          throw CheckpointError(label + ": lists tensor '" + name + "' in shard '" + s +
+                                "', but that shard does not hold it");
+    }
+    return ws;
+  }
+
+  // No index: take every *.safetensors file (e.g. hand-made or older exports), in name order.
+  std::vector<fs::path> found;
+  for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    if (p.extension() == ".safetensors" && !it->is_directory(ec)) found.push_back(p);
+  }
+  if (ec) throw CheckpointError("cannot list model folder '" + folder.string() + "': " + ec.message());
+  if (found.empty())
+    throw CheckpointError("model folder '" + folder.string() +
+                          "' has no safetensors weights (looked for model.safetensors, "
+                          "model.safetensors.index.json, *.safetensors)");
+  std::sort(found.begin(), found.end());
+  for (const fs::path& p : found) ws.add_file(p);
+  return ws;
+}
+
+bool WeightStore::has(const std::string& name) const { return entries_.count(name) != 0; }
+
+const WeightStore::Entry& WeightStore::entry(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it != entries_.end()) return it->second;
+  std::string msg = "tensor '" + name + "' not found in " + folder_.string() + " (" +
+                    std::to_string(entries_.size()) + " tensors)";
+  const std::string near = closest_name(name, names());
+  if (!near.empty()) msg += "; did you mean '" + near + "'?";
+  throw CheckpointError(msg);
+}
+
+const TensorInfo& WeightStore::info(const std::string& name) const { return *entry(name).info; }
+
+std::string WeightStore::dtype_name(const std::string& name) const {
+  return io::dtype_name(entry(name).info->dtype);
+}
+
+Tensor WeightStore::get(const std::string& name) const {
+  return files_[entry(name).file].get_f32(name);
+}
+
+Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
+  const Entry& e = entry(name);
+  if (e.info->shape != expected)
+    throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " has shape " +
+                          shape_str(e.info->shape) + ", expected " + shape_str(expected) +
+                          " from config.json");
+  return files_[e.file].get_f32(name);
+}
+
+std::vector<int64_t> WeightStore::get_i64(const std::string& name) const {
+  return files_[entry(name).file].get_i64(name);
+}
+
+std::vector<std::string> WeightStore::names() const {
+  std::vector<std::string> out;
+  out.reserve(entries_.size());
+  for (const auto& [k, v] : entries_) out.push_back(k);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace mixlens::io

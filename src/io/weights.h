@@ -1,0 +1,64 @@
+// All the tensors of a checkpoint folder, by their HuggingFace names, across shards.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "mixlens/tensor.h"
+
+namespace mixlens::io {
+
+/// The weights of a checkpoint folder. Files are memory-mapped once at open(); every header is
+/// validated then, so later lookups fail only for names that are absent. Copies share the
+/// mappings; read-only and thread-safe.
+class WeightStore {
+ public:
+  /// Opens, in order of preference: `model.safetensors`; the shards listed by
+  /// `model.safetensors.index.json` ("weight_map": tensor name -> shard file); else every
+  /// `*.safetensors` file in the folder. Throws CheckpointError when the folder is missing or not a
+  /// directory, holds no safetensors file, the index is not JSON / lacks weight_map / names a shard
+  /// that does not exist or lies outside the folder / lists a tensor its shard does not hold,
+  /// two files hold the same tensor, or any file fails SafetensorsFile's validation.
+  static WeightStore open(const std::filesystem::path& folder);
+
+  const std::filesystem::path& folder() const { return folder_; }
+  /// The files opened, in the order they were read.
+  const std::vector<SafetensorsFile>& files() const { return files_; }
+
+  bool has(const std::string& name) const;
+  /// CheckpointError "tensor 'X' not found in <folder> (...); did you mean 'Y'?" when absent.
+  const TensorInfo& info(const std::string& name) const;
+  /// "F32", "BF16", ... as stored in the file.
+  std::string dtype_name(const std::string& name) const;
+  /// The tensor as float32 (see SafetensorsFile::get_f32: F32 is zero-copy and read-only).
+  Tensor get(const std::string& name) const;
+  /// As get, but CheckpointError "tensor 'X' in <folder> has shape [..], expected [..] from
+  /// config.json" unless the stored shape equals `expected` (checked before any conversion).
+  Tensor get(const std::string& name, const Shape& expected) const;
+  /// Integer tensors as int64 (see SafetensorsFile::get_i64).
+  std::vector<int64_t> get_i64(const std::string& name) const;
+  /// All tensor names, sorted.
+  std::vector<std::string> names() const;
+
+ private:
+  struct Entry {
+    size_t file;
+    const TensorInfo* info;  // points into files_[file]'s shared, immutable header
+  };
+  const Entry& entry(const std::string& name) const;
+  void add_file(const std::filesystem::path& path);
+
+  std::filesystem::path folder_;
+  std::vector<SafetensorsFile> files_;
+  std::unordered_map<std::string, Entry> entries_;
+};
+
+/// Levenshtein distance (for "did you mean" suggestions).
+size_t edit_distance(const std::string& a, const std::string& b);
+/// The candidate closest to `name` by edit distance, or "" when none is plausibly a typo of it.
+std::string closest_name(const std::string& name, const std::vector<std::string>& candidates);
+
+}  // namespace mixlens::io
