@@ -26,13 +26,21 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
   const int64_t out = W.size(0);
   if (W.size(1) != in) throw InputError("linear: weight " + shape_str(W.shape()) + " does not take " +
                                         std::to_string(in) + " inputs");
-  if (rows == 1) {
-    // Matrix-vector: gemv streams the weight once.
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(out), static_cast<blasint>(in), 1.0f,
-                W.data(), static_cast<blasint>(in), x, 1, 0.0f, y, 1);
-  } else {
-    gemm(false, true, rows, out, in, 1.0f, x, in, W.data(), in, 0.0f, y, out);
-  }
+  // Split the output features across our pool, each block a single-threaded BLAS call: mixing
+  // OpenBLAS's own threads with ours oversubscribes the cores (measured 10x slower on 2 cores).
+  const int64_t work = rows * out * in;
+  const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
+  const int64_t per = (out + nblocks - 1) / nblocks;
+  parallel_for(nblocks, [&](int64_t blk) {
+    const int64_t o0 = blk * per, n = std::min(per, out - o0);
+    if (n <= 0) return;
+    const float* Wb = W.data() + o0 * in;
+    if (rows == 1)  // matrix-vector: gemv streams the weight once
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(n), static_cast<blasint>(in), 1.0f, Wb,
+                  static_cast<blasint>(in), x, 1, 0.0f, y + o0, 1);
+    else
+      gemm(false, true, rows, n, in, 1.0f, x, in, Wb, in, 0.0f, y + o0, out);
+  });
   if (bias)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t o = 0; o < out; ++o) y[r * out + o] += bias[o];
@@ -154,6 +162,9 @@ int configured_threads() {
 }
 
 Pool& pool() {
+  // BLAS runs single-threaded inside our pool's tasks (see linear()).
+  static const bool blas_single = (openblas_set_num_threads(1), true);
+  (void)blas_single;
   static Pool p(configured_threads());
   return p;
 }
