@@ -383,7 +383,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "mamba2"))
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="build only these cases")
+    ap.add_argument("--family", action="append", choices=["mamba2", "qwen3_5", "qwen3_next"],
+                    help="families to build (default: all); Qwen cases live in scripts/qwen_fixtures.py")
+    ap.add_argument("--qwen-case", action="append", help="build only these Qwen cases")
     args = ap.parse_args(argv)
+    families = args.family or ["mamba2", "qwen3_5", "qwen3_next"]
+    qwen = [f for f in families if f != "mamba2"]
+    if qwen:
+        import qwen_fixtures
+
+        qwen_fixtures.main(qwen, args.qwen_case)
+    if "mamba2" not in families:
+        return 0
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

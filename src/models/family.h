@@ -48,5 +48,7 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
 
 // Factories, one per family file.
 std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights);
 
 }  // namespace mixlens::detail

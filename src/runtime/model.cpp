@@ -105,6 +105,9 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
   // One line per family (src/models/<family>.cpp).
   static const std::vector<std::pair<std::string, FamilyFactory>> registry = {
       {"mamba2", make_mamba2},
+      {"qwen3_5", make_qwen3_5},
+      {"qwen3_5_text", make_qwen3_5},
+      {"qwen3_next", make_qwen3_next},
   };
   std::string known;
   for (const auto& [name, make] : registry) {

@@ -2,6 +2,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -62,6 +63,99 @@ inline std::vector<std::vector<int32_t>> rows_of(const std::vector<int64_t>& fla
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < n; ++i) r[b].push_back(static_cast<int32_t>(flat[static_cast<size_t>(b * n + i)]));
   return r;
+}
+
+
+/// A golden case of any family (tests/fixtures/<family>/<name>): the checkpoint, case.json and
+/// golden.safetensors, and what each call of the recorded run was fed.
+struct GoldenCase {
+  std::string name;
+  std::filesystem::path dir;
+  nlohmann::json spec;
+  io::SafetensorsFile golden;
+  Model model;
+  std::vector<std::vector<int32_t>> prompts;
+  int n_steps = 0;
+  std::vector<std::vector<int32_t>> tokens;               ///< greedy token after each step, per row
+  std::vector<std::vector<std::vector<int32_t>>> feeds;   ///< feeds[k-1]: rows fed at step k
+
+  GoldenCase(const std::string& family, const std::string& n)
+      : name(n), dir(fixture(family + "/" + n)), spec(read_json(dir / "case.json")), golden(dir / "golden.safetensors"),
+        model(Model::load(dir.string())) {
+    prompts = spec["prompts"].get<std::vector<std::vector<int32_t>>>();
+    n_steps = spec["n_steps"].get<int>();
+    tokens = rows_of(golden.get_i64("tokens"), static_cast<int64_t>(prompts.size()));
+    if (spec.contains("feeds")) {
+      feeds = spec["feeds"].get<std::vector<std::vector<std::vector<int32_t>>>>();
+    } else {
+      for (int k = 1; k < n_steps; ++k) {
+        std::vector<std::vector<int32_t>> f;
+        for (const auto& row : tokens) f.push_back({row[static_cast<size_t>(k - 1)]});
+        feeds.push_back(f);
+      }
+    }
+  }
+};
+
+/// Runs the prompt, then steps 1.. with the recorded feeds (teacher forcing); logits per step.
+inline std::vector<Tensor> run_recorded_steps(const GoldenCase& c, Trace* trace) {
+  Batch b = Batch::left_padded(c.prompts, c.model.pad_token_id());
+  Cache cache = c.model.new_cache(b.batch);
+  std::vector<Tensor> logits;
+  for (int step = 0; step < c.n_steps; ++step) {
+    logits.push_back(c.model.forward(b, cache, trace));
+    if (step + 1 == c.n_steps) break;
+    const auto& f = c.feeds[static_cast<size_t>(step)];
+    b.seq = static_cast<int64_t>(f[0].size());
+    b.ids.clear();
+    for (const auto& row : f) b.ids.insert(b.ids.end(), row.begin(), row.end());
+    b.mask.assign(b.ids.size(), 1);
+  }
+  return logits;
+}
+
+inline void save_all_values(const Model& m, Trace& t) {
+  for (const auto& v : m.values(1, 1)) t.save(v.path);
+}
+
+/// Every golden "path@stepK" (not edits, not ids) equals ours within tolerance_for(); returns the
+/// number of values compared.
+inline int expect_golden_values(const io::SafetensorsFile& golden, const Trace& t, const std::string& label) {
+  int compared = 0;
+  for (const auto& info : golden.tensors()) {
+    const std::string& key = info.name;
+    if (key.rfind("edit/", 0) == 0 || key.find('@') == std::string::npos) continue;
+    const std::string path = key.substr(0, key.find('@'));
+    const int step = std::stoi(key.substr(key.find("@step") + 5));
+    EXPECT_TRUE(t.has(path, step)) << label << ": " << key << " was not produced";
+    if (!t.has(path, step)) continue;
+    const Tensor& ours = t.get(path, step);
+    Tensor ref = golden.get_f32(key);
+    EXPECT_EQ(ours.shape(), ref.shape()) << label << ": " << key;
+    if (ours.shape() != ref.shape()) continue;
+    EXPECT_LE(rel_rms(ours, ref), tolerance_for(key)) << label << ": " << key << " max|diff| " << max_abs_diff(ours, ref);
+    ++compared;
+  }
+  return compared;
+}
+
+/// Registers a case.json edit ({"path","step","op": "scale" | "set_index", ...}) on `t`.
+inline void add_fixture_edit(Trace& t, const nlohmann::json& e) {
+  const std::string op = e["op"];
+  const float factor = e.value("factor", 1.0f);
+  const int64_t index = e.value("index", 0);
+  const float value = e.value("value", 0.0f);
+  t.edit(e["path"].get<std::string>(),
+         [=](Tensor& v, const SiteContext&) {
+           if (op == "scale") {
+             for (int64_t i = 0; i < v.numel(); ++i) v[i] *= factor;
+           } else {  // set_index along axis 1 (the token, or the head of a state)
+             const int64_t B = v.size(0), n1 = v.size(1), inner = v.numel() / (B * n1);
+             for (int64_t b = 0; b < B; ++b)
+               for (int64_t i = 0; i < inner; ++i) v[(b * n1 + index) * inner + i] = value;
+           }
+         },
+         Steps::only(e["step"].get<int>()));
 }
 
 }  // namespace mixlens::test

@@ -1,0 +1,34 @@
+// Softmax attention pieces of the hybrid families (Qwen3.5 / Qwen3-Next gated attention): partial
+// rotate-half RoPE, a per-row KV cache and causal GQA attention with a key padding mask
+// (model-math.md §6.1; transformers Qwen3_5Attention with SDPA).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace mixlens::detail {
+
+/// inv_freq[j] = theta^(-2j/R), j < R/2, computed as transformers does (float32).
+std::vector<float> rope_inv_freq(int64_t rotary_dim, double theta);
+
+/// Rotate-half RoPE on the first `rotary_dim` dims of every head of x [rows, heads, head_dim] in
+/// place; the remaining dims pass through. pos[row] is the token's position id.
+void apply_rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                const int64_t* pos, const std::vector<float>& inv_freq);
+
+/// Keys and values of one attention layer for a batch, per row [len, kv_heads, head_dim].
+struct KvCache {
+  int64_t len = 0;
+  std::vector<std::vector<float>> k, v;
+  /// Appends T tokens per row from k/v [B,T,kv_heads,head_dim].
+  void append(const float* kn, const float* vn, int64_t B, int64_t T, int64_t width);
+};
+
+/// Causal GQA softmax attention: query t of row b sits at cache position past + t and attends
+/// the cached keys j <= past + t whose key_mask[b][j] is 1 (left padding is masked out).
+/// q [B,T,H,d] (RoPE applied), out [B,T,H,d]. Query head h reads KV head h / (H / Hkv).
+/// A query with no visible key (a padded position of a left-padded row) gets 0, as torch's SDPA
+/// (safe softmax) returns for a fully masked row.
+void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
+                      const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out);
+
+}  // namespace mixlens::detail

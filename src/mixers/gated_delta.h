@@ -1,0 +1,34 @@
+// Gated delta rule (gated DeltaNet: Qwen3.5, Qwen3-Next): the chunked UT-form algorithm for prompts
+// and multi-token continuations, and the token recurrence for decode steps. Per value head,
+// with q, k L2-normalised in the kernel (fp32, eps 1e-6 inside the sqrt) and q scaled by 1/sqrt(Dk):
+//   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+// with S laid out [Dk, Dv] (key side first). Reference: transformers torch_chunk_gated_delta_rule /
+// torch_recurrent_gated_delta_rule (model-math.md §3.3.4-3.3.5).
+#pragma once
+#include <cstdint>
+
+namespace mixlens::detail {
+
+/// A batch of rows. Layouts are the served (values.md) ones, tokens first. q and k come one per
+/// *value* head (already repeated from the key heads when HV > HK), as the kernel consumes them.
+struct GatedDeltaArgs {
+  int64_t B = 0, T = 0, H = 0, Dk = 0, Dv = 0;
+  const float* q = nullptr;     ///< [B,T,H,Dk] attention_queries (before the in-kernel L2 norm)
+  const float* k = nullptr;     ///< [B,T,H,Dk] attention_keys (before the in-kernel L2 norm)
+  const float* v = nullptr;     ///< [B,T,H,Dv] attention_values
+  const float* g = nullptr;     ///< [B,T,H]    decays (log of the per-token state decay, <= 0)
+  const float* beta = nullptr;  ///< [B,T,H]    betas
+  float* S = nullptr;           ///< [B,H,Dk,Dv] in: initial state, out: final state
+  float* o = nullptr;           ///< [B,T,H,Dv] attention_head_outputs
+  float* states = nullptr;      ///< [B,T,H,Dk,Dv] optional: state after every token
+  int64_t chunk = 64;           ///< chunk size (transformers' default; the mixer does not pass one)
+};
+
+/// Token-by-token recurrence (the decode kernel; also usable for whole prompts).
+void gated_delta_recurrent(const GatedDeltaArgs& a);
+/// Chunked (UT transform) algorithm; BLAS for the chunk products, parallel over (batch, head).
+/// `states`, when asked for, are replayed token by token from each chunk's entering state; the
+/// last token of each chunk gets the chunk's own end state, so states[:, -1] == final state exactly.
+void gated_delta_chunked(const GatedDeltaArgs& a);
+
+}  // namespace mixlens::detail

@@ -1,0 +1,32 @@
+// Qwen3.5 (model_type "qwen3_5": the published Qwen3_5ForConditionalGeneration checkpoints, text
+// weights under model.language_model.*, vision tower and mtp.* ignored; "qwen3_5_text": text-only
+// Qwen3_5ForCausalLM, model.*). The block stack is shared with Qwen3-Next (qwen_hybrid.cpp);
+// this file only reads the separate GDN projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a.
+#include "models/common.h"
+#include "models/family.h"
+#include "models/qwen_hybrid.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+Tensor load_separate(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
+  const Tensor parts[] = {w.get(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get(p + "in_proj_z.weight", {g.value_dim(), g.D}),
+                          w.get(p + "in_proj_b.weight", {g.HV, g.D}), w.get(p + "in_proj_a.weight", {g.HV, g.D})};
+  Tensor out({g.proj_rows(), g.D});
+  float* dst = out.data();
+  for (const Tensor& t : parts) dst = std::copy(t.begin(), t.end(), dst);
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights) {
+  QwenHybridSpec spec{"qwen3_5", load_separate};
+  // The VLM config nests the text model in text_config; the text-only config is flat.
+  if (config.has("text_config") && !config.is_null("text_config"))
+    return make_qwen_hybrid(spec, config, config.sub("text_config"), weights);
+  return make_qwen_hybrid(spec, config, config, weights);
+}
+
+}  // namespace mixlens::detail

@@ -1,0 +1,44 @@
+// Qwen3-Next (model_type "qwen3_next", Qwen3NextForCausalLM): the Qwen3.5 block stack
+// (qwen_hybrid.cpp) with sparse-MoE MLPs and GDN input projections fused per key head:
+// in_proj_qkvz rows grouped as [q_g | k_g | v_g (r*Dv) | z_g (r*Dv)] per key head g, in_proj_ba as
+// [b_g (r) | a_g (r)] (model-math.md §3.3.2, fix_query_key_value_ordering). They are regrouped at
+// load into the shared [q | k | v | z | b | a] order, value head j = g*r + i, so the forward is shared.
+#include <cstring>
+
+#include "models/common.h"
+#include "models/family.h"
+#include "models/qwen_hybrid.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+Tensor load_fused(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
+  const int64_t D = g.D, Dk = g.Dk, r = g.HV / g.HK, rv = r * g.Dv;
+  const int64_t group = 2 * Dk + 2 * rv;
+  const Tensor qkvz = w.get(p + "in_proj_qkvz.weight", {g.HK * group, D});
+  const Tensor ba = w.get(p + "in_proj_ba.weight", {g.HK * 2 * r, D});
+  Tensor out({g.proj_rows(), D});
+  auto rows = [&](const Tensor& src, int64_t from, int64_t n, int64_t to) {
+    std::memcpy(out.data() + to * D, src.data() + from * D, sizeof(float) * static_cast<size_t>(n * D));
+  };
+  const int64_t kd = g.key_dim(), vd = g.value_dim(), cd = g.conv_dim();
+  for (int64_t h = 0; h < g.HK; ++h) {
+    const int64_t base = h * group;
+    rows(qkvz, base, Dk, h * Dk);                           // q
+    rows(qkvz, base + Dk, Dk, kd + h * Dk);                 // k
+    rows(qkvz, base + 2 * Dk, rv, 2 * kd + h * rv);         // v: value heads h*r .. h*r+r-1
+    rows(qkvz, base + 2 * Dk + rv, rv, cd + h * rv);        // z
+    rows(ba, h * 2 * r, r, cd + vd + h * r);                // b
+    rows(ba, h * 2 * r + r, r, cd + vd + g.HV + h * r);     // a
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights) {
+  return make_qwen_hybrid(QwenHybridSpec{"qwen3_next", load_fused}, config, config, weights);
+}
+
+}  // namespace mixlens::detail

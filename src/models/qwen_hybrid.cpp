@@ -1,0 +1,556 @@
+// Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next). Reference: transformers
+// models/qwen3_5/modeling_qwen3_5.py and models/qwen3_next/modeling_qwen3_next.py
+// (Qwen3_5GatedDeltaNet, Qwen3_5Attention, Qwen3_5DecoderLayer, Qwen3NextSparseMoeBlock);
+// math in shared/spec/model-math.md §3.3, §5, §6. Everything runs in float32.
+#include "models/qwen_hybrid.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "mixers/attention.h"
+#include "mixers/gated_delta.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+struct Mlp {
+  bool moe = false;
+  int64_t I = 0;             // dense / per-expert intermediate width
+  Tensor gate_up, down;      // dense: [2I, D], [D, I]
+  Tensor router;             // [E, D]
+  std::vector<Tensor> expert_gate_up, expert_down;  // per expert [2I, D], [D, I]
+  Tensor shared_gate_up, shared_down, shared_gate;  // [2Is, D], [D, Is], [1, D]
+  int64_t Is = 0;
+};
+
+struct Layer {
+  bool linear = true;  // gated DeltaNet (else softmax attention)
+  Tensor in_norm, post_norm;
+  // GDN
+  Tensor in_proj;  // [proj_rows, D]
+  Tensor conv_wT;  // [K, conv_dim]
+  Tensor neg_A;    // [HV] -exp(A_log)
+  Tensor dt_bias;  // [HV]
+  Tensor gnorm;    // [Dv] plain weight
+  Tensor out_proj; // [D, value_dim]
+  // attention
+  Tensor q_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+  Mlp mlp;
+};
+
+struct QwenCache : CacheState {
+  bool has_state = false;
+  std::vector<Tensor> conv;   // GDN layers: [B, K, conv_dim] last K pre-conv inputs
+  std::vector<Tensor> ssm;    // GDN layers: [B, HV, Dk, Dv] (served layout = kernel layout)
+  std::vector<KvCache> kv;    // attention layers
+  std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
+  std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
+};
+
+// Concatenates row blocks of 2-D tensors with the same column count.
+Tensor cat_rows(std::initializer_list<Tensor> parts) {
+  int64_t rows = 0;
+  const int64_t cols = parts.begin()->size(1);
+  for (const auto& p : parts) rows += p.size(0);
+  Tensor out({rows, cols});
+  int64_t off = 0;
+  for (const auto& p : parts) {
+    std::memcpy(out.data() + off * cols, p.data(), sizeof(float) * static_cast<size_t>(p.numel()));
+    off += p.size(0);
+  }
+  return out;
+}
+
+class QwenHybrid final : public FamilyModel {
+ public:
+  QwenHybrid(const QwenHybridSpec& spec, const io::Config& top, const io::Config& cfg, const io::WeightStore& w)
+      : spec_(spec) {
+    D_ = cfg.get<int64_t>("hidden_size");
+    L_ = cfg.get<int64_t>("num_hidden_layers");
+    V_ = cfg.get<int64_t>("vocab_size");
+    H_ = cfg.get<int64_t>("num_attention_heads");
+    Hkv_ = cfg.get_or<int64_t>("num_key_value_heads", H_);
+    require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_},
+                           {"num_attention_heads", H_}, {"num_key_value_heads", Hkv_}});
+    if (!cfg.has("head_dim") && D_ % H_ != 0)
+      throw ConfigError(where(cfg) + ": hidden_size (" + std::to_string(D_) + ") is not divisible by num_attention_heads (" +
+                        std::to_string(H_) + ") and head_dim is not given");
+    hd_ = cfg.get_or<int64_t>("head_dim", D_ / H_);
+    g_.D = D_;
+    g_.HK = cfg.get<int64_t>("linear_num_key_heads");
+    g_.HV = cfg.get<int64_t>("linear_num_value_heads");
+    g_.Dk = cfg.get<int64_t>("linear_key_head_dim");
+    g_.Dv = cfg.get<int64_t>("linear_value_head_dim");
+    K_ = cfg.get_or<int64_t>("linear_conv_kernel_dim", 4);
+    require_positive(cfg, {{"head_dim", hd_}, {"linear_num_key_heads", g_.HK}, {"linear_num_value_heads", g_.HV},
+                           {"linear_key_head_dim", g_.Dk}, {"linear_value_head_dim", g_.Dv},
+                           {"linear_conv_kernel_dim", K_}});
+    if (g_.HV % g_.HK != 0)
+      throw ConfigError(where(cfg) + ": linear_num_value_heads (" + std::to_string(g_.HV) +
+                        ") is not divisible by linear_num_key_heads (" + std::to_string(g_.HK) + ")");
+    if (H_ % Hkv_ != 0)
+      throw ConfigError(where(cfg) + ": num_attention_heads (" + std::to_string(H_) +
+                        ") is not divisible by num_key_value_heads (" + std::to_string(Hkv_) + ")");
+    eps_ = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-6));
+    const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
+    if (act != "silu" && act != "swish")
+      throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Qwen hybrids use silu)");
+
+    // layer_types as given; transformers' own default (every full_attention_interval-th block) only
+    // when the field is absent.
+    std::vector<std::string> types;
+    if (cfg.has("layer_types") && !cfg.is_null("layer_types")) {
+      types = cfg.get<std::vector<std::string>>("layer_types");
+      if (static_cast<int64_t>(types.size()) != L_)
+        throw ConfigError(where(cfg) + ": layer_types has " + std::to_string(types.size()) +
+                          " entries but num_hidden_layers is " + std::to_string(L_));
+    } else {
+      const int64_t every = cfg.get_or<int64_t>("full_attention_interval", 4);
+      require_positive(cfg, {{"full_attention_interval", every}});
+      for (int64_t i = 0; i < L_; ++i) types.push_back((i + 1) % every == 0 ? "full_attention" : "linear_attention");
+    }
+    for (size_t i = 0; i < types.size(); ++i)
+      if (types[i] != "linear_attention" && types[i] != "full_attention")
+        throw ConfigError(where(cfg) + ": layer_types[" + std::to_string(i) + "] is '" + types[i] +
+                          "' (expected 'linear_attention' or 'full_attention')");
+
+    // RoPE: rope_parameters (transformers 5) with the older top-level fields as fallback.
+    double theta = cfg.get_double_or("rope_theta", 10000.0);
+    double partial = cfg.get_double_or("partial_rotary_factor", 1.0);
+    if (cfg.has("rope_parameters") && !cfg.is_null("rope_parameters")) {
+      const io::Config rp = cfg.sub("rope_parameters");
+      const std::string rt = rp.get_or<std::string>("rope_type", "default");
+      if (rt != "default")
+        throw UnsupportedError(where(cfg) + ": rope_parameters.rope_type '" + rt + "' is not supported (only 'default')");
+      theta = rp.get_double_or("rope_theta", theta);
+      partial = rp.get_double_or("partial_rotary_factor", partial);
+      // mrope_section only matters for image/video grids: text positions are equal on all three
+      // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
+    }
+    rot_ = static_cast<int64_t>(static_cast<double>(hd_) * partial);
+    if (rot_ <= 0 || rot_ > hd_ || rot_ % 2 != 0)
+      throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot_) +
+                        " must be even and in (0, head_dim]");
+    inv_freq_ = rope_inv_freq(rot_, theta);
+
+    // MoE fields (Qwen3-Next; absent in dense Qwen3.5).
+    const int64_t E = cfg.get_or<int64_t>("num_experts", 0);
+    const int64_t sparse_step = cfg.get_or<int64_t>("decoder_sparse_step", 1);
+    const auto mlp_only = cfg.get_or<std::vector<int64_t>>("mlp_only_layers", {});
+    if (E > 0) {
+      topk_ = cfg.get<int64_t>("num_experts_per_tok");
+      require_positive(cfg, {{"num_experts_per_tok", topk_}, {"decoder_sparse_step", sparse_step}});
+      if (topk_ > E)
+        throw ConfigError(where(cfg) + ": num_experts_per_tok (" + std::to_string(topk_) + ") exceeds num_experts (" +
+                          std::to_string(E) + ")");
+      norm_topk_ = cfg.get_or<bool>("norm_topk_prob", true);
+    }
+
+    // Weights: published VLM checkpoints keep the text model under model.language_model.
+    const std::string p = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
+    const bool tie = cfg.get_or<bool>("tie_word_embeddings", top.get_or<bool>("tie_word_embeddings", false));
+    embed_ = w.get(p + "embed_tokens.weight", {V_, D_});
+    norm_ = w.get(p + "norm.weight", {D_});
+    lm_head_ = tie ? embed_ : w.get("lm_head.weight", {V_, D_});
+    const int64_t I = cfg.get_or<int64_t>("intermediate_size", 0);
+    layers_.resize(static_cast<size_t>(L_));
+    for (int64_t i = 0; i < L_; ++i) {
+      const std::string lp = p + "layers." + std::to_string(i) + ".";
+      Layer& l = layers_[static_cast<size_t>(i)];
+      l.linear = types[static_cast<size_t>(i)] == "linear_attention";
+      l.in_norm = w.get(lp + "input_layernorm.weight", {D_});
+      l.post_norm = w.get(lp + "post_attention_layernorm.weight", {D_});
+      if (l.linear) {
+        const std::string m = lp + "linear_attn.";
+        l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
+        l.conv_wT = transpose_conv(w.get(m + "conv1d.weight", {g_.conv_dim(), 1, K_}));
+        const Tensor A_log = w.get(m + "A_log", {g_.HV});
+        l.neg_A = Tensor({g_.HV});
+        for (int64_t h = 0; h < g_.HV; ++h) l.neg_A[h] = -std::exp(A_log[h]);
+        l.dt_bias = w.get(m + "dt_bias", {g_.HV});
+        l.gnorm = w.get(m + "norm.weight", {g_.Dv});
+        l.out_proj = w.get(m + "out_proj.weight", {D_, g_.value_dim()});
+      } else {
+        const std::string m = lp + "self_attn.";
+        l.q_proj = w.get(m + "q_proj.weight", {H_ * hd_ * 2, D_});
+        l.k_proj = w.get(m + "k_proj.weight", {Hkv_ * hd_, D_});
+        l.v_proj = w.get(m + "v_proj.weight", {Hkv_ * hd_, D_});
+        l.o_proj = w.get(m + "o_proj.weight", {D_, H_ * hd_});
+        l.q_norm = w.get(m + "q_norm.weight", {hd_});
+        l.k_norm = w.get(m + "k_norm.weight", {hd_});
+      }
+      const bool moe = E > 0 && std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() &&
+                       (i + 1) % sparse_step == 0;
+      const std::string mp = lp + "mlp.";
+      if (moe) {
+        Mlp& x = l.mlp;
+        x.moe = true;
+        x.I = cfg.get<int64_t>("moe_intermediate_size");
+        x.Is = cfg.get<int64_t>("shared_expert_intermediate_size");
+        require_positive(cfg, {{"moe_intermediate_size", x.I}, {"shared_expert_intermediate_size", x.Is}});
+        x.router = w.get(mp + "gate.weight", {E, D_});
+        // transformers 5.18 save_pretrained and the published files store one tensor per expert;
+        // fused [E, 2I, D] / [E, D, I] tensors (the in-memory layout) are accepted too.
+        const bool fused = w.has(mp + "experts.gate_up_proj");
+        Tensor gu_all, down_all;
+        if (fused) {
+          gu_all = w.get(mp + "experts.gate_up_proj", {E, 2 * x.I, D_});
+          down_all = w.get(mp + "experts.down_proj", {E, D_, x.I});
+        }
+        for (int64_t e = 0; e < E; ++e) {
+          if (fused) {
+            x.expert_gate_up.push_back(Tensor::from({2 * x.I, D_}, std::vector<float>(gu_all.begin() + e * 2 * x.I * D_,
+                                                                                        gu_all.begin() + (e + 1) * 2 * x.I * D_)));
+            x.expert_down.push_back(Tensor::from({D_, x.I}, std::vector<float>(down_all.begin() + e * D_ * x.I,
+                                                                                 down_all.begin() + (e + 1) * D_ * x.I)));
+          } else {
+            const std::string ep = mp + "experts." + std::to_string(e) + ".";
+            x.expert_gate_up.push_back(cat_rows({w.get(ep + "gate_proj.weight", {x.I, D_}), w.get(ep + "up_proj.weight", {x.I, D_})}));
+            x.expert_down.push_back(w.get(ep + "down_proj.weight", {D_, x.I}));
+          }
+        }
+        x.shared_gate_up = cat_rows({w.get(mp + "shared_expert.gate_proj.weight", {x.Is, D_}),
+                                     w.get(mp + "shared_expert.up_proj.weight", {x.Is, D_})});
+        x.shared_down = w.get(mp + "shared_expert.down_proj.weight", {D_, x.Is});
+        x.shared_gate = w.get(mp + "shared_expert_gate.weight", {1, D_});
+      } else {
+        require_positive(cfg, {{"intermediate_size", I}});
+        l.mlp.I = I;
+        l.mlp.gate_up = cat_rows({w.get(mp + "gate_proj.weight", {I, D_}), w.get(mp + "up_proj.weight", {I, D_})});
+        l.mlp.down = w.get(mp + "down_proj.weight", {D_, I});
+      }
+    }
+    info.family = spec_.family;
+    info.model_type = top.get<std::string>("model_type");
+    info.num_layers = static_cast<int>(L_);
+    info.hidden_size = D_;
+    info.vocab_size = V_;
+    for (const auto& l : layers_) info.layer_kinds.push_back(l.linear ? LayerKind::gated_deltanet : LayerKind::attention);
+  }
+
+  std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
+    auto c = std::make_unique<QwenCache>();
+    c->batch = batch;
+    c->conv.resize(static_cast<size_t>(L_));
+    c->ssm.resize(static_cast<size_t>(L_));
+    c->kv.resize(static_cast<size_t>(L_));
+    for (int64_t i = 0; i < L_; ++i)
+      if (layers_[static_cast<size_t>(i)].linear) {
+        c->conv[static_cast<size_t>(i)] = Tensor({batch, K_, g_.conv_dim()});
+        c->ssm[static_cast<size_t>(i)] = Tensor({batch, g_.HV, g_.Dk, g_.Dv});
+      }
+    c->key_mask.resize(static_cast<size_t>(batch));
+    c->real_seen.assign(static_cast<size_t>(batch), 0);
+    return c;
+  }
+
+  std::string kernel_for(const CacheState& cache, int64_t seq) const override {
+    switch (kernel_route(spec_.family)) {
+      case KernelRoute::chunked: return "chunked";
+      case KernelRoute::recurrent: return "recurrent";
+      default: break;
+    }
+    return static_cast<const QwenCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
+  }
+
+  Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
+                 bool all_logits) const override {
+    auto& cache = static_cast<QwenCache&>(cache_base);
+    const int64_t B = in.batch, T = in.seq, BT = B * T;
+    // Position ids as transformers' generate builds them: cumsum(mask) - 1 over real tokens (0 at
+    // padding), continuing from each row's real-token count; the key mask keeps padding out of
+    // every later attention call.
+    std::vector<int64_t> pos(static_cast<size_t>(BT));
+    for (int64_t b = 0; b < B; ++b) {
+      auto& seen = cache.real_seen[static_cast<size_t>(b)];
+      for (int64_t t = 0; t < T; ++t) {
+        const uint8_t m = in.mask[static_cast<size_t>(b * T + t)];
+        pos[static_cast<size_t>(b * T + t)] = m ? seen++ : 0;
+        cache.key_mask[static_cast<size_t>(b)].push_back(m);
+      }
+    }
+    Tensor h = embed_tokens(embed_, in, spec_.family.c_str());
+    visit_if(ls, -1, Value::embed_output, h);
+    // create_recurrent_attention_mask: GDN input masked only for multi-token calls with padding.
+    const bool masked = T > 1 && in.has_padding();
+    Tensor n({B, T, D_});
+    for (int64_t i = 0; i < L_; ++i) {
+      const int li = static_cast<int>(i);
+      const Layer& l = layers_[static_cast<size_t>(i)];
+      visit_if(ls, li, Value::layer_input, h);
+      ops::rmsnorm(h.data(), l.in_norm.data(), n.data(), BT, D_, eps_, true);
+      Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
+      add_into(h, out);
+      ops::rmsnorm(h.data(), l.post_norm.data(), n.data(), BT, D_, eps_, true);
+      Tensor m = (l.mlp.moe ? moe(l.mlp, n) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT)).reshape({B, T, D_});
+      visit_if(ls, li, Value::mlp_output, m);
+      add_into(h, m);
+      visit_if(ls, li, Value::layer_output, h);
+    }
+    cache.has_state = true;
+    ops::rmsnorm(h.data(), norm_.data(), h.data(), BT, D_, eps_, true);
+    visit_if(ls, -1, Value::ln_final_output, h);
+    return lm_logits(lm_head_, h, ls, all_logits);
+  }
+
+  std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
+    const int64_t HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv;
+    std::vector<ValueInfo> v;
+    v.push_back(global_value(Value::embed_output, {B, T, D_}, "token embeddings (embed_tokens)"));
+    for (int i = 0; i < static_cast<int>(L_); ++i) {
+      v.push_back(layer_value(i, Value::layer_input, {B, T, D_}, true, "residual stream entering the decoder layer"));
+      if (layers_[static_cast<size_t>(i)].linear) {
+        v.push_back(layer_value(i, Value::attention_queries, {B, T, HV, Dk}, true,
+                                "q after conv+SiLU and head repetition, before the in-kernel L2 norm; a write is used per value head"));
+        v.push_back(layer_value(i, Value::attention_keys, {B, T, HV, Dk}, true,
+                                "k after conv+SiLU and head repetition, before the in-kernel L2 norm; a write is used per value head"));
+        v.push_back(layer_value(i, Value::attention_values, {B, T, HV, Dv}, true, "v after conv+SiLU"));
+        v.push_back(layer_value(i, Value::betas, {B, T, HV}, true, "beta = sigmoid(b); independent of decays"));
+        v.push_back(layer_value(i, Value::decays, {B, T, HV}, true, "g = -exp(A_log) * softplus(a + dt_bias), <= 0"));
+        v.push_back(layer_value(i, Value::state_input, {B, HV, Dk, Dv}, true, "recurrent state the call starts from; None on a fresh prompt"));
+        auto s = layer_value(i, Value::states, {B, T, HV, Dk, Dv}, false, "recurrent state after every token (computed only when asked)");
+        s.writable = false;
+        v.push_back(s);
+        v.push_back(layer_value(i, Value::state_output, {B, HV, Dk, Dv}, true, "recurrent state after the call's last token (goes to the cache)"));
+        v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, HV, Dv}, true, "gated delta rule output per value head, before the gated RMSNorm"));
+        v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(o, z)), added to the residual"));
+      } else {
+        v.push_back(layer_value(i, Value::attn_queries, {B, T, H_, hd_}, true, "q after q_norm and RoPE"));
+        v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv_, hd_}, true, "k after k_norm and RoPE (as cached)"));
+        v.push_back(layer_value(i, Value::attn_values, {B, T, Hkv_, hd_}, true, "v (as cached)"));
+        v.push_back(layer_value(i, Value::attn_gate, {B, T, H_ * hd_}, true, "output-gate logits before the sigmoid"));
+        v.push_back(layer_value(i, Value::attn_output, {B, T, D_}, true, "o_proj(attention * sigmoid(gate)), added to the residual"));
+      }
+      v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
+                              layers_[static_cast<size_t>(i)].mlp.moe ? "sparse MoE + gated shared expert output" : "SwiGLU MLP output"));
+      v.push_back(layer_value(i, Value::layer_output, {B, T, D_}, true, "residual stream leaving the decoder layer"));
+    }
+    v.push_back(global_value(Value::ln_final_output, {B, T, D_}, "final zero-centred RMSNorm output (norm)"));
+    v.push_back(global_value(Value::logits, {B, T, V_}, "lm_head logits"));
+    return v;
+  }
+
+  std::map<std::string, std::map<int, std::string>> support() const override {
+    std::map<std::string, std::map<int, std::string>> s;
+    for (int i = 0; i < static_cast<int>(L_); ++i) {
+      const bool lin = layers_[static_cast<size_t>(i)].linear;
+      const std::string block = "block " + std::to_string(i) + " is a " + (lin ? "gated_deltanet" : "attention") + " block";
+      for (int vi = 0; vi < kNumValues; ++vi) {
+        const Value val = static_cast<Value>(vi);
+        const Component c = value_component(val);
+        if (c == Component::linear_attn)
+          s["linear_attn." + std::string(value_name(val))][i] =
+              lin ? "" : block + " (softmax self_attn), which has no recurrent state: use self_attn values";
+        else if (c == Component::self_attn)
+          s["self_attn." + std::string(value_name(val))][i] =
+              lin ? block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values" : "";
+      }
+      s["mlp.output"][i] = "";
+    }
+    return s;
+  }
+
+ private:
+  static void add_into(Tensor& h, const Tensor& x) {
+    float* hp = h.data();
+    const float* xp = x.data();
+    for (int64_t k = 0; k < h.numel(); ++k) hp[k] += xp[k];
+  }
+
+  // SwiGLU with gate|up fused in one product: down(silu(gate x) * up x).
+  Tensor dense(const Tensor& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows) const {
+    Tensor gu({rows, 2 * I}), act({rows, I}), out({rows, D_});
+    ops::linear(x, rows, D_, gate_up, gu.data());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < I; ++j) act[r * I + j] = ops::silu(gu[r * 2 * I + j]) * gu[r * 2 * I + I + j];
+    ops::linear(act.data(), rows, I, down, out.data());
+    return out;
+  }
+
+  // Qwen3NextSparseMoeBlock: softmax router (fp32), top-k, optional renormalisation, experts on the
+  // tokens routed to them, plus sigmoid(shared_expert_gate x) * shared_expert(x).
+  Tensor moe(const Mlp& m, const Tensor& n) const {
+    const int64_t rows = n.size(0) * n.size(1), E = m.router.size(0);
+    Tensor logits({rows, E});
+    ops::linear(n.data(), rows, D_, m.router, logits.data());
+    std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
+    std::vector<int64_t> idx(static_cast<size_t>(E));
+    std::vector<float> p(static_cast<size_t>(E));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* lg = logits.data() + r * E;
+      const float mx = *std::max_element(lg, lg + E);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[static_cast<size_t>(e)] = std::exp(lg[e] - mx));
+      for (auto& x : p) x /= sum;
+      std::iota(idx.begin(), idx.end(), 0);
+      // torch.topk order: largest first; ties to the lower index.
+      std::partial_sort(idx.begin(), idx.begin() + topk_, idx.end(), [&](int64_t a, int64_t b) {
+        return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)] || (p[static_cast<size_t>(a)] == p[static_cast<size_t>(b)] && a < b);
+      });
+      float tot = 0.0f;
+      for (int64_t k = 0; k < topk_; ++k) tot += p[static_cast<size_t>(idx[static_cast<size_t>(k)])];
+      for (int64_t k = 0; k < topk_; ++k) {
+        const int64_t e = idx[static_cast<size_t>(k)];
+        routed[static_cast<size_t>(e)].push_back({r, norm_topk_ ? p[static_cast<size_t>(e)] / tot : p[static_cast<size_t>(e)]});
+      }
+    }
+    Tensor out = dense(m.shared_gate_up, m.shared_down, m.Is, n.data(), rows);
+    Tensor sg({rows, 1});
+    ops::linear(n.data(), rows, D_, m.shared_gate, sg.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = ops::sigmoid(sg[r]);
+      for (int64_t d = 0; d < D_; ++d) out[r * D_ + d] *= s;
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& toks = routed[static_cast<size_t>(e)];
+      if (toks.empty()) continue;
+      const int64_t nt = static_cast<int64_t>(toks.size());
+      Tensor xs({nt, D_});
+      for (int64_t k = 0; k < nt; ++k)
+        std::memcpy(xs.data() + k * D_, n.data() + toks[static_cast<size_t>(k)].first * D_, sizeof(float) * static_cast<size_t>(D_));
+      Tensor y = dense(m.expert_gate_up[static_cast<size_t>(e)], m.expert_down[static_cast<size_t>(e)], m.I, xs.data(), nt);
+      for (int64_t k = 0; k < nt; ++k) {
+        const auto& [r, wgt] = toks[static_cast<size_t>(k)];
+        for (int64_t d = 0; d < D_; ++d) out[r * D_ + d] += wgt * y[k * D_ + d];
+      }
+    }
+    return out;
+  }
+
+  // Gated DeltaNet mixer (Qwen3_5GatedDeltaNet.forward).
+  Tensor gdn(int li, const Layer& l, const Tensor& n_in, const Batch& in, bool masked, QwenCache& cache,
+             Listener* ls, const CallCtx& ctx) const {
+    const int64_t B = in.batch, T = in.seq, BT = B * T;
+    const int64_t HK = g_.HK, HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv, r = HV / HK;
+    const int64_t cd = g_.conv_dim(), vd = g_.value_dim(), pr = g_.proj_rows();
+    const float* n = n_in.data();
+    Tensor nm;
+    if (masked) {  // apply_mask_to_padding_states on the mixer input only
+      nm = n_in.clone();
+      apply_row_mask(nm, in);
+      n = nm.data();
+    }
+    Tensor proj({B, T, pr});
+    ops::linear(n, BT, D_, l.in_proj, proj.data());
+    Tensor qkv({B, T, cd});
+    ops::causal_conv1d(proj.data(), pr, B, T, cd, K_, l.conv_wT.data(), nullptr,
+                       cache.conv[static_cast<size_t>(li)].data(), qkv.data(), true);
+    // Split, repeating q/k heads for value heads (value head j reads key head j / r).
+    Tensor q({B, T, HV, Dk}), k({B, T, HV, Dk}), v({B, T, HV, Dv});
+    for (int64_t row = 0; row < BT; ++row) {
+      const float* src = qkv.data() + row * cd;
+      for (int64_t j = 0; j < HV; ++j) {
+        std::memcpy(q.data() + (row * HV + j) * Dk, src + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+        std::memcpy(k.data() + (row * HV + j) * Dk, src + g_.key_dim() + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+      }
+      std::memcpy(v.data() + row * vd, src + 2 * g_.key_dim(), sizeof(float) * static_cast<size_t>(vd));
+    }
+    visit_if(ls, li, Value::attention_queries, q);
+    visit_if(ls, li, Value::attention_keys, k);
+    visit_if(ls, li, Value::attention_values, v);
+    Tensor beta({B, T, HV}), g({B, T, HV});
+    for (int64_t row = 0; row < BT; ++row)
+      for (int64_t j = 0; j < HV; ++j) {
+        const float* pb = proj.data() + row * pr + cd + vd;
+        beta[row * HV + j] = ops::sigmoid(pb[j]);
+        g[row * HV + j] = l.neg_A[j] * ops::softplus(pb[HV + j] + l.dt_bias[j]);
+      }
+    visit_if(ls, li, Value::betas, beta);
+    visit_if(ls, li, Value::decays, g);
+
+    Tensor& S = cache.ssm[static_cast<size_t>(li)];
+    if (!cache.has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
+    if (ls && ls->wants(li, Value::state_input)) {
+      Tensor served = cache.has_state ? S.clone() : Tensor();
+      if (ls->visit(li, Value::state_input, served, S.shape()) && served.defined())
+        std::memcpy(S.data(), served.data(), sizeof(float) * static_cast<size_t>(S.numel()));
+    }
+    Tensor o({B, T, HV, Dv}), states;
+    if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, HV, Dk, Dv});
+    GatedDeltaArgs a;
+    a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
+    a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
+    a.S = S.data(); a.o = o.data();
+    a.states = states.defined() ? states.data() : nullptr;
+    if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+    if (states.defined()) ls->visit(li, Value::states, states, states.shape());
+    visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
+    visit_if(ls, li, Value::attention_head_outputs, o);
+
+    // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv.
+    Tensor y({B, T, vd});
+    for (int64_t row = 0; row < BT; ++row)
+      for (int64_t j = 0; j < HV; ++j) {
+        const float* oj = o.data() + (row * HV + j) * Dv;
+        const float* z = proj.data() + row * pr + cd + j * Dv;
+        float* yj = y.data() + row * vd + j * Dv;
+        float ss = 0.0f;
+        for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + eps_);
+        for (int64_t e = 0; e < Dv; ++e) yj[e] = l.gnorm[e] * (oj[e] * inv) * ops::silu(z[e]);
+      }
+    Tensor out({B, T, D_});
+    ops::linear(y.data(), BT, vd, l.out_proj, out.data());
+    visit_if(ls, li, Value::attention_output, out);
+    return out;
+  }
+
+  // Gated softmax attention (Qwen3_5Attention).
+  Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
+                   QwenCache& cache, Listener* ls) const {
+    const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
+    Tensor qg({BT, H_ * 2 * d});
+    ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
+    Tensor q({B, T, H_, d}), gate({B, T, H_ * d}), k({B, T, Hkv_, d}), v({B, T, Hkv_, d});
+    for (int64_t row = 0; row < BT; ++row)
+      for (int64_t h = 0; h < H_; ++h) {  // per head [query | gate]
+        const float* src = qg.data() + (row * H_ + h) * 2 * d;
+        std::memcpy(q.data() + (row * H_ + h) * d, src, sizeof(float) * static_cast<size_t>(d));
+        std::memcpy(gate.data() + (row * H_ + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
+      }
+    ops::linear(n.data(), BT, D_, l.k_proj, k.data());
+    ops::linear(n.data(), BT, D_, l.v_proj, v.data());
+    ops::rmsnorm(q.data(), l.q_norm.data(), q.data(), BT * H_, d, eps_, true);
+    ops::rmsnorm(k.data(), l.k_norm.data(), k.data(), BT * Hkv_, d, eps_, true);
+    apply_rope(q.data(), BT, H_, d, rot_, pos.data(), inv_freq_);
+    apply_rope(k.data(), BT, Hkv_, d, rot_, pos.data(), inv_freq_);
+    visit_if(ls, li, Value::attn_queries, q);
+    visit_if(ls, li, Value::attn_keys, k);
+    visit_if(ls, li, Value::attn_values, v);
+    KvCache& kv = cache.kv[static_cast<size_t>(li)];
+    const int64_t past = kv.len;
+    kv.append(k.data(), v.data(), B, T, Hkv_ * d);
+    Tensor att({B, T, H_, d});
+    causal_attention(q.data(), B, T, H_, Hkv_, d, past, kv, cache.key_mask, att.data());
+    visit_if(ls, li, Value::attn_gate, gate);
+    for (int64_t e = 0; e < att.numel(); ++e) att[e] *= ops::sigmoid(gate[e]);
+    Tensor out({B, T, D_});
+    ops::linear(att.data(), BT, H_ * d, l.o_proj, out.data());
+    visit_if(ls, li, Value::attn_output, out);
+    return out;
+  }
+
+  QwenHybridSpec spec_;
+  int64_t D_ = 0, L_ = 0, V_ = 0, H_ = 0, Hkv_ = 0, hd_ = 0, K_ = 0, rot_ = 0, topk_ = 0;
+  bool norm_topk_ = true;
+  GdnDims g_;
+  float eps_ = 1e-6f;
+  std::vector<float> inv_freq_;
+  Tensor embed_, norm_, lm_head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_qwen_hybrid(const QwenHybridSpec& spec, const io::Config& top, const io::Config& text,
+                                              const io::WeightStore& weights) {
+  return std::make_unique<QwenHybrid>(spec, top, text, weights);
+}
+
+}  // namespace mixlens::detail

@@ -1,0 +1,362 @@
+// Qwen3.5 / Qwen3-Next (gated DeltaNet hybrids) parity with transformers (golden fixtures from
+// scripts/make_fixtures.py -> scripts/qwen_fixtures.py), the values.md invariants, the two
+// delta-rule kernels agreeing, and load-time errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "fixture_util.h"
+#include "io/json.h"
+#include "mixers/gated_delta.h"
+#include "mixlens/errors.h"
+
+using namespace mixlens;
+using namespace mixlens::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Param {
+  std::string family, name;
+};
+std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.param.family + "_" + p.param.name; }
+
+std::vector<Param> all_cases() {
+  std::vector<Param> out;
+  for (const char* f : {"qwen3_5", "qwen3_next"})
+    for (const auto& n : fixture_cases(f)) out.push_back({f, n});
+  return out;
+}
+
+class QwenFixture : public ::testing::TestWithParam<Param> {};
+
+TEST_P(QwenFixture, EveryValueEveryStepMatchesTransformers) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  Trace t;
+  save_all_values(c.model, t);
+  run_recorded_steps(c, &t);
+  EXPECT_GT(expect_golden_values(c.golden, t, c.name), 100);
+  ASSERT_EQ(t.calls().size(), static_cast<size_t>(c.n_steps));
+  EXPECT_EQ(t.calls()[0].kernel, "chunked");
+  // A multi-token continuation runs the chunked kernel from the cached state; one token decodes.
+  EXPECT_EQ(t.calls()[1].kernel, t.calls()[1].seq > 1 ? "chunked" : "recurrent");
+  EXPECT_FALSE(t.calls()[1].fresh);
+  EXPECT_FALSE(t.has("layers.0.linear_attn.state_input", 0)) << "state_input is None on a fresh prompt";
+}
+
+TEST_P(QwenFixture, ForcedKernelPathsMatchTransformersToo) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  for (const char* route : {"recurrent", "chunked"}) {
+    route_kernels(GetParam().family, route);
+    Trace t;
+    save_all_values(c.model, t);
+    run_recorded_steps(c, &t);
+    route_kernels(GetParam().family, "default");
+    EXPECT_GT(expect_golden_values(c.golden, t, c.name + " route " + route), 100);
+    for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, route);
+  }
+}
+
+TEST_P(QwenFixture, GreedyTokensMatch) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  if (!c.spec["greedy"].get<bool>()) GTEST_SKIP() << "case feeds a continuation, not greedy tokens";
+  GenerateOptions o;
+  o.max_new_tokens = c.n_steps;
+  o.eos_token_id = -1;
+  auto res = c.model.generate(c.prompts, o);
+  for (size_t r = 0; r < c.tokens.size(); ++r) EXPECT_EQ(res.new_tokens[r], c.tokens[r]) << "row " << r;
+}
+
+TEST_P(QwenFixture, StateInvariants) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  Trace t;
+  t.save("layers.*.linear_attn.states").save("layers.*.linear_attn.state_output").save("layers.*.linear_attn.state_input");
+  run_recorded_steps(c, &t);
+  int checked = 0;
+  for (int l = 0; l < c.model.info().num_layers; ++l) {
+    if (c.model.info().layer_kinds[static_cast<size_t>(l)] != LayerKind::gated_deltanet) continue;
+    const std::string p = "layers." + std::to_string(l) + ".linear_attn.";
+    for (int s = 0; s < c.n_steps; ++s) {
+      const Tensor& st = t.get(p + "states", s);
+      const Tensor& out = t.get(p + "state_output", s);
+      const int64_t B = st.size(0), T = st.size(1), per = out.numel() / B;
+      for (int64_t b = 0; b < B; ++b)  // bit-exact: the chunked kernel stores its own chunk-end state
+        ASSERT_EQ(0, std::memcmp(st.data() + (b * T + T - 1) * per, out.data() + b * per, sizeof(float) * per)) << p << s;
+      if (s + 1 < c.n_steps) {
+        ASSERT_EQ(0, std::memcmp(t.get(p + "state_input", s + 1).data(), out.data(), sizeof(float) * out.numel()));
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST_P(QwenFixture, EditsMatchTransformersWithTheSameModification) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  if (c.spec["edits"].empty()) GTEST_SKIP() << "case has no edits";
+  Tensor base_last = run_recorded_steps(c, nullptr).back();
+  for (const auto& e : c.spec["edits"]) {
+    Trace t;
+    add_fixture_edit(t, e);
+    auto logits = run_recorded_steps(c, &t);
+    for (int s = 0; s < c.n_steps; ++s) {
+      const std::string key = "edit/" + e["name"].get<std::string>() + "/logits@step" + std::to_string(s);
+      EXPECT_LE(rel_rms(logits[static_cast<size_t>(s)], c.golden.get_f32(key)), 1e-4) << key;
+    }
+    EXPECT_GT(max_abs_diff(logits.back(), base_last), 0.0) << e["name"] << " changed nothing";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, QwenFixture, ::testing::ValuesIn(all_cases()), param_name);
+
+// ---- the two kernels -------------------------------------------------------------------------
+
+struct KernelInputs {
+  int64_t B, T, H, Dk, Dv;
+  std::vector<float> q, k, v, g, beta, S0;
+};
+
+KernelInputs random_inputs(int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv, float g_lo, float g_hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  KernelInputs x{B, T, H, Dk, Dv, {}, {}, {}, {}, {}, {}};
+  auto fill = [&](std::vector<float>& a, int64_t size, auto gen) {
+    a.resize(static_cast<size_t>(size));
+    for (auto& e : a) e = gen();
+  };
+  fill(x.q, B * T * H * Dk, [&] { return n(rng); });
+  fill(x.k, B * T * H * Dk, [&] { return n(rng); });
+  fill(x.v, B * T * H * Dv, [&] { return n(rng); });
+  fill(x.g, B * T * H, [&] { return g_lo + (g_hi - g_lo) * u(rng); });
+  fill(x.beta, B * T * H, [&] { return u(rng); });
+  fill(x.S0, B * H * Dk * Dv, [&] { return 0.3f * n(rng); });
+  return x;
+}
+
+struct KernelOut {
+  Tensor o, S, states;
+};
+
+KernelOut run_kernel(const KernelInputs& x, bool chunked, bool with_states) {
+  KernelOut r{Tensor({x.B, x.T, x.H, x.Dv}), Tensor::from({x.B, x.H, x.Dk, x.Dv}, x.S0),
+              with_states ? Tensor({x.B, x.T, x.H, x.Dk, x.Dv}) : Tensor()};
+  detail::GatedDeltaArgs a;
+  a.B = x.B; a.T = x.T; a.H = x.H; a.Dk = x.Dk; a.Dv = x.Dv;
+  a.q = x.q.data(); a.k = x.k.data(); a.v = x.v.data(); a.g = x.g.data(); a.beta = x.beta.data();
+  a.S = r.S.data(); a.o = r.o.data(); a.states = with_states ? r.states.data() : nullptr;
+  if (chunked) detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
+  return r;
+}
+
+TEST(GatedDelta, ChunkedAndRecurrentAgreeOnEveryValue) {
+  // 150 tokens = 2 full chunks + a ragged one; g = 0 is the no-decay edge (exp(0) = 1 everywhere).
+  for (auto [lo, hi] : {std::pair{-2.0f, 0.0f}, std::pair{0.0f, 0.0f}, std::pair{-30.0f, -10.0f}}) {
+    KernelInputs x = random_inputs(2, 150, 3, 8, 6, lo, hi, 7);
+    KernelOut c = run_kernel(x, true, true), r = run_kernel(x, false, true);
+    EXPECT_LE(rel_rms(c.o, r.o), 1e-5) << "g in [" << lo << ", " << hi << "]";
+    EXPECT_LE(rel_rms(c.S, r.S), 1e-5);
+    EXPECT_LE(rel_rms(c.states, r.states), 1e-5);
+    KernelOut quiet = run_kernel(x, true, false);  // asking for states changes nothing else
+    EXPECT_EQ(0, std::memcmp(quiet.o.data(), c.o.data(), sizeof(float) * c.o.numel()));
+    EXPECT_EQ(0, std::memcmp(quiet.S.data(), c.S.data(), sizeof(float) * c.S.numel()));
+  }
+}
+
+TEST(GatedDelta, LongPromptStaysFinite) {
+  // 2,048 tokens, strong decays: a cumulative log-decay of ~-4000 inside a chunk must not overflow.
+  KernelInputs x = random_inputs(1, 2048, 2, 16, 16, -8.0f, 0.0f, 3);
+  KernelOut c = run_kernel(x, true, true), r = run_kernel(x, false, false);
+  EXPECT_FALSE(c.o.has_nan());
+  EXPECT_FALSE(c.S.has_nan());
+  EXPECT_FALSE(c.states.has_nan());
+  EXPECT_LE(rel_rms(c.o, r.o), 1e-5);
+  EXPECT_LE(rel_rms(c.S, r.S), 1e-5);
+}
+
+TEST(Qwen, LongPromptThroughTheModelStaysFinite) {
+  GoldenCase c("qwen3_5", "hv_eq_hk_chunks");
+  std::vector<int32_t> prompt(2048);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(1 + (i * 37) % 96);
+  Trace t;
+  t.save("layers.0.linear_attn.states").save("layers.3.linear_attn.state_output");
+  Tensor logits = c.model.run({prompt}, &t);
+  EXPECT_FALSE(logits.has_nan());
+  EXPECT_FALSE(t.get("layers.0.linear_attn.states").has_nan());
+  EXPECT_EQ(t.get("layers.0.linear_attn.states").shape(), (Shape{1, 2048, 2, 8, 8}));
+}
+
+// ---- invariants on the model ------------------------------------------------------------------
+
+TEST(Qwen, PrefixThenContinuationEqualsWholePrompt) {
+  GoldenCase c("qwen3_5", "hv_eq_hk_chunks");  // 70 tokens: splits inside and across a chunk
+  const auto& prompt = c.prompts[0];
+  Trace whole;
+  whole.save("logits").save("layers.*.linear_attn.states").save("layers.*.linear_attn.state_output");
+  c.model.run({prompt}, &whole);
+  for (size_t split : {size_t{1}, size_t{3}, size_t{30}, size_t{64}, prompt.size() - 1}) {
+    Cache cache = c.model.new_cache(1);
+    Trace parts;
+    parts.save("logits").save("layers.*.linear_attn.states").save("layers.*.linear_attn.state_output");
+    c.model.forward(Batch::left_padded({{prompt.begin(), prompt.begin() + static_cast<long>(split)}}, 0), cache, &parts);
+    c.model.forward(Batch::left_padded({{prompt.begin() + static_cast<long>(split), prompt.end()}}, 0), cache, &parts);
+    const Tensor& full = whole.get("logits");
+    const Tensor& tail = parts.get("logits", 1);
+    const int64_t V = full.size(2), n = tail.size(1);
+    Tensor full_tail({1, n, V});
+    std::memcpy(full_tail.data(), full.data() + (full.size(1) - n) * V, sizeof(float) * n * V);
+    EXPECT_LE(rel_rms(tail, full_tail), 1e-5) << "split " << split;
+    for (int l : {0, 1, 3}) {
+      const std::string p = "layers." + std::to_string(l) + ".linear_attn.";
+      EXPECT_LE(rel_rms(parts.get(p + "state_output", 1), whole.get(p + "state_output")), 1e-5) << p << split;
+      const Tensor& ws = whole.get(p + "states");
+      const Tensor& ps = parts.get(p + "states", 1);
+      const int64_t per = ps.numel() / n;
+      Tensor w_tail({ps.shape()});
+      std::memcpy(w_tail.data(), ws.data() + (ws.size(1) - n) * per, sizeof(float) * ps.numel());
+      EXPECT_LE(rel_rms(ps, w_tail), 1e-5) << p << split;
+    }
+  }
+}
+
+TEST(Qwen, BatchedEqualsUnbatchedUnderLeftPadding) {
+  for (const char* family : {"qwen3_5", "qwen3_next"}) {
+    GoldenCase c(family, "padded_batch");
+    Trace batched;
+    batched.save("logits").save("layers.0.linear_attn.states");
+    c.model.run(c.prompts, &batched);
+    const int64_t T = batched.get("logits").size(1);
+    for (size_t r = 0; r < c.prompts.size(); ++r) {
+      Trace single;
+      single.save("logits");
+      c.model.run({c.prompts[r]}, &single);
+      const Tensor& lb = batched.get("logits");
+      const Tensor& ls = single.get("logits");
+      const int64_t n = ls.size(1), V = ls.size(2), pad = T - n;
+      Tensor row({1, n, V});
+      std::memcpy(row.data(), lb.data() + (static_cast<int64_t>(r) * T + pad) * V, sizeof(float) * n * V);
+      EXPECT_LE(rel_rms(row, ls), 1e-5) << family << " row " << r;
+      const Tensor& st = batched.get("layers.0.linear_attn.states");  // zero while only padding was seen
+      const int64_t per = st.numel() / (st.size(0) * T);
+      for (int64_t t = 0; t < pad * per; ++t) ASSERT_EQ(st[static_cast<int64_t>(r) * T * per + t], 0.0f) << family;
+    }
+  }
+}
+
+TEST(Qwen, BetasAndDecaysAreIndependentWrites) {
+  GoldenCase c("qwen3_5", "hv_2hk");
+  Trace t;
+  t.save("layers.0.linear_attn.betas").save("layers.0.linear_attn.decays");
+  t.edit("layers.0.linear_attn.betas", [](Tensor& v, const SiteContext&) { v[0] = 0.0f; });
+  Trace base;
+  base.save("layers.0.linear_attn.decays");
+  c.model.run(c.prompts, &base);
+  c.model.run(c.prompts, &t);
+  EXPECT_EQ(0, std::memcmp(t.get("layers.0.linear_attn.decays").data(), base.get("layers.0.linear_attn.decays").data(),
+                           sizeof(float) * base.get("layers.0.linear_attn.decays").numel()));
+}
+
+TEST(Qwen, ValuesAndSupportFollowTheLayerKind) {
+  GoldenCase c("qwen3_5", "hv_2hk");  // layer_types [linear, full, linear], HK 2, HV 4
+  const auto& kinds = c.model.info().layer_kinds;
+  ASSERT_EQ(kinds, (std::vector<LayerKind>{LayerKind::gated_deltanet, LayerKind::attention, LayerKind::gated_deltanet}));
+  auto sup = c.model.support();
+  EXPECT_EQ(sup["linear_attn.states"][0], "");
+  EXPECT_NE(sup["linear_attn.states"][1].find("attention"), std::string::npos);
+  EXPECT_EQ(sup["self_attn.attention_output"][1], "");
+  EXPECT_NE(sup["self_attn.attention_output"][0].find("gated_deltanet"), std::string::npos);
+  EXPECT_EQ(sup["mlp.output"][1], "");
+  for (const auto& v : c.model.values(2, 5)) {
+    if (v.path == "layers.0.linear_attn.attention_queries") {
+      EXPECT_EQ(v.shape, (Shape{2, 5, 4, 8}));
+    } else if (v.path == "layers.0.linear_attn.states") {
+      EXPECT_EQ(v.shape, (Shape{2, 5, 4, 8, 8}));
+    } else if (v.path == "layers.1.self_attn.attention_keys") {
+      EXPECT_EQ(v.shape, (Shape{2, 5, 2, 16}));
+    }
+  }
+  auto message = [&](const std::string& path) {
+    Trace t;
+    t.save(path);
+    try {
+      c.model.run(c.prompts, &t);
+    } catch (const UnknownValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("layers.1.linear_attn.betas").find("attention block"), std::string::npos);
+  EXPECT_NE(message("layers.0.self_attn.gate").find("gated_deltanet block"), std::string::npos);
+}
+
+TEST(Qwen, WritesAreValidated) {
+  GoldenCase c("qwen3_5", "hv_2hk");
+  auto run_with = [&](const std::string& path, EditFn fn) {
+    Trace t;
+    t.edit(path, std::move(fn));
+    c.model.run(c.prompts, &t);
+  };
+  EXPECT_THROW(run_with("layers.0.linear_attn.attention_keys", [](Tensor& v, const SiteContext&) { v = Tensor({1, 20, 2, 8}); }),
+               WriteError);  // keys are served per value head (4), not per key head (2)
+  EXPECT_THROW(run_with("layers.0.linear_attn.decays", [](Tensor& v, const SiteContext&) { v[0] = 0.5f; }), WriteError);
+  EXPECT_THROW(run_with("layers.0.linear_attn.states", [](Tensor&, const SiteContext&) {}), WriteError);
+}
+
+// ---- loading ----------------------------------------------------------------------------------
+
+// A copy of a fixture checkpoint with config.json edited by `patch` (and optionally other files).
+fs::path patched_copy(const std::string& rel, const std::string& tag, const std::function<void(nlohmann::json&)>& patch) {
+  const fs::path src = fixture(rel);
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_qwen_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  fs::copy_file(src / "model.safetensors", dst / "model.safetensors");
+  nlohmann::json cfg = read_json(src / "config.json");
+  patch(cfg);
+  std::ofstream(dst / "config.json") << cfg.dump();
+  return dst;
+}
+
+template <class E>
+std::string load_error(const fs::path& dir) {
+  try {
+    Model::load(dir.string());
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong error type: ") + e.what();
+  }
+  return "no error";
+}
+
+TEST(QwenLoad, BadConfigsAreClearErrors) {
+  auto d1 = patched_copy("qwen3_5/hv_2hk", "heads", [](nlohmann::json& c) { c["linear_num_value_heads"] = 3; });
+  EXPECT_NE(load_error<ConfigError>(d1).find("linear_num_value_heads (3) is not divisible by linear_num_key_heads (2)"),
+            std::string::npos) << load_error<ConfigError>(d1);
+  auto d2 = patched_copy("qwen3_5/hv_2hk", "types", [](nlohmann::json& c) { c["layer_types"].erase(0); });
+  EXPECT_NE(load_error<ConfigError>(d2).find("layer_types has 2 entries but num_hidden_layers is 3"), std::string::npos)
+      << load_error<ConfigError>(d2);
+  auto d3 = patched_copy("qwen3_5/hv_2hk", "kv", [](nlohmann::json& c) { c["num_key_value_heads"] = 3; });
+  EXPECT_NE(load_error<ConfigError>(d3).find("num_attention_heads (4) is not divisible by num_key_value_heads (3)"),
+            std::string::npos);
+  // A layer declared full_attention whose checkpoint has no attention weights (a GDN layer there).
+  auto d4 = patched_copy("qwen3_5/hv_2hk", "missing", [](nlohmann::json& c) { c["layer_types"][0] = "full_attention"; });
+  EXPECT_NE(load_error<CheckpointError>(d4).find("model.layers.0.self_attn.q_proj.weight"), std::string::npos)
+      << load_error<CheckpointError>(d4);
+  for (const auto& d : {d1, d2, d3, d4}) fs::remove_all(d);
+}
+
+TEST(QwenLoad, TokenizerJsonGoesThroughTheByteLevelBpe) {
+  auto dir = patched_copy("qwen3_5/short_prompt", "tok", [](nlohmann::json&) {});
+  fs::create_symlink(fixture("tokenizer/qwen3/tokenizer.json"), dir / "tokenizer.json");
+  Model m = Model::load(dir.string());
+  ASSERT_TRUE(m.has_tokenizer());
+  EXPECT_EQ(m.tokenizer().encode("Hello world"), (std::vector<int32_t>{9707, 1879}));
+  fs::remove(dir / "tokenizer.json");
+  std::ofstream(dir / "tokenizer.json") << R"({"version":"1.0","model":{"type":"WordPiece","vocab":{"a":0}}})";
+  EXPECT_THROW(Model::load(dir.string()), TokenizerError);
+  fs::remove_all(dir);
+}
+
+}  // namespace
