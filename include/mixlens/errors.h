@@ -54,4 +54,11 @@ class InputError : public Error {
   using Error::Error;
 };
 
+/// An interleaved read / write (Session) of a value the forward has already computed and
+/// consumed: values are served in forward order, and the message names where the forward is.
+class OutOfOrderError : public InputError {
+ public:
+  using InputError::InputError;
+};
+
 }  // namespace mixlens

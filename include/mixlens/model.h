@@ -26,6 +26,8 @@ struct Batch {
   bool has_padding() const;
 };
 
+namespace detail { struct ModelAccess; }  // internal: runs a forward with an extra listener (Session)
+
 /// Recurrent-mixer algorithm selection (values.md "Which kernel runs").
 enum class KernelRoute { default_route, chunked, recurrent };
 /// Process-wide, per family ("mamba2", "mamba", "qwen3_5", ...), like the reference's routing.
@@ -47,6 +49,7 @@ class Cache {
 
  private:
   friend class Model;
+  friend struct detail::ModelAccess;
   Cache();
   struct Impl;
   std::unique_ptr<Impl> impl_;
@@ -117,6 +120,7 @@ class Model {
   void set_chunk_size(int64_t chunk_size);
 
  private:
+  friend struct detail::ModelAccess;
   Model();
   struct Impl;
   std::unique_ptr<Impl> impl_;

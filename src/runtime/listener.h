@@ -1,6 +1,7 @@
 // Listener: how a forward hands values to whoever asked for them (DESIGN.md "Sites and listeners").
 // A site nobody wants costs one bit test; a wanted value is visited in its served layout.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,9 +34,47 @@ class Listener {
   /// The listener may read it and may overwrite it in place or replace it (validated, same
   /// shape). Returns true when the value was written.
   virtual bool visit(int layer, Value v, Tensor& value, const Shape& shape) = 0;
+  /// Per layer (index layer + 1) bit set of the wanted values, as filled by begin_call.
+  const std::vector<uint32_t>& mask() const { return mask_; }
 
  protected:
   std::vector<uint32_t> mask_;
+};
+
+/// Serves two listeners in one forward: `first` (a Trace's saves / edits) sees each value before
+/// `second` (the Session interleaver), so the interleaved block reads pre-registered edits.
+/// `second` may change what it wants while it is inside a callback; the union is refreshed after
+/// each one.
+class ChainListener final : public Listener {
+ public:
+  ChainListener(Listener& first, Listener& second) : first_(first), second_(second) {}
+  void begin_call(const CallCtx& ctx, int num_layers) override {
+    first_.begin_call(ctx, num_layers);
+    second_.begin_call(ctx, num_layers);
+    refresh();
+  }
+  void end_call() override {
+    first_.end_call();
+    second_.end_call();
+  }
+  bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
+    bool written = false;
+    if (first_.wants(layer, v)) written = first_.visit(layer, v, value, shape);
+    if (second_.wants(layer, v)) written = second_.visit(layer, v, value, shape) || written;
+    refresh();
+    return written;
+  }
+
+ private:
+  void refresh() {
+    const auto& a = first_.mask();
+    const auto& b = second_.mask();
+    mask_.assign(std::max(a.size(), b.size()), 0u);
+    for (size_t i = 0; i < a.size(); ++i) mask_[i] |= a[i];
+    for (size_t i = 0; i < b.size(); ++i) mask_[i] |= b[i];
+  }
+  Listener& first_;
+  Listener& second_;
 };
 
 /// Shorthand used by the forward code: visit only when wanted.

@@ -10,6 +10,7 @@
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/family.h"
+#include "runtime/model_access.h"
 #include "runtime/sampling.h"
 #include "runtime/trace_listener.h"
 
@@ -160,7 +161,15 @@ Cache Model::new_cache(int64_t batch) const {
 }
 
 Tensor Model::forward(const Batch& in, Cache& cache, Trace* trace, bool all_logits) const {
-  if (cache.impl_->owner != impl_->family.get()) throw InputError("forward: the cache belongs to another model");
+  return detail::ModelAccess::forward(*this, in, cache, trace, nullptr, all_logits);
+}
+
+const detail::FamilyModel& detail::ModelAccess::family(const Model& m) { return *m.impl_->family; }
+
+Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cache, Trace* trace, Listener* extra,
+                                    bool all_logits) {
+  const Model::Impl& impl = *m.impl_;
+  if (cache.impl_->owner != impl.family.get()) throw InputError("forward: the cache belongs to another model");
   auto& st = *cache.impl_->state;
   if (in.batch != st.batch)
     throw InputError("forward: batch has " + std::to_string(in.batch) + " rows but the cache was made for " +
@@ -173,13 +182,16 @@ Tensor Model::forward(const Batch& in, Cache& cache, Trace* trace, bool all_logi
   ctx.batch = in.batch;
   ctx.seq = in.seq;
   ctx.fresh = st.seen == 0;
-  ctx.kernel = impl_->family->kernel_for(st, in.seq);
-  std::optional<detail::TraceListener> listener;
-  if (trace) {
-    listener.emplace(*trace, *impl_->family);
-    listener->begin_call(ctx, info().num_layers);
-  }
-  Tensor logits = impl_->family->forward(in, st, listener ? &*listener : nullptr, ctx, all_logits);
+  ctx.kernel = impl.family->kernel_for(st, in.seq);
+  std::optional<detail::TraceListener> trace_listener;
+  if (trace) trace_listener.emplace(*trace, *impl.family);
+  std::optional<detail::ChainListener> chain;
+  if (trace_listener && extra) chain.emplace(*trace_listener, *extra);
+  detail::Listener* listener = chain ? static_cast<detail::Listener*>(&*chain)
+                               : trace_listener ? static_cast<detail::Listener*>(&*trace_listener)
+                                                : extra;
+  if (listener) listener->begin_call(ctx, m.info().num_layers);
+  Tensor logits = impl.family->forward(in, st, listener, ctx, all_logits);
   if (listener) listener->end_call();
   st.seen += in.seq;
   st.steps += 1;
@@ -194,29 +206,35 @@ Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace
 
 GenerationResult Model::generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,
                                  Trace* trace) const {
+  return detail::ModelAccess::generate(*this, prompts, o, trace, nullptr);
+}
+
+GenerationResult detail::ModelAccess::generate(const Model& m, const std::vector<std::vector<int32_t>>& prompts,
+                                               const GenerateOptions& o, Trace* trace, Listener* extra) {
+  const Model::Impl& impl = *m.impl_;
   if (o.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
   if (!o.greedy) {
     if (!(o.temperature > 0.0f)) throw InputError("generate: temperature must be > 0");
     if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) throw InputError("generate: top_p must be in (0, 1]");
     if (o.top_k < 0) throw InputError("generate: top_k must be >= 0");
   }
-  Batch b = Batch::left_padded(prompts, impl_->pad_id);
-  Cache cache = new_cache(b.batch);
-  std::optional<int32_t> eos = impl_->eos_id;
+  Batch b = Batch::left_padded(prompts, impl.pad_id);
+  Cache cache = m.new_cache(b.batch);
+  std::optional<int32_t> eos = impl.eos_id;
   if (o.eos_token_id) eos = *o.eos_token_id < 0 ? std::nullopt : o.eos_token_id;
   std::mt19937_64 rng(o.seed);
   GenerationResult res;
   res.new_tokens.resize(static_cast<size_t>(b.batch));
   std::vector<bool> done(static_cast<size_t>(b.batch), false);
   for (int step = 0; step < o.max_new_tokens; ++step) {
-    Tensor logits = forward(b, cache, trace, false);
+    Tensor logits = forward(m, b, cache, trace, extra, false);
     res.steps += 1;
     const int64_t V = logits.size(2), T = logits.size(1);
     std::vector<int32_t> next(static_cast<size_t>(b.batch));
     for (int64_t r = 0; r < b.batch; ++r) {
       const float* row = logits.data() + (r * T + T - 1) * V;
       // Finished rows keep receiving the pad token, as transformers does.
-      next[r] = done[r] ? impl_->pad_id : (o.greedy ? detail::argmax(row, V) : detail::sample(row, V, o, rng));
+      next[r] = done[r] ? impl.pad_id : (o.greedy ? detail::argmax(row, V) : detail::sample(row, V, o, rng));
       if (!done[r]) {
         res.new_tokens[r].push_back(next[r]);
         if (eos.has_value() && next[r] == eos.value()) done[r] = true;

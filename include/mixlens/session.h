@@ -1,0 +1,101 @@
+// Session: the interleaver. A forward (one call, a generation, or teacher-forced steps) runs on a
+// worker thread and pauses only where the caller asks, so the caller's code reads real values,
+// computes, and writes them back before the forward consumes them (DESIGN.md "Sites and
+// listeners"). It is what the Python `with model.trace(...)` block runs on; C++ can use it too.
+//
+//   Session s = Session::run(model, {ids});
+//   Tensor b = s.read(0, "layers.1.linear_attn.betas");   // blocks until the forward is there
+//   for (int64_t i = 0; i < b.numel(); ++i) b[i] *= 0.5f;
+//   s.write(0, "layers.1.linear_attn.betas", b);           // consumed by the rest of the forward
+//   Tensor logits = s.finish().logits[0];
+//
+// Order. Values are served in forward order (Model::values(), step by step). Reading or writing a
+// value the forward has already passed raises OutOfOrderError naming the value asked for and the
+// one the forward is at. Exception: values of one *moment* (a mixer's queries/keys/values; its
+// betas/decays) may be read in any order among themselves, because the session keeps copies of
+// the earlier ones while it waits at a later one; writes to them still go in forward order.
+//
+// Threads. Every member function is called from one caller thread; the worker runs only while the
+// caller is blocked in read / write / reach_step / finish, so no Python code (GIL) runs in C++ on
+// the worker unless an edit registered on the Trace calls it. The Model, the Trace and, for
+// Session::forward, the Cache must outlive the session. Destroying a session mid-run aborts the
+// worker at its next value or call boundary (an aborted continuation leaves its Cache unspecified).
+#pragma once
+#include <climits>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mixlens/model.h"
+#include "mixlens/tensor.h"
+#include "mixlens/trace.h"
+
+namespace mixlens {
+
+/// What a finished session produced.
+struct SessionResult {
+  /// run / forward: the call's logits [B,T,V]; teacher_forced: one entry per step ([B,T,V] for the
+  /// prompt, [B,1,V] for decode steps); generate: empty (read "logits" per step instead).
+  std::vector<Tensor> logits;
+  /// generate: the new tokens per prompt (as Model::generate); teacher_forced: each step's greedy
+  /// (argmax) prediction per prompt; run / forward: empty.
+  std::vector<std::vector<int32_t>> new_tokens;
+  int steps = 0;  ///< forward calls made
+};
+
+class Session {
+ public:
+  /// One forward call of left-padded `prompts` from a fresh cache (Model::run); its step is 0.
+  static Session run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace = nullptr);
+  /// Model::generate: step 0 is the prompt, steps 1.. single-token decode steps.
+  static Session generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
+                          Trace* trace = nullptr);
+  /// The prompt, then one decode step per forced token: forced[row][k] is fed after step k, so the
+  /// session makes forced[row].size() + 1 calls (every row must have the same count).
+  static Session teacher_forced(const Model& model, std::vector<std::vector<int32_t>> prompts,
+                                std::vector<std::vector<int32_t>> forced, Trace* trace = nullptr);
+  /// One Model::forward call continuing `cache`; its step is cache.steps() at creation.
+  static Session forward(const Model& model, Batch batch, Cache& cache, Trace* trace = nullptr,
+                         bool all_logits = true);
+
+  /// Aborts a run in progress and joins the worker.
+  ~Session();
+  Session(Session&&) noexcept;
+  Session& operator=(Session&&) noexcept;
+
+  /// Blocks until the forward reaches `path` (one canonical value, no "*") at `step` and returns a
+  /// copy; an undefined Tensor for a None value (state_input of a fresh prompt). The forward stays
+  /// paused there until the next request. Errors: UnknownValueError (bad path, with the nearest
+  /// valid name), OutOfOrderError (already passed; or the value was not produced at that step),
+  /// InputError (a step this session never runs), and any error the forward raised.
+  Tensor read(int step, std::string_view path);
+  /// Replaces the value at (step, path) before it is consumed: advances to it if needed, or applies
+  /// at once when the forward is paused there. Checked like Trace::set (shape, NaN, betas >= 0,
+  /// decays <= 0; `states` is read-only): WriteError, and nothing is applied then.
+  void write(int step, std::string_view path, const Tensor& value);
+  /// Blocks until forward call `step` begins (true), or the run ended before it (false, e.g. every
+  /// row of a generation reached EOS). True at once for a step the forward is in or has passed.
+  bool reach_step(int step);
+  /// Runs to completion and returns the result; rethrows the forward's error if it failed.
+  SessionResult finish();
+  /// Stops the worker at its next value or call boundary (idempotent; the destructor calls it).
+  void abort();
+
+  int first_step() const;
+  /// The last step this session can run (generate: first + max_new_tokens - 1).
+  int last_step() const;
+  /// The forward calls started so far (kernel, length), as Trace::calls().
+  std::vector<CallRecord> calls() const;
+  /// Where the forward is, for messages: "'layers.1.linear_attn.betas' at step 0", "the start of
+  /// step 2", "not started", "finished".
+  std::string where() const;
+
+ private:
+  struct Impl;
+  explicit Session(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mixlens

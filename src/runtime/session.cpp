@@ -1,0 +1,469 @@
+#include "mixlens/session.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "mixlens/errors.h"
+#include "models/family.h"
+#include "runtime/listener.h"
+#include "runtime/model_access.h"
+#include "runtime/trace_listener.h"
+
+namespace mixlens {
+
+namespace {
+
+// Thrown on the worker to unwind a forward the caller abandoned; never leaves the worker.
+struct Aborted {};
+
+// A position in the run: step, then the value's index in Model::values() order. Start and end of
+// a call bracket its values so "the forward is between calls" is a position too.
+constexpr int kCallStart = -1;
+constexpr int kCallEnd = INT_MAX;
+struct Pos {
+  int step = 0;
+  int order = kCallStart;
+  auto operator<=>(const Pos&) const = default;
+};
+
+// Values that exist together before the kernel consumes them (values.md "moment"): reads among
+// them may go in any order. 0 = not part of a moment.
+int moment_of(Value v) {
+  switch (v) {
+    case Value::attention_queries:
+    case Value::attention_keys:
+    case Value::attention_values: return 1;
+    case Value::betas:
+    case Value::decays: return 2;
+    case Value::attn_queries:
+    case Value::attn_keys:
+    case Value::attn_values: return 3;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+struct Session::Impl {
+  struct Target {
+    Pos pos;
+    Site site;
+    bool is_value = false;  // false: the start of a call (reach_step)
+  };
+
+  // Serves the forward's values to the caller: pauses at the target, stashes moment siblings.
+  class Interleaver final : public detail::Listener {
+   public:
+    explicit Interleaver(Impl& s) : s_(s) {}
+    void begin_call(const detail::CallCtx& ctx, int num_layers) override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      ctx_ = ctx;
+      num_layers_ = num_layers;
+      s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
+      s_.pos = {ctx.step, kCallStart};
+      s_.stash.clear();
+      s_.wait_while_paused(lk);
+      refresh_mask();
+    }
+    void end_call() override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      s_.pos = {ctx_.step, kCallEnd};
+      s_.wait_while_paused(lk);
+      refresh_mask();
+    }
+    bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      const Site site{layer, v};
+      s_.pos = {ctx_.step, s_.order_of(site)};
+      const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
+      if (!at_target) {
+        // Besides the target only its earlier moment siblings are wanted: keep them for reads.
+        s_.stash_put(site, value);
+        s_.wait_while_paused(lk);
+        refresh_mask();
+        return false;
+      }
+      if (moment_of(v) == 0) s_.stash.clear();
+      s_.live = &value;
+      s_.live_shape = shape;
+      s_.live_written = false;
+      s_.wait_while_paused(lk);
+      const bool written = s_.live_written;
+      s_.live = nullptr;
+      if (moment_of(v) != 0) s_.stash_put(site, value);  // as consumed, after the caller's writes
+      refresh_mask();
+      return written;
+    }
+
+   private:
+    // Wanted now: the target if it is in this call, plus its earlier moment siblings (stashed).
+    // Called on the worker only, after the caller may have moved the target.
+    void refresh_mask() {
+      mask_.assign(static_cast<size_t>(num_layers_ + 1), 0u);
+      if (!s_.target || !s_.target->is_value || s_.target->pos.step != ctx_.step || s_.finishing) return;
+      const Site t = s_.target->site;
+      auto want = [&](Site x) { mask_[static_cast<size_t>(x.layer + 1)] |= 1u << static_cast<unsigned>(x.value); };
+      want(t);
+      const int m = moment_of(t.value);
+      if (m == 0) return;
+      for (int v = 0; v < kNumValues; ++v) {
+        const Site x{t.layer, static_cast<Value>(v)};
+        if (moment_of(x.value) == m && s_.has_order(x) && s_.order_of(x) < s_.target->pos.order &&
+            s_.order_of(x) > s_.pos.order)
+          want(x);
+      }
+    }
+    Impl& s_;
+    detail::CallCtx ctx_;
+    int num_layers_ = 0;
+  };
+
+  Impl(const Model& m, Trace* t) : model(m), family(detail::ModelAccess::family(m)), trace(t), listener(*this) {
+    const auto values = m.values(1, 1);
+    order.assign(static_cast<size_t>((m.info().num_layers + 1) * kNumValues), -1);
+    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = static_cast<int>(i);
+    // Validate the trace's registrations now, on the caller, rather than at the first request.
+    if (trace) detail::TraceListener check(*trace, family);
+  }
+
+  size_t slot(Site s) const { return static_cast<size_t>((s.layer + 1) * kNumValues + static_cast<int>(s.value)); }
+  bool has_order(Site s) const { return slot(s) < order.size() && order[slot(s)] >= 0; }
+  int order_of(Site s) const { return has_order(s) ? order[slot(s)] : kCallEnd - 1; }
+
+  // Worker side, lock held.
+  void stash_put(Site site, const Tensor& value) {
+    const std::pair<int, int> key{site.layer, moment_of(site.value)};
+    if (key != stash_moment) {
+      stash.clear();
+      stash_moment = key;
+    }
+    stash[site] = value.defined() ? value.clone() : Tensor();
+  }
+
+  // Worker side, lock held: stay paused while there is nowhere further to go (no target beyond the
+  // current position and not finishing). The caller reads `paused` and `pos` meanwhile.
+  void wait_while_paused(std::unique_lock<std::mutex>& lk) {
+    if (aborted) throw Aborted{};
+    while (!aborted && !finishing && !(target && pos < target->pos)) {
+      paused = true;
+      cv.notify_all();
+      cv.wait(lk);
+    }
+    paused = false;
+    if (aborted) throw Aborted{};
+  }
+
+  void start_worker(std::function<SessionResult(detail::Listener*)> body) {
+    worker = std::thread([this, body = std::move(body)] {
+      try {
+        SessionResult r = body(&listener);
+        std::lock_guard<std::mutex> lk(mu);
+        result = std::move(r);
+      } catch (const Aborted&) {
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu);
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(mu);
+      done = true;
+      paused = false;
+      cv.notify_all();
+    });
+  }
+
+  // Caller side, lock held.
+  void rethrow_worker_error() {
+    if (error) {
+      // Rethrown once: the caller (e.g. nanobind) may consume the exception object.
+      std::exception_ptr e = error;
+      error = nullptr;
+      error_reported = true;
+      std::rethrow_exception(e);
+    }
+    if (error_reported) throw InputError("this session stopped after an error (raised earlier); start a new one");
+  }
+
+  std::string describe(Pos p) const {
+    if (p.order == kCallStart) return "the start of step " + std::to_string(p.step);
+    if (p.order == kCallEnd) return "the end of step " + std::to_string(p.step);
+    const auto values = model.values(1, 1);
+    const std::string path = p.order >= 0 && static_cast<size_t>(p.order) < values.size()
+                                 ? values[static_cast<size_t>(p.order)].path : "?";
+    return "'" + path + "' at step " + std::to_string(p.step);
+  }
+  std::string where_locked() const {
+    if (done) return "finished";
+    if (!started) return "not started";
+    return describe(pos);
+  }
+
+  Target resolve(int step, std::string_view path_view, const char* verb) const {
+    const std::string path(path_view);
+    if (path.find('*') != std::string::npos)
+      throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
+    const auto sites = detail::resolve_path(family, path);
+    if (sites.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(sites.size()) + " values");
+    check_step(step, path, verb);
+    return {{step, order_of(sites[0])}, sites[0], true};
+  }
+  void check_step(int step, const std::string& path, const char* verb) const {
+    if (step < first_step || step > last_step) {
+      const std::string range = first_step == last_step ? "only step " + std::to_string(first_step)
+                                                        : "steps " + std::to_string(first_step) + ".." +
+                                                              std::to_string(last_step);
+      throw InputError(std::string(verb) + " '" + path + "' at step " + std::to_string(step) + ": this run has " + range);
+    }
+  }
+
+  enum class Arrival { at_target, passed, skipped, ended };
+
+  // Caller side: move the worker to `t` (unless it is there or past it) and wait until it stops at
+  // or past `t`, or the run ends.
+  Arrival advance_to(std::unique_lock<std::mutex>& lk, const Target& t) {
+    rethrow_worker_error();
+    if (done) return Arrival::ended;
+    if (started && paused && pos == t.pos) return Arrival::at_target;
+    if (started && t.pos < pos) return Arrival::passed;
+    target = t;
+    started = true;
+    cv.notify_all();
+    cv.wait(lk, [&] { return done || (paused && !(pos < t.pos)); });
+    rethrow_worker_error();
+    if (done) return step_ran(t.pos.step) ? Arrival::skipped : Arrival::ended;
+    return pos == t.pos ? Arrival::at_target : Arrival::skipped;
+  }
+
+  bool step_ran(int step) const {
+    return std::any_of(calls.begin(), calls.end(), [&](const CallRecord& c) { return c.step == step; });
+  }
+
+  [[noreturn]] void not_served(const Target& t, const std::string& path, const char* verb, Arrival a) const {
+    const std::string asked = std::string("cannot ") + verb + " '" + path + "' at step " + std::to_string(t.pos.step);
+    switch (a) {
+      case Arrival::passed:
+        throw OutOfOrderError(asked + ": the forward has already passed it and is at " + where_locked() +
+                              "; values are served in forward order (Model::values(), step by step)");
+      case Arrival::skipped:
+        throw InputError(asked + ": the forward did not produce it (" +
+                         (done ? std::string("the run ended without visiting it)") : "it went on to " + where_locked() + ")"));
+      default:
+        if (!step_ran(t.pos.step))
+          throw InputError(asked + ": the run ended after " + std::to_string(calls.size()) +
+                           " forward calls (every row reached EOS?), so that step never ran");
+        throw OutOfOrderError(asked + ": the run has finished; read it inside the block or save it with a Trace");
+    }
+  }
+
+  const Model& model;
+  const detail::FamilyModel& family;
+  Trace* trace;
+  std::vector<int> order;  // per (layer + 1, value): index in Model::values() order, -1 if absent
+  int first_step = 0, last_step = 0;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  // Caller -> worker.
+  std::optional<Target> target;
+  bool started = false, finishing = false, aborted = false;
+  // Worker -> caller.
+  bool paused = false, done = false, error_reported = false;
+  Pos pos;
+  Tensor* live = nullptr;  // the value the worker is paused at (its own tensor)
+  Shape live_shape;
+  bool live_written = false;
+  struct SiteLess {
+    bool operator()(const Site& a, const Site& b) const {
+      return a.layer != b.layer ? a.layer < b.layer : a.value < b.value;
+    }
+  };
+  std::map<Site, Tensor, SiteLess> stash;  // copies of the current moment's values already passed
+  std::pair<int, int> stash_moment{-2, 0};  // (layer, moment) the stash holds
+  std::vector<CallRecord> calls;
+  std::exception_ptr error;
+  SessionResult result;
+
+  Interleaver listener;
+  std::thread worker;
+};
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Session::Session(Session&&) noexcept = default;
+Session& Session::operator=(Session&& other) noexcept {
+  if (this != &other) {
+    abort();
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+Session::~Session() { abort(); }
+
+void Session::abort() {
+  if (!impl_) return;
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->aborted = true;
+    impl_->cv.notify_all();
+  }
+  if (impl_->worker.joinable()) impl_->worker.join();
+}
+
+Session Session::run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace) {
+  Batch batch = Batch::left_padded(prompts, model.pad_token_id());  // validates now, on the caller
+  auto impl = std::make_unique<Impl>(model, trace);
+  impl->start_worker([&model, trace, batch = std::move(batch)](detail::Listener* l) {
+    Cache cache = model.new_cache(batch.batch);
+    SessionResult r;
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, true));
+    r.steps = 1;
+    return r;
+  });
+  return Session(std::move(impl));
+}
+
+Session Session::generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
+                          Trace* trace) {
+  Batch::left_padded(prompts, model.pad_token_id());
+  if (options.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
+  auto impl = std::make_unique<Impl>(model, trace);
+  impl->last_step = options.max_new_tokens - 1;
+  impl->start_worker([&model, trace, prompts = std::move(prompts), options](detail::Listener* l) {
+    GenerationResult g = detail::ModelAccess::generate(model, prompts, options, trace, l);
+    SessionResult r;
+    r.new_tokens = std::move(g.new_tokens);
+    r.steps = g.steps;
+    return r;
+  });
+  return Session(std::move(impl));
+}
+
+Session Session::teacher_forced(const Model& model, std::vector<std::vector<int32_t>> prompts,
+                                std::vector<std::vector<int32_t>> forced, Trace* trace) {
+  Batch batch = Batch::left_padded(prompts, model.pad_token_id());
+  if (forced.size() != prompts.size())
+    throw InputError("teacher_forced: " + std::to_string(forced.size()) + " rows of forced tokens for " +
+                     std::to_string(prompts.size()) + " prompts");
+  for (const auto& row : forced)
+    if (row.size() != forced[0].size()) throw InputError("teacher_forced: every row needs the same number of forced tokens");
+  const int n_steps = static_cast<int>(forced[0].size()) + 1;
+  auto impl = std::make_unique<Impl>(model, trace);
+  impl->last_step = n_steps - 1;
+  impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps](detail::Listener* l) mutable {
+    Cache cache = model.new_cache(batch.batch);
+    SessionResult r;
+    r.new_tokens.resize(static_cast<size_t>(batch.batch));
+    for (int step = 0; step < n_steps; ++step) {
+      Tensor logits = detail::ModelAccess::forward(model, batch, cache, trace, l, true);
+      const int64_t T = logits.size(1), V = logits.size(2);
+      for (int64_t b = 0; b < batch.batch; ++b) {
+        const float* row = logits.data() + (b * T + T - 1) * V;
+        r.new_tokens[static_cast<size_t>(b)].push_back(static_cast<int32_t>(std::max_element(row, row + V) - row));
+      }
+      r.logits.push_back(std::move(logits));
+      r.steps += 1;
+      if (step + 1 == n_steps) break;
+      batch.seq = 1;
+      batch.ids.clear();
+      for (const auto& row : forced) batch.ids.push_back(row[static_cast<size_t>(step)]);
+      batch.mask.assign(batch.ids.size(), 1);
+    }
+    return r;
+  });
+  return Session(std::move(impl));
+}
+
+Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
+  auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_step = impl->last_step = cache.steps();
+  impl->pos = {cache.steps(), kCallStart};
+  impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits](detail::Listener* l) {
+    SessionResult r;
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits));
+    r.steps = 1;
+    return r;
+  });
+  return Session(std::move(impl));
+}
+
+Tensor Session::read(int step, std::string_view path) {
+  Impl& s = *impl_;
+  const Impl::Target t = s.resolve(step, path, "read");
+  std::unique_lock<std::mutex> lk(s.mu);
+  const Impl::Arrival a = s.advance_to(lk, t);
+  if (a == Impl::Arrival::at_target) return s.live->defined() ? s.live->clone() : Tensor();
+  // Passed, but an earlier value of the moment the forward is in: served from its copy.
+  if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
+    auto it = s.stash.find(t.site);
+    if (it != s.stash.end()) return it->second.defined() ? it->second.clone() : Tensor();
+  }
+  s.not_served(t, std::string(path), "read", a);
+}
+
+void Session::write(int step, std::string_view path, const Tensor& value) {
+  Impl& s = *impl_;
+  const Impl::Target t = s.resolve(step, path, "write");
+  if (t.site.value == Value::states)
+    throw WriteError("'" + site_path(t.site) +
+                     "' is read-only (the per-token state stack); write state_input or state_output instead");
+  std::unique_lock<std::mutex> lk(s.mu);
+  const Impl::Arrival a = s.advance_to(lk, t);
+  if (a != Impl::Arrival::at_target) {
+    if (a == Impl::Arrival::passed && t.pos.step == s.pos.step && s.stash.count(t.site))
+      throw OutOfOrderError("cannot write '" + std::string(path) + "' at step " + std::to_string(step) +
+                            ": the forward has moved on to " + s.where_locked() +
+                            " (same moment): values of a moment can be read in any order, but write each one before "
+                            "reading a later one");
+    s.not_served(t, std::string(path), "write", a);
+  }
+  detail::check_write(site_path(t.site), t.site.value, value, s.live_shape);  // throws before any change
+  Tensor& live = *s.live;
+  if (live.defined() && live.shape() == s.live_shape) std::copy(value.begin(), value.end(), live.data());
+  else live = value.clone();
+  s.live_written = true;
+}
+
+bool Session::reach_step(int step) {
+  Impl& s = *impl_;
+  if (step < s.first_step) throw InputError("reach_step(" + std::to_string(step) + "): the first step is " + std::to_string(s.first_step));
+  if (step > s.last_step) return false;
+  std::unique_lock<std::mutex> lk(s.mu);
+  const Impl::Target t{{step, kCallStart}, Site{}, false};
+  if (s.advance_to(lk, t) == Impl::Arrival::ended) return s.step_ran(step);
+  return true;  // paused at its start, or already inside or past it
+}
+
+SessionResult Session::finish() {
+  Impl& s = *impl_;
+  std::unique_lock<std::mutex> lk(s.mu);
+  s.rethrow_worker_error();
+  if (!s.done) {
+    s.started = true;
+    s.finishing = true;
+    s.cv.notify_all();
+    s.cv.wait(lk, [&] { return s.done; });
+  }
+  s.rethrow_worker_error();
+  lk.unlock();
+  if (s.worker.joinable()) s.worker.join();
+  return s.result;
+}
+
+int Session::first_step() const { return impl_->first_step; }
+int Session::last_step() const { return impl_->last_step; }
+
+std::vector<CallRecord> Session::calls() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->calls;
+}
+
+std::string Session::where() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->where_locked();
+}
+
+}  // namespace mixlens
