@@ -1,0 +1,90 @@
+"""mixlens: read and write every value of recurrent language models (Mamba-2, ...), natively in C++.
+
+The API follows nnsight / nnterp::
+
+    import mixlens
+    model = mixlens.StandardizedTransformer("models/mamba2-tinystories")   # folder or cached hub id
+
+    with model.trace("Once upon a time") as tracer:      # or a list of prompts, or token ids
+        b = model.layers[1].linear_attn.betas             # numpy [B,T,heads], read as the forward gets there
+        model.layers[1].linear_attn.betas = b * 0.5       # consumed by the rest of the forward
+        s = model.layers[1].linear_attn.states.save()     # [B,T,heads,state,head_dim]; .save() is optional
+        out = model.logits.save()                         # [B,T,vocab]
+
+    with model.generate("Once upon a time", max_new_tokens=5) as tracer:
+        for step in tracer.iter[:]:                       # step 0 = prompt, then one token per step
+            so = model.layers[0].linear_attn.state_output
+    tracer.tokens, tracer.text
+
+The forward runs on a C++ worker thread and pauses only where the block reads or writes, so values
+are real arrays (copies) and must be visited in forward order (``model.values()``); asking for a value
+the forward has passed raises :class:`OutOfOrderError`. ``model.run(prompts, saves=[...], edits={...})``
+is the non-interleaved form. Value names and their reference quantities: ``shared/spec/values.md``;
+``model.support()`` says which exist where.
+
+Also: :func:`route_kernels` (force the chunked / recurrent algorithm per family),
+:func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids via ``huggingface_hub``), and the exception
+classes (all :class:`MixlensError`).
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    InputError,
+    MixlensError,
+    OutOfOrderError,
+    TokenizerError,
+    UnknownValueError,
+    UnsupportedError,
+    WriteError,
+)
+from . import _core  # noqa: E402  (imports mixlens.errors itself)
+from . import hub
+from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, load
+
+__version__ = "0.1.0"
+
+LanguageModel = StandardizedTransformer  # nnsight spelling
+
+__all__ = [
+    "StandardizedTransformer",
+    "LanguageModel",
+    "load",
+    "Tracer",
+    "ValueArray",
+    "Cache",
+    "Tokenizer",
+    "route_kernels",
+    "chunk_per_token",
+    "hub",
+    "MixlensError",
+    "CheckpointError",
+    "ConfigError",
+    "TokenizerError",
+    "UnknownValueError",
+    "WriteError",
+    "UnsupportedError",
+    "InputError",
+    "OutOfOrderError",
+]
+
+
+def route_kernels(family: str, route: str) -> None:
+    """Force one recurrent-mixer algorithm for a family, process-wide (like the reference's routing):
+    ``route_kernels("mamba2", "recurrent" | "chunked" | "default")``. Optional in mixlens: per-token
+    states are served on every path; use it for parity work and speed measurements.
+    InputError for another route name."""
+    _core.route_kernels(family, route)
+
+
+def kernel_route(family: str) -> str:
+    """The route set by :func:`route_kernels` for `family` ("default" when none)."""
+    return _core.kernel_route(family)
+
+
+def chunk_per_token(model: StandardizedTransformer, enabled: bool = True) -> None:
+    """Set every Mamba-2 mixer's chunk size to 1 (``enabled``) or back to config.chunk_size. Optional in
+    mixlens (per-token states are produced on any chunk size); values agree either way."""
+    model._core.set_chunk_size(1 if enabled else 0)

@@ -1,0 +1,589 @@
+"""The nnsight / nnterp-style front end over the C++ Session (see the package docstring)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from . import _core, hub
+from .errors import InputError, WriteError
+
+__all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load"]
+
+_ALL_STEPS = (0, 2**31 - 1)
+_STEP_KEY = re.compile(r"^(?P<path>.+)@step(?P<step>\d+)$")
+
+Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], np.ndarray]
+
+
+class ValueArray(np.ndarray):
+    """A value read inside a trace: a plain float32 numpy array (a copy; editing it in place changes
+    nothing), with nnsight's ``.save()`` accepted for compatibility."""
+
+    def save(self) -> "ValueArray":
+        """nnsight compatibility: reads are already real arrays, so this returns the value itself."""
+        return self
+
+    @property
+    def value(self) -> "ValueArray":
+        """nnsight < 0.4 compatibility (``saved.value``)."""
+        return self
+
+
+def _as_value(arr: Optional[np.ndarray]) -> Optional[ValueArray]:
+    return None if arr is None else arr.view(ValueArray)
+
+
+def _as_float32(value: Any, path: str) -> np.ndarray:
+    """A C-contiguous float32 copy of `value` for a write; WriteError for non-numeric dtypes."""
+    if value is None:
+        raise WriteError(f"write to '{path}': the new value is None")
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiu":
+        raise WriteError(f"write to '{path}': dtype {arr.dtype} cannot be written (values are float32)")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _steps_of(key: str) -> tuple[str, int, int]:
+    """'path' -> every step; 'path@step3' -> step 3 only."""
+    m = _STEP_KEY.match(key)
+    if m:
+        step = int(m.group("step"))
+        return m.group("path"), step, step
+    return key, *_ALL_STEPS
+
+
+def _save_specs(saves: Optional[Iterable[str]]) -> list:
+    if saves is None:
+        return []
+    if isinstance(saves, str):
+        saves = [saves]
+    return [_steps_of(s) for s in saves]
+
+
+def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]]) -> list:
+    """{path[@stepK]: array or callable(array) -> array | None} or [(path, value), ...]."""
+    if edits is None:
+        return []
+    items = edits.items() if isinstance(edits, Mapping) else edits
+    specs = []
+    for key, value in items:
+        path, first, last = _steps_of(key)
+        if callable(value):
+            fn = value
+
+            def call(v, fn=fn, path=path):
+                out = fn(v)
+                return None if out is None else _as_float32(out, path)
+
+            specs.append((path, first, last, call))
+        else:
+            specs.append((path, first, last, _as_float32(value, path)))
+    return specs
+
+
+def _generic_reason(reason: str, layer: int) -> str:
+    """'block 3 ... layers.3.x' -> 'block {i} ... layers.{i}.x' so per-block reasons can be compared."""
+    return re.sub(rf"(?<![\w.]){layer}(?![\w])|(?<=layers\.){layer}(?=\.)", "{i}", reason)
+
+
+class Tokenizer:
+    """The checkpoint's tokenizer.json, run natively (matches HF ``tokenizers``)."""
+
+    def __init__(self, core: "_core.Model"):
+        self._core = core
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (HF ``Tokenizer.encode(text).ids``). TokenizerError without tokenizer.json."""
+        return self._core.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._core.decode([int(i) for i in ids], skip_special_tokens)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._core.token_to_id(token)
+
+    def id_to_token(self, id: int) -> str:
+        return self._core.id_to_token(int(id))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.tokenizer_vocab_size
+
+
+class Cache:
+    """Recurrent state of a batch between forward calls (``model.new_cache``): conv windows and SSM
+    states per layer. ``model.forward(ids, cache=...)`` and ``model.trace(ids, cache=...)`` continue it."""
+
+    def __init__(self, core_cache: "_core.Cache"):
+        self._core = core_cache
+        self._busy = False
+
+    @property
+    def batch(self) -> int:
+        return self._core.batch
+
+    @property
+    def seen_tokens(self) -> int:
+        return self._core.seen_tokens
+
+    @property
+    def steps(self) -> int:
+        """Forward calls made with this cache: the step index of the next call."""
+        return self._core.steps
+
+    def __repr__(self) -> str:
+        return f"mixlens.Cache(batch={self.batch}, seen_tokens={self.seen_tokens}, steps={self.steps})"
+
+
+# ---- envoys: attribute access that reads / writes through the active tracer -------------------
+
+
+class _Envoy:
+    """Reads and writes ``<prefix><name>`` through the model's open tracer."""
+
+    __slots__ = ("_model", "_prefix")
+
+    def __init__(self, model: "StandardizedTransformer", prefix: str):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._model._read(self._prefix + name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name.startswith("_"):
+            raise AttributeError(f"cannot set {name!r} on {self._prefix.rstrip('.')}")
+        self._model._write(self._prefix + name, value)
+
+    def _names(self) -> list[str]:
+        """Value names under this prefix (block 0's list stands for every block of a uniform model)."""
+        layer0 = re.sub(r"^layers\.\d+\.", "layers.0.", self._prefix)
+        return sorted({v["path"][len(layer0):] for v in self._model._core.values() if v["path"].startswith(layer0)})
+
+    def __dir__(self):
+        return self._names()
+
+    def __repr__(self) -> str:
+        return f"<mixlens {self._prefix.rstrip('.')}: {', '.join(self._names())}>"
+
+
+class _Layer(_Envoy):
+    """``model.layers[i]``: ``layer_input``, ``layer_output`` (residual stream, ``[B,T,hidden]``) and the
+    components ``linear_attn`` (recurrent mixer), ``self_attn`` (attention of a hybrid), ``mlp``."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        if name in ("linear_attn", "self_attn", "mlp"):
+            return _Envoy(self._model, f"{self._prefix}{name}.")
+        return super().__getattr__(name)
+
+    def _names(self) -> list[str]:
+        return sorted({n.split(".")[0] for n in super()._names()})
+
+
+class _Layers(Sequence):
+    def __init__(self, model: "StandardizedTransformer"):
+        self._model = model
+
+    def __len__(self) -> int:
+        return self._model.num_layers
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"layer {i} out of range (the model has {n} layers)")
+        return _Layer(self._model, f"layers.{j}.")
+
+
+class _LayerValue:
+    """nnterp's ``model.layers_output[i]`` / ``model.layers_input[i]`` (read and assign by index)."""
+
+    def __init__(self, model: "StandardizedTransformer", name: str):
+        self._model, self._name = model, name
+
+    def __len__(self) -> int:
+        return self._model.num_layers
+
+    def _path(self, i: int) -> str:
+        n = self._model.num_layers
+        return f"layers.{i + n if i < 0 else i}.{self._name}"
+
+    def __getitem__(self, i: int):
+        return self._model._read(self._path(i))
+
+    def __setitem__(self, i: int, value) -> None:
+        self._model._write(self._path(i), value)
+
+
+# ---- tracer ------------------------------------------------------------------------------------
+
+
+class _StepLoop:
+    """``tracer.iter[...]``: iterating yields step indices; reads inside the loop body use that step."""
+
+    def __init__(self, tracer: "Tracer", key):
+        self._tracer, self._key = tracer, key
+
+    def __iter__(self) -> Iterator[int]:
+        tr = self._tracer
+        sess = tr._require_session()
+        first, last = sess.first_step, sess.last_step
+        key = self._key
+        if isinstance(key, slice):
+            start, stop, stride = key.indices(last - first + 1)
+            steps: Iterable[int] = (first + k for k in range(start, stop, stride))
+        elif isinstance(key, int):
+            steps = [first + (key if key >= 0 else last - first + 1 + key)]
+        else:
+            steps = [first + int(k) for k in key]
+        for step in steps:
+            if step > last:
+                break
+            if not sess.reach_step(step):  # the generation ended (EOS) before this step
+                break
+            tr._step = step
+            yield step
+
+
+class _StepIndexer:
+    def __init__(self, tracer: "Tracer"):
+        self._tracer = tracer
+
+    def __getitem__(self, key) -> _StepLoop:
+        return _StepLoop(self._tracer, key)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(_StepLoop(self._tracer, slice(None)))
+
+
+class Tracer:
+    """The object of ``with model.trace(...) as tracer`` / ``with model.generate(...) as tracer``.
+
+    Inside the block, ``model.<...>`` reads block until the forward (running on a C++ worker thread)
+    reaches the value, and assignments replace it before it is consumed. Reads and writes go in
+    forward order (``model.values()``); going back raises :class:`mixlens.OutOfOrderError`.
+
+    After the block: ``tracer.logits`` (trace: ``[B,T,vocab]``; teacher-forced generate: one array per
+    step), ``tracer.tokens`` / ``tracer.text`` (generate: the new tokens / their text, per prompt, or a
+    single list / str for a single prompt), ``tracer.saved`` (pre-registered ``saves``), ``tracer.calls``
+    (kernel and length of every forward call).
+    """
+
+    def __init__(self, model: "StandardizedTransformer", kind: str, inputs: Prompt, *, cache: Optional[Cache] = None,
+                 saves=None, edits=None, forced_tokens=None, **gen):
+        self._model = model
+        self._kind = kind
+        self._rows, self._single = model._rows(inputs)
+        self._cache = cache
+        self._saves = _save_specs(saves)
+        self._edits = _edit_specs(edits)
+        self._forced = forced_tokens
+        self._gen = gen
+        self._session = None
+        self._step = 0
+        self._result: Optional[dict] = None
+        self._calls: list = []
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> "Tracer":
+        m = self._model
+        if m._tracer is not None:
+            raise InputError("a trace is already open on this model; finish it before starting another")
+        core = m._core
+        if self._kind == "trace" and self._cache is None:
+            self._session = _core.session_run(core, self._rows, self._saves, self._edits)
+        elif self._kind == "trace":
+            if self._cache._busy:
+                raise InputError("this cache is in use by another open trace")
+            self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits)
+            self._cache._busy = True
+        elif self._forced is not None:
+            forced = [list(map(int, r)) for r in np.atleast_2d(np.asarray(self._forced, dtype=np.int64))]
+            self._session = _core.session_teacher_forced(core, self._rows, forced, self._saves, self._edits)
+        else:
+            self._session = _core.session_generate(core, self._rows, saves=self._saves, edits=self._edits, **self._gen)
+        self._step = self._session.first_step
+        m._tracer = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._model._tracer = None
+        sess, self._session = self._session, None
+        try:
+            if exc_type is None:
+                self._result = sess.finish()
+            self._calls = sess.calls
+        finally:
+            sess.close()
+            if self._cache is not None:
+                self._cache._busy = False
+        return False
+
+    def run(self) -> "Tracer":
+        """Run without an interleaved block (pre-registered ``saves`` / ``edits`` only); returns self."""
+        with self:
+            pass
+        return self
+
+    # -- reads / writes (used by the envoys) --------------------------------------------------
+    def _require_session(self):
+        if self._session is None:
+            raise InputError("this tracer is not open: values are read inside its `with` block")
+        return self._session
+
+    def _read(self, path: str) -> Optional[ValueArray]:
+        return _as_value(self._require_session().read(self._step, path))
+
+    def _write(self, path: str, value) -> None:
+        self._require_session().write(self._step, path, _as_float32(value, path))
+
+    # -- steps ------------------------------------------------------------------------------
+    @property
+    def iter(self) -> _StepIndexer:
+        """``for step in tracer.iter[:]`` / ``[0:3]`` / ``[2]`` / ``[[0, 2]]``: each iteration waits until that
+        forward call starts; reads in the body address that step. Stops early when generation ends."""
+        return _StepIndexer(self)
+
+    def all(self) -> _StepLoop:
+        """nnsight's ``tracer.all()``: every step (same as ``tracer.iter[:]``)."""
+        return _StepLoop(self, slice(None))
+
+    @property
+    def step(self) -> int:
+        """The step reads and writes address now (0 = the prompt)."""
+        return self._step
+
+    # -- results ----------------------------------------------------------------------------
+    def _done(self) -> dict:
+        if self._result is None:
+            raise InputError("results are available after the `with` block has finished without an error")
+        return self._result
+
+    @property
+    def logits(self):
+        """trace: logits ``[B,T,vocab]`` float32; teacher-forced generate: a list, one array per step."""
+        logits = self._done()["logits"]
+        if self._kind == "trace":
+            return logits[0]
+        return logits or None
+
+    output = logits  # nnsight spelling
+
+    @property
+    def tokens(self):
+        """generate: the new token ids per prompt (a single list for a single prompt)."""
+        toks = self._done()["new_tokens"]
+        return toks[0] if self._single else toks
+
+    @property
+    def text(self):
+        """generate: the decoded new tokens per prompt (a single str for a single prompt)."""
+        toks = self._done()["new_tokens"]
+        texts = [self._model.tokenizer.decode(t) for t in toks]
+        return texts[0] if self._single else texts
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return self._rows
+
+    @property
+    def steps(self) -> int:
+        """Forward calls made."""
+        return self._done()["steps"]
+
+    @property
+    def saved(self) -> dict:
+        """Pre-registered saves: trace -> {path: array}; generate -> {path: [array per step, None where
+        the value does not exist (state_input at step 0)]}."""
+        raw = self._done()["saved"]
+        if self._kind == "trace":
+            return {_STEP_KEY.match(k).group("path"): _as_value(v) for k, v in raw.items()}
+        out: dict = {}
+        n = self.steps
+        for k, v in raw.items():
+            m = _STEP_KEY.match(k)
+            out.setdefault(m.group("path"), [None] * n)[int(m.group("step"))] = _as_value(v)
+        return out
+
+    @property
+    def calls(self) -> list[dict]:
+        """Every forward call: step, batch, seq, fresh (no cached state before), kernel ('chunked' or
+        'recurrent')."""
+        return self._session.calls if self._session is not None else self._calls
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+class StandardizedTransformer:
+    """A recurrent LM (Mamba-2, ...) loaded natively, with nnterp's standardized names.
+
+    ``StandardizedTransformer(path_or_hub_id)`` loads a checkpoint folder (config.json, *.safetensors,
+    tokenizer.json) or a hub id from the local HuggingFace cache (never the network). With ``cache_dir`` /
+    ``revision`` / ``use_hub=True`` the id is resolved through ``huggingface_hub`` (:mod:`mixlens.hub`).
+
+    Values (read inside ``with model.trace(...)``; shapes for Mamba-2, ``B`` prompts, ``T`` tokens):
+
+    ==========================================  ====================================================
+    ``model.embed_tokens.output``               ``[B,T,hidden]`` token embeddings
+    ``model.layers[i].layer_input / output``    ``[B,T,hidden]`` residual stream entering / leaving block i
+    ``model.layers[i].linear_attn.<value>``     the recurrent mixer (values.md): ``attention_queries`` (C,
+                                                ``[B,T,G,N]``), ``attention_keys`` (B), ``attention_values`` (x,
+                                                ``[B,T,H,P]``), ``betas`` (dt, ``[B,T,H]``, >= 0), ``decays`` (A*dt,
+                                                <= 0), ``state_input`` (``[B,H,N,P]``, None on a fresh prompt),
+                                                ``state_output``, ``states`` (``[B,T,H,N,P]``, read-only),
+                                                ``attention_head_outputs`` (y, ``[B,T,H,P]``), ``attention_output``
+    ``model.layers[i].self_attn.*`` / ``.mlp``  attention / MLP of hybrid blocks (an error naming the block's
+                                                kind where a block has none)
+    ``model.ln_final.output``, ``model.logits`` ``[B,T,hidden]``, ``[B,T,vocab]``
+    ==========================================  ====================================================
+
+    All values are float32 numpy arrays (copies). The numerical reference is HF transformers'
+    pure-torch implementation; ``model.values()`` lists every path with its shape and meaning.
+    """
+
+    def __init__(self, path_or_hub_id: str = None, *, cache_dir: Optional[str] = None, revision: Optional[str] = None,
+                 use_hub: bool = False):
+        if path_or_hub_id is None:
+            raise InputError("give a checkpoint folder or a hub id")
+        path = str(path_or_hub_id)
+        if use_hub or cache_dir is not None or revision is not None:
+            path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
+        self._core = _core.Model.load(path)
+        self._tracer: Optional[Tracer] = None
+        self.layers = _Layers(self)
+        self.embed_tokens = _Envoy(self, "embed_tokens.")
+        self.ln_final = _Envoy(self, "ln_final.")
+        self.layers_input = _LayerValue(self, "layer_input")
+        self.layers_output = _LayerValue(self, "layer_output")
+        self.tokenizer = Tokenizer(self._core)
+
+    # -- description ------------------------------------------------------------------------
+    @property
+    def info(self) -> dict:
+        """family, model_type, path, num_layers, hidden_size, vocab_size, layer_kinds."""
+        return self._core.info
+
+    @property
+    def num_layers(self) -> int:
+        return self._core.info["num_layers"]
+
+    def values(self, batch: int = 1, seq: int = 1) -> list[dict]:
+        """Every value in forward order for a call of `batch` rows and `seq` tokens: path, layer, shape,
+        writable, per_token, meaning (the reference quantity it equals)."""
+        return self._core.values(batch, seq)
+
+    def support(self) -> dict:
+        """values.md ``support()``: value name (``"linear_attn.states"``) -> None when available, else the
+        reason (a sentence naming the cause and what to use instead). Where every block answers alike
+        the entry is one value, the reason's block index written ``{i}``; where blocks differ (hybrids)
+        it is a per-layer ``{layer: None | reason}`` mapping."""
+        out = {}
+        for name, per_layer in self._core.support().items():
+            reasons = {layer: (r or None) for layer, r in per_layer.items()}
+            generic = {r if r is None or layer < 0 else _generic_reason(r, layer) for layer, r in reasons.items()}
+            out[name] = next(iter(generic)) if len(generic) == 1 else reasons
+        return out
+
+    def __repr__(self) -> str:
+        i = self.info
+        return f"mixlens.StandardizedTransformer({i['family']}, {i['num_layers']} layers, path={i['path']!r})"
+
+    # -- inputs -----------------------------------------------------------------------------
+    def _rows(self, inputs: Prompt) -> tuple[list[list[int]], bool]:
+        """Token rows and whether the input was a single prompt."""
+        if isinstance(inputs, str):
+            return [self.tokenizer.encode(inputs)], True
+        if hasattr(inputs, "__array__") and not isinstance(inputs, (list, tuple)):
+            arr = np.asarray(inputs)
+            if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
+                raise InputError(f"token ids must be a 1-D or 2-D integer array, got {arr.dtype} {arr.shape}")
+            return ([arr.tolist()], True) if arr.ndim == 1 else (arr.tolist(), False)
+        if not isinstance(inputs, (list, tuple)) or len(inputs) == 0:
+            raise InputError("inputs must be a prompt string, a list of prompts, or token ids")
+        if all(isinstance(x, str) for x in inputs):
+            return [self.tokenizer.encode(x) for x in inputs], False
+        if all(isinstance(x, (int, np.integer)) for x in inputs):
+            return [[int(x) for x in inputs]], True
+        if all(isinstance(x, (list, tuple, np.ndarray)) for x in inputs):
+            return [[int(t) for t in row] for row in inputs], False
+        raise InputError("inputs must be a prompt string, a list of prompts, token ids, or a list of token-id rows")
+
+    # -- value access through the open tracer ----------------------------------------------
+    def _tracer_for(self, path: str) -> Tracer:
+        if self._tracer is None:
+            raise InputError(f"'{path}' is read inside `with model.trace(...)` or `with model.generate(...)`")
+        return self._tracer
+
+    def _read(self, path: str):
+        return self._tracer_for(path)._read(path)
+
+    def _write(self, path: str, value) -> None:
+        self._tracer_for(path)._write(path, value)
+
+    @property
+    def logits(self) -> ValueArray:
+        """``[B,T,vocab]`` float32 logits of the current step (read inside a trace)."""
+        return self._read("logits")
+
+    @logits.setter
+    def logits(self, value) -> None:
+        self._write("logits", value)
+
+    # -- runs ---------------------------------------------------------------------------------
+    def trace(self, inputs: Prompt, *, cache: Optional[Cache] = None, saves=None, edits=None) -> Tracer:
+        """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
+        ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
+        every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
+        ``{path: array | fn(array) -> array}`` applied before the block sees the value."""
+        return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits)
+
+    def generate(self, inputs: Prompt, max_new_tokens: int = 20, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 eos_token_id: Optional[int] = None, forced_tokens=None, saves=None, edits=None) -> Tracer:
+        """Generation: step 0 runs the prompt, steps 1..max_new_tokens-1 one token each; greedy unless
+        `do_sample` (temperature / top_k / top_p / seed as transformers). Stops a row at EOS
+        (config.eos_token_id, or `eos_token_id`; -1 disables). `forced_tokens` (one row per prompt)
+        teacher-forces the tokens fed after each step instead (``tracer.tokens`` then holds each step's
+        greedy prediction and ``tracer.logits`` every step's logits). Use as ``with ... as tracer`` and
+        ``tracer.iter``, or ``.run()``."""
+        gen = dict(max_new_tokens=int(max_new_tokens), greedy=not do_sample, temperature=float(temperature),
+                   top_k=int(top_k), top_p=float(top_p), seed=int(seed),
+                   eos_token_id=None if eos_token_id is None else int(eos_token_id))
+        return Tracer(self, "generate", inputs, saves=saves, edits=edits, forced_tokens=forced_tokens, **gen)
+
+    def run(self, inputs: Prompt, saves=None, edits=None) -> dict:
+        """One forward with pre-registered saves / edits (no block): {"logits": [B,T,vocab], path: array}."""
+        logits, saved = self._core.run(self._rows(inputs)[0], _save_specs(saves), _edit_specs(edits))
+        out = {"logits": logits}
+        out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
+        return out
+
+    def new_cache(self, batch: int = 1) -> Cache:
+        """An empty cache for `batch` rows, for ``forward`` / ``trace(..., cache=)`` continuations."""
+        return Cache(self._core.new_cache(int(batch)))
+
+    def forward(self, inputs: Prompt, cache: Cache, saves=None, edits=None) -> dict:
+        """One forward call continuing `cache` (updated in place): {"logits": [B,T,vocab], path: array}.
+        Several new tokens over a cached state run the chunked kernel from that state."""
+        if cache._busy:
+            raise InputError("this cache is in use by an open trace")
+        logits, saved = self._core.forward(self._rows(inputs)[0], cache._core, _save_specs(saves), _edit_specs(edits))
+        out = {"logits": logits}
+        out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
+        return out
+
+
+def load(path_or_hub_id: str, **kwargs) -> StandardizedTransformer:
+    """Same as ``StandardizedTransformer(path_or_hub_id, **kwargs)``."""
+    return StandardizedTransformer(path_or_hub_id, **kwargs)

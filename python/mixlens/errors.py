@@ -1,0 +1,62 @@
+"""mixlens exception classes. Every error the C++ library raises arrives as one of these.
+
+All derive from :class:`MixlensError`; where a builtin fits they also derive from it, so
+``except KeyError``-style code keeps working (``UnknownValueError`` is a ``LookupError``, ``WriteError``
+and ``InputError`` are ``ValueError``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MixlensError",
+    "CheckpointError",
+    "ConfigError",
+    "TokenizerError",
+    "UnknownValueError",
+    "WriteError",
+    "UnsupportedError",
+    "InputError",
+    "OutOfOrderError",
+]
+
+
+class MixlensError(Exception):
+    """Base of every mixlens error."""
+
+
+class CheckpointError(MixlensError):
+    """A checkpoint folder / file is missing, truncated or corrupt, or lacks / mis-shapes a tensor;
+    also a hub id that is not in the local HuggingFace cache."""
+
+
+class ConfigError(MixlensError):
+    """config.json is missing, not JSON, or a field is absent, of the wrong type or inconsistent."""
+
+
+class TokenizerError(MixlensError):
+    """tokenizer.json is missing or malformed, or uses a component mixlens does not support."""
+
+
+class UnknownValueError(MixlensError, LookupError):
+    """A value path that does not exist for this model. The message suggests the nearest valid path,
+    or names the block's kind when a block lacks the component (``self_attn`` on a Mamba block)."""
+
+
+class WriteError(MixlensError, ValueError):
+    """A write of the wrong shape or dtype, with NaN, out of range (``betas < 0``, ``decays > 0``), or to
+    a read-only value (``states``). Nothing is applied when it is raised."""
+
+
+class UnsupportedError(MixlensError):
+    """An architecture / model_type / feature mixlens does not implement."""
+
+
+class InputError(MixlensError, ValueError):
+    """Bad arguments: empty prompt, token id outside the vocabulary, bad generation options, a step the
+    run never makes."""
+
+
+class OutOfOrderError(InputError):
+    """Inside a ``with model.trace(...)`` block: a value the forward has already computed and consumed
+    was asked for. Values are served in forward order; the message names the value asked for and the
+    one the forward is at."""

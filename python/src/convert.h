@@ -1,0 +1,82 @@
+// Conversions shared by the binding files: mixlens::Tensor <-> numpy float32 (always copies, so
+// Python never aliases memory the forward still uses), and the (path, steps, value) lists the
+// Python layer passes for pre-registered saves and edits.
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "mixlens/errors.h"
+#include "mixlens/tensor.h"
+#include "mixlens/trace.h"
+
+namespace mixlens::py {
+
+namespace nb = nanobind;
+
+using FloatArray = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+
+/// A numpy float32 array over `t`'s storage, which it keeps alive: pass a tensor nobody else
+/// holds (a clone). None for an undefined tensor. Needs the GIL.
+inline nb::object to_numpy(Tensor t) {
+  if (!t.defined()) return nb::none();
+  auto* keep = new Tensor(std::move(t));
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  std::vector<size_t> shape(keep->shape().begin(), keep->shape().end());
+  return nb::ndarray<nb::numpy, float>(keep->data(), shape.size(), shape.data(), owner).cast();
+}
+
+/// A Tensor copy of a C-contiguous float32 array (the Python layer casts and checks dtypes first).
+inline Tensor from_numpy(const FloatArray& a) {
+  Shape shape;
+  for (size_t i = 0; i < a.ndim(); ++i) shape.push_back(static_cast<int64_t>(a.shape(i)));
+  Tensor t(shape);
+  if (t.numel() > 0) std::memcpy(t.data(), a.data(), sizeof(float) * static_cast<size_t>(t.numel()));
+  return t;
+}
+
+/// Saves as (path, first_step, last_step).
+using SaveSpec = std::tuple<std::string, int, int>;
+/// Edits as (path, first_step, last_step, value): value is a float32 array (replaces the value) or
+/// a callable value -> new value (None keeps it), called with the GIL held.
+using EditSpec = std::tuple<std::string, int, int, nb::object>;
+
+inline void register_saves(Trace& trace, const std::vector<SaveSpec>& saves) {
+  for (const auto& [path, first, last] : saves) trace.save(path, Steps::range(first, last));
+}
+
+inline void register_edits(Trace& trace, const std::vector<EditSpec>& edits) {
+  for (const auto& [path, first, last, value] : edits) {
+    if (PyCallable_Check(value.ptr())) {
+      nb::object fn = value;
+      // The forward may run on a worker thread with the GIL released: take it for the call.
+      trace.edit(path,
+                 [fn](Tensor& v, const SiteContext&) {
+                   nb::gil_scoped_acquire gil;
+                   // A copy: changing the array in place and returning None changes nothing.
+                   nb::object out = fn(to_numpy(v.defined() ? v.clone() : Tensor()));
+                   if (out.is_none()) return;
+                   v = from_numpy(nb::cast<FloatArray>(out));
+                 },
+                 Steps::range(first, last));
+    } else {
+      trace.set(path, from_numpy(nb::cast<FloatArray>(value)), Steps::range(first, last));
+    }
+  }
+}
+
+/// Trace::saved() as {"path@step{k}": array}.
+inline nb::dict saved_dict(const Trace& trace) {
+  nb::dict d;
+  for (const auto& [key, t] : trace.saved()) d[nb::str(key.c_str())] = to_numpy(t.clone());
+  return d;
+}
+
+}  // namespace mixlens::py

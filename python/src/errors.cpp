@@ -1,0 +1,57 @@
+// Maps every mixlens C++ exception type to its Python class (defined in mixlens/errors.py, where
+// they can also inherit the matching builtin: LookupError, ValueError).
+#include <Python.h>
+
+#include "bindings.h"
+#include "mixlens/errors.h"
+
+namespace mixlens::py {
+
+namespace {
+
+struct Classes {
+  nb::handle base, checkpoint, config, tokenizer, unknown_value, write, unsupported, input, out_of_order;
+};
+Classes g_classes;
+
+void raise(nb::handle cls, const std::exception& e) { PyErr_SetString(cls.ptr(), e.what()); }
+
+}  // namespace
+
+void init_errors(nb::module_& m) {
+  nb::module_ errors = nb::module_::import_("mixlens.errors");
+  auto get = [&](const char* name) {
+    nb::object cls = errors.attr(name);
+    m.attr(name) = cls;
+    return cls.release();  // kept for the life of the process, like the module
+  };
+  g_classes = {get("MixlensError"), get("CheckpointError"), get("ConfigError"),  get("TokenizerError"),
+               get("UnknownValueError"), get("WriteError"), get("UnsupportedError"), get("InputError"),
+               get("OutOfOrderError")};
+  // Most derived first; anything else propagates to nanobind's own translators.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const OutOfOrderError& e) {
+      raise(g_classes.out_of_order, e);
+    } catch (const InputError& e) {
+      raise(g_classes.input, e);
+    } catch (const CheckpointError& e) {
+      raise(g_classes.checkpoint, e);
+    } catch (const ConfigError& e) {
+      raise(g_classes.config, e);
+    } catch (const TokenizerError& e) {
+      raise(g_classes.tokenizer, e);
+    } catch (const UnknownValueError& e) {
+      raise(g_classes.unknown_value, e);
+    } catch (const WriteError& e) {
+      raise(g_classes.write, e);
+    } catch (const UnsupportedError& e) {
+      raise(g_classes.unsupported, e);
+    } catch (const Error& e) {
+      raise(g_classes.base, e);
+    }
+  });
+}
+
+}  // namespace mixlens::py

@@ -1,0 +1,167 @@
+// Model, Cache, kernel routing: the non-interleaved API (pre-registered saves and edits).
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings.h"
+#include "mixlens/model.h"
+
+namespace mixlens::py {
+
+using Rows = std::vector<std::vector<int32_t>>;
+
+GenerateOptions make_options(int max_new_tokens, bool greedy, float temperature, int top_k, float top_p,
+                             uint64_t seed, std::optional<int32_t> eos_token_id) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new_tokens;
+  o.greedy = greedy;
+  o.temperature = temperature;
+  o.top_k = top_k;
+  o.top_p = top_p;
+  o.seed = seed;
+  o.eos_token_id = eos_token_id;
+  return o;
+}
+
+Batch continuation_batch(const Rows& rows) {
+  Batch b = Batch::left_padded(rows, 0);
+  if (b.has_padding())
+    throw InputError("forward with a cache: every row must have the same number of tokens (got ragged rows; "
+                     "left padding is only meaningful at the start of a sequence)");
+  return b;
+}
+
+namespace {
+
+nb::dict info_dict(const Model& m) {
+  const ModelInfo& i = m.info();
+  nb::dict d;
+  d["family"] = i.family;
+  d["model_type"] = i.model_type;
+  d["path"] = i.path;
+  d["num_layers"] = i.num_layers;
+  d["hidden_size"] = i.hidden_size;
+  d["vocab_size"] = i.vocab_size;
+  nb::list kinds;
+  for (LayerKind k : i.layer_kinds) kinds.append(nb::str(std::string(layer_kind_name(k)).c_str()));
+  d["layer_kinds"] = kinds;
+  return d;
+}
+
+nb::list values_list(const Model& m, int64_t batch, int64_t seq) {
+  nb::list out;
+  for (const ValueInfo& v : m.values(batch, seq)) {
+    nb::dict d;
+    d["path"] = v.path;
+    d["layer"] = v.site.layer;
+    d["shape"] = nb::tuple(nb::cast(v.shape));
+    d["writable"] = v.writable;
+    d["per_token"] = v.per_token;
+    d["meaning"] = v.meaning;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+void init_model(nb::module_& m) {
+  m.def("route_kernels", &route_kernels, nb::arg("family"), nb::arg("route"),
+        "Force the recurrent-mixer algorithm of a family process-wide: 'recurrent', 'chunked' or 'default'.");
+  m.def(
+      "kernel_route",
+      [](const std::string& family) -> std::string {
+        switch (kernel_route(family)) {
+          case KernelRoute::chunked: return "chunked";
+          case KernelRoute::recurrent: return "recurrent";
+          default: return "default";
+        }
+      },
+      nb::arg("family"));
+  m.def(
+      "set_chunk_size", [](Model& model, int64_t chunk) { model.set_chunk_size(chunk); }, nb::arg("model"),
+      nb::arg("chunk_size"), "Mamba-2 chunk size override (1 = chunk_per_token); 0 restores config.chunk_size.");
+
+  nb::class_<Cache>(m, "Cache", "Cached recurrent state of a batch (conv windows and SSM states per layer).")
+      .def_prop_ro("batch", &Cache::batch)
+      .def_prop_ro("seen_tokens", &Cache::seen_tokens)
+      .def_prop_ro("steps", &Cache::steps, "forward calls made with this cache (the next call's step index)");
+
+  nb::class_<Model>(m, "Model")
+      .def_static(
+          "load", [](const std::string& path) { nb::gil_scoped_release r; return Model::load(path); }, nb::arg("path"))
+      .def_prop_ro("info", &info_dict)
+      .def("values", &values_list, nb::arg("batch") = 1, nb::arg("seq") = 1)
+      .def("support", &Model::support)
+      .def_prop_ro("has_tokenizer", &Model::has_tokenizer)
+      .def_prop_ro("pad_token_id", &Model::pad_token_id)
+      .def_prop_ro("eos_token_id", &Model::eos_token_id)
+      .def(
+          "encode", [](const Model& mo, const std::string& text, bool special) { return mo.tokenizer().encode(text, special); },
+          nb::arg("text"), nb::arg("add_special_tokens") = true)
+      .def(
+          "decode",
+          [](const Model& mo, const std::vector<int32_t>& ids, bool skip) { return mo.tokenizer().decode(ids, skip); },
+          nb::arg("ids"), nb::arg("skip_special_tokens") = false)
+      .def("token_to_id", [](const Model& mo, const std::string& t) { return mo.tokenizer().token_to_id(t); })
+      .def("id_to_token", [](const Model& mo, int32_t id) { return mo.tokenizer().id_to_token(id); })
+      .def_prop_ro("tokenizer_vocab_size", [](const Model& mo) { return mo.tokenizer().vocab_size(); })
+      .def("set_chunk_size", &Model::set_chunk_size, nb::arg("chunk_size"))
+      .def("new_cache", &Model::new_cache, nb::arg("batch"), nb::keep_alive<0, 1>())
+      .def(
+          "run",
+          [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves,
+             const std::vector<EditSpec>& edits) {
+            Trace trace;
+            register_saves(trace, saves);
+            register_edits(trace, edits);
+            Tensor logits;
+            {
+              nb::gil_scoped_release r;
+              logits = mo.run(prompts, &trace);
+            }
+            return nb::make_tuple(to_numpy(std::move(logits)), saved_dict(trace));
+          },
+          nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{}, nb::arg("edits") = std::vector<EditSpec>{},
+          "One forward of left-padded prompts: (logits [B,T,V], {'path@step0': array}).")
+      .def(
+          "generate",
+          [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,
+             float top_p, uint64_t seed, std::optional<int32_t> eos, const std::vector<SaveSpec>& saves,
+             const std::vector<EditSpec>& edits) {
+            Trace trace;
+            register_saves(trace, saves);
+            register_edits(trace, edits);
+            GenerationResult g;
+            {
+              nb::gil_scoped_release r;
+              g = mo.generate(prompts, make_options(max_new_tokens, greedy, temperature, top_k, top_p, seed, eos), &trace);
+            }
+            return nb::make_tuple(g.new_tokens, g.steps, saved_dict(trace));
+          },
+          nb::arg("prompts"), nb::arg("max_new_tokens"), nb::arg("greedy") = true, nb::arg("temperature") = 1.0f,
+          nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("seed") = 0, nb::arg("eos_token_id") = nb::none(),
+          nb::arg("saves") = std::vector<SaveSpec>{}, nb::arg("edits") = std::vector<EditSpec>{},
+          "(new tokens per prompt, steps, {'path@step{k}': array}).")
+      .def(
+          "forward",
+          [](const Model& mo, const Rows& rows, Cache& cache, const std::vector<SaveSpec>& saves,
+             const std::vector<EditSpec>& edits, bool all_logits) {
+            Trace trace;
+            register_saves(trace, saves);
+            register_edits(trace, edits);
+            Batch b = continuation_batch(rows);
+            Tensor logits;
+            {
+              nb::gil_scoped_release r;
+              logits = mo.forward(b, cache, &trace, all_logits);
+            }
+            return nb::make_tuple(to_numpy(std::move(logits)), saved_dict(trace));
+          },
+          nb::arg("rows"), nb::arg("cache"), nb::arg("saves") = std::vector<SaveSpec>{},
+          nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("all_logits") = true,
+          "One forward call continuing `cache` (updated in place): (logits, saved).");
+}
+
+}  // namespace mixlens::py

@@ -1,0 +1,8 @@
+#include "bindings.h"
+
+NB_MODULE(_core, m) {
+  m.doc() = "mixlens native core: models, traces and the interleaving Session (use the `mixlens` package)";
+  mixlens::py::init_errors(m);
+  mixlens::py::init_model(m);
+  mixlens::py::init_session(m);
+}

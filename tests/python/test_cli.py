@@ -1,0 +1,159 @@
+"""The `mixlens` command as installed (.venv/bin/mixlens, else the build tree's binary): generate,
+run --save/--out, inspect, tokenize, against transformers; every bad input exits non-zero with a
+clear one-line message."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import oracle_mamba2 as om
+from conftest import REPO, SHIPPED_MODEL, rel_rms, tolerance
+
+PROMPT = "Once upon a time, there was a little"
+
+
+def find_cli() -> str:
+    for cand in (Path(sys.executable).parent / "mixlens", REPO / ".venv" / "bin" / "mixlens", REPO / "build" / "py" / "mixlens"):
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    pytest.fail("the mixlens CLI is not installed: run `make build`")
+
+
+def cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([find_cli(), *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def torch_model(text_model_dir):
+    import torch
+    from transformers import Mamba2ForCausalLM
+
+    return Mamba2ForCausalLM.from_pretrained(str(text_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(text_model_dir):
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(text_model_dir / "tokenizer.json")).encode(PROMPT).ids
+
+
+def test_generate_greedy_matches_transformers(text_model_dir, torch_model, prompt_ids):
+    import torch
+
+    n = 8
+    r = cli("generate", "--model", text_model_dir, PROMPT, "--max-new-tokens", n, "--greedy")
+    assert r.returncode == 0, r.stderr
+    with torch.no_grad():
+        out = torch_model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                   pad_token_id=torch_model.config.pad_token_id)
+    new = out[0, len(prompt_ids):].tolist()
+    import tokenizers
+
+    text = tokenizers.Tokenizer.from_file(str(text_model_dir / "tokenizer.json")).decode(new)
+    assert r.stdout == PROMPT + text + "\n"
+
+
+@pytest.mark.skipif(not (SHIPPED_MODEL / "config.json").is_file(), reason="models/mamba2-tinystories is not trained yet")
+def test_generate_on_the_shipped_model():
+    r = cli("generate", PROMPT, "--max-new-tokens", 20, "--greedy")  # the default model
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(PROMPT) and len(r.stdout) > len(PROMPT) + 20
+    again = cli("generate", "--model", SHIPPED_MODEL, PROMPT, "--max-new-tokens", 20, "--greedy")
+    assert again.stdout == r.stdout  # greedy is deterministic, and the default is the shipped model
+
+
+def test_run_save_out_writes_transformers_values(tmp_path, text_model_dir, torch_model, prompt_ids):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "values.safetensors"
+    paths = ["layers.1.linear_attn.states", "layers.0.linear_attn.betas", "logits"]
+    r = cli("run", "--model", text_model_dir, PROMPT, *sum((["--save", p] for p in paths), []), "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    assert set(got) == set(paths)
+    ref = om.run(torch_model, [prompt_ids], 1)
+    for p in paths:
+        assert got[p].dtype == np.float32
+        assert rel_rms(got[p], ref[om.key(p, 0)]) <= tolerance(p), p
+    with safe_open(str(out), "np") as f:
+        meta = json.loads(f.metadata()["mixlens"])
+    assert Path(meta["model"]).resolve() == Path(text_model_dir).resolve()
+    assert meta["prompts"] == [PROMPT] and meta["prompt_ids"] == [prompt_ids]
+
+
+def test_generate_save_writes_per_step_keys(tmp_path, text_model_dir, torch_model, prompt_ids):
+    from safetensors.numpy import load_file
+
+    n = 4
+    out = tmp_path / "gen.safetensors"
+    r = cli("generate", "--model", text_model_dir, PROMPT, "--max-new-tokens", n, "--greedy",
+            "--save", "layers.*.linear_attn.state_output", "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    ref = om.run(torch_model, [prompt_ids], n)
+    want = {om.key(f"layers.{i}.linear_attn.state_output", k) for i in range(2) for k in range(n)}
+    assert set(got) == want
+    for k in want:
+        assert rel_rms(got[k], ref[k]) <= tolerance(k), k
+
+
+def test_inspect_and_tokenize(text_model_dir, prompt_ids):
+    r = cli("inspect", "--model", text_model_dir, "--prompt-length", 5)
+    assert r.returncode == 0, r.stderr
+    assert "family: mamba2" in r.stdout
+    assert "layers.1.linear_attn.states  [1, 5, 4, 16, 16]  read-only" in r.stdout
+    assert "self_attn.attention_output" in r.stdout  # listed as not available, with the reason
+    t = cli("tokenize", "--model", text_model_dir, PROMPT)
+    assert t.returncode == 0, t.stderr
+    assert json.loads(t.stdout.splitlines()[0]) == prompt_ids
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
+    assert r.returncode != 0
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert lines and all(n in lines[0] for n in needles), r.stderr
+    assert len(lines) <= 2 and (len(lines) == 1 or "--help" in lines[1]), r.stderr  # message (+ usage hint)
+    return lines[0]
+
+
+def test_bad_inputs_exit_non_zero_with_a_clear_message(tmp_path, text_model_dir):
+    _one_line_error(cli("generate", "--model", tmp_path / "nope", "hi", "--max-new-tokens", 2), "nope", "does not exist")
+    _one_line_error(cli("run", "--model", text_model_dir, "hi", "--save", "layers.0.linear_attn.beta", "--out", tmp_path / "x"),
+                    "layers.0.linear_attn.beta", "did you mean 'layers.0.linear_attn.betas'")
+    _one_line_error(cli("run", "--model", text_model_dir, "hi", "--save", "layers.9.linear_attn.betas", "--out", tmp_path / "x"),
+                    "out of range")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(text_model_dir, truncated)
+    st = truncated / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    _one_line_error(cli("generate", "--model", truncated, "hi", "--max-new-tokens", 2), "model.safetensors")
+
+    unknown = tmp_path / "unknown_type"
+    shutil.copytree(text_model_dir, unknown)
+    cfg = json.loads((unknown / "config.json").read_text())
+    cfg["model_type"] = "falcon_mamba_x"
+    (unknown / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(cli("inspect", "--model", unknown), "model_type 'falcon_mamba_x'", "not supported")
+
+    no_tok = tmp_path / "no_tokenizer"
+    shutil.copytree(text_model_dir, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    _one_line_error(cli("tokenize", "--model", no_tok, "hi"), "tokenizer.json")
+
+    _one_line_error(cli("generate", "--model", text_model_dir, "hi"), "--max-new-tokens")
+    _one_line_error(cli("generate", "--model", text_model_dir, "hi", "--max-new-tokens", "x"), "expects a number")
+    _one_line_error(cli("frobnicate"), "unknown command")
+    _one_line_error(cli("run", "--model", text_model_dir, "--ids", "5,99999999", "--save", "logits", "--out", tmp_path / "y"),
+                    "outside the vocabulary")
