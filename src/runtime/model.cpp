@@ -127,11 +127,16 @@ Model Model::load(const std::string& path_or_hub_id) {
   m.impl_->family = detail::build_family(config, weights);
   m.impl_->family->info.path = dir.string();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
+  // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the
+  // top level: fall back there when the top level has none.
   auto id_field = [&](const char* key) -> std::optional<int32_t> {
-    if (!config.has(key) || config.json()[key].is_null()) return std::nullopt;
-    const auto& j = config.json()[key];
+    const bool nested = (!config.has(key) || config.is_null(key)) && config.has("text_config") &&
+                        !config.is_null("text_config");
+    const io::Config src = nested ? config.sub("text_config") : config;
+    if (!src.has(key) || src.is_null(key)) return std::nullopt;
+    const auto& j = src.json()[key];
     if (j.is_array()) return j.empty() ? std::nullopt : std::optional<int32_t>(j[0].get<int32_t>());
-    return config.get<int32_t>(key);
+    return src.get<int32_t>(key);
   };
   m.impl_->eos_id = id_field("eos_token_id");
   m.impl_->pad_id = id_field("pad_token_id").value_or(m.impl_->eos_id.value_or(0));
