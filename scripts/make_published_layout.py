@@ -214,5 +214,103 @@ def main(argv=None) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------
+# Qwen/Qwen3.5-0.8B layout (added for the gated DeltaNet families; the Mamba-2 code above is
+# unchanged). The published checkpoint is the vision-language model: config.json has model_type
+# "qwen3_5" with the text model in text_config, and the weights live under
+# model.language_model.* (text), model.visual.* (vision) with lm_head tied to the embeddings.
+# Values: docs/ copy of /work/shared/spec/model-math.md section 1.3 (text_config, every field).
+# The vision_config below follows the same section (depth 12, hidden 768, 12 heads, out 1024,
+# patch 16, temporal patch 2, merge 2); its intermediate_size 3072 and num_position_embeddings
+# 2304 are not in the spec (unverified) and only shape vision tensors, which mixlens never reads.
+
+QWEN3_5_0_8B_TEXT_CONFIG = {
+    "vocab_size": 248320,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attention_bias": False,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "tie_word_embeddings": True,
+    "bos_token_id": 248044,
+    "eos_token_id": 248044,
+}
+QWEN3_5_0_8B_VISION_CONFIG = {
+    "depth": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 3072, "out_hidden_size": 1024,
+    "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+    "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh",
+}
+QWEN3_5_0_8B_TOP = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                    "vision_end_token_id": 248054, "tie_word_embeddings": True}
+
+
+def qwen3_5_0_8b_config():
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(text_config=dict(QWEN3_5_0_8B_TEXT_CONFIG), vision_config=dict(QWEN3_5_0_8B_VISION_CONFIG),
+                         **QWEN3_5_0_8B_TOP)
+
+
+def make_qwen3_5_0_8b(out_dir, *, seed: int = 0) -> dict:
+    """Write a random-weight ``Qwen3_5ForConditionalGeneration`` with Qwen/Qwen3.5-0.8B's config into
+    ``out_dir`` (save_pretrained, bfloat16 like the release: ~1.8 GB instead of ~3.6 GB float32).
+
+    The model is initialised in float32 (transformers' own init) and rounded to bfloat16 once;
+    a float32 reference must therefore load the saved file and widen it (``.float()``), so both
+    sides see the same bf16-rounded weights. No tokenizer: the Qwen tokenizer is not available
+    offline, so prompts are token ids."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    t0 = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(qwen3_5_0_8b_config()).to(torch.bfloat16).eval()
+    t_init = time.time() - t0
+    model.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+    return {"out_dir": str(out), "parameters": n_params,
+            "files": {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file()},
+            "init_s": round(t_init, 1), "total_s": round(time.time() - t0, 1)}
+
+
+def cached_qwen3_5_0_8b(root=REPO / "build" / "published") -> Path:
+    """The make_qwen3_5_0_8b folder, built once under ``root`` (never committed) and reused.
+
+    The folder name carries a hash of this script, so editing it rebuilds instead of reusing a
+    stale copy (older copies are deleted: each is ~1.8 GB). A marker written last keeps a build
+    interrupted half-way from passing for a finished one."""
+    import hashlib
+
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    root = Path(root)
+    out = root / f"qwen3_5-0.8b-layout-{digest}"
+    if (out / ".complete").is_file():
+        return out
+    for stale in root.glob("qwen3_5-0.8b-layout-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    make_qwen3_5_0_8b(out)
+    (out / ".complete").write_text(digest + "\n")
+    return out
+
+
 if __name__ == "__main__":
     sys.exit(main())
