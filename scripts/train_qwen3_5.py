@@ -8,18 +8,28 @@ Mamba-2 model (scripts/train_common.py). Saves with ``save_pretrained`` plus the
 README with the losses and a greedy sample.
 
     .venv/bin/python scripts/train_qwen3_5.py --measure 10    # time a few steps, save nothing
-    .venv/bin/python scripts/train_qwen3_5.py --steps 150     # the shipped model
+    .venv/bin/python scripts/train_qwen3_5.py --minutes 15    # wall-clock budget (how the shipped model was trained)
+    .venv/bin/python scripts/train_qwen3_5.py --steps 600     # fixed step count (reproducible schedule)
+
+Sizes are small on purpose (hidden 128, head dims 32, 128-token windows): the first attempt at
+hidden 256 / head dim 64 / batch 8 x 128 ran at 0.03-0.05 steps/s on the shared 2-core machine,
+too slow to train in a quarter of an hour. The tokenizer is the Mamba-2 model's file
+(models/mamba2-tinystories/tokenizer.json) reused verbatim, so both shipped models tokenize the
+same way and the BPE is not retrained.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_common.py; before torch starts OpenMP
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_common as tc  # noqa: E402
@@ -28,6 +38,7 @@ DATA_DIR = tc.REPO / "data" / "text" / "tinystories"
 DATA_FILES = ["tinystories_excerpt_niklas6.txt", "tinystories_sample_cs336.txt"]
 DEFAULT_OUT = tc.REPO / "models" / "qwen3_5-tinystories"
 PROMPT = "Once upon a time, there was a little"
+TOKENIZER = tc.REPO / "models" / "mamba2-tinystories" / "tokenizer.json"
 
 
 def build_config(a, vocab_size: int):
@@ -89,12 +100,12 @@ decoder), {vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. Documents
   `data/text/tinystories/README.md`): {n_docs} documents ({n_train_docs} train / {n_val_docs}
   validation, validation = random whole documents, ~{val_pct:.0f}% of the characters, seed {seed}).
   {n_train_tok:,} training tokens, {n_val_tok:,} validation tokens with this tokenizer.
-- Tokenizer trained on the training documents only (`tokenizers` BpeTrainer, vocab {vocab},
-  min_frequency 2).
+- Tokenizer: `models/mamba2-tinystories/tokenizer.json` reused verbatim (trained there on the same
+  training documents, `tokenizers` BpeTrainer, vocab {vocab}).
 - Optimisation: AdamW (betas {betas}, weight decay {wd} on matrices), peak lr {lr}, {warmup} warmup
-  steps then cosine to {min_lr}, grad clip {clip}; {steps} steps of {batch} random windows of
+  steps then cosine to {min_lr} {schedule}, grad clip {clip}; {steps} steps of {batch} random windows of
   {seq} tokens ({tok_per_step:,} tokens/step, ~{epochs:.0f} passes over the training tokens);
-  `torch.set_num_threads({threads})`, seed {seed}.
+  `torch.set_num_threads({threads})` with `OMP_WAIT_POLICY=PASSIVE`, seed {seed}.
 - Wall time: {wall_min:.1f} min of training ({sps:.2f} steps/s) on a 2-core CPU shared with other work.
 - Final losses (nats/token): train **{train_loss:.3f}** (model in eval mode over training windows),
   validation **{val_loss:.3f}**. Best validation loss seen: {best_val:.3f} at step {best_step}.
@@ -125,25 +136,29 @@ versions) — bitwise identity across machines is not promised (CPU thread count
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="fixed number of steps (cosine over steps); with --minutes, an upper bound")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="wall-clock training budget; the cosine follows elapsed time")
+    ap.add_argument("--tokenizer", type=Path, default=TOKENIZER,
+                    help="tokenizer.json to reuse (default: the Mamba-2 model's)")
     ap.add_argument("--measure", type=int, default=0, metavar="N",
                     help="only time N training steps (after tokenizer training) and exit; saves nothing")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer-types", default="linear_attention,linear_attention,linear_attention,full_attention")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--linear-key-heads", type=int, default=4)
     ap.add_argument("--linear-value-heads", type=int, default=4)
-    ap.add_argument("--linear-head-dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--linear-head-dim", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--val-fraction", type=float, default=0.05)
@@ -152,7 +167,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--max-size-mb", type=float, default=25.0, help="refuse to save a bigger folder")
     a = ap.parse_args(argv)
+    if a.measure:
+        a.steps, a.minutes = a.measure, None
+    elif a.steps is None and a.minutes is None:
+        ap.error("give --steps N, --minutes M (or both), or --measure N")
 
+    from tokenizers import Tokenizer
     from transformers import Qwen3_5ForCausalLM
 
     torch.set_num_threads(a.threads)
@@ -161,7 +181,8 @@ def main(argv=None) -> int:
 
     docs = tc.read_documents([DATA_DIR / f for f in DATA_FILES])
     train_docs, val_docs = tc.train_val_split(docs, a.val_fraction, a.seed)
-    tok = tc.train_bpe_tokenizer(train_docs, a.vocab)
+    tok = Tokenizer.from_file(str(a.tokenizer))
+    assert tok.token_to_id(tc.EOT) == 0, "<|endoftext|> must be id 0"
     train_stream = tc.encode_documents(tok, train_docs)
     val_stream = tc.encode_documents(tok, val_docs)
     val_pct = 100 * sum(map(len, val_docs)) / sum(map(len, docs))
@@ -175,13 +196,14 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Qwen3_5ForCausalLM: {n_params:,} parameters ({4 * n_params / 1e6:.1f} MB float32)", flush=True)
 
-    steps = a.measure or a.steps
     targs = tc.TrainArgs(
-        steps=steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=min(a.warmup, steps),
+        steps=a.steps or 10**9, minutes=a.minutes, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
+        warmup=min(a.warmup, a.steps or a.warmup),
         weight_decay=a.weight_decay, eval_every=0 if a.measure else a.eval_every, seed=a.seed,
         threads=a.threads, log_every=5 if a.measure else 10,
     )
     summary = tc.train(model, train_stream, val_stream, targs, log=lambda s: print(s, flush=True))
+    steps = summary["steps"]
     print(f"trained {steps} steps in {summary['wall_s']}s = {summary['steps_per_s']} steps/s; "
           f"train loss {summary['final_train_loss']}, val loss {summary['final_val_loss']}", flush=True)
     if a.measure:
@@ -195,6 +217,8 @@ def main(argv=None) -> int:
     model.save_pretrained(out)
     hf_tok = tc.wrap_tokenizer(tok)
     hf_tok.save_pretrained(out)
+    for f in out.iterdir():  # save_pretrained writes the safetensors file 0600
+        f.chmod(0o644)
 
     # ---- reload from disk (what a user gets) and sample greedily
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -229,6 +253,9 @@ def main(argv=None) -> int:
         best_val=best["val_loss"], best_step=best["step"],
         history="\n".join(f"| {h['step']} | {h['train_loss_ema']:.3f} | {h['val_loss']:.3f} |" for h in hist),
         prompt=a.prompt, sample=sample,
+        schedule=(f"over a {a.minutes:g}-minute wall-clock budget (the cosine follows elapsed time, so the "
+                  f"step count depends on machine load; rerun with `--steps {steps}` for a fixed schedule)"
+                  if a.minutes is not None else "over the steps"),
     )
     # the README lists the folder's files including itself: render twice so its own size is right
     files = dict(files_before, **{"README.md": 0})
