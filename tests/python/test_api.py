@@ -314,3 +314,25 @@ def test_hub_ids_resolve_from_a_local_cache(tmp_path, monkeypatch):
         mixlens.load("someone/absent")
     with pytest.raises(mixlens.CheckpointError, match="does not exist"):
         mixlens.load(str(tmp_path / "no-such-folder"))
+
+
+FAMILY_DIRS = sorted(p.parent for p in (REPO / "tests" / "fixtures").glob("*/*/config.json")) + \
+    sorted(p.parent for p in (REPO / "models").glob("*/config.json"))
+
+
+@pytest.mark.parametrize("folder", FAMILY_DIRS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_values_order_is_the_forward_order_for_every_family(folder):
+    """The interleaver relies on Model.values() listing values in the order the forward visits
+    them: reading all of them in that order, at a prompt step and a decode step, never goes back,
+    and every value has the shape values() declares for that call."""
+    m = mixlens.StandardizedTransformer(str(folder))
+    with m.generate([[5, 6, 7, 8, 9]], max_new_tokens=2, eos_token_id=-1) as tracer:
+        for step in tracer.iter[:]:
+            declared = m.values(1, 5 if step == 0 else 1)
+            for v in declared:
+                value = m._read(v["path"])
+                if value is None:
+                    assert step == 0 and v["path"].endswith(".state_input"), v["path"]
+                    continue
+                assert value.shape == v["shape"] and value.dtype == np.float32, (v["path"], step, value.shape)
+    assert tracer.steps == 2
