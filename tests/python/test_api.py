@@ -163,6 +163,21 @@ def test_generation_stops_at_eos_and_iteration_follows(model):
         assert [s for s in tracer.iter[3:5]] == []
 
 
+def test_sampling_options_reach_the_generator(model):
+    def sample(**kw):
+        return model.generate(PROMPT, max_new_tokens=6, do_sample=True, eos_token_id=-1, **kw).run().tokens
+
+    assert sample(seed=3, temperature=1.5) == sample(seed=3, temperature=1.5)
+    draws = {tuple(sample(seed=s, temperature=2.0)) for s in range(6)}
+    assert len(draws) > 1, "different seeds never changed a sampled token"
+    greedy = model.generate(PROMPT, max_new_tokens=6, eos_token_id=-1).run().tokens
+    assert sample(seed=1, top_k=1) == greedy  # top-k 1 is greedy
+    with pytest.raises(mixlens.InputError, match="temperature"):
+        sample(temperature=0.0)
+    with pytest.raises(mixlens.InputError, match="top_p"):
+        sample(top_p=1.5)
+
+
 def test_batch_of_prompts_is_left_padded_and_rows_are_independent(model):
     prompts = [PROMPT, "The cat"]
     lens = [len(model.tokenizer.encode(p)) for p in prompts]
