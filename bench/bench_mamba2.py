@@ -8,7 +8,8 @@ scripts/make_published_layout.py and cached under build/). Both sides run float3
 the same thread count (MIXLENS_NUM_THREADS / torch.set_num_threads). transformers runs its
 pure-torch path (no mamba_ssm / causal_conv1d kernels installed), the reference mixlens matches.
 
-Measured (median of R timed runs after one warm-up):
+Measured as the best of R timed runs after one warm-up, mixlens and transformers alternating run by
+run (on a shared machine the minimum is the measurement least disturbed by other load):
   - prompt throughput, 128 and 1024 tokens, batch 1, full logits (tokens/s);
   - decode throughput: 32 single-token steps after a 16-token prompt, greedy (tokens/s);
   - reading `states` of all 24 layers inside a trace (mixlens only; transformers has no per-token
@@ -23,7 +24,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -56,14 +56,21 @@ sys.path.insert(0, str(REPO / "scripts"))
 import published_layout_cache  # noqa: E402
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch of weights, thread pools, allocator
-    times = []
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def best_times(fns, repeats: int) -> list[float]:
+    """Best time of each function over `repeats` rounds, the functions alternating within a round."""
+    for fn in fns:
+        fn()  # warm-up: first touch of weights, thread pools, allocator
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], timed(fn))
+    return best
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -72,14 +79,13 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 def bench_prompt(ml, hf, n: int) -> tuple[float, float]:
     ids = prompt_ids(n, n)
-    t_ml = median_time(lambda: ml.run([ids]), ARGS.repeats)
     x = torch.tensor([ids])
 
     def hf_run():
         with torch.no_grad():
             hf(input_ids=x, use_cache=True)
 
-    t_hf = median_time(hf_run, ARGS.repeats)
+    t_ml, t_hf = best_times([lambda: ml.run([ids]), hf_run], ARGS.repeats)
     return n / t_ml, n / t_hf
 
 
@@ -105,8 +111,10 @@ def bench_decode(ml, hf, steps: int) -> tuple[float, float]:
             return time.perf_counter() - t0
 
     ml_decode(), hf_decode()  # warm-up
-    t_ml = statistics.median(ml_decode() for _ in range(ARGS.repeats))
-    t_hf = statistics.median(hf_decode() for _ in range(ARGS.repeats))
+    t_ml = t_hf = float("inf")
+    for _ in range(ARGS.repeats):
+        t_ml = min(t_ml, ml_decode())
+        t_hf = min(t_hf, hf_decode())
     return steps / t_ml, steps / t_hf
 
 
@@ -128,7 +136,8 @@ def bench_states(ml, n: int) -> tuple[float, float, int]:
                 nbytes += s.nbytes
                 del s
 
-    return median_time(without, ARGS.repeats), median_time(with_states, ARGS.repeats), nbytes
+    t_without, t_with = best_times([without, with_states], ARGS.repeats)
+    return t_without, t_with, nbytes
 
 
 def git_commit() -> str:
@@ -170,13 +179,15 @@ def main() -> int:
         states.append((n, t0, t1, nbytes))
         print(f"states {n}: without {t0:.3f}s, with {t1:.3f}s ({nbytes / 2**30:.2f} GiB read)", flush=True)
 
+    end_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [
         "# Mamba-2: mixlens vs transformers",
         "",
         f"mamba2-130m layout (AntonV/mamba2-130m-hf config, random float32 weights), batch 1, "
-        f"{ARGS.threads} threads on both sides, median of {ARGS.repeats} runs after a warm-up.",
-        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, load average {load:.1f} at start "
-        f"(shared machine: absolute numbers are noisy, the ratios are measured in the same run).",
+        f"{ARGS.threads} threads on both sides, best of {ARGS.repeats} alternating runs after a warm-up.",
+        f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, load average {load:.1f} at start and "
+        f"{end_load:.1f} at the end (a shared machine: absolute numbers are noisy; the ratios come from "
+        f"interleaved runs).",
         f"mixlens {git_commit()}, torch {torch.__version__}, transformers {transformers.__version__} "
         f"(pure-torch Mamba-2 path), {datetime.date.today().isoformat()}.",
         "",
