@@ -9,6 +9,7 @@
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/family.h"
+#include "models/ssm_lm.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
@@ -16,7 +17,6 @@ namespace mixlens::detail {
 namespace {
 
 struct Mamba2Layer {
-  Tensor norm;          // [D]
   Tensor in_proj;       // [E + conv_dim + H, D]
   Tensor in_proj_bias;  // optional
   Tensor conv_wT;       // [K, conv_dim] (transposed from [conv_dim, 1, K] for channel-vector loops)
@@ -27,31 +27,21 @@ struct Mamba2Layer {
   Tensor out_proj_bias; // optional
 };
 
-struct Mamba2Cache : CacheState {
-  bool has_state = false;
-  std::vector<Tensor> conv;  // per layer [B, K, conv_dim]: last K pre-conv inputs, oldest first
-  std::vector<Tensor> ssm;   // per layer [B, H, P, N] (kernel layout; served as [B, H, N, P])
-};
-
-class Mamba2Model final : public FamilyModel {
+// SSM state: kernel layout [B, H, P, N] (as transformers), served as [B, H, N, P].
+class Mamba2Model final : public SsmLm {
  public:
   Mamba2Model(const io::Config& cfg, const io::WeightStore& w) {
-    D_ = cfg.get<int64_t>("hidden_size");
-    L_ = cfg.get<int64_t>("num_hidden_layers");
-    V_ = cfg.get<int64_t>("vocab_size");
+    load_backbone(cfg, w, "mamba2", false);
     N_ = cfg.get<int64_t>("state_size");
     G_ = cfg.get<int64_t>("n_groups");
-    K_ = cfg.get<int64_t>("conv_kernel");
     H_ = cfg.get<int64_t>("num_heads");
     P_ = cfg.get<int64_t>("head_dim");
     const double expand = cfg.get_double("expand");
     E_ = static_cast<int64_t>(expand * static_cast<double>(D_));
     config_chunk_ = cfg.get_or<int64_t>("chunk_size", 256);
     chunk_ = config_chunk_;
-    eps_ = static_cast<float>(cfg.get_double_or("layer_norm_epsilon", 1e-5));
-    require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_},
-                           {"state_size", N_}, {"n_groups", G_}, {"conv_kernel", K_}, {"num_heads", H_},
-                           {"head_dim", P_}, {"chunk_size", chunk_}});
+    require_positive(cfg, {{"state_size", N_}, {"n_groups", G_}, {"num_heads", H_}, {"head_dim", P_},
+                           {"chunk_size", chunk_}});
     if (E_ != H_ * P_)
       throw ConfigError(where(cfg) + ": hidden_size * expand (" + std::to_string(E_) +
                         ") must equal num_heads * head_dim (" + std::to_string(H_ * P_) + ")");
@@ -59,9 +49,6 @@ class Mamba2Model final : public FamilyModel {
       throw ConfigError(where(cfg) + ": num_heads (" + std::to_string(H_) + ") is not divisible by n_groups (" +
                         std::to_string(G_) + ")");
     conv_dim_ = E_ + 2 * G_ * N_;
-    const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
-    if (act != "silu" && act != "swish")
-      throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Mamba-2 uses silu)");
     dt_lo_ = 0.0f;
     dt_hi_ = std::numeric_limits<float>::infinity();
     if (cfg.has("time_step_limit")) {
@@ -72,17 +59,11 @@ class Mamba2Model final : public FamilyModel {
     }
     const bool use_bias = cfg.get_or<bool>("use_bias", false);
     const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);
-    const bool tie = cfg.get_or<bool>("tie_word_embeddings", false);
-
-    embed_ = load_embedding(w, {"backbone.embeddings.weight", "backbone.embedding.weight"}, {V_, D_});
-    norm_f_ = w.get("backbone.norm_f.weight", {D_});
-    lm_head_ = tie ? embed_ : w.get("lm_head.weight", {V_, D_});
     const int64_t proj = E_ + conv_dim_ + H_;
     layers_.resize(static_cast<size_t>(L_));
     for (int64_t i = 0; i < L_; ++i) {
       const std::string p = "backbone.layers." + std::to_string(i) + ".";
       Mamba2Layer& l = layers_[static_cast<size_t>(i)];
-      l.norm = w.get(p + "norm.weight", {D_});
       l.in_proj = w.get(p + "mixer.in_proj.weight", {proj, D_});
       if (use_bias) l.in_proj_bias = w.get(p + "mixer.in_proj.bias", {proj});
       l.conv_wT = transpose_conv(w.get(p + "mixer.conv1d.weight", {conv_dim_, 1, K_}));
@@ -96,95 +77,38 @@ class Mamba2Model final : public FamilyModel {
       l.out_proj = w.get(p + "mixer.out_proj.weight", {D_, E_});
       if (use_bias) l.out_proj_bias = w.get(p + "mixer.out_proj.bias", {D_});
     }
-    info.family = "mamba2";
-    info.model_type = "mamba2";
-    info.num_layers = static_cast<int>(L_);
-    info.hidden_size = D_;
-    info.vocab_size = V_;
     info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mamba2);
-  }
-
-  std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
-    auto c = std::make_unique<Mamba2Cache>();
-    c->batch = batch;
-    for (int64_t i = 0; i < L_; ++i) {
-      c->conv.emplace_back(Shape{batch, K_, conv_dim_});
-      c->ssm.emplace_back(Shape{batch, H_, P_, N_});
-    }
-    return c;
-  }
-
-  std::string kernel_for(const CacheState& cache, int64_t seq) const override {
-    switch (kernel_route("mamba2")) {
-      case KernelRoute::chunked: return "chunked";
-      case KernelRoute::recurrent: return "recurrent";
-      default: break;
-    }
-    const bool decode = static_cast<const Mamba2Cache&>(cache).has_state && seq == 1;
-    return decode ? "recurrent" : "chunked";
   }
 
   void set_chunk_size(int64_t c) override { chunk_ = c > 0 ? c : config_chunk_; }
 
-  Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
-                 bool all_logits) const override {
-    auto& cache = static_cast<Mamba2Cache&>(cache_base);
-    const int64_t B = in.batch, T = in.seq;
-    Tensor h = embed_tokens(embed_, in, "mamba2");
-    visit_if(ls, -1, Value::embed_output, h);
+ private:
+  int64_t conv_channels() const override { return conv_dim_; }
+  Shape ssm_state_shape() const override { return {H_, P_, N_}; }
+  Shape served_state_shape() const override { return {H_, N_, P_}; }
+
+  void mixer_values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const override {
+    v.push_back(layer_value(i, Value::attention_queries, {B, T, G_, N_}, true, "C after conv+SiLU and padding mask, as mamba2_chunk_scan receives it"));
+    v.push_back(layer_value(i, Value::attention_keys, {B, T, G_, N_}, true, "B after conv+SiLU and padding mask"));
+    v.push_back(layer_value(i, Value::attention_values, {B, T, H_, P_}, true, "x after conv+SiLU and padding mask"));
+    v.push_back(layer_value(i, Value::betas, {B, T, H_}, true, "dt = softplus(dt + dt_bias), time_step_limit clamp on prompts; write >= 0"));
+    v.push_back(layer_value(i, Value::decays, {B, T, H_}, true, "A*dt (A = -exp(A_log)); writing it writes dt = decays / A"));
+    v.push_back(layer_value(i, Value::state_input, {B, H_, N_, P_}, true, "SSM state the call starts from, key side first; None on a fresh prompt"));
+    auto s = layer_value(i, Value::states, {B, T, H_, N_, P_}, false, "SSM state after every token, key side first (computed only when asked)");
+    s.writable = false;
+    v.push_back(s);
+    v.push_back(layer_value(i, Value::state_output, {B, H_, N_, P_}, true, "SSM state after the call's last token (goes to the cache)"));
+    v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, H_, P_}, true, "y = C.S + D*x per head, before the gated norm"));
+    v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(y, z)), added to the residual"));
+  }
+
+  Tensor mixer(int li, const Tensor& n_in, const Batch& in, SsmCache& cache, Listener* ls,
+               const CallCtx& ctx) const override {
+    const Mamba2Layer& lw = layers_[static_cast<size_t>(li)];
+    const int64_t B = in.batch, T = in.seq, BT = B * T;
     // transformers' create_recurrent_attention_mask: no mask for one-token calls or no padding.
     const bool masked = T > 1 && in.has_padding();
     const bool decode = cache.has_state && T == 1;
-    Tensor n({B, T, D_});
-    for (int64_t i = 0; i < L_; ++i) {
-      const int li = static_cast<int>(i);
-      visit_if(ls, li, Value::layer_input, h);
-      const auto& lw = layers_[static_cast<size_t>(i)];
-      ops::rmsnorm(h.data(), lw.norm.data(), n.data(), B * T, D_, eps_);
-      Tensor out = mixer(li, lw, n, in, masked, decode, cache, ls, ctx);
-      float* hp = h.data();
-      const float* op = out.data();
-      for (int64_t k = 0; k < h.numel(); ++k) hp[k] += op[k];
-      visit_if(ls, li, Value::layer_output, h);
-    }
-    cache.has_state = true;
-    ops::rmsnorm(h.data(), norm_f_.data(), h.data(), B * T, D_, eps_);
-    visit_if(ls, -1, Value::ln_final_output, h);
-    return lm_logits(lm_head_, h, ls, all_logits);
-  }
-
-  std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
-    std::vector<ValueInfo> v;
-    v.push_back(global_value(Value::embed_output, {B, T, D_}, "token embeddings (backbone.embeddings)"));
-    for (int i = 0; i < static_cast<int>(L_); ++i) {
-      v.push_back(layer_value(i, Value::layer_input, {B, T, D_}, true, "residual stream entering the block (Mamba2Block input)"));
-      v.push_back(layer_value(i, Value::attention_queries, {B, T, G_, N_}, true, "C after conv+SiLU and padding mask, as mamba2_chunk_scan receives it"));
-      v.push_back(layer_value(i, Value::attention_keys, {B, T, G_, N_}, true, "B after conv+SiLU and padding mask"));
-      v.push_back(layer_value(i, Value::attention_values, {B, T, H_, P_}, true, "x after conv+SiLU and padding mask"));
-      v.push_back(layer_value(i, Value::betas, {B, T, H_}, true, "dt = softplus(dt + dt_bias), time_step_limit clamp on prompts; write >= 0"));
-      v.push_back(layer_value(i, Value::decays, {B, T, H_}, true, "A*dt (A = -exp(A_log)); writing it writes dt = decays / A"));
-      v.push_back(layer_value(i, Value::state_input, {B, H_, N_, P_}, true, "SSM state the call starts from, key side first; None on a fresh prompt"));
-      auto s = layer_value(i, Value::states, {B, T, H_, N_, P_}, false, "SSM state after every token, key side first (computed only when asked)");
-      s.writable = false;
-      v.push_back(s);
-      v.push_back(layer_value(i, Value::state_output, {B, H_, N_, P_}, true, "SSM state after the call's last token (goes to the cache)"));
-      v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, H_, P_}, true, "y = C.S + D*x per head, before the gated norm"));
-      v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(y, z)), added to the residual"));
-      v.push_back(layer_value(i, Value::layer_output, {B, T, D_}, true, "residual stream leaving the block"));
-    }
-    v.push_back(global_value(Value::ln_final_output, {B, T, D_}, "final RMSNorm output (backbone.norm_f)"));
-    v.push_back(global_value(Value::logits, {B, T, V_}, "lm_head logits, float32"));
-    return v;
-  }
-
-  std::map<std::string, std::map<int, std::string>> support() const override {
-    return mixer_only_support(static_cast<int>(L_), "mamba2");
-  }
-
- private:
-  Tensor mixer(int li, const Mamba2Layer& lw, const Tensor& n_in, const Batch& in, bool masked, bool decode,
-               Mamba2Cache& cache, Listener* ls, const CallCtx& ctx) const {
-    const int64_t B = in.batch, T = in.seq, BT = B * T;
     const int64_t proj = E_ + conv_dim_ + H_;
     const float* n = n_in.data();
     Tensor nm;
@@ -234,12 +158,7 @@ class Mamba2Model final : public FamilyModel {
           for (int64_t hh = 0; hh < H_; ++hh) dt[r * H_ + hh] = dec[r * H_ + hh] / lw.A[hh];
     }
 
-    Tensor& S = cache.ssm[static_cast<size_t>(li)];
-    if (!cache.has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
-    if (ls && ls->wants(li, Value::state_input)) {
-      Tensor served = cache.has_state ? to_served(S) : Tensor();
-      if (ls->visit(li, Value::state_input, served, {B, H_, N_, P_}) && served.defined()) from_served(served, S);
-    }
+    Tensor& S = begin_state(li, cache, ls);
 
     Tensor y({B, T, H_, P_});
     Tensor states;
@@ -261,10 +180,7 @@ class Mamba2Model final : public FamilyModel {
       if (chunked) ssd_chunked(a); else ssd_recurrent(a);
     }
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
-    if (ls && ls->wants(li, Value::state_output)) {
-      Tensor served = to_served(S);
-      if (ls->visit(li, Value::state_output, served, served.shape())) from_served(served, S);
-    }
+    end_state(li, cache, ls);
     visit_if(ls, li, Value::attention_head_outputs, y);
 
     // MambaRMSNormGated: gate before norm, over the full E width (transformers ignores n_groups).
@@ -281,22 +197,21 @@ class Mamba2Model final : public FamilyModel {
   }
 
   // [B,H,P,N] kernel layout <-> [B,H,N,P] served layout (key side first).
-  Tensor to_served(const Tensor& S) const {
+  Tensor served_state(const Tensor& S) const override {
     Tensor o({S.size(0), H_, N_, P_});
     for (int64_t bh = 0; bh < S.size(0) * H_; ++bh)
       for (int64_t p = 0; p < P_; ++p)
         for (int64_t nn = 0; nn < N_; ++nn) o[(bh * N_ + nn) * P_ + p] = S[(bh * P_ + p) * N_ + nn];
     return o;
   }
-  void from_served(const Tensor& o, Tensor& S) const {
+  void store_served_state(const Tensor& o, Tensor& S) const override {
     for (int64_t bh = 0; bh < S.size(0) * H_; ++bh)
       for (int64_t p = 0; p < P_; ++p)
         for (int64_t nn = 0; nn < N_; ++nn) S[(bh * P_ + p) * N_ + nn] = o[(bh * N_ + nn) * P_ + p];
   }
 
-  int64_t D_, L_, V_, N_, G_, K_, H_, P_, E_, conv_dim_, chunk_, config_chunk_;
-  float eps_, dt_lo_, dt_hi_;
-  Tensor embed_, norm_f_, lm_head_;
+  int64_t N_, G_, H_, P_, E_, conv_dim_, chunk_, config_chunk_;
+  float dt_lo_, dt_hi_;
   std::vector<Mamba2Layer> layers_;
 };
 
