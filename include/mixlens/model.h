@@ -31,7 +31,10 @@ namespace detail { struct ModelAccess; }  // internal: runs a forward with an ex
 /// Recurrent-mixer algorithm selection (values.md "Which kernel runs").
 enum class KernelRoute { default_route, chunked, recurrent };
 /// Process-wide, per family ("mamba2", "mamba", "qwen3_5", ...), like the reference's routing.
-/// `route` is "default", "chunked" or "recurrent" (InputError otherwise).
+/// `route` is "default", "chunked" or "recurrent" (InputError otherwise). By default a decode
+/// step runs the recurrent kernel and a prompt or continuation the chunked one, except Mamba-1
+/// ("mamba"), whose prompts run whichever selective scan is faster: the token loop unless the
+/// model is too narrow to occupy the threads (both agree within float rounding).
 void route_kernels(const std::string& family, const std::string& route);
 KernelRoute kernel_route(const std::string& family);
 
@@ -116,7 +119,8 @@ class Model {
   GenerationResult generate(const std::vector<std::vector<int32_t>>& prompts,
                             const GenerateOptions& options, Trace* trace = nullptr) const;
 
-  /// Mamba-2 chunk size override (values.md chunk_per_token: 1); 0 restores config.chunk_size.
+  /// Chunk length of the chunked kernel: Mamba-2's SSD chunk (values.md chunk_per_token: 1; 0
+  /// restores config.chunk_size), Mamba-1's chunked scan (0 restores its default, 64).
   void set_chunk_size(int64_t chunk_size);
 
  private:

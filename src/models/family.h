@@ -47,6 +47,7 @@ using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Confi
 std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights);
 
 // Factories, one per family file.
+std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights);

@@ -105,6 +105,7 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
   const std::string type = config.get<std::string>("model_type");
   // One line per family (src/models/<family>.cpp).
   static const std::vector<std::pair<std::string, FamilyFactory>> registry = {
+      {"mamba", make_mamba},
       {"mamba2", make_mamba2},
       {"qwen3_5", make_qwen3_5},
       {"qwen3_5_text", make_qwen3_5},

@@ -1,0 +1,163 @@
+#include "mixers/selective_scan.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+// Channels per parallel task: a block's states (kBlock x N floats) stay in L1 across tokens.
+constexpr int64_t kBlock = 32;
+
+// exp for the discretisation exp(A dt) (argument <= 0 here): Cephes' expf polynomial, within 2 ulp
+// of std::exp on [-87.3, 88], 0 below. Branch-free so that loops over the state index vectorize;
+// std::exp does not, and it is most of a Mamba-1 scan's time. exp(0) is exactly 1 (dt = 0 keeps
+// the state bit for bit).
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.33654f), 88.0f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e_r = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.33654f ? 0.0f : e_r * scale;
+}
+
+// sum_n a[n] b[n] with 8 partial sums (vectorizes; a serial sum would dominate for N = 16).
+inline float dot(const float* a, const float* b, int64_t N) {
+  float lanes[8] = {};
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8)
+    for (int64_t j = 0; j < 8; ++j) lanes[j] += a[n + j] * b[n + j];
+  float acc = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; n < N; ++n) acc += a[n] * b[n];
+  return acc;
+}
+
+// dA[n] = exp(A[n] dt) for one channel.
+inline void discretize(const float* A, float dt, int64_t N, float* dA) {
+  for (int64_t n = 0; n < N; ++n) dA[n] = fast_exp(A[n] * dt);
+}
+
+// One token for one channel, transformers' operation order: S = dA*S + (dt*B)*u.
+inline void update(float* S, const float* dA, const float* Bt, float dt, float u, int64_t N) {
+  for (int64_t n = 0; n < N; ++n) S[n] = dA[n] * S[n] + (dt * Bt[n]) * u;
+}
+
+// The token loop over channels [e0, e1). kN > 0 fixes the state size at compile time (the
+// published Mamba-1 models all use 16), so the per-channel loops unroll into whole vectors.
+// Per token, the block's exps come first in a pass of their own: they do not depend on the state,
+// so the CPU overlaps them across channels instead of waiting on each channel's update chain.
+template <int64_t kN>
+void recurrent_block(const SelectiveScanArgs& a, int64_t e0, int64_t e1) {
+  const int64_t T = a.T, E = a.E, N = kN > 0 ? kN : a.N;
+  std::vector<float> dA(static_cast<size_t>((e1 - e0) * N));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* Bt = a.B + t * N;
+    const float* Ct = a.C + t * N;
+    for (int64_t e = e0; e < e1; ++e) discretize(a.A + e * N, a.dt[t * E + e], N, dA.data() + (e - e0) * N);
+    for (int64_t e = e0; e < e1; ++e) {
+      const float dt = a.dt[t * E + e], u = a.u[t * E + e];
+      float* S = a.S + e * N;
+      update(S, dA.data() + (e - e0) * N, Bt, dt, u, N);
+      a.y[t * E + e] = dot(S, Ct, N) + u * a.D[e];
+      if (a.states) std::memcpy(a.states + (t * E + e) * N, S, sizeof(float) * static_cast<size_t>(N));
+    }
+  }
+}
+
+}  // namespace
+
+void selective_scan_recurrent(const SelectiveScanArgs& a) {
+  const int64_t blocks = (a.E + kBlock - 1) / kBlock;
+  ops::parallel_for(blocks, [&](int64_t blk) {
+    const int64_t e0 = blk * kBlock, e1 = std::min(a.E, e0 + kBlock);
+    if (a.N == 16) recurrent_block<16>(a, e0, e1); else recurrent_block<0>(a, e0, e1);
+  });
+}
+
+void selective_scan_chunked(const SelectiveScanArgs& a) {
+  const int64_t T = a.T, E = a.E, N = a.N;
+  const int64_t Q = std::max<int64_t>(1, a.chunk);
+  const int64_t chunks = (T + Q - 1) / Q;
+  const int64_t blocks = (E + kBlock - 1) / kBlock;
+  const size_t per_chunk = static_cast<size_t>(E * N);
+  // Per chunk: the final state of a scan from zero, the product of the chunk's decays, and (after
+  // the carry) the true state entering the chunk.
+  std::vector<float> local_end(static_cast<size_t>(chunks) * per_chunk), decay(local_end.size()),
+      enter(local_end.size());
+
+  // (1) Independent chunk scans from a zero state.
+  ops::parallel_for(chunks * blocks, [&](int64_t job) {
+    const int64_t c = job / blocks, blk = job % blocks;
+    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock), t0 = c * Q, t1 = std::min(T, t0 + Q);
+    float* S = local_end.data() + c * per_chunk;
+    float* P = decay.data() + c * per_chunk;
+    std::fill(S + e0 * N, S + e1 * N, 0.0f);
+    std::fill(P + e0 * N, P + e1 * N, 1.0f);
+    std::vector<float> dA(static_cast<size_t>(N));
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t e = e0; e < e1; ++e) {
+        const float dt = a.dt[t * E + e], u = a.u[t * E + e];
+        discretize(a.A + e * N, dt, N, dA.data());
+        update(S + e * N, dA.data(), a.B + t * N, dt, u, N);
+        for (int64_t n = 0; n < N; ++n) P[e * N + n] *= dA[n];
+        a.y[t * E + e] = dot(S + e * N, a.C + t * N, N);
+        if (a.states) std::memcpy(a.states + (t * E + e) * N, S + e * N, sizeof(float) * static_cast<size_t>(N));
+      }
+  });
+
+  // (2) Carry: enter[c+1] = decay[c] * enter[c] + local_end[c], from the initial state.
+  ops::parallel_for(blocks, [&](int64_t blk) {
+    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock);
+    for (int64_t i = e0 * N; i < e1 * N; ++i) {
+      float s = a.S[i];
+      for (int64_t c = 0; c < chunks; ++c) {
+        const size_t k = static_cast<size_t>(c) * per_chunk + static_cast<size_t>(i);
+        enter[k] = s;
+        s = decay[k] * s + local_end[k];
+      }
+      a.S[i] = s;
+    }
+  });
+
+  // (3) Add what the entering state contributes inside each chunk, then the D skip.
+  ops::parallel_for(chunks * blocks, [&](int64_t job) {
+    const int64_t c = job / blocks, blk = job % blocks;
+    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock), t0 = c * Q, t1 = std::min(T, t0 + Q);
+    const float* S0 = enter.data() + c * per_chunk;
+    const bool carried = std::any_of(S0 + e0 * N, S0 + e1 * N, [](float v) { return v != 0.0f; });
+    std::vector<float> P(static_cast<size_t>((e1 - e0) * N), 1.0f), dA(static_cast<size_t>(N)),
+        carry(static_cast<size_t>(N));
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t e = e0; e < e1; ++e) {
+        const float u = a.u[t * E + e];
+        float& y = a.y[t * E + e];
+        if (carried) {
+          float* Pe = P.data() + (e - e0) * N;
+          discretize(a.A + e * N, a.dt[t * E + e], N, dA.data());
+          for (int64_t n = 0; n < N; ++n) {
+            Pe[n] *= dA[n];
+            carry[n] = Pe[n] * S0[e * N + n];
+          }
+          y += dot(carry.data(), a.C + t * N, N);
+          if (a.states)
+            for (int64_t n = 0; n < N; ++n) a.states[(t * E + e) * N + n] += carry[n];
+        }
+        y += u * a.D[e];
+      }
+  });
+}
+
+}  // namespace mixlens::detail

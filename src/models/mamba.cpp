@@ -1,0 +1,251 @@
+// Mamba-1 (MambaForCausalLM, model_type "mamba"): pre-norm residual blocks around the selective
+// scan mixer. Reference: transformers 5.18 models/mamba/modeling_mamba.py (MambaMixer.forward,
+// mamba_selective_scan, mamba_selective_state_update); math in shared/spec/model-math.md §3.1.
+//
+// Where transformers 5.18 and model-math.md differ, this follows transformers:
+// - the padding mask multiplies the mixer input (before in_proj) and the conv output; the spec
+//   says "x before the conv", which differs only when in_proj has a bias;
+// - the mask is applied whenever the batch has padding (no "batch > 1 and seq > 1" rule).
+// One deliberate exception: a multi-token call over a cached state (continuation) scans from the
+// cached SSM state. transformers 5.18 keeps the conv context there but restarts the scan from
+// zero (mamba_selective_scan takes no initial state), which breaks values.md's invariant
+// "prefix + continuation == whole prompt"; decode steps (one token) agree with it exactly.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+#include "mixers/selective_scan.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "models/family.h"
+#include "models/ssm_lm.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+struct MambaLayer {
+  Tensor in_proj;        // [2E, D]: rows 0..E-1 -> x, E..2E-1 -> gate z
+  Tensor in_proj_bias;   // optional (use_bias)
+  Tensor conv_wT;        // [K, E] (transposed from [E, 1, K])
+  Tensor conv_bias;      // [E] (zeros when use_conv_bias is false)
+  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C
+  Tensor dt_proj;        // [E, R]
+  Tensor dt_proj_bias;   // [E]
+  Tensor A;              // [E, N] = -exp(A_log)
+  Tensor D;              // [E]
+  Tensor out_proj;       // [D, E]
+  Tensor out_proj_bias;  // optional (use_bias)
+};
+
+// Default chunk length of the chunked scan.
+constexpr int64_t kChunk = 64;
+
+// f(r) for every token row r < rows, on the worker pool: the mixer's elementwise passes
+// (softplus, gate) cost as much as a GEMM's share when run on one thread.
+void for_rows(int64_t rows, const std::function<void(int64_t)>& f) {
+  constexpr int64_t kRows = 8;
+  ops::parallel_for((rows + kRows - 1) / kRows, [&](int64_t blk) {
+    for (int64_t r = blk * kRows; r < std::min(rows, (blk + 1) * kRows); ++r) f(r);
+  });
+}
+
+// SSM state: [B, E, N] in the kernel, the cache and the served values (values.md Mamba-1 column).
+class MambaModel final : public SsmLm {
+ public:
+  MambaModel(const io::Config& cfg, const io::WeightStore& w) {
+    load_backbone(cfg, w, "mamba", true);
+    N_ = cfg.get<int64_t>("state_size");
+    // MambaConfig.__post_init__: intermediate_size = int(expand * hidden_size) (a stored
+    // intermediate_size is overwritten), time_step_rank "auto" = ceil(hidden_size / 16).
+    E_ = static_cast<int64_t>(cfg.get_double_or("expand", 2.0) * static_cast<double>(D_));
+    const nlohmann::json rank = cfg.has("time_step_rank") ? cfg.json()["time_step_rank"] : nlohmann::json("auto");
+    if (rank.is_string() && rank.get<std::string>() == "auto") R_ = (D_ + 15) / 16;
+    else if (rank.is_number_integer()) R_ = rank.get<int64_t>();
+    else
+      throw ConfigError(where(cfg) + ": field 'time_step_rank' must be an integer or \"auto\", got " + rank.dump());
+    require_positive(cfg, {{"state_size", N_}, {"intermediate_size (expand * hidden_size)", E_}, {"time_step_rank", R_}});
+    chunk_ = kChunk;
+    const bool use_bias = cfg.get_or<bool>("use_bias", false);
+    const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);
+    layers_.resize(static_cast<size_t>(L_));
+    for (int64_t i = 0; i < L_; ++i) {
+      const std::string p = "backbone.layers." + std::to_string(i) + ".mixer.";
+      MambaLayer& l = layers_[static_cast<size_t>(i)];
+      l.in_proj = w.get(p + "in_proj.weight", {2 * E_, D_});
+      if (use_bias) l.in_proj_bias = w.get(p + "in_proj.bias", {2 * E_});
+      l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {E_, 1, K_}));
+      l.conv_bias = use_conv_bias ? w.get(p + "conv1d.bias", {E_}) : Tensor({E_});
+      l.x_proj = w.get(p + "x_proj.weight", {R_ + 2 * N_, E_});
+      l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
+      l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
+      const Tensor A_log = w.get(p + "A_log", {E_, N_});
+      l.A = Tensor({E_, N_});
+      for (int64_t k = 0; k < E_ * N_; ++k) l.A[k] = -std::exp(A_log[k]);
+      l.D = w.get(p + "D", {E_});
+      l.out_proj = w.get(p + "out_proj.weight", {D_, E_});
+      if (use_bias) l.out_proj_bias = w.get(p + "out_proj.bias", {D_});
+    }
+    info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mamba);
+  }
+
+  /// The chunked scan's chunk length (0 restores the default). It changes no value beyond float
+  /// rounding; tests use short chunks to cover the carry between chunks.
+  void set_chunk_size(int64_t c) override { chunk_ = c > 0 ? c : kChunk; }
+
+ private:
+  int64_t conv_channels() const override { return E_; }
+  Shape ssm_state_shape() const override { return {E_, N_}; }
+
+  // The token loop parallelizes over channel blocks; the chunked scan adds parallelism over time
+  // at about twice the exp work. It only pays off when channel blocks cannot occupy the threads
+  // (small models) and the prompt spans several chunks.
+  std::string prompt_kernel(int64_t seq) const override {
+    const int64_t channel_blocks = (E_ + 31) / 32;
+    return channel_blocks < ops::num_threads() && seq >= 4 * chunk_ ? "chunked" : "recurrent";
+  }
+
+  void mixer_values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const override {
+    v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj (shared by all channels), as the scan reads the state"));
+    v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj (shared by all channels), where each token writes"));
+    v.push_back(layer_value(i, Value::attention_values, {B, T, E_}, true, "u = silu(conv1d(x)) after the padding mask, as the scan receives it (x_proj has already read it: writes change what tokens write and the D skip, not dt/B/C)"));
+    v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, "dt = softplus(dt_proj(dt_low)); write >= 0"));
+    v.push_back(layer_value(i, Value::decays, {B, T, E_, N_}, true, "A*dt (A = -exp(A_log)) per channel and state index; a write sets dt = decays / A and must imply one dt per (token, channel) across the state axis"));
+    v.push_back(layer_value(i, Value::state_input, {B, E_, N_}, true, "SSM state the call starts from; None on a fresh prompt"));
+    auto s = layer_value(i, Value::states, {B, T, E_, N_}, false, "SSM state after every token (computed only when asked)");
+    s.writable = false;
+    v.push_back(s);
+    v.push_back(layer_value(i, Value::state_output, {B, E_, N_}, true, "SSM state after the call's last token (goes to the cache)"));
+    v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, E_}, true, "y = C.S + D*u per channel, before the silu(z) gate"));
+    v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(y * silu(z)), added to the residual"));
+  }
+
+  Tensor mixer(int li, const Tensor& n_in, const Batch& in, SsmCache& cache, Listener* ls,
+               const CallCtx& ctx) const override {
+    const MambaLayer& lw = layers_[static_cast<size_t>(li)];
+    const int64_t B = in.batch, T = in.seq, BT = B * T, XR = R_ + 2 * N_;
+    // transformers applies the 2-D mask whenever one is given (generate gives it on the prompt
+    // only); an all-ones mask is a no-op, so "has padding" is the same condition.
+    const bool masked = in.has_padding();
+    const float* n = n_in.data();
+    Tensor nm;
+    if (masked) {
+      nm = n_in.clone();
+      apply_row_mask(nm, in);
+      n = nm.data();
+    }
+    Tensor xz({B, T, 2 * E_});
+    ops::linear(n, BT, D_, lw.in_proj, xz.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
+
+    // Causal depthwise conv over x with the cached K inputs as left context (zeros on a fresh
+    // prompt, so a prompt shorter than K sees zero padding), then SiLU and the mask again.
+    Tensor u({B, T, E_});
+    ops::causal_conv1d(xz.data(), 2 * E_, B, T, E_, K_, lw.conv_wT.data(), lw.conv_bias.data(),
+                       cache.conv[static_cast<size_t>(li)].data(), u.data(), true);
+    if (masked) apply_row_mask(u, in);
+
+    // x_proj -> dt_low | B | C; dt = softplus(dt_proj.weight @ dt_low + dt_proj.bias).
+    Tensor dbc({B, T, XR});
+    ops::linear(u.data(), BT, E_, lw.x_proj, dbc.data());
+    Tensor Bm({B, T, N_}), Cm({B, T, N_}), dt({B, T, E_});
+    for (int64_t r = 0; r < BT; ++r) {
+      std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));
+      std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
+    }
+    ops::gemm(false, true, BT, E_, R_, 1.0f, dbc.data(), XR, lw.dt_proj.data(), R_, 0.0f, dt.data(), E_);
+    for_rows(BT, [&](int64_t r) {
+      for (int64_t e = 0; e < E_; ++e) dt[r * E_ + e] = ops::softplus(dt[r * E_ + e] + lw.dt_proj_bias[e]);
+    });
+
+    visit_if(ls, li, Value::attention_queries, Cm);
+    visit_if(ls, li, Value::attention_keys, Bm);
+    visit_if(ls, li, Value::attention_values, u);
+    visit_if(ls, li, Value::betas, dt);
+    if (ls && ls->wants(li, Value::decays)) visit_decays(li, lw, dt, ls);
+
+    Tensor& S = begin_state(li, cache, ls);
+    Tensor y({B, T, E_});
+    Tensor states;
+    if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, E_, N_});
+    const bool chunked = ctx.kernel == "chunked";
+    for (int64_t b = 0; b < B; ++b) {
+      SelectiveScanArgs a;
+      a.T = T; a.E = E_; a.N = N_;
+      a.u = u.data() + b * T * E_;
+      a.dt = dt.data() + b * T * E_;
+      a.B = Bm.data() + b * T * N_;
+      a.C = Cm.data() + b * T * N_;
+      a.A = lw.A.data();
+      a.D = lw.D.data();
+      a.S = S.data() + b * E_ * N_;
+      a.y = y.data() + b * T * E_;
+      a.states = states.defined() ? states.data() + b * T * E_ * N_ : nullptr;
+      a.chunk = chunk_;
+      if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
+    }
+    if (states.defined()) ls->visit(li, Value::states, states, states.shape());
+    end_state(li, cache, ls);
+    visit_if(ls, li, Value::attention_head_outputs, y);
+
+    Tensor g({B, T, E_});
+    for_rows(BT, [&](int64_t r) {
+      for (int64_t e = 0; e < E_; ++e) g[r * E_ + e] = y[r * E_ + e] * ops::silu(xz[r * 2 * E_ + E_ + e]);
+    });
+    Tensor out({B, T, D_});
+    ops::linear(g.data(), BT, E_, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
+    visit_if(ls, li, Value::attention_output, out);
+    return out;
+  }
+
+  // decays = A*dt has a state axis that dt lacks. A write is mapped back to the one dt per
+  // (token, channel): rows left bit-identical keep their dt exactly; a changed row must imply the
+  // same dt = decays[n] / A[e, n] for every n (within kDecayAgreement, relative), and dt is their
+  // mean. Anything else has no dt that produces it, so it is refused rather than approximated.
+  void visit_decays(int li, const MambaLayer& lw, Tensor& dt, Listener* ls) const {
+    constexpr double kDecayAgreement = 1e-5;
+    const int64_t B = dt.size(0), T = dt.size(1);
+    Tensor dec({B, T, E_, N_});
+    for (int64_t r = 0; r < B * T; ++r)
+      for (int64_t e = 0; e < E_; ++e)
+        for (int64_t k = 0; k < N_; ++k) dec[(r * E_ + e) * N_ + k] = lw.A[e * N_ + k] * dt[r * E_ + e];
+    const Tensor before = dec.clone();
+    if (!ls->visit(li, Value::decays, dec, dec.shape())) return;
+    for (int64_t r = 0; r < B * T; ++r)
+      for (int64_t e = 0; e < E_; ++e) {
+        const float* d = dec.data() + (r * E_ + e) * N_;
+        if (std::memcmp(d, before.data() + (r * E_ + e) * N_, sizeof(float) * static_cast<size_t>(N_)) == 0) continue;
+        double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
+        for (int64_t k = 0; k < N_; ++k) {
+          const double v = static_cast<double>(d[k]) / lw.A[e * N_ + k];
+          lo = std::min(lo, v), hi = std::max(hi, v), sum += v;
+        }
+        auto where_at = [&] {
+          return "write to 'layers." + std::to_string(li) + ".linear_attn.decays': at batch " + std::to_string(r / T) +
+                 ", token " + std::to_string(r % T) + ", channel " + std::to_string(e);
+        };
+        if (!std::isfinite(lo) || !std::isfinite(hi))
+          throw WriteError(where_at() + " the written decays give a non-finite dt = decays / A");
+        if (hi - lo > kDecayAgreement * std::max(std::fabs(hi), std::fabs(lo)))
+          throw WriteError(where_at() + ": Mamba-1 decays [B,T,d_inner,state] is A*dt with one dt per (token, "
+                           "channel), but the written values imply dt = decays/A from " +
+                           std::to_string(lo) + " to " + std::to_string(hi) +
+                           " across the state axis; change whole (token, channel) rows consistently (e.g. scale them) "
+                           "or write betas instead");
+        dt[r * E_ + e] = static_cast<float>(sum / static_cast<double>(N_));
+      }
+  }
+
+  int64_t N_ = 0, E_ = 0, R_ = 0, chunk_ = kChunk;
+  std::vector<MambaLayer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::WeightStore& weights) {
+  return std::make_unique<MambaModel>(config, weights);
+}
+
+}  // namespace mixlens::detail
