@@ -151,7 +151,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _Recorder:
-    """Patches the Mamba-2 kernels and hooks the modules of one model for one run."""
+    """Patches the Mamba-2 kernels and hooks the modules of one model for one run.
+
+    The module hooks, edits and recording are family-independent: the Mamba-1 oracle
+    (oracle_mamba.py) subclasses this and replaces the patched kernels (``__enter__``/``__exit__``).
+    """
+
+    KERNEL_NAMES = "mamba2_chunk_scan / mamba2_selective_state_update"
 
     def __init__(self, model, edits: Sequence[dict] = (), record: bool = True):
         self.model = model
@@ -356,8 +362,8 @@ class _Recorder:
                 calls = self.kernel_calls.get(i, [])
                 if len(calls) != 1:
                     raise RuntimeError(
-                        f"layer {i} step {self.step}: expected exactly one patched SSD kernel call, saw {calls}; "
-                        "the mixer does not resolve mamba2_chunk_scan / mamba2_selective_state_update through "
+                        f"layer {i} step {self.step}: expected exactly one patched kernel call, saw {calls}; "
+                        f"the mixer does not resolve {self.KERNEL_NAMES} through "
                         "the module globals any more, so the oracle's patching has no effect"
                     )
                 self.cur_layer = None
@@ -425,11 +431,13 @@ def run(
     forced_tokens=None,
     record: bool = True,
     return_recorder: bool = False,
+    recorder_cls=None,
 ):
     """One (possibly edited) generation run; returns every value (see module doc) as numpy arrays.
 
     forced_tokens: indexed ``forced_tokens[step][row]`` (shape [n_steps or n_steps-1, B]); when
     given, the token fed after step k is forced_tokens[k] instead of the greedy argmax.
+    recorder_cls: the kernel-patching recorder (default: this module's Mamba-2 one).
     """
     if n_steps < 1:
         raise ValueError("n_steps must be >= 1")
@@ -451,7 +459,7 @@ def run(
     ids, mask = pad_prompts(prompts, cfg.pad_token_id)
     bsz = ids.shape[0]
     tokens = torch.zeros((bsz, n_steps), dtype=torch.long)
-    rec = _Recorder(model, edits, record=record)
+    rec = (recorder_cls or _Recorder)(model, edits, record=record)
     logits_all = []
     with torch.no_grad(), rec:
         cache = None
@@ -488,14 +496,16 @@ def run(
     return values
 
 
-def capture(model, prompts, n_steps, edits: Iterable[dict] = (), forced_tokens=None) -> dict[str, np.ndarray]:
+def capture(
+    model, prompts, n_steps, edits: Iterable[dict] = (), forced_tokens=None, recorder_cls=None
+) -> dict[str, np.ndarray]:
     """Unedited run (every value, every step) plus, for each edit, an edited run teacher-forced with
     the unedited run's tokens, recorded as ``edit/<name>/logits@step<k>``."""
     edits = list(edits)
-    base = run(model, prompts, n_steps, (), forced_tokens=forced_tokens)
+    base = run(model, prompts, n_steps, (), forced_tokens=forced_tokens, recorder_cls=recorder_cls)
     forced = base["tokens"].T  # [n_steps, B]
     for e in edits:
-        ed = run(model, prompts, n_steps, [e], forced_tokens=forced, record=False)
+        ed = run(model, prompts, n_steps, [e], forced_tokens=forced, record=False, recorder_cls=recorder_cls)
         assert np.array_equal(ed["tokens"][:, : n_steps - 1], base["tokens"][:, : n_steps - 1])
         for k in range(n_steps):
             base[f"edit/{e['name']}/{key('logits', k)}"] = ed[key("logits", k)]
