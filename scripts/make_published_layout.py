@@ -215,6 +215,137 @@ def main(argv=None) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
+# state-spaces/mamba-130m-hf layout (Mamba-1, MambaForCausalLM). The config below is the published
+# config.json key for key (transformers' conversion of the original mamba_ssm config, which keeps
+# the legacy d_model / n_layer / d_inner / ssm_cfg / fused_add_norm / rms_norm keys that the HF
+# math ignores); it agrees with shared/spec/model-math.md section 1.1. There is no
+# tie_word_embeddings key: MambaConfig's default (true) ties lm_head to backbone.embeddings.
+# vocab_size 50280 is the gpt-neox-20b tokenizer's 50277 ids padded to a multiple of 8.
+
+MAMBA_130M_CONFIG = {
+    "architectures": ["MambaForCausalLM"],
+    "bos_token_id": 0,
+    "conv_kernel": 4,
+    "d_inner": 1536,
+    "d_model": 768,
+    "eos_token_id": 0,
+    "expand": 2,
+    "fused_add_norm": True,
+    "hidden_act": "silu",
+    "hidden_size": 768,
+    "initializer_range": 0.1,
+    "intermediate_size": 1536,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "mamba",
+    "n_layer": 24,
+    "num_hidden_layers": 24,
+    "pad_token_id": 0,
+    "pad_vocab_size_multiple": 8,
+    "rescale_prenorm_residual": False,
+    "residual_in_fp32": True,
+    "rms_norm": True,
+    "ssm_cfg": {},
+    "state_size": 16,
+    "time_step_floor": 0.0001,
+    "time_step_init_scheme": "random",
+    "time_step_max": 0.1,
+    "time_step_min": 0.001,
+    "time_step_rank": 48,
+    "time_step_scale": 1.0,
+    "torch_dtype": "float32",
+    "transformers_version": "4.39.0.dev0",
+    "use_bias": False,
+    "use_cache": True,
+    "use_conv_bias": True,
+    "vocab_size": 50280,
+}
+
+
+def make_mamba1(out_dir, *, seed: int = 0) -> dict:
+    """Write a random-weight ``MambaForCausalLM`` with state-spaces/mamba-130m-hf's config (hidden
+    768, 24 layers, vocab 50280, state 16, expand 2, conv 4, time_step_rank 48, no in/out bias,
+    conv bias, tied embeddings, eps 1e-5) into ``out_dir``: save_pretrained (float32, ~517 MB, do
+    NOT commit), then config.json replaced by the published text (legacy keys included), plus the
+    gpt-neox-20b tokenizer.json. Returns paths, file sizes, parameter count and timings."""
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    t0 = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {k: v for k, v in MAMBA_130M_CONFIG.items()
+              if k not in ("architectures", "model_type", "torch_dtype", "transformers_version")}
+    torch.manual_seed(seed)
+    model = MambaForCausalLM(MambaConfig(**kwargs)).to(torch.float32).eval()
+    t_init = time.time() - t0
+    model.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    (out / "config.json").write_text(json.dumps(MAMBA_130M_CONFIG, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tok_src = find_tokenizer()
+    shutil.copyfile(tok_src, out / "tokenizer.json")
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+    return {"out_dir": str(out), "tokenizer_source": str(tok_src), "parameters": n_params,
+            "files": {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file()},
+            "init_s": round(t_init, 1), "total_s": round(time.time() - t0, 1)}
+
+
+def check_mamba1(out_dir) -> list[str]:
+    """Problems found when reloading a make_mamba1 folder against the published layout."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    problems = []
+    cfg = AutoConfig.from_pretrained(out_dir)
+    want = dict(hidden_size=768, num_hidden_layers=24, vocab_size=50280, state_size=16, expand=2,
+                intermediate_size=1536, conv_kernel=4, time_step_rank=48, use_bias=False, use_conv_bias=True,
+                tie_word_embeddings=True, layer_norm_epsilon=1e-5)
+    for k, v in want.items():
+        if getattr(cfg, k) != v:
+            problems.append(f"config {k}: {getattr(cfg, k)!r} != {v!r}")
+    with safe_open(str(Path(out_dir) / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        shapes = {n: f.get_slice(n).get_shape() for n in names if ".layers.0." in n or "layers" not in n}
+        dtype = f.get_slice("backbone.embeddings.weight").get_dtype()
+    expect = {
+        "backbone.embeddings.weight": [50280, 768], "backbone.norm_f.weight": [768],
+        "backbone.layers.0.norm.weight": [768], "backbone.layers.0.mixer.in_proj.weight": [3072, 768],
+        "backbone.layers.0.mixer.conv1d.weight": [1536, 1, 4], "backbone.layers.0.mixer.conv1d.bias": [1536],
+        "backbone.layers.0.mixer.x_proj.weight": [80, 1536], "backbone.layers.0.mixer.dt_proj.weight": [1536, 48],
+        "backbone.layers.0.mixer.dt_proj.bias": [1536], "backbone.layers.0.mixer.A_log": [1536, 16],
+        "backbone.layers.0.mixer.D": [1536], "backbone.layers.0.mixer.out_proj.weight": [768, 1536],
+    }
+    for n, shape in expect.items():
+        if shapes.get(n) != shape:
+            problems.append(f"{n}: {shapes.get(n)} != {shape}")
+    if dtype != "F32":
+        problems.append(f"dtype {dtype}")
+    if len([n for n in names if n.startswith("backbone.layers.")]) != 24 * 10:
+        problems.append(f"{len(names)} tensors")
+    return problems
+
+
+def cached_mamba1_130m(root=REPO / "build" / "published") -> Path:
+    """The make_mamba1 folder, built once under ``root`` (never committed) and reused; the name
+    carries a hash of this script and a marker is written last (as cached_qwen3_5_0_8b)."""
+    import hashlib
+
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    root = Path(root)
+    out = root / f"mamba-130m-layout-{digest}"
+    if (out / ".complete").is_file():
+        return out
+    for stale in root.glob("mamba-130m-layout-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    make_mamba1(out)
+    (out / ".complete").write_text(digest + "\n")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # Qwen/Qwen3.5-0.8B layout (added for the gated DeltaNet families; the Mamba-2 code above is
 # unchanged). The published checkpoint is the vision-language model: config.json has model_type
 # "qwen3_5" with the text model in text_config, and the weights live under
