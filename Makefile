@@ -24,8 +24,11 @@ test: build
 	ctest --test-dir build/py --output-on-failure -j $(JOBS)
 	$(PY) -m pytest -q tests/python
 
+# Speed vs transformers, measured in the same run (not tests); tables land in bench/results/.
 bench: build
 	$(PY) bench/bench_mamba2.py
+	$(PY) bench/bench_mamba.py
+	$(PY) bench/bench_qwen3_5.py
 
 clean:
 	rm -rf build
