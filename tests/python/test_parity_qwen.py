@@ -1,0 +1,156 @@
+"""Live parity of the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next MoE) with transformers 5.18.
+
+Fresh random models built here with scripts/qwen_fixtures.py's builder (seeds distinct from the
+committed fixtures), every value at every step (prompt + 7 decode steps, each step through the
+DeltaNet and the attention layers) read through the Python API and compared with
+tests/python/oracle_qwen.py; 8 greedy tokens; edits to betas, decays, state_input and
+attention_keys against transformers running the same modification (the oracle's edits),
+teacher-forced with the unedited tokens, on every value.
+
+Tolerance: relative RMS <= 1e-5 per value, 1e-4 on logits (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mixlens
+import oracle_qwen as oq
+from conftest import rel_rms, tolerance
+from test_parity_mamba2 import apply_op, compare, read_every_value
+
+N_STEPS = 8
+PAD = 0
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def mix(layer: int, value: str) -> str:
+    return f"layers.{layer}.linear_attn.{value}"
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+CASES = {
+    # HV = HK, a 70-token prompt (two chunks of 64) next to a left-padded 9-token row; partial mRoPE.
+    "qwen3_5_hv_eq_hk_chunks_padded": dict(
+        family="qwen3_5", seed=26, prompts=[70, 9],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
+                    linear_num_value_heads=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        edits=[
+            dict(name="betas_half", path=mix(0, "betas"), step=0, op="scale", factor=0.5),
+            dict(name="decays_x3_s2", path=mix(2, "decays"), step=2, op="scale", factor=3.0),
+            dict(name="keys_tok66", path=mix(0, "attention_keys"), step=0, op="set_index", index=66, value=0.7),
+        ],
+    ),
+    # HV = 2*HK (q/k head repetition; keys are served per value head), untied head, padded batch.
+    "qwen3_5_hv_2hk_padded": dict(
+        family="qwen3_5", seed=42, prompts=[12, 5],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
+                    linear_num_value_heads=4, tie_word_embeddings=False),
+        edits=[
+            # Keys are L2-normalised inside the kernel (a scale would change nothing): overwrite one.
+            dict(name="keys_set_s1", path=mix(2, "attention_keys"), step=1, op="set_index", index=0, value=0.5),
+            dict(name="state_in_head1_s2", path=mix(0, "state_input"), step=2, op="set_index", index=1, value=0.0),
+            dict(name="betas_zero_tok3", path=mix(2, "betas"), step=0, op="set_index", index=3, value=0.0),
+        ],
+    ),
+    # Qwen3-Next: MoE blocks (one dense layer), HV = 2*HK, two chunks, left-padded batch.
+    "qwen3_next_moe_chunks_padded": dict(
+        family="qwen3_next", seed=31, prompts=[67, 20],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
+                    linear_num_value_heads=4, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+                    tie_word_embeddings=False, **MOE),
+        edits=[
+            dict(name="decays_half", path=mix(0, "decays"), step=0, op="scale", factor=0.5),
+            dict(name="state_in_x2_s3", path=mix(2, "state_input"), step=3, op="scale", factor=2.0),
+            dict(name="betas_x0p3_s1", path=mix(0, "betas"), step=1, op="scale", factor=0.3),
+        ],
+    ),
+}
+
+
+class Case:
+    def __init__(self, name: str, tmp_path):
+        import make_fixtures as mf
+        import qwen_fixtures as qf
+
+        spec = CASES[name]
+        self.name, self.spec = name, spec
+        model = qf.build_model(spec["family"], spec)
+        model.save_pretrained(tmp_path)
+        self.torch_model = type(model).from_pretrained(tmp_path).eval()
+        self.prompts = qf.prompts_for(spec, self.torch_model.config.vocab_size)
+        self.ref, rec = oq.run(self.torch_model, self.prompts, PAD, N_STEPS)
+        # The patched oracle is transformers itself: same greedy tokens and logits as plain generate.
+        qf.check_against_plain_hf(self.torch_model, self.prompts, self.ref, PAD, None)
+        assert {k for s, _, k in rec.kernel_log if s == 0} == {"chunked"}
+        margin = mf.greedy_margin(self.ref, N_STEPS)
+        assert margin > 1e-2, f"{name}: greedy margin {margin:.2e}; pick another seed"
+        self.model = mixlens.StandardizedTransformer(str(tmp_path))
+        self.n_layers = self.torch_model.config.num_hidden_layers
+        self._edited = {}
+
+    def forced(self) -> list[list[int]]:
+        """The tokens fed after steps 0..N-2 (the unedited greedy run), per row."""
+        return self.ref["tokens"][:, : N_STEPS - 1].tolist()
+
+    def edited_ref(self, edit: dict) -> dict:
+        """transformers with the same edit, teacher-forced with the unedited tokens (cached per edit)."""
+        if edit["name"] not in self._edited:
+            feeds = [[[t] for t in col] for col in np.array(self.forced()).T.tolist()]
+            self._edited[edit["name"]], _ = oq.run(self.torch_model, self.prompts, PAD, N_STEPS, [edit], feeds=feeds)
+        return self._edited[edit["name"]]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    return Case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_every_value_every_step_through_the_block(case):
+    with case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1) as tracer:
+        got = read_every_value(case.model, tracer)
+    n = compare(got, case.ref, case.name)
+    assert n >= N_STEPS * case.n_layers * 7
+    # Both layer kinds were compared at every step.
+    for k in range(N_STEPS):
+        assert oq.key(mix(0, "states"), k) in got and oq.key("layers.1.self_attn.attention_keys", k) in got
+    assert tracer.tokens == case.ref["tokens"].tolist()  # 8 greedy tokens, as transformers'
+    assert [c["kernel"] for c in tracer.calls] == ["chunked"] + ["recurrent"] * (N_STEPS - 1)
+
+
+def test_pre_registered_saves_match(case):
+    run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
+                              saves=[v["path"] for v in case.model.values()]).run()
+    got = {oq.key(p, k): v for p, per_step in run.saved.items() for k, v in enumerate(per_step) if v is not None}
+    compare(got, case.ref, case.name + " saves")
+    assert run.saved[mix(0, "state_input")][0] is None
+    assert run.tokens == case.ref["tokens"].tolist()
+
+
+@pytest.mark.parametrize("how", ["interleaved", "pre_registered"])
+def test_edits_match_transformers_with_the_same_modification(case, how):
+    for edit in case.spec["edits"]:
+        ref = case.edited_ref(edit)
+        label = f"{case.name} {edit['name']} ({how})"
+        edited_key = oq.key(edit["path"], edit["step"])
+        if how == "interleaved":
+            with case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced()) as tracer:
+                got = read_every_value(case.model, tracer, edit)
+            skip = set()
+        else:
+            tracer = case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced(),
+                                         saves=[v["path"] for v in case.model.values()],
+                                         edits={edited_key: lambda v, e=edit: apply_op(v, e)}).run()
+            got = {oq.key(p, k): v for p, per in tracer.saved.items() for k, v in enumerate(per) if v is not None}
+            # Saves see the value before the edit at the edited site; compare the edited one apart.
+            assert rel_rms(apply_op(got[edited_key], edit), ref[edited_key]) <= tolerance(edited_key), label
+            skip = {edited_key}
+        compare(got, ref, label, skip=skip)
+        # The edit changed the logits from its step on, not before (the comparison is not vacuous).
+        diffs = [rel_rms(tracer.logits[k], case.ref[oq.key("logits", k)]) for k in range(N_STEPS)]
+        assert all(d <= 1e-4 for d in diffs[: edit["step"]]) and any(d > 1e-4 for d in diffs[edit["step"]:]), \
+            (label, diffs)
