@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -54,13 +55,21 @@ T parse_number(const std::string& flag, const std::string& v) {
   try {
     size_t used = 0;
     T out;
-    if constexpr (std::is_same_v<T, float>) out = std::stof(v, &used);
-    else if constexpr (std::is_same_v<T, uint64_t>) out = std::stoull(v, &used);
-    else out = static_cast<T>(std::stoll(v, &used));
+    if constexpr (std::is_same_v<T, float>) {
+      out = std::stof(v, &used);
+    } else if constexpr (std::is_same_v<T, uint64_t>) {
+      if (v.find('-') != std::string::npos) throw std::out_of_range(v);  // stoull wraps "-1"
+      out = std::stoull(v, &used);
+    } else {
+      // Range-check before narrowing: a silently wrapped id or count is a wrong result.
+      const long long wide = std::stoll(v, &used);
+      if (wide < std::numeric_limits<T>::min() || wide > std::numeric_limits<T>::max()) throw std::out_of_range(v);
+      out = static_cast<T>(wide);
+    }
     if (used != v.size()) throw std::invalid_argument(v);
     return out;
   } catch (const std::exception&) {
-    usage_error(flag + " expects a number, got '" + v + "'");
+    usage_error(flag + " expects a number in range, got '" + v + "'");
   }
 }
 
@@ -118,6 +127,7 @@ int run_command(const Args& a) {
   const std::string model_path = a.model.empty() ? mixlens::default_model_path() : a.model;
   if (a.command == "inspect") {
     if (!a.positional.empty()) usage_error("inspect takes no positional arguments");
+    if (a.prompt_length < 1) usage_error("--prompt-length must be >= 1");
     mixlens::Model m = mixlens::Model::load(model_path);
     std::fputs(mixlens::describe_model(m, a.prompt_length).c_str(), stdout);
     return 0;

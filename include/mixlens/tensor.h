@@ -50,6 +50,8 @@ class Tensor {
   Tensor reshape(Shape shape) const;
   /// True when any element is NaN.
   bool has_nan() const;
+  /// True when any element is NaN or +-inf.
+  bool has_non_finite() const;
   std::vector<float> to_vector() const { return std::vector<float>(data_, data_ + numel_); }
 
  private:

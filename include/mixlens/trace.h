@@ -72,8 +72,9 @@ class Trace {
   /// True if `path` (canonical, no wildcard) was saved at `step` with a value (state_input on a
   /// fresh prompt is None and is not stored).
   bool has(std::string_view path, int step = 0) const;
-  /// The saved value; UnknownValueError if it was not saved at that step.
-  const Tensor& get(std::string_view path, int step = 0) const;
+  /// The saved value (a handle to the saved copy, valid after later runs on this trace);
+  /// UnknownValueError if it was not saved at that step.
+  Tensor get(std::string_view path, int step = 0) const;
   /// Every saved value as "path@step{k}" -> tensor, in the order produced.
   const std::vector<std::pair<std::string, Tensor>>& saved() const;
   /// The forward calls this trace observed.

@@ -153,7 +153,10 @@ Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
     throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " has shape " +
                           shape_str(e.info->shape) + ", expected " + shape_str(expected) +
                           " from config.json");
-  return files_[e.file].get_f32(name);
+  Tensor t = files_[e.file].get_f32(name);
+  // A NaN weight poisons every output silently; one pass at load is cheap next to the matmuls.
+  if (t.has_nan()) throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " contains NaN");
+  return t;
 }
 
 std::vector<int64_t> WeightStore::get_i64(const std::string& name) const {

@@ -36,7 +36,8 @@ class WeightStore {
   /// The tensor as float32 (see SafetensorsFile::get_f32: F32 is zero-copy and read-only).
   Tensor get(const std::string& name) const;
   /// As get, but CheckpointError "tensor 'X' in <folder> has shape [..], expected [..] from
-  /// config.json" unless the stored shape equals `expected` (checked before any conversion).
+  /// config.json" unless the stored shape equals `expected` (checked before any conversion),
+  /// and CheckpointError "... contains NaN" for a tensor with a NaN (model loading uses this form).
   Tensor get(const std::string& name, const Shape& expected) const;
   /// Integer tensors as int64 (see SafetensorsFile::get_i64).
   std::vector<int64_t> get_i64(const std::string& name) const;

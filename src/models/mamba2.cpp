@@ -56,6 +56,9 @@ class Mamba2Model final : public SsmLm {
       if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
       dt_lo_ = static_cast<float>(lim[0]);
       dt_hi_ = static_cast<float>(lim[1]);
+      if (!(dt_lo_ >= 0.0f && dt_lo_ <= dt_hi_))
+        throw ConfigError(where(cfg) + ": time_step_limit [" + std::to_string(lim[0]) + ", " + std::to_string(lim[1]) +
+                          "] must satisfy 0 <= min <= max");
     }
     const bool use_bias = cfg.get_or<bool>("use_bias", false);
     const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);

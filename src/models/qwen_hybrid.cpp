@@ -98,6 +98,8 @@ class QwenHybrid final : public FamilyModel {
       throw ConfigError(where(cfg) + ": num_attention_heads (" + std::to_string(H_) +
                         ") is not divisible by num_key_value_heads (" + std::to_string(Hkv_) + ")");
     eps_ = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-6));
+    if (!(eps_ > 0.0f) || !std::isfinite(eps_))
+      throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
     const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
     if (act != "silu" && act != "swish")
       throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Qwen hybrids use silu)");
@@ -340,7 +342,7 @@ class QwenHybrid final : public FamilyModel {
     std::map<std::string, std::map<int, std::string>> s;
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       const bool lin = layers_[static_cast<size_t>(i)].linear;
-      const std::string block = "block " + std::to_string(i) + " is a " + (lin ? "gated_deltanet" : "attention") + " block";
+      const std::string block = "block " + std::to_string(i) + (lin ? " is a gated_deltanet block" : " is an attention block");
       for (int vi = 0; vi < kNumValues; ++vi) {
         const Value val = static_cast<Value>(vi);
         const Component c = value_component(val);

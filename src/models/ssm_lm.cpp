@@ -1,6 +1,7 @@
 #include "models/ssm_lm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "mixlens/errors.h"
@@ -17,6 +18,8 @@ void SsmLm::load_backbone(const io::Config& cfg, const io::WeightStore& w, const
   V_ = cfg.get<int64_t>("vocab_size");
   K_ = cfg.get<int64_t>("conv_kernel");
   eps_ = static_cast<float>(cfg.get_double_or("layer_norm_epsilon", 1e-5));
+  if (!(eps_ > 0.0f) || !std::isfinite(eps_))
+    throw ConfigError(where(cfg) + ": layer_norm_epsilon must be a finite number > 0");
   require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_}, {"conv_kernel", K_}});
   const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
   if (act != "silu" && act != "swish")

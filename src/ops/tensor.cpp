@@ -87,6 +87,12 @@ Tensor Tensor::reshape(Shape shape) const {
   return t;
 }
 
+bool Tensor::has_non_finite() const {
+  for (int64_t i = 0; i < numel_; ++i)
+    if (!std::isfinite(data_[i])) return true;
+  return false;
+}
+
 bool Tensor::has_nan() const {
   for (int64_t i = 0; i < numel_; ++i)
     if (std::isnan(data_[i])) return true;

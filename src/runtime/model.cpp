@@ -1,5 +1,6 @@
 #include "mixlens/model.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <mutex>
 #include <random>
@@ -62,6 +63,10 @@ void route_kernels(const std::string& family, const std::string& route) {
   else if (route == "chunked") k = KernelRoute::chunked;
   else if (route == "recurrent") k = KernelRoute::recurrent;
   else throw InputError("route_kernels: route '" + route + "' must be 'default', 'chunked' or 'recurrent'");
+  // A misspelt family would silently route nothing.
+  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next"};
+  if (std::find(families.begin(), families.end(), family) == families.end())
+    throw InputError("route_kernels: unknown family '" + family + "' (known: mamba2, mamba, qwen3_5, qwen3_next)");
   std::lock_guard<std::mutex> lk(g_route_mu);
   routes()[family] = k;
 }

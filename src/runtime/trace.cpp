@@ -50,7 +50,7 @@ static std::string key_of(std::string_view path, int step) {
 
 bool Trace::has(std::string_view path, int step) const { return impl_->index.count(key_of(path, step)) > 0; }
 
-const Tensor& Trace::get(std::string_view path, int step) const {
+Tensor Trace::get(std::string_view path, int step) const {
   auto it = impl_->index.find(key_of(path, step));
   if (it == impl_->index.end())
     throw UnknownValueError("'" + std::string(path) + "' was not saved at step " + std::to_string(step) +
@@ -129,7 +129,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
       for (const auto& v : values)
         if (with_star(v.path).rfind("layers.*." + comp + ".", 0) == 0) has_comp = true;
       if (!has_comp)
-        throw UnknownValueError("value path '" + pattern + "': block " + layer + " is a " + kind + " block and has no " +
+        throw UnknownValueError("value path '" + pattern + "': block " + layer + (kind[0] == 'a' ? " is an " : " is a ") + kind + " block and has no " +
                                 comp);
     }
   }
@@ -151,7 +151,9 @@ void check_write(const std::string& path, Value v, const Tensor& w, const Shape&
   if (!w.defined()) throw WriteError("write to '" + path + "': the new value is undefined (None)");
   if (w.shape() != expected)
     throw WriteError("write to '" + path + "': expected shape " + shape_str(expected) + ", got " + shape_str(w.shape()));
-  if (w.has_nan()) throw WriteError("write to '" + path + "': the new value contains NaN");
+  // inf is refused too: it turns into NaN in the scan and every later value (values.md: no
+  // silently wrong output). A full reset is a large negative decay, e.g. -1e4.
+  if (w.has_non_finite()) throw WriteError("write to '" + path + "': the new value contains NaN or inf");
   if (v == Value::betas)
     for (float x : w)
       if (x < 0.0f) throw WriteError("write to '" + path + "': betas must be >= 0 (got " + std::to_string(x) + ")");

@@ -149,6 +149,43 @@ TEST_F(BadInput, ConfigNotJsonOrMissingField) {
   EXPECT_NE(load_error<ConfigError>().find("hidden_size"), std::string::npos);
 }
 
+TEST_F(BadInput, NaNWeightsAndNonsenseConfigValues) {
+  rewrite_weights([](auto& ts) {
+    for (auto& [n, t] : ts)
+      if (n == "backbone.layers.0.mixer.D") t[1] = std::nanf("");
+  });
+  EXPECT_NE(load_error<CheckpointError>().find("backbone.layers.0.mixer.D' in"), std::string::npos);
+  expect_cli_fails("contains NaN");
+  fs::copy_file(fixture("mamba2/short_prompt") / "model.safetensors", dir_ / "model.safetensors",
+                fs::copy_options::overwrite_existing);
+  const nlohmann::json good = read_json(dir_ / "config.json");
+  auto with_field = [&](const std::string& field, const nlohmann::json& value) {
+    nlohmann::json c = good;
+    c[field] = value;
+    write(dir_ / "config.json", c.dump());
+  };
+  with_field("layer_norm_epsilon", -1.0);
+  EXPECT_NE(load_error<ConfigError>().find("layer_norm_epsilon"), std::string::npos);
+  with_field("time_step_limit", {1.0, 0.5});
+  EXPECT_NE(load_error<ConfigError>().find("time_step_limit"), std::string::npos);
+}
+
+TEST_F(BadInput, InfiniteWritesAreRefused) {
+  Model m = Model::load(dir_.string());
+  Trace t;
+  t.edit("layers.0.linear_attn.betas", [](Tensor& v, const SiteContext&) { v[0] = INFINITY; });
+  EXPECT_THROW(m.run({{1, 2, 3}}, &t), WriteError);
+  EXPECT_THROW(route_kernels("Mamba2", "recurrent"), InputError);
+}
+
+TEST_F(BadInput, CliNumbersOutOfRangeAreUsageErrors) {
+  std::string err;
+  EXPECT_EQ(cli("generate --model " + dir_.string() + " 3,4294967296 --ids --max-new-tokens 2", &err), 2) << err;
+  EXPECT_EQ(cli("generate --model " + dir_.string() + " 3 --ids --max-new-tokens 4294967299", &err), 2) << err;
+  EXPECT_EQ(cli("generate --model " + dir_.string() + " 3 --ids --max-new-tokens 2 --seed -1", &err), 2) << err;
+  EXPECT_EQ(cli("inspect --model " + dir_.string() + " --prompt-length 0", &err), 2) << err;
+}
+
 TEST_F(BadInput, NonexistentModelFolder) {
   try {
     Model::load((dir_ / "nope").string());
