@@ -19,8 +19,12 @@ The API follows nnsight / nnterp::
 The forward runs on a C++ worker thread and pauses only where the block reads or writes, so values
 are real arrays (copies) and must be visited in forward order (``model.values()``); asking for a value
 the forward has passed raises :class:`OutOfOrderError`. ``model.run(prompts, saves=[...], edits={...})``
-is the non-interleaved form. Value names and their reference quantities: ``shared/spec/values.md``;
+is the non-interleaved form. Value names and their reference quantities: ``docs/values.md`` in the
+repository; ``model.values()`` lists them with shapes and meanings, and
 ``model.support()`` says which exist where.
+
+``mixlens.load()`` / ``StandardizedTransformer()`` with no path load :func:`default_model_path`:
+``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the repository (``models/mamba2-tinystories``).
 
 Also: :func:`route_kernels` (force the chunked / recurrent algorithm per family),
 :func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids via ``huggingface_hub``), and the exception
@@ -36,13 +40,14 @@ from .errors import (
     MixlensError,
     OutOfOrderError,
     TokenizerError,
+    UnknownAttributeError,
     UnknownValueError,
     UnsupportedError,
     WriteError,
 )
 from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
-from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, load
+from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
 
 __version__ = "0.1.0"
 
@@ -52,6 +57,7 @@ __all__ = [
     "StandardizedTransformer",
     "LanguageModel",
     "load",
+    "default_model_path",
     "Tracer",
     "ValueArray",
     "Cache",
@@ -64,6 +70,7 @@ __all__ = [
     "ConfigError",
     "TokenizerError",
     "UnknownValueError",
+    "UnknownAttributeError",
     "WriteError",
     "UnsupportedError",
     "InputError",

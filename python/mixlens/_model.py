@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -9,11 +10,13 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core, hub
-from .errors import InputError, WriteError
+from .errors import InputError, UnknownAttributeError, UnknownValueError, WriteError
 
-__all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load"]
+__all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
 
 _ALL_STEPS = (0, 2**31 - 1)
+_INT32_MAX = 2**31 - 1
+_UINT64_MAX = 2**64 - 1
 _STEP_KEY = re.compile(r"^(?P<path>.+)@step(?P<step>\d+)$")
 
 Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], np.ndarray]
@@ -33,6 +36,34 @@ class ValueArray(np.ndarray):
         return self
 
 
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    """`value` as a Python int if it is an integer (not bool / float) in [lo, hi]; else InputError naming
+    the argument and the range (rather than nanobind's "incompatible function arguments")."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise InputError(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]")
+    return v
+
+
+def _check_rows(rows: list, what: str = "token id") -> list:
+    """Token-id rows as lists of ints within int32 (ids beyond the vocabulary are reported by the core,
+    which knows it)."""
+    out = []
+    for r, row in enumerate(rows):
+        ids = []
+        for k, t in enumerate(row):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise InputError(f"{what} at row {r}, position {k} must be an integer, got {t!r} ({type(t).__name__})")
+            v = int(t)
+            if not 0 <= v <= _INT32_MAX:
+                raise InputError(f"{what} {v} at row {r}, position {k} is out of range: ids are in [0, vocab_size)")
+            ids.append(v)
+        out.append(ids)
+    return out
+
+
 def _as_value(arr: Optional[np.ndarray]) -> Optional[ValueArray]:
     return None if arr is None else arr.view(ValueArray)
 
@@ -41,7 +72,10 @@ def _as_float32(value: Any, path: str) -> np.ndarray:
     """A C-contiguous float32 copy of `value` for a write; WriteError for non-numeric dtypes."""
     if value is None:
         raise WriteError(f"write to '{path}': the new value is None")
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError as e:  # a ragged nested list
+        raise WriteError(f"write to '{path}': the new value is not a rectangular array ({e})") from None
     if arr.dtype.kind not in "fiu":
         raise WriteError(f"write to '{path}': dtype {arr.dtype} cannot be written (values are float32)")
     return np.ascontiguousarray(arr, dtype=np.float32)
@@ -62,6 +96,20 @@ def _save_specs(saves: Optional[Iterable[str]]) -> list:
     if isinstance(saves, str):
         saves = [saves]
     return [_steps_of(s) for s in saves]
+
+
+def _check_saved_steps(specs: list, ran: Iterable[int]) -> None:
+    """InputError for a save of one step (``path@stepK``) the run never made (it would silently be absent)."""
+    ran = sorted(set(ran))
+    for path, first, last in specs:
+        if (first, last) != _ALL_STEPS and first not in ran:
+            if not ran:
+                made = "no step"
+            elif len(ran) > 1 and ran == list(range(ran[0], ran[-1] + 1)):
+                made = f"steps {ran[0]}..{ran[-1]}"
+            else:
+                made = ("steps " if len(ran) > 1 else "step ") + ", ".join(map(str, ran))
+            raise InputError(f"save '{path}@step{first}': the run never made step {first} (it ran {made})")
 
 
 def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]]) -> list:
@@ -101,13 +149,13 @@ class Tokenizer:
         return self._core.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._core.decode([int(i) for i in ids], skip_special_tokens)
+        return self._core.decode(_check_rows([list(ids)])[0], skip_special_tokens)
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._core.token_to_id(token)
 
     def id_to_token(self, id: int) -> str:
-        return self._core.id_to_token(int(id))
+        return self._core.id_to_token(_check_int("token id", id, 0, _INT32_MAX))
 
     @property
     def vocab_size(self) -> int:
@@ -154,7 +202,16 @@ class _Envoy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        return self._model._read(self._prefix + name)
+        path = self._prefix + name
+        if self._model._tracer is None and not self._model._known(path):
+            names = ", ".join(self._names()) or "none"
+            raise UnknownAttributeError(f"'{path}' is not a value of this model (values here: {names})")
+        try:
+            return self._model._read(path)
+        except UnknownAttributeError:
+            raise
+        except UnknownValueError as e:  # also an AttributeError, so hasattr() answers False
+            raise UnknownAttributeError(str(e)) from None
 
     def __setattr__(self, name: str, value) -> None:
         if name.startswith("_"):
@@ -162,9 +219,9 @@ class _Envoy:
         self._model._write(self._prefix + name, value)
 
     def _names(self) -> list[str]:
-        """Value names under this prefix (block 0's list stands for every block of a uniform model)."""
-        layer0 = re.sub(r"^layers\.\d+\.", "layers.0.", self._prefix)
-        return sorted({v["path"][len(layer0):] for v in self._model._core.values() if v["path"].startswith(layer0)})
+        """Value names under this prefix, from the model's values for this very layer (hybrids differ)."""
+        p = self._prefix
+        return sorted({path[len(p):] for path in self._model._paths() if path.startswith(p)})
 
     def __dir__(self):
         return self._names()
@@ -308,8 +365,7 @@ class Tracer:
             self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits)
             self._cache._busy = True
         elif self._forced is not None:
-            forced = [list(map(int, r)) for r in np.atleast_2d(np.asarray(self._forced, dtype=np.int64))]
-            self._session = _core.session_teacher_forced(core, self._rows, forced, self._saves, self._edits)
+            self._session = _core.session_teacher_forced(core, self._rows, self._forced, self._saves, self._edits)
         else:
             self._session = _core.session_generate(core, self._rows, saves=self._saves, edits=self._edits, **self._gen)
         self._step = self._session.first_step
@@ -321,10 +377,19 @@ class Tracer:
         sess, self._session = self._session, None
         try:
             if exc_type is None:
-                self._result = sess.finish()
-            self._calls = sess.calls
+                # Step by step, so Ctrl-C (KeyboardInterrupt) is raised between forward calls rather
+                # than after the whole generation: each C++ wait blocks with the GIL released.
+                for step in range(sess.first_step + 1, sess.last_step + 1):
+                    if not sess.reach_step(step):
+                        break
+                result = sess.finish()
+                self._calls = sess.calls
+                _check_saved_steps(self._saves, (c["step"] for c in self._calls))
+                self._result = result
+            else:
+                self._calls = sess.calls
         finally:
-            sess.close()
+            sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt)
             if self._cache is not None:
                 self._cache._busy = False
         return False
@@ -431,13 +496,15 @@ class StandardizedTransformer:
     ``StandardizedTransformer(path_or_hub_id)`` loads a checkpoint folder (config.json, *.safetensors,
     tokenizer.json) or a hub id from the local HuggingFace cache (never the network). With ``cache_dir`` /
     ``revision`` / ``use_hub=True`` the id is resolved through ``huggingface_hub`` (:mod:`mixlens.hub`).
+    With no path, the model is :func:`default_model_path`: ``$MIXLENS_MODEL``, else the small Mamba-2
+    shipped in the repository (``models/mamba2-tinystories``), as the ``mixlens`` CLI does.
 
     Values (read inside ``with model.trace(...)``; shapes for Mamba-2, ``B`` prompts, ``T`` tokens):
 
     ==========================================  ====================================================
     ``model.embed_tokens.output``               ``[B,T,hidden]`` token embeddings
     ``model.layers[i].layer_input / output``    ``[B,T,hidden]`` residual stream entering / leaving block i
-    ``model.layers[i].linear_attn.<value>``     the recurrent mixer (values.md): ``attention_queries`` (C,
+    ``model.layers[i].linear_attn.<value>``     the recurrent mixer (docs/values.md): ``attention_queries`` (C,
                                                 ``[B,T,G,N]``), ``attention_keys`` (B), ``attention_values`` (x,
                                                 ``[B,T,H,P]``), ``betas`` (dt, ``[B,T,H]``, >= 0), ``decays`` (A*dt,
                                                 <= 0), ``state_input`` (``[B,H,N,P]``, None on a fresh prompt),
@@ -452,15 +519,14 @@ class StandardizedTransformer:
     pure-torch implementation; ``model.values()`` lists every path with its shape and meaning.
     """
 
-    def __init__(self, path_or_hub_id: str = None, *, cache_dir: Optional[str] = None, revision: Optional[str] = None,
-                 use_hub: bool = False):
-        if path_or_hub_id is None:
-            raise InputError("give a checkpoint folder or a hub id")
-        path = str(path_or_hub_id)
+    def __init__(self, path_or_hub_id: Optional[str] = None, *, cache_dir: Optional[str] = None,
+                 revision: Optional[str] = None, use_hub: bool = False):
+        path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
         self._core = _core.Model.load(path)
         self._tracer: Optional[Tracer] = None
+        self._value_paths: Optional[frozenset] = None
         self.layers = _Layers(self)
         self.embed_tokens = _Envoy(self, "embed_tokens.")
         self.ln_final = _Envoy(self, "ln_final.")
@@ -483,8 +549,17 @@ class StandardizedTransformer:
         writable, per_token, meaning (the reference quantity it equals)."""
         return self._core.values(batch, seq)
 
+    def _paths(self) -> frozenset:
+        """Every value path of this model (``model.values()``), computed once."""
+        if self._value_paths is None:
+            self._value_paths = frozenset(v["path"] for v in self._core.values())
+        return self._value_paths
+
+    def _known(self, path: str) -> bool:
+        return path in self._paths()
+
     def support(self) -> dict:
-        """values.md ``support()``: value name (``"linear_attn.states"``) -> None when available, else the
+        """docs/values.md ``support()``: value name (``"linear_attn.states"``) -> None when available, else the
         reason (a sentence naming the cause and what to use instead). Where every block answers alike
         the entry is one value, the reason's block index written ``{i}``; where blocks differ (hybrids)
         it is a per-layer ``{layer: None | reason}`` mapping."""
@@ -508,15 +583,15 @@ class StandardizedTransformer:
             arr = np.asarray(inputs)
             if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
                 raise InputError(f"token ids must be a 1-D or 2-D integer array, got {arr.dtype} {arr.shape}")
-            return ([arr.tolist()], True) if arr.ndim == 1 else (arr.tolist(), False)
+            return (_check_rows([arr.tolist()]), True) if arr.ndim == 1 else (_check_rows(arr.tolist()), False)
         if not isinstance(inputs, (list, tuple)) or len(inputs) == 0:
             raise InputError("inputs must be a prompt string, a list of prompts, or token ids")
         if all(isinstance(x, str) for x in inputs):
             return [self.tokenizer.encode(x) for x in inputs], False
         if all(isinstance(x, (int, np.integer)) for x in inputs):
-            return [[int(x) for x in inputs]], True
+            return _check_rows([list(inputs)]), True
         if all(isinstance(x, (list, tuple, np.ndarray)) for x in inputs):
-            return [[int(t) for t in row] for row in inputs], False
+            return _check_rows([list(row) for row in inputs]), False
         raise InputError("inputs must be a prompt string, a list of prompts, token ids, or a list of token-id rows")
 
     # -- value access through the open tracer ----------------------------------------------
@@ -557,33 +632,65 @@ class StandardizedTransformer:
         teacher-forces the tokens fed after each step instead (``tracer.tokens`` then holds each step's
         greedy prediction and ``tracer.logits`` every step's logits). Use as ``with ... as tracer`` and
         ``tracer.iter``, or ``.run()``."""
-        gen = dict(max_new_tokens=int(max_new_tokens), greedy=not do_sample, temperature=float(temperature),
-                   top_k=int(top_k), top_p=float(top_p), seed=int(seed),
-                   eos_token_id=None if eos_token_id is None else int(eos_token_id))
+        gen = dict(max_new_tokens=_check_int("max_new_tokens", max_new_tokens, 1, _INT32_MAX),
+                   greedy=not do_sample, temperature=float(temperature),
+                   top_k=_check_int("top_k", top_k, 0, _INT32_MAX), top_p=float(top_p),
+                   seed=_check_int("seed", seed, 0, _UINT64_MAX),
+                   eos_token_id=None if eos_token_id is None else _check_int("eos_token_id", eos_token_id, -1, _INT32_MAX))
+        if forced_tokens is not None:
+            forced = np.asarray(forced_tokens, dtype=object)
+            rows = forced.tolist() if forced.ndim == 2 else [list(forced_tokens)]
+            forced_tokens = _check_rows(rows, "forced token id")
         return Tracer(self, "generate", inputs, saves=saves, edits=edits, forced_tokens=forced_tokens, **gen)
 
     def run(self, inputs: Prompt, saves=None, edits=None) -> dict:
         """One forward with pre-registered saves / edits (no block): {"logits": [B,T,vocab], path: array}."""
-        logits, saved = self._core.run(self._rows(inputs)[0], _save_specs(saves), _edit_specs(edits))
+        specs = _save_specs(saves)
+        logits, saved = self._core.run(self._rows(inputs)[0], specs, _edit_specs(edits))
+        _check_saved_steps(specs, [0])
         out = {"logits": logits}
         out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
         return out
 
     def new_cache(self, batch: int = 1) -> Cache:
         """An empty cache for `batch` rows, for ``forward`` / ``trace(..., cache=)`` continuations."""
-        return Cache(self._core.new_cache(int(batch)))
+        return Cache(self._core.new_cache(_check_int("batch", batch, 1, _INT32_MAX)))
 
     def forward(self, inputs: Prompt, cache: Cache, saves=None, edits=None) -> dict:
         """One forward call continuing `cache` (updated in place): {"logits": [B,T,vocab], path: array}.
         Several new tokens over a cached state run the chunked kernel from that state."""
         if cache._busy:
             raise InputError("this cache is in use by an open trace")
-        logits, saved = self._core.forward(self._rows(inputs)[0], cache._core, _save_specs(saves), _edit_specs(edits))
+        specs, step = _save_specs(saves), cache.steps
+        logits, saved = self._core.forward(self._rows(inputs)[0], cache._core, specs, _edit_specs(edits))
+        _check_saved_steps(specs, [step])
         out = {"logits": logits}
         out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
         return out
 
 
-def load(path_or_hub_id: str, **kwargs) -> StandardizedTransformer:
-    """Same as ``StandardizedTransformer(path_or_hub_id, **kwargs)``."""
+def default_model_path() -> str:
+    """The model loaded when no path is given (same rule as the ``mixlens`` CLI and the C++
+    ``mixlens::default_model_path()``): ``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the
+    repository mixlens was built from (``<repo>/models/mamba2-tinystories``). InputError when neither
+    exists."""
+    env = os.environ.get("MIXLENS_MODEL")
+    if env:
+        return env
+    candidates = []
+    if hasattr(_core, "default_model_path"):
+        candidates.append(_core.default_model_path())  # $MIXLENS_MODEL unset: the compiled-in repo path
+    # A source checkout on sys.path (python/mixlens -> <repo>/models/...).
+    candidates.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models",
+                                   "mamba2-tinystories"))
+    for c in candidates:
+        if os.path.isdir(c):
+            return os.path.normpath(c)
+    raise InputError("no model given and no default: pass a checkpoint folder or hub id, or set $MIXLENS_MODEL "
+                     f"(the shipped model was looked for at {', '.join(map(os.path.normpath, candidates))})")
+
+
+def load(path_or_hub_id: Optional[str] = None, **kwargs) -> StandardizedTransformer:
+    """Same as ``StandardizedTransformer(path_or_hub_id, **kwargs)``; with no path,
+    :func:`default_model_path` (``$MIXLENS_MODEL``, else the shipped ``models/mamba2-tinystories``)."""
     return StandardizedTransformer(path_or_hub_id, **kwargs)

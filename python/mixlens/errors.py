@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "TokenizerError",
     "UnknownValueError",
+    "UnknownAttributeError",
     "WriteError",
     "UnsupportedError",
     "InputError",
@@ -40,6 +41,11 @@ class TokenizerError(MixlensError):
 class UnknownValueError(MixlensError, LookupError):
     """A value path that does not exist for this model. The message suggests the nearest valid path,
     or names the block's kind when a block lacks the component (``self_attn`` on a Mamba block)."""
+
+
+class UnknownAttributeError(UnknownValueError, AttributeError):
+    """An attribute of ``model.layers[i].linear_attn`` (or another envoy) that names no value there. Both an
+    :class:`UnknownValueError` and an ``AttributeError``, so ``hasattr(envoy, "nonexistent")`` is False."""
 
 
 class WriteError(MixlensError, ValueError):

@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "mixlens/model.h"
+#include "mixlens/tools.h"
 
 namespace mixlens::py {
 
@@ -67,6 +68,9 @@ nb::list values_list(const Model& m, int64_t batch, int64_t seq) {
 }  // namespace
 
 void init_model(nb::module_& m) {
+  m.def("default_model_path", &default_model_path,
+        "The model used when none is given: $MIXLENS_MODEL, else the shipped models/mamba2-tinystories (the path "
+        "of the source tree this module was built from).");
   m.def("route_kernels", &route_kernels, nb::arg("family"), nb::arg("route"),
         "Force the recurrent-mixer algorithm of a family process-wide: 'recurrent', 'chunked' or 'default'.");
   m.def(

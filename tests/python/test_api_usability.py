@@ -1,0 +1,217 @@
+"""New-user problems of the Python API: hub ids without cache_dir, integer arguments out of range,
+dir()/repr()/hasattr() of envoys on hybrid models, saves of steps that never ran, the default model,
+ragged writes, and Ctrl-C during a long generation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mixlens
+from conftest import REPO, SHIPPED_MODEL
+
+PROMPT = "Once upon a time, there was a little"
+QWEN = REPO / "models" / "qwen3_5-tinystories"
+
+
+@pytest.fixture(scope="module")
+def model(text_model_dir):
+    return mixlens.StandardizedTransformer(str(text_model_dir))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    if not (QWEN / "config.json").is_file():
+        pytest.skip("models/qwen3_5-tinystories is not in this checkout")
+    return mixlens.load(str(QWEN))
+
+
+# ---- 1. mixlens.hub without cache_dir ------------------------------------------------------------
+
+
+def _fake_hub_cache(root, repo_id, src_dir, commit="0123456789abcdef0123456789abcdef01234567"):
+    """A HuggingFace hub cache holding `src_dir`'s files as repo_id at revision main."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in src_dir.iterdir():
+        shutil.copy(f, snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_hub_ids_resolve_from_the_environment_cache_without_cache_dir(tmp_path, monkeypatch, text_model_dir):
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    snap = _fake_hub_cache(cache, "foo/bar", text_model_dir)
+    # huggingface_hub reads HF_HUB_CACHE when it is imported; mixlens must read it when called.
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert os.path.samefile(mixlens.hub.resolve("foo/bar"), snap)
+    assert os.path.samefile(mixlens.hub.resolve("foo/bar@main"), snap)
+    for m in (mixlens.load("foo/bar", use_hub=True), mixlens.load("foo/bar", revision="main")):
+        assert os.path.samefile(m.info["path"], snap)
+    with pytest.raises(mixlens.CheckpointError, match=str(cache)):
+        mixlens.hub.resolve("foo/missing")
+
+
+# ---- 2. integer arguments ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**70), "seed"),
+    (dict(max_new_tokens=2**40), "max_new_tokens"),
+    (dict(max_new_tokens=1.7), "max_new_tokens"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(eos_token_id=2**32), "eos_token_id"),
+])
+def test_bad_generation_integers_raise_input_error_naming_the_argument(model, kwargs, name):
+    with pytest.raises(mixlens.InputError, match=name) as e:
+        model.generate(PROMPT, **{"max_new_tokens": 2, **kwargs}).run()
+    assert "incompatible function arguments" not in str(e.value)
+    if not isinstance(next(iter(kwargs.values())), float):
+        assert "[" in str(e.value), "the message names the range"
+
+
+def test_out_of_range_token_ids_raise_input_error(model):
+    for ids in ([1, 2**31], [[1, 2], [3, 2**31]], np.array([1, 2**31], dtype=np.int64), [1, 2.5]):
+        with pytest.raises(mixlens.InputError) as e:
+            model.run(ids)
+        assert "incompatible function arguments" not in str(e.value)
+        with pytest.raises(mixlens.InputError):
+            with model.trace(ids):
+                pass
+    with pytest.raises(mixlens.InputError, match="2147483648"):
+        model.generate([1, 2], max_new_tokens=2, forced_tokens=[2**31]).run()
+    with pytest.raises(mixlens.InputError):
+        model.tokenizer.decode([2**31])
+    assert model.generate(np.array([1, 2], dtype=np.int64), max_new_tokens=2, seed=np.uint64(2**64 - 1)).run().steps == 2
+
+
+# ---- 3. dir / repr / hasattr ----------------------------------------------------------------------
+
+
+def test_dir_and_repr_follow_each_layer_of_a_hybrid(hybrid):
+    kinds = hybrid.info["layer_kinds"]
+    attn = kinds.index("attention")
+    lin = kinds.index("gated_deltanet")
+    assert dir(hybrid.layers[attn].self_attn) == sorted(
+        ["attention_queries", "attention_keys", "attention_values", "gate", "attention_output"])
+    assert dir(hybrid.layers[attn].linear_attn) == []
+    assert dir(hybrid.layers[lin].self_attn) == []
+    assert "betas" in dir(hybrid.layers[lin].linear_attn)
+    assert dir(hybrid.layers[attn]) == ["layer_input", "layer_output", "mlp", "self_attn"]
+    assert "linear_attn" in dir(hybrid.layers[lin]) and "self_attn" not in dir(hybrid.layers[lin])
+    r = repr(hybrid.layers[attn])
+    assert "self_attn" in r and "linear_attn" not in r
+    # Every name dir() lists can be read (in forward order).
+    prefix = f"layers.{attn}.self_attn."
+    in_order = [v["path"][len(prefix):] for v in hybrid.values() if v["path"].startswith(prefix)]
+    assert sorted(in_order) == dir(hybrid.layers[attn].self_attn)
+    with hybrid.trace("Once upon a time"):
+        for name in in_order:
+            assert getattr(hybrid.layers[attn].self_attn, name) is not None
+
+
+def test_hasattr_is_false_for_unknown_names(model, hybrid):
+    attn = hybrid.info["layer_kinds"].index("attention")
+    assert not hasattr(model.layers[0].linear_attn, "nonexistent")
+    assert not hasattr(model.layers[0], "nonexistent")
+    assert not hasattr(model.embed_tokens, "nonexistent")
+    assert not hasattr(hybrid.layers[attn].linear_attn, "betas")
+    with model.trace(PROMPT):
+        assert not hasattr(model.layers[0].linear_attn, "nonexistent")
+        with pytest.raises(mixlens.UnknownValueError, match="did you mean") as e:
+            model.layers[1].linear_attn.beta
+        assert isinstance(e.value, AttributeError) and isinstance(e.value, LookupError)
+        assert hasattr(model.layers[1].linear_attn, "betas")
+    with hybrid.trace("Once upon a time"):
+        assert not hasattr(hybrid.layers[attn].linear_attn, "betas")
+    # A known value outside a trace still says where to read it.
+    with pytest.raises(mixlens.InputError, match="inside"):
+        model.layers[0].linear_attn.betas
+
+
+# ---- 4. saves of steps that never ran -------------------------------------------------------------
+
+
+def test_saving_a_step_the_run_never_made_raises(model):
+    path = "layers.0.linear_attn.betas"
+    with pytest.raises(mixlens.InputError, match=r"step 9.*steps 0\.\.2"):
+        model.generate(PROMPT, max_new_tokens=3, saves=[f"{path}@step9"]).run()
+    with pytest.raises(mixlens.InputError, match=r"step 3.*step 0"):
+        model.run(PROMPT, saves=[f"{path}@step3"])
+    with pytest.raises(mixlens.InputError, match=r"step 1"):
+        with model.trace(PROMPT, saves=[f"{path}@step1"]):
+            pass
+    # Steps that ran still save.
+    tr = model.generate(PROMPT, max_new_tokens=3, saves=[f"{path}@step2"]).run()
+    assert tr.saved[path][2] is not None
+
+
+# ---- 5. the default model ---------------------------------------------------------------------------
+
+
+def test_load_without_a_path_uses_mixlens_model_then_the_shipped_model(monkeypatch, text_model_dir):
+    monkeypatch.setenv("MIXLENS_MODEL", str(text_model_dir))
+    assert mixlens.load().info["path"] == str(text_model_dir)
+    assert mixlens.StandardizedTransformer().info["path"] == str(text_model_dir)
+    monkeypatch.delenv("MIXLENS_MODEL")
+    if not (SHIPPED_MODEL / "config.json").is_file():
+        pytest.skip("the shipped model is not in this checkout")
+    assert os.path.samefile(mixlens.default_model_path(), SHIPPED_MODEL)
+    assert os.path.samefile(mixlens.load().info["path"], SHIPPED_MODEL)
+
+
+# ---- 6. docstrings point at files a clone has --------------------------------------------------------
+
+
+def test_docstrings_point_at_docs_in_the_repository():
+    import mixlens._model as m
+
+    for doc in (mixlens.__doc__, m.StandardizedTransformer.__doc__, m.StandardizedTransformer.support.__doc__):
+        assert "shared/spec" not in doc
+    assert "docs/values.md" in mixlens.__doc__
+    assert (REPO / "docs" / "values.md").is_file()
+
+
+# ---- 7. ragged writes ------------------------------------------------------------------------------------
+
+
+def test_a_ragged_write_raises_write_error_naming_the_value(model):
+    path = "layers.0.linear_attn.betas"
+    with model.trace(PROMPT):
+        with pytest.raises(mixlens.WriteError, match=path):
+            model.layers[0].linear_attn.betas = [[1.0, 2.0], [1.0]]
+    with pytest.raises(mixlens.WriteError, match=path):
+        model.run(PROMPT, edits={path: [[1.0, 2.0], [1.0]]})
+
+
+# ---- 8. Ctrl-C during a long generation ------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_a_long_generation(model):
+    # Time a short run to size a long one (several seconds) without EOS.
+    t0 = time.perf_counter()
+    model.generate([1, 2, 3], max_new_tokens=20, eos_token_id=-1).run()
+    per_step = max((time.perf_counter() - t0) / 20, 1e-5)
+    steps = int(min(max(6.0 / per_step, 100), 2**31 - 1))
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.generate([1, 2, 3], max_new_tokens=steps, eos_token_id=-1).run()
+    finally:
+        timer.cancel()
+    assert time.perf_counter() - t0 < 3.0, "the interrupt waited for the whole generation"
+    # The model is usable afterwards.
+    assert model.generate([1, 2, 3], max_new_tokens=2).run().steps == 2
