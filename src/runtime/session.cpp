@@ -399,7 +399,17 @@ Tensor Session::read(int step, std::string_view path) {
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
   if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
     auto it = s.stash.find(t.site);
-    if (it != s.stash.end()) return it->second.defined() ? it->second.clone() : Tensor();
+    if (it != s.stash.end()) {
+      // Mamba betas and decays are two views of one dt: after a decays write the stashed betas
+      // is stale, and serving it would be a silently wrong number.
+      const std::string& fam = s.family.info.family;
+      if (s.live_written && t.site.value == Value::betas && s.target && s.target->site.value == Value::decays &&
+          (fam == "mamba" || fam == "mamba2"))
+        throw OutOfOrderError("cannot read '" + std::string(path) + "' at step " + std::to_string(step) +
+                              ": decays was written since, and on " + fam +
+                              " betas and decays are one dt; read betas before writing decays");
+      return it->second.defined() ? it->second.clone() : Tensor();
+    }
   }
   s.not_served(t, std::string(path), "read", a);
 }

@@ -102,8 +102,14 @@ TEST(Session, MomentValuesReadInAnyOrderButWrittenInOrder) {
   EXPECT_TRUE(same(s.read(0, "layers.0.linear_attn.attention_keys"), ref.get("layers.0.linear_attn.attention_keys")));
   EXPECT_THROW(s.write(0, "layers.0.linear_attn.attention_queries", ref.get("layers.0.linear_attn.attention_queries")),
                OutOfOrderError);
-  s.read(0, "layers.0.linear_attn.decays");
+  const Tensor d = s.read(0, "layers.0.linear_attn.decays");
   EXPECT_TRUE(same(s.read(0, "layers.0.linear_attn.betas"), ref.get("layers.0.linear_attn.betas")));
+  // On Mamba betas and decays are one dt: after a decays write the first-read betas is stale,
+  // so reading it again is refused rather than served.
+  Tensor half = d.clone();
+  for (int64_t i = 0; i < half.numel(); ++i) half[i] *= 0.5f;
+  s.write(0, "layers.0.linear_attn.decays", half);
+  EXPECT_THROW(s.read(0, "layers.0.linear_attn.betas"), OutOfOrderError);
   // A later moment: the earlier one's copies are gone.
   s.read(0, "layers.1.linear_attn.attention_keys");
   EXPECT_THROW(s.read(0, "layers.0.linear_attn.attention_queries"), OutOfOrderError);
