@@ -3,6 +3,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -19,10 +20,13 @@ inline void expect_values_match(const GoldenCase& c, const Trace& t, const std::
   EXPECT_GT(expect_golden_values(c.golden, t, label), min_compared) << label;
 }
 
-/// Runs every edit of the case teacher-forced and compares all steps' logits with the goldens.
+/// Runs every edit of the case teacher-forced and compares all steps' logits with the goldens;
+/// each edit must also change some step's logits (an edit that changes nothing proves nothing),
+/// or the last step's when `last_step_changes` (edits that reach the state persist to the end).
 /// Returns the number of edits checked.
-inline int expect_edits_match(const GoldenCase& c) {
+inline int expect_edits_match(const GoldenCase& c, bool last_step_changes = false) {
   int checked = 0;
+  const std::vector<Tensor> base = run_recorded_steps(c, nullptr);
   for (const auto& e : c.spec["edits"]) {
     Trace t;
     add_fixture_edit(t, e);
@@ -32,6 +36,10 @@ inline int expect_edits_match(const GoldenCase& c) {
       Tensor ref = c.golden.get_f32(key);
       EXPECT_LE(rel_rms(logits[static_cast<size_t>(s)], ref), 1e-4) << key;
     }
+    double change = 0.0;
+    for (size_t s = last_step_changes ? base.size() - 1 : 0; s < base.size(); ++s)
+      change = std::max(change, max_abs_diff(logits[s], base[s]));
+    EXPECT_GT(change, 0.0) << e["name"] << " changed nothing";
     ++checked;
   }
   return checked;
