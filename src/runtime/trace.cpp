@@ -2,6 +2,7 @@
 #include <cmath>
 #include <map>
 
+#include "io/weights.h"
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
 #include "models/family.h"
@@ -22,6 +23,12 @@ struct Trace::Impl {
   std::vector<std::pair<std::string, Tensor>> saved;
   std::map<std::string, size_t> index;
   std::vector<CallRecord> calls;
+  // Registrations resolved against a model, kept so a generation does not re-resolve every path
+  // at every decode step; redone when the registrations or the model's structure (family and
+  // layer kinds, which alone decide which paths exist) change.
+  std::string bound_family;
+  std::vector<LayerKind> bound_kinds;
+  std::vector<std::vector<Site>> bound;
 };
 
 Trace::Trace() : impl_(std::make_unique<Impl>()) {}
@@ -70,18 +77,6 @@ void Trace::clear_results() {
 namespace detail {
 
 namespace {
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
 
 // "layers.12.linear_attn.betas" -> "layers.*.linear_attn.betas"
 std::string with_star(const std::string& path, std::string* layer = nullptr) {
@@ -140,7 +135,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
     std::string cand = v.path;
     if (!layer.empty() && cand.rfind("layers.", 0) == 0)
       cand = "layers." + layer + with_star(cand).substr(8);
-    size_t d = edit_distance(pattern, cand);
+    size_t d = io::edit_distance(pattern, cand);
     if (d < best_d) best_d = d, best = cand;
   }
   throw UnknownValueError("unknown value path '" + pattern + "' for this " + model.info.family +
@@ -162,15 +157,24 @@ void check_write(const std::string& path, Value v, const Tensor& w, const Shape&
       if (x > 0.0f) throw WriteError("write to '" + path + "': decays must be <= 0 (got " + std::to_string(x) + ")");
 }
 
-TraceListener::TraceListener(Trace& trace, const FamilyModel& model) : trace_(trace), model_(model) {
-  for (const auto& r : trace_.impl_->regs) {
-    sites_.push_back(resolve_path(model, r.path));
+TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
+    : trace_(trace), model_(model), sites_(trace.impl_->bound) {
+  auto& impl = *trace_.impl_;
+  if (impl.bound_family == model.info.family && impl.bound_kinds == model.info.layer_kinds &&
+      impl.bound.size() == impl.regs.size())
+    return;
+  impl.bound_family.clear();  // stays unbound if a path below fails
+  impl.bound.clear();
+  for (const auto& r : impl.regs) {
+    impl.bound.push_back(resolve_path(model, r.path));
     if (r.kind != Trace::Impl::Kind::save)
-      for (const Site& s : sites_.back())
+      for (const Site& s : impl.bound.back())
         if (s.value == Value::states)
           throw WriteError("'" + site_path(s) +
                            "' is read-only (the per-token state stack); write state_input or state_output instead");
   }
+  impl.bound_family = model.info.family;
+  impl.bound_kinds = model.info.layer_kinds;
 }
 
 void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {

@@ -26,7 +26,7 @@ class TraceListener final : public Listener {
  private:
   Trace& trace_;
   const FamilyModel& model_;
-  std::vector<std::vector<Site>> sites_;  // per registration
+  const std::vector<std::vector<Site>>& sites_;  // per registration (bound in the Trace)
   CallCtx ctx_;
 };
 
