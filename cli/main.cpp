@@ -5,6 +5,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <new>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -188,6 +189,10 @@ int main(int argc, char** argv) {
     return run_command(a);
   } catch (const mixlens::Error& e) {
     std::fprintf(stderr, "mixlens: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "mixlens: error: out of memory (an allocation failed); use a smaller batch, prompt or "
+                         "fewer --save values\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mixlens: internal error: %s\n", e.what());

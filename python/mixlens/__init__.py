@@ -38,7 +38,9 @@ from .errors import (
     ConfigError,
     InputError,
     MixlensError,
+    NumericError,
     OutOfOrderError,
+    ResourceError,
     TokenizerError,
     UnknownAttributeError,
     UnknownValueError,
@@ -73,6 +75,8 @@ __all__ = [
     "UnknownAttributeError",
     "WriteError",
     "UnsupportedError",
+    "ResourceError",
+    "NumericError",
     "InputError",
     "OutOfOrderError",
 ]
