@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <new>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -193,6 +194,9 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "mixlens: error: out of memory (an allocation failed); use a smaller batch, prompt or "
                          "fewer --save values\n");
+    return 1;
+  } catch (const std::length_error& e) {
+    std::fprintf(stderr, "mixlens: error: size limit exceeded (%s)\n", e.what());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mixlens: internal error: %s\n", e.what());
