@@ -83,6 +83,9 @@ struct Mapping {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// Thrown by the key hook to stop a parse at kMaxTensors entries (turned into a CheckpointError).
+struct TooManyEntries {};
+
 // The header as a DOM (linear time, depth-bounded); depth errors name the file like every other.
 nlohmann::json json_bounded(const char* begin, const char* end, const std::string& label,
                             const std::function<void(size_t, const std::string&)>& on_key) {
@@ -197,14 +200,15 @@ SafetensorsHeader SafetensorsFile::parse_header(const uint8_t* data, size_t size
       have_duplicate = true;
       duplicate = k;
     }
-    if (seen.size() > kMaxTensors)
-      fail(label, "header has more than " + std::to_string(kMaxTensors) + " entries (the limit per file)");
+    if (seen.size() > kMaxTensors) throw TooManyEntries{};
   };
   nlohmann::json header;
   try {
     header = json_bounded(text, text + header_len, label, on_key);
   } catch (const nlohmann::json::exception& e) {
     fail(label, std::string("header is not valid JSON: ") + e.what());
+  } catch (const TooManyEntries&) {
+    fail(label, "header has more than " + std::to_string(kMaxTensors) + " entries (the limit per file)");
   }
   if (!header.is_object())
     fail(label, std::string("header is ") + json_type_name(header) + ", expected a JSON object");
