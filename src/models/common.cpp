@@ -1,5 +1,6 @@
 #include "models/common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -218,16 +219,31 @@ Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
   return h;
 }
 
+namespace {
+// Index of the first NaN / inf in p[0, n), or -1. Blocks are screened with an integer OR over the
+// exponent bits (vectorizes without -ffast-math, unlike a float test); only a hit is located.
+int64_t first_non_finite(const float* p, int64_t n) {
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    uint32_t hit = 0;
+    for (int64_t i = b; i < e; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + i, sizeof bits);
+      hit |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    if (hit)
+      for (int64_t i = b; i < e; ++i)
+        if (!std::isfinite(p[i])) return i;
+  }
+  return -1;
+}
+}  // namespace
+
 void FiniteWatch::check(int layer, Value v, const Tensor& t) {
   if (!first_.empty() || !t.defined()) return;
   const float* p = t.begin();
-  const int64_t n = t.numel();
-  int64_t bad = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(p[i])) {
-      bad = i;
-      break;
-    }
+  const int64_t bad = first_non_finite(p, t.numel());
   const std::string path = site_path({layer, v});
   if (bad < 0) {
     last_finite_ = path;
@@ -249,7 +265,8 @@ void FiniteWatch::check(int layer, Value v, const Tensor& t) {
 void FiniteWatch::finish(const Tensor& logits) const {
   const float* p = logits.begin();
   int64_t bad = 0;
-  for (int64_t i = 0; i < logits.numel(); ++i) bad += !std::isfinite(p[i]);
+  if (first_non_finite(p, logits.numel()) >= 0)
+    for (int64_t i = 0; i < logits.numel(); ++i) bad += !std::isfinite(p[i]);
   // Also when the logits computed stayed finite (e.g. only the last position's): the NaN is in the
   // cache or in values that full logits would show, so the call's results are not trustworthy.
   if (bad == 0 && first_.empty()) return;
