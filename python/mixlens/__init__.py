@@ -37,6 +37,7 @@ from .errors import (
     CheckpointError,
     ConfigError,
     InputError,
+    InterruptedRunError,
     MixlensError,
     OutOfOrderError,
     TokenizerError,
@@ -75,6 +76,7 @@ __all__ = [
     "UnsupportedError",
     "InputError",
     "OutOfOrderError",
+    "InterruptedRunError",
 ]
 
 

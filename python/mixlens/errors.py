@@ -18,6 +18,7 @@ __all__ = [
     "UnsupportedError",
     "InputError",
     "OutOfOrderError",
+    "InterruptedRunError",
 ]
 
 
@@ -66,3 +67,8 @@ class OutOfOrderError(InputError):
     """Inside a ``with model.trace(...)`` block: a value the forward has already computed and consumed
     was asked for. Values are served in forward order; the message names the value asked for and the
     one the forward is at."""
+
+
+class InterruptedRunError(MixlensError):
+    """A run stopped by its cancellation flag (C++ ``mixlens::InterruptedError``). Ctrl-C itself arrives as
+    ``KeyboardInterrupt`` within about 50 ms of the signal (the forward stops at its next layer)."""

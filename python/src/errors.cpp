@@ -10,7 +10,7 @@ namespace mixlens::py {
 namespace {
 
 struct Classes {
-  nb::handle base, checkpoint, config, tokenizer, unknown_value, write, unsupported, input, out_of_order;
+  nb::handle base, checkpoint, config, tokenizer, unknown_value, write, unsupported, input, out_of_order, interrupted;
 };
 Classes g_classes;
 
@@ -27,7 +27,7 @@ void init_errors(nb::module_& m) {
   };
   g_classes = {get("MixlensError"), get("CheckpointError"), get("ConfigError"),  get("TokenizerError"),
                get("UnknownValueError"), get("WriteError"), get("UnsupportedError"), get("InputError"),
-               get("OutOfOrderError")};
+               get("OutOfOrderError"), get("InterruptedRunError")};
   // Most derived first; anything else propagates to nanobind's own translators.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -48,6 +48,8 @@ void init_errors(nb::module_& m) {
       raise(g_classes.write, e);
     } catch (const UnsupportedError& e) {
       raise(g_classes.unsupported, e);
+    } catch (const InterruptedError& e) {
+      raise(g_classes.interrupted, e);
     } catch (const Error& e) {
       raise(g_classes.base, e);
     }

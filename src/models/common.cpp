@@ -32,6 +32,12 @@ Tensor transpose_conv(const Tensor& w) {
 
 Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
   const int64_t V = embed.size(0), D = embed.size(1);
+  if (in.embeds.defined()) {  // inputs_embeds: the rows as given (shape checked by the caller)
+    if (in.embeds.shape() != Shape{in.batch, in.seq, D})
+      throw InputError(std::string(family) + ": inputs_embeds has shape " + shape_str(in.embeds.shape()) +
+                       ", expected " + shape_str({in.batch, in.seq, D}));
+    return in.embeds.clone();
+  }
   Tensor h({in.batch, in.seq, D});
   for (int64_t i = 0; i < in.batch * in.seq; ++i) {
     const int32_t id = in.ids[static_cast<size_t>(i)];

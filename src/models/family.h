@@ -18,9 +18,20 @@ namespace mixlens::detail {
 /// Per-batch cached state of one model; families extend it.
 struct CacheState {
   virtual ~CacheState() = default;
+  /// A deep, independent copy of the same dynamic type (every tensor cloned; Tensor copies share
+  /// storage). Every derived cache overrides it: Cache::copy refuses a copy of another type (a
+  /// derived cache that forgot the override would be sliced).
+  virtual std::unique_ptr<CacheState> clone() const = 0;
   int64_t batch = 0;
   int64_t seen = 0;   ///< tokens consumed
   int steps = 0;      ///< forward calls made
+
+ protected:
+  /// Replaces every defined tensor of `ts` by an independent copy (for clone()).
+  static void deep_copy(std::vector<Tensor>& ts) {
+    for (Tensor& t : ts)
+      if (t.defined()) t = t.clone();
+  }
 };
 
 class FamilyModel {

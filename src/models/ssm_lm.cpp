@@ -72,6 +72,7 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
   Tensor n({B, T, D_});
   for (int64_t i = 0; i < L_; ++i) {
     const int li = static_cast<int>(i);
+    ctx.check_cancel();
     visit_if(ls, li, Value::layer_input, h);
     // MambaRMSNorm / Mamba2RMSNorm; with float32 weights residual_in_fp32 changes nothing.
     ops::rmsnorm(h.data(), norms_[static_cast<size_t>(i)].data(), n.data(), B * T, D_, eps_);

@@ -2,10 +2,12 @@
 // A site nobody wants costs one bit test; a wanted value is visited in its served layout.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "mixlens/errors.h"
 #include "mixlens/tensor.h"
 #include "mixlens/values.h"
 
@@ -18,6 +20,13 @@ struct CallCtx {
   int64_t seq = 0;
   bool fresh = true;           ///< no cached recurrent state before this call
   std::string kernel;          ///< "chunked" or "recurrent"
+  /// Set by another thread to stop the run (Ctrl-C, Session::abort); may be null.
+  const std::atomic<bool>* cancel = nullptr;
+  /// Called by the forwards between layers: InterruptedError once `cancel` is set.
+  void check_cancel() const {
+    if (cancel && cancel->load(std::memory_order_relaxed))
+      throw InterruptedError("the run was interrupted (cancelled at step " + std::to_string(step) + ")");
+  }
 };
 
 class Listener {
