@@ -12,8 +12,15 @@
 // Order. Values are served in forward order (Model::values(), step by step). Reading or writing a
 // value the forward has already passed raises OutOfOrderError naming the value asked for and the
 // one the forward is at. Exception: values of one *moment* (a mixer's queries/keys/values; its
-// betas/decays) may be read in any order among themselves, because the session keeps copies of
-// the earlier ones while it waits at a later one; writes to them still go in forward order.
+// betas/decays; the outputs of one kernel call: states, state_output, attention_head_outputs)
+// may be read in any order among themselves, because the session keeps copies of the earlier
+// ones while it waits at a later one; writes to them still go in forward order. (The per-token
+// `states` stack is kept that way only on a single-token call: on a prompt read it first.)
+//
+// Read-after-write. A read returns what the forward will use: after a write at (step, path), a
+// read of it returns the written value; on Mamba, betas read after a decays write is the dt the
+// write implies (dt = decays / A). Pre-registered Trace saves record the value after every
+// pre-registered edit and every write of this session.
 //
 // Threads. read / write / reach_step / finish belong to the thread that created the session
 // (another thread gets InputError, never this session's values); the worker runs only while the

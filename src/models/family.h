@@ -51,6 +51,14 @@ class FamilyModel {
   /// values.md support(): value name -> per layer reason ("" when available).
   virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
   virtual void set_chunk_size(int64_t) {}
+  /// Where betas and decays are two views of one dt (Mamba: betas = dt, decays = A*dt): the betas
+  /// the forward will use after `decays` [B,T,...] of `layer` is written over `betas_before`
+  /// (read-after-write in a Session). WriteError when the write implies no dt. Undefined where
+  /// betas does not depend on decays (gated DeltaNet).
+  virtual Tensor betas_for_decays(int layer, const Tensor& betas_before, const Tensor& decays) const {
+    (void)layer, (void)betas_before, (void)decays;
+    return Tensor();
+  }
 };
 
 using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;

@@ -30,6 +30,16 @@ struct Mamba2Layer {
 // SSM state: kernel layout [B, H, P, N] (as transformers), served as [B, H, N, P].
 class Mamba2Model final : public SsmLm {
  public:
+  // dt = decays / A for every entry once decays was written.
+  Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& decays) const override {
+    const Tensor& A = layers_[static_cast<size_t>(li)].A;
+    Tensor dt(betas_before.shape());
+    const int64_t rows = dt.numel() / H_;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t hh = 0; hh < H_; ++hh) dt[r * H_ + hh] = decays[r * H_ + hh] / A[hh];
+    return dt;
+  }
+
   Mamba2Model(const io::Config& cfg, const io::WeightStore& w) {
     load_backbone(cfg, w, "mamba2", false);
     N_ = cfg.get<int64_t>("state_size");
@@ -156,9 +166,10 @@ class Mamba2Model final : public SsmLm {
       Tensor dec({B, T, H_});
       for (int64_t r = 0; r < BT; ++r)
         for (int64_t hh = 0; hh < H_; ++hh) dec[r * H_ + hh] = lw.A[hh] * dt[r * H_ + hh];
-      if (ls->visit(li, Value::decays, dec, dec.shape()))
-        for (int64_t r = 0; r < BT; ++r)
-          for (int64_t hh = 0; hh < H_; ++hh) dt[r * H_ + hh] = dec[r * H_ + hh] / lw.A[hh];
+      if (ls->visit(li, Value::decays, dec, dec.shape())) {
+        dt = betas_for_decays(li, dt, dec);
+        ls->revised(li, Value::betas, dt);  // a save / copy of betas now holds the dt in use
+      }
     }
 
     Tensor& S = begin_state(li, cache, ls);

@@ -50,6 +50,10 @@ int moment_of(Value v) {
     case Value::attn_queries:
     case Value::attn_keys:
     case Value::attn_values: return 3;
+    // One kernel call computes the per-token states, the final state and the head outputs.
+    case Value::states:
+    case Value::state_output:
+    case Value::attention_head_outputs: return 4;
     default: return 0;
   }
 }
@@ -82,6 +86,11 @@ struct Session::Impl {
       s_.pos = {ctx_.step, kCallEnd};
       s_.wait_while_paused(lk);
       refresh_mask();
+    }
+    void revised(int layer, Value v, const Tensor& value) override {
+      std::lock_guard<std::mutex> lk(s_.mu);
+      auto it = s_.stash.find(Site{layer, v});
+      if (it != s_.stash.end()) it->second = value.clone();
     }
     bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
       std::unique_lock<std::mutex> lk(s_.mu);
@@ -120,6 +129,9 @@ struct Session::Impl {
       if (m == 0) return;
       for (int v = 0; v < kNumValues; ++v) {
         const Site x{t.layer, static_cast<Value>(v)};
+        // The per-token stack costs a pass of its own on a multi-token call: kept for a later
+        // read only on a decode step, where it is one state.
+        if (x.value == Value::states && ctx_.seq > 1) continue;
         if (moment_of(x.value) == m && s_.has_order(x) && s_.order_of(x) < s_.target->pos.order &&
             s_.order_of(x) > s_.pos.order)
           want(x);
@@ -465,14 +477,13 @@ Tensor Session::read(int step, std::string_view path) {
   if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
     auto it = s.stash.find(t.site);
     if (it != s.stash.end()) {
-      // Mamba betas and decays are two views of one dt: after a decays write the stashed betas
-      // is stale, and serving it would be a silently wrong number.
-      const std::string& fam = s.family.info.family;
+      // Mamba betas and decays are two views of one dt: after a decays write (the forward is
+      // paused at it) betas is the dt the write implies, which the forward will use.
       if (s.live_written && t.site.value == Value::betas && s.target && s.target->site.value == Value::decays &&
-          (fam == "mamba" || fam == "mamba2"))
-        throw OutOfOrderError("cannot read '" + std::string(path) + "' at step " + std::to_string(step) +
-                              ": decays was written since, and on " + fam +
-                              " betas and decays are one dt; read betas before writing decays");
+          s.target->site.layer == t.site.layer && it->second.defined()) {
+        Tensor dt = s.family.betas_for_decays(t.site.layer, it->second, *s.live);
+        if (dt.defined()) return dt;
+      }
       return it->second.defined() ? it->second.clone() : Tensor();
     }
   }

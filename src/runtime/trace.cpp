@@ -190,26 +190,17 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
 
 void TraceListener::end_call() {}
 
+// Edits first (in registration order), then saves: a save holds the value the forward uses,
+// whichever order the two were registered in (read-after-write, issue 7).
 bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape) {
   auto& impl = *trace_.impl_;
   const Site site{layer, v};
   bool written = false;
   for (size_t i = 0; i < impl.regs.size(); ++i) {
     const auto& r = impl.regs[i];
-    if (!r.steps.contains(ctx_.step)) continue;
+    if (r.kind == Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
     const std::string path = site_path(site);
-    if (r.kind == Trace::Impl::Kind::save) {
-      if (!value.defined()) continue;  // None (state_input of a fresh prompt) is not stored
-      std::string key = path + "@step" + std::to_string(ctx_.step);
-      auto it = impl.index.find(key);
-      if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
-      else {
-        impl.index[key] = impl.saved.size();
-        impl.saved.emplace_back(std::move(key), value.clone());
-      }
-      continue;
-    }
     Tensor candidate;
     if (r.kind == Trace::Impl::Kind::set) {
       candidate = r.value.clone();
@@ -228,7 +219,30 @@ bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape)
     }
     written = true;
   }
+  if (!defer_saves_) record_saves(site, value, false);
   return written;
+}
+
+void TraceListener::settled(int layer, Value v, const Tensor& value) { record_saves({layer, v}, value, false); }
+
+void TraceListener::revised(int layer, Value v, const Tensor& value) { record_saves({layer, v}, value, true); }
+
+void TraceListener::record_saves(Site site, const Tensor& value, bool only_existing) {
+  auto& impl = *trace_.impl_;
+  if (!value.defined()) return;  // None (state_input of a fresh prompt) is not stored
+  for (size_t i = 0; i < impl.regs.size(); ++i) {
+    const auto& r = impl.regs[i];
+    if (r.kind != Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
+    if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    std::string key = site_path(site) + "@step" + std::to_string(ctx_.step);
+    auto it = impl.index.find(key);
+    if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+    else if (!only_existing) {
+      impl.index[key] = impl.saved.size();
+      impl.saved.emplace_back(std::move(key), value.clone());
+    }
+    return;  // one stored copy per (site, step), however many registrations name it
+  }
 }
 
 }  // namespace detail
