@@ -533,9 +533,12 @@ class Tracer:
         if sess is None:
             return
         self._session = None
-        warnings.warn("a mixlens tracer was entered and never exited: its run was aborted and the model released "
-                      "when the tracer was garbage-collected (use `with model.trace(...)`)", RuntimeWarning,
-                      stacklevel=2)
+        try:
+            warnings.warn("a mixlens tracer was entered and never exited: its run was aborted and the model released "
+                          "when the tracer was garbage-collected (use `with model.trace(...)`)", RuntimeWarning,
+                          stacklevel=2)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: warnings may be gone
+            pass
         try:
             sess.close()
         finally:
