@@ -146,13 +146,16 @@ class Recorder(om._Recorder):
                     self.cur_layer = i
 
                 def mpost(m, args, kwargs, out, i=i):
-                    scaled, w = self._edit("attention_output", out * ssm_out)
+                    # FalconH1RMSNormGated drops the token axis of a one-token call ([B, D]); the
+                    # block broadcasts it back. Record it as [B, 1, D].
+                    o3 = out[:, None] if out.dim() == 2 else out
+                    scaled, w = self._edit("attention_output", o3 * ssm_out)
                     self.put(f"layers.{i}.linear_attn.attention_output", scaled)
                     if len(self.kernel_calls.get(i, [])) != 1:
                         raise RuntimeError(f"layer {i} step {self.step}: patched kernel calls "
                                            f"{self.kernel_calls.get(i)}; the patching did not take")
                     self.cur_layer = None
-                    return scaled / ssm_out if w else out
+                    return (scaled / ssm_out).reshape(out.shape) if w else out
 
                 H.append(mamba.register_forward_pre_hook(mpre, with_kwargs=True))
                 H.append(mamba.register_forward_hook(mpost, with_kwargs=True))
