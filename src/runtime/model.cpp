@@ -64,9 +64,10 @@ void route_kernels(const std::string& family, const std::string& route) {
   else if (route == "recurrent") k = KernelRoute::recurrent;
   else throw InputError("route_kernels: route '" + route + "' must be 'default', 'chunked' or 'recurrent'");
   // A misspelt family would silently route nothing.
-  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next"};
+  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next",
+                                                     "nemotron_h", "bamba", "falcon_h1"};
   if (std::find(families.begin(), families.end(), family) == families.end())
-    throw InputError("route_kernels: unknown family '" + family + "' (known: mamba2, mamba, qwen3_5, qwen3_next)");
+    throw InputError("route_kernels: unknown family '" + family + "' (known: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1)");
   std::lock_guard<std::mutex> lk(g_route_mu);
   routes()[family] = k;
 }
@@ -117,6 +118,9 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
       {"qwen3_5", make_qwen3_5},
       {"qwen3_5_text", make_qwen3_5},
       {"qwen3_next", make_qwen3_next},
+      {"nemotron_h", make_nemotron_h},
+      {"bamba", make_bamba},
+      {"falcon_h1", make_falcon_h1},
   };
   std::string known;
   for (const auto& [name, make] : registry) {
