@@ -70,5 +70,8 @@ std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::Weig
 std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_bamba(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& config, const io::WeightStore& weights);
 
 }  // namespace mixlens::detail

@@ -47,7 +47,9 @@ std::vector<double> log_probs(const Tensor& logits, int64_t b, int64_t t) {
 }
 
 // One fixture per family (the hybrids' attention layers exercise KV entries and positions).
-const char* kFamilies[] = {"mamba/basic", "mamba2/g1_chunks", "qwen3_5/hv_2hk", "qwen3_next/moe_hv_2hk"};
+const char* kFamilies[] = {"mamba/basic",          "mamba2/g1_chunks",         "qwen3_5/hv_2hk",
+                           "qwen3_next/moe_hv_2hk", "nemotron_h/groups2_edits", "bamba/groups2_edits",
+                           "falcon_h1/norm_before_gate"};
 
 class EveryFamily : public ::testing::TestWithParam<const char*> {
  protected:
@@ -61,11 +63,10 @@ class EveryFamily : public ::testing::TestWithParam<const char*> {
     return ids;
   }
   Batch row(const std::vector<int32_t>& ids) const { return Batch::left_padded({ids}, model().pad_token_id()); }
-  // The first recurrent (non-attention) layer: where the mixer values live.
+  // The first layer with a recurrent mixer: where the mixer values live.
   int mixer_layer() const {
-    const auto& kinds = model().info().layer_kinds;
-    for (size_t i = 0; i < kinds.size(); ++i)
-      if (kinds[i] != LayerKind::attention) return static_cast<int>(i);
+    for (const ValueInfo& v : model().values(1, 1))
+      if (v.path.size() > 18 && v.path.compare(v.path.size() - 18, 18, ".linear_attn.betas") == 0) return v.site.layer;
     return 0;
   }
   std::string mix(const std::string& v) const { return "layers." + std::to_string(mixer_layer()) + ".linear_attn." + v; }
@@ -142,16 +143,27 @@ TEST_P(EveryFamily, ColdEqualsWarmScoringAtEveryPosition) {
       for (size_t v = 0; v < a.size(); ++v) worst = std::max(worst, std::fabs(a[v] - b[v]));
     }
   };
+  const std::string fam = model().info().family;
+  // Bamba and Nemotron-H: the reference's decode step is not its prompt path (see below).
+  const bool decode_differs = fam == "bamba" || fam == "nemotron_h";
   for (int64_t k = 1; k < T; ++k) {
+    if (decode_differs && k == T - 1) continue;  // a one-token continuation is a decode step
     Cache c = model().new_cache(1);
     compare(model().forward(row({text.begin(), text.begin() + k}), c), 0);
     compare(model().forward(row({text.begin() + k, text.end()}), c), k);
   }
+  // Chunked vs token-by-token kernels differ by float rounding only.
+  EXPECT_LT(worst, 2e-4) << "largest log-prob difference over continuations " << worst;
+  // Token by token (the decode kernel at every step). Bamba and Nemotron-H are left out: their
+  // reference decode step is not its prompt path (Bamba's time_step_limit clamp is skipped on
+  // decode; transformers 5.18's own Nemotron-H cold vs token-by-token log-probs differ by up to
+  // 0.019 on this fixture, and mixlens reproduces those numbers), so cold != warm there by design.
+  if (decode_differs) return;
+  worst = 0;
   Cache c = model().new_cache(1);
   compare(model().forward(row({text[0]}), c), 0);
   for (int64_t t = 1; t < T; ++t) compare(model().forward(row({text[static_cast<size_t>(t)]}), c), t);
-  // Chunked vs token-by-token kernels differ by float rounding only.
-  EXPECT_LT(worst, 2e-4) << "largest log-prob difference " << worst;
+  EXPECT_LT(worst, 2e-4) << "largest log-prob difference token by token " << worst;
 }
 
 // ---- item 5: inputs_embeds -------------------------------------------------------------------
@@ -242,7 +254,9 @@ TEST_P(EveryFamily, BetasAfterADecaysWriteIsWhatTheForwardUses) {
   Trace t;
   t.save(betas).edit(decays, scale);
   model().run(prompts, &t);
-  const bool one_dt = model().info().family == "mamba" || model().info().family == "mamba2";
+  // Mamba-1 and every Mamba-2 mixer (the hybrids too): one dt; gated DeltaNet: independent.
+  const std::string fam = model().info().family;
+  const bool one_dt = fam != "qwen3_5" && fam != "qwen3_next";
   if (one_dt) {
     // betas = dt = decays / A: a quarter of the unedited dt (within the division's rounding).
     const Tensor& before = plain.get(betas);
