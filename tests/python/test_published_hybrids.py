@@ -5,6 +5,10 @@ blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers. Built once under build/pub
 minutes and 1-3 GB each; later runs reuse them). mixlens loads each, matches transformers' float32
 logits (both sides widen the same bf16 weights) and serves the published value shapes.
 
+The two reduced big layouts (Nemotron-H-8B widths, Bamba-9B widths: ~1.5B parameters each, mostly
+the 128k-row embedding tables; ~5 minutes each on 2 cores) run only with MIXLENS_BIG_LAYOUTS=1, to
+keep `make test` short; the Falcon-H1-0.5B layout (~1 minute) always runs.
+
 Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for the Nemotron-H
 layout); they run one after the other, never at the same time."""
 
@@ -48,10 +52,17 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "bamba_9b_2layers": "BambaForCausalLM"}
 
 
+BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers"}
+
+
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def layout(request):
+    import os
+
     import make_published_hybrids as mph
 
+    if request.param in BIG and os.environ.get("MIXLENS_BIG_LAYOUTS") != "1":
+        pytest.skip("big reduced layout: set MIXLENS_BIG_LAYOUTS=1 to run it")
     return request.param, mph.cached(request.param)
 
 
