@@ -109,6 +109,8 @@ Model& Model::operator=(Model&&) noexcept = default;
 namespace detail {
 std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights) {
   const std::string type = config.get<std::string>("model_type");
+  // Ranges first: no family computes with a wrapped, absurd or non-finite field.
+  validate_config(config);
   // One line per family (src/models/<family>.cpp).
   static const std::vector<std::pair<std::string, FamilyFactory>> registry = {
       {"mamba", make_mamba},
@@ -165,7 +167,12 @@ std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
 
 std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
 std::map<std::string, std::map<int, std::string>> Model::support() const { return impl_->family->support(); }
-void Model::set_chunk_size(int64_t c) { impl_->family->set_chunk_size(c); }
+void Model::set_chunk_size(int64_t c) {
+  if (c < 0 || c > detail::kMaxChunkSize)
+    throw InputError("set_chunk_size: " + std::to_string(c) + " is out of range [0, " +
+                     std::to_string(detail::kMaxChunkSize) + "] (0 restores the config's chunk size)");
+  impl_->family->set_chunk_size(c);
+}
 
 Cache Model::new_cache(int64_t batch) const {
   if (batch <= 0) throw InputError("new_cache: batch must be >= 1");
