@@ -82,6 +82,7 @@ bench: build
 	$(PY) bench/bench_mamba2.py
 	$(PY) bench/bench_mamba.py
 	$(PY) bench/bench_qwen3_5.py
+	$(PY) bench/bench_hybrids.py
 
 clean:
 	rm -rf build

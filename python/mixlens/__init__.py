@@ -37,6 +37,7 @@ from .errors import (
     CheckpointError,
     ConfigError,
     InputError,
+    InterruptedRunError,
     MixlensError,
     NumericError,
     OutOfOrderError,
@@ -79,6 +80,7 @@ __all__ = [
     "NumericError",
     "InputError",
     "OutOfOrderError",
+    "InterruptedRunError",
 ]
 
 

@@ -208,6 +208,12 @@ Tensor transpose_conv(const Tensor& w) {
 
 Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
   const int64_t V = embed.size(0), D = embed.size(1);
+  if (in.embeds.defined()) {  // inputs_embeds: the rows as given (shape checked by the caller)
+    if (in.embeds.shape() != Shape{in.batch, in.seq, D})
+      throw InputError(std::string(family) + ": inputs_embeds has shape " + shape_str(in.embeds.shape()) +
+                       ", expected " + shape_str({in.batch, in.seq, D}));
+    return in.embeds.clone();
+  }
   Tensor h({in.batch, in.seq, D});
   for (int64_t i = 0; i < in.batch * in.seq; ++i) {
     const int32_t id = in.ids[static_cast<size_t>(i)];
@@ -325,6 +331,25 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
   i.per_token = per_token;
   i.meaning = std::move(meaning);
   return i;
+}
+
+void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,
+                       const std::function<Tensor(const Tensor&)>& serve,
+                       const std::function<void(const Tensor&, Tensor&)>& store) {
+  if (!has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
+  if (ls && ls->wants(li, Value::state_input)) {
+    Tensor served = has_state ? serve(S) : Tensor();
+    Shape shape{S.size(0)};
+    for (int64_t d : served_row) shape.push_back(d);
+    if (ls->visit(li, Value::state_input, served, shape) && served.defined()) store(served, S);
+  }
+}
+
+void visit_state_output(int li, Tensor& S, Listener* ls, const std::function<Tensor(const Tensor&)>& serve,
+                        const std::function<void(const Tensor&, Tensor&)>& store) {
+  if (!ls || !ls->wants(li, Value::state_output)) return;
+  Tensor served = serve(S);
+  if (ls->visit(li, Value::state_output, served, served.shape())) store(served, S);
 }
 
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family) {

@@ -51,6 +51,12 @@ struct QwenCache : CacheState {
   std::vector<KvCache> kv;    // attention layers
   std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
   std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
+  std::unique_ptr<CacheState> clone() const override {
+    auto c = std::make_unique<QwenCache>(*this);  // KV entries, masks, counters: value copies
+    deep_copy(c->conv);
+    deep_copy(c->ssm);
+    return c;
+  }
 };
 
 // Concatenates row blocks of 2-D tensors with the same column count.
@@ -287,6 +293,7 @@ class QwenHybrid final : public FamilyModel {
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
       const Layer& l = layers_[static_cast<size_t>(i)];
+      ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       ops::rmsnorm(h.data(), l.in_norm.data(), n.data(), BT, D_, eps_, true);
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);

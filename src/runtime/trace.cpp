@@ -204,38 +204,17 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
 
 void TraceListener::end_call() {}
 
+// Edits first (in registration order), then saves: a save holds the value the forward uses,
+// whichever order the two were registered in (read-after-write, issue 7).
 bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape) {
   auto& impl = *trace_.impl_;
   const Site site{layer, v};
   bool written = false;
   for (size_t i = 0; i < impl.regs.size(); ++i) {
     const auto& r = impl.regs[i];
-    if (!r.steps.contains(ctx_.step)) continue;
+    if (r.kind == Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
     const std::string path = site_path(site);
-    if (r.kind == Trace::Impl::Kind::save) {
-      if (!value.defined()) continue;  // None (state_input of a fresh prompt) is not stored
-      std::string key = path + "@step" + std::to_string(ctx_.step);
-      auto it = impl.index.find(key);
-      const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
-      const uint64_t replaced =
-          it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
-      // Saved values only grow (e.g. a long generation saving every step): stop at a stated budget
-      // rather than when the machine runs out of memory.
-      const uint64_t budget = save_budget_bytes();
-      if (impl.saved_bytes - replaced + bytes > budget)
-        throw ResourceError("trace: saving '" + key + "' (" + std::to_string(bytes) + " bytes) would take the saved values past the " +
-                            std::to_string(budget >> 20) + " MiB budget (" + std::to_string(impl.saved_bytes >> 20) +
-                            " MiB held, " + std::to_string(impl.saved.size()) +
-                            " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
-      impl.saved_bytes = impl.saved_bytes - replaced + bytes;
-      if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
-      else {
-        impl.index[key] = impl.saved.size();
-        impl.saved.emplace_back(std::move(key), value.clone());
-      }
-      continue;
-    }
     Tensor candidate;
     if (r.kind == Trace::Impl::Kind::set) {
       candidate = r.value.clone();
@@ -254,7 +233,43 @@ bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape)
     }
     written = true;
   }
+  if (!defer_saves_) record_saves(site, value, false);
   return written;
+}
+
+void TraceListener::settled(int layer, Value v, const Tensor& value) { record_saves({layer, v}, value, false); }
+
+void TraceListener::revised(int layer, Value v, const Tensor& value) { record_saves({layer, v}, value, true); }
+
+void TraceListener::record_saves(Site site, const Tensor& value, bool only_existing) {
+  auto& impl = *trace_.impl_;
+  if (!value.defined()) return;  // None (state_input of a fresh prompt) is not stored
+  for (size_t i = 0; i < impl.regs.size(); ++i) {
+    const auto& r = impl.regs[i];
+    if (r.kind != Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
+    if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    std::string key = site_path(site) + "@step" + std::to_string(ctx_.step);
+    auto it = impl.index.find(key);
+    if (it == impl.index.end() && only_existing) return;
+    const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
+    const uint64_t replaced =
+        it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
+    // Saved values only grow (e.g. a long generation saving every step): stop at a stated budget
+    // rather than when the machine runs out of memory.
+    const uint64_t budget = save_budget_bytes();
+    if (impl.saved_bytes - replaced + bytes > budget)
+      throw ResourceError("trace: saving '" + key + "' (" + std::to_string(bytes) + " bytes) would take the saved values past the " +
+                          std::to_string(budget >> 20) + " MiB budget (" + std::to_string(impl.saved_bytes >> 20) +
+                          " MiB held, " + std::to_string(impl.saved.size()) +
+                          " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
+    impl.saved_bytes = impl.saved_bytes - replaced + bytes;
+    if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+    else {
+      impl.index[key] = impl.saved.size();
+      impl.saved.emplace_back(std::move(key), value.clone());
+    }
+    return;  // one stored copy per (site, step), however many registrations name it
+  }
 }
 
 }  // namespace detail

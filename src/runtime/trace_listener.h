@@ -22,8 +22,15 @@ class TraceListener final : public Listener {
   void begin_call(const CallCtx& ctx, int num_layers) override;
   void end_call() override;
   bool visit(int layer, Value v, Tensor& value, const Shape& shape) override;
+  void revised(int layer, Value v, const Tensor& value) override;
+  void defer_saves() override { defer_saves_ = true; }
+  void settled(int layer, Value v, const Tensor& value) override;
 
  private:
+  /// Stores `value` for every save registration of `site` at this step (all = also sites saved
+  /// before; revised() passes false to update only those already stored).
+  void record_saves(Site site, const Tensor& value, bool only_existing);
+  bool defer_saves_ = false;
   Trace& trace_;
   const FamilyModel& model_;
   const std::vector<std::vector<Site>>& sites_;  // per registration (bound in the Trace)
