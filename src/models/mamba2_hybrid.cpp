@@ -242,6 +242,8 @@ class Mamba2Hybrid final : public FamilyModel {
     if (s_.embedding_multiplier != 1.0f && !in.embeds.defined())
       for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
     visit_if(ls, -1, Value::embed_output, h);
+    FiniteWatch watch(s_.family);
+    watch.check(-1, Value::embed_output, h);
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
@@ -259,12 +261,19 @@ class Mamba2Hybrid final : public FamilyModel {
         call.has_state = cache.has_state;
         call.chunked = ctx.kernel == "chunked";
         call.ls = ls;
-        add_into(branch, mixer_.forward(bw.mamba, n, in, call));
+        Tensor mo = mixer_.forward(bw.mamba, n, in, call);
+        watch.check(li, Value::attention_output, mo);
+        add_into(branch, mo);
       }
-      if (b.attn) add_into(branch, attention(li, bw.attn, n, in, pos, cache, ls));
+      if (b.attn) {
+        Tensor ao = attention(li, bw.attn, n, in, pos, cache, ls);
+        watch.check(li, Value::attn_output, ao);
+        add_into(branch, ao);
+      }
       if (b.branch_mlp) {
         Tensor m = (b.moe ? moe(bw.moe, n.data(), BT) : mlp(bw.mlp, n.data(), BT)).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
+        watch.check(li, Value::mlp_output, m);
         add_into(branch, m);
       }
       add_into(h, branch);
@@ -272,18 +281,25 @@ class Mamba2Hybrid final : public FamilyModel {
         ops::rmsnorm(h.data(), bw.ff_norm.data(), n.data(), BT, D, s_.eps);
         Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
+        watch.check(li, Value::mlp_output, m);
         add_into(h, m);
       }
       visit_if(ls, li, Value::layer_output, h);
+      watch.check(li, Value::layer_output, h);
     }
     cache.has_state = true;
     ops::rmsnorm(h.data(), norm_f_.data(), h.data(), BT, D, s_.eps);
     visit_if(ls, -1, Value::ln_final_output, h);
-    if (s_.lm_head_multiplier == 1.0f) return lm_logits(lm_head_, h, ls, all_logits);
+    if (s_.lm_head_multiplier == 1.0f) {
+      Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
+      watch.finish(logits);
+      return logits;
+    }
     // Falcon-H1: logits = lm_head(h) * lm_head_multiplier; served (and sampled) after the multiplier.
     const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
     Tensor logits = lm_logits(lm_head_, h, nullptr, full);
     for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
+    watch.finish(logits);
     if (full) visit_if(ls, -1, Value::logits, logits);
     return logits;
   }
