@@ -59,8 +59,9 @@ def one_round(model, ref, n_traces: int, n_aborted: int, n_interrupted: int) -> 
             if not done.wait(0.02):
                 _thread.interrupt_main()
 
-        threading.Thread(target=ctrl_c).start()
         try:
+            # Started inside the try: on a loaded machine the interrupt can land before start() returns.
+            threading.Thread(target=ctrl_c).start()
             model.generate(PROMPT, max_new_tokens=10**9, eos_token_id=-1).run()
         except KeyboardInterrupt:
             interrupted += 1
