@@ -232,6 +232,8 @@ class Mamba2Hybrid final : public FamilyModel {
     if (s_.embedding_multiplier != 1.0f)
       for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
     visit_if(ls, -1, Value::embed_output, h);
+    FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
+    watch.check(-1, Value::embed_output, h);
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
@@ -248,12 +250,19 @@ class Mamba2Hybrid final : public FamilyModel {
         call.has_state = cache.has_state;
         call.chunked = ctx.kernel == "chunked";
         call.ls = ls;
-        add_into(branch, mixer_.forward(bw.mamba, n, in, call));
+        Tensor out = mixer_.forward(bw.mamba, n, in, call);
+        watch.check(li, Value::attention_output, out);
+        add_into(branch, out);
       }
-      if (b.attn) add_into(branch, attention(li, bw.attn, n, in, pos, cache, ls));
+      if (b.attn) {
+        Tensor out = attention(li, bw.attn, n, in, pos, cache, ls);
+        watch.check(li, Value::attn_output, out);
+        add_into(branch, out);
+      }
       if (b.branch_mlp) {
         Tensor m = (b.moe ? moe(bw.moe, n.data(), BT) : mlp(bw.mlp, n.data(), BT)).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
+        watch.check(li, Value::mlp_output, m);
         add_into(branch, m);
       }
       add_into(h, branch);
@@ -261,19 +270,25 @@ class Mamba2Hybrid final : public FamilyModel {
         ops::rmsnorm(h.data(), bw.ff_norm.data(), n.data(), BT, D, s_.eps);
         Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
+        watch.check(li, Value::mlp_output, m);
         add_into(h, m);
       }
       visit_if(ls, li, Value::layer_output, h);
+      watch.check(li, Value::layer_output, h);
     }
     cache.has_state = true;
     ops::rmsnorm(h.data(), norm_f_.data(), h.data(), BT, D, s_.eps);
     visit_if(ls, -1, Value::ln_final_output, h);
-    if (s_.lm_head_multiplier == 1.0f) return lm_logits(lm_head_, h, ls, all_logits);
-    // Falcon-H1: logits = lm_head(h) * lm_head_multiplier; served (and sampled) after the multiplier.
-    const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
-    Tensor logits = lm_logits(lm_head_, h, nullptr, full);
-    for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
-    if (full) visit_if(ls, -1, Value::logits, logits);
+    Tensor logits;
+    if (s_.lm_head_multiplier == 1.0f) {
+      logits = lm_logits(lm_head_, h, ls, all_logits);
+    } else {  // Falcon-H1: logits = lm_head(h) * lm_head_multiplier, served (and sampled) so
+      const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
+      logits = lm_logits(lm_head_, h, nullptr, full);
+      for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
+      if (full) visit_if(ls, -1, Value::logits, logits);
+    }
+    watch.finish(logits);
     return logits;
   }
 
