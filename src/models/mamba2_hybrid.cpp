@@ -242,7 +242,7 @@ class Mamba2Hybrid final : public FamilyModel {
     if (s_.embedding_multiplier != 1.0f && !in.embeds.defined())
       for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
     visit_if(ls, -1, Value::embed_output, h);
-    FiniteWatch watch(s_.family);
+    FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
     watch.check(-1, Value::embed_output, h);
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
@@ -261,14 +261,14 @@ class Mamba2Hybrid final : public FamilyModel {
         call.has_state = cache.has_state;
         call.chunked = ctx.kernel == "chunked";
         call.ls = ls;
-        Tensor mo = mixer_.forward(bw.mamba, n, in, call);
-        watch.check(li, Value::attention_output, mo);
-        add_into(branch, mo);
+        Tensor out = mixer_.forward(bw.mamba, n, in, call);
+        watch.check(li, Value::attention_output, out);
+        add_into(branch, out);
       }
       if (b.attn) {
-        Tensor ao = attention(li, bw.attn, n, in, pos, cache, ls);
-        watch.check(li, Value::attn_output, ao);
-        add_into(branch, ao);
+        Tensor out = attention(li, bw.attn, n, in, pos, cache, ls);
+        watch.check(li, Value::attn_output, out);
+        add_into(branch, out);
       }
       if (b.branch_mlp) {
         Tensor m = (b.moe ? moe(bw.moe, n.data(), BT) : mlp(bw.mlp, n.data(), BT)).reshape({B, T, D});
@@ -290,17 +290,16 @@ class Mamba2Hybrid final : public FamilyModel {
     cache.has_state = true;
     ops::rmsnorm(h.data(), norm_f_.data(), h.data(), BT, D, s_.eps);
     visit_if(ls, -1, Value::ln_final_output, h);
+    Tensor logits;
     if (s_.lm_head_multiplier == 1.0f) {
-      Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
-      watch.finish(logits);
-      return logits;
+      logits = lm_logits(lm_head_, h, ls, all_logits);
+    } else {  // Falcon-H1: logits = lm_head(h) * lm_head_multiplier, served (and sampled) so
+      const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
+      logits = lm_logits(lm_head_, h, nullptr, full);
+      for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
+      if (full) visit_if(ls, -1, Value::logits, logits);
     }
-    // Falcon-H1: logits = lm_head(h) * lm_head_multiplier; served (and sampled) after the multiplier.
-    const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
-    Tensor logits = lm_logits(lm_head_, h, nullptr, full);
-    for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
     watch.finish(logits);
-    if (full) visit_if(ls, -1, Value::logits, logits);
     return logits;
   }
 
