@@ -198,7 +198,13 @@ Model Model::load(const std::string& path_or_hub_id) {
   io::Config config = io::Config::load(dir);
   io::WeightStore weights = io::WeightStore::open(dir);
   Model m;
-  m.impl_->family = detail::build_family(config, weights);
+  try {
+    m.impl_->family = detail::build_family(config, weights);
+  } catch (const nlohmann::json::exception& e) {
+    // A field of a JSON type no getter anticipated: still a ConfigError naming the file, never a
+    // bare exception (exit 3 / RuntimeError).
+    throw ConfigError(detail::where(config) + ": malformed field: " + e.what());
+  }
   m.impl_->family->info.path = dir.string();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the

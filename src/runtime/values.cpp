@@ -10,6 +10,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::attention: return "attention";
     case LayerKind::mlp: return "mlp";
     case LayerKind::hybrid: return "hybrid";
+    case LayerKind::moe: return "moe";
   }
   return "?";
 }

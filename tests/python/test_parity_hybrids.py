@@ -45,6 +45,12 @@ CASES = {
         edits=[dict(name="decays_x3", path=mix(2, "decays"), step=0, op="scale", factor=3.0),
                dict(name="values_tok3", path=mix(0, "attention_values"), step=0, op="set_index", index=3,
                     value=0.5)]),
+    # MoE blocks (group-limited routing, latent projection, shared expert) in a left-padded batch.
+    "nemotron_h_moe_padded": dict(
+        family="nemotron_h", seed=59, prompts=[16, 7], config=dict(hybrid_override_pattern="MEM*", n_routed_experts=4, num_experts_per_tok=2,
+                                                               moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                                                               n_group=2, topk_group=1, moe_latent_size=8, routed_scaling_factor=1.5),
+        edits=[dict(name="decays_half", path=mix(0, "decays"), step=0, op="scale", factor=0.5)]),
     "bamba_g2_padded": dict(
         family="bamba", seed=46, prompts=[19, 7], config=dict(mamba_chunk_size=4),
         edits=[dict(name="decays_half_s1", path=mix(0, "decays"), step=1, op="scale", factor=0.5),
@@ -172,7 +178,7 @@ def test_support_and_block_kinds(case):
         if lin[i] is not None:
             with pytest.raises(mixlens.UnknownValueError, match=f"block {i} is an? {kinds[i]} block"):
                 case.model.generate(case.prompts, max_new_tokens=1, saves=[mix(i, "states")]).run()
-    expected = {"nemotron_h": {"mamba2", "attention", "mlp"}, "bamba": {"mamba2", "attention"},
+    expected = {"nemotron_h": {"mamba2", "attention", "mlp"} if "moe" not in kinds else {"mamba2", "attention", "moe"}, "bamba": {"mamba2", "attention"},
                 "falcon_h1": {"hybrid"}}[case.spec["family"]]
     assert set(kinds) == expected
 
