@@ -129,7 +129,8 @@ namespace {
 std::unique_ptr<detail::CacheState> checked_clone(const detail::CacheState& st) {
   auto c = st.clone();
   // A derived cache that did not override clone() would come back sliced to its base.
-  if (!c || typeid(*c) != typeid(st))
+  const detail::CacheState* copy = c.get();
+  if (!copy || typeid(*copy) != typeid(st))
     throw UnsupportedError(std::string("Cache::copy: this family's cache (") + typeid(st).name() +
                            ") does not implement clone()");
   return c;

@@ -17,7 +17,7 @@ import pytest
 
 import mixlens
 import oracle_qwen as oq
-from conftest import rel_rms, tolerance
+from conftest import rel_rms
 from test_parity_mamba2 import apply_op, compare, read_every_value
 
 N_STEPS = 8
