@@ -62,6 +62,11 @@ class Trace {
 
   /// Save a value (a copy) at the given steps. `path` may use "*" for the layer index
   /// ("layers.*.linear_attn.state_output": every layer that has that value).
+  /// Per-token state: "layers.1.linear_attn.state@t5" is the state after token 5 of the call
+  /// ([B, ...state], served layout), "@t-1" after its last token; saved and fetched under the path
+  /// as spelled. A write (edit / set) there replaces it, and tokens 6.. continue from it (the scan
+  /// is split at t, chunked or not). A token out of range for a call raises InputError before it
+  /// runs (restrict `steps` for decode steps, which have one token).
   Trace& save(std::string_view path, Steps steps = Steps::all());
   /// Modify a value before it is consumed; everything computed after it follows.
   /// Writes are checked: same shape, no NaN, betas >= 0, decays <= 0 (WriteError otherwise).

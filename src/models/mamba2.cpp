@@ -97,6 +97,9 @@ class Mamba2Model final : public SsmLm {
     v.push_back(layer_value(i, Value::betas, {B, T, H_}, true, "dt = softplus(dt + dt_bias), time_step_limit clamp on prompts; write >= 0"));
     v.push_back(layer_value(i, Value::decays, {B, T, H_}, true, "A*dt (A = -exp(A_log)); writing it writes dt = decays / A"));
     v.push_back(layer_value(i, Value::state_input, {B, H_, N_, P_}, true, "SSM state the call starts from, key side first; None on a fresh prompt"));
+    auto st = layer_value(i, Value::state, {B, H_, N_, P_}, true, "SSM state after token t (path suffix @t<t>); a write is where the scan resumes");
+    st.per_token = false;
+    v.push_back(st);
     auto s = layer_value(i, Value::states, {B, T, H_, N_, P_}, false, "SSM state after every token, key side first (computed only when asked)");
     s.writable = false;
     v.push_back(s);
@@ -167,21 +170,25 @@ class Mamba2Model final : public SsmLm {
     Tensor states;
     if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, H_, N_, P_});
     const bool chunked = ctx.kernel == "chunked";
-    for (int64_t b = 0; b < B; ++b) {
-      SsdArgs a;
-      a.T = T; a.H = H_; a.P = P_; a.G = G_; a.N = N_;
-      a.x = x.data() + b * T * E_;
-      a.B = Bm.data() + b * T * G_ * N_;
-      a.C = Cm.data() + b * T * G_ * N_;
-      a.dt = dt.data() + b * T * H_;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
-      a.S = S.data() + b * H_ * P_ * N_;
-      a.y = y.data() + b * T * E_;
-      a.states = states.defined() ? states.data() + b * T * H_ * N_ * P_ : nullptr;
-      a.chunk = chunk_;
-      if (chunked) ssd_chunked(a); else ssd_recurrent(a);
-    }
+    // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted.
+    auto run = [&](int64_t t0, int64_t t1) {
+      for (int64_t b = 0; b < B; ++b) {
+        SsdArgs a;
+        a.T = t1 - t0; a.H = H_; a.P = P_; a.G = G_; a.N = N_;
+        a.x = x.data() + (b * T + t0) * E_;
+        a.B = Bm.data() + (b * T + t0) * G_ * N_;
+        a.C = Cm.data() + (b * T + t0) * G_ * N_;
+        a.dt = dt.data() + (b * T + t0) * H_;
+        a.A = lw.A.data();
+        a.D = lw.D.data();
+        a.S = S.data() + b * H_ * P_ * N_;
+        a.y = y.data() + (b * T + t0) * E_;
+        a.states = states.defined() ? states.data() + (b * T + t0) * H_ * N_ * P_ : nullptr;
+        a.chunk = chunk_;
+        if (chunked) ssd_chunked(a); else ssd_recurrent(a);
+      }
+    };
+    scan_with_stops(ls, li, T, run, [&](int64_t t) { serve_state_at(li, t, cache, ls, states); });
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
     end_state(li, cache, ls);
     visit_if(ls, li, Value::attention_head_outputs, y);

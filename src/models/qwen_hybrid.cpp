@@ -316,6 +316,9 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::betas, {B, T, HV}, true, "beta = sigmoid(b); independent of decays"));
         v.push_back(layer_value(i, Value::decays, {B, T, HV}, true, "g = -exp(A_log) * softplus(a + dt_bias), <= 0"));
         v.push_back(layer_value(i, Value::state_input, {B, HV, Dk, Dv}, true, "recurrent state the call starts from; None on a fresh prompt"));
+        auto st = layer_value(i, Value::state, {B, HV, Dk, Dv}, true, "recurrent state after token t (path suffix @t<t>); a write is where the scan resumes");
+        st.per_token = false;
+        v.push_back(st);
         auto s = layer_value(i, Value::states, {B, T, HV, Dk, Dv}, false, "recurrent state after every token (computed only when asked)");
         s.writable = false;
         v.push_back(s);
@@ -355,6 +358,7 @@ class QwenHybrid final : public FamilyModel {
       }
       s["mlp.output"][i] = "";
     }
+    add_state_methods(s);
     return s;
   }
 
@@ -480,7 +484,18 @@ class QwenHybrid final : public FamilyModel {
     a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
     a.S = S.data(); a.o = o.data();
     a.states = states.defined() ? states.data() : nullptr;
-    if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+    // The scan stops where the per-token state is wanted; the served layout is the cache's.
+    scan_with_stops(
+        ls, li, T,
+        [&](int64_t t0, int64_t t1) {
+          a.t_begin = t0;
+          a.t_end = t1;
+          if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+        },
+        [&](int64_t t) {
+          if (ls->visit_state(li, t, S, S.shape()) && states.defined()) copy_state_into(S, states, t);
+          a.S = S.data();  // a write may have replaced the tensor
+        });
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
     visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
     visit_if(ls, li, Value::attention_head_outputs, o);

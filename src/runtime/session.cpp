@@ -26,9 +26,12 @@ struct Aborted {};
 // a call bracket its values so "the forward is between calls" is a position too.
 constexpr int kCallStart = -1;
 constexpr int kCallEnd = INT_MAX;
+// Per-token values (Value::state) add the token: (step, order, token), so a layer's states go in
+// token order; -1 for every other value.
 struct Pos {
   int step = 0;
   int order = kCallStart;
+  int64_t token = -1;
   auto operator<=>(const Pos&) const = default;
 };
 
@@ -66,21 +69,21 @@ struct Session::Impl {
       ctx_ = ctx;
       num_layers_ = num_layers;
       s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
-      s_.pos = {ctx.step, kCallStart};
+      s_.pos = {ctx.step, kCallStart, -1};
       s_.stash.clear();
       s_.wait_while_paused(lk);
       refresh_mask();
     }
     void end_call() override {
       std::unique_lock<std::mutex> lk(s_.mu);
-      s_.pos = {ctx_.step, kCallEnd};
+      s_.pos = {ctx_.step, kCallEnd, -1};
       s_.wait_while_paused(lk);
       refresh_mask();
     }
     bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
       std::unique_lock<std::mutex> lk(s_.mu);
       const Site site{layer, v};
-      s_.pos = {ctx_.step, s_.order_of(site)};
+      s_.pos = {ctx_.step, s_.order_of(site), -1};
       const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
       if (!at_target) {
         // Besides the target only its earlier moment siblings are wanted: keep them for reads.
@@ -97,6 +100,33 @@ struct Session::Impl {
       const bool written = s_.live_written;
       s_.live = nullptr;
       if (moment_of(v) != 0) s_.stash_put(site, value);  // as consumed, after the caller's writes
+      refresh_mask();
+      return written;
+    }
+
+    // The scan stops only at the token the caller is waiting for (asked again after each stop).
+    int64_t next_state_token(int layer, int64_t after) const override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      if (!s_.target || !s_.target->is_value || s_.target->pos.step != ctx_.step) return -1;
+      if (s_.target->site != Site{layer, Value::state}) return -1;
+      return s_.target->pos.token > after ? s_.target->pos.token : -1;
+    }
+    bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      s_.pos = {ctx_.step, s_.order_of({layer, Value::state}), t};
+      s_.stash.clear();
+      const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
+      if (!at_target) {
+        s_.wait_while_paused(lk);
+        refresh_mask();
+        return false;
+      }
+      s_.live = &value;
+      s_.live_shape = shape;
+      s_.live_written = false;
+      s_.wait_while_paused(lk);
+      const bool written = s_.live_written;
+      s_.live = nullptr;
       refresh_mask();
       return written;
     }
@@ -195,7 +225,8 @@ struct Session::Impl {
     const auto values = model.values(1, 1);
     const std::string path = p.order >= 0 && static_cast<size_t>(p.order) < values.size()
                                  ? values[static_cast<size_t>(p.order)].path : "?";
-    return "'" + path + "' at step " + std::to_string(p.step);
+    return "'" + path + (p.token >= 0 ? "@t" + std::to_string(p.token) : std::string()) + "' at step " +
+           std::to_string(p.step);
   }
   std::string where_locked() const {
     if (done) return "finished";
@@ -207,10 +238,18 @@ struct Session::Impl {
     const std::string path(path_view);
     if (path.find('*') != std::string::npos)
       throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
-    const auto sites = detail::resolve_path(family, path);
+    std::string base = path;
+    const std::optional<int64_t> token = split_token(base);
+    const auto sites = detail::resolve_path(family, base);
     if (sites.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(sites.size()) + " values");
     check_step(step, path, verb);
-    return {{step, order_of(sites[0])}, sites[0], true};
+    if ((sites[0].value == Value::state) != token.has_value())
+      throw UnknownValueError("value path '" + path + "': " +
+                              (token ? std::string("only 'linear_attn.state' takes a token suffix '@t<t>'")
+                                     : "'state' is addressed per token, e.g. '" + base + "@t5' (negative counts from the end)"));
+    // Tokens resolve against the call's length: the prompt's padded length at the first step, 1 after.
+    const int64_t t = token ? resolve_token(*token, step == first_step ? first_seq : 1, path) : -1;
+    return {{step, order_of(sites[0]), t}, sites[0], true};
   }
   void check_step(int step, const std::string& path, const char* verb) const {
     if (step < first_step || step > last_step) {
@@ -248,7 +287,12 @@ struct Session::Impl {
     switch (a) {
       case Arrival::passed:
         throw OutOfOrderError(asked + ": the forward has already passed it and is at " + where_locked() +
-                              "; values are served in forward order (Model::values(), step by step)");
+                              "; values are served in forward order (Model::values(), step by step)" +
+                              (t.site.value == Value::state
+                                   ? std::string("; a layer's per-token states go in token order, and the forward runs "
+                                                 "layer 0 over every token before layer 1: loop layers outside tokens, "
+                                                 "save 'states', or pre-register the write (Trace::set / edits)")
+                                   : std::string()));
       case Arrival::skipped:
         throw InputError(asked + ": the forward did not produce it (" +
                          (done ? std::string("the run ended without visiting it)") : "it went on to " + where_locked() + ")"));
@@ -265,6 +309,7 @@ struct Session::Impl {
   Trace* trace;
   std::vector<int> order;  // per (layer + 1, value): index in Model::values() order, -1 if absent
   int first_step = 0, last_step = 0;
+  int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -316,6 +361,7 @@ void Session::abort() {
 Session Session::run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace) {
   Batch batch = Batch::left_padded(prompts, model.pad_token_id());  // validates now, on the caller
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = batch.seq;
   impl->start_worker([&model, trace, batch = std::move(batch)](detail::Listener* l) {
     Cache cache = model.new_cache(batch.batch);
     SessionResult r;
@@ -328,9 +374,10 @@ Session Session::run(const Model& model, std::vector<std::vector<int32_t>> promp
 
 Session Session::generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
                           Trace* trace) {
-  Batch::left_padded(prompts, model.pad_token_id());
+  const int64_t seq = Batch::left_padded(prompts, model.pad_token_id()).seq;
   if (options.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = seq;
   impl->last_step = options.max_new_tokens - 1;
   impl->start_worker([&model, trace, prompts = std::move(prompts), options](detail::Listener* l) {
     GenerationResult g = detail::ModelAccess::generate(model, prompts, options, trace, l);
@@ -352,6 +399,7 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
     if (row.size() != forced[0].size()) throw InputError("teacher_forced: every row needs the same number of forced tokens");
   const int n_steps = static_cast<int>(forced[0].size()) + 1;
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = batch.seq;
   impl->last_step = n_steps - 1;
   impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps](detail::Listener* l) mutable {
     Cache cache = model.new_cache(batch.batch);
@@ -380,7 +428,8 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
 Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_step = impl->last_step = cache.steps();
-  impl->pos = {cache.steps(), kCallStart};
+  impl->pos = {cache.steps(), kCallStart, -1};
+  impl->first_seq = batch.seq;
   impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits](detail::Listener* l) {
     SessionResult r;
     r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits));
@@ -418,8 +467,8 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
   Impl& s = *impl_;
   const Impl::Target t = s.resolve(step, path, "write");
   if (t.site.value == Value::states)
-    throw WriteError("'" + site_path(t.site) +
-                     "' is read-only (the per-token state stack); write state_input or state_output instead");
+    throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
+                     site_path({t.site.layer, Value::state}) + "@t<t>') or state_input / state_output instead");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
   if (a != Impl::Arrival::at_target) {

@@ -22,8 +22,11 @@ class TraceListener final : public Listener {
   void begin_call(const CallCtx& ctx, int num_layers) override;
   void end_call() override;
   bool visit(int layer, Value v, Tensor& value, const Shape& shape) override;
+  int64_t next_state_token(int layer, int64_t after) const override;
+  bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override;
 
  private:
+  bool serve(int layer, Value v, int64_t token, Tensor& value, const Shape& shape);
   Trace& trace_;
   const FamilyModel& model_;
   const std::vector<std::vector<Site>>& sites_;  // per registration (bound in the Trace)
