@@ -202,7 +202,7 @@ class _Envoy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        if self._prefix.endswith("linear_attn.") and self._model._known(self._prefix + "state"):
+        if self._prefix.endswith("linear_attn.") and self._model._known(self._prefix + "states"):
             if name == "state_after":
                 return self._state_after
             if name == "set_state_after":
@@ -260,8 +260,8 @@ class _Envoy:
         """Value names under this prefix, from the model's values for this very layer (hybrids differ)."""
         p = self._prefix
         names = {path[len(p):] for path in self._model._paths() if path.startswith(p)}
-        if "state" in names and p.endswith("linear_attn."):
-            names |= {"state_after", "set_state_after"}
+        if "states" in names and p.endswith("linear_attn."):
+            names |= {"state", "state_after", "set_state_after"}
         return sorted(names)
 
     def __dir__(self):

@@ -106,6 +106,25 @@ void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
   s["linear_attn.set_state_after"] = per_layer;
 }
 
+void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,
+                       const std::function<Tensor(const Tensor&)>& serve,
+                       const std::function<void(const Tensor&, Tensor&)>& store) {
+  if (!has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
+  if (ls && ls->wants(li, Value::state_input)) {
+    Tensor served = has_state ? serve(S) : Tensor();
+    Shape shape{S.size(0)};
+    for (int64_t d : served_row) shape.push_back(d);
+    if (ls->visit(li, Value::state_input, served, shape) && served.defined()) store(served, S);
+  }
+}
+
+void visit_state_output(int li, Tensor& S, Listener* ls, const std::function<Tensor(const Tensor&)>& serve,
+                        const std::function<void(const Tensor&, Tensor&)>& store) {
+  if (!ls || !ls->wants(li, Value::state_output)) return;
+  Tensor served = serve(S);
+  if (ls->visit(li, Value::state_output, served, served.shape())) store(served, S);
+}
+
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family) {
   std::map<std::string, std::map<int, std::string>> s;
   for (int v = 0; v < kNumValues; ++v) {

@@ -1,5 +1,6 @@
 // Pieces shared by the model families: embedding lookup, LM head, padding masks, value tables.
 #pragma once
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <string>
@@ -35,6 +36,16 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
 void copy_state_into(const Tensor& state, Tensor& states, int64_t t);
 /// support() entries for the per-token state methods (state_after, set_state_after): as "state".
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
+/// The state_input site of a recurrent layer: zeroes the kernel-layout state S [B,...] on a fresh
+/// call, serves it (None when fresh) as serve(S) with row shape `served_row`, and lays a write back
+/// with store(served, S). Shared by every family so the semantics cannot drift apart.
+void visit_state_input(int layer, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,
+                       const std::function<Tensor(const Tensor&)>& serve,
+                       const std::function<void(const Tensor&, Tensor&)>& store);
+/// The state_output site: serves serve(S) and lays a write back (the next call starts from it).
+void visit_state_output(int layer, Tensor& S, Listener* ls, const std::function<Tensor(const Tensor&)>& serve,
+                        const std::function<void(const Tensor&, Tensor&)>& store);
+
 /// support() for a model whose every block is one recurrent mixer: everything available,
 /// self_attn values unavailable with the reason.
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family);

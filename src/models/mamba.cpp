@@ -115,9 +115,6 @@ class MambaModel final : public SsmLm {
     v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, "dt = softplus(dt_proj(dt_low)); write >= 0"));
     v.push_back(layer_value(i, Value::decays, {B, T, E_, N_}, true, "A*dt (A = -exp(A_log)) per channel and state index; a write sets dt = decays / A and must imply one dt per (token, channel) across the state axis"));
     v.push_back(layer_value(i, Value::state_input, {B, E_, N_}, true, "SSM state the call starts from; None on a fresh prompt"));
-    auto st = layer_value(i, Value::state, {B, E_, N_}, true, "SSM state after token t (path suffix @t<t>); a write is where the scan resumes");
-    st.per_token = false;
-    v.push_back(st);
     auto s = layer_value(i, Value::states, {B, T, E_, N_}, false, "SSM state after every token (computed only when asked)");
     s.writable = false;
     v.push_back(s);

@@ -316,9 +316,6 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::betas, {B, T, HV}, true, "beta = sigmoid(b); independent of decays"));
         v.push_back(layer_value(i, Value::decays, {B, T, HV}, true, "g = -exp(A_log) * softplus(a + dt_bias), <= 0"));
         v.push_back(layer_value(i, Value::state_input, {B, HV, Dk, Dv}, true, "recurrent state the call starts from; None on a fresh prompt"));
-        auto st = layer_value(i, Value::state, {B, HV, Dk, Dv}, true, "recurrent state after token t (path suffix @t<t>); a write is where the scan resumes");
-        st.per_token = false;
-        v.push_back(st);
         auto s = layer_value(i, Value::states, {B, T, HV, Dk, Dv}, false, "recurrent state after every token (computed only when asked)");
         s.writable = false;
         v.push_back(s);

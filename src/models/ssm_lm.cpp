@@ -110,13 +110,8 @@ void SsmLm::store_served_state(const Tensor& served, Tensor& S) const {
 
 Tensor& SsmLm::begin_state(int li, SsmCache& cache, Listener* ls) const {
   Tensor& S = cache.ssm[static_cast<size_t>(li)];
-  if (!cache.has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
-  if (ls && ls->wants(li, Value::state_input)) {
-    Tensor served = cache.has_state ? served_state(S) : Tensor();
-    Shape shape{S.size(0)};
-    for (int64_t d : served_state_shape()) shape.push_back(d);
-    if (ls->visit(li, Value::state_input, served, shape) && served.defined()) store_served_state(served, S);
-  }
+  visit_state_input(li, S, cache.has_state, ls, served_state_shape(), [this](const Tensor& s) { return served_state(s); },
+                    [this](const Tensor& o, Tensor& s) { store_served_state(o, s); });
   return S;
 }
 
@@ -129,10 +124,8 @@ void SsmLm::serve_state_at(int li, int64_t t, SsmCache& cache, Listener* ls, Ten
 }
 
 void SsmLm::end_state(int li, SsmCache& cache, Listener* ls) const {
-  if (!ls || !ls->wants(li, Value::state_output)) return;
-  Tensor& S = cache.ssm[static_cast<size_t>(li)];
-  Tensor served = served_state(S);
-  if (ls->visit(li, Value::state_output, served, served.shape())) store_served_state(served, S);
+  visit_state_output(li, cache.ssm[static_cast<size_t>(li)], ls, [this](const Tensor& s) { return served_state(s); },
+                     [this](const Tensor& o, Tensor& s) { store_served_state(o, s); });
 }
 
 }  // namespace mixlens::detail

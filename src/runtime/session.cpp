@@ -22,7 +22,7 @@ namespace {
 // Thrown on the worker to unwind a forward the caller abandoned; never leaves the worker.
 struct Aborted {};
 
-// A position in the run: step, then the value's index in Model::values() order. Start and end of
+// A position in the run: step, then 2 * the value's index in Model::values() order. Start and end of
 // a call bracket its values so "the forward is between calls" is a position too.
 constexpr int kCallStart = -1;
 constexpr int kCallEnd = INT_MAX;
@@ -157,14 +157,22 @@ struct Session::Impl {
   Impl(const Model& m, Trace* t) : model(m), family(detail::ModelAccess::family(m)), trace(t), listener(*this) {
     const auto values = m.values(1, 1);
     order.assign(static_cast<size_t>((m.info().num_layers + 1) * kNumValues), -1);
-    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = static_cast<int>(i);
+    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = 2 * static_cast<int>(i);
     // Validate the trace's registrations now, on the caller, rather than at the first request.
     if (trace) detail::TraceListener check(*trace, family);
   }
 
   size_t slot(Site s) const { return static_cast<size_t>((s.layer + 1) * kNumValues + static_cast<int>(s.value)); }
-  bool has_order(Site s) const { return slot(s) < order.size() && order[slot(s)] >= 0; }
-  int order_of(Site s) const { return has_order(s) ? order[slot(s)] : kCallEnd - 1; }
+  // Orders are 2 * (index in Model::values()); the per-token `state` (not in values(): it addresses
+  // `states` by token) sits just before `states`, as the scan visits it before the stack is served.
+  bool has_order(Site s) const {
+    if (s.value == Value::state) s.value = Value::states;
+    return slot(s) < order.size() && order[slot(s)] >= 0;
+  }
+  int order_of(Site s) const {
+    if (s.value == Value::state) return has_order(s) ? order[slot({s.layer, Value::states})] - 1 : kCallEnd - 1;
+    return has_order(s) ? order[slot(s)] : kCallEnd - 1;
+  }
 
   // Worker side, lock held.
   void stash_put(Site site, const Tensor& value) {
@@ -223,8 +231,9 @@ struct Session::Impl {
     if (p.order == kCallStart) return "the start of step " + std::to_string(p.step);
     if (p.order == kCallEnd) return "the end of step " + std::to_string(p.step);
     const auto values = model.values(1, 1);
-    const std::string path = p.order >= 0 && static_cast<size_t>(p.order) < values.size()
-                                 ? values[static_cast<size_t>(p.order)].path : "?";
+    const size_t i = static_cast<size_t>((p.order + 1) / 2);  // odd orders: the `state` before `states`
+    std::string path = p.order >= 0 && i < values.size() ? values[i].path : "?";
+    if (p.order % 2 != 0 && !path.empty() && path.back() == 's') path.pop_back();
     return "'" + path + (p.token >= 0 ? "@t" + std::to_string(p.token) : std::string()) + "' at step " +
            std::to_string(p.step);
   }
@@ -307,7 +316,7 @@ struct Session::Impl {
   const Model& model;
   const detail::FamilyModel& family;
   Trace* trace;
-  std::vector<int> order;  // per (layer + 1, value): index in Model::values() order, -1 if absent
+  std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
   int first_step = 0, last_step = 0;
   int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
 

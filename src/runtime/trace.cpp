@@ -93,6 +93,14 @@ std::string with_star(const std::string& path, std::string* layer = nullptr) {
 }  // namespace
 
 std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern) {
+  // The per-token "state" is not a separate entry of values(): it addresses `states` by token, so it
+  // exists exactly where `states` does.
+  static constexpr std::string_view kState = ".linear_attn.state";
+  if (pattern.size() > kState.size() && pattern.compare(pattern.size() - kState.size(), kState.size(), kState) == 0) {
+    std::vector<Site> sites = resolve_path(model, pattern + "s");
+    for (Site& s : sites) s.value = Value::state;
+    return sites;
+  }
   const auto values = model.values(1, 1);
   std::vector<Site> out;
   std::string layer;
