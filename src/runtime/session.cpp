@@ -453,7 +453,13 @@ Tensor Session::read(int step, std::string_view path) {
   const Impl::Target t = s.resolve(step, path, "read");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
-  if (a == Impl::Arrival::at_target) return s.live->defined() ? s.live->clone() : Tensor();
+  if (a == Impl::Arrival::at_target) {
+    if (!s.live->defined()) return Tensor();
+    // `states` is read-only and the forward drops it after this visit: hand over the stack itself
+    // rather than copying hundreds of MiB (the caller still owns an independent value).
+    if (t.site.value == Value::states) return *s.live;
+    return s.live->clone();
+  }
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
   if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
     auto it = s.stash.find(t.site);
