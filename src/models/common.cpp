@@ -140,7 +140,6 @@ std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_lay
     s["mlp.output"][i] = block + ", which has no MLP: the mixer output is layers." + std::to_string(i) +
                          ".linear_attn.attention_output";
   }
-  add_state_methods(s);
   return s;
 }
 

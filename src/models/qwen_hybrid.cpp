@@ -355,7 +355,6 @@ class QwenHybrid final : public FamilyModel {
       }
       s["mlp.output"][i] = "";
     }
-    add_state_methods(s);
     return s;
   }
 
