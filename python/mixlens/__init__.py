@@ -27,7 +27,7 @@ repository; ``model.values()`` lists them with shapes and meanings, and
 ``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the repository (``models/mamba2-tinystories``).
 
 Also: :func:`route_kernels` (force the chunked / recurrent algorithm per family),
-:func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids via ``huggingface_hub``), and the exception
+:func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids in the local cache, the C++ resolver), and the exception
 classes (all :class:`MixlensError`).
 """
 
@@ -37,8 +37,11 @@ from .errors import (
     CheckpointError,
     ConfigError,
     InputError,
+    InterruptedRunError,
     MixlensError,
+    NumericError,
     OutOfOrderError,
+    ResourceError,
     TokenizerError,
     UnknownAttributeError,
     UnknownValueError,
@@ -73,8 +76,11 @@ __all__ = [
     "UnknownAttributeError",
     "WriteError",
     "UnsupportedError",
+    "ResourceError",
+    "NumericError",
     "InputError",
     "OutOfOrderError",
+    "InterruptedRunError",
 ]
 
 

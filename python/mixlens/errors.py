@@ -18,6 +18,9 @@ __all__ = [
     "UnsupportedError",
     "InputError",
     "OutOfOrderError",
+    "ResourceError",
+    "NumericError",
+    "InterruptedRunError",
 ]
 
 
@@ -66,3 +69,19 @@ class OutOfOrderError(InputError):
     """Inside a ``with model.trace(...)`` block: a value the forward has already computed and consumed
     was asked for. Values are served in forward order; the message names the value asked for and the
     one the forward is at."""
+
+
+class ResourceError(MixlensError, MemoryError):
+    """A size beyond mixlens' documented limits (safetensors entries, chunk length, the saved-values
+    budget ``MIXLENS_SAVE_BUDGET_MB``, ...) or an allocation that failed (out of memory)."""
+
+
+class NumericError(MixlensError, ArithmeticError):
+    """A forward produced NaN / inf logits. The message names the first value of that call that went
+    non-finite (e.g. ``layers.3.linear_attn.attention_output = NaN at [0, 2, 17]``); usually a written value
+    of extreme magnitude. Greedy decoding and sampling also refuse NaN logits with this error."""
+
+
+class InterruptedRunError(MixlensError):
+    """A run stopped by its cancellation flag (C++ ``mixlens::InterruptedError``). Ctrl-C itself arrives as
+    ``KeyboardInterrupt`` within about 50 ms of the signal (the forward stops at its next layer)."""

@@ -138,9 +138,10 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
     Tensor dec({B, T, H});
     for (int64_t r = 0; r < BT; ++r)
       for (int64_t hh = 0; hh < H; ++hh) dec[r * H + hh] = lw.A[hh] * dt[r * H + hh];
-    if (ls->visit(li, Value::decays, dec, dec.shape()))
-      for (int64_t r = 0; r < BT; ++r)
-        for (int64_t hh = 0; hh < H; ++hh) dt[r * H + hh] = dec[r * H + hh] / lw.A[hh];
+    if (ls->visit(li, Value::decays, dec, dec.shape())) {
+      dt = betas_for_decays(lw, dt, dec);
+      ls->revised(li, Value::betas, dt);  // a save / copy of betas now holds the dt in use
+    }
   }
 
   Tensor& S = *call.ssm;
@@ -240,6 +241,16 @@ void Mamba2Mixer::store_served_state(const Tensor& o, Tensor& S) const {
   for (int64_t bh = 0; bh < S.size(0) * H; ++bh)
     for (int64_t p = 0; p < P; ++p)
       for (int64_t nn = 0; nn < N; ++nn) S[(bh * P + p) * N + nn] = o[(bh * N + nn) * P + p];
+}
+
+Tensor Mamba2Mixer::betas_for_decays(const Mamba2MixerWeights& w, const Tensor& betas_before,
+                                     const Tensor& decays) const {
+  const int64_t H = d_.H;
+  Tensor dt(betas_before.shape());
+  const int64_t rows = dt.numel() / H;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t hh = 0; hh < H; ++hh) dt[r * H + hh] = decays[r * H + hh] / w.A[hh];
+  return dt;
 }
 
 }  // namespace mixlens::detail

@@ -51,6 +51,12 @@ struct QwenCache : CacheState {
   std::vector<KvCache> kv;    // attention layers
   std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
   std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
+  std::unique_ptr<CacheState> clone() const override {
+    auto c = std::make_unique<QwenCache>(*this);  // KV entries, masks, counters: value copies
+    deep_copy(c->conv);
+    deep_copy(c->ssm);
+    return c;
+  }
 };
 
 // Concatenates row blocks of 2-D tensors with the same column count.
@@ -279,26 +285,34 @@ class QwenHybrid final : public FamilyModel {
     }
     Tensor h = embed_tokens(embed_, in, spec_.family.c_str());
     visit_if(ls, -1, Value::embed_output, h);
+    FiniteWatch watch(spec_.family);
+    watch.check(-1, Value::embed_output, h);
     // create_recurrent_attention_mask: GDN input masked only for multi-token calls with padding.
     const bool masked = T > 1 && in.has_padding();
     Tensor n({B, T, D_});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
       const Layer& l = layers_[static_cast<size_t>(i)];
+      ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       ops::rmsnorm(h.data(), l.in_norm.data(), n.data(), BT, D_, eps_, true);
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
+      watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
       add_into(h, out);
       ops::rmsnorm(h.data(), l.post_norm.data(), n.data(), BT, D_, eps_, true);
       Tensor m = (l.mlp.moe ? moe(l.mlp, n) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT)).reshape({B, T, D_});
       visit_if(ls, li, Value::mlp_output, m);
+      watch.check(li, Value::mlp_output, m);
       add_into(h, m);
       visit_if(ls, li, Value::layer_output, h);
+      watch.check(li, Value::layer_output, h);
     }
     cache.has_state = true;
     ops::rmsnorm(h.data(), norm_.data(), h.data(), BT, D_, eps_, true);
     visit_if(ls, -1, Value::ln_final_output, h);
-    return lm_logits(lm_head_, h, ls, all_logits);
+    Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
+    watch.finish(logits);
+    return logits;
   }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {

@@ -69,22 +69,29 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
   const int64_t B = in.batch, T = in.seq;
   Tensor h = embed_tokens(embed_, in, family_.c_str());
   visit_if(ls, -1, Value::embed_output, h);
+  FiniteWatch watch(family_);
+  watch.check(-1, Value::embed_output, h);
   Tensor n({B, T, D_});
   for (int64_t i = 0; i < L_; ++i) {
     const int li = static_cast<int>(i);
+    ctx.check_cancel();
     visit_if(ls, li, Value::layer_input, h);
     // MambaRMSNorm / Mamba2RMSNorm; with float32 weights residual_in_fp32 changes nothing.
     ops::rmsnorm(h.data(), norms_[static_cast<size_t>(i)].data(), n.data(), B * T, D_, eps_);
     Tensor out = mixer(li, n, in, cache, ls, ctx);
+    watch.check(li, Value::attention_output, out);
     float* hp = h.data();
     const float* op = out.data();
     for (int64_t k = 0; k < h.numel(); ++k) hp[k] += op[k];
     visit_if(ls, li, Value::layer_output, h);
+    watch.check(li, Value::layer_output, h);
   }
   cache.has_state = true;
   ops::rmsnorm(h.data(), norm_f_.data(), h.data(), B * T, D_, eps_);
   visit_if(ls, -1, Value::ln_final_output, h);
-  return lm_logits(lm_head_, h, ls, all_logits);
+  Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
+  watch.finish(logits);
+  return logits;
 }
 
 std::vector<ValueInfo> SsmLm::values(int64_t B, int64_t T) const {

@@ -15,6 +15,12 @@ struct SsmCache : CacheState {
   bool has_state = false;    ///< a forward call has run: conv windows and states are live
   std::vector<Tensor> conv;  ///< per layer [B, K, conv channels]: last K pre-conv inputs, oldest first
   std::vector<Tensor> ssm;   ///< per layer, in the family's kernel layout
+  std::unique_ptr<CacheState> clone() const override {
+    auto c = std::make_unique<SsmCache>(*this);
+    deep_copy(c->conv);
+    deep_copy(c->ssm);
+    return c;
+  }
 };
 
 class SsmLm : public FamilyModel {

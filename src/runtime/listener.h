@@ -2,10 +2,12 @@
 // A site nobody wants costs one bit test; a wanted value is visited in its served layout.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "mixlens/errors.h"
 #include "mixlens/tensor.h"
 #include "mixlens/values.h"
 
@@ -18,6 +20,13 @@ struct CallCtx {
   int64_t seq = 0;
   bool fresh = true;           ///< no cached recurrent state before this call
   std::string kernel;          ///< "chunked" or "recurrent"
+  /// Set by another thread to stop the run (Ctrl-C, Session::abort); may be null.
+  const std::atomic<bool>* cancel = nullptr;
+  /// Called by the forwards between layers: InterruptedError once `cancel` is set.
+  void check_cancel() const {
+    if (cancel && cancel->load(std::memory_order_relaxed))
+      throw InterruptedError("the run was interrupted (cancelled at step " + std::to_string(step) + ")");
+  }
 };
 
 class Listener {
@@ -43,6 +52,16 @@ class Listener {
   virtual bool visit_state(int /*layer*/, int64_t /*t*/, Tensor& /*value*/, const Shape& /*shape*/) { return false; }
   /// Per layer (index layer + 1) bit set of the wanted values, as filled by begin_call.
   const std::vector<uint32_t>& mask() const { return mask_; }
+  /// An already-visited value changed as a consequence of a later write (Mamba's betas = dt after a
+  /// decays write): `value` is what the forward uses now. Saves and copies of it follow.
+  virtual void revised(int layer, Value v, const Tensor& value) { (void)layer, (void)v, (void)value; }
+  /// ChainListener calls this on its first listener: record saves in settled(), after every later
+  /// listener's writes, so a save holds the value the forward consumes.
+  virtual void defer_saves() {}
+  /// The value as the forward consumes it, after every listener of the chain visited it.
+  virtual void settled(int layer, Value v, const Tensor& value) { (void)layer, (void)v, (void)value; }
+  /// As settled(), for the per-token state after token t (visit_state).
+  virtual void settled_state(int layer, int64_t t, const Tensor& value) { (void)layer, (void)t, (void)value; }
 
  protected:
   std::vector<uint32_t> mask_;
@@ -54,7 +73,7 @@ class Listener {
 /// each one.
 class ChainListener final : public Listener {
  public:
-  ChainListener(Listener& first, Listener& second) : first_(first), second_(second) {}
+  ChainListener(Listener& first, Listener& second) : first_(first), second_(second) { first_.defer_saves(); }
   void begin_call(const CallCtx& ctx, int num_layers) override {
     first_.begin_call(ctx, num_layers);
     second_.begin_call(ctx, num_layers);
@@ -71,19 +90,26 @@ class ChainListener final : public Listener {
   }
   bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override {
     bool written = false;
-    if (first_.wants(layer, Value::state) && first_.next_state_token(layer, t - 1) == t)
-      written = first_.visit_state(layer, t, value, shape);
+    const bool first = first_.wants(layer, Value::state) && first_.next_state_token(layer, t - 1) == t;
+    if (first) written = first_.visit_state(layer, t, value, shape);
     if (second_.wants(layer, Value::state) && second_.next_state_token(layer, t - 1) == t)
       written = second_.visit_state(layer, t, value, shape) || written;
+    if (first) first_.settled_state(layer, t, value);
     refresh();
     return written;
   }
   bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
     bool written = false;
-    if (first_.wants(layer, v)) written = first_.visit(layer, v, value, shape);
+    const bool first = first_.wants(layer, v);
+    if (first) written = first_.visit(layer, v, value, shape);
     if (second_.wants(layer, v)) written = second_.visit(layer, v, value, shape) || written;
+    if (first) first_.settled(layer, v, value);
     refresh();
     return written;
+  }
+  void revised(int layer, Value v, const Tensor& value) override {
+    first_.revised(layer, v, value);
+    second_.revised(layer, v, value);
   }
 
  private:

@@ -1,6 +1,8 @@
 #include "mixlens/session.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -21,6 +23,10 @@ namespace {
 
 // Thrown on the worker to unwind a forward the caller abandoned; never leaves the worker.
 struct Aborted {};
+
+// The session whose worker this thread is (null on other threads): a read from inside the forward
+// (an edit function calling back into the session) would wait on itself forever.
+thread_local const void* tl_worker_of = nullptr;
 
 // A position in the run: step, then 2 * the value's index in Model::values() order. Start and end of
 // a call bracket its values so "the forward is between calls" is a position too.
@@ -47,6 +53,10 @@ int moment_of(Value v) {
     case Value::attn_queries:
     case Value::attn_keys:
     case Value::attn_values: return 3;
+    // One kernel call computes the per-token states, the final state and the head outputs.
+    case Value::states:
+    case Value::state_output:
+    case Value::attention_head_outputs: return 4;
     default: return 0;
   }
 }
@@ -80,6 +90,11 @@ struct Session::Impl {
       s_.wait_while_paused(lk);
       refresh_mask();
     }
+    void revised(int layer, Value v, const Tensor& value) override {
+      std::lock_guard<std::mutex> lk(s_.mu);
+      auto it = s_.stash.find(Site{layer, v});
+      if (it != s_.stash.end()) it->second = value.clone();
+    }
     bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
       std::unique_lock<std::mutex> lk(s_.mu);
       const Site site{layer, v};
@@ -99,7 +114,9 @@ struct Session::Impl {
       s_.wait_while_paused(lk);
       const bool written = s_.live_written;
       s_.live = nullptr;
-      if (moment_of(v) != 0) s_.stash_put(site, value);  // as consumed, after the caller's writes
+      // As consumed, after the caller's writes. A prompt's `states` stack (hundreds of MiB) is not
+      // copied again: the caller holds it already (Session::read hands it over).
+      if (moment_of(v) != 0 && !(v == Value::states && ctx_.seq > 1)) s_.stash_put(site, value);
       refresh_mask();
       return written;
     }
@@ -144,6 +161,9 @@ struct Session::Impl {
       if (m == 0) return;
       for (int v = 0; v < kNumValues; ++v) {
         const Site x{t.layer, static_cast<Value>(v)};
+        // The per-token stack costs a pass of its own on a multi-token call: kept for a later
+        // read only on a decode step, where it is one state.
+        if (x.value == Value::states && ctx_.seq > 1) continue;
         if (moment_of(x.value) == m && s_.has_order(x) && s_.order_of(x) < s_.target->pos.order &&
             s_.order_of(x) > s_.pos.order)
           want(x);
@@ -199,6 +219,7 @@ struct Session::Impl {
 
   void start_worker(std::function<SessionResult(detail::Listener*)> body) {
     worker = std::thread([this, body = std::move(body)] {
+      tl_worker_of = this;
       try {
         SessionResult r = body(&listener);
         std::lock_guard<std::mutex> lk(mu);
@@ -213,6 +234,46 @@ struct Session::Impl {
       paused = false;
       cv.notify_all();
     });
+  }
+
+  // Caller side: the thread that created the session, never the worker (DESIGN: one caller).
+  void check_caller(const char* verb) const {
+    if (tl_worker_of == this)
+      throw InputError(std::string("Session::") + verb +
+                       " called from inside the forward (an edit function registered on the trace reads or writes "
+                       "through the open tracer): it would wait on itself forever. Inside an edit, use the value it "
+                       "is given; read other values in the block instead");
+    if (std::this_thread::get_id() != owner)
+      throw InputError(std::string("Session::") + verb +
+                       ": this session belongs to the thread that opened it; another thread cannot read or write it "
+                       "(open a trace in that thread: one trace at a time per model, the second waits)");
+    std::lock_guard<std::mutex> lk(mu);
+    if (aborted)
+      throw InputError(interrupted ? "this run was interrupted; start a new one"
+                                   : "this session was aborted; start a new one");
+  }
+
+  // Caller side: cv.wait, polling interrupt_check about every 50 ms when one is set. An exception
+  // from the check aborts the run (the worker stops at its next layer) and propagates.
+  template <class Pred>
+  void wait_caller(std::unique_lock<std::mutex>& lk, Pred pred) {
+    if (!interrupt_check) {
+      cv.wait(lk, pred);
+      return;
+    }
+    while (!cv.wait_for(lk, std::chrono::milliseconds(50), pred)) {
+      lk.unlock();
+      try {
+        interrupt_check();
+      } catch (...) {
+        lk.lock();
+        aborted = interrupted = true;
+        cancel.store(true);
+        cv.notify_all();
+        throw;
+      }
+      lk.lock();
+    }
   }
 
   // Caller side, lock held.
@@ -281,7 +342,7 @@ struct Session::Impl {
     target = t;
     started = true;
     cv.notify_all();
-    cv.wait(lk, [&] { return done || (paused && !(pos < t.pos)); });
+    wait_caller(lk, [&] { return done || (paused && !(pos < t.pos)); });
     rethrow_worker_error();
     if (done) return step_ran(t.pos.step) ? Arrival::skipped : Arrival::ended;
     return pos == t.pos ? Arrival::at_target : Arrival::skipped;
@@ -319,6 +380,11 @@ struct Session::Impl {
   std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
   int first_step = 0, last_step = 0;
   int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
+
+  std::thread::id owner = std::this_thread::get_id();  // the caller thread (created the session)
+  std::function<void()> interrupt_check;
+  std::atomic<bool> cancel{false};  // stops the forward between layers (abort, interrupt)
+  bool interrupted = false;
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -362,19 +428,24 @@ void Session::abort() {
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->aborted = true;
+    impl_->cancel.store(true);
     impl_->cv.notify_all();
   }
   if (impl_->worker.joinable()) impl_->worker.join();
 }
 
 Session Session::run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace) {
-  Batch batch = Batch::left_padded(prompts, model.pad_token_id());  // validates now, on the caller
+  return run(model, Batch::left_padded(prompts, model.pad_token_id()), trace);  // validates now, on the caller
+}
+
+Session Session::run(const Model& model, Batch batch, Trace* trace) {
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_seq = batch.seq;
-  impl->start_worker([&model, trace, batch = std::move(batch)](detail::Listener* l) {
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, trace, batch = std::move(batch), cancel](detail::Listener* l) {
     Cache cache = model.new_cache(batch.batch);
     SessionResult r;
-    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, true));
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, true, cancel));
     r.steps = 1;
     return r;
   });
@@ -383,13 +454,17 @@ Session Session::run(const Model& model, std::vector<std::vector<int32_t>> promp
 
 Session Session::generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
                           Trace* trace) {
-  const int64_t seq = Batch::left_padded(prompts, model.pad_token_id()).seq;
+  return generate(model, Batch::left_padded(prompts, model.pad_token_id()), options, trace);
+}
+
+Session Session::generate(const Model& model, Batch prompt, GenerateOptions options, Trace* trace) {
   if (options.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
   auto impl = std::make_unique<Impl>(model, trace);
-  impl->first_seq = seq;
+  impl->first_seq = prompt.seq;
   impl->last_step = options.max_new_tokens - 1;
-  impl->start_worker([&model, trace, prompts = std::move(prompts), options](detail::Listener* l) {
-    GenerationResult g = detail::ModelAccess::generate(model, prompts, options, trace, l);
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, trace, prompt = std::move(prompt), options, cancel](detail::Listener* l) {
+    GenerationResult g = detail::ModelAccess::generate(model, prompt, options, trace, l, cancel);
     SessionResult r;
     r.new_tokens = std::move(g.new_tokens);
     r.steps = g.steps;
@@ -410,12 +485,14 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_seq = batch.seq;
   impl->last_step = n_steps - 1;
-  impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps](detail::Listener* l) mutable {
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps,
+                      cancel](detail::Listener* l) mutable {
     Cache cache = model.new_cache(batch.batch);
     SessionResult r;
     r.new_tokens.resize(static_cast<size_t>(batch.batch));
     for (int step = 0; step < n_steps; ++step) {
-      Tensor logits = detail::ModelAccess::forward(model, batch, cache, trace, l, true);
+      Tensor logits = detail::ModelAccess::forward(model, batch, cache, trace, l, true, cancel);
       const int64_t T = logits.size(1), V = logits.size(2);
       for (int64_t b = 0; b < batch.batch; ++b) {
         const float* row = logits.data() + (b * T + T - 1) * V;
@@ -439,9 +516,10 @@ Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* t
   impl->first_step = impl->last_step = cache.steps();
   impl->pos = {cache.steps(), kCallStart, -1};
   impl->first_seq = batch.seq;
-  impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits](detail::Listener* l) {
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits, cancel](detail::Listener* l) {
     SessionResult r;
-    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits));
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits, cancel));
     r.steps = 1;
     return r;
   });
@@ -450,6 +528,7 @@ Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* t
 
 Tensor Session::read(int step, std::string_view path) {
   Impl& s = *impl_;
+  s.check_caller("read");
   const Impl::Target t = s.resolve(step, path, "read");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
@@ -464,14 +543,13 @@ Tensor Session::read(int step, std::string_view path) {
   if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
     auto it = s.stash.find(t.site);
     if (it != s.stash.end()) {
-      // Mamba betas and decays are two views of one dt: after a decays write the stashed betas
-      // is stale, and serving it would be a silently wrong number.
-      const std::string& fam = s.family.info.family;
+      // Mamba betas and decays are two views of one dt: after a decays write (the forward is
+      // paused at it) betas is the dt the write implies, which the forward will use.
       if (s.live_written && t.site.value == Value::betas && s.target && s.target->site.value == Value::decays &&
-          (fam == "mamba" || fam == "mamba2"))
-        throw OutOfOrderError("cannot read '" + std::string(path) + "' at step " + std::to_string(step) +
-                              ": decays was written since, and on " + fam +
-                              " betas and decays are one dt; read betas before writing decays");
+          s.target->site.layer == t.site.layer && it->second.defined()) {
+        Tensor dt = s.family.betas_for_decays(t.site.layer, it->second, *s.live);
+        if (dt.defined()) return dt;
+      }
       return it->second.defined() ? it->second.clone() : Tensor();
     }
   }
@@ -480,6 +558,7 @@ Tensor Session::read(int step, std::string_view path) {
 
 void Session::write(int step, std::string_view path, const Tensor& value) {
   Impl& s = *impl_;
+  s.check_caller("write");
   const Impl::Target t = s.resolve(step, path, "write");
   if (t.site.value == Value::states)
     throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
@@ -503,6 +582,7 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
 
 bool Session::reach_step(int step) {
   Impl& s = *impl_;
+  s.check_caller("reach_step");
   if (step < s.first_step) throw InputError("reach_step(" + std::to_string(step) + "): the first step is " + std::to_string(s.first_step));
   if (step > s.last_step) return false;
   std::unique_lock<std::mutex> lk(s.mu);
@@ -513,19 +593,27 @@ bool Session::reach_step(int step) {
 
 SessionResult Session::finish() {
   Impl& s = *impl_;
+  s.check_caller("finish");
   std::unique_lock<std::mutex> lk(s.mu);
   s.rethrow_worker_error();
   if (!s.done) {
     s.started = true;
     s.finishing = true;
     s.cv.notify_all();
-    s.cv.wait(lk, [&] { return s.done; });
+    s.wait_caller(lk, [&] { return s.done; });
   }
   s.rethrow_worker_error();
   lk.unlock();
   if (s.worker.joinable()) s.worker.join();
   return s.result;
 }
+
+void Session::set_interrupt_check(std::function<void()> check) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  impl_->interrupt_check = std::move(check);
+}
+
+bool Session::in_forward() const { return tl_worker_of == impl_.get(); }
 
 int Session::first_step() const { return impl_->first_step; }
 int Session::last_step() const { return impl_->last_step; }

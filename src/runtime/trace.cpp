@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <optional>
 
@@ -24,6 +25,7 @@ struct Trace::Impl {
   };
   std::vector<Reg> regs;
   std::vector<std::pair<std::string, Tensor>> saved;
+  uint64_t saved_bytes = 0;  // float32 bytes held by `saved`
   std::map<std::string, size_t> index;
   std::vector<CallRecord> calls;
   // Registrations resolved against a model, kept so a generation does not re-resolve every path
@@ -54,6 +56,17 @@ Trace& Trace::set(std::string_view path, Tensor value, Steps steps) {
   return *this;
 }
 
+uint64_t save_budget_bytes() {
+  // Read per call (cheap): tests and long-running processes may change it.
+  if (const char* v = std::getenv("MIXLENS_SAVE_BUDGET_MB"); v && *v) {
+    char* end = nullptr;
+    const unsigned long long mb = std::strtoull(v, &end, 10);
+    if (end && *end == '\0' && mb > 0 && mb < (uint64_t{1} << 43)) return static_cast<uint64_t>(mb) << 20;
+    throw InputError(std::string("MIXLENS_SAVE_BUDGET_MB='") + v + "' is not a positive whole number of MiB");
+  }
+  return kDefaultSaveBudgetBytes;
+}
+
 static std::string key_of(std::string_view path, int step) {
   return std::string(path) + "@step" + std::to_string(step);
 }
@@ -73,6 +86,7 @@ const std::vector<std::pair<std::string, Tensor>>& Trace::saved() const { return
 const std::vector<CallRecord>& Trace::calls() const { return impl_->calls; }
 void Trace::clear_results() {
   impl_->saved.clear();
+  impl_->saved_bytes = 0;
   impl_->index.clear();
   impl_->calls.clear();
 }
@@ -212,6 +226,8 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
 
 void TraceListener::end_call() {}
 
+// Edits first (in registration order), then saves: a save holds the value the forward uses,
+// whichever order the two were registered in (read-after-write, issue 7).
 bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape) {
   return serve(layer, v, -1, value, shape);
 }
@@ -242,23 +258,12 @@ bool TraceListener::serve(int layer, Value v, int64_t token, Tensor& value, cons
   bool written = false;
   for (size_t i = 0; i < impl.regs.size(); ++i) {
     const auto& r = impl.regs[i];
-    if (!r.steps.contains(ctx_.step)) continue;
+    if (r.kind == Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
     std::string path = site_path(site);
     if (v == Value::state) {
       if (!r.token || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
-      path += "@t" + std::to_string(*r.token);  // as spelled, so get("...state@t-1") finds it
-    }
-    if (r.kind == Trace::Impl::Kind::save) {
-      if (!value.defined()) continue;  // None (state_input of a fresh prompt) is not stored
-      std::string key = path + "@step" + std::to_string(ctx_.step);
-      auto it = impl.index.find(key);
-      if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
-      else {
-        impl.index[key] = impl.saved.size();
-        impl.saved.emplace_back(std::move(key), value.clone());
-      }
-      continue;
+      path += "@t" + std::to_string(*r.token);
     }
     Tensor candidate;
     if (r.kind == Trace::Impl::Kind::set) {
@@ -278,7 +283,54 @@ bool TraceListener::serve(int layer, Value v, int64_t token, Tensor& value, cons
     }
     written = true;
   }
+  if (!defer_saves_) record_saves(site, token, value, false);
   return written;
+}
+
+void TraceListener::settled(int layer, Value v, const Tensor& value) { record_saves({layer, v}, -1, value, false); }
+
+void TraceListener::settled_state(int layer, int64_t t, const Tensor& value) {
+  record_saves({layer, Value::state}, t, value, false);
+}
+
+void TraceListener::revised(int layer, Value v, const Tensor& value) { record_saves({layer, v}, -1, value, true); }
+
+// For Value::state, the registrations whose token resolves to `token`, each stored under its path
+// as spelled ("...state@t-1@step0"), so get() finds what was asked for.
+void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, bool only_existing) {
+  auto& impl = *trace_.impl_;
+  if (!value.defined()) return;  // None (state_input of a fresh prompt) is not stored
+  for (size_t i = 0; i < impl.regs.size(); ++i) {
+    const auto& r = impl.regs[i];
+    if (r.kind != Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
+    if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    std::string key = site_path(site);
+    if (site.value == Value::state) {
+      if (!r.token || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
+      key += "@t" + std::to_string(*r.token);
+    }
+    key += "@step" + std::to_string(ctx_.step);
+    auto it = impl.index.find(key);
+    if (it == impl.index.end() && only_existing) return;
+    const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
+    const uint64_t replaced =
+        it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
+    // Saved values only grow (e.g. a long generation saving every step): stop at a stated budget
+    // rather than when the machine runs out of memory.
+    const uint64_t budget = save_budget_bytes();
+    if (impl.saved_bytes - replaced + bytes > budget)
+      throw ResourceError("trace: saving '" + key + "' (" + std::to_string(bytes) + " bytes) would take the saved values past the " +
+                          std::to_string(budget >> 20) + " MiB budget (" + std::to_string(impl.saved_bytes >> 20) +
+                          " MiB held, " + std::to_string(impl.saved.size()) +
+                          " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
+    impl.saved_bytes = impl.saved_bytes - replaced + bytes;
+    if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+    else {
+      impl.index[key] = impl.saved.size();
+      impl.saved.emplace_back(std::move(key), value.clone());
+    }
+    if (site.value != Value::state) return;  // one stored copy per (site, step), however many registrations name it
+  }
 }
 
 }  // namespace detail
