@@ -272,6 +272,13 @@ class _Envoy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        if self._prefix.endswith("linear_attn.") and self._model._known(self._prefix + "states"):
+            if name == "state_after":
+                return self._state_after
+            if name == "set_state_after":
+                return self._set_state_after
+            if name == "state":
+                return self._model._read(self._state_path(self._current_token("read")))
         path = self._prefix + name
         if self._model._open_tracer() is None and not self._model._known(path):
             names = ", ".join(self._names()) or "none"
@@ -286,12 +293,46 @@ class _Envoy:
     def __setattr__(self, name: str, value) -> None:
         if name.startswith("_"):
             raise AttributeError(f"cannot set {name!r} on {self._prefix.rstrip('.')}")
+        if name == "state" and self._prefix.endswith("linear_attn."):
+            self._model._write(self._state_path(self._current_token("write")), value)
+            return
         self._model._write(self._prefix + name, value)
+
+    # -- per-token state (docs/values.md "Per-token state") ------------------------------------
+    def _state_path(self, t: int) -> str:
+        return f"{self._prefix}state@t{t}"
+
+    def _current_token(self, verb: str) -> int:
+        tr = self._model._tracer
+        if tr is None or tr._token is None:
+            raise InputError(f"cannot {verb} '{self._prefix}state' here: it is the state after the current token of "
+                             "`for t in tracer.iter[...]` inside `with model.trace(...)`; elsewhere use "
+                             "state_after(t) / set_state_after(t, value), or states")
+        return tr._token
+
+    def _state_after(self, t: int) -> "ValueArray":
+        """The state after token `t` of the current call (negative counts from the end), served key side
+        first: ``[B, ...]`` as ``state_output`` (Mamba-2 ``[B,heads,state_dim,head_dim]``, Mamba-1
+        ``[B,d_inner,state_dim]``, gated DeltaNet ``[B,HV,Dk,Dv]``), float32. The scan stops at `t` (no
+        token loop). Read inside a trace; a layer's tokens go in increasing order (OutOfOrderError
+        otherwise). Equals ``states[:, t]`` within float tolerance."""
+        t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
+        return self._model._read(self._state_path(t))
+
+    def _set_state_after(self, t: int, value) -> None:
+        """Replace the state after token `t` (shape and dtype as ``state_after(t)``); tokens t+1.. continue
+        from it: their values, ``states``, ``state_output``, the logits and the cache follow. WriteError on
+        a wrong shape / NaN. Writes at several tokens of one layer go in increasing token order."""
+        t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
+        self._model._write(self._state_path(t), value)
 
     def _names(self) -> list[str]:
         """Value names under this prefix, from the model's values for this very layer (hybrids differ)."""
         p = self._prefix
-        return sorted({path[len(p):] for path in self._model._paths() if path.startswith(p)})
+        names = {path[len(p):] for path in self._model._paths() if path.startswith(p)}
+        if "states" in names and p.endswith("linear_attn."):
+            names |= {"state", "state_after", "set_state_after"}
+        return sorted(names)
 
     def __dir__(self):
         return self._names()
@@ -356,13 +397,38 @@ class _LayerValue:
 
 
 class _StepLoop:
-    """``tracer.iter[...]``: iterating yields step indices; reads inside the loop body use that step."""
+    """``tracer.iter[...]``: in a generation, iterating yields step indices and reads inside the loop body
+    use that step; in a ``trace`` (one forward call) it yields the call's token indices and
+    ``linear_attn.state`` in the body is the state after that token."""
 
     def __init__(self, tracer: "Tracer", key):
         self._tracer, self._key = tracer, key
 
+    def _tokens(self) -> Iterator[int]:
+        tr = self._tracer
+        tr._require_session()
+        seq = max(len(r) for r in tr._rows)
+        key = self._key
+        if isinstance(key, slice):
+            tokens: Iterable[int] = range(*key.indices(seq))
+        elif isinstance(key, (int, np.integer)):
+            tokens = [int(key) + seq if key < 0 else int(key)]
+        else:
+            tokens = [int(k) + seq if k < 0 else int(k) for k in key]
+        try:
+            for t in tokens:
+                if not 0 <= t < seq:
+                    raise InputError(f"tracer.iter: token {t} is out of range for a call of {seq} tokens")
+                tr._token = t
+                yield t
+        finally:
+            tr._token = None
+
     def __iter__(self) -> Iterator[int]:
         tr = self._tracer
+        if tr._kind == "trace":
+            yield from self._tokens()
+            return
         sess = tr._require_session()
         first, last = sess.first_step, sess.last_step
         key = self._key
@@ -435,6 +501,7 @@ class Tracer:
         self._forced = forced_tokens
         self._gen = gen
         self._step = 0
+        self._token: Optional[int] = None  # the token of `for t in tracer.iter[...]` in a trace
         self._result: Optional[dict] = None
         self._calls: list = []
         self._owner_thread = None
@@ -724,11 +791,20 @@ class StandardizedTransformer:
     def _known(self, path: str) -> bool:
         return path in self._paths()
 
-    def support(self) -> dict:
+    def support(self, layer: Optional[int] = None) -> dict:
         """docs/values.md ``support()``: value name (``"linear_attn.states"``) -> None when available, else the
         reason (a sentence naming the cause and what to use instead). Where every block answers alike
         the entry is one value, the reason's block index written ``{i}``; where blocks differ (hybrids)
-        it is a per-layer ``{layer: None | reason}`` mapping."""
+        it is a per-layer ``{layer: None | reason}`` mapping. The per-token state methods are listed
+        too (``linear_attn.state``, ``linear_attn.state_after``, ``linear_attn.set_state_after``).
+        ``support(layer=i)``: the answers for block i alone (negative counts from the end), one value each."""
+        if layer is not None:
+            n = self.num_layers
+            i = _check_int("layer", layer, -n, n - 1)
+            i = i + n if i < 0 else i
+            return {name: (per_layer.get(i, per_layer.get(-1, "")) or None)
+                    for name, per_layer in self._core.support().items()
+                    if i in per_layer or -1 in per_layer}
         out = {}
         for name, per_layer in self._core.support().items():
             reasons = {layer: (r or None) for layer, r in per_layer.items()}

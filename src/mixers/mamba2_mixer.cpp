@@ -152,21 +152,31 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   Tensor y({B, T, H, P});
   Tensor states;
   if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, H, N, P});
-  for (int64_t b = 0; b < B; ++b) {
-    SsdArgs a;
-    a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
-    a.x = x.data() + b * T * E;
-    a.B = Bm.data() + b * T * G * N;
-    a.C = Cm.data() + b * T * G * N;
-    a.dt = dt.data() + b * T * H;
-    a.A = lw.A.data();
-    a.D = lw.D.data();
-    a.S = S.data() + b * H * P * N;
-    a.y = y.data() + b * T * E;
-    a.states = states.defined() ? states.data() + b * T * H * N * P : nullptr;
-    a.chunk = d_.chunk;
-    if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
-  }
+  // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted and resumes
+  // from the (possibly written) state (values.md "state_after").
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t b = 0; b < B; ++b) {
+      SsdArgs a;
+      a.T = t1 - t0; a.H = H; a.P = P; a.G = G; a.N = N;
+      a.x = x.data() + (b * T + t0) * E;
+      a.B = Bm.data() + (b * T + t0) * G * N;
+      a.C = Cm.data() + (b * T + t0) * G * N;
+      a.dt = dt.data() + (b * T + t0) * H;
+      a.A = lw.A.data();
+      a.D = lw.D.data();
+      a.S = S.data() + b * H * P * N;
+      a.y = y.data() + (b * T + t0) * E;
+      a.states = states.defined() ? states.data() + (b * T + t0) * H * N * P : nullptr;
+      a.chunk = d_.chunk;
+      if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
+    }
+  };
+  scan_with_stops(ls, li, T, run, [&](int64_t t) {
+    Tensor served = served_state(S);
+    if (!ls->visit_state(li, t, served, served.shape())) return;
+    store_served_state(served, S);
+    if (states.defined()) copy_state_into(served, states, t);
+  });
   if (states.defined()) ls->visit(li, Value::states, states, states.shape());
   visit_state_output(li, S, ls, serve, store);
 

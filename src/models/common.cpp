@@ -329,8 +329,26 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
   i.path = site_path(i.site);
   i.shape = std::move(shape);
   i.per_token = per_token;
+  // The token axis is a property of the value: the single-state values have none, states has one
+  // (family tables once passed 'writable' here for them).
+  if (v == Value::state_input || v == Value::state_output || v == Value::state) i.per_token = false;
+  if (v == Value::states) i.per_token = true;
   i.meaning = std::move(meaning);
   return i;
+}
+
+void copy_state_into(const Tensor& state, Tensor& states, int64_t t) {
+  const int64_t B = states.size(0), T = states.size(1), per = state.numel() / B;
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(state.data() + b * per, state.data() + (b + 1) * per, states.data() + (b * T + t) * per);
+}
+
+void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
+  auto it = s.find("linear_attn.state");
+  if (it == s.end()) return;
+  const auto per_layer = it->second;
+  s["linear_attn.state_after"] = per_layer;
+  s["linear_attn.set_state_after"] = per_layer;
 }
 
 void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,

@@ -171,21 +171,25 @@ class MambaModel final : public SsmLm {
     Tensor states;
     if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, E_, N_});
     const bool chunked = ctx.kernel == "chunked";
-    for (int64_t b = 0; b < B; ++b) {
-      SelectiveScanArgs a;
-      a.T = T; a.E = E_; a.N = N_;
-      a.u = u.data() + b * T * E_;
-      a.dt = dt.data() + b * T * E_;
-      a.B = Bm.data() + b * T * N_;
-      a.C = Cm.data() + b * T * N_;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
-      a.S = S.data() + b * E_ * N_;
-      a.y = y.data() + b * T * E_;
-      a.states = states.defined() ? states.data() + b * T * E_ * N_ : nullptr;
-      a.chunk = chunk_;
-      if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
-    }
+    // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted.
+    auto run = [&](int64_t t0, int64_t t1) {
+      for (int64_t b = 0; b < B; ++b) {
+        SelectiveScanArgs a;
+        a.T = t1 - t0; a.E = E_; a.N = N_;
+        a.u = u.data() + (b * T + t0) * E_;
+        a.dt = dt.data() + (b * T + t0) * E_;
+        a.B = Bm.data() + (b * T + t0) * N_;
+        a.C = Cm.data() + (b * T + t0) * N_;
+        a.A = lw.A.data();
+        a.D = lw.D.data();
+        a.S = S.data() + b * E_ * N_;
+        a.y = y.data() + (b * T + t0) * E_;
+        a.states = states.defined() ? states.data() + (b * T + t0) * E_ * N_ : nullptr;
+        a.chunk = chunk_;
+        if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
+      }
+    };
+    scan_with_stops(ls, li, T, run, [&](int64_t t) { serve_state_at(li, t, cache, ls, states); });
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
     end_state(li, cache, ls);
     visit_if(ls, li, Value::attention_head_outputs, y);

@@ -494,7 +494,18 @@ class QwenHybrid final : public FamilyModel {
     a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
     a.S = S.data(); a.o = o.data();
     a.states = states.defined() ? states.data() : nullptr;
-    if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+    // The scan stops where the per-token state is wanted; the served layout is the cache's.
+    scan_with_stops(
+        ls, li, T,
+        [&](int64_t t0, int64_t t1) {
+          a.t_begin = t0;
+          a.t_end = t1;
+          if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+        },
+        [&](int64_t t) {
+          if (ls->visit_state(li, t, S, S.shape()) && states.defined()) copy_state_into(S, states, t);
+          a.S = S.data();  // a write may have replaced the tensor
+        });
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
     visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
     visit_if(ls, li, Value::attention_head_outputs, o);

@@ -43,6 +43,13 @@ class Listener {
   /// The listener may read it and may overwrite it in place or replace it (validated, same
   /// shape). Returns true when the value was written.
   virtual bool visit(int layer, Value v, Tensor& value, const Shape& shape) = 0;
+  /// Per-token state (Value::state, values.md "state_after"): the first token > `after` of this
+  /// call (0..seq-1) at which `layer`'s state is wanted, or -1 for none. Asked only when
+  /// wants(layer, Value::state); asked again after each visit_state, so the answer may change.
+  virtual int64_t next_state_token(int /*layer*/, int64_t /*after*/) const { return -1; }
+  /// Hands over the state after token `t` (served layout [B, ...state], key side first); the
+  /// listener may read it or write it (same contract as visit()); the scan resumes from it.
+  virtual bool visit_state(int /*layer*/, int64_t /*t*/, Tensor& /*value*/, const Shape& /*shape*/) { return false; }
   /// Per layer (index layer + 1) bit set of the wanted values, as filled by begin_call.
   const std::vector<uint32_t>& mask() const { return mask_; }
   /// An already-visited value changed as a consequence of a later write (Mamba's betas = dt after a
@@ -53,6 +60,8 @@ class Listener {
   virtual void defer_saves() {}
   /// The value as the forward consumes it, after every listener of the chain visited it.
   virtual void settled(int layer, Value v, const Tensor& value) { (void)layer, (void)v, (void)value; }
+  /// As settled(), for the per-token state after token t (visit_state).
+  virtual void settled_state(int layer, int64_t t, const Tensor& value) { (void)layer, (void)t, (void)value; }
 
  protected:
   std::vector<uint32_t> mask_;
@@ -73,6 +82,21 @@ class ChainListener final : public Listener {
   void end_call() override {
     first_.end_call();
     second_.end_call();
+  }
+  int64_t next_state_token(int layer, int64_t after) const override {
+    const int64_t a = first_.wants(layer, Value::state) ? first_.next_state_token(layer, after) : -1;
+    const int64_t b = second_.wants(layer, Value::state) ? second_.next_state_token(layer, after) : -1;
+    return a < 0 ? b : b < 0 ? a : std::min(a, b);
+  }
+  bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override {
+    bool written = false;
+    const bool first = first_.wants(layer, Value::state) && first_.next_state_token(layer, t - 1) == t;
+    if (first) written = first_.visit_state(layer, t, value, shape);
+    if (second_.wants(layer, Value::state) && second_.next_state_token(layer, t - 1) == t)
+      written = second_.visit_state(layer, t, value, shape) || written;
+    if (first) first_.settled_state(layer, t, value);
+    refresh();
+    return written;
   }
   bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
     bool written = false;
@@ -99,6 +123,24 @@ class ChainListener final : public Listener {
   Listener& first_;
   Listener& second_;
 };
+
+/// Splits a scan over tokens [0, T) at every token where `ls` wants `layer`'s per-token state:
+/// run(t0, t1) scans tokens [t0, t1) from the current state (the kernel restarts there, chunked or
+/// not: no token loop), at(t) serves the state after token t and lays a write back before the scan
+/// resumes at t + 1. With no listener interest this is one run(0, T).
+template <class Run, class At>
+void scan_with_stops(Listener* ls, int layer, int64_t T, Run&& run, At&& at) {
+  int64_t t0 = 0;
+  if (ls && ls->wants(layer, Value::state)) {
+    for (int64_t t = ls->next_state_token(layer, -1); t >= t0 && t < T; t = ls->next_state_token(layer, t)) {
+      run(t0, t + 1);
+      at(t);
+      t0 = t + 1;
+      if (!ls->wants(layer, Value::state)) break;
+    }
+  }
+  if (t0 < T) run(t0, T);
+}
 
 /// Shorthand used by the forward code: visit only when wanted.
 inline bool visit_if(Listener* l, int layer, Value v, Tensor& value) {

@@ -234,7 +234,11 @@ int32_t Model::pad_token_id() const { return impl_->pad_id; }
 std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
 
 std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
-std::map<std::string, std::map<int, std::string>> Model::support() const { return impl_->family->support(); }
+std::map<std::string, std::map<int, std::string>> Model::support() const {
+  auto s = impl_->family->support();
+  detail::add_state_methods(s);  // every family, hybrids included: as linear_attn.state
+  return s;
+}
 void Model::set_chunk_size(int64_t c) {
   if (c < 0 || c > detail::kMaxChunkSize)
     throw InputError("set_chunk_size: " + std::to_string(c) + " is out of range [0, " +

@@ -28,13 +28,16 @@ struct Aborted {};
 // (an edit function calling back into the session) would wait on itself forever.
 thread_local const void* tl_worker_of = nullptr;
 
-// A position in the run: step, then the value's index in Model::values() order. Start and end of
+// A position in the run: step, then 2 * the value's index in Model::values() order. Start and end of
 // a call bracket its values so "the forward is between calls" is a position too.
 constexpr int kCallStart = -1;
 constexpr int kCallEnd = INT_MAX;
+// Per-token values (Value::state) add the token: (step, order, token), so a layer's states go in
+// token order; -1 for every other value.
 struct Pos {
   int step = 0;
   int order = kCallStart;
+  int64_t token = -1;
   auto operator<=>(const Pos&) const = default;
 };
 
@@ -76,14 +79,14 @@ struct Session::Impl {
       ctx_ = ctx;
       num_layers_ = num_layers;
       s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
-      s_.pos = {ctx.step, kCallStart};
+      s_.pos = {ctx.step, kCallStart, -1};
       s_.stash.clear();
       s_.wait_while_paused(lk);
       refresh_mask();
     }
     void end_call() override {
       std::unique_lock<std::mutex> lk(s_.mu);
-      s_.pos = {ctx_.step, kCallEnd};
+      s_.pos = {ctx_.step, kCallEnd, -1};
       s_.wait_while_paused(lk);
       refresh_mask();
     }
@@ -95,7 +98,7 @@ struct Session::Impl {
     bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
       std::unique_lock<std::mutex> lk(s_.mu);
       const Site site{layer, v};
-      s_.pos = {ctx_.step, s_.order_of(site)};
+      s_.pos = {ctx_.step, s_.order_of(site), -1};
       const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
       if (!at_target) {
         // Besides the target only its earlier moment siblings are wanted: keep them for reads.
@@ -111,7 +114,36 @@ struct Session::Impl {
       s_.wait_while_paused(lk);
       const bool written = s_.live_written;
       s_.live = nullptr;
-      if (moment_of(v) != 0) s_.stash_put(site, value);  // as consumed, after the caller's writes
+      // As consumed, after the caller's writes. A prompt's `states` stack (hundreds of MiB) is not
+      // copied again: the caller holds it already (Session::read hands it over).
+      if (moment_of(v) != 0 && !(v == Value::states && ctx_.seq > 1)) s_.stash_put(site, value);
+      refresh_mask();
+      return written;
+    }
+
+    // The scan stops only at the token the caller is waiting for (asked again after each stop).
+    int64_t next_state_token(int layer, int64_t after) const override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      if (!s_.target || !s_.target->is_value || s_.target->pos.step != ctx_.step) return -1;
+      if (s_.target->site != Site{layer, Value::state}) return -1;
+      return s_.target->pos.token > after ? s_.target->pos.token : -1;
+    }
+    bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      s_.pos = {ctx_.step, s_.order_of({layer, Value::state}), t};
+      s_.stash.clear();
+      const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
+      if (!at_target) {
+        s_.wait_while_paused(lk);
+        refresh_mask();
+        return false;
+      }
+      s_.live = &value;
+      s_.live_shape = shape;
+      s_.live_written = false;
+      s_.wait_while_paused(lk);
+      const bool written = s_.live_written;
+      s_.live = nullptr;
       refresh_mask();
       return written;
     }
@@ -145,14 +177,22 @@ struct Session::Impl {
   Impl(const Model& m, Trace* t) : model(m), family(detail::ModelAccess::family(m)), trace(t), listener(*this) {
     const auto values = m.values(1, 1);
     order.assign(static_cast<size_t>((m.info().num_layers + 1) * kNumValues), -1);
-    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = static_cast<int>(i);
+    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = 2 * static_cast<int>(i);
     // Validate the trace's registrations now, on the caller, rather than at the first request.
     if (trace) detail::TraceListener check(*trace, family);
   }
 
   size_t slot(Site s) const { return static_cast<size_t>((s.layer + 1) * kNumValues + static_cast<int>(s.value)); }
-  bool has_order(Site s) const { return slot(s) < order.size() && order[slot(s)] >= 0; }
-  int order_of(Site s) const { return has_order(s) ? order[slot(s)] : kCallEnd - 1; }
+  // Orders are 2 * (index in Model::values()); the per-token `state` (not in values(): it addresses
+  // `states` by token) sits just before `states`, as the scan visits it before the stack is served.
+  bool has_order(Site s) const {
+    if (s.value == Value::state) s.value = Value::states;
+    return slot(s) < order.size() && order[slot(s)] >= 0;
+  }
+  int order_of(Site s) const {
+    if (s.value == Value::state) return has_order(s) ? order[slot({s.layer, Value::states})] - 1 : kCallEnd - 1;
+    return has_order(s) ? order[slot(s)] : kCallEnd - 1;
+  }
 
   // Worker side, lock held.
   void stash_put(Site site, const Tensor& value) {
@@ -252,9 +292,11 @@ struct Session::Impl {
     if (p.order == kCallStart) return "the start of step " + std::to_string(p.step);
     if (p.order == kCallEnd) return "the end of step " + std::to_string(p.step);
     const auto values = model.values(1, 1);
-    const std::string path = p.order >= 0 && static_cast<size_t>(p.order) < values.size()
-                                 ? values[static_cast<size_t>(p.order)].path : "?";
-    return "'" + path + "' at step " + std::to_string(p.step);
+    const size_t i = static_cast<size_t>((p.order + 1) / 2);  // odd orders: the `state` before `states`
+    std::string path = p.order >= 0 && i < values.size() ? values[i].path : "?";
+    if (p.order % 2 != 0 && !path.empty() && path.back() == 's') path.pop_back();
+    return "'" + path + (p.token >= 0 ? "@t" + std::to_string(p.token) : std::string()) + "' at step " +
+           std::to_string(p.step);
   }
   std::string where_locked() const {
     if (done) return "finished";
@@ -266,10 +308,18 @@ struct Session::Impl {
     const std::string path(path_view);
     if (path.find('*') != std::string::npos)
       throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
-    const auto sites = detail::resolve_path(family, path);
+    std::string base = path;
+    const std::optional<int64_t> token = split_token(base);
+    const auto sites = detail::resolve_path(family, base);
     if (sites.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(sites.size()) + " values");
     check_step(step, path, verb);
-    return {{step, order_of(sites[0])}, sites[0], true};
+    if ((sites[0].value == Value::state) != token.has_value())
+      throw UnknownValueError("value path '" + path + "': " +
+                              (token ? std::string("only 'linear_attn.state' takes a token suffix '@t<t>'")
+                                     : "'state' is addressed per token, e.g. '" + base + "@t5' (negative counts from the end)"));
+    // Tokens resolve against the call's length: the prompt's padded length at the first step, 1 after.
+    const int64_t t = token ? resolve_token(*token, step == first_step ? first_seq : 1, path) : -1;
+    return {{step, order_of(sites[0]), t}, sites[0], true};
   }
   void check_step(int step, const std::string& path, const char* verb) const {
     if (step < first_step || step > last_step) {
@@ -307,7 +357,12 @@ struct Session::Impl {
     switch (a) {
       case Arrival::passed:
         throw OutOfOrderError(asked + ": the forward has already passed it and is at " + where_locked() +
-                              "; values are served in forward order (Model::values(), step by step)");
+                              "; values are served in forward order (Model::values(), step by step)" +
+                              (t.site.value == Value::state
+                                   ? std::string("; a layer's per-token states go in token order, and the forward runs "
+                                                 "layer 0 over every token before layer 1: loop layers outside tokens, "
+                                                 "save 'states', or pre-register the write (Trace::set / edits)")
+                                   : std::string()));
       case Arrival::skipped:
         throw InputError(asked + ": the forward did not produce it (" +
                          (done ? std::string("the run ended without visiting it)") : "it went on to " + where_locked() + ")"));
@@ -322,8 +377,9 @@ struct Session::Impl {
   const Model& model;
   const detail::FamilyModel& family;
   Trace* trace;
-  std::vector<int> order;  // per (layer + 1, value): index in Model::values() order, -1 if absent
+  std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
   int first_step = 0, last_step = 0;
+  int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
 
   std::thread::id owner = std::this_thread::get_id();  // the caller thread (created the session)
   std::function<void()> interrupt_check;
@@ -384,6 +440,7 @@ Session Session::run(const Model& model, std::vector<std::vector<int32_t>> promp
 
 Session Session::run(const Model& model, Batch batch, Trace* trace) {
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = batch.seq;
   const std::atomic<bool>* cancel = &impl->cancel;
   impl->start_worker([&model, trace, batch = std::move(batch), cancel](detail::Listener* l) {
     Cache cache = model.new_cache(batch.batch);
@@ -403,6 +460,7 @@ Session Session::generate(const Model& model, std::vector<std::vector<int32_t>> 
 Session Session::generate(const Model& model, Batch prompt, GenerateOptions options, Trace* trace) {
   if (options.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = prompt.seq;
   impl->last_step = options.max_new_tokens - 1;
   const std::atomic<bool>* cancel = &impl->cancel;
   impl->start_worker([&model, trace, prompt = std::move(prompt), options, cancel](detail::Listener* l) {
@@ -425,6 +483,7 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
     if (row.size() != forced[0].size()) throw InputError("teacher_forced: every row needs the same number of forced tokens");
   const int n_steps = static_cast<int>(forced[0].size()) + 1;
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = batch.seq;
   impl->last_step = n_steps - 1;
   const std::atomic<bool>* cancel = &impl->cancel;
   impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps,
@@ -455,7 +514,8 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
 Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_step = impl->last_step = cache.steps();
-  impl->pos = {cache.steps(), kCallStart};
+  impl->pos = {cache.steps(), kCallStart, -1};
+  impl->first_seq = batch.seq;
   const std::atomic<bool>* cancel = &impl->cancel;
   impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits, cancel](detail::Listener* l) {
     SessionResult r;
@@ -472,7 +532,13 @@ Tensor Session::read(int step, std::string_view path) {
   const Impl::Target t = s.resolve(step, path, "read");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
-  if (a == Impl::Arrival::at_target) return s.live->defined() ? s.live->clone() : Tensor();
+  if (a == Impl::Arrival::at_target) {
+    if (!s.live->defined()) return Tensor();
+    // `states` is read-only and the forward drops it after this visit: hand over the stack itself
+    // rather than copying hundreds of MiB (the caller still owns an independent value).
+    if (t.site.value == Value::states) return *s.live;
+    return s.live->clone();
+  }
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
   if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
     auto it = s.stash.find(t.site);
@@ -495,8 +561,8 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
   s.check_caller("write");
   const Impl::Target t = s.resolve(step, path, "write");
   if (t.site.value == Value::states)
-    throw WriteError("'" + site_path(t.site) +
-                     "' is read-only (the per-token state stack); write state_input or state_output instead");
+    throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
+                     site_path({t.site.layer, Value::state}) + "@t<t>') or state_input / state_output instead");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
   if (a != Impl::Arrival::at_target) {
