@@ -26,7 +26,7 @@ struct FamilyCase {
 
 std::vector<FamilyCase> all_cases() {
   std::vector<FamilyCase> out;
-  for (const char* f : {"mamba2", "mamba", "qwen3_5", "qwen3_next"})
+  for (const char* f : {"mamba2", "mamba", "qwen3_5", "qwen3_next", "nemotron_h", "bamba", "falcon_h1"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -47,7 +47,9 @@ Tensor token_of(const Tensor& states, int64_t t) {
 std::vector<int> linear_layers(const Model& m) {
   std::vector<int> out;
   for (int l = 0; l < m.info().num_layers; ++l)
-    if (m.info().layer_kinds[static_cast<size_t>(l)] != LayerKind::attention) out.push_back(l);
+    if (const LayerKind k = m.info().layer_kinds[static_cast<size_t>(l)];
+        k != LayerKind::attention && k != LayerKind::mlp && k != LayerKind::moe)  // hybrids' non-mixer blocks
+      out.push_back(l);
   return out;
 }
 
