@@ -303,7 +303,7 @@ class _Envoy:
         return f"{self._prefix}state@t{t}"
 
     def _current_token(self, verb: str) -> int:
-        tr = self._model._tracer
+        tr = self._model._open_tracer()
         if tr is None or tr._token is None:
             raise InputError(f"cannot {verb} '{self._prefix}state' here: it is the state after the current token of "
                              "`for t in tracer.iter[...]` inside `with model.trace(...)`; elsewhere use "
