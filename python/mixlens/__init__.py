@@ -47,6 +47,7 @@ from .errors import (
 )
 from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
+from . import interventions
 from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
 
 __version__ = "0.1.0"
@@ -65,6 +66,7 @@ __all__ = [
     "route_kernels",
     "chunk_per_token",
     "hub",
+    "interventions",
     "MixlensError",
     "CheckpointError",
     "ConfigError",
@@ -76,6 +78,16 @@ __all__ = [
     "InputError",
     "OutOfOrderError",
 ]
+
+
+def __getattr__(name: str):
+    # mixlens.ValueTensor: a torch.Tensor subclass, defined on first use so that importing mixlens does
+    # not import torch.
+    if name == "ValueTensor":
+        from ._convert import value_tensor_class
+
+        return value_tensor_class()
+    raise AttributeError(f"module 'mixlens' has no attribute {name!r}")
 
 
 def route_kernels(family: str, route: str) -> None:

@@ -10,6 +10,9 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core, hub
+from ._convert import ValueArray, as_float32, resolve_output, to_output, to_plain
+from ._inplace import LiveValues, _Live
+from . import _nnterp
 from .errors import InputError, UnknownAttributeError, UnknownValueError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
@@ -20,20 +23,6 @@ _UINT64_MAX = 2**64 - 1
 _STEP_KEY = re.compile(r"^(?P<path>.+)@step(?P<step>\d+)$")
 
 Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], np.ndarray]
-
-
-class ValueArray(np.ndarray):
-    """A value read inside a trace: a plain float32 numpy array (a copy; editing it in place changes
-    nothing), with nnsight's ``.save()`` accepted for compatibility."""
-
-    def save(self) -> "ValueArray":
-        """nnsight compatibility: reads are already real arrays, so this returns the value itself."""
-        return self
-
-    @property
-    def value(self) -> "ValueArray":
-        """nnsight < 0.4 compatibility (``saved.value``)."""
-        return self
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -64,21 +53,11 @@ def _check_rows(rows: list, what: str = "token id") -> list:
     return out
 
 
-def _as_value(arr: Optional[np.ndarray]) -> Optional[ValueArray]:
-    return None if arr is None else arr.view(ValueArray)
+def _as_value(arr: Optional[np.ndarray], fmt: str = "numpy"):
+    return to_output(arr, fmt)
 
 
-def _as_float32(value: Any, path: str) -> np.ndarray:
-    """A C-contiguous float32 copy of `value` for a write; WriteError for non-numeric dtypes."""
-    if value is None:
-        raise WriteError(f"write to '{path}': the new value is None")
-    try:
-        arr = np.asarray(value)
-    except ValueError as e:  # a ragged nested list
-        raise WriteError(f"write to '{path}': the new value is not a rectangular array ({e})") from None
-    if arr.dtype.kind not in "fiu":
-        raise WriteError(f"write to '{path}': dtype {arr.dtype} cannot be written (values are float32)")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+_as_float32 = as_float32  # the write conversion (torch / numpy / scalars): mixlens._convert
 
 
 def _steps_of(key: str) -> tuple[str, int, int]:
@@ -112,8 +91,9 @@ def _check_saved_steps(specs: list, ran: Iterable[int]) -> None:
             raise InputError(f"save '{path}@step{first}': the run never made step {first} (it ran {made})")
 
 
-def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]]) -> list:
-    """{path[@stepK]: array or callable(array) -> array | None} or [(path, value), ...]."""
+def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]], fmt: str = "numpy") -> list:
+    """{path[@stepK]: array or callable(value) -> value | None} or [(path, value), ...]. A callable gets the
+    value in the model's output format; editing it in place and returning None applies the edit."""
     if edits is None:
         return []
     items = edits.items() if isinstance(edits, Mapping) else edits
@@ -124,12 +104,16 @@ def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]]) -> list:
             fn = value
 
             def call(v, fn=fn, path=path):
-                out = fn(v)
-                return None if out is None else _as_float32(out, path)
+                val = to_output(v, fmt)
+                rec = None if val is None else _Live(0, path, val, fmt == "torch")
+                out = fn(val)
+                if out is None:
+                    return None if rec is None or not rec.modified() else as_float32(val, path)
+                return as_float32(out, path)
 
             specs.append((path, first, last, call))
         else:
-            specs.append((path, first, last, _as_float32(value, path)))
+            specs.append((path, first, last, as_float32(value, path)))
     return specs
 
 
@@ -263,9 +247,11 @@ class _Layers(Sequence):
 
 
 class _LayerValue:
-    """nnterp's ``model.layers_output[i]`` / ``model.layers_input[i]`` (read and assign by index)."""
+    """nnterp's ``model.layers_output[i]`` / ``model.layers_input[i]`` / ``attentions_output[i]`` /
+    ``mlps_output[i]`` (read and assign by layer index). `name` is the value's path under ``layers.{i}.``,
+    or a function of the layer index giving it (the mixer's path depends on the block's kind)."""
 
-    def __init__(self, model: "StandardizedTransformer", name: str):
+    def __init__(self, model: "StandardizedTransformer", name):
         self._model, self._name = model, name
 
     def __len__(self) -> int:
@@ -273,7 +259,10 @@ class _LayerValue:
 
     def _path(self, i: int) -> str:
         n = self._model.num_layers
-        return f"layers.{i + n if i < 0 else i}.{self._name}"
+        i = _check_int("layer", i, -n, n - 1)
+        i = i + n if i < 0 else i
+        name = self._name(i) if callable(self._name) else self._name
+        return f"layers.{i}.{name}"
 
     def __getitem__(self, i: int):
         return self._model._read(self._path(i))
@@ -306,6 +295,7 @@ class _StepLoop:
         for step in steps:
             if step > last:
                 break
+            tr._live.settle()  # a new step: pending in-place edits go in first
             if not sess.reach_step(step):  # the generation ended (EOS) before this step
                 break
             tr._step = step
@@ -321,6 +311,14 @@ class _StepIndexer:
 
     def __iter__(self) -> Iterator[int]:
         return iter(_StepLoop(self._tracer, slice(None)))
+
+
+class _StopTrace(Exception):
+    """Raised by :meth:`Tracer.stop` and swallowed by that tracer's ``with`` block."""
+
+    def __init__(self, tracer: "Tracer"):
+        super().__init__("tracer.stop() outside its own `with` block")
+        self.tracer = tracer
 
 
 class Tracer:
@@ -343,13 +341,17 @@ class Tracer:
         self._rows, self._single = model._rows(inputs)
         self._cache = cache
         self._saves = _save_specs(saves)
-        self._edits = _edit_specs(edits)
+        self._fmt = model._output
+        self._edits = _edit_specs(edits, self._fmt)
         self._forced = forced_tokens
         self._gen = gen
         self._session = None
         self._step = 0
         self._result: Optional[dict] = None
         self._calls: list = []
+        self._live = LiveValues(self._apply_write)
+        self._stopped = False
+        self._shapes: dict = {}
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> "Tracer":
@@ -373,10 +375,11 @@ class Tracer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._model._tracer = None
-        sess, self._session = self._session, None
+        stopped = exc_type is not None and issubclass(exc_type, _StopTrace) and exc.tracer is self
+        sess = self._session
         try:
             if exc_type is None:
+                self._live.settle()  # in-place edits of the last value read reach the rest of the forward
                 # Step by step, so Ctrl-C (KeyboardInterrupt) is raised between forward calls rather
                 # than after the whole generation: each C++ wait blocks with the GIL released.
                 for step in range(sess.first_step + 1, sess.last_step + 1):
@@ -388,11 +391,15 @@ class Tracer:
                 self._result = result
             else:
                 self._calls = sess.calls
+                self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
         finally:
-            sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt)
+            self._model._tracer = None
+            self._session = None
+            self._live.close(check=False)
+            sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt, stop())
             if self._cache is not None:
                 self._cache._busy = False
-        return False
+        return stopped
 
     def run(self) -> "Tracer":
         """Run without an interleaved block (pre-registered ``saves`` / ``edits`` only); returns self."""
@@ -406,11 +413,71 @@ class Tracer:
             raise InputError("this tracer is not open: values are read inside its `with` block")
         return self._session
 
-    def _read(self, path: str) -> Optional[ValueArray]:
-        return _as_value(self._require_session().read(self._step, path))
+    def _read(self, path: str):
+        sess = self._require_session()
+        self._live.settle()  # the block moves on: apply in-place edits of the previous value first
+        value = to_output(sess.read(self._step, path), self._fmt)
+        self._live.track(self._step, path, value, read_only=path.endswith(".states"))
+        return value
 
     def _write(self, path: str, value) -> None:
-        self._require_session().write(self._step, path, _as_float32(value, path))
+        sess = self._require_session()
+        self._live.settle()
+        arr = as_float32(value, path)
+        shape = self._expected_shape(path)
+        if shape is not None and arr.shape != shape:
+            try:  # a scalar / vector broadcast over the value (mix.betas[...] = 0 style), as torch would
+                arr = np.ascontiguousarray(np.broadcast_to(arr, shape))
+            except ValueError:
+                pass  # the core names the expected and given shapes
+        sess.write(self._step, path, arr)
+        self._live.wrote(self._step, path)
+
+    def _apply_write(self, step: int, path: str, arr: np.ndarray) -> None:
+        self._require_session().write(step, path, arr)
+
+    def _call_seq(self) -> int:
+        """Tokens of the forward call at the current step."""
+        first = self._require_session().first_step
+        if self._kind == "generate" and self._step > first:
+            return 1
+        return max(len(r) for r in self._rows)
+
+    def _expected_shape(self, path: str) -> Optional[tuple]:
+        key = (len(self._rows), self._call_seq())
+        table = self._shapes.get(key)
+        if table is None:
+            table = {v["path"]: tuple(v["shape"]) for v in self._model._core.values(*key)}
+            self._shapes[key] = table
+        return table.get(path)
+
+    def stop(self) -> None:
+        """nnsight's ``tracer.stop()``: end the block here without running the rest of the forward. Values
+        read so far stay valid; results (``tracer.logits``, ``tokens``, ``saved``) are not available."""
+        self._require_session()
+        raise _StopTrace(self)
+
+    @property
+    def stopped(self) -> bool:
+        """True when the block ended with :meth:`stop`."""
+        return self._stopped
+
+    @property
+    def input_ids(self):
+        """The prompt batch as the forward receives it: ``[B, T]`` token ids, left-padded with the model's
+        pad_token_id (int64; a torch tensor or numpy array by the model's output format)."""
+        pad = self._model._core.pad_token_id
+        T = max(len(r) for r in self._rows)
+        ids = np.array([[pad] * (T - len(r)) + list(r) for r in self._rows], dtype=np.int64)
+        return to_plain(ids, self._fmt)
+
+    @property
+    def attention_mask(self):
+        """``[B, T]`` int64, 1 for real tokens and 0 for left padding (transformers' attention_mask of the
+        same left-padded batch); a torch tensor or numpy array by the model's output format."""
+        T = max(len(r) for r in self._rows)
+        mask = np.array([[0] * (T - len(r)) + [1] * len(r) for r in self._rows], dtype=np.int64)
+        return to_plain(mask, self._fmt)
 
     # -- steps ------------------------------------------------------------------------------
     @property
@@ -430,6 +497,8 @@ class Tracer:
 
     # -- results ----------------------------------------------------------------------------
     def _done(self) -> dict:
+        if self._stopped:
+            raise InputError("this trace was stopped with tracer.stop(): the forward did not finish, so it has no results")
         if self._result is None:
             raise InputError("results are available after the `with` block has finished without an error")
         return self._result
@@ -437,7 +506,7 @@ class Tracer:
     @property
     def logits(self):
         """trace: logits ``[B,T,vocab]`` float32; teacher-forced generate: a list, one array per step."""
-        logits = self._done()["logits"]
+        logits = [to_plain(x, self._fmt) for x in self._done()["logits"]]
         if self._kind == "trace":
             return logits[0]
         return logits or None
@@ -472,12 +541,12 @@ class Tracer:
         the value does not exist (state_input at step 0)]}."""
         raw = self._done()["saved"]
         if self._kind == "trace":
-            return {_STEP_KEY.match(k).group("path"): _as_value(v) for k, v in raw.items()}
+            return {_STEP_KEY.match(k).group("path"): to_plain(v, self._fmt) for k, v in raw.items()}
         out: dict = {}
         n = self.steps
         for k, v in raw.items():
             m = _STEP_KEY.match(k)
-            out.setdefault(m.group("path"), [None] * n)[int(m.group("step"))] = _as_value(v)
+            out.setdefault(m.group("path"), [None] * n)[int(m.group("step"))] = to_plain(v, self._fmt)
         return out
 
     @property
@@ -490,7 +559,7 @@ class Tracer:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-class StandardizedTransformer:
+class StandardizedTransformer(_nnterp.NnterpMixin):
     """A recurrent LM (Mamba-2, ...) loaded natively, with nnterp's standardized names.
 
     ``StandardizedTransformer(path_or_hub_id)`` loads a checkpoint folder (config.json, *.safetensors,
@@ -515,12 +584,18 @@ class StandardizedTransformer:
     ``model.ln_final.output``, ``model.logits`` ``[B,T,hidden]``, ``[B,T,vocab]``
     ==========================================  ====================================================
 
-    All values are float32 numpy arrays (copies). The numerical reference is HF transformers'
-    pure-torch implementation; ``model.values()`` lists every path with its shape and meaning.
+    Values are float32 copies handed out as ``torch.Tensor`` or numpy arrays by ``output=`` ("auto":
+    torch when installed; ``$MIXLENS_OUTPUT`` sets the default). An in-place edit of the value read last
+    reaches the forward when the block moves on; see :mod:`mixlens._inplace`. nnterp's surface
+    (``layers_output``, ``attentions_output``, ``mlps_output``, ``next_token_probs``, ``steer``,
+    ``skip_layer(s)``, ``project_on_vocab``, head weights) is in :class:`mixlens._nnterp.NnterpMixin`.
+    The numerical reference is HF transformers' pure-torch implementation; ``model.values()`` lists
+    every path with its shape and meaning.
     """
 
     def __init__(self, path_or_hub_id: Optional[str] = None, *, cache_dir: Optional[str] = None,
-                 revision: Optional[str] = None, use_hub: bool = False):
+                 revision: Optional[str] = None, use_hub: bool = False, output: Optional[str] = None):
+        self._output = resolve_output(output)
         path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
@@ -533,6 +608,7 @@ class StandardizedTransformer:
         self.layers_input = _LayerValue(self, "layer_input")
         self.layers_output = _LayerValue(self, "layer_output")
         self.tokenizer = Tokenizer(self._core)
+        _nnterp.attach(self)
 
     # -- description ------------------------------------------------------------------------
     @property
@@ -543,6 +619,26 @@ class StandardizedTransformer:
     @property
     def num_layers(self) -> int:
         return self._core.info["num_layers"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._core.info["hidden_size"]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding / LM head (config.vocab_size; may exceed the tokenizer's vocabulary)."""
+        return self._core.info["vocab_size"]
+
+    @property
+    def output_format(self) -> str:
+        """'torch' or 'numpy': the type of every value this model hands out (``output=`` at load; settable)."""
+        return self._output
+
+    @output_format.setter
+    def output_format(self, output: str) -> None:
+        if self._tracer is not None:
+            raise InputError("output_format cannot change while a trace is open")
+        self._output = resolve_output(output)
 
     def values(self, batch: int = 1, seq: int = 1) -> list[dict]:
         """Every value in forward order for a call of `batch` rows and `seq` tokens: path, layer, shape,
@@ -646,10 +742,10 @@ class StandardizedTransformer:
     def run(self, inputs: Prompt, saves=None, edits=None) -> dict:
         """One forward with pre-registered saves / edits (no block): {"logits": [B,T,vocab], path: array}."""
         specs = _save_specs(saves)
-        logits, saved = self._core.run(self._rows(inputs)[0], specs, _edit_specs(edits))
+        logits, saved = self._core.run(self._rows(inputs)[0], specs, _edit_specs(edits, self._output))
         _check_saved_steps(specs, [0])
-        out = {"logits": logits}
-        out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
+        out = {"logits": to_plain(logits, self._output)}
+        out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
     def new_cache(self, batch: int = 1) -> Cache:
@@ -662,10 +758,10 @@ class StandardizedTransformer:
         if cache._busy:
             raise InputError("this cache is in use by an open trace")
         specs, step = _save_specs(saves), cache.steps
-        logits, saved = self._core.forward(self._rows(inputs)[0], cache._core, specs, _edit_specs(edits))
+        logits, saved = self._core.forward(self._rows(inputs)[0], cache._core, specs, _edit_specs(edits, self._output))
         _check_saved_steps(specs, [step])
-        out = {"logits": logits}
-        out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
+        out = {"logits": to_plain(logits, self._output)}
+        out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
 

@@ -40,6 +40,19 @@ class FamilyModel {
   /// values.md support(): value name -> per layer reason ("" when available).
   virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
   virtual void set_chunk_size(int64_t) {}
+
+  /// The LM head around the blocks, for nnterp's project_on_vocab and read access to the weights
+  /// (Model::project_on_vocab, Model::head_weight). Pointers into the family's own tensors.
+  struct Head {
+    const Tensor* embed = nullptr;    ///< [V, D] token embeddings
+    const Tensor* norm = nullptr;     ///< [D] final RMSNorm weight
+    const Tensor* lm_head = nullptr;  ///< [V, D] unembedding (the embedding when tied)
+    float eps = 1e-5f;
+    bool zero_centred = false;        ///< Qwen's RMSNorm scales by (1 + w)
+  };
+  /// UnsupportedError by default, so a family that has not declared its head never projects
+  /// with a wrong norm.
+  virtual Head head() const;
 };
 
 using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;

@@ -301,6 +301,8 @@ class QwenHybrid final : public FamilyModel {
     return lm_logits(lm_head_, h, ls, all_logits);
   }
 
+  Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, true}; }
+
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv;
     std::vector<ValueInfo> v;

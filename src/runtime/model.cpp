@@ -11,6 +11,7 @@
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/family.h"
+#include "ops/ops.h"
 #include "runtime/model_access.h"
 #include "runtime/sampling.h"
 #include "runtime/trace_listener.h"
@@ -162,6 +163,36 @@ std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
 std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
 std::map<std::string, std::map<int, std::string>> Model::support() const { return impl_->family->support(); }
 void Model::set_chunk_size(int64_t c) { impl_->family->set_chunk_size(c); }
+
+detail::FamilyModel::Head detail::FamilyModel::head() const {
+  throw UnsupportedError("family '" + info.family + "' does not declare its LM head yet: project_on_vocab and "
+                         "head weights are unavailable (read 'logits' instead)");
+}
+
+Tensor Model::project_on_vocab(const Tensor& hidden) const {
+  const detail::FamilyModel::Head h = impl_->family->head();
+  const int64_t D = info().hidden_size, V = info().vocab_size;
+  if (!hidden.defined() || hidden.dim() < 1 || hidden.size(-1) != D)
+    throw InputError("project_on_vocab: expected hidden states [..., " + std::to_string(D) + "], got " +
+                     (hidden.defined() ? shape_str(hidden.shape()) : std::string("None")));
+  if (hidden.has_non_finite()) throw InputError("project_on_vocab: the hidden states contain NaN or inf");
+  const int64_t rows = hidden.numel() / D;
+  Tensor n(hidden.shape());
+  if (rows > 0) ops::rmsnorm(hidden.data(), h.norm->data(), n.data(), rows, D, h.eps, h.zero_centred);
+  Shape out_shape = hidden.shape();
+  out_shape.back() = V;
+  Tensor logits(out_shape);
+  if (rows > 0) ops::linear(n.data(), rows, D, *h.lm_head, logits.data());
+  return logits;
+}
+
+Tensor Model::head_weight(const std::string& role) const {
+  const detail::FamilyModel::Head h = impl_->family->head();
+  if (role == "embed_tokens") return *h.embed;
+  if (role == "ln_final") return *h.norm;
+  if (role == "lm_head") return *h.lm_head;
+  throw InputError("head_weight: unknown role '" + role + "' (embed_tokens, ln_final or lm_head)");
+}
 
 Cache Model::new_cache(int64_t batch) const {
   if (batch <= 0) throw InputError("new_cache: batch must be >= 1");
