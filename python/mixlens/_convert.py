@@ -112,6 +112,25 @@ for _name in ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__
               "__imatmul__"):
     setattr(ValueArray, _name, _guard_inplace(_name))
 
+def _torch_aware(name: str):
+    """ndarray's binary operator, except that with a torch tensor operand the result is torch's (numpy alone
+    refuses ``ndarray + Tensor``)."""
+    base = getattr(np.ndarray, name)
+    torch_name = name
+
+    def op(self, other):
+        if is_torch(other):
+            return getattr(_torch().from_numpy(np.asarray(self)), torch_name)(other)
+        return base(self, other)
+
+    op.__name__ = name
+    return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__matmul__", "__rmatmul__", "__pow__", "__rpow__"):
+    setattr(ValueArray, _name, _torch_aware(_name))
+
 _VALUE_TENSOR = None
 
 

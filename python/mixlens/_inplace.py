@@ -89,10 +89,15 @@ class LiveValues:
         if live is not None and live.step == step and live.path == path:
             live.rebase()
 
-    def settle(self) -> None:
+    def settle(self, keep: Optional[tuple] = None) -> None:
         """The block moves on: apply the live value's in-place edits, release it, and check released torch
-        values for edits made after they were released."""
-        live, self._live = self._live, None
+        values for edits made after they were released. `keep` = (step, path) of an assignment about to
+        replace the live value itself: it stays live (the assignment supersedes its edits so far)."""
+        live = self._live
+        if live is not None and keep == (live.step, live.path):
+            self.check_released()
+            return
+        self._live = None
         try:
             if live is not None and live.modified():
                 try:

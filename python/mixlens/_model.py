@@ -422,7 +422,7 @@ class Tracer:
 
     def _write(self, path: str, value) -> None:
         sess = self._require_session()
-        self._live.settle()
+        self._live.settle(keep=(self._step, path))
         arr = as_float32(value, path)
         shape = self._expected_shape(path)
         if shape is not None and arr.shape != shape:
