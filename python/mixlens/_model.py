@@ -12,7 +12,7 @@ import numpy as np
 from . import _core, hub
 from ._convert import ValueArray, as_float32, resolve_output, to_output, to_plain
 from ._inplace import LiveValues, _Live
-from . import _nnterp
+from . import _invoke, _nnterp
 from .errors import InputError, UnknownAttributeError, UnknownValueError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
@@ -282,6 +282,8 @@ class _StepLoop:
 
     def __iter__(self) -> Iterator[int]:
         tr = self._tracer
+        if _invoke.current() is not None:
+            raise InputError("tracer.iter inside an invoke: invoke bodies read and write the first step only")
         sess = tr._require_session()
         first, last = sess.first_step, sess.last_step
         key = self._key
@@ -338,7 +340,10 @@ class Tracer:
                  saves=None, edits=None, forced_tokens=None, **gen):
         self._model = model
         self._kind = kind
-        self._rows, self._single = model._rows(inputs)
+        # No inputs: the prompts come from tracer.invoke(...) blocks, batched when the block ends.
+        self._deferred = inputs is None
+        self._invokes: list = []
+        self._rows, self._single = ([], False) if inputs is None else model._rows(inputs)
         self._cache = cache
         self._saves = _save_specs(saves)
         self._fmt = model._output
@@ -358,6 +363,16 @@ class Tracer:
         m = self._model
         if m._tracer is not None:
             raise InputError("a trace is already open on this model; finish it before starting another")
+        if self._deferred:
+            if self._cache is not None or self._forced is not None:
+                raise InputError("tracer.invoke batches fresh prompts: no cache= or forced_tokens= with invokes")
+            m._tracer = self
+            return self
+        self._open_session()
+        return self
+
+    def _open_session(self) -> None:
+        m = self._model
         core = m._core
         if self._kind == "trace" and self._cache is None:
             self._session = _core.session_run(core, self._rows, self._saves, self._edits)
@@ -372,10 +387,40 @@ class Tracer:
             self._session = _core.session_generate(core, self._rows, saves=self._saves, edits=self._edits, **self._gen)
         self._step = self._session.first_step
         m._tracer = self
-        return self
+
+    def invoke(self, inputs: Prompt) -> "_invoke._Invoke":
+        """nnsight's ``with tracer.invoke(prompt):`` inside ``with model.trace() as tracer:`` (no inputs) or
+        ``model.generate(max_new_tokens=...)``: each invoke adds its prompt(s) to one left-padded batch that
+        runs as one forward; reads in its body return its own rows, writes replace them. The bodies run
+        when the trace block ends, in forward order across invokes (see :mod:`mixlens._invoke`)."""
+        if not self._deferred:
+            raise InputError("tracer.invoke: open the trace without inputs (model.trace() / model.generate()) to "
+                             "batch invokes")
+        if self._session is not None or self._model._tracer is not self:
+            raise InputError("tracer.invoke is used inside its trace's `with` block")
+        rows, single = self._model._rows(inputs)
+        return _invoke._Invoke(self, rows, single)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         stopped = exc_type is not None and issubclass(exc_type, _StopTrace) and exc.tracer is self
+        if self._deferred and self._session is None:
+            if exc_type is not None:
+                self._model._tracer = None
+                return False
+            if not self._invokes:
+                self._model._tracer = None
+                raise InputError("model.trace() / model.generate() without inputs needs tracer.invoke(prompt) blocks")
+            for inv in self._invokes:
+                inv.first_row = len(self._rows)
+                self._rows.extend(inv.rows)
+            self._open_session()
+            try:
+                _invoke.run_invokes(self, self._invokes, None)
+            except BaseException:
+                sess, self._session = self._session, None
+                self._model._tracer = None
+                sess.close()
+                raise
         sess = self._session
         try:
             if exc_type is None:
@@ -410,10 +455,15 @@ class Tracer:
     # -- reads / writes (used by the envoys) --------------------------------------------------
     def _require_session(self):
         if self._session is None:
+            if self._deferred and self._model._tracer is self:
+                raise InputError("this trace batches tracer.invoke(...) blocks: read and write values inside an invoke")
             raise InputError("this tracer is not open: values are read inside its `with` block")
         return self._session
 
     def _read(self, path: str):
+        inv = _invoke.current()
+        if inv is not None and inv.tracer is self:
+            return inv.read(path)
         sess = self._require_session()
         self._live.settle()  # the block moves on: apply in-place edits of the previous value first
         value = to_output(sess.read(self._step, path), self._fmt)
@@ -421,6 +471,9 @@ class Tracer:
         return value
 
     def _write(self, path: str, value) -> None:
+        inv = _invoke.current()
+        if inv is not None and inv.tracer is self:
+            return inv.write(path, value)
         sess = self._require_session()
         self._live.settle(keep=(self._step, path))
         arr = as_float32(value, path)
@@ -651,6 +704,12 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
             self._value_paths = frozenset(v["path"] for v in self._core.values())
         return self._value_paths
 
+    def _order(self) -> dict:
+        """Value path -> its index in forward order (``model.values()``)."""
+        if getattr(self, "_value_order", None) is None:
+            self._value_order = {v["path"]: k for k, v in enumerate(self._core.values())}
+        return self._value_order
+
     def _known(self, path: str) -> bool:
         return path in self._paths()
 
@@ -712,14 +771,14 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         self._write("logits", value)
 
     # -- runs ---------------------------------------------------------------------------------
-    def trace(self, inputs: Prompt, *, cache: Optional[Cache] = None, saves=None, edits=None) -> Tracer:
+    def trace(self, inputs: Optional[Prompt] = None, *, cache: Optional[Cache] = None, saves=None, edits=None) -> Tracer:
         """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
         ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
         every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
         ``{path: array | fn(array) -> array}`` applied before the block sees the value."""
         return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits)
 
-    def generate(self, inputs: Prompt, max_new_tokens: int = 20, *, do_sample: bool = False,
+    def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  eos_token_id: Optional[int] = None, forced_tokens=None, saves=None, edits=None) -> Tracer:
         """Generation: step 0 runs the prompt, steps 1..max_new_tokens-1 one token each; greedy unless
