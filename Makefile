@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 JOBS   ?= $(shell nproc)
 PROMPT ?= Once upon a time, there was a little
 
-.PHONY: demo test setup build bench clean
+.PHONY: demo test setup build bench clean docs
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: scripts/setup.sh requirements-dev.txt
@@ -29,6 +29,10 @@ bench: build
 	$(PY) bench/bench_mamba2.py
 	$(PY) bench/bench_mamba.py
 	$(PY) bench/bench_qwen3_5.py
+
+# API reference generated from the docstrings (pdoc), into build/docs.
+docs: build
+	$(PY) -m pdoc mixlens mixlens.interventions -o build/docs
 
 clean:
 	rm -rf build

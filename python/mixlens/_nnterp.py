@@ -53,6 +53,9 @@ def attach(model) -> None:
 
     model.attentions_output = _LayerValue(model, mixer_output)
     model.mlps_output = _LayerValue(model, "mlp.output")
+    # nnterp's attention_probabilities[i]: [B, heads, T_q, T_k] of a softmax-attention block (computed only
+    # when read; read-only); a recurrent block raises naming its kind.
+    model.attention_probabilities = _LayerValue(model, "self_attn.attention_probabilities")
     model.lm_head = _Weighted(model, "lm_head")
 
     class _HeadEnvoy(_Envoy):

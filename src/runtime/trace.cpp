@@ -168,10 +168,14 @@ TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
   for (const auto& r : impl.regs) {
     impl.bound.push_back(resolve_path(model, r.path));
     if (r.kind != Trace::Impl::Kind::save)
-      for (const Site& s : impl.bound.back())
+      for (const Site& s : impl.bound.back()) {
         if (s.value == Value::states)
           throw WriteError("'" + site_path(s) +
                            "' is read-only (the per-token state stack); write state_input or state_output instead");
+        if (s.value == Value::attn_probs)
+          throw WriteError("'" + site_path(s) + "' is read-only (the softmax weights are recomputed from the queries "
+                           "and keys); write self_attn.attention_queries / attention_keys instead");
+      }
   }
   impl.bound_family = model.info.family;
   impl.bound_kinds = model.info.layer_kinds;
