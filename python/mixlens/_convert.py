@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -180,9 +181,9 @@ def to_plain(arr: Optional[np.ndarray], fmt: str):
 
 
 def is_torch(value: Any) -> bool:
-    mod = type(value).__module__
-    return mod.startswith("torch") or (hasattr(value, "detach") and hasattr(value, "dtype") and
-                                      type(value).__name__ in ("Tensor", "Parameter", "ValueTensor"))
+    """A torch.Tensor (without importing torch when nobody has)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def as_float32(value: Any, path: str) -> np.ndarray:

@@ -227,22 +227,24 @@ def run_invokes(tracer, invokes: list, frame_locals_target) -> None:
             inv.response_exc = e
         served += 1
         inv.resume()
-    if error is not None:
-        # Unblock the other bodies with the error so their threads end.
+    try:
+        if error is not None:
+            # Unblock the other bodies with the error so their threads end.
+            for inv in invokes:
+                while inv.request[0] in ("read", "write"):
+                    inv.response_exc = InputError("another invoke of this trace failed")
+                    inv.resume()
+            raise error
+    finally:
+        # Names the bodies assigned go back to the `with` block's frame (also after tracer.stop()).
         for inv in invokes:
-            while inv.request[0] in ("read", "write"):
-                inv.response_exc = InputError("another invoke of this trace failed")
-                inv.resume()
-        raise error
-    # Names the bodies assigned go back to the `with` block's frame.
-    for inv in invokes:
-        f = inv.frame
-        updates = {n: namespace[n] for n in inv.names if n in namespace}
-        if f.f_locals is f.f_globals:
-            f.f_globals.update(updates)
-        else:
-            f.f_locals.update(updates)
-            ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))
+            f = inv.frame
+            updates = {n: namespace[n] for n in inv.names if n in namespace}
+            if f.f_locals is f.f_globals:
+                f.f_globals.update(updates)
+            else:
+                f.f_locals.update(updates)
+                ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(f), ctypes.c_int(0))
 
 
 def tracer_write_error(path: str, rows_shape: tuple, given: tuple):

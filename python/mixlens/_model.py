@@ -330,6 +330,10 @@ class Tracer:
     reaches the value, and assignments replace it before it is consumed. Reads and writes go in
     forward order (``model.values()``); going back raises :class:`mixlens.OutOfOrderError`.
 
+    ``tracer.invoke(prompt)`` (trace / generate opened without inputs) batches several prompts, each with its
+    own reads and writes, into one forward; ``tracer.stop()`` ends the block without running the rest;
+    ``tracer.attention_mask`` / ``tracer.input_ids`` give the left-padded batch.
+
     After the block: ``tracer.logits`` (trace: ``[B,T,vocab]``; teacher-forced generate: one array per
     step), ``tracer.tokens`` / ``tracer.text`` (generate: the new tokens / their text, per prompt, or a
     single list / str for a single prompt), ``tracer.saved`` (pre-registered ``saves``), ``tracer.calls``
@@ -416,10 +420,14 @@ class Tracer:
             self._open_session()
             try:
                 _invoke.run_invokes(self, self._invokes, None)
-            except BaseException:
+            except BaseException as e:
                 sess, self._session = self._session, None
                 self._model._tracer = None
+                self._calls = sess.calls
                 sess.close()
+                if isinstance(e, _StopTrace) and e.tracer is self:  # tracer.stop() inside an invoke
+                    self._stopped = True
+                    return True
                 raise
         sess = self._session
         try:
@@ -775,7 +783,9 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
         ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
         every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
-        ``{path: array | fn(array) -> array}`` applied before the block sees the value."""
+        ``{path: array | fn(array) -> array}`` applied before the block sees the value (a function may edit
+        its argument in place and return None). Without `inputs`, the prompts come from
+        ``tracer.invoke(prompt)`` blocks, batched into one forward (:mod:`mixlens._invoke`)."""
         return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits)
 
     def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,

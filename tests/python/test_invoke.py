@@ -84,6 +84,18 @@ def test_invoke_errors(ml):
     assert ml.run(A)["logits"].shape[0] == 1
 
 
+def test_stop_inside_an_invoke(ml):
+    with ml.trace() as tracer:
+        with tracer.invoke(A):
+            h = ml.layers_output[0]
+            tracer.stop()
+        with tracer.invoke(B):
+            ml.logits
+    assert tracer.stopped and h.shape[0] == 1
+    with pytest.raises(mixlens.InputError, match="stopped"):
+        tracer.logits
+
+
 def test_generate_with_invokes(ml):
     with ml.generate(max_new_tokens=4) as tracer:
         with tracer.invoke(A):

@@ -27,7 +27,8 @@ def run_script(path_or_code, cwd, *args):
 
 def test_there_are_recipes():
     names = {p.stem for p in RECIPES}
-    assert {"logit_lens", "activation_patching", "steering", "skip_token_betas", "generation_steps", "plots"} <= names
+    assert {"logit_lens", "activation_patching", "steering", "skip_token_betas", "generation_steps", "plots",
+                     "patch_state"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
