@@ -1,12 +1,24 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   install dependencies, build, run the shipped model
-#   make test   build and run every test (C++ ctest + pytest)
+#   make test   build and run every test (C++ ctest + pytest), then the sanitizer and fuzz checks
 VENV   := .venv
 PY     := $(VENV)/bin/python
 JOBS   ?= $(shell nproc)
 PROMPT ?= Once upon a time, there was a little
+# Seconds per fuzz target: the short run inside `make test`, and `make fuzz` for long runs.
+FUZZ_SMOKE_TIME ?= 30
+FUZZ_TIME       ?= 600
+FUZZ_TARGETS    := safetensors json tokenizer_json bpe
 
-.PHONY: demo test setup build bench clean docs
+# Sanitizer builds use clang (libFuzzer needs it), Debug at -O1, no -march=native (portable reports).
+SAN_CMAKE := CC=clang CXX=clang++ cmake -S . -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
+             -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DMIXLENS_NATIVE=OFF
+# LeakSanitizer stays on; a UBSan report aborts (-fno-sanitize-recover) so the test fails.
+export ASAN_OPTIONS  ?= detect_leaks=1:abort_on_error=1:strict_string_checks=1
+export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
+export TSAN_OPTIONS  ?= halt_on_error=1:second_deadlock_stack=1
+
+.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup build bench clean docs
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: scripts/setup.sh requirements-dev.txt
@@ -23,6 +35,46 @@ demo: build
 test: build
 	ctest --test-dir build/py --output-on-failure -j $(JOBS)
 	$(PY) -m pytest -q tests/python
+	$(MAKE) --no-print-directory test-sanitize
+
+# ASan+UBSan build of every C++ test (build/asan), TSan build of the session tests (build/tsan), and a
+# short run of each libFuzzer harness over its seed corpus (tests/fuzz/corpus).
+test-sanitize: test-asan test-tsan fuzz-smoke
+
+build/asan/.configured: CMakeLists.txt | setup
+	$(SAN_CMAKE) -B build/asan -DMIXLENS_SANITIZE=address,undefined -DMIXLENS_FUZZ=ON
+	touch $@
+
+test-asan: build/asan/.configured
+	cmake --build build/asan -j $(JOBS)
+	ctest --test-dir build/asan --output-on-failure -j $(JOBS)
+
+# OpenBLAS's own threads are not instrumented: one BLAS thread keeps TSan's reports to mixlens code.
+test-tsan: setup
+	$(SAN_CMAKE) -B build/tsan -DMIXLENS_SANITIZE=thread -DMIXLENS_TEST_GLOB="tests/cpp/test_session*.cpp"
+	cmake --build build/tsan -j $(JOBS) --target mixlens_tests mixlens_cli
+	OPENBLAS_NUM_THREADS=1 build/tsan/mixlens_tests
+
+# New inputs go to build/asan/fuzz-<target> (the first corpus folder); the committed seeds stay as they are.
+fuzz-smoke: test-asan
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/asan/fuzz-$$t && cd build/asan/fuzz-$$t && \
+	  echo "fuzz_$$t: $(FUZZ_SMOKE_TIME) s" && \
+	  if ! ../fuzz_$$t -max_total_time=$(FUZZ_SMOKE_TIME) -timeout=30 -rss_limit_mb=4096 -artifact_prefix=../fuzz-$$t- \
+	      . ../../../tests/fuzz/corpus/$$t > ../fuzz-$$t.log 2>&1; then \
+	    tail -n 60 ../fuzz-$$t.log; echo "fuzz_$$t FAILED (log: build/asan/fuzz-$$t.log)"; exit 1; \
+	  fi; tail -n 2 ../fuzz-$$t.log; \
+	  cd ../../..; \
+	done
+
+fuzz: build/asan/.configured
+	cmake --build build/asan -j $(JOBS) $(addprefix --target fuzz_,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/asan/fuzz-$$t && cd build/asan/fuzz-$$t && \
+	  ../fuzz_$$t -max_total_time=$(FUZZ_TIME) -timeout=30 -rss_limit_mb=4096 -jobs=$(JOBS) -workers=$(JOBS) -artifact_prefix=../fuzz-$$t- \
+	      . ../../../tests/fuzz/corpus/$$t || exit 1; \
+	  cd ../../..; \
+	done
 
 # Speed vs transformers, measured in the same run (not tests); tables land in bench/results/.
 bench: build

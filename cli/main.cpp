@@ -5,6 +5,8 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <new>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -188,6 +190,13 @@ int main(int argc, char** argv) {
     return run_command(a);
   } catch (const mixlens::Error& e) {
     std::fprintf(stderr, "mixlens: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "mixlens: error: out of memory (an allocation failed); use a smaller batch, prompt or "
+                         "fewer --save values\n");
+    return 1;
+  } catch (const std::length_error& e) {
+    std::fprintf(stderr, "mixlens: error: size limit exceeded (%s)\n", e.what());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mixlens: internal error: %s\n", e.what());

@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# clang + its runtime libraries: the ASan/UBSan/TSan builds and the libFuzzer harnesses (make test).
 APT_PACKAGES=(build-essential cmake pkg-config libopenblas-dev nlohmann-json3-dev libpcre2-dev
-              libutf8proc-dev libgtest-dev python3-venv)
+              libutf8proc-dev libgtest-dev python3-venv clang libclang-rt-dev)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -54,6 +54,20 @@ class InputError : public Error {
   using Error::Error;
 };
 
+/// A size beyond mixlens' documented limits (tensor entries, chunk length, saved steps, ...) or an
+/// allocation that failed (std::bad_alloc is mapped to this at the API boundary).
+class ResourceError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A forward produced non-finite logits (NaN / inf). The message names the first value of the call
+/// that went non-finite (e.g. "layers.3.linear_attn.attention_output"), where, and what it held.
+class NumericError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// An interleaved read / write (Session) of a value the forward has already computed and
 /// consumed: values are served in forward order, and the message names where the forward is.
 class OutOfOrderError : public InputError {

@@ -89,8 +89,10 @@ class FamilyModel;  // internal
 class Model {
  public:
   /// Loads a checkpoint folder, or a hub id ("AntonV/mamba2-130m-hf") found in the local
-  /// HuggingFace cache. Errors: CheckpointError (missing folder / file / tensor, bad shapes),
-  /// ConfigError, UnsupportedError (unknown model_type), TokenizerError.
+  /// HuggingFace cache. Errors: CheckpointError (missing folder / file / tensor, bad shapes, a
+  /// non-regular file, NaN / inf / |w| >= 2^64 weights), ConfigError (missing or mistyped fields,
+  /// and values out of range: see detail::validate_config), UnsupportedError (unknown model_type),
+  /// TokenizerError.
   static Model load(const std::string& path_or_hub_id);
   ~Model();
   Model(Model&&) noexcept;
@@ -111,7 +113,9 @@ class Model {
 
   Cache new_cache(int64_t batch) const;
   /// One forward call over `batch` starting from `cache` (updated in place). Returns logits
-  /// [B,T,vocab] when `all_logits`, else [B,1,vocab] for the last position.
+  /// [B,T,vocab] when `all_logits`, else [B,1,vocab] for the last position. NumericError when a
+  /// value of the call goes NaN / inf (the message names the first one; the cache is then poisoned:
+  /// start a new one); ResourceError when the trace's saved values pass their budget.
   Tensor forward(const Batch& batch, Cache& cache, Trace* trace = nullptr, bool all_logits = true) const;
   /// Fresh cache + forward of left-padded prompts; logits [B,T,vocab].
   Tensor run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace = nullptr) const;
@@ -121,6 +125,7 @@ class Model {
 
   /// Chunk length of the chunked kernel: Mamba-2's SSD chunk (values.md chunk_per_token: 1; 0
   /// restores config.chunk_size), Mamba-1's chunked scan (0 restores its default, 64).
+  /// InputError outside [0, 2048] (the kernels' cost grows with the chunk's square).
   void set_chunk_size(int64_t chunk_size);
 
   /// nnterp's project_on_vocab (logit lens): the final norm (ln_final, as the forward applies it)

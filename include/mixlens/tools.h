@@ -11,6 +11,15 @@ namespace mixlens {
 /// repository (models/mamba2-tinystories).
 std::string default_model_path();
 
+/// The one hub resolver (also behind Model::load and mixlens.hub.resolve): the snapshot folder of
+/// "owner/name[@revision]" in the local HuggingFace cache `cache_dir` (empty: $HF_HUB_CACHE,
+/// $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub,
+/// read now). Never leaves the cache: a refs file holding an absolute path or ".." is refused.
+/// CheckpointError naming the id and the place looked in.
+std::string resolve_hub_id(const std::string& hub_id, const std::string& cache_dir = "");
+/// The cache directory resolve_hub_id uses when given none ("" when HOME is unset).
+std::string hub_cache_dir();
+
 /// Human-readable summary: family, layer kinds, every value with its shape for a batch of one
 /// prompt of `prompt_length` tokens, and the support() reasons for values a block lacks.
 std::string describe_model(const Model& model, int64_t prompt_length);

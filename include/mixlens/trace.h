@@ -53,6 +53,12 @@ struct CallRecord {
 class Model;
 namespace detail { class TraceListener; }
 
+/// Default budget for the values one Trace saves (see Trace::save).
+inline constexpr uint64_t kDefaultSaveBudgetBytes = uint64_t{8} << 30;
+/// The budget in force: $MIXLENS_SAVE_BUDGET_MB MiB when set (InputError if malformed), else
+/// kDefaultSaveBudgetBytes.
+uint64_t save_budget_bytes();
+
 class Trace {
  public:
   Trace();
@@ -61,7 +67,10 @@ class Trace {
   Trace& operator=(Trace&&) noexcept;
 
   /// Save a value (a copy) at the given steps. `path` may use "*" for the layer index
-  /// ("layers.*.linear_attn.state_output": every layer that has that value).
+  /// ("layers.*.linear_attn.state_output": every layer that has that value). The saved copies of
+  /// one trace are held to save_budget_bytes() (default 8 GiB; $MIXLENS_SAVE_BUDGET_MB): the save
+  /// that would pass it raises ResourceError during the run, so a long generation saving every
+  /// step stops with a clear error instead of exhausting memory.
   Trace& save(std::string_view path, Steps steps = Steps::all());
   /// Modify a value before it is consumed; everything computed after it follows.
   /// Writes are checked: same shape, no NaN, betas >= 0, decays <= 0 (WriteError otherwise).

@@ -48,7 +48,9 @@ constexpr int kNumValues = static_cast<int>(Value::kCount);
 enum class Component : uint8_t { global, block, linear_attn, self_attn, mlp };
 
 /// The kind of a block's sequence mixer.
-enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention };
+/// A block's kind: its recurrent mixer, softmax attention, an MLP-only block (Nemotron-H '-'), or
+/// a Falcon-H1 hybrid block (Mamba-2 and attention side by side).
+enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention, mlp, hybrid };
 std::string_view layer_kind_name(LayerKind k);
 
 /// A typed site: layer -1 for global values.

@@ -34,7 +34,7 @@ repository; ``model.values()`` lists them with shapes and meanings, and
 ``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the repository (``models/mamba2-tinystories``).
 
 Also: :func:`route_kernels` (force the chunked / recurrent algorithm per family),
-:func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids via ``huggingface_hub``), and the exception
+:func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids in the local cache, the C++ resolver), and the exception
 classes (all :class:`MixlensError`).
 """
 
@@ -45,7 +45,9 @@ from .errors import (
     ConfigError,
     InputError,
     MixlensError,
+    NumericError,
     OutOfOrderError,
+    ResourceError,
     TokenizerError,
     UnknownAttributeError,
     UnknownValueError,
@@ -82,6 +84,8 @@ __all__ = [
     "UnknownAttributeError",
     "WriteError",
     "UnsupportedError",
+    "ResourceError",
+    "NumericError",
     "InputError",
     "OutOfOrderError",
 ]

@@ -625,7 +625,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 
     ``StandardizedTransformer(path_or_hub_id)`` loads a checkpoint folder (config.json, *.safetensors,
     tokenizer.json) or a hub id from the local HuggingFace cache (never the network). With ``cache_dir`` /
-    ``revision`` / ``use_hub=True`` the id is resolved through ``huggingface_hub`` (:mod:`mixlens.hub`).
+    ``revision`` / ``use_hub=True`` the id is resolved by :func:`mixlens.hub.resolve` (the C++ resolver, in that cache).
     With no path, the model is :func:`default_model_path`: ``$MIXLENS_MODEL``, else the small Mamba-2
     shipped in the repository (``models/mamba2-tinystories``), as the ``mixlens`` CLI does.
 

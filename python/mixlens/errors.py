@@ -18,6 +18,8 @@ __all__ = [
     "UnsupportedError",
     "InputError",
     "OutOfOrderError",
+    "ResourceError",
+    "NumericError",
 ]
 
 
@@ -66,3 +68,14 @@ class OutOfOrderError(InputError):
     """Inside a ``with model.trace(...)`` block: a value the forward has already computed and consumed
     was asked for. Values are served in forward order; the message names the value asked for and the
     one the forward is at."""
+
+
+class ResourceError(MixlensError, MemoryError):
+    """A size beyond mixlens' documented limits (safetensors entries, chunk length, the saved-values
+    budget ``MIXLENS_SAVE_BUDGET_MB``, ...) or an allocation that failed (out of memory)."""
+
+
+class NumericError(MixlensError, ArithmeticError):
+    """A forward produced NaN / inf logits. The message names the first value of that call that went
+    non-finite (e.g. ``layers.3.linear_attn.attention_output = NaN at [0, 2, 17]``); usually a written value
+    of extreme magnitude. Greedy decoding and sampling also refuse NaN logits with this error."""

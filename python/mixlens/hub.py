@@ -1,14 +1,15 @@
-"""Resolve HuggingFace hub ids to local snapshot folders with ``huggingface_hub`` (no network).
+"""Resolve HuggingFace hub ids to local snapshot folders (the local cache only, never the network).
 
-The C++ loader already finds ``owner/name[@revision]`` in the default cache by itself
-(``$HF_HUB_CACHE`` / ``$HF_HOME/hub`` / ``~/.cache/huggingface/hub``). This module is the alternative
-that goes through ``huggingface_hub``'s own cache code, for a non-default ``cache_dir`` or when the
-two should agree exactly::
+There is one resolver: the C++ one behind :func:`mixlens.load` (``src/io/hub.cpp``), bound here so the
+two can never disagree. It finds ``owner/name[@revision]`` in the cache as
+``models--owner--name/snapshots/<commit>``, with ``<commit>`` read from ``refs/<revision or main>``,
+and refuses a refs file that holds anything but a commit name (an absolute path, ``..``), so the
+answer is always a folder inside the cache::
 
     path = mixlens.hub.resolve("AntonV/mamba2-130m-hf", cache_dir="/data/hf")
     model = mixlens.load(path)          # or mixlens.load("AntonV/mamba2-130m-hf", cache_dir=...)
 
-Needs the optional dependency: ``pip install 'mixlens[hub]'``.
+``huggingface_hub`` is not needed to resolve (only to download: ``huggingface-cli download``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import re
 from typing import Optional
 
+from . import _core
 from .errors import CheckpointError
 
 __all__ = ["looks_like_hub_id", "resolve", "default_cache_dir"]
@@ -30,35 +32,24 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def default_cache_dir() -> str:
-    """The hub cache ``huggingface_hub`` uses by default, read from the environment now (``huggingface_hub``
-    reads it once, at import): ``$HF_HUB_CACHE``, else ``$HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``,
-    else ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return os.path.expanduser(os.environ[var])
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    return os.path.join(os.path.expanduser(home), "hub")
+    """The hub cache used when none is given, read from the environment now (as huggingface_hub
+    computes it, but at call time): ``$HF_HUB_CACHE``, else ``$HUGGINGFACE_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
+    return _core.hub_cache_dir()
 
 
 def resolve(repo_id: str, *, revision: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
     """The local snapshot folder of ``repo_id`` (``"owner/name"``, optionally ``"owner/name@rev"``).
 
-    Uses ``huggingface_hub.snapshot_download(..., local_files_only=True)``, falling back to
-    ``try_to_load_from_cache(repo_id, "config.json")`` for a snapshot without refs. Never downloads.
-    Without `cache_dir`, the cache is :func:`default_cache_dir` (the environment as it is now).
+    ``revision``: a branch, tag or commit (default ``main``); ``cache_dir``: the hub cache (default
+    :func:`default_cache_dir`). Never downloads.
 
     Raises:
-        ImportError: ``huggingface_hub`` is not installed.
-        CheckpointError: the id is malformed or not in the local cache (the message says where it
-            looked and how to get it).
+        CheckpointError: the id is malformed, the revision is given twice, the id is not in the local
+            cache (the message says where it looked and how to get it), or a refs file points outside
+            the cache.
     """
-    try:
-        import huggingface_hub as hf
-        import huggingface_hub.constants  # noqa: F401  (not imported by the package itself in 2.x)
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("mixlens.hub needs huggingface_hub: pip install 'mixlens[hub]'") from e
-
+    repo_id = os.fspath(repo_id)
     if "@" in repo_id:
         repo_id, _, rev = repo_id.partition("@")
         if revision is not None and revision != rev:
@@ -66,19 +57,5 @@ def resolve(repo_id: str, *, revision: Optional[str] = None, cache_dir: Optional
         revision = rev
     if not looks_like_hub_id(repo_id):
         raise CheckpointError(f"{repo_id!r} is not a hub id of the form 'owner/name'")
-    # An explicit folder: huggingface_hub's own default was fixed when it was imported.
-    where = cache_dir = str(cache_dir) if cache_dir is not None else default_cache_dir()
-    try:
-        path = hf.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
-        if os.path.isdir(path):
-            return str(path)
-    except Exception:  # huggingface_hub raises several types for "not cached"; fall through
-        pass
-    cached = hf.try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
-    if isinstance(cached, str) and os.path.isfile(cached):
-        return os.path.dirname(cached)
-    rev = f" at revision {revision!r}" if revision else ""
-    raise CheckpointError(
-        f"hub id '{repo_id}'{rev} is not in the local HuggingFace cache (looked in {where}); "
-        f"download it with `huggingface-cli download {repo_id}` or pass a folder"
-    )
+    full = f"{repo_id}@{revision}" if revision else repo_id
+    return _core.resolve_hub_id(full, "" if cache_dir is None else os.fspath(cache_dir))

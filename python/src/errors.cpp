@@ -2,6 +2,9 @@
 // they can also inherit the matching builtin: LookupError, ValueError).
 #include <Python.h>
 
+#include <new>
+#include <stdexcept>
+
 #include "bindings.h"
 #include "mixlens/errors.h"
 
@@ -10,7 +13,8 @@ namespace mixlens::py {
 namespace {
 
 struct Classes {
-  nb::handle base, checkpoint, config, tokenizer, unknown_value, write, unsupported, input, out_of_order;
+  nb::handle base, checkpoint, config, tokenizer, unknown_value, write, unsupported, input, out_of_order, resource,
+      numeric;
 };
 Classes g_classes;
 
@@ -27,7 +31,7 @@ void init_errors(nb::module_& m) {
   };
   g_classes = {get("MixlensError"), get("CheckpointError"), get("ConfigError"),  get("TokenizerError"),
                get("UnknownValueError"), get("WriteError"), get("UnsupportedError"), get("InputError"),
-               get("OutOfOrderError")};
+               get("OutOfOrderError"), get("ResourceError"), get("NumericError")};
   // Most derived first; anything else propagates to nanobind's own translators.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -48,8 +52,19 @@ void init_errors(nb::module_& m) {
       raise(g_classes.write, e);
     } catch (const UnsupportedError& e) {
       raise(g_classes.unsupported, e);
+    } catch (const ResourceError& e) {
+      raise(g_classes.resource, e);
+    } catch (const NumericError& e) {
+      raise(g_classes.numeric, e);
     } catch (const Error& e) {
       raise(g_classes.base, e);
+    } catch (const std::bad_alloc&) {
+      // Out of memory inside the library: a mixlens error (a MemoryError too), never a bare one.
+      PyErr_SetString(g_classes.resource.ptr(),
+                      "out of memory: an allocation inside mixlens failed (std::bad_alloc); use a smaller batch, "
+                      "prompt, or fewer saved values");
+    } catch (const std::length_error& e) {
+      PyErr_SetString(g_classes.resource.ptr(), (std::string("size limit exceeded inside mixlens: ") + e.what()).c_str());
     }
   });
 }

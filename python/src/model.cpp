@@ -71,6 +71,10 @@ void init_model(nb::module_& m) {
   m.def("default_model_path", &default_model_path,
         "The model used when none is given: $MIXLENS_MODEL, else the shipped models/mamba2-tinystories (the path "
         "of the source tree this module was built from).");
+  m.def("resolve_hub_id", &resolve_hub_id, nb::arg("hub_id"), nb::arg("cache_dir") = "",
+        "Snapshot folder of 'owner/name[@revision]' in the local HuggingFace cache (the C++ resolver "
+        "Model.load uses; never leaves the cache). CheckpointError when absent.");
+  m.def("hub_cache_dir", &hub_cache_dir, "The HuggingFace cache resolve_hub_id uses by default, read now.");
   m.def("route_kernels", &route_kernels, nb::arg("family"), nb::arg("route"),
         "Force the recurrent-mixer algorithm of a family process-wide: 'recurrent', 'chunked' or 'default'.");
   m.def(

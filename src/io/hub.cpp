@@ -98,6 +98,10 @@ std::string trim(std::string s) {
 
 }  // namespace
 
+namespace {
+fs::path resolve_in_cache(const HubId& id, const fs::path& cache);
+}  // namespace
+
 fs::path hub_cache_dir() {
   for (const char* var : {"HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"})
     if (std::string v = env(var); !v.empty()) return expand_home(v);
@@ -130,6 +134,20 @@ fs::path resolve_model(const std::string& arg) {
         !fs::is_directory(cache / cache_dir_name(id.repo), ec))
       throw CheckpointError("model folder '" + arg + "' does not exist");
   }
+  return resolve_in_cache(id, cache);
+}
+
+fs::path resolve_hub_id(const std::string& hub_id, const fs::path& cache_dir) {
+  HubId id;
+  if (!parse_hub_id(hub_id, /*allow_bare=*/true, &id))
+    throw CheckpointError("'" + hub_id + "' is not a hub id of the form 'owner/name' (optionally '@revision')");
+  return resolve_in_cache(id, cache_dir.empty() ? hub_cache_dir() : cache_dir);
+}
+
+namespace {
+
+fs::path resolve_in_cache(const HubId& id, const fs::path& cache) {
+  std::error_code ec;
   const std::string dir_name = cache_dir_name(id.repo);
   const fs::path repo_dir = cache / dir_name;
   const std::string id_text = "hub id '" + id.repo + "'";
@@ -143,10 +161,12 @@ fs::path resolve_model(const std::string& arg) {
   const fs::path ref_file = repo_dir / "refs" / rev;
   std::string commit;
   if (fs::is_regular_file(ref_file, ec)) {
-    std::ifstream f(ref_file);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    commit = trim(ss.str());
+    // A ref holds one commit name (40 hex digits); read a bounded prefix, never a whole huge file.
+    std::ifstream f(ref_file, std::ios::binary);
+    std::string buf(4096, '\0');
+    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    buf.resize(static_cast<size_t>(f.gcount()));
+    commit = trim(buf);
     if (!revision_ok(commit) || commit.find('/') != std::string::npos)
       throw CheckpointError("HuggingFace cache entry " + repo_dir.string() + ": refs/" + rev +
                             " holds '" + commit + "', not a commit hash");
@@ -173,5 +193,7 @@ fs::path resolve_model(const std::string& arg) {
                           snap.string() + " is missing (incomplete download?)");
   return snap;
 }
+
+}  // namespace
 
 }  // namespace mixlens::io

@@ -26,4 +26,11 @@ bool looks_like_hub_id(const std::string& s);
 /// an unknown revision, or several snapshots with no refs/main.
 std::filesystem::path resolve_model(const std::string& path_or_hub_id);
 
+/// Resolves "owner/name[@revision]" (or a bare legacy "name") in the cache `cache_dir` (empty:
+/// hub_cache_dir()), as resolve_model does for hub ids, never treating the argument as a folder.
+/// The snapshot is always a folder inside `cache_dir`: a refs file holding an absolute path, "..",
+/// or anything but a commit name is refused (CheckpointError). Also CheckpointError for an id that
+/// is not "owner/name".
+std::filesystem::path resolve_hub_id(const std::string& hub_id, const std::filesystem::path& cache_dir = {});
+
 }  // namespace mixlens::io

@@ -1,8 +1,7 @@
 #include "io/json.h"
 
-#include <limits>
-
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <system_error>
 
@@ -120,44 +119,110 @@ std::string detail_of(const std::string& what) {
 }
 
 // transformers >= 5 writes non-finite floats as {"__float__": "Infinity"} (e.g. Mamba-2's
-// time_step_limit); turn those objects back into doubles.
-void decode_float_objects(nlohmann::json& j) {
-  if (j.is_object()) {
-    if (j.size() == 1 && j.contains("__float__") && j["__float__"].is_string()) {
-      const std::string v = j["__float__"].get<std::string>();
-      if (v == "Infinity" || v == "inf") j = std::numeric_limits<double>::infinity();
-      else if (v == "-Infinity" || v == "-inf") j = -std::numeric_limits<double>::infinity();
-      else if (v == "NaN" || v == "nan") j = std::numeric_limits<double>::quiet_NaN();
-      return;
+// time_step_limit); turn those objects back into doubles. Iterative: the depth is bounded at parse
+// time, but a walk that cannot overflow the stack needs no such argument.
+void decode_float_objects(nlohmann::json& root) {
+  std::vector<nlohmann::json*> todo{&root};
+  while (!todo.empty()) {
+    nlohmann::json& j = *todo.back();
+    todo.pop_back();
+    if (j.is_object()) {
+      if (j.size() == 1 && j.contains("__float__") && j["__float__"].is_string()) {
+        const std::string v = j["__float__"].get<std::string>();
+        if (v == "Infinity" || v == "inf") j = std::numeric_limits<double>::infinity();
+        else if (v == "-Infinity" || v == "-inf") j = -std::numeric_limits<double>::infinity();
+        else if (v == "NaN" || v == "nan") j = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      for (auto& [k, v] : j.items()) todo.push_back(&v);
+    } else if (j.is_array()) {
+      for (auto& v : j) todo.push_back(&v);
     }
-    for (auto& [k, v] : j.items()) decode_float_objects(v);
-  } else if (j.is_array()) {
-    for (auto& v : j) decode_float_objects(v);
   }
 }
 
+// nlohmann's DOM builder with a depth bound, key hook and sentinel decoding. (nlohmann's own
+// callback parser scans the parent object after every child object: O(n^2) on a safetensors header.)
+class BoundedSax {
+ public:
+  using json = nlohmann::json;
+  using number_integer_t = json::number_integer_t;
+  using number_unsigned_t = json::number_unsigned_t;
+  using number_float_t = json::number_float_t;
+  using string_t = json::string_t;
+  using binary_t = json::binary_t;
+
+  BoundedSax(json& root, const std::function<void(size_t, const std::string&)>& on_key, bool decode)
+      : dom_(root, true), on_key_(on_key), decode_(decode) {}
+  bool too_deep = false;
+
+  bool null() { return dom_.null(); }
+  bool boolean(bool v) { return dom_.boolean(v); }
+  bool number_integer(number_integer_t v) { return dom_.number_integer(v); }
+  bool number_unsigned(number_unsigned_t v) { return dom_.number_unsigned(v); }
+  bool number_float(number_float_t v, const string_t& s) { return dom_.number_float(v, s); }
+  bool string(string_t& v) {
+    if (decode_ && v.size() > 1 && v[0] == '\0') {
+      for (const NonFinite& nf : kNonFinite)
+        if (v.compare(1, std::string::npos, nf.decoded) == 0) return dom_.number_float(nf.value, v);
+    }
+    return dom_.string(v);
+  }
+  bool binary(binary_t& v) { return dom_.binary(v); }
+  bool start_object(std::size_t n) { return enter() && dom_.start_object(n); }
+  bool key(string_t& k) {
+    if (on_key_) on_key_(depth_, k);
+    return dom_.key(k);
+  }
+  bool end_object() {
+    --depth_;
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) { return enter() && dom_.start_array(n); }
+  bool end_array() {
+    --depth_;
+    return dom_.end_array();
+  }
+  template <class Exception>
+  bool parse_error(std::size_t pos, const std::string& tok, const Exception& ex) {
+    return dom_.parse_error(pos, tok, ex);  // throws ex
+  }
+
+ private:
+  bool enter() {
+    if (++depth_ > kMaxJsonDepth) {
+      too_deep = true;
+      return false;
+    }
+    return true;
+  }
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  const std::function<void(size_t, const std::string&)>& on_key_;
+  bool decode_;
+  size_t depth_ = 0;
+};
+
 }  // namespace
+
+nlohmann::json parse_json_bounded(const char* begin, const char* end, const std::string& label, ErrorKind kind,
+                                  const std::function<void(size_t, const std::string&)>& on_key,
+                                  bool decode_sentinels) {
+  nlohmann::json j;
+  BoundedSax sax(j, on_key, decode_sentinels);
+  const bool ok = nlohmann::json::sax_parse(begin, end, &sax, nlohmann::json::input_format_t::json, true);
+  if (sax.too_deep)
+    raise_error(kind, label + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) +
+                          " levels (arrays / objects); refused");
+  if (!ok) raise_error(kind, label + ": not valid JSON");  // parse_error normally threw already
+  return j;
+}
 
 nlohmann::json parse_json_text(const std::string& text, const std::string& label, ErrorKind kind) {
   std::vector<Replacement> reps;
   const std::string rewritten = replace_non_finite(text, &reps);
-  nlohmann::json::parser_callback_t cb = [](int, nlohmann::json::parse_event_t ev,
-                                            nlohmann::json& parsed) {
-    if (ev == nlohmann::json::parse_event_t::value && parsed.is_string()) {
-      const std::string& s = parsed.get_ref<const std::string&>();
-      if (s.size() > 1 && s[0] == '\0') {
-        for (const NonFinite& nf : kNonFinite) {
-          if (s.compare(1, std::string::npos, nf.decoded) == 0) {
-            parsed = nf.value;  // `s` dangles from here on
-            break;
-          }
-        }
-      }
-    }
-    return true;
-  };
+  const std::string& src = reps.empty() ? text : rewritten;
   try {
-    nlohmann::json j = reps.empty() ? nlohmann::json::parse(text) : nlohmann::json::parse(rewritten, cb);
+    nlohmann::json j = parse_json_bounded(src.data(), src.data() + src.size(), label, kind, {}, !reps.empty());
     decode_float_objects(j);
     return j;
   } catch (const nlohmann::json::parse_error& e) {
@@ -183,6 +248,15 @@ nlohmann::json read_json_file(const std::filesystem::path& path, const std::stri
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) raise_error(kind, label + " does not exist");
   if (std::filesystem::is_directory(path, ec)) raise_error(kind, label + " is a directory, not a file");
+  // Follows symlinks (HF cache snapshots are symlinks into blobs/); a FIFO would block the read
+  // forever and a device such as /dev/zero would never end.
+  if (!std::filesystem::is_regular_file(path, ec))
+    raise_error(kind, label + " is not a regular file (a FIFO, device or socket); refused");
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) raise_error(kind, label + " cannot be read: " + ec.message());
+  if (size > kMaxJsonFileBytes)
+    raise_error(kind, label + " is " + std::to_string(size) + " bytes, over the " +
+                          std::to_string(kMaxJsonFileBytes) + "-byte limit for a JSON file");
   std::ifstream f(path, std::ios::binary);
   if (!f) raise_error(kind, label + " cannot be opened for reading");
   std::ostringstream ss;

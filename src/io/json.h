@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -19,6 +20,22 @@ enum class ErrorKind { Config, Checkpoint, Tokenizer };
 /// Throws the error type for `kind` with `message`.
 [[noreturn]] void raise_error(ErrorKind kind, const std::string& message);
 
+/// Deepest nesting of arrays / objects accepted in any JSON mixlens reads (config.json, index files,
+/// safetensors headers, tokenizer.json). Real files nest under 10 levels; the bound keeps every
+/// recursive walk over the DOM (ours, nlohmann's copy and dump) far from the stack limit.
+inline constexpr size_t kMaxJsonDepth = 128;
+/// Largest config.json / index file read (real ones are a few KB; a tokenizer.json has its own limit).
+inline constexpr uint64_t kMaxJsonFileBytes = uint64_t{64} << 20;
+
+/// Parses [begin, end) into a DOM in linear time. Refuses nesting beyond kMaxJsonDepth with `kind`:
+/// "<label>: JSON nested deeper than 128 levels". `on_key(depth, key)`, when given, sees every object
+/// key (depth 1 = keys of the top-level object). Syntax errors propagate as
+/// nlohmann::json::parse_error (callers map the position). Strings starting with a NUL byte that
+/// name a non-finite sentinel (see parse_json_text) become doubles when `decode_sentinels`.
+nlohmann::json parse_json_bounded(const char* begin, const char* end, const std::string& label, ErrorKind kind,
+                                  const std::function<void(size_t, const std::string&)>& on_key = {},
+                                  bool decode_sentinels = false);
+
 /// Parses JSON text. Bare Infinity, -Infinity and NaN outside strings become the doubles +-inf and
 /// NaN. On a syntax error raises `kind` with "<label>: not valid JSON at line L, column C: ..."
 /// (positions refer to the original text).
@@ -26,8 +43,9 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& label
                                ErrorKind kind = ErrorKind::Config);
 
 /// Reads and parses a JSON file (as parse_json_text). `what` names it in messages, e.g.
-/// "config.json"; errors read "<what> (<path>): ...". Raises `kind` when the file is missing,
-/// unreadable, or not valid JSON.
+/// "config.json"; errors read "<what> (<path>): ...". Raises `kind` when the file is missing, not a
+/// regular file (a FIFO or device would hang or never end), larger than kMaxJsonFileBytes,
+/// unreadable, not valid JSON, or nested deeper than kMaxJsonDepth.
 nlohmann::json read_json_file(const std::filesystem::path& path, const std::string& what,
                               ErrorKind kind = ErrorKind::Config);
 

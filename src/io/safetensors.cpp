@@ -14,6 +14,9 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_set>
+
+#include "io/json.h"
 
 #include "mixlens/errors.h"
 
@@ -28,6 +31,8 @@ namespace {
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 // Matches shape_numel's limit, so every accepted shape can become a Tensor.
 constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
+// Entries per file: the largest real checkpoints hold under 100k tensors in all their shards.
+constexpr size_t kMaxTensors = 1'000'000;
 
 const char* json_type_name(const nlohmann::json& j) {
   switch (j.type()) {
@@ -77,6 +82,19 @@ struct Mapping {
 };
 
 std::string errno_text() { return std::strerror(errno); }
+
+// Thrown by the key hook to stop a parse at kMaxTensors entries (turned into a CheckpointError).
+struct TooManyEntries {};
+
+// The header as a DOM (linear time, depth-bounded); depth errors name the file like every other.
+nlohmann::json json_bounded(const char* begin, const char* end, const std::string& label,
+                            const std::function<void(size_t, const std::string&)>& on_key) {
+  try {
+    return parse_json_bounded(begin, end, "header", ErrorKind::Checkpoint, on_key);
+  } catch (const CheckpointError& e) {
+    fail(label, e.what());
+  }
+}
 
 }  // namespace
 
@@ -172,26 +190,25 @@ SafetensorsHeader SafetensorsFile::parse_header(const uint8_t* data, size_t size
 
   const char* text = reinterpret_cast<const char*>(data + 8);
   // Duplicate top-level keys would silently shadow each other in nlohmann; catch them during the
-  // parse (depth 1 = keys of the top-level object).
+  // parse (depth 1 = keys of the top-level object), and stop at kMaxTensors entries.
   std::string duplicate;
   bool have_duplicate = false;
-  std::set<std::string> seen;
-  nlohmann::json::parser_callback_t cb = [&](int depth, nlohmann::json::parse_event_t ev,
-                                             nlohmann::json& parsed) {
-    if (ev == nlohmann::json::parse_event_t::key && depth == 1 && !have_duplicate) {
-      const std::string& k = parsed.get_ref<const std::string&>();
-      if (!seen.insert(k).second) {
-        have_duplicate = true;
-        duplicate = k;
-      }
+  std::unordered_set<std::string> seen;
+  auto on_key = [&](size_t depth, const std::string& k) {
+    if (depth != 1) return;
+    if (!seen.insert(k).second && !have_duplicate) {
+      have_duplicate = true;
+      duplicate = k;
     }
-    return true;
+    if (seen.size() > kMaxTensors) throw TooManyEntries{};
   };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text, text + header_len, cb);
+    header = json_bounded(text, text + header_len, label, on_key);
   } catch (const nlohmann::json::exception& e) {
     fail(label, std::string("header is not valid JSON: ") + e.what());
+  } catch (const TooManyEntries&) {
+    fail(label, "header has more than " + std::to_string(kMaxTensors) + " entries (the limit per file)");
   }
   if (!header.is_object())
     fail(label, std::string("header is ") + json_type_name(header) + ", expected a JSON object");
@@ -307,7 +324,8 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) {
   st->path = path.string();
   const std::string& label = st->path;
 
-  int fd = ::open(label.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever; fstat refuses it below.
+  int fd = ::open(label.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ENOENT) throw CheckpointError("safetensors file '" + label + "' does not exist");
     throw CheckpointError("cannot open safetensors file '" + label + "': " + errno_text());
@@ -320,7 +338,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) {
   }
   if (!S_ISREG(sb.st_mode)) {
     ::close(fd);
-    fail(label, "is not a regular file");
+    fail(label, "is not a regular file (a FIFO, device or socket); refused");
   }
   const size_t size = static_cast<size_t>(sb.st_size);
   auto mapping = std::make_shared<Mapping>();

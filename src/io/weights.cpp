@@ -1,6 +1,7 @@
 #include "io/weights.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <system_error>
 
@@ -154,8 +155,20 @@ Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
                           shape_str(e.info->shape) + ", expected " + shape_str(expected) +
                           " from config.json");
   Tensor t = files_[e.file].get_f32(name);
-  // A NaN weight poisons every output silently; one pass at load is cheap next to the matmuls.
-  if (t.has_nan()) throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " contains NaN");
+  // A NaN / inf weight poisons every output silently, and so does one whose square overflows
+  // float32 (|w| >= 2^64 ~ 1.8e19: any dot product or norm through it is inf). One pass at load is
+  // cheap next to the matmuls.
+  constexpr float kMaxWeight = 0x1p64f;
+  const float* p = t.begin();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (std::fabs(p[i]) < kMaxWeight) continue;  // false for NaN too
+    const float x = p[i];
+    const std::string what = std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "inf" : "-inf") : std::to_string(x);
+    throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " contains " +
+                          (std::isnan(x) ? std::string("NaN") : std::isinf(x) ? what : "a weight of magnitude " + what) +
+                          " at flat index " + std::to_string(i) +
+                          " (weights must be finite with |w| < 2^64, else every value through them overflows)");
+  }
   return t;
 }
 

@@ -49,6 +49,7 @@ class FamilyModel {
     const Tensor* lm_head = nullptr;  ///< [V, D] unembedding (the embedding when tied)
     float eps = 1e-5f;
     bool zero_centred = false;        ///< Qwen's RMSNorm scales by (1 + w)
+    float logit_scale = 1.0f;         ///< Falcon-H1's lm_head_multiplier (logits = lm_head(h) * scale)
   };
   /// UnsupportedError by default, so a family that has not declared its head never projects
   /// with a wrong norm.
@@ -64,5 +65,8 @@ std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::Weig
 std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_bamba(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& config, const io::WeightStore& weights);
 
 }  // namespace mixlens::detail

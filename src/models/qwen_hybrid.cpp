@@ -279,6 +279,8 @@ class QwenHybrid final : public FamilyModel {
     }
     Tensor h = embed_tokens(embed_, in, spec_.family.c_str());
     visit_if(ls, -1, Value::embed_output, h);
+    FiniteWatch watch(spec_.family);
+    watch.check(-1, Value::embed_output, h);
     // create_recurrent_attention_mask: GDN input masked only for multi-token calls with padding.
     const bool masked = T > 1 && in.has_padding();
     Tensor n({B, T, D_});
@@ -288,17 +290,22 @@ class QwenHybrid final : public FamilyModel {
       visit_if(ls, li, Value::layer_input, h);
       ops::rmsnorm(h.data(), l.in_norm.data(), n.data(), BT, D_, eps_, true);
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
+      watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
       add_into(h, out);
       ops::rmsnorm(h.data(), l.post_norm.data(), n.data(), BT, D_, eps_, true);
       Tensor m = (l.mlp.moe ? moe(l.mlp, n) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT)).reshape({B, T, D_});
       visit_if(ls, li, Value::mlp_output, m);
+      watch.check(li, Value::mlp_output, m);
       add_into(h, m);
       visit_if(ls, li, Value::layer_output, h);
+      watch.check(li, Value::layer_output, h);
     }
     cache.has_state = true;
     ops::rmsnorm(h.data(), norm_.data(), h.data(), BT, D_, eps_, true);
     visit_if(ls, -1, Value::ln_final_output, h);
-    return lm_logits(lm_head_, h, ls, all_logits);
+    Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
+    watch.finish(logits);
+    return logits;
   }
 
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, true}; }

@@ -69,6 +69,8 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
   const int64_t B = in.batch, T = in.seq;
   Tensor h = embed_tokens(embed_, in, family_.c_str());
   visit_if(ls, -1, Value::embed_output, h);
+  FiniteWatch watch(family_);
+  watch.check(-1, Value::embed_output, h);
   Tensor n({B, T, D_});
   for (int64_t i = 0; i < L_; ++i) {
     const int li = static_cast<int>(i);
@@ -76,15 +78,19 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
     // MambaRMSNorm / Mamba2RMSNorm; with float32 weights residual_in_fp32 changes nothing.
     ops::rmsnorm(h.data(), norms_[static_cast<size_t>(i)].data(), n.data(), B * T, D_, eps_);
     Tensor out = mixer(li, n, in, cache, ls, ctx);
+    watch.check(li, Value::attention_output, out);
     float* hp = h.data();
     const float* op = out.data();
     for (int64_t k = 0; k < h.numel(); ++k) hp[k] += op[k];
     visit_if(ls, li, Value::layer_output, h);
+    watch.check(li, Value::layer_output, h);
   }
   cache.has_state = true;
   ops::rmsnorm(h.data(), norm_f_.data(), h.data(), B * T, D_, eps_);
   visit_if(ls, -1, Value::ln_final_output, h);
-  return lm_logits(lm_head_, h, ls, all_logits);
+  Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
+  watch.finish(logits);
+  return logits;
 }
 
 std::vector<ValueInfo> SsmLm::values(int64_t B, int64_t T) const {
@@ -110,21 +116,14 @@ void SsmLm::store_served_state(const Tensor& served, Tensor& S) const {
 
 Tensor& SsmLm::begin_state(int li, SsmCache& cache, Listener* ls) const {
   Tensor& S = cache.ssm[static_cast<size_t>(li)];
-  if (!cache.has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
-  if (ls && ls->wants(li, Value::state_input)) {
-    Tensor served = cache.has_state ? served_state(S) : Tensor();
-    Shape shape{S.size(0)};
-    for (int64_t d : served_state_shape()) shape.push_back(d);
-    if (ls->visit(li, Value::state_input, served, shape) && served.defined()) store_served_state(served, S);
-  }
+  visit_state_input(li, S, cache.has_state, ls, served_state_shape(), [this](const Tensor& s) { return served_state(s); },
+                    [this](const Tensor& o, Tensor& s) { store_served_state(o, s); });
   return S;
 }
 
 void SsmLm::end_state(int li, SsmCache& cache, Listener* ls) const {
-  if (!ls || !ls->wants(li, Value::state_output)) return;
-  Tensor& S = cache.ssm[static_cast<size_t>(li)];
-  Tensor served = served_state(S);
-  if (ls->visit(li, Value::state_output, served, served.shape())) store_served_state(served, S);
+  visit_state_output(li, cache.ssm[static_cast<size_t>(li)], ls, [this](const Tensor& s) { return served_state(s); },
+                     [this](const Tensor& o, Tensor& s) { store_served_state(o, s); });
 }
 
 }  // namespace mixlens::detail

@@ -65,9 +65,10 @@ void route_kernels(const std::string& family, const std::string& route) {
   else if (route == "recurrent") k = KernelRoute::recurrent;
   else throw InputError("route_kernels: route '" + route + "' must be 'default', 'chunked' or 'recurrent'");
   // A misspelt family would silently route nothing.
-  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next"};
+  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next",
+                                                     "nemotron_h", "bamba", "falcon_h1"};
   if (std::find(families.begin(), families.end(), family) == families.end())
-    throw InputError("route_kernels: unknown family '" + family + "' (known: mamba2, mamba, qwen3_5, qwen3_next)");
+    throw InputError("route_kernels: unknown family '" + family + "' (known: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1)");
   std::lock_guard<std::mutex> lk(g_route_mu);
   routes()[family] = k;
 }
@@ -109,6 +110,8 @@ Model& Model::operator=(Model&&) noexcept = default;
 namespace detail {
 std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights) {
   const std::string type = config.get<std::string>("model_type");
+  // Ranges first: no family computes with a wrapped, absurd or non-finite field.
+  validate_config(config);
   // One line per family (src/models/<family>.cpp).
   static const std::vector<std::pair<std::string, FamilyFactory>> registry = {
       {"mamba", make_mamba},
@@ -116,6 +119,9 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
       {"qwen3_5", make_qwen3_5},
       {"qwen3_5_text", make_qwen3_5},
       {"qwen3_next", make_qwen3_next},
+      {"nemotron_h", make_nemotron_h},
+      {"bamba", make_bamba},
+      {"falcon_h1", make_falcon_h1},
   };
   std::string known;
   for (const auto& [name, make] : registry) {
@@ -162,7 +168,12 @@ std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
 
 std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
 std::map<std::string, std::map<int, std::string>> Model::support() const { return impl_->family->support(); }
-void Model::set_chunk_size(int64_t c) { impl_->family->set_chunk_size(c); }
+void Model::set_chunk_size(int64_t c) {
+  if (c < 0 || c > detail::kMaxChunkSize)
+    throw InputError("set_chunk_size: " + std::to_string(c) + " is out of range [0, " +
+                     std::to_string(detail::kMaxChunkSize) + "] (0 restores the config's chunk size)");
+  impl_->family->set_chunk_size(c);
+}
 
 detail::FamilyModel::Head detail::FamilyModel::head() const {
   throw UnsupportedError("family '" + info.family + "' does not declare its LM head yet: project_on_vocab and "
@@ -183,6 +194,8 @@ Tensor Model::project_on_vocab(const Tensor& hidden) const {
   out_shape.back() = V;
   Tensor logits(out_shape);
   if (rows > 0) ops::linear(n.data(), rows, D, *h.lm_head, logits.data());
+  if (h.logit_scale != 1.0f)
+    for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= h.logit_scale;
   return logits;
 }
 

@@ -4,20 +4,36 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
+
+#include "mixlens/errors.h"
 
 namespace mixlens::detail {
 
+namespace {
+// NaN compares false with everything: argmax would answer id 0 and sampling garbage, silently.
+[[noreturn]] void refuse_nan(const char* who, int64_t i) {
+  throw NumericError(std::string(who) + ": logits contain NaN (first at vocabulary index " + std::to_string(i) +
+                     "); no token can be chosen");
+}
+}  // namespace
+
 int32_t argmax(const float* logits, int64_t V) {
   int64_t best = 0;
-  for (int64_t i = 1; i < V; ++i)
+  if (V > 0 && std::isnan(logits[0])) refuse_nan("greedy decoding", 0);
+  for (int64_t i = 1; i < V; ++i) {
+    if (std::isnan(logits[i])) refuse_nan("greedy decoding", i);
     if (logits[i] > logits[best]) best = i;
+  }
   return static_cast<int32_t>(best);
 }
 
 int32_t sample(const float* logits, int64_t V, const GenerateOptions& o, std::mt19937_64& rng) {
   const float ninf = -std::numeric_limits<float>::infinity();
   std::vector<float> s(logits, logits + V);
+  for (int64_t i = 0; i < V; ++i)
+    if (std::isnan(s[static_cast<size_t>(i)])) refuse_nan("sampling", i);
   for (float& x : s) x /= o.temperature;
   if (o.top_k > 0 && o.top_k < V) {
     // Keep every logit >= the k-th largest (ties at the threshold survive, as in torch.topk masking).

@@ -8,7 +8,7 @@
 
 namespace mixlens::detail {
 
-/// Index of the first maximum (torch.argmax).
+/// Index of the first maximum (torch.argmax). NumericError when a logit is NaN (both functions).
 int32_t argmax(const float* logits, int64_t V);
 /// Samples from `logits` (length V) with the options' temperature / top_k / top_p.
 int32_t sample(const float* logits, int64_t V, const GenerateOptions& o, std::mt19937_64& rng);

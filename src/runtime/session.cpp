@@ -404,7 +404,7 @@ Tensor Session::read(int step, std::string_view path) {
       // is stale, and serving it would be a silently wrong number.
       const std::string& fam = s.family.info.family;
       if (s.live_written && t.site.value == Value::betas && s.target && s.target->site.value == Value::decays &&
-          (fam == "mamba" || fam == "mamba2"))
+          (fam == "mamba" || fam == "mamba2" || fam == "nemotron_h" || fam == "bamba" || fam == "falcon_h1"))
         throw OutOfOrderError("cannot read '" + std::string(path) + "' at step " + std::to_string(step) +
                               ": decays was written since, and on " + fam +
                               " betas and decays are one dt; read betas before writing decays");

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "io/hub.h"
 #include "io/safetensors.h"
 
 #ifndef MIXLENS_DEFAULT_MODEL_DIR
@@ -16,6 +17,12 @@ std::string default_model_path() {
   if (const char* env = std::getenv("MIXLENS_MODEL"); env && *env) return env;
   return MIXLENS_DEFAULT_MODEL_DIR;
 }
+
+std::string resolve_hub_id(const std::string& hub_id, const std::string& cache_dir) {
+  return io::resolve_hub_id(hub_id, cache_dir).string();
+}
+
+std::string hub_cache_dir() { return io::hub_cache_dir().string(); }
 
 std::string describe_model(const Model& model, int64_t prompt_length) {
   const auto& info = model.info();

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 
 #include "io/weights.h"
@@ -21,6 +22,7 @@ struct Trace::Impl {
   };
   std::vector<Reg> regs;
   std::vector<std::pair<std::string, Tensor>> saved;
+  uint64_t saved_bytes = 0;  // float32 bytes held by `saved`
   std::map<std::string, size_t> index;
   std::vector<CallRecord> calls;
   // Registrations resolved against a model, kept so a generation does not re-resolve every path
@@ -51,6 +53,17 @@ Trace& Trace::set(std::string_view path, Tensor value, Steps steps) {
   return *this;
 }
 
+uint64_t save_budget_bytes() {
+  // Read per call (cheap): tests and long-running processes may change it.
+  if (const char* v = std::getenv("MIXLENS_SAVE_BUDGET_MB"); v && *v) {
+    char* end = nullptr;
+    const unsigned long long mb = std::strtoull(v, &end, 10);
+    if (end && *end == '\0' && mb > 0 && mb < (uint64_t{1} << 43)) return static_cast<uint64_t>(mb) << 20;
+    throw InputError(std::string("MIXLENS_SAVE_BUDGET_MB='") + v + "' is not a positive whole number of MiB");
+  }
+  return kDefaultSaveBudgetBytes;
+}
+
 static std::string key_of(std::string_view path, int step) {
   return std::string(path) + "@step" + std::to_string(step);
 }
@@ -70,6 +83,7 @@ const std::vector<std::pair<std::string, Tensor>>& Trace::saved() const { return
 const std::vector<CallRecord>& Trace::calls() const { return impl_->calls; }
 void Trace::clear_results() {
   impl_->saved.clear();
+  impl_->saved_bytes = 0;
   impl_->index.clear();
   impl_->calls.clear();
 }
@@ -207,6 +221,18 @@ bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape)
       if (!value.defined()) continue;  // None (state_input of a fresh prompt) is not stored
       std::string key = path + "@step" + std::to_string(ctx_.step);
       auto it = impl.index.find(key);
+      const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
+      const uint64_t replaced =
+          it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
+      // Saved values only grow (e.g. a long generation saving every step): stop at a stated budget
+      // rather than when the machine runs out of memory.
+      const uint64_t budget = save_budget_bytes();
+      if (impl.saved_bytes - replaced + bytes > budget)
+        throw ResourceError("trace: saving '" + key + "' (" + std::to_string(bytes) + " bytes) would take the saved values past the " +
+                            std::to_string(budget >> 20) + " MiB budget (" + std::to_string(impl.saved_bytes >> 20) +
+                            " MiB held, " + std::to_string(impl.saved.size()) +
+                            " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
+      impl.saved_bytes = impl.saved_bytes - replaced + bytes;
       if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
       else {
         impl.index[key] = impl.saved.size();

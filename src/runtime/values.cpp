@@ -8,6 +8,8 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::mamba: return "mamba";
     case LayerKind::gated_deltanet: return "gated_deltanet";
     case LayerKind::attention: return "attention";
+    case LayerKind::mlp: return "mlp";
+    case LayerKind::hybrid: return "hybrid";
   }
   return "?";
 }

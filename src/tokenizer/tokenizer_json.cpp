@@ -1,9 +1,13 @@
 // Reading tokenizer.json into Tokenizer::Impl, following HF tokenizers' serde rules (field
 // defaults, added-token id assignment, merges formats), and the public Tokenizer API.
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
+
+#include "io/json.h"
 
 #include "mixlens/errors.h"
 #include "tokenizer/tokenizer_impl.h"
@@ -18,6 +22,12 @@ namespace {
 // HF byte_level.rs: the GPT-2 split regex used by ByteLevel(use_regex=true).
 constexpr const char* kGpt2Regex =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// The largest tokenizer.json read (real ones: 2-35 MB).
+constexpr uintmax_t kMaxTokenizerBytes = uintmax_t{1} << 30;
+// Token ids index flat tables (id -> token): ids far past the number of tokens would make a tiny
+// file allocate gigabytes. Real files use dense ids (added tokens right after the vocab).
+constexpr int64_t kMaxIdSlack = 1 << 20;
 
 // What LoadSax lifts out of model.vocab / model.merges (see there).
 struct BigTables {
@@ -67,7 +77,7 @@ class LoadSax final : public nlohmann::json_sax<json> {
     }
     if (mode_ != Mode::None) return bad_in_capture();
     open(json::object());
-    return true;
+    return !too_deep_;
   }
   bool key(string_t& k) override {
     if (mode_ == Mode::Vocab) {
@@ -101,7 +111,7 @@ class LoadSax final : public nlohmann::json_sax<json> {
     }
     if (mode_ != Mode::None) return bad_in_capture();
     open(json::array());
-    return true;
+    return !too_deep_;
   }
   bool end_array() override {
     if (mode_ == Mode::MergePair) {
@@ -126,6 +136,7 @@ class LoadSax final : public nlohmann::json_sax<json> {
  private:
   enum class Mode { None, Vocab, Merges, MergePair };
   Mode mode_ = Mode::None;
+  bool too_deep_ = false;
   std::vector<json*> stack_;
   std::vector<std::string> keys_;  // latest key of each open object
   json* element_ = nullptr;        // where the next object member goes
@@ -148,6 +159,12 @@ class LoadSax final : public nlohmann::json_sax<json> {
     return element_;
   }
   void open(json v) {
+    // The parser's walks over normalizers / pre-tokenizers recurse: bound the nesting up front.
+    if (stack_.size() >= io::kMaxJsonDepth) {
+      tables.error = "JSON nested deeper than " + std::to_string(io::kMaxJsonDepth) + " levels (arrays / objects); refused";
+      too_deep_ = true;
+      return;
+    }
     stack_.push_back(place(std::move(v)));
     keys_.emplace_back();
   }
@@ -338,6 +355,10 @@ class Parser {
       max_id = std::max(max_id, static_cast<int32_t>(v));
       bpe.vocab[std::move(tok)] = static_cast<int32_t>(v);  // a repeated key keeps its last id
     }
+    if (static_cast<int64_t>(max_id) >= static_cast<int64_t>(bpe.vocab.size()) + kMaxIdSlack)
+      fail("model.vocab", "token id " + std::to_string(max_id) + " is far past the " + std::to_string(bpe.vocab.size()) +
+                              " tokens defined (ids must stay below token count + " + std::to_string(kMaxIdSlack) +
+                              "; the id -> token table would be huge)");
     bpe.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
     bpe.has_token.assign(static_cast<size_t>(max_id + 1), false);
     for (const auto& [tok, v] : bpe.vocab) {
@@ -529,6 +550,14 @@ class Parser {
 Tokenizer::Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
+  std::error_code ec;
+  // A FIFO would block forever and a device such as /dev/zero would read until memory runs out.
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    throw TokenizerError(path + ": tokenizer.json is not a regular file (a FIFO, device, socket or folder); refused");
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (!ec && size > kMaxTokenizerBytes)
+    throw TokenizerError(path + ": tokenizer.json is " + std::to_string(size) + " bytes, over the " +
+                         std::to_string(kMaxTokenizerBytes) + "-byte limit");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw TokenizerError(path + ": cannot open tokenizer.json");
   std::ostringstream ss;
@@ -571,6 +600,10 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, std::string_view orig
     max_id = std::max(max_id, t.id);
     if (t.special) impl->special_ids.push_back(t.id);
   }
+  const int64_t defined = static_cast<int64_t>(impl->bpe.vocab.size() + impl->added.tokens.size());
+  if (static_cast<int64_t>(max_id) >= defined + kMaxIdSlack)
+    p.fail("added_tokens", "token id " + std::to_string(max_id) + " is far past the " + std::to_string(defined) +
+                               " tokens defined (ids must stay below token count + " + std::to_string(kMaxIdSlack) + ")");
   std::sort(impl->special_ids.begin(), impl->special_ids.end());
   impl->special_ids.erase(std::unique(impl->special_ids.begin(), impl->special_ids.end()), impl->special_ids.end());
   impl->vocab_size = max_id + 1;

@@ -15,6 +15,12 @@
 
 namespace mixlens::test {
 
+/// Whether block `l` has a recurrent mixer (linear_attn values); hybrids also have attention and MLP blocks.
+inline bool has_mixer(const Model& m, int l) {
+  const LayerKind k = m.info().layer_kinds[static_cast<size_t>(l)];
+  return k != LayerKind::attention && k != LayerKind::mlp;
+}
+
 /// Every golden value of `c` (expect_golden_values) and at least `min_compared` of them.
 inline void expect_values_match(const GoldenCase& c, const Trace& t, const std::string& label, int min_compared = 50) {
   EXPECT_GT(expect_golden_values(c.golden, t, label), min_compared) << label;
@@ -61,6 +67,7 @@ inline void expect_state_invariants(const GoldenCase& c, double rel) {
   t.save("layers.*.linear_attn.states").save("layers.*.linear_attn.state_output").save("layers.*.linear_attn.state_input");
   run_recorded_steps(c, &t);
   for (int l = 0; l < c.model.info().num_layers; ++l) {
+    if (!has_mixer(c.model, l)) continue;
     const std::string p = "layers." + std::to_string(l) + ".linear_attn.";
     for (int s = 0; s < c.n_steps; ++s) {
       const Tensor& st = t.get(p + "states", s);         // [B,T,...]
@@ -98,6 +105,7 @@ inline void expect_continuation_equals_whole(const Model& m, const std::vector<i
     const Tensor& tail = parts.get("logits", 1);
     EXPECT_LE(rel_rms(tail, tail_positions(whole.get("logits"), tail.size(1))), tol) << "split " << split;
     for (int l = 0; l < m.info().num_layers; ++l) {
+      if (!has_mixer(m, l)) continue;
       const std::string p = "layers." + std::to_string(l) + ".linear_attn.";
       EXPECT_LE(rel_rms(parts.get(p + "state_output", 1), whole.get(p + "state_output")), tol) << p << " split " << split;
       const Tensor& st_whole = whole.get(p + "states");  // [1,T,...]
@@ -130,6 +138,7 @@ inline void expect_batched_equals_unbatched(const Model& m, const std::vector<st
     std::memcpy(row.data(), lb.data() + (row_i * T + pad) * V, sizeof(float) * static_cast<size_t>(n * V));
     EXPECT_LE(rel_rms(row, ls), 1e-5) << "row " << r;
     for (int l = 0; l < m.info().num_layers; ++l) {
+      if (!has_mixer(m, l)) continue;
       const Tensor& st = batched.get("layers." + std::to_string(l) + ".linear_attn.states");
       const int64_t per = st.numel() / (st.size(0) * T);
       for (int64_t t = 0; t < pad; ++t)

@@ -34,8 +34,9 @@ def rel_rms(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def tolerance(key: str) -> float:
-    """Relative RMS allowed against transformers: float32 1e-5 on values, 1e-4 on logits."""
-    return 1e-4 if "logits" in key else 1e-5
+    """Relative RMS allowed against transformers: 3e-5 on values, 1e-4 on logits (float32 rounding in
+    a different order compounds through the layers; why 3e-5: tests/cpp/fixture_util.h tolerance_for)."""
+    return 1e-4 if "logits" in key else 3e-5
 
 
 def build_mamba2(out_dir: Path, seed: int, config: dict, dt_bias=None, tokenizer: bool = False):

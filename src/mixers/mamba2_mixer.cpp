@@ -1,0 +1,235 @@
+#include "mixers/mamba2_mixer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "mixers/ssd.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+Mamba2Mixer::Mamba2Mixer(const Mamba2MixerDims& dims, const std::string& where) : d_(dims) {
+  const std::pair<const char*, int64_t> sizes[] = {{"hidden_size", d_.D}, {"intermediate width", d_.E},
+                                                   {"num_heads", d_.H},   {"head_dim", d_.P},
+                                                   {"n_groups", d_.G},    {"state_size", d_.N},
+                                                   {"conv_kernel", d_.K}, {"chunk_size", d_.chunk}};
+  for (const auto& [name, v] : sizes)
+    if (v <= 0 || v > (int64_t{1} << 32))
+      throw ConfigError(where + ": Mamba-2 " + name + " = " + std::to_string(v) + " is out of range (must be a positive size)");
+  if (d_.E != d_.H * d_.P)
+    throw ConfigError(where + ": the Mamba-2 intermediate width (" + std::to_string(d_.E) +
+                      ") must equal num_heads * head_dim (" + std::to_string(d_.H * d_.P) + ")");
+  if (d_.H % d_.G != 0)
+    throw ConfigError(where + ": num_heads (" + std::to_string(d_.H) + ") is not divisible by n_groups (" +
+                      std::to_string(d_.G) + ")");
+  if ((d_.norm == Mamba2Norm::gated_grouped || d_.norm == Mamba2Norm::grouped_then_gate) && d_.E % d_.G != 0)
+    throw ConfigError(where + ": the intermediate width (" + std::to_string(d_.E) + ") is not divisible by n_groups (" +
+                      std::to_string(d_.G) + ") for the grouped gated norm");
+  if (!(d_.dt_lo >= 0.0f && d_.dt_lo <= d_.dt_hi))
+    throw ConfigError(where + ": time step limit [" + std::to_string(d_.dt_lo) + ", " + std::to_string(d_.dt_hi) +
+                      "] must satisfy 0 <= min <= max");
+  if (!(d_.eps > 0.0f) || !std::isfinite(d_.eps))
+    throw ConfigError(where + ": the Mamba-2 norm epsilon must be a finite number > 0");
+}
+
+Mamba2MixerWeights Mamba2Mixer::load(const io::WeightStore& w, const std::string& p) const {
+  const int64_t proj = d_.proj_rows(), cd = d_.conv_dim();
+  Mamba2MixerWeights l;
+  l.in_proj = w.get(p + "in_proj.weight", {proj, d_.D});
+  if (d_.in_proj_bias) l.in_proj_bias = w.get(p + "in_proj.bias", {proj});
+  l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {cd, 1, d_.K}));
+  l.conv_bias = d_.conv_bias ? w.get(p + "conv1d.bias", {cd}) : Tensor({cd});
+  l.dt_bias = w.get(p + "dt_bias", {d_.H});
+  const Tensor A_log = w.get(p + "A_log", {d_.H});
+  l.A = Tensor({d_.H});
+  for (int64_t h = 0; h < d_.H; ++h) l.A[h] = -std::exp(A_log[h]);
+  l.D = w.get(p + "D", {d_.H});
+  if (d_.norm != Mamba2Norm::none) l.gnorm = w.get(p + "norm.weight", {d_.E});
+  l.out_proj = w.get(p + "out_proj.weight", {d_.D, d_.E});
+  if (d_.out_proj_bias) l.out_proj_bias = w.get(p + "out_proj.bias", {d_.D});
+  return l;
+}
+
+void Mamba2Mixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
+  const int64_t H = d_.H, P = d_.P, G = d_.G, N = d_.N;
+  v.push_back(layer_value(i, Value::attention_queries, {B, T, G, N}, true, "C after conv+SiLU and padding mask, as mamba2_chunk_scan receives it"));
+  v.push_back(layer_value(i, Value::attention_keys, {B, T, G, N}, true, "B after conv+SiLU and padding mask"));
+  v.push_back(layer_value(i, Value::attention_values, {B, T, H, P}, true, "x after conv+SiLU and padding mask"));
+  v.push_back(layer_value(i, Value::betas, {B, T, H}, true, "dt = softplus(dt + dt_bias), time_step_limit clamp on prompts; write >= 0"));
+  v.push_back(layer_value(i, Value::decays, {B, T, H}, true, "A*dt (A = -exp(A_log)); writing it writes dt = decays / A"));
+  v.push_back(layer_value(i, Value::state_input, {B, H, N, P}, true, "SSM state the call starts from, key side first; None on a fresh prompt"));
+  auto s = layer_value(i, Value::states, {B, T, H, N, P}, false, "SSM state after every token, key side first (computed only when asked)");
+  s.writable = false;
+  v.push_back(s);
+  v.push_back(layer_value(i, Value::state_output, {B, H, N, P}, true, "SSM state after the call's last token (goes to the cache)"));
+  v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, H, P}, true,
+                          d_.norm == Mamba2Norm::none ? "y = C.S + D*x per head; on a decode step already * silu(z) (transformers gates inside the decode kernel when mamba_rms_norm is off)"
+                                                      : "y = C.S + D*x per head, before the gated norm"));
+  v.push_back(layer_value(i, Value::attention_output, {B, T, d_.D}, true,
+                          d_.out_multiplier != 1.0f ? "out_proj(gated norm(y, z)) * ssm_out_multiplier, added to the residual"
+                                                    : "out_proj(gated RMSNorm(y, z)), added to the residual"));
+}
+
+Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, const Batch& in,
+                            const Mamba2MixerCall& call) const {
+  const int li = call.layer;
+  Listener* ls = call.ls;
+  const int64_t B = in.batch, T = in.seq, BT = B * T;
+  const int64_t D = d_.D, E = d_.E, H = d_.H, P = d_.P, G = d_.G, N = d_.N, K = d_.K;
+  const int64_t conv_dim = d_.conv_dim(), proj = d_.proj_rows();
+  // transformers' create_recurrent_attention_mask: no mask for one-token calls or no padding.
+  const bool masked = T > 1 && in.has_padding();
+  const bool decode = call.has_state && T == 1;
+  const float* n = n_in.data();
+  Tensor nm;
+  if (masked || d_.in_multiplier != 1.0f) {  // apply_mask_to_padding_states, then * ssm_in_multiplier
+    nm = n_in.clone();
+    if (masked) apply_row_mask(nm, in);
+    if (d_.in_multiplier != 1.0f)
+      for (int64_t k = 0; k < nm.numel(); ++k) nm[k] *= d_.in_multiplier;
+    n = nm.data();
+  }
+  Tensor zxbcdt({B, T, proj});
+  ops::linear(n, BT, D, lw.in_proj, zxbcdt.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
+  const auto& m = d_.proj_multipliers;
+  if (m[0] != 1.0f || m[1] != 1.0f || m[2] != 1.0f || m[3] != 1.0f || m[4] != 1.0f) {
+    // Falcon-H1 mup_vector: z | x | B | C | dt sections of the projection.
+    const int64_t ends[5] = {E, 2 * E, 2 * E + G * N, 2 * E + 2 * G * N, proj};
+    for (int64_t r = 0; r < BT; ++r) {
+      float* row = zxbcdt.data() + r * proj;
+      int64_t c = 0;
+      for (int s = 0; s < 5; ++s)
+        for (; c < ends[s]; ++c) row[c] *= m[static_cast<size_t>(s)];
+    }
+  }
+
+  // Causal depthwise conv over xBC with the cached K inputs as left context, then SiLU.
+  Tensor xbc({B, T, conv_dim});
+  ops::causal_conv1d(zxbcdt.data() + E, proj, B, T, conv_dim, K, lw.conv_wT.data(), lw.conv_bias.data(),
+                     call.conv->data(), xbc.data(), true);
+  if (masked) apply_row_mask(xbc, in);
+
+  Tensor x({B, T, H, P}), Bm({B, T, G, N}), Cm({B, T, G, N});
+  for (int64_t r = 0; r < BT; ++r) {
+    const float* src = xbc.data() + r * conv_dim;
+    std::memcpy(x.data() + r * E, src, sizeof(float) * static_cast<size_t>(E));
+    std::memcpy(Bm.data() + r * G * N, src + E, sizeof(float) * static_cast<size_t>(G * N));
+    std::memcpy(Cm.data() + r * G * N, src + E + G * N, sizeof(float) * static_cast<size_t>(G * N));
+  }
+  visit_if(ls, li, Value::attention_queries, Cm);
+  visit_if(ls, li, Value::attention_keys, Bm);
+  visit_if(ls, li, Value::attention_values, x);
+
+  // dt = softplus(dt_raw + dt_bias); the time-step clamp is applied on prompt / continuation calls
+  // only: the reference decode update (selective_state_update) has none.
+  Tensor dt({B, T, H});
+  for (int64_t r = 0; r < BT; ++r)
+    for (int64_t hh = 0; hh < H; ++hh) {
+      float v = ops::softplus(zxbcdt[r * proj + E + conv_dim + hh] + lw.dt_bias[hh]);
+      if (!decode) v = std::min(std::max(v, d_.dt_lo), d_.dt_hi);
+      dt[r * H + hh] = v;
+    }
+  visit_if(ls, li, Value::betas, dt);
+  if (ls && ls->wants(li, Value::decays)) {
+    // decays and betas are two views of one dt (values.md): a decays write sets dt = decays / A.
+    Tensor dec({B, T, H});
+    for (int64_t r = 0; r < BT; ++r)
+      for (int64_t hh = 0; hh < H; ++hh) dec[r * H + hh] = lw.A[hh] * dt[r * H + hh];
+    if (ls->visit(li, Value::decays, dec, dec.shape()))
+      for (int64_t r = 0; r < BT; ++r)
+        for (int64_t hh = 0; hh < H; ++hh) dt[r * H + hh] = dec[r * H + hh] / lw.A[hh];
+  }
+
+  Tensor& S = *call.ssm;
+  const auto serve = [this](const Tensor& s) { return served_state(s); };
+  const auto store = [this](const Tensor& o, Tensor& s) { store_served_state(o, s); };
+  visit_state_input(li, S, call.has_state, ls, served_state_shape(), serve, store);
+
+  Tensor y({B, T, H, P});
+  Tensor states;
+  if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, H, N, P});
+  for (int64_t b = 0; b < B; ++b) {
+    SsdArgs a;
+    a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
+    a.x = x.data() + b * T * E;
+    a.B = Bm.data() + b * T * G * N;
+    a.C = Cm.data() + b * T * G * N;
+    a.dt = dt.data() + b * T * H;
+    a.A = lw.A.data();
+    a.D = lw.D.data();
+    a.S = S.data() + b * H * P * N;
+    a.y = y.data() + b * T * E;
+    a.states = states.defined() ? states.data() + b * T * H * N * P : nullptr;
+    a.chunk = d_.chunk;
+    if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
+  }
+  if (states.defined()) ls->visit(li, Value::states, states, states.shape());
+  visit_state_output(li, S, ls, serve, store);
+
+  // Falcon-H1 without mamba_rms_norm gates inside the decode kernel (z passed to
+  // selective_state_update), so the decode step's head outputs are served gated.
+  const bool gate_in_kernel = d_.norm == Mamba2Norm::none && decode;
+  if (gate_in_kernel)
+    for (int64_t k = 0; k < BT * E; ++k) y[k] *= ops::silu(zxbcdt[(k / E) * proj + k % E]);
+  visit_if(ls, li, Value::attention_head_outputs, y);
+
+  Tensor g({B, T, E});
+  switch (d_.norm) {
+    case Mamba2Norm::gated_full:  // MambaRMSNormGated: gate before norm, over the full E width
+      for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      ops::rmsnorm(g.data(), lw.gnorm.data(), g.data(), BT, E, d_.eps);
+      break;
+    case Mamba2Norm::gated_grouped:
+      for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      group_rmsnorm(g, lw.gnorm, BT);
+      break;
+    case Mamba2Norm::grouped_then_gate:
+      std::copy(y.begin(), y.end(), g.data());
+      group_rmsnorm(g, lw.gnorm, BT);
+      for (int64_t k = 0; k < BT * E; ++k) g[k] *= ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      break;
+    case Mamba2Norm::none:
+      if (gate_in_kernel) std::copy(y.begin(), y.end(), g.data());
+      else for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      break;
+  }
+  Tensor out({B, T, D});
+  ops::linear(g.data(), BT, E, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
+  if (d_.out_multiplier != 1.0f)
+    for (int64_t k = 0; k < out.numel(); ++k) out[k] *= d_.out_multiplier;
+  visit_if(ls, li, Value::attention_output, out);
+  return out;
+}
+
+void Mamba2Mixer::group_rmsnorm(Tensor& g, const Tensor& w, int64_t rows) const {
+  // Per group of E/G channels, each with its slice of the weight (Zamba2RMSNormGated,
+  // FalconH1RMSNormGated).
+  const int64_t gs = d_.E / d_.G;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t gi = 0; gi < d_.G; ++gi) {
+      float* p = g.data() + r * d_.E + gi * gs;
+      ops::rmsnorm(p, w.data() + gi * gs, p, 1, gs, d_.eps);
+    }
+}
+
+// [B,H,P,N] kernel layout <-> [B,H,N,P] served layout (key side first).
+Tensor Mamba2Mixer::served_state(const Tensor& S) const {
+  const int64_t H = d_.H, P = d_.P, N = d_.N;
+  Tensor o({S.size(0), H, N, P});
+  for (int64_t bh = 0; bh < S.size(0) * H; ++bh)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t nn = 0; nn < N; ++nn) o[(bh * N + nn) * P + p] = S[(bh * P + p) * N + nn];
+  return o;
+}
+
+void Mamba2Mixer::store_served_state(const Tensor& o, Tensor& S) const {
+  const int64_t H = d_.H, P = d_.P, N = d_.N;
+  for (int64_t bh = 0; bh < S.size(0) * H; ++bh)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t nn = 0; nn < N; ++nn) S[(bh * P + p) * N + nn] = o[(bh * N + nn) * P + p];
+}
+
+}  // namespace mixlens::detail

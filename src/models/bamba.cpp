@@ -1,0 +1,85 @@
+// Bamba (BambaForCausalLM, model_type "bamba"): decoder layers of h += (Mamba-2 | attention)(RMSNorm(h))
+// (attention on attn_layer_indices, partial RoPE), then h += SwiGLU MLP(RMSNorm(h)) in every layer.
+// Reference: transformers 5.18 models/bamba/modeling_bamba.py. The Mamba-2 gated norm is full-width
+// (BambaRMSNormGated ignores mamba_n_groups); dt is clamped to time_step_limit on prompts.
+#include <algorithm>
+#include <cmath>
+
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "models/family.h"
+#include "models/mamba2_hybrid.h"
+
+namespace mixlens::detail {
+
+std::unique_ptr<FamilyModel> make_bamba(const io::Config& cfg, const io::WeightStore& w) {
+  Mamba2HybridSpec s;
+  s.family = "bamba";
+  s.pretty = "Bamba";
+  s.D = cfg.get<int64_t>("hidden_size");
+  s.V = cfg.get<int64_t>("vocab_size");
+  const int64_t L = cfg.get<int64_t>("num_hidden_layers");
+  require_positive(cfg, {{"hidden_size", s.D}, {"vocab_size", s.V}, {"num_hidden_layers", L}});
+  s.eps = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-5));
+  if (!(s.eps > 0.0f) || !std::isfinite(s.eps)) throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
+  s.tie = cfg.get_or<bool>("tie_word_embeddings", false);
+  const auto attn = cfg.has("attn_layer_indices") && !cfg.is_null("attn_layer_indices")
+                        ? cfg.get<std::vector<int64_t>>("attn_layer_indices") : std::vector<int64_t>{};
+  for (int64_t i : attn)
+    if (i < 0 || i >= L)
+      throw ConfigError(where(cfg) + ": attn_layer_indices entry " + std::to_string(i) + " is outside 0.." + std::to_string(L - 1));
+  for (int64_t i = 0; i < L; ++i) {
+    HybridBlock b;
+    b.attn = std::find(attn.begin(), attn.end(), i) != attn.end();
+    b.mamba = !b.attn;
+    b.ff = true;
+    b.kind = b.attn ? LayerKind::attention : LayerKind::mamba2;
+    s.blocks.push_back(b);
+  }
+  s.prefixes = {"model."};
+  s.embed = "embed_tokens.weight";
+  s.final_norm = "final_layernorm.weight";
+  s.in_norm = "input_layernorm.weight";
+  s.ff_norm = "pre_ff_layernorm.weight";
+  s.mamba_mod = "mamba";
+  s.attn_mod = "self_attn";
+  s.mlp_mod = "feed_forward";
+
+  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
+  if (act != "silu" && act != "swish") throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Bamba uses silu)");
+  Mamba2MixerDims& d = s.mamba;
+  d.D = s.D;
+  d.H = cfg.get_or<int64_t>("mamba_n_heads", 128);
+  d.E = static_cast<int64_t>(cfg.get_double_or("mamba_expand", 2.0) * static_cast<double>(s.D));
+  require_positive(cfg, {{"mamba_n_heads", d.H}});
+  const bool auto_head = !cfg.has("mamba_d_head") || cfg.is_null("mamba_d_head") || cfg.json().at("mamba_d_head").is_string();
+  d.P = auto_head ? d.E / d.H : cfg.get<int64_t>("mamba_d_head");
+  d.N = cfg.get_or<int64_t>("mamba_d_state", 256);
+  d.G = cfg.get_or<int64_t>("mamba_n_groups", 1);
+  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
+  d.chunk = cfg.get_or<int64_t>("mamba_chunk_size", 256);
+  d.eps = s.eps;
+  d.norm = Mamba2Norm::gated_full;
+  d.in_proj_bias = d.out_proj_bias = cfg.get_or<bool>("mamba_proj_bias", false);
+  d.conv_bias = cfg.get_or<bool>("mamba_conv_bias", true);
+  read_time_step_limit(cfg, d);
+
+  s.H = cfg.get<int64_t>("num_attention_heads");
+  s.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.H);
+  require_positive(cfg, {{"num_attention_heads", s.H}, {"num_key_value_heads", s.Hkv}});
+  if (!cfg.has("head_dim") && s.D % s.H != 0)
+    throw ConfigError(where(cfg) + ": hidden_size is not divisible by num_attention_heads and head_dim is not given");
+  s.hd = cfg.get_or<int64_t>("head_dim", s.D / s.H);
+  double partial = 0.5;
+  read_rope(cfg, 0.5, s.theta, partial);  // BambaConfig hard-codes partial_rotary_factor 0.5
+  s.rot = static_cast<int64_t>(static_cast<double>(s.hd) * partial);
+  s.attn_bias = cfg.get_or<bool>("attention_bias", false);
+
+  s.mlp = HybridMlp::swiglu;
+  s.I = cfg.get<int64_t>("intermediate_size");
+  require_positive(cfg, {{"intermediate_size", s.I}});
+  s.mlp_bias = cfg.get_or<bool>("mlp_bias", false);
+  return make_mamba2_hybrid(s, cfg, w);
+}
+
+}  // namespace mixlens::detail

@@ -1,0 +1,394 @@
+// Mamba-2 hybrids. References: transformers 5.18 models/nemotron_h/modeling_nemotron_h.py
+// (NemotronHBlock, NemotronHAttention, NemotronHMLP), models/bamba/modeling_bamba.py
+// (BambaDecoderLayer, BambaAttention, BambaMLP), models/falcon_h1/modeling_falcon_h1.py
+// (FalconH1DecoderLayer, FalconH1Attention, FalconH1MLP, FalconH1Model, FalconH1ForCausalLM).
+// Everything runs in float32.
+#include "models/mamba2_hybrid.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "mixers/attention.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d) {
+  if (!cfg.has("time_step_limit") || cfg.is_null("time_step_limit")) return;
+  auto lim = cfg.get<std::vector<double>>("time_step_limit");
+  if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
+  d.dt_lo = static_cast<float>(lim[0]);
+  d.dt_hi = static_cast<float>(lim[1]);
+  if (!(d.dt_lo >= 0.0f && d.dt_lo <= d.dt_hi))
+    throw ConfigError(where(cfg) + ": time_step_limit [" + std::to_string(lim[0]) + ", " + std::to_string(lim[1]) +
+                      "] must satisfy 0 <= min <= max");
+}
+
+void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial) {
+  theta = cfg.get_double_or("rope_theta", 10000.0);
+  partial = cfg.get_double_or("partial_rotary_factor", default_partial);
+  if (cfg.has("rope_parameters") && !cfg.is_null("rope_parameters")) {
+    const io::Config rp = cfg.sub("rope_parameters");
+    const std::string rt = rp.get_or<std::string>("rope_type", "default");
+    if (rt != "default")
+      throw UnsupportedError(where(cfg) + ": rope_parameters.rope_type '" + rt + "' is not supported (only 'default')");
+    theta = rp.get_double_or("rope_theta", theta);
+    partial = rp.get_double_or("partial_rotary_factor", partial);
+  }
+  if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
+}
+
+namespace {
+
+struct MlpW {
+  Tensor gate, up, down;           // gate [I, D] (swiglu only), up [I, D], down [D, I]
+  Tensor gate_b, up_b, down_b;     // optional biases
+};
+
+struct AttnW {
+  Tensor q, k, v, o;               // [H*hd, D], [Hkv*hd, D], [Hkv*hd, D], [D, H*hd]
+  Tensor qb, kb, vb, ob;           // optional biases
+};
+
+struct BlockW {
+  Tensor in_norm, ff_norm;
+  Mamba2MixerWeights mamba;
+  AttnW attn;
+  MlpW mlp;
+};
+
+struct HybridCache : CacheState {
+  bool has_state = false;
+  std::vector<Tensor> conv;  // mixer layers: [B, K, conv_dim]
+  std::vector<Tensor> ssm;   // mixer layers: [B, H, P, N] kernel layout
+  std::vector<KvCache> kv;   // attention layers
+  std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
+  std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
+};
+
+const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
+
+void add_into(Tensor& h, const Tensor& x) {
+  float* hp = h.data();
+  const float* xp = x.data();
+  for (int64_t k = 0; k < h.numel(); ++k) hp[k] += xp[k];
+}
+
+std::string kind_phrase(LayerKind k) {
+  const std::string n(layer_kind_name(k));
+  return (n[0] == 'a' ? "an " : "a ") + n + " block";
+}
+
+class Mamba2Hybrid final : public FamilyModel {
+ public:
+  Mamba2Hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg, const io::WeightStore& w) : s_(spec) {
+    L_ = static_cast<int64_t>(s_.blocks.size());
+    bool any_mamba = false, any_attn = false, any_mlp = false;
+    for (const auto& b : s_.blocks) {
+      any_mamba |= b.mamba;
+      any_attn |= b.attn;
+      any_mlp |= b.branch_mlp || b.ff;
+    }
+    if (any_mamba) mixer_ = Mamba2Mixer(s_.mamba, where(cfg));
+    if (any_attn) {
+      if (s_.H % s_.Hkv != 0)
+        throw ConfigError(where(cfg) + ": num_attention_heads (" + std::to_string(s_.H) +
+                          ") is not divisible by num_key_value_heads (" + std::to_string(s_.Hkv) + ")");
+      if (s_.rope) {
+        if (s_.rot <= 0 || s_.rot > s_.hd || s_.rot % 2 != 0)
+          throw ConfigError(where(cfg) + ": rotary dim " + std::to_string(s_.rot) + " must be even and in (0, head_dim = " +
+                            std::to_string(s_.hd) + "]");
+        inv_freq_ = rope_inv_freq(s_.rot, s_.theta);
+      }
+    }
+    // The first prefix under which the embeddings exist names the layout (published vs saved).
+    std::string p;
+    for (const auto& cand : s_.prefixes)
+      if (w.has(cand + s_.embed)) { p = cand; break; }
+    if (p.empty() && !s_.prefixes.empty()) p = s_.prefixes.front();  // w.get below names the missing tensor
+    embed_ = w.get(p + s_.embed, {s_.V, s_.D});
+    norm_f_ = w.get(p + s_.final_norm, {s_.D});
+    lm_head_ = s_.tie ? embed_ : w.get("lm_head.weight", {s_.V, s_.D});
+    const int64_t qd = s_.H * s_.hd, kd = s_.Hkv * s_.hd, I = s_.I;
+    for (int64_t i = 0; i < L_; ++i) {
+      const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
+      const std::string lp = p + "layers." + std::to_string(i) + ".";
+      BlockW bw;
+      bw.in_norm = w.get(lp + s_.in_norm, {s_.D});
+      if (b.mamba) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
+      if (b.attn) {
+        const std::string m = lp + s_.attn_mod + ".";
+        bw.attn.q = w.get(m + "q_proj.weight", {qd, s_.D});
+        bw.attn.k = w.get(m + "k_proj.weight", {kd, s_.D});
+        bw.attn.v = w.get(m + "v_proj.weight", {kd, s_.D});
+        bw.attn.o = w.get(m + "o_proj.weight", {s_.D, qd});
+        if (s_.attn_bias) {
+          bw.attn.qb = w.get(m + "q_proj.bias", {qd});
+          bw.attn.kb = w.get(m + "k_proj.bias", {kd});
+          bw.attn.vb = w.get(m + "v_proj.bias", {kd});
+          bw.attn.ob = w.get(m + "o_proj.bias", {s_.D});
+        }
+      }
+      if (b.branch_mlp || b.ff) {
+        if (b.ff) bw.ff_norm = w.get(lp + s_.ff_norm, {s_.D});
+        const std::string m = lp + s_.mlp_mod + ".";
+        if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get(m + "gate_proj.weight", {I, s_.D});
+        bw.mlp.up = w.get(m + "up_proj.weight", {I, s_.D});
+        bw.mlp.down = w.get(m + "down_proj.weight", {s_.D, I});
+        if (s_.mlp_bias) {
+          if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate_b = w.get(m + "gate_proj.bias", {I});
+          bw.mlp.up_b = w.get(m + "up_proj.bias", {I});
+          bw.mlp.down_b = w.get(m + "down_proj.bias", {s_.D});
+        }
+      }
+      blocks_.push_back(std::move(bw));
+    }
+    (void)any_mlp;
+    info.family = s_.family;
+    info.model_type = cfg.get<std::string>("model_type");
+    info.num_layers = static_cast<int>(L_);
+    info.hidden_size = s_.D;
+    info.vocab_size = s_.V;
+    for (const auto& b : s_.blocks) info.layer_kinds.push_back(b.kind);
+    config_chunk_ = s_.mamba.chunk;
+  }
+
+  void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : config_chunk_); }
+
+  std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
+    auto c = std::make_unique<HybridCache>();
+    c->batch = batch;
+    c->conv.resize(static_cast<size_t>(L_));
+    c->ssm.resize(static_cast<size_t>(L_));
+    c->kv.resize(static_cast<size_t>(L_));
+    for (int64_t i = 0; i < L_; ++i)
+      if (s_.blocks[static_cast<size_t>(i)].mamba) {
+        c->conv[static_cast<size_t>(i)] = Tensor({batch, s_.mamba.K, s_.mamba.conv_dim()});
+        Shape st{batch};
+        for (int64_t d : mixer_.state_shape()) st.push_back(d);
+        c->ssm[static_cast<size_t>(i)] = Tensor(st);
+      }
+    c->key_mask.resize(static_cast<size_t>(batch));
+    c->real_seen.assign(static_cast<size_t>(batch), 0);
+    return c;
+  }
+
+  std::string kernel_for(const CacheState& cache, int64_t seq) const override {
+    switch (kernel_route(s_.family)) {
+      case KernelRoute::chunked: return "chunked";
+      case KernelRoute::recurrent: return "recurrent";
+      default: break;
+    }
+    return static_cast<const HybridCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
+  }
+
+  Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
+                 bool all_logits) const override {
+    auto& cache = static_cast<HybridCache&>(cache_base);
+    const int64_t B = in.batch, T = in.seq, BT = B * T, D = s_.D;
+    // Position ids as transformers' generate builds them (cumsum(mask) - 1 over real tokens, 0 at
+    // padding); the key mask keeps padding out of every later attention call.
+    std::vector<int64_t> pos(static_cast<size_t>(BT));
+    for (int64_t b = 0; b < B; ++b) {
+      auto& seen = cache.real_seen[static_cast<size_t>(b)];
+      for (int64_t t = 0; t < T; ++t) {
+        const uint8_t m = in.mask[static_cast<size_t>(b * T + t)];
+        pos[static_cast<size_t>(b * T + t)] = m ? seen++ : 0;
+        cache.key_mask[static_cast<size_t>(b)].push_back(m);
+      }
+    }
+    Tensor h = embed_tokens(embed_, in, s_.family.c_str());
+    if (s_.embedding_multiplier != 1.0f)
+      for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
+    visit_if(ls, -1, Value::embed_output, h);
+    Tensor n({B, T, D});
+    for (int64_t i = 0; i < L_; ++i) {
+      const int li = static_cast<int>(i);
+      const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
+      const BlockW& bw = blocks_[static_cast<size_t>(i)];
+      visit_if(ls, li, Value::layer_input, h);
+      ops::rmsnorm(h.data(), bw.in_norm.data(), n.data(), BT, D, s_.eps);
+      Tensor branch({B, T, D});
+      if (b.mamba) {
+        Mamba2MixerCall call;
+        call.layer = li;
+        call.conv = &cache.conv[static_cast<size_t>(i)];
+        call.ssm = &cache.ssm[static_cast<size_t>(i)];
+        call.has_state = cache.has_state;
+        call.chunked = ctx.kernel == "chunked";
+        call.ls = ls;
+        add_into(branch, mixer_.forward(bw.mamba, n, in, call));
+      }
+      if (b.attn) add_into(branch, attention(li, bw.attn, n, in, pos, cache, ls));
+      if (b.branch_mlp) {
+        Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
+        visit_if(ls, li, Value::mlp_output, m);
+        add_into(branch, m);
+      }
+      add_into(h, branch);
+      if (b.ff) {
+        ops::rmsnorm(h.data(), bw.ff_norm.data(), n.data(), BT, D, s_.eps);
+        Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
+        visit_if(ls, li, Value::mlp_output, m);
+        add_into(h, m);
+      }
+      visit_if(ls, li, Value::layer_output, h);
+    }
+    cache.has_state = true;
+    ops::rmsnorm(h.data(), norm_f_.data(), h.data(), BT, D, s_.eps);
+    visit_if(ls, -1, Value::ln_final_output, h);
+    if (s_.lm_head_multiplier == 1.0f) return lm_logits(lm_head_, h, ls, all_logits);
+    // Falcon-H1: logits = lm_head(h) * lm_head_multiplier; served (and sampled) after the multiplier.
+    const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
+    Tensor logits = lm_logits(lm_head_, h, nullptr, full);
+    for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
+    if (full) visit_if(ls, -1, Value::logits, logits);
+    return logits;
+  }
+
+  Head head() const override { return {&embed_, &norm_f_, &lm_head_, s_.eps, false, s_.lm_head_multiplier}; }
+
+  std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
+    const int64_t D = s_.D;
+    std::vector<ValueInfo> v;
+    v.push_back(global_value(Value::embed_output, {B, T, D},
+                             s_.embedding_multiplier != 1.0f ? "token embeddings * embedding_multiplier" : "token embeddings"));
+    for (int i = 0; i < static_cast<int>(L_); ++i) {
+      const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
+      v.push_back(layer_value(i, Value::layer_input, {B, T, D}, true, "residual stream entering the block"));
+      if (b.mamba) mixer_.values(i, B, T, v);
+      if (b.attn) {
+        const std::string rope = s_.rope ? " and RoPE" : " (no positional encoding)";
+        v.push_back(layer_value(i, Value::attn_queries, {B, T, s_.H, s_.hd}, true, "q after q_proj" + rope));
+        v.push_back(layer_value(i, Value::attn_keys, {B, T, s_.Hkv, s_.hd}, true,
+                                std::string(s_.key_multiplier != 1.0f ? "k * key_multiplier" : "k") + rope + " (as cached)"));
+        v.push_back(layer_value(i, Value::attn_values, {B, T, s_.Hkv, s_.hd}, true, "v (as cached)"));
+        ValueInfo p = layer_value(i, Value::attn_probs, {B, s_.H, T, T}, true,
+                                  "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
+                                  "masked and future keys; transformers' eager attn_weights), read-only");
+        p.writable = false;
+        v.push_back(p);
+        v.push_back(layer_value(i, Value::attn_output, {B, T, D}, true,
+                                s_.attention_out_multiplier != 1.0f ? "o_proj(attention) * attention_out_multiplier, added to the residual"
+                                                                    : "o_proj(attention), added to the residual"));
+      }
+      if (b.branch_mlp || b.ff)
+        v.push_back(layer_value(i, Value::mlp_output, {B, T, D}, true,
+                                s_.mlp == HybridMlp::relu2 ? "relu2 MLP output" : "SwiGLU MLP output"));
+      v.push_back(layer_value(i, Value::layer_output, {B, T, D}, true, "residual stream leaving the block"));
+    }
+    v.push_back(global_value(Value::ln_final_output, {B, T, D}, "final RMSNorm output"));
+    v.push_back(global_value(Value::logits, {B, T, s_.V},
+                             s_.lm_head_multiplier != 1.0f ? "lm_head logits * lm_head_multiplier" : "lm_head logits"));
+    return v;
+  }
+
+  std::map<std::string, std::map<int, std::string>> support() const override {
+    std::map<std::string, std::map<int, std::string>> sup;
+    for (int i = 0; i < static_cast<int>(L_); ++i) {
+      const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
+      const std::string block = "block " + std::to_string(i) + " is " + kind_phrase(b.kind);
+      for (int vi = 0; vi < kNumValues; ++vi) {
+        const Value val = static_cast<Value>(vi);
+        const Component c = value_component(val);
+        if (c == Component::linear_attn)
+          sup["linear_attn." + std::string(value_name(val))][i] =
+              b.mamba ? "" : block + ", which has no Mamba-2 mixer (linear_attn)" + (b.attn ? ": use self_attn values" : "");
+        else if (c == Component::self_attn) {
+          std::string r;
+          if (!b.attn) r = block + ", which has no softmax attention (self_attn)" + (b.mamba ? ": use linear_attn values" : "");
+          else if (val == Value::attn_gate) r = block + " whose attention has no output gate (" + s_.pretty + " attention is ungated)";
+          sup["self_attn." + std::string(value_name(val))][i] = r;
+        }
+      }
+      sup["mlp.output"][i] = (b.branch_mlp || b.ff) ? "" : block + ", which has no MLP (" + s_.pretty +
+                                                               " puts its MLPs in blocks of their own)";
+    }
+    return sup;
+  }
+
+ private:
+  // swiglu: down(act(gate x * gate_mult) * up x) * down_mult; relu2: down(relu(up x)^2).
+  Tensor mlp(const MlpW& m, const float* x, int64_t rows) const {
+    const int64_t I = s_.I, D = s_.D;
+    Tensor up({rows, I}), out({rows, D});
+    ops::linear(x, rows, D, m.up, up.data(), opt(m.up_b));
+    if (s_.mlp == HybridMlp::swiglu) {
+      Tensor g({rows, I});
+      ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
+      for (int64_t k = 0; k < rows * I; ++k) {
+        const float gv = s_.mlp_gate_multiplier != 1.0f ? g[k] * s_.mlp_gate_multiplier : g[k];
+        up[k] = ops::silu(gv) * up[k];
+      }
+    } else {
+      for (int64_t k = 0; k < rows * I; ++k) {
+        const float r = std::max(up[k], 0.0f);
+        up[k] = r * r;
+      }
+    }
+    ops::linear(up.data(), rows, I, m.down, out.data(), opt(m.down_b));
+    if (s_.mlp_down_multiplier != 1.0f)
+      for (int64_t k = 0; k < out.numel(); ++k) out[k] *= s_.mlp_down_multiplier;
+    return out;
+  }
+
+  // Causal GQA attention over the KV cache (NemotronHAttention / BambaAttention / FalconH1Attention).
+  Tensor attention(int li, const AttnW& a, const Tensor& n_in, const Batch& in, const std::vector<int64_t>& pos,
+                   HybridCache& cache, Listener* ls) const {
+    const int64_t B = in.batch, T = in.seq, BT = B * T, d = s_.hd, H = s_.H, Hkv = s_.Hkv, D = s_.D;
+    const float* n = n_in.data();
+    Tensor nm;
+    if (s_.attention_in_multiplier != 1.0f) {  // Falcon-H1: self_attn(hidden_states * attention_in_multiplier)
+      nm = n_in.clone();
+      for (int64_t k = 0; k < nm.numel(); ++k) nm[k] *= s_.attention_in_multiplier;
+      n = nm.data();
+    }
+    Tensor q({B, T, H, d}), k({B, T, Hkv, d}), v({B, T, Hkv, d});
+    ops::linear(n, BT, D, a.q, q.data(), opt(a.qb));
+    ops::linear(n, BT, D, a.k, k.data(), opt(a.kb));
+    ops::linear(n, BT, D, a.v, v.data(), opt(a.vb));
+    if (s_.key_multiplier != 1.0f)
+      for (int64_t e = 0; e < k.numel(); ++e) k[e] *= s_.key_multiplier;
+    if (s_.rope) {
+      apply_rope(q.data(), BT, H, d, s_.rot, pos.data(), inv_freq_);
+      apply_rope(k.data(), BT, Hkv, d, s_.rot, pos.data(), inv_freq_);
+    }
+    visit_if(ls, li, Value::attn_queries, q);
+    visit_if(ls, li, Value::attn_keys, k);
+    visit_if(ls, li, Value::attn_values, v);
+    KvCache& kv = cache.kv[static_cast<size_t>(li)];
+    const int64_t past = kv.len;
+    kv.append(k.data(), v.data(), B, T, Hkv * d);
+    Tensor att({B, T, H, d});
+    // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
+    Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
+    causal_attention(q.data(), B, T, H, Hkv, d, past, kv, cache.key_mask, att.data(),
+                     probs.defined() ? probs.data() : nullptr);
+    if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
+    Tensor out({B, T, D});
+    ops::linear(att.data(), BT, H * d, a.o, out.data(), opt(a.ob));
+    if (s_.attention_out_multiplier != 1.0f)
+      for (int64_t e = 0; e < out.numel(); ++e) out[e] *= s_.attention_out_multiplier;
+    visit_if(ls, li, Value::attn_output, out);
+    return out;
+  }
+
+  Mamba2HybridSpec s_;
+  int64_t L_ = 0, config_chunk_ = 256;
+  Mamba2Mixer mixer_;
+  std::vector<float> inv_freq_;
+  Tensor embed_, norm_f_, lm_head_;
+  std::vector<BlockW> blocks_;
+};
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
+                                                const io::WeightStore& weights) {
+  return std::make_unique<Mamba2Hybrid>(spec, cfg, weights);
+}
+
+}  // namespace mixlens::detail

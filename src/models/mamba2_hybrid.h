@@ -1,0 +1,66 @@
+// Shared implementation of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1): pre-norm residual
+// blocks whose first branch runs the Mamba-2 mixer (src/mixers/mamba2_mixer.*), softmax attention
+// (src/mixers/attention.*), both side by side (Falcon-H1, summed), or an MLP (Nemotron-H MLP
+// blocks); optionally a second branch pre_ff norm + MLP (Bamba, Falcon-H1). The family files
+// (nemotron_h.cpp, bamba.cpp, falcon_h1.cpp) read their configs into a Mamba2HybridSpec.
+// Cache: conv window + SSM state for mixer layers, a KV cache for attention layers.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/json.h"
+#include "io/weights.h"
+#include "mixers/mamba2_mixer.h"
+#include "models/family.h"
+
+namespace mixlens::detail {
+
+enum class HybridMlp { swiglu, relu2 };
+
+/// What one block holds (weights are looked up under the spec's names).
+struct HybridBlock {
+  bool mamba = false;       ///< the Mamba-2 mixer on the first branch (values linear_attn.*)
+  bool attn = false;        ///< softmax attention on the first branch (values self_attn.*)
+  bool branch_mlp = false;  ///< Nemotron-H MLP block: the MLP is the first branch (mlp.output)
+  bool ff = false;          ///< second residual branch: ff norm + MLP (mlp.output)
+  LayerKind kind = LayerKind::mamba2;
+};
+
+struct Mamba2HybridSpec {
+  std::string family;  ///< route_kernels name and info.family
+  std::string pretty;  ///< name in messages ("Nemotron-H")
+  int64_t D = 0, V = 0;
+  float eps = 1e-5f;   ///< block / final RMSNorm epsilon
+  bool tie = false;
+  std::vector<HybridBlock> blocks;
+  // Weight names: <prefix><embed>, <prefix>layers.<i>.<in_norm> / <ff_norm>, modules under
+  // <prefix>layers.<i>.<mamba_mod> / <attn_mod> / <mlp_mod>, <prefix><final_norm>, lm_head.weight.
+  std::vector<std::string> prefixes;  ///< tried in order (published and transformers-saved layouts)
+  std::string embed, final_norm, in_norm, ff_norm, mamba_mod, attn_mod, mlp_mod;
+
+  Mamba2MixerDims mamba;
+  // attention (model-math.md §6.1): GQA, optional RoPE on the first `rot` dims of each head
+  int64_t H = 0, Hkv = 0, hd = 0, rot = 0;
+  double theta = 10000.0;
+  bool rope = true, attn_bias = false;
+  // MLP
+  HybridMlp mlp = HybridMlp::swiglu;
+  int64_t I = 0;
+  bool mlp_bias = false;
+  // Falcon-H1 µP multipliers (1 elsewhere), applied where transformers applies them.
+  float embedding_multiplier = 1.0f, lm_head_multiplier = 1.0f, key_multiplier = 1.0f;
+  float attention_in_multiplier = 1.0f, attention_out_multiplier = 1.0f;
+  float mlp_gate_multiplier = 1.0f, mlp_down_multiplier = 1.0f;
+};
+
+std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
+                                                const io::WeightStore& weights);
+
+/// time_step_limit ([min, max], either may be absent) into dims.dt_lo / dt_hi; ConfigError otherwise.
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims);
+/// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
+/// fields; UnsupportedError for any rope_type other than "default".
+void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
+
+}  // namespace mixlens::detail

@@ -1,0 +1,117 @@
+// Nemotron-H (NemotronHForCausalLM, model_type "nemotron_h"): one residual block per entry of the
+// layer pattern (hybrid_override_pattern "M*-E" or layers_block_type / layer_types), each
+// h += mixer(RMSNorm(h)) with mixer = Mamba-2 (M), attention without positional encoding (*),
+// or a relu2 MLP (-). Reference: transformers 5.18 models/nemotron_h/modeling_nemotron_h.py.
+// Mamba-2 here: n_groups > 1 with the grouped gated norm (Zamba2RMSNormGated, group = E / n_groups),
+// dt clamped to [time_step_min, inf) on prompts (NemotronHMamba2Mixer ignores time_step_limit).
+#include <algorithm>
+#include <cmath>
+
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "models/family.h"
+#include "models/mamba2_hybrid.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+// Pattern characters and list entries (current and legacy names) -> block.
+HybridBlock block_for(const std::string& t, const io::Config& cfg, size_t i) {
+  HybridBlock b;
+  if (t == "M" || t == "linear_attention" || t == "mamba") {
+    b.mamba = true;
+    b.kind = LayerKind::mamba2;
+  } else if (t == "*" || t == "full_attention" || t == "attention") {
+    b.attn = true;
+    b.kind = LayerKind::attention;
+  } else if (t == "-" || t == "mlp") {
+    b.branch_mlp = true;
+    b.kind = LayerKind::mlp;
+  } else if (t == "E" || t == "moe") {
+    throw UnsupportedError(where(cfg) + ": block " + std::to_string(i) +
+                           " is a MoE block ('E' / 'moe'); mixlens does not support Nemotron-H MoE blocks yet");
+  } else {
+    throw ConfigError(where(cfg) + ": block " + std::to_string(i) + " has type '" + t +
+                      "' (expected M / linear_attention, * / full_attention, - / mlp or E / moe)");
+  }
+  return b;
+}
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& cfg, const io::WeightStore& w) {
+  Mamba2HybridSpec s;
+  s.family = "nemotron_h";
+  s.pretty = "Nemotron-H";
+  s.D = cfg.get<int64_t>("hidden_size");
+  s.V = cfg.get<int64_t>("vocab_size");
+  require_positive(cfg, {{"hidden_size", s.D}, {"vocab_size", s.V}});
+  s.eps = static_cast<float>(cfg.get_double_or("layer_norm_epsilon", 1e-5));
+  if (!(s.eps > 0.0f) || !std::isfinite(s.eps)) throw ConfigError(where(cfg) + ": layer_norm_epsilon must be a finite number > 0");
+  // NemotronHForCausalLM ties nothing (_tied_weights_keys = {}): lm_head.weight is always its own,
+  // whatever tie_word_embeddings says.
+  s.tie = false;
+
+  std::vector<std::string> types;
+  std::string field;
+  for (const char* f : {"layer_types", "layers_block_type"})
+    if (types.empty() && cfg.has(f) && !cfg.is_null(f)) {
+      types = cfg.get<std::vector<std::string>>(f);
+      field = f;
+    }
+  if (types.empty() && cfg.has("hybrid_override_pattern") && !cfg.is_null("hybrid_override_pattern")) {
+    field = "hybrid_override_pattern";
+    for (char c : cfg.get<std::string>(field)) types.emplace_back(1, c);
+  }
+  if (types.empty())
+    throw ConfigError(where(cfg) + ": Nemotron-H needs the block pattern: hybrid_override_pattern, layers_block_type or layer_types");
+  // transformers only warns and uses the pattern's length; a mismatch is almost always a wrong
+  // file, so mixlens refuses it.
+  if (cfg.has("num_hidden_layers") && !cfg.is_null("num_hidden_layers") &&
+      cfg.get<int64_t>("num_hidden_layers") != static_cast<int64_t>(types.size()))
+    throw ConfigError(where(cfg) + ": " + field + " has " + std::to_string(types.size()) +
+                      " blocks but num_hidden_layers is " + std::to_string(cfg.get<int64_t>("num_hidden_layers")));
+  for (size_t i = 0; i < types.size(); ++i) s.blocks.push_back(block_for(types[i], cfg, i));
+
+  s.prefixes = {"model.", "backbone."};  // transformers 5.18 save_pretrained / published checkpoints
+  s.embed = "embeddings.weight";
+  s.final_norm = "norm_f.weight";
+  s.in_norm = "norm.weight";
+  s.mamba_mod = s.attn_mod = s.mlp_mod = "mixer";
+
+  Mamba2MixerDims& d = s.mamba;
+  d.D = s.D;
+  d.H = cfg.get_or<int64_t>("mamba_num_heads", 128);
+  d.P = cfg.get_or<int64_t>("mamba_head_dim", 64);
+  d.E = d.H * d.P;
+  d.N = cfg.get_or<int64_t>("ssm_state_size", 128);
+  d.G = cfg.get_or<int64_t>("n_groups", cfg.get_or<int64_t>("mamba_n_groups", 8));
+  d.K = cfg.get_or<int64_t>("conv_kernel", cfg.get_or<int64_t>("mamba_d_conv", 4));
+  d.chunk = cfg.get_or<int64_t>("chunk_size", cfg.get_or<int64_t>("mamba_chunk_size", 128));
+  d.eps = s.eps;
+  d.norm = Mamba2Norm::gated_grouped;
+  d.in_proj_bias = d.out_proj_bias = cfg.get_or<bool>("use_bias", false);
+  d.conv_bias = cfg.get_or<bool>("use_conv_bias", cfg.get_or<bool>("mamba_conv_bias", true));
+  // NemotronHMamba2Mixer: time_step_limit = (time_step_min, inf), whatever time_step_limit says.
+  d.dt_lo = static_cast<float>(cfg.get_double_or("time_step_min", cfg.get_double_or("mamba_dt_min", 0.001)));
+  const std::string mact = cfg.get_or<std::string>("mamba_hidden_act", "silu");
+  if (mact != "silu" && mact != "swish")
+    throw UnsupportedError(where(cfg) + ": mamba_hidden_act '" + mact + "' is not supported (Nemotron-H uses silu)");
+
+  s.H = cfg.get_or<int64_t>("num_attention_heads", 32);
+  s.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.H);
+  s.hd = cfg.get_or<int64_t>("head_dim", 128);  // NemotronHConfig's default, not hidden/heads
+  require_positive(cfg, {{"num_attention_heads", s.H}, {"num_key_value_heads", s.Hkv}, {"head_dim", s.hd}});
+  s.rope = false;  // NemotronHAttention has no positional encoding
+
+  s.mlp = HybridMlp::relu2;
+  s.I = cfg.get_or<int64_t>("intermediate_size", 21504);
+  require_positive(cfg, {{"intermediate_size", s.I}});
+  s.mlp_bias = cfg.get_or<bool>("mlp_bias", false);
+  const std::string act = cfg.get_or<std::string>("mlp_hidden_act", "relu2");
+  if (act != "relu2") throw UnsupportedError(where(cfg) + ": mlp_hidden_act '" + act + "' is not supported (Nemotron-H uses relu2)");
+  return make_mamba2_hybrid(s, cfg, w);
+}
+
+}  // namespace mixlens::detail

@@ -1,0 +1,202 @@
+// The Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1): parity with transformers through the golden
+// fixtures (scripts/make_fixtures_hybrids.py), the values.md invariants, support() / block kinds,
+// and load-time errors.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <functional>
+#include <unistd.h>
+
+#include "fixture_util.h"
+#include "mixlens/errors.h"
+#include "recurrent_checks.h"
+
+using namespace mixlens;
+using namespace mixlens::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Param {
+  std::string family, name;
+};
+std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.param.family + "_" + p.param.name; }
+
+std::vector<Param> all_cases() {
+  std::vector<Param> out;
+  for (const char* f : {"nemotron_h", "bamba", "falcon_h1"})
+    for (const auto& n : fixture_cases(f)) out.push_back({f, n});
+  return out;
+}
+
+class HybridFixture : public ::testing::TestWithParam<Param> {};
+
+TEST_P(HybridFixture, EveryValueEveryStepMatchesTransformers) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  Trace t;
+  save_all_values(c.model, t);
+  run_recorded_steps(c, &t);
+  EXPECT_GT(expect_golden_values(c.golden, t, c.name), 100);
+  ASSERT_EQ(t.calls().size(), static_cast<size_t>(c.n_steps));
+  EXPECT_EQ(t.calls()[0].kernel, "chunked");
+  for (int s = 1; s < c.n_steps; ++s) EXPECT_EQ(t.calls()[static_cast<size_t>(s)].kernel, "recurrent");
+}
+
+TEST_P(HybridFixture, ForcedKernelPathsMatchTransformersToo) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  for (const char* route : {"recurrent", "chunked"}) {
+    route_kernels(GetParam().family, route);
+    Trace t;
+    save_all_values(c.model, t);
+    run_recorded_steps(c, &t);
+    route_kernels(GetParam().family, "default");
+    EXPECT_GT(expect_golden_values(c.golden, t, c.name + " route " + route), 100);
+    for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, route);
+  }
+}
+
+TEST_P(HybridFixture, GreedyTokensMatch) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  GenerateOptions o;
+  o.max_new_tokens = c.n_steps;
+  o.eos_token_id = -1;
+  auto res = c.model.generate(c.prompts, o);
+  for (size_t r = 0; r < c.tokens.size(); ++r) EXPECT_EQ(res.new_tokens[r], c.tokens[r]) << "row " << r;
+}
+
+TEST_P(HybridFixture, StateInvariants) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  expect_state_invariants(c, 1e-5);
+}
+
+TEST_P(HybridFixture, EditsMatchTransformersWithTheSameModification) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  if (c.spec["edits"].empty()) GTEST_SKIP() << "case has no edits";
+  EXPECT_GT(expect_edits_match(c), 0);
+}
+
+TEST_P(HybridFixture, PrefixThenContinuationEqualsWholePrompt) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  const auto& p = c.prompts.back();  // the shortest row of a padded batch is unpadded in its own run
+  if (p.size() < 5) GTEST_SKIP() << "prompt too short to split";
+  // Tails of >= 2 tokens: a one-token continuation is a decode step, which (as in transformers)
+  // skips the dt clamp these fixtures make bite, so it legitimately differs from the whole prompt.
+  expect_continuation_equals_whole(c.model, p, {1, p.size() / 2, p.size() - 2});
+}
+
+TEST_P(HybridFixture, BatchedEqualsUnbatchedUnderLeftPadding) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  if (c.prompts.size() < 2) GTEST_SKIP() << "single prompt";
+  expect_batched_equals_unbatched(c.model, c.prompts);
+}
+
+TEST_P(HybridFixture, ZeroBetaSkipsTokenBitExactOnRecurrentPath) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  const int layer = c.spec["mixer_layers"][0].get<int>();
+  expect_zero_beta_skips_token(c.model, GetParam().family, c.prompts.front(), layer, 3);
+}
+
+TEST_P(HybridFixture, WritingBackUnchangedValuesChangesNothing) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  expect_unchanged_writes_change_nothing(c.model, c.prompts);
+}
+
+// values.md: asking a block for a mixer it does not have names the block's kind; support() agrees.
+TEST_P(HybridFixture, MissingComponentsNameTheBlockKind) {
+  GoldenCase c(GetParam().family, GetParam().name);
+  const auto sup = c.model.support();
+  const auto& kinds = c.model.info().layer_kinds;
+  for (int l = 0; l < c.model.info().num_layers; ++l) {
+    const std::string kind(layer_kind_name(kinds[static_cast<size_t>(l)]));
+    const std::string block = "block " + std::to_string(l) + (kind[0] == 'a' ? " is an " : " is a ") + kind + " block";
+    const std::string lp = "layers." + std::to_string(l) + ".";
+    const bool mixer = has_mixer(c.model, l);
+    EXPECT_EQ(sup.at("linear_attn.states").at(l).empty(), mixer) << l;
+    if (!mixer) {
+      EXPECT_NE(unknown_path_message(c.model, c.prompts, lp + "linear_attn.betas").find(block), std::string::npos) << l;
+    }
+    const bool attn = kinds[static_cast<size_t>(l)] == LayerKind::attention || kinds[static_cast<size_t>(l)] == LayerKind::hybrid;
+    EXPECT_EQ(sup.at("self_attn.attention_output").at(l).empty(), attn) << l;
+    if (!attn) {
+      EXPECT_NE(unknown_path_message(c.model, c.prompts, lp + "self_attn.attention_keys").find(block), std::string::npos) << l;
+    }
+    // No hybrid here has an attention output gate.
+    EXPECT_NE(unknown_path_message(c.model, c.prompts, lp + "self_attn.gate").find(block), std::string::npos) << l;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HybridFixture, ::testing::ValuesIn(all_cases()), param_name);
+
+// ---- loading ----------------------------------------------------------------------------------
+
+fs::path patched_copy(const std::string& rel, const std::string& tag, const std::function<void(nlohmann::json&)>& patch) {
+  const fs::path src = fixture(rel);
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_hybrid_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  fs::copy_file(src / "model.safetensors", dst / "model.safetensors");
+  nlohmann::json cfg = read_json(src / "config.json");
+  patch(cfg);
+  std::ofstream(dst / "config.json") << cfg.dump();
+  return dst;
+}
+
+template <class E>
+std::string load_error(const fs::path& dir) {
+  try {
+    Model::load(dir.string());
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong error type: ") + e.what();
+  }
+  return "no error";
+}
+
+#define EXPECT_LOAD_ERROR(E, dir, text) \
+  EXPECT_NE(load_error<E>(dir).find(text), std::string::npos) << load_error<E>(dir)
+
+TEST(Hybrids, BadConfigsGiveClearErrors) {
+  // Nemotron-H: a pattern whose length does not match num_hidden_layers (transformers only warns).
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("nemotron_h/groups2_edits", "len", [](nlohmann::json& c) { c["num_hidden_layers"] = 5; }),
+                    "layers_block_type has 4 blocks but num_hidden_layers is 5");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("nemotron_h/groups2_edits", "pat", [](nlohmann::json& c) {
+                      c.erase("layers_block_type");
+                      c["hybrid_override_pattern"] = "M*M-";
+                      c["num_hidden_layers"] = 3;
+                    }), "hybrid_override_pattern has 4 blocks but num_hidden_layers is 3");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("nemotron_h/groups2_edits", "badtype", [](nlohmann::json& c) { c["layers_block_type"][1] = "conv"; }),
+                    "block 1 has type 'conv'");
+  EXPECT_LOAD_ERROR(UnsupportedError, patched_copy("nemotron_h/groups2_edits", "moe", [](nlohmann::json& c) { c["layers_block_type"][3] = "moe"; }),
+                    "block 3 is a MoE block");
+  // A missing block weight: the pattern says attention where the checkpoint has an MLP.
+  EXPECT_LOAD_ERROR(Error, patched_copy("nemotron_h/groups2_edits", "missing", [](nlohmann::json& c) { c["layers_block_type"][3] = "full_attention"; }),
+                    "layers.3.mixer.q_proj.weight");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("nemotron_h/groups2_edits", "groups", [](nlohmann::json& c) { c["n_groups"] = 3; }),
+                    "num_heads (4) is not divisible by n_groups (3)");
+  // Bamba: an attention index outside the layers; a missing attention weight.
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("bamba/groups2_edits", "idx", [](nlohmann::json& c) { c["attn_layer_indices"] = {7}; }),
+                    "attn_layer_indices entry 7 is outside 0..2");
+  EXPECT_LOAD_ERROR(Error, patched_copy("bamba/groups2_edits", "bmiss", [](nlohmann::json& c) { c["attn_layer_indices"] = {0}; }),
+                    "layers.0.self_attn.q_proj.weight");
+  // Falcon-H1: multiplier lists of the wrong length, head sizes that do not multiply out.
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("falcon_h1/norm_before_gate", "mult", [](nlohmann::json& c) { c["ssm_multipliers"] = {1.0, 2.0}; }),
+                    "ssm_multipliers must have 5 entries (got 2)");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("falcon_h1/norm_before_gate", "dssm", [](nlohmann::json& c) { c["mamba_d_head"] = 16; }),
+                    "intermediate width (48) must equal num_heads * head_dim (64)");
+}
+
+TEST(Hybrids, ChunkSizeChangesNothingButTheAlgorithm) {
+  GoldenCase c("nemotron_h", "groups2_edits");
+  Trace a, b;
+  a.save("layers.*.linear_attn.states").save("logits");
+  b.save("layers.*.linear_attn.states").save("logits");
+  c.model.run(c.prompts, &a);
+  c.model.set_chunk_size(3);  // smaller than the prompt, not a divisor of it
+  c.model.run(c.prompts, &b);
+  c.model.set_chunk_size(0);
+  EXPECT_LE(rel_rms(a.get("logits"), b.get("logits")), 1e-5);
+  EXPECT_LE(rel_rms(a.get("layers.0.linear_attn.states"), b.get("layers.0.linear_attn.states")), 1e-5);
+}
+
+}  // namespace

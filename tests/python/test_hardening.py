@@ -1,0 +1,168 @@
+"""Hostile inputs through the Python API (issue 11 items 2, 4, 6, 7): every case is a MixlensError
+subclass with a clear message; none kills the interpreter, hangs, or returns wrong numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mixlens
+
+REPO = Path(__file__).resolve().parents[2]
+MAMBA2 = REPO / "tests" / "fixtures" / "mamba2" / "short_prompt"
+QWEN = REPO / "tests" / "fixtures" / "qwen3_5" / "short_prompt"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def _edit_config(folder: Path, **fields) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(fields)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_deeply_nested_config_is_a_config_error_in_a_child_interpreter(tmp_path):
+    # It used to kill the interpreter (stack overflow); run in a child so a regression fails the test
+    # instead of the whole pytest run.
+    folder = _copy(MAMBA2, tmp_path / "m")
+    text = (folder / "config.json").read_text().rstrip()
+    deep = '{"__float__":' * 40000 + "1" + "}" * 40000
+    (folder / "config.json").write_text(text[:-1] + ', "x": ' + deep + "}")
+    code = (
+        "import mixlens, sys\n"
+        "try:\n"
+        f"    mixlens.load({str(folder)!r})\n"
+        "except mixlens.ConfigError as e:\n"
+        "    print('CONFIGERROR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "CONFIGERROR" in out.stdout and "nested deeper than 128 levels" in out.stdout, out.stdout
+
+
+def test_deeply_nested_tokenizer_is_a_tokenizer_error():
+    deep = "null"
+    for _ in range(2000):
+        deep = '{"type":"Sequence","pretokenizers":[' + deep + "]}"
+    text = '{"version":"1.0","model":{"type":"BPE","vocab":{"a":0},"merges":[]},"pre_tokenizer":' + deep + "}"
+    with pytest.raises(mixlens.TokenizerError, match="nested deeper than 128 levels"):
+        _load_tokenizer_file(text)
+
+
+def _load_tokenizer_file(text: str):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        folder = _copy(MAMBA2, Path(d))
+        (folder / "tokenizer.json").write_text(text)
+        mixlens.load(str(folder))
+
+
+def test_huge_write_raises_numeric_error_naming_the_value():
+    model = mixlens.load(str(QWEN))
+    shape = next(v["shape"] for v in model.values(1, 4) if v["path"] == "layers.0.linear_attn.betas")
+    huge = np.full(shape, 3e38, dtype=np.float32)
+    with pytest.raises(mixlens.NumericError, match=r"non-finite logits.*first non-finite value was "
+                                                   r"layers\.0\.linear_attn\.attention_output = NaN"):
+        model.run([[5, 6, 7, 8]], edits={"layers.0.linear_attn.betas": huge})
+    assert issubclass(mixlens.NumericError, mixlens.MixlensError)
+    # The model stays usable afterwards.
+    assert np.isfinite(model.run([[5, 6, 7, 8]])["logits"]).all()
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("rope_theta", float("nan"), "field 'rope_parameters.rope_theta' = NaN is out of range: must be a finite number > 0"),
+    ("rope_theta", 0, "field 'rope_parameters.rope_theta' = 0 is out of range"),
+    ("rope_theta", -10.0, "field 'rope_parameters.rope_theta' = -10.0 is out of range"),
+])
+def test_bad_rope_theta_is_a_config_error(tmp_path, field, value, needle):
+    folder = _copy(QWEN, tmp_path / "q")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"][field] = value
+    (folder / "config.json").write_text(json.dumps(cfg))  # Python writes NaN bare
+    with pytest.raises(mixlens.ConfigError) as e:
+        mixlens.load(str(folder))
+    assert needle in str(e.value)
+
+
+def test_token_ids_and_chunk_size_are_range_checked(tmp_path):
+    folder = _copy(MAMBA2, tmp_path / "m")
+    _edit_config(folder, eos_token_id=10**12)
+    with pytest.raises(mixlens.ConfigError, match=r"field 'eos_token_id' = 1000000000000 is out of range"):
+        mixlens.load(str(folder))
+    _edit_config(folder, eos_token_id=["x"])  # a JSON type error is a ConfigError, not a RuntimeError
+    with pytest.raises(mixlens.ConfigError, match="expected an integer token id"):
+        mixlens.load(str(folder))
+    _edit_config(folder, eos_token_id=2, chunk_size=16384)
+    with pytest.raises(mixlens.ConfigError, match=r"field 'chunk_size' = 16384 is out of range: a chunk size must be in \[1, 2048\]"):
+        mixlens.load(str(folder))
+
+
+def test_fifo_in_the_model_folder_is_refused_without_hanging(tmp_path):
+    folder = _copy(MAMBA2, tmp_path / "m")
+    os.remove(folder / "model.safetensors")
+    os.mkfifo(folder / "model.safetensors")
+    with pytest.raises(mixlens.CheckpointError, match="is not a regular file"):
+        mixlens.load(str(folder))
+
+
+def test_save_budget_is_a_resource_error(tmp_path, monkeypatch):
+    folder = _copy(MAMBA2, tmp_path / "m")
+    _edit_config(folder, eos_token_id=None)
+    model = mixlens.load(str(folder))
+    monkeypatch.setenv("MIXLENS_SAVE_BUDGET_MB", "1")
+    with pytest.raises(mixlens.ResourceError, match="MiB budget") as e:
+        model.generate([[5, 6, 7]], max_new_tokens=10**6, saves=["layers.*.linear_attn.states"]).run()
+    assert isinstance(e.value, MemoryError) and isinstance(e.value, mixlens.MixlensError)
+
+
+def test_out_of_memory_is_a_resource_error():
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1":
+        pytest.skip("overcommit_memory=1: a huge allocation would succeed and the zero-fill OOM-kill us")
+    model = mixlens.load(str(MAMBA2))
+    # A batch whose cache needs ~1.6 TB: std::bad_alloc inside the library.
+    with pytest.raises(mixlens.ResourceError, match="out of memory") as e:
+        model._core.new_cache(2**30)
+    assert isinstance(e.value, MemoryError)
+
+
+def _hub_entry(cache: Path, ref: str) -> Path:
+    repo = cache / "models--someone--m"
+    snap = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    _copy(MAMBA2, snap)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(ref)
+    return snap
+
+
+@pytest.mark.parametrize("ref", ["/etc", "../../outside", "..", "../snapshots/../../x"])
+def test_hub_resolve_refuses_refs_outside_the_cache(tmp_path, ref):
+    cache = tmp_path / "hub"
+    (tmp_path / "outside").mkdir()
+    _hub_entry(cache, ref)
+    with pytest.raises(mixlens.CheckpointError, match=r"refs/main holds '.*', not a commit hash"):
+        mixlens.hub.resolve("someone/m", cache_dir=str(cache))
+    with pytest.raises(mixlens.CheckpointError, match="not a commit hash"):
+        mixlens.load("someone/m", cache_dir=str(cache))
+
+
+def test_hub_resolve_is_the_cpp_resolver(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snap = _hub_entry(cache, "0123456789abcdef0123456789abcdef01234567\n")
+    assert os.path.samefile(mixlens.hub.resolve("someone/m", cache_dir=str(cache)), snap)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert mixlens.hub.default_cache_dir() == str(cache)
+    assert os.path.samefile(mixlens.hub.resolve("someone/m"), snap)
+    assert os.path.samefile(mixlens.load("someone/m").info["path"], snap)

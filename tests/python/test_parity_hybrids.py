@@ -1,0 +1,191 @@
+"""Live parity of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) with transformers 5.18.
+
+Fresh random models built with scripts/make_fixtures_hybrids.py's builder (seeds distinct from the
+committed fixtures), every value at every step (prompt + 7 decode steps, through mixer, attention
+and MLP blocks) read through the Python API and compared with tests/python/oracle_hybrids.py;
+8 greedy tokens; left-padded batches; chunk sizes smaller than the prompt; n_groups 1 and 2; edits
+(betas, decays, state_input, attention_values, a self_attn value) against transformers running the
+same modification, teacher-forced with the unedited tokens, on every value.
+
+Tolerance: relative RMS <= 1e-5 per value, 1e-4 on logits (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mixlens
+import oracle_hybrids as oh
+from conftest import rel_rms, tolerance
+from test_parity_mamba2 import _skip_for, apply_op, compare, read_every_value
+
+N_STEPS = 8
+PAD = 0
+
+
+def mix(layer, value):
+    return f"layers.{layer}.linear_attn.{value}"
+
+
+def att(layer, value):
+    return f"layers.{layer}.self_attn.{value}"
+
+
+CASES = {
+    # n_groups 2 (grouped gated norm), dt clamp at time_step_min, left-padded batch, prompt 23 > chunk 8.
+    "nemotron_h_g2_padded": dict(
+        family="nemotron_h", seed=41, prompts=[23, 9], config=dict(hybrid_override_pattern="M*-M"),
+        edits=[dict(name="betas_half", path=mix(0, "betas"), step=0, op="scale", factor=0.5),
+               dict(name="state_in_x2_s2", path=mix(3, "state_input"), step=2, op="scale", factor=2.0),
+               dict(name="attn_v_x2_s1", path=att(1, "attention_values"), step=1, op="scale", factor=2.0)]),
+    "nemotron_h_g1": dict(
+        family="nemotron_h", seed=43, prompts=[14], config=dict(hybrid_override_pattern="M-M*", n_groups=1,
+                                                                 chunk_size=4),
+        edits=[dict(name="decays_x3", path=mix(2, "decays"), step=0, op="scale", factor=3.0),
+               dict(name="values_tok3", path=mix(0, "attention_values"), step=0, op="set_index", index=3,
+                    value=0.5)]),
+    "bamba_g2_padded": dict(
+        family="bamba", seed=46, prompts=[19, 7], config=dict(mamba_chunk_size=4),
+        edits=[dict(name="decays_half_s1", path=mix(0, "decays"), step=1, op="scale", factor=0.5),
+               dict(name="attn_out_x2_s3", path=att(1, "attention_output"), step=3, op="scale", factor=2.0),
+               dict(name="betas_zero_tok2", path=mix(2, "betas"), step=0, op="set_index", index=2, value=0.0)]),
+    "bamba_g1": dict(
+        family="bamba", seed=48, prompts=[12], config=dict(mamba_n_groups=1, attn_layer_indices=[0],
+                                                           tie_word_embeddings=False),
+        edits=[dict(name="state_in_head2_s2", path=mix(1, "state_input"), step=2, op="set_index", index=2,
+                    value=0.0)]),
+    # Every µP multiplier away from 1, mamba_d_ssm != expand * hidden, n_groups 2, left-padded batch,
+    # mamba_rms_norm off: a decode step's attention_head_outputs carry silu(z), a prompt's do not.
+    "falcon_h1_mup_padded": dict(
+        family="falcon_h1", seed=49, prompts=[18, 6], config=dict(mamba_rms_norm=False),
+        edits=[dict(name="betas_x0p3", path=mix(0, "betas"), step=0, op="scale", factor=0.3),
+               dict(name="attn_v_half_s2", path=att(1, "attention_values"), step=2, op="scale", factor=0.5),
+               dict(name="decays_x2_s4", path=mix(1, "decays"), step=4, op="scale", factor=2.0)]),
+    # mamba_rms_norm on (norm before gate, n_groups 1). Batch 1: transformers 5.18's
+    # FalconH1RMSNormGated drops the token axis on one-token calls, so its batched decode broadcasts
+    # [B, D] + [B, 1, D] to [B, B, D] (mixlens computes the per-row result).
+    "falcon_h1_norm_before_gate": dict(
+        family="falcon_h1", seed=57, prompts=[13], config=dict(mamba_norm_before_gate=True, mamba_n_groups=1,
+                                                               tie_word_embeddings=False),
+        edits=[dict(name="state_in_x0p5_s1", path=mix(0, "state_input"), step=1, op="scale", factor=0.5)]),
+}
+
+
+class Case:
+    def __init__(self, name, tmp_path):
+        import make_fixtures_hybrids as mh
+
+        spec = CASES[name]
+        self.name, self.spec = name, spec
+        model = mh.build_model(spec["family"], spec["config"], spec["seed"])
+        model.save_pretrained(tmp_path)
+        self.torch_model = type(model).from_pretrained(tmp_path).eval()
+        self.prompts = mh.prompts_for(spec["prompts"], spec["seed"], self.torch_model.config.vocab_size)
+        self.ref, rec = oh.run(self.torch_model, self.prompts, PAD, N_STEPS)
+        mh.check_against_plain_hf(self.torch_model, self.prompts, self.ref)
+        self.mixer_layers = mh.mixer_layers(self.torch_model)
+        oh.check_invariants(self.ref, self.mixer_layers, N_STEPS)
+        assert mh.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
+        self.model = mixlens.StandardizedTransformer(str(tmp_path))
+        self._edited = {}
+
+    def forced(self):
+        return self.ref["tokens"][:, : N_STEPS - 1].tolist()
+
+    def edited_ref(self, edit):
+        if edit["name"] not in self._edited:
+            feeds = [[[t] for t in col] for col in np.array(self.forced()).T.tolist()]
+            self._edited[edit["name"]], _ = oh.run(self.torch_model, self.prompts, PAD, N_STEPS, [edit], feeds=feeds)
+        return self._edited[edit["name"]]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    return Case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_every_value_every_step(case):
+    with case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1) as tracer:
+        got = read_every_value(case.model, tracer)
+    n = compare(got, case.ref, case.name)
+    assert n >= N_STEPS * len(case.mixer_layers) * 10
+    for k in range(N_STEPS):  # mixer and attention values were both compared at every step
+        assert oh.key(mix(case.mixer_layers[0], "states"), k) in got
+        assert any(oh.key(att(i, "attention_keys"), k) in got for i in range(4))
+    assert tracer.tokens == case.ref["tokens"].tolist()
+    assert [c["kernel"] for c in tracer.calls] == ["chunked"] + ["recurrent"] * (N_STEPS - 1)
+
+
+def test_pre_registered_saves_match(case):
+    run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
+                              saves=[v["path"] for v in case.model.values()]).run()
+    got = {oh.key(p, k): v for p, per in run.saved.items() for k, v in enumerate(per) if v is not None}
+    compare(got, case.ref, case.name + " saves")
+    assert run.saved[mix(case.mixer_layers[0], "state_input")][0] is None
+    assert run.tokens == case.ref["tokens"].tolist()
+
+
+@pytest.mark.parametrize("how", ["interleaved", "pre_registered"])
+def test_edits_match_transformers_with_the_same_modification(case, how):
+    for edit in case.spec["edits"]:
+        ref = case.edited_ref(edit)
+        label = f"{case.name} {edit['name']} ({how})"
+        edited_key = oh.key(edit["path"], edit["step"])
+        if how == "interleaved":
+            with case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced()) as tracer:
+                got = read_every_value(case.model, tracer, edit)
+            skip = _skip_for(edit)
+        else:
+            tracer = case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced(),
+                                         saves=[v["path"] for v in case.model.values()],
+                                         edits={edited_key: lambda v, e=edit: apply_op(v, e)}).run()
+            got = {oh.key(p, k): v for p, per in tracer.saved.items() for k, v in enumerate(per) if v is not None}
+            assert rel_rms(apply_op(got.pop(edited_key), edit), ref[edited_key]) <= tolerance(edited_key), label
+            skip = _skip_for(edit) | {edited_key}
+        compare(got, ref, label, skip=skip)
+        diffs = [rel_rms(tracer.logits[k], case.ref[oh.key("logits", k)]) for k in range(N_STEPS)]
+        assert all(d <= 1e-4 for d in diffs[: edit["step"]]) and any(d > 1e-4 for d in diffs[edit["step"]:]), \
+            (label, diffs)
+
+
+def _per_layer(entry, n):
+    return [None] * n if entry is None else [entry[i] for i in range(n)]
+
+
+def test_support_and_block_kinds(case):
+    """support() per layer; asking a block for what it lacks is an error naming the block's kind."""
+    sup = case.model.support()
+    n = case.torch_model.config.num_hidden_layers
+    lin, sa, mlp = (_per_layer(sup[k], n) for k in ("linear_attn.states", "self_attn.attention_output", "mlp.output"))
+    kinds = case.model.info["layer_kinds"]
+    for i in range(n):
+        assert (lin[i] is None) == (i in case.mixer_layers), (i, lin[i])
+        if kinds[i] == "hybrid":  # Falcon-H1: both mixers on every block
+            assert lin[i] is None and sa[i] is None and mlp[i] is None
+        if kinds[i] == "attention":
+            assert sa[i] is None and "is an attention block" in lin[i]
+        if kinds[i] == "mamba2":
+            assert "is a mamba2 block" in sa[i]
+        if kinds[i] == "mlp":
+            assert mlp[i] is None and "is a mlp block" in lin[i]
+        if lin[i] is not None:
+            with pytest.raises(mixlens.UnknownValueError, match=f"block {i} is an? {kinds[i]} block"):
+                case.model.generate(case.prompts, max_new_tokens=1, saves=[mix(i, "states")]).run()
+    expected = {"nemotron_h": {"mamba2", "attention", "mlp"}, "bamba": {"mamba2", "attention"},
+                "falcon_h1": {"hybrid"}}[case.spec["family"]]
+    assert set(kinds) == expected
+
+
+def test_chunk_size_smaller_than_prompt_agrees_with_recurrent_kernel(case):
+    """The chunked kernel (config chunk size < prompt) and the token loop give the same values."""
+    paths = [mix(case.mixer_layers[0], v) for v in ("states", "attention_head_outputs", "attention_output")]
+    runs = []
+    for route in ("chunked", "recurrent"):
+        mixlens.route_kernels(case.spec["family"], route)
+        try:
+            runs.append(case.model.generate(case.prompts, max_new_tokens=2, eos_token_id=-1, saves=paths).run())
+        finally:
+            mixlens.route_kernels(case.spec["family"], "default")
+    for p in paths:
+        assert rel_rms(runs[0].saved[p][0], runs[1].saved[p][0]) <= 1e-5, p
