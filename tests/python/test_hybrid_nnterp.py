@@ -111,3 +111,39 @@ def test_attentions_and_mlps_output_follow_the_block_kind(ml, hf):
         torch.testing.assert_close(got[i][1], ref[i][1], rtol=0, atol=0)
         if i < ml.num_layers - 1:  # transformers' last hidden state is after the final norm
             assert rel_rms(got[i][2][real].numpy(), hs[i + 1][real].numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("family,config", [
+    ("nemotron_h", dict(hybrid_override_pattern="M*-M")),
+    ("bamba", dict(mamba_chunk_size=4)),
+    ("falcon_h1", dict()),  # every µP multiplier away from 1: lm_head_multiplier in project_on_vocab
+])
+def test_mamba2_hybrids_attention_probabilities_and_projection(family, config, tmp_path):
+    import make_fixtures_hybrids as mh
+
+    model = mh.build_model(family, config, seed=61)
+    model.save_pretrained(tmp_path)
+    hf = type(model).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    prompts = mh.prompts_for([11, 6], 61, hf.config.vocab_size)
+    T = 11
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf(input_ids=ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+    ml = mixlens.StandardizedTransformer(str(tmp_path), output="torch")
+    attn_layers = [i for i in range(ml.num_layers) if "self_attn" in dir(ml.layers[i])]
+    assert attn_layers
+    with ml.trace(prompts) as tracer:
+        probs = {i: ml.attention_probabilities[i] for i in attn_layers}
+    got_attn = [a for a in out.attentions if a is not None]
+    assert len(got_attn) == len(attn_layers)
+    real = mask.bool()
+    for k, i in enumerate(attn_layers):
+        for b in range(2):
+            assert rel_rms(probs[i][b][:, real[b]].numpy(), got_attn[k][b][:, real[b]].numpy()) < 1e-5, (family, i)
+    # project_on_vocab of the last block's output is the model's logits (final norm, head, multiplier).
+    with ml.trace(prompts) as tracer:
+        last = ml.layers_output[ml.num_layers - 1]
+    proj = ml.project_on_vocab(last)
+    assert rel_rms(proj[real].numpy(), tracer.logits[real].numpy()) < 1e-5
+    assert rel_rms(proj[real].numpy(), out.logits[real].numpy()) < 1e-4
