@@ -32,10 +32,11 @@ build: setup
 demo: build
 	$(VENV)/bin/mixlens generate "$(PROMPT)" --max-new-tokens 60 --greedy
 
+# SKIP_SANITIZE=1 leaves out the sanitizer / fuzz part for quick local iterations (CI never sets it).
 test: build
 	ctest --test-dir build/py --output-on-failure -j $(JOBS)
 	$(PY) -m pytest -q tests/python
-	$(MAKE) --no-print-directory test-sanitize
+	$(if $(SKIP_SANITIZE),@echo "test: sanitizer and fuzz checks skipped (SKIP_SANITIZE)",$(MAKE) --no-print-directory test-sanitize)
 
 # ASan+UBSan build of every C++ test (build/asan), TSan build of the session tests (build/tsan), and a
 # short run of each libFuzzer harness over its seed corpus (tests/fuzz/corpus).
@@ -81,6 +82,7 @@ bench: build
 	$(PY) bench/bench_mamba2.py
 	$(PY) bench/bench_mamba.py
 	$(PY) bench/bench_qwen3_5.py
+	$(PY) bench/bench_hybrids.py
 
 # API reference generated from the docstrings (pdoc), into build/docs.
 docs: build

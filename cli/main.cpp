@@ -29,7 +29,8 @@ usage:
 
   --model      checkpoint folder or hub id from the local HuggingFace cache
                (default: $MIXLENS_MODEL, else the model shipped with mixlens)
-  --save PATH  a value path, e.g. layers.3.linear_attn.states or layers.*.linear_attn.state_output
+  --save PATH  a value path, e.g. layers.3.linear_attn.states or layers.*.linear_attn.state_output;
+               layers.1.linear_attn.state@t5 is the state after token 5 (@t-1: the last token)
                (repeatable; `mixlens inspect` lists them all)
   --out FILE   safetensors file: one tensor per saved path (generate: PATH@step{k}),
                with a JSON "mixlens" metadata entry (model, prompts, token ids)

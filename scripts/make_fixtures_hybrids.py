@@ -47,6 +47,9 @@ BASE = {
                       attention_out_multiplier=1.3, ssm_in_multiplier=1.2, ssm_out_multiplier=0.7,
                       ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.6], key_multiplier=0.75, mlp_multipliers=[1.5, 0.6]),
 }
+MOE = dict(hybrid_override_pattern="ME*M", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, moe_latent_size=8,
+           routed_scaling_factor=1.5, norm_topk_prob=True)
 CLASSES = {
     "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig"),
     "bamba": ("BambaForCausalLM", "BambaConfig"),
@@ -72,6 +75,9 @@ CASES = {
             dict(name="attn_v_x2", path=att(1, "attention_values"), step=1, op="scale", factor=2.0)]),
         "padded_batch": dict(config=dict(hybrid_override_pattern="M-*M", n_groups=1, tie_word_embeddings=False),
                              prompts=[13, 5], seed=2, edits=[]),
+        # MoE blocks: group-limited routing (2 groups, 1 kept), latent projection, shared expert.
+        "moe_latent": dict(config=MOE, prompts=[15, 9], seed=8, edits=[
+            dict(name="betas_x2", path=mix(0, "betas"), step=0, op="scale", factor=2.0)]),
     },
     "bamba": {
         "groups2_edits": dict(config={}, prompts=[21], seed=3, edits=[
@@ -117,6 +123,9 @@ def build_model(family, config: dict, seed: int):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer, zero at init: make it matter
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model.eval()
 
 

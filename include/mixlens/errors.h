@@ -75,4 +75,11 @@ class OutOfOrderError : public InputError {
   using InputError::InputError;
 };
 
+/// A run stopped by its cancellation flag (Ctrl-C in Python, Session::abort, a CancelFlag set by
+/// another thread): the forward checks it between layers and between generation steps.
+class InterruptedError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace mixlens

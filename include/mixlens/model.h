@@ -1,6 +1,7 @@
 // Model: load a HuggingFace checkpoint folder (or a hub id from the local cache), run prompts
 // with a cache, generate, and serve every value of values.md through a Trace.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -21,8 +22,17 @@ struct Batch {
   int64_t seq = 0;
   std::vector<int32_t> ids;
   std::vector<uint8_t> mask;
+  /// Optional inputs_embeds [batch, seq, hidden] (transformers' `inputs_embeds`): when defined the
+  /// forward starts from these rows instead of looking `ids` up in the embedding table (`ids` is
+  /// then ignored); `embed_tokens.output` serves them. Only a first call or a continuation takes
+  /// embeddings; generation feeds the sampled ids from step 1 on.
+  Tensor embeds;
   /// Left-pads `rows` (each non-empty) to the longest with `pad_id`. InputError on an empty row.
   static Batch left_padded(const std::vector<std::vector<int32_t>>& rows, int32_t pad_id);
+  /// A batch of embeddings [B, T, hidden] (copied). `mask` (B*T, 1 = real, 0 = left padding; every
+  /// row's zeros before its ones, at least one 1) defaults to all ones. InputError on a bad shape,
+  /// a non-finite entry or a mask that is not left padding.
+  static Batch from_embeddings(const Tensor& embeds, std::vector<uint8_t> mask = {});
   bool has_padding() const;
 };
 
@@ -49,6 +59,16 @@ class Cache {
   int64_t seen_tokens() const;
   /// Number of forward calls made with this cache (the next call's step index).
   int steps() const;
+
+  /// A snapshot: an independent deep copy of everything the next call reads (conv windows,
+  /// recurrent states, attention KV entries and key masks, position and step counters), bitwise.
+  /// Continuing the copy and continuing this cache give identical results; neither affects the
+  /// other. Not while a Session::forward over this cache is running (the worker writes it).
+  Cache copy() const;
+  /// Rollback: makes this cache bitwise equal to `snapshot` (a copy() of a cache of the same model
+  /// and batch size), which stays unchanged and can be restored again. InputError when the
+  /// snapshot belongs to another model or another batch size.
+  void restore(const Cache& snapshot);
 
  private:
   friend class Model;
@@ -116,12 +136,22 @@ class Model {
   /// [B,T,vocab] when `all_logits`, else [B,1,vocab] for the last position. NumericError when a
   /// value of the call goes NaN / inf (the message names the first one; the cache is then poisoned:
   /// start a new one); ResourceError when the trace's saved values pass their budget.
-  Tensor forward(const Batch& batch, Cache& cache, Trace* trace = nullptr, bool all_logits = true) const;
+  /// `cancel` (optional, set from another thread) stops the call between layers with
+  /// InterruptedError; the cache is then unspecified (restore a copy() to roll back).
+  Tensor forward(const Batch& batch, Cache& cache, Trace* trace = nullptr, bool all_logits = true,
+                 const std::atomic<bool>* cancel = nullptr) const;
   /// Fresh cache + forward of left-padded prompts; logits [B,T,vocab].
   Tensor run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace = nullptr) const;
+  /// Fresh cache + forward of a prepared batch (e.g. Batch::from_embeddings); logits [B,T,vocab].
+  Tensor run(const Batch& batch, Trace* trace = nullptr, const std::atomic<bool>* cancel = nullptr) const;
   /// Step 0 runs the prompts, then up to max_new_tokens-1 single-token decode steps.
   GenerationResult generate(const std::vector<std::vector<int32_t>>& prompts,
                             const GenerateOptions& options, Trace* trace = nullptr) const;
+  /// Generation from a prepared first batch (ids or embeddings, left-padded); later steps feed the
+  /// generated ids. From Batch::from_embeddings(E) it equals generate(ids) when E = embed(ids).
+  /// `cancel` as forward(): checked between layers and between steps (InterruptedError).
+  GenerationResult generate(const Batch& prompt, const GenerateOptions& options, Trace* trace = nullptr,
+                            const std::atomic<bool>* cancel = nullptr) const;
 
   /// Chunk length of the chunked kernel: Mamba-2's SSD chunk (values.md chunk_per_token: 1; 0
   /// restores config.chunk_size), Mamba-1's chunked scan (0 restores its default, 64).

@@ -12,17 +12,27 @@
 // Order. Values are served in forward order (Model::values(), step by step). Reading or writing a
 // value the forward has already passed raises OutOfOrderError naming the value asked for and the
 // one the forward is at. Exception: values of one *moment* (a mixer's queries/keys/values; its
-// betas/decays) may be read in any order among themselves, because the session keeps copies of
-// the earlier ones while it waits at a later one; writes to them still go in forward order.
+// betas/decays; the outputs of one kernel call: states, state_output, attention_head_outputs)
+// may be read in any order among themselves, because the session keeps copies of the earlier
+// ones while it waits at a later one; writes to them still go in forward order. (The per-token
+// `states` stack is kept that way only on a single-token call: on a prompt read it first.)
 //
-// Threads. Every member function is called from one caller thread; the worker runs only while the
-// caller is blocked in read / write / reach_step / finish, so no Python code (GIL) runs in C++ on
-// the worker unless an edit registered on the Trace calls it. The Model, the Trace and, for
+// Read-after-write. A read returns what the forward will use: after a write at (step, path), a
+// read of it returns the written value; on Mamba, betas read after a decays write is the dt the
+// write implies (dt = decays / A). Pre-registered Trace saves record the value after every
+// pre-registered edit and every write of this session.
+//
+// Threads. read / write / reach_step / finish belong to the thread that created the session
+// (another thread gets InputError, never this session's values); the worker runs only while the
+// caller is blocked in them, so no Python code (GIL) runs in C++ on the worker unless an edit
+// registered on the Trace calls it. Calling them from inside the forward (an edit function) would
+// wait on itself: InputError. abort(), calls() and where() may be called from any thread. The Model, the Trace and, for
 // Session::forward, the Cache must outlive the session. Destroying a session mid-run aborts the
 // worker at its next value or call boundary (an aborted continuation leaves its Cache unspecified).
 #pragma once
 #include <climits>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -49,9 +59,13 @@ class Session {
  public:
   /// One forward call of left-padded `prompts` from a fresh cache (Model::run); its step is 0.
   static Session run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace = nullptr);
+  /// One forward call of a prepared batch (ids or Batch::from_embeddings) from a fresh cache.
+  static Session run(const Model& model, Batch batch, Trace* trace = nullptr);
   /// Model::generate: step 0 is the prompt, steps 1.. single-token decode steps.
   static Session generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
                           Trace* trace = nullptr);
+  /// Model::generate from a prepared first batch (ids or embeddings); later steps feed generated ids.
+  static Session generate(const Model& model, Batch prompt, GenerateOptions options, Trace* trace = nullptr);
   /// The prompt, then one decode step per forced token: forced[row][k] is fed after step k, so the
   /// session makes forced[row].size() + 1 calls (every row must have the same count).
   static Session teacher_forced(const Model& model, std::vector<std::vector<int32_t>> prompts,
@@ -80,8 +94,15 @@ class Session {
   bool reach_step(int step);
   /// Runs to completion and returns the result; rethrows the forward's error if it failed.
   SessionResult finish();
-  /// Stops the worker at its next value or call boundary (idempotent; the destructor calls it).
+  /// Stops the worker at its next value, layer or call boundary (idempotent; the destructor calls
+  /// it). Any thread may call it. Later read / write / reach_step / finish raise InputError.
   void abort();
+  /// `check` runs on the caller thread about every 50 ms while it blocks in read / write /
+  /// reach_step / finish. An exception it throws aborts the run (the forward stops at its next
+  /// layer) and propagates to the caller: the Python binding checks for signals (Ctrl-C) here.
+  void set_interrupt_check(std::function<void()> check);
+  /// True on the worker thread of this session (inside the forward, e.g. in a Trace edit function).
+  bool in_forward() const;
 
   int first_step() const;
   /// The last step this session can run (generate: first + max_new_tokens - 1).

@@ -71,6 +71,11 @@ class Trace {
   /// one trace are held to save_budget_bytes() (default 8 GiB; $MIXLENS_SAVE_BUDGET_MB): the save
   /// that would pass it raises ResourceError during the run, so a long generation saving every
   /// step stops with a clear error instead of exhausting memory.
+  /// Per-token state: "layers.1.linear_attn.state@t5" is the state after token 5 of the call
+  /// ([B, ...state], served layout), "@t-1" after its last token; saved and fetched under the path
+  /// as spelled. A write (edit / set) there replaces it, and tokens 6.. continue from it (the scan
+  /// is split at t, chunked or not). A token out of range for a call raises InputError before it
+  /// runs (restrict `steps` for decode steps, which have one token).
   Trace& save(std::string_view path, Steps steps = Steps::all());
   /// Modify a value before it is consumed; everything computed after it follows.
   /// Writes are checked: same shape, no NaN, betas >= 0, decays <= 0 (WriteError otherwise).

@@ -29,6 +29,7 @@ enum class Value : uint8_t {
   state_input,             ///< state the call starts from (None on a fresh prompt)
   state_output,            ///< state after the call's last token
   states,                  ///< state after every token [B,T,...], read-only, computed on demand
+  state,                   ///< state after one token t ("...linear_attn.state@t5"), read/write [B,...]
   attention_head_outputs,  ///< each head's read of the state incl. the D skip (Mamba-2: y)
   attention_output,        ///< what the mixer adds to the residual stream [B,T,hidden]
   // softmax attention of a hybrid ("layers.{i}.self_attn.<name>")
@@ -48,9 +49,9 @@ constexpr int kNumValues = static_cast<int>(Value::kCount);
 enum class Component : uint8_t { global, block, linear_attn, self_attn, mlp };
 
 /// The kind of a block's sequence mixer.
-/// A block's kind: its recurrent mixer, softmax attention, an MLP-only block (Nemotron-H '-'), or
-/// a Falcon-H1 hybrid block (Mamba-2 and attention side by side).
-enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention, mlp, hybrid };
+/// A block's kind: its recurrent mixer, softmax attention, an MLP-only or MoE-only block
+/// (Nemotron-H '-' / 'E'), or a Falcon-H1 hybrid block (Mamba-2 and attention side by side).
+enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention, mlp, hybrid, moe };
 std::string_view layer_kind_name(LayerKind k);
 
 /// A typed site: layer -1 for global values.
@@ -59,6 +60,14 @@ struct Site {
   Value value = Value::logits;
   bool operator==(const Site&) const = default;
 };
+
+/// Per-token addressing of Value::state in a path: "layers.1.linear_attn.state@t5" is the state
+/// after token 5 of the call, "@t-1" after its last token (negative counts from the end).
+/// Splits `path` into the path without the suffix and the token; nullopt when there is none.
+/// InputError on a malformed suffix ("@t", "@tx").
+std::optional<int64_t> split_token(std::string& path);
+/// Resolves a possibly negative token against a call of `seq` tokens; InputError when out of range.
+int64_t resolve_token(int64_t t, int64_t seq, const std::string& path);
 
 /// Name of a value inside its component ("betas", "layer_input", "output" for embed/ln_final, "logits").
 std::string_view value_name(Value v);

@@ -44,6 +44,7 @@ from .errors import (
     CheckpointError,
     ConfigError,
     InputError,
+    InterruptedRunError,
     MixlensError,
     NumericError,
     OutOfOrderError,
@@ -88,6 +89,7 @@ __all__ = [
     "NumericError",
     "InputError",
     "OutOfOrderError",
+    "InterruptedRunError",
 ]
 
 

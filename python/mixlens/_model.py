@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import re
+import threading
+import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -23,6 +27,48 @@ _UINT64_MAX = 2**64 - 1
 _STEP_KEY = re.compile(r"^(?P<path>.+)@step(?P<step>\d+)$")
 
 Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], np.ndarray]
+
+# The tracers this thread / asyncio context opened (weak references): a read goes to the model's open
+# trace only from the context that opened it. New threads start with an empty context.
+_OPENED: contextvars.ContextVar[tuple] = contextvars.ContextVar("mixlens_opened_tracers", default=())
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """numpy view of an array-like; torch tensors (any device, requires_grad) are detached to CPU first."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu()
+        if hasattr(x, "float") and getattr(x, "is_floating_point", lambda: False)():
+            x = x.float()
+        x = x.numpy()
+    return np.asarray(x)
+
+
+def _embeds_input(inputs_embeds: Any, attention_mask: Any) -> tuple[np.ndarray, list, bool]:
+    """inputs_embeds as a C-contiguous float32 [B,T,hidden] array (a [T,hidden] array is one prompt), the
+    attention mask flattened to 0/1 ints ([] = all ones), and whether the input was a single prompt."""
+    try:
+        arr = _to_numpy(inputs_embeds)
+    except ValueError as e:
+        raise InputError(f"inputs_embeds is not a rectangular array ({e})") from None
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"inputs_embeds must be a float array [batch, seq, hidden], got dtype {arr.dtype}")
+    single = arr.ndim == 2
+    if single:
+        arr = arr[None]
+    if arr.ndim != 3:
+        raise InputError(f"inputs_embeds must be [batch, seq, hidden] (or [seq, hidden]), got shape {arr.shape}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    mask: list = []
+    if attention_mask is not None:
+        m = _to_numpy(attention_mask)
+        if single and m.ndim == 1:
+            m = m[None]
+        if m.shape != arr.shape[:2]:
+            raise InputError(f"attention_mask has shape {m.shape}; inputs_embeds {arr.shape} needs {arr.shape[:2]}")
+        if not np.isin(m, (0, 1)).all():
+            raise InputError("attention_mask entries must be 0 or 1")
+        mask = m.astype(np.uint8).ravel().tolist()
+    return arr, mask, single
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -167,6 +213,30 @@ class Cache:
         """Forward calls made with this cache: the step index of the next call."""
         return self._core.steps
 
+    def copy(self) -> "Cache":
+        """A snapshot: an independent deep copy of everything the next call reads (conv windows, recurrent
+        states, attention KV entries, position and step counters), bitwise. ``copy.copy(cache)`` and
+        ``copy.deepcopy(cache)`` do the same (a cache is never aliased). InputError while an open trace
+        is running over this cache."""
+        if self._busy:
+            raise InputError("cannot copy this cache: an open trace is running over it (copy it before or after the block)")
+        return Cache(self._core.copy())
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo) -> "Cache":
+        return self.copy()
+
+    def restore(self, snapshot: "Cache") -> None:
+        """Rollback: make this cache bitwise equal to `snapshot` (a :meth:`copy` of a cache of the same model
+        and batch size); the snapshot is unchanged and can be restored again. Decoding a wrong tail,
+        restoring, then decoding the right tail equals never having seen the wrong tail."""
+        if not isinstance(snapshot, Cache):
+            raise InputError(f"restore takes a mixlens Cache (from cache.copy()), got {type(snapshot).__name__}")
+        if self._busy:
+            raise InputError("cannot restore this cache: an open trace is running over it")
+        self._core.restore(snapshot._core)
+
     def __repr__(self) -> str:
         return f"mixlens.Cache(batch={self.batch}, seen_tokens={self.seen_tokens}, steps={self.steps})"
 
@@ -186,8 +256,15 @@ class _Envoy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        if self._prefix.endswith("linear_attn.") and self._model._known(self._prefix + "states"):
+            if name == "state_after":
+                return self._state_after
+            if name == "set_state_after":
+                return self._set_state_after
+            if name == "state":
+                return self._model._read(self._state_path(self._current_token("read")))
         path = self._prefix + name
-        if self._model._tracer is None and not self._model._known(path):
+        if self._model._open_tracer() is None and not self._model._known(path):
             names = ", ".join(self._names()) or "none"
             raise UnknownAttributeError(f"'{path}' is not a value of this model (values here: {names})")
         try:
@@ -200,12 +277,46 @@ class _Envoy:
     def __setattr__(self, name: str, value) -> None:
         if name.startswith("_"):
             raise AttributeError(f"cannot set {name!r} on {self._prefix.rstrip('.')}")
+        if name == "state" and self._prefix.endswith("linear_attn."):
+            self._model._write(self._state_path(self._current_token("write")), value)
+            return
         self._model._write(self._prefix + name, value)
+
+    # -- per-token state (docs/values.md "Per-token state") ------------------------------------
+    def _state_path(self, t: int) -> str:
+        return f"{self._prefix}state@t{t}"
+
+    def _current_token(self, verb: str) -> int:
+        tr = self._model._open_tracer()
+        if tr is None or tr._token is None:
+            raise InputError(f"cannot {verb} '{self._prefix}state' here: it is the state after the current token of "
+                             "`for t in tracer.iter[...]` inside `with model.trace(...)`; elsewhere use "
+                             "state_after(t) / set_state_after(t, value), or states")
+        return tr._token
+
+    def _state_after(self, t: int) -> "ValueArray":
+        """The state after token `t` of the current call (negative counts from the end), served key side
+        first: ``[B, ...]`` as ``state_output`` (Mamba-2 ``[B,heads,state_dim,head_dim]``, Mamba-1
+        ``[B,d_inner,state_dim]``, gated DeltaNet ``[B,HV,Dk,Dv]``), float32. The scan stops at `t` (no
+        token loop). Read inside a trace; a layer's tokens go in increasing order (OutOfOrderError
+        otherwise). Equals ``states[:, t]`` within float tolerance."""
+        t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
+        return self._model._read(self._state_path(t))
+
+    def _set_state_after(self, t: int, value) -> None:
+        """Replace the state after token `t` (shape and dtype as ``state_after(t)``); tokens t+1.. continue
+        from it: their values, ``states``, ``state_output``, the logits and the cache follow. WriteError on
+        a wrong shape / NaN. Writes at several tokens of one layer go in increasing token order."""
+        t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
+        self._model._write(self._state_path(t), value)
 
     def _names(self) -> list[str]:
         """Value names under this prefix, from the model's values for this very layer (hybrids differ)."""
         p = self._prefix
-        return sorted({path[len(p):] for path in self._model._paths() if path.startswith(p)})
+        names = {path[len(p):] for path in self._model._paths() if path.startswith(p)}
+        if "states" in names and p.endswith("linear_attn."):
+            names |= {"state", "state_after", "set_state_after"}
+        return sorted(names)
 
     def __dir__(self):
         return self._names()
@@ -275,15 +386,40 @@ class _LayerValue:
 
 
 class _StepLoop:
-    """``tracer.iter[...]``: iterating yields step indices; reads inside the loop body use that step."""
+    """``tracer.iter[...]``: in a generation, iterating yields step indices and reads inside the loop body
+    use that step; in a ``trace`` (one forward call) it yields the call's token indices and
+    ``linear_attn.state`` in the body is the state after that token."""
 
     def __init__(self, tracer: "Tracer", key):
         self._tracer, self._key = tracer, key
+
+    def _tokens(self) -> Iterator[int]:
+        tr = self._tracer
+        tr._require_session()
+        seq = max(len(r) for r in tr._rows)
+        key = self._key
+        if isinstance(key, slice):
+            tokens: Iterable[int] = range(*key.indices(seq))
+        elif isinstance(key, (int, np.integer)):
+            tokens = [int(key) + seq if key < 0 else int(key)]
+        else:
+            tokens = [int(k) + seq if k < 0 else int(k) for k in key]
+        try:
+            for t in tokens:
+                if not 0 <= t < seq:
+                    raise InputError(f"tracer.iter: token {t} is out of range for a call of {seq} tokens")
+                tr._token = t
+                yield t
+        finally:
+            tr._token = None
 
     def __iter__(self) -> Iterator[int]:
         tr = self._tracer
         if _invoke.current() is not None:
             raise InputError("tracer.iter inside an invoke: invoke bodies read and write the first step only")
+        if tr._kind == "trace":
+            yield from self._tokens()
+            return
         sess = tr._require_session()
         first, last = sess.first_step, sess.last_step
         key = self._key
@@ -340,57 +476,125 @@ class Tracer:
     (kernel and length of every forward call).
     """
 
-    def __init__(self, model: "StandardizedTransformer", kind: str, inputs: Prompt, *, cache: Optional[Cache] = None,
-                 saves=None, edits=None, forced_tokens=None, **gen):
+    def __init__(self, model: "StandardizedTransformer", kind: str, inputs: Optional[Prompt], *,
+                 cache: Optional[Cache] = None, saves=None, edits=None, forced_tokens=None, inputs_embeds=None,
+                 attention_mask=None, **gen):
+        self._session = None  # first: __del__ looks at it even when __init__ raised
+        self._holds_model = False
         self._model = model
         self._kind = kind
-        # No inputs: the prompts come from tracer.invoke(...) blocks, batched when the block ends.
-        self._deferred = inputs is None
-        self._invokes: list = []
-        self._rows, self._single = ([], False) if inputs is None else model._rows(inputs)
+        self._embeds, self._mask = None, []
+        if inputs_embeds is not None:
+            if inputs is not None:
+                raise InputError("give inputs (text / token ids) or inputs_embeds, not both")
+            if forced_tokens is not None:
+                raise InputError("forced_tokens takes token-id prompts, not inputs_embeds")
+            self._embeds, self._mask, self._single = _embeds_input(inputs_embeds, attention_mask)
+            if cache is not None and self._mask:
+                raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+            self._rows: list = []
+        elif inputs is None:
+            # No inputs: the prompts come from tracer.invoke(...) blocks, batched when the block ends.
+            if attention_mask is not None:
+                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
+            self._rows, self._single = [], False
+        else:
+            if attention_mask is not None:
+                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
+            self._rows, self._single = model._rows(inputs)
         self._cache = cache
         self._saves = _save_specs(saves)
         self._fmt = model._output
         self._edits = _edit_specs(edits, self._fmt)
         self._forced = forced_tokens
         self._gen = gen
-        self._session = None
         self._step = 0
+        self._token: Optional[int] = None  # the token of `for t in tracer.iter[...]` in a trace
         self._result: Optional[dict] = None
         self._calls: list = []
+        self._owner_thread = None
+        self._opened_token = None
+        self._deferred = inputs is None and inputs_embeds is None
+        self._deferred_open = False
+        self._invokes: list = []
         self._live = LiveValues(self._apply_write)
         self._stopped = False
         self._shapes: dict = {}
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> "Tracer":
-        m = self._model
-        if m._tracer is not None:
-            raise InputError("a trace is already open on this model; finish it before starting another")
         if self._deferred:
+            if self._deferred_open or self._result is not None:
+                raise InputError("this tracer was already entered; make a new one with model.trace() / model.generate()")
             if self._cache is not None or self._forced is not None:
                 raise InputError("tracer.invoke batches fresh prompts: no cache= or forced_tokens= with invokes")
-            m._tracer = self
+            self._deferred_open = True  # the invoke bodies are captured now and run when the block ends
+            self._model._deferred_tracer = weakref.ref(self)
             return self
-        self._open_session()
+        return self._enter_session()
+
+    def _enter_session(self) -> "Tracer":
+        m = self._model
+        if self._session is not None or self._result is not None:
+            raise InputError("this tracer was already entered; make a new one with model.trace(...) / model.generate(...)")
+        open_t = m._open_tracer()
+        if open_t is not None and (open_t._opened_here() or open_t._owner_thread is threading.current_thread()):
+            raise InputError("a trace is already open on this model; finish it before starting another"
+                             + ("" if open_t._opened_here() else " (it was opened by another asyncio task / context of "
+                                "this thread, which would wait on this one forever)"))
+        # One open trace per model: another thread's trace makes this one wait until it ends (documented;
+        # a trace entered and never exited is released when it is garbage-collected).
+        while not m._trace_lock.acquire(timeout=0.1):
+            pass
+        self._holds_model = True
+        try:
+            self._start_session()
+        except BaseException:
+            self._release_model()
+            raise
+        self._step = self._session.first_step
+        self._owner_thread = threading.current_thread()
+        self._opened_token = _OPENED.set(_OPENED.get() + (weakref.ref(self),))
+        m._open = weakref.ref(self)
         return self
 
-    def _open_session(self) -> None:
-        m = self._model
-        core = m._core
+    def _start_session(self) -> None:
+        core = self._model._core
+        e, mask = self._embeds, self._mask
         if self._kind == "trace" and self._cache is None:
-            self._session = _core.session_run(core, self._rows, self._saves, self._edits)
+            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask)
         elif self._kind == "trace":
             if self._cache._busy:
                 raise InputError("this cache is in use by another open trace")
-            self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits)
+            self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits,
+                                                  True, e)
             self._cache._busy = True
         elif self._forced is not None:
             self._session = _core.session_teacher_forced(core, self._rows, self._forced, self._saves, self._edits)
         else:
-            self._session = _core.session_generate(core, self._rows, saves=self._saves, edits=self._edits, **self._gen)
-        self._step = self._session.first_step
-        m._tracer = self
+            self._session = _core.session_generate(core, self._rows, saves=self._saves, edits=self._edits, embeds=e,
+                                                   mask=mask, **self._gen)
+
+    def _opened_here(self) -> bool:
+        """True in the thread / asyncio context that entered this tracer."""
+        return any(r() is self for r in _OPENED.get())
+
+    def _release_model(self) -> None:
+        """Forget this tracer as the model's open one and let another trace start (idempotent)."""
+        m = self._model
+        if m._open is not None and m._open() in (self, None):
+            m._open = None
+        token, self._opened_token = self._opened_token, None
+        if token is not None:
+            try:
+                _OPENED.reset(token)
+            except (ValueError, RuntimeError):  # exited in another context: drop it from this one
+                _OPENED.set(tuple(r for r in _OPENED.get() if r() is not self and r() is not None))
+        if self._cache is not None:
+            self._cache._busy = False
+        if self._holds_model:
+            self._holds_model = False
+            m._trace_lock.release()
 
     def invoke(self, inputs: Prompt) -> "_invoke._Invoke":
         """nnsight's ``with tracer.invoke(prompt):`` inside ``with model.trace() as tracer:`` (no inputs) or
@@ -400,31 +604,32 @@ class Tracer:
         if not self._deferred:
             raise InputError("tracer.invoke: open the trace without inputs (model.trace() / model.generate()) to "
                              "batch invokes")
-        if self._session is not None or self._model._tracer is not self:
+        if self._session is not None or not self._deferred_open:
             raise InputError("tracer.invoke is used inside its trace's `with` block")
         rows, single = self._model._rows(inputs)
         return _invoke._Invoke(self, rows, single)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         stopped = exc_type is not None and issubclass(exc_type, _StopTrace) and exc.tracer is self
-        if self._deferred and self._session is None:
+        if self._deferred and self._deferred_open:
+            self._deferred_open = False
             if exc_type is not None:
-                self._model._tracer = None
                 return False
             if not self._invokes:
-                self._model._tracer = None
                 raise InputError("model.trace() / model.generate() without inputs needs tracer.invoke(prompt) blocks")
             for inv in self._invokes:
                 inv.first_row = len(self._rows)
                 self._rows.extend(inv.rows)
-            self._open_session()
+            self._enter_session()
             try:
                 _invoke.run_invokes(self, self._invokes, None)
             except BaseException as e:
                 sess, self._session = self._session, None
-                self._model._tracer = None
                 self._calls = sess.calls
-                sess.close()
+                try:
+                    sess.close()
+                finally:
+                    self._release_model()
                 if isinstance(e, _StopTrace) and e.tracer is self:  # tracer.stop() inside an invoke
                     self._stopped = True
                     return True
@@ -433,6 +638,7 @@ class Tracer:
         try:
             if exc_type is None:
                 self._live.settle()  # in-place edits of the last value read reach the rest of the forward
+                self._session = None
                 # Step by step, so Ctrl-C (KeyboardInterrupt) is raised between forward calls rather
                 # than after the whole generation: each C++ wait blocks with the GIL released.
                 for step in range(sess.first_step + 1, sess.last_step + 1):
@@ -446,13 +652,31 @@ class Tracer:
                 self._calls = sess.calls
                 self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
         finally:
-            self._model._tracer = None
             self._session = None
             self._live.close(check=False)
-            sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt, stop())
-            if self._cache is not None:
-                self._cache._busy = False
+            try:
+                sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt, stop())
+            finally:
+                self._release_model()
         return stopped
+
+    def __del__(self):
+        # Entered and never exited (no `with`, or the frame was dropped): abort the run so the model is
+        # not locked forever, and say so.
+        sess = getattr(self, "_session", None)
+        if sess is None:
+            return
+        self._session = None
+        try:
+            warnings.warn("a mixlens tracer was entered and never exited: its run was aborted and the model released "
+                          "when the tracer was garbage-collected (use `with model.trace(...)`)", RuntimeWarning,
+                          stacklevel=2)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: warnings may be gone
+            pass
+        try:
+            sess.close()
+        finally:
+            self._release_model()
 
     def run(self) -> "Tracer":
         """Run without an interleaved block (pre-registered ``saves`` / ``edits`` only); returns self."""
@@ -463,7 +687,7 @@ class Tracer:
     # -- reads / writes (used by the envoys) --------------------------------------------------
     def _require_session(self):
         if self._session is None:
-            if self._deferred and self._model._tracer is self:
+            if self._deferred and self._deferred_open:
                 raise InputError("this trace batches tracer.invoke(...) blocks: read and write values inside an invoke")
             raise InputError("this tracer is not open: values are read inside its `with` block")
         return self._session
@@ -477,6 +701,21 @@ class Tracer:
         value = to_output(sess.read(self._step, path), self._fmt)
         self._live.track(self._step, path, value, read_only=path.endswith(".states"))
         return value
+
+    def _refuse_foreign(self, path: str) -> None:
+        """Raises for a read / write of `path` from outside the thread and context that opened this tracer:
+        never another trace's values, never a wait on itself."""
+        sess = self._session
+        if sess is not None and sess.in_forward:
+            raise InputError(f"'{path}' was read or written through the open tracer from inside the forward (an "
+                             "edit function passed in edits=... runs there): it would wait on itself forever "
+                             "(deadlock). Use the value the edit function is given; read other values in the "
+                             "`with` block instead")
+        owner = self._owner_thread
+        where = "another asyncio task / context of this thread" if owner is threading.current_thread() else (
+            f"thread {owner.name!r}" if owner is not None else "another thread")
+        raise InputError(f"'{path}': the trace open on this model belongs to {where}; a thread reads values only "
+                         "inside its own `with model.trace(...)` block (opening one waits until that trace ends)")
 
     def _write(self, path: str, value) -> None:
         inv = _invoke.current()
@@ -661,7 +900,8 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
         self._core = _core.Model.load(path)
-        self._tracer: Optional[Tracer] = None
+        self._open: Optional[weakref.ref] = None  # the open tracer (any thread's)
+        self._trace_lock = threading.Lock()       # held while a trace is open: one at a time per model
         self._value_paths: Optional[frozenset] = None
         self.layers = _Layers(self)
         self.embed_tokens = _Envoy(self, "embed_tokens.")
@@ -697,7 +937,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 
     @output_format.setter
     def output_format(self, output: str) -> None:
-        if self._tracer is not None:
+        if self._open_tracer() is not None:
             raise InputError("output_format cannot change while a trace is open")
         self._output = resolve_output(output)
 
@@ -721,11 +961,20 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
     def _known(self, path: str) -> bool:
         return path in self._paths()
 
-    def support(self) -> dict:
+    def support(self, layer: Optional[int] = None) -> dict:
         """docs/values.md ``support()``: value name (``"linear_attn.states"``) -> None when available, else the
         reason (a sentence naming the cause and what to use instead). Where every block answers alike
         the entry is one value, the reason's block index written ``{i}``; where blocks differ (hybrids)
-        it is a per-layer ``{layer: None | reason}`` mapping."""
+        it is a per-layer ``{layer: None | reason}`` mapping. The per-token state methods are listed
+        too (``linear_attn.state``, ``linear_attn.state_after``, ``linear_attn.set_state_after``).
+        ``support(layer=i)``: the answers for block i alone (negative counts from the end), one value each."""
+        if layer is not None:
+            n = self.num_layers
+            i = _check_int("layer", layer, -n, n - 1)
+            i = i + n if i < 0 else i
+            return {name: (per_layer.get(i, per_layer.get(-1, "")) or None)
+                    for name, per_layer in self._core.support().items()
+                    if i in per_layer or -1 in per_layer}
         out = {}
         for name, per_layer in self._core.support().items():
             reasons = {layer: (r or None) for layer, r in per_layer.items()}
@@ -758,15 +1007,34 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         raise InputError("inputs must be a prompt string, a list of prompts, token ids, or a list of token-id rows")
 
     # -- value access through the open tracer ----------------------------------------------
+    def _open_tracer(self) -> Optional[Tracer]:
+        """The model's open tracer, whichever thread opened it (None when no trace is open)."""
+        ref = self._open
+        t = ref() if ref is not None else None
+        return t if t is not None and t._session is not None else None
+
     def _tracer_for(self, path: str) -> Tracer:
-        if self._tracer is None:
+        t = self._open_tracer()
+        if t is None:
+            d = getattr(self, "_deferred_tracer", None)
+            if d is not None and d() is not None and d()._deferred_open:
+                raise InputError(f"'{path}': this trace batches tracer.invoke(...) blocks: read and write values inside "
+                                 "an invoke")
             raise InputError(f"'{path}' is read inside `with model.trace(...)` or `with model.generate(...)`")
-        return self._tracer
+        if not t._opened_here():
+            t._refuse_foreign(path)
+        return t
 
     def _read(self, path: str):
+        inv = _invoke.current()
+        if inv is not None:  # an invoke body's thread: its trace was opened by the caller's thread
+            return inv.tracer._read(path)
         return self._tracer_for(path)._read(path)
 
     def _write(self, path: str, value) -> None:
+        inv = _invoke.current()
+        if inv is not None:
+            return inv.tracer._write(path, value)
         self._tracer_for(path)._write(path, value)
 
     @property
@@ -779,24 +1047,38 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         self._write("logits", value)
 
     # -- runs ---------------------------------------------------------------------------------
-    def trace(self, inputs: Optional[Prompt] = None, *, cache: Optional[Cache] = None, saves=None, edits=None) -> Tracer:
+    def trace(self, inputs: Optional[Prompt] = None, *, cache: Optional[Cache] = None, saves=None, edits=None,
+              inputs_embeds=None, attention_mask=None) -> Tracer:
         """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
         ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
         every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
-        ``{path: array | fn(array) -> array}`` applied before the block sees the value (a function may edit
-        its argument in place and return None). Without `inputs`, the prompts come from
-        ``tracer.invoke(prompt)`` blocks, batched into one forward (:mod:`mixlens._invoke`)."""
-        return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits)
+        ``{path: array | fn(array) -> array}`` applied before the block sees the value.
+
+        Instead of `inputs`, ``inputs_embeds`` (transformers' argument): float ``[B,T,hidden]`` (or ``[T,hidden]``),
+        numpy or torch, with an optional 0/1 ``attention_mask [B,T]`` marking left padding (first calls only);
+        ``embed_tokens.output`` then serves them. Embeddings equal to the table rows of some ids give exactly
+        the ids' results.
+
+        Threads: one trace is open per model at a time. A trace opened in another thread waits until this one
+        ends; a thread (or asyncio task) reading ``model.<value>`` while another one's trace is open gets
+        InputError, never that trace's values. An edit function that reads through the open tracer raises
+        InputError (it would wait on itself). A tracer entered and never exited is aborted, with a
+        RuntimeWarning, when garbage-collected. Ctrl-C raises KeyboardInterrupt within about 50 ms (the forward
+        stops at its next layer)."""
+        return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits, inputs_embeds=inputs_embeds,
+                      attention_mask=attention_mask)
 
     def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 eos_token_id: Optional[int] = None, forced_tokens=None, saves=None, edits=None) -> Tracer:
+                 eos_token_id: Optional[int] = None, forced_tokens=None, saves=None, edits=None,
+                 inputs_embeds=None, attention_mask=None) -> Tracer:
         """Generation: step 0 runs the prompt, steps 1..max_new_tokens-1 one token each; greedy unless
         `do_sample` (temperature / top_k / top_p / seed as transformers). Stops a row at EOS
         (config.eos_token_id, or `eos_token_id`; -1 disables). `forced_tokens` (one row per prompt)
         teacher-forces the tokens fed after each step instead (``tracer.tokens`` then holds each step's
         greedy prediction and ``tracer.logits`` every step's logits). Use as ``with ... as tracer`` and
-        ``tracer.iter``, or ``.run()``."""
+        ``tracer.iter``, or ``.run()``. ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace` feed step 0;
+        later steps feed the generated ids (as transformers: ``tracer.tokens`` holds only new tokens)."""
         gen = dict(max_new_tokens=_check_int("max_new_tokens", max_new_tokens, 1, _INT32_MAX),
                    greedy=not do_sample, temperature=float(temperature),
                    top_k=_check_int("top_k", top_k, 0, _INT32_MAX), top_p=float(top_p),
@@ -806,12 +1088,31 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
             forced = np.asarray(forced_tokens, dtype=object)
             rows = forced.tolist() if forced.ndim == 2 else [list(forced_tokens)]
             forced_tokens = _check_rows(rows, "forced token id")
-        return Tracer(self, "generate", inputs, saves=saves, edits=edits, forced_tokens=forced_tokens, **gen)
+        return Tracer(self, "generate", inputs, saves=saves, edits=edits, forced_tokens=forced_tokens,
+                      inputs_embeds=inputs_embeds, attention_mask=attention_mask, **gen)
 
-    def run(self, inputs: Prompt, saves=None, edits=None) -> dict:
-        """One forward with pre-registered saves / edits (no block): {"logits": [B,T,vocab], path: array}."""
+    def _input_args(self, inputs, inputs_embeds, attention_mask, continuation: bool = False) -> tuple:
+        """(token rows, embeds or None, mask list) for the core's run / forward."""
+        if inputs_embeds is None:
+            if inputs is None:
+                raise InputError("give inputs (a prompt, prompts or token ids) or inputs_embeds")
+            if attention_mask is not None:
+                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
+            return self._rows(inputs)[0], None, []
+        if inputs is not None:
+            raise InputError("give inputs (text / token ids) or inputs_embeds, not both")
+        arr, mask, _ = _embeds_input(inputs_embeds, attention_mask)
+        if continuation and mask:
+            raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+        return [], arr, mask
+
+    def run(self, inputs: Optional[Prompt] = None, saves=None, edits=None, *, inputs_embeds=None,
+            attention_mask=None) -> dict:
+        """One forward with pre-registered saves / edits (no block): {"logits": [B,T,vocab], path: array}.
+        ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace`. Ctrl-C stops it between layers."""
         specs = _save_specs(saves)
-        logits, saved = self._core.run(self._rows(inputs)[0], specs, _edit_specs(edits, self._output))
+        rows, embeds, mask = self._input_args(inputs, inputs_embeds, attention_mask)
+        logits, saved = self._core.run(rows, specs, _edit_specs(edits, self._output), embeds, mask)
         _check_saved_steps(specs, [0])
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
@@ -821,13 +1122,19 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         """An empty cache for `batch` rows, for ``forward`` / ``trace(..., cache=)`` continuations."""
         return Cache(self._core.new_cache(_check_int("batch", batch, 1, _INT32_MAX)))
 
-    def forward(self, inputs: Prompt, cache: Cache, saves=None, edits=None) -> dict:
+    def forward(self, inputs: Optional[Prompt] = None, cache: Optional[Cache] = None, saves=None, edits=None, *,
+                inputs_embeds=None) -> dict:
         """One forward call continuing `cache` (updated in place): {"logits": [B,T,vocab], path: array}.
-        Several new tokens over a cached state run the chunked kernel from that state."""
+        Several new tokens over a cached state run the chunked kernel from that state. ``inputs_embeds``
+        ``[B,T,hidden]`` instead of ids as in :meth:`trace`. Ctrl-C stops it between layers (the cache is
+        then unspecified: ``cache.restore(snapshot)`` rolls back)."""
+        if not isinstance(cache, Cache):
+            raise InputError("forward needs cache= (a mixlens Cache from model.new_cache)")
         if cache._busy:
             raise InputError("this cache is in use by an open trace")
         specs, step = _save_specs(saves), cache.steps
-        logits, saved = self._core.forward(self._rows(inputs)[0], cache._core, specs, _edit_specs(edits, self._output))
+        rows, embeds, _ = self._input_args(inputs, inputs_embeds, None, continuation=True)
+        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), True, embeds)
         _check_saved_steps(specs, [step])
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})

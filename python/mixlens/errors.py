@@ -20,6 +20,7 @@ __all__ = [
     "OutOfOrderError",
     "ResourceError",
     "NumericError",
+    "InterruptedRunError",
 ]
 
 
@@ -79,3 +80,8 @@ class NumericError(MixlensError, ArithmeticError):
     """A forward produced NaN / inf logits. The message names the first value of that call that went
     non-finite (e.g. ``layers.3.linear_attn.attention_output = NaN at [0, 2, 17]``); usually a written value
     of extreme magnitude. Greedy decoding and sampling also refuse NaN logits with this error."""
+
+
+class InterruptedRunError(MixlensError):
+    """A run stopped by its cancellation flag (C++ ``mixlens::InterruptedError``). Ctrl-C itself arrives as
+    ``KeyboardInterrupt`` within about 50 ms of the signal (the forward stops at its next layer)."""

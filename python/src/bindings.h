@@ -13,7 +13,12 @@ void init_session(nb::module_& m);
 
 GenerateOptions make_options(int max_new_tokens, bool greedy, float temperature, int top_k, float top_p,
                              uint64_t seed, std::optional<int32_t> eos_token_id);
-/// Rows of equal length as one Batch (a continuation cannot be padded in the middle of a stream).
-Batch continuation_batch(const std::vector<std::vector<int32_t>>& rows);
+/// Rows of equal length as one Batch (a continuation cannot be padded in the middle of a stream),
+/// or the embeddings [B,T,hidden] when given (then `rows` must be empty).
+Batch continuation_batch(const std::vector<std::vector<int32_t>>& rows,
+                         const std::optional<FloatArray>& embeds = std::nullopt);
+/// The first call's batch: left-padded `prompts`, or Batch::from_embeddings(embeds, mask).
+Batch prompt_batch(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                   const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask);
 
 }  // namespace mixlens::py

@@ -14,7 +14,7 @@ namespace {
 
 struct Classes {
   nb::handle base, checkpoint, config, tokenizer, unknown_value, write, unsupported, input, out_of_order, resource,
-      numeric;
+      numeric, interrupted;
 };
 Classes g_classes;
 
@@ -31,7 +31,7 @@ void init_errors(nb::module_& m) {
   };
   g_classes = {get("MixlensError"), get("CheckpointError"), get("ConfigError"),  get("TokenizerError"),
                get("UnknownValueError"), get("WriteError"), get("UnsupportedError"), get("InputError"),
-               get("OutOfOrderError"), get("ResourceError"), get("NumericError")};
+               get("OutOfOrderError"), get("ResourceError"), get("NumericError"), get("InterruptedRunError")};
   // Most derived first; anything else propagates to nanobind's own translators.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -56,6 +56,8 @@ void init_errors(nb::module_& m) {
       raise(g_classes.resource, e);
     } catch (const NumericError& e) {
       raise(g_classes.numeric, e);
+    } catch (const InterruptedError& e) {
+      raise(g_classes.interrupted, e);
     } catch (const Error& e) {
       raise(g_classes.base, e);
     } catch (const std::bad_alloc&) {

@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bindings.h"
+#include "interrupt.h"
 #include "mixlens/model.h"
 #include "mixlens/tools.h"
 
@@ -25,7 +26,21 @@ GenerateOptions make_options(int max_new_tokens, bool greedy, float temperature,
   return o;
 }
 
-Batch continuation_batch(const Rows& rows) {
+Batch prompt_batch(const Model& mo, const Rows& prompts, const std::optional<FloatArray>& embeds,
+                   const std::vector<uint8_t>& mask) {
+  if (!embeds) {
+    if (!mask.empty()) throw InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)");
+    return Batch::left_padded(prompts, mo.pad_token_id());
+  }
+  if (!prompts.empty()) throw InputError("give token ids / text or inputs_embeds, not both");
+  return Batch::from_embeddings(from_numpy(*embeds), mask);
+}
+
+Batch continuation_batch(const Rows& rows, const std::optional<FloatArray>& embeds) {
+  if (embeds) {
+    if (!rows.empty()) throw InputError("give token ids / text or inputs_embeds, not both");
+    return Batch::from_embeddings(from_numpy(*embeds));
+  }
   Batch b = Batch::left_padded(rows, 0);
   if (b.has_padding())
     throw InputError("forward with a cache: every row must have the same number of tokens (got ragged rows; "
@@ -94,7 +109,11 @@ void init_model(nb::module_& m) {
   nb::class_<Cache>(m, "Cache", "Cached recurrent state of a batch (conv windows and SSM states per layer).")
       .def_prop_ro("batch", &Cache::batch)
       .def_prop_ro("seen_tokens", &Cache::seen_tokens)
-      .def_prop_ro("steps", &Cache::steps, "forward calls made with this cache (the next call's step index)");
+      .def_prop_ro("steps", &Cache::steps, "forward calls made with this cache (the next call's step index)")
+      .def("copy", &Cache::copy, nb::keep_alive<0, 1>(),
+           "An independent deep copy (conv windows, recurrent states, KV entries, counters), bitwise.")
+      .def("restore", &Cache::restore, nb::arg("snapshot"),
+           "Make this cache bitwise equal to `snapshot` (a copy() of a cache of the same model and batch).");
 
   nb::class_<Model>(m, "Model")
       .def_static(
@@ -135,56 +154,56 @@ void init_model(nb::module_& m) {
       .def(
           "run",
           [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves,
-             const std::vector<EditSpec>& edits) {
+             const std::vector<EditSpec>& edits, const std::optional<FloatArray>& embeds,
+             const std::vector<uint8_t>& mask) {
             Trace trace;
             register_saves(trace, saves);
             register_edits(trace, edits);
-            Tensor logits;
-            {
-              nb::gil_scoped_release r;
-              logits = mo.run(prompts, &trace);
-            }
+            Batch b = prompt_batch(mo, prompts, embeds, mask);
+            Tensor logits = run_interruptible<Tensor>(
+                [&](const std::atomic<bool>* cancel) { return mo.run(b, &trace, cancel); });
             return nb::make_tuple(to_numpy(std::move(logits)), saved_dict(trace));
           },
           nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{}, nb::arg("edits") = std::vector<EditSpec>{},
-          "One forward of left-padded prompts: (logits [B,T,V], {'path@step0': array}).")
+          nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
+          "One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): "
+          "(logits [B,T,V], {'path@step0': array}). Ctrl-C stops it between layers.")
       .def(
           "generate",
           [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,
              float top_p, uint64_t seed, std::optional<int32_t> eos, const std::vector<SaveSpec>& saves,
-             const std::vector<EditSpec>& edits) {
+             const std::vector<EditSpec>& edits, const std::optional<FloatArray>& embeds,
+             const std::vector<uint8_t>& mask) {
             Trace trace;
             register_saves(trace, saves);
             register_edits(trace, edits);
-            GenerationResult g;
-            {
-              nb::gil_scoped_release r;
-              g = mo.generate(prompts, make_options(max_new_tokens, greedy, temperature, top_k, top_p, seed, eos), &trace);
-            }
+            Batch b = prompt_batch(mo, prompts, embeds, mask);
+            const GenerateOptions o = make_options(max_new_tokens, greedy, temperature, top_k, top_p, seed, eos);
+            GenerationResult g = run_interruptible<GenerationResult>(
+                [&](const std::atomic<bool>* cancel) { return mo.generate(b, o, &trace, cancel); });
             return nb::make_tuple(g.new_tokens, g.steps, saved_dict(trace));
           },
           nb::arg("prompts"), nb::arg("max_new_tokens"), nb::arg("greedy") = true, nb::arg("temperature") = 1.0f,
           nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("seed") = 0, nb::arg("eos_token_id") = nb::none(),
           nb::arg("saves") = std::vector<SaveSpec>{}, nb::arg("edits") = std::vector<EditSpec>{},
-          "(new tokens per prompt, steps, {'path@step{k}': array}).")
+          nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
+          "(new tokens per prompt, steps, {'path@step{k}': array}). Ctrl-C stops it between layers.")
       .def(
           "forward",
           [](const Model& mo, const Rows& rows, Cache& cache, const std::vector<SaveSpec>& saves,
-             const std::vector<EditSpec>& edits, bool all_logits) {
+             const std::vector<EditSpec>& edits, bool all_logits, const std::optional<FloatArray>& embeds) {
             Trace trace;
             register_saves(trace, saves);
             register_edits(trace, edits);
-            Batch b = continuation_batch(rows);
-            Tensor logits;
-            {
-              nb::gil_scoped_release r;
-              logits = mo.forward(b, cache, &trace, all_logits);
-            }
+            Batch b = continuation_batch(rows, embeds);
+            Tensor logits = run_interruptible<Tensor>(
+                [&](const std::atomic<bool>* cancel) { return mo.forward(b, cache, &trace, all_logits, cancel); });
             return nb::make_tuple(to_numpy(std::move(logits)), saved_dict(trace));
           },
           nb::arg("rows"), nb::arg("cache"), nb::arg("saves") = std::vector<SaveSpec>{},
-          nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("all_logits") = true,
-          "One forward call continuing `cache` (updated in place): (logits, saved).");
+          nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("all_logits") = true, nb::arg("embeds") = nb::none(),
+          "One forward call continuing `cache` (updated in place): (logits, saved). Ctrl-C stops it between "
+          "layers (the cache is then unspecified: restore a copy()).");
 }
 
 }  // namespace mixlens::py

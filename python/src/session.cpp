@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "bindings.h"
+#include "interrupt.h"
 #include "mixlens/session.h"
 
 namespace mixlens::py {
@@ -35,6 +36,12 @@ struct PySession {
   Session& s() {
     if (!session) throw InputError("this session was closed");
     return *session;
+  }
+  // Ctrl-C while the caller waits in read / write / reach_step / finish aborts the run.
+  PySession* start(Session&& s) {
+    session.emplace(std::move(s));
+    session->set_interrupt_check(check_signals);
+    return this;
   }
 };
 
@@ -101,6 +108,8 @@ void init_session(nb::module_& m) {
              return result_dict(res, *p.trace);
            })
       .def("close", &PySession::close, "Abort the run if it is still going (idempotent).")
+      .def_prop_ro("in_forward", [](PySession& p) { return p.session && p.session->in_forward(); },
+                   "True on this session's worker thread (inside the forward: a pre-registered edit function).")
       .def_prop_ro("first_step", [](PySession& p) { return p.s().first_step(); })
       .def_prop_ro("last_step", [](PySession& p) { return p.s().last_step(); })
       .def_prop_ro("calls", [](PySession& p) { return calls_list(p.s().calls()); })
@@ -109,33 +118,37 @@ void init_session(nb::module_& m) {
   // Factories: the session keeps the model (and a continued cache) alive.
   m.def(
       "session_run",
-      [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves, const std::vector<EditSpec>& edits) {
+      [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves, const std::vector<EditSpec>& edits,
+         const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask) {
         auto p = std::make_unique<PySession>(saves, edits);
-        p->session.emplace(Session::run(mo, prompts, p->trace.get()));
+        p->start(Session::run(mo, prompt_batch(mo, prompts, embeds, mask), p->trace.get()));
         return p.release();
       },
       nb::arg("model"), nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{},
-      nb::arg("edits") = std::vector<EditSpec>{}, nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
+      nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
+      nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
   m.def(
       "session_generate",
       [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,
          float top_p, uint64_t seed, std::optional<int32_t> eos, const std::vector<SaveSpec>& saves,
-         const std::vector<EditSpec>& edits) {
+         const std::vector<EditSpec>& edits, const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask) {
         auto p = std::make_unique<PySession>(saves, edits);
-        p->session.emplace(Session::generate(
-            mo, prompts, make_options(max_new_tokens, greedy, temperature, top_k, top_p, seed, eos), p->trace.get()));
+        p->start(Session::generate(mo, prompt_batch(mo, prompts, embeds, mask),
+                                   make_options(max_new_tokens, greedy, temperature, top_k, top_p, seed, eos),
+                                   p->trace.get()));
         return p.release();
       },
       nb::arg("model"), nb::arg("prompts"), nb::arg("max_new_tokens"), nb::arg("greedy") = true,
       nb::arg("temperature") = 1.0f, nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("seed") = 0,
       nb::arg("eos_token_id") = nb::none(), nb::arg("saves") = std::vector<SaveSpec>{},
-      nb::arg("edits") = std::vector<EditSpec>{}, nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
+      nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
+      nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
   m.def(
       "session_teacher_forced",
       [](const Model& mo, const Rows& prompts, const Rows& forced, const std::vector<SaveSpec>& saves,
          const std::vector<EditSpec>& edits) {
         auto p = std::make_unique<PySession>(saves, edits);
-        p->session.emplace(Session::teacher_forced(mo, prompts, forced, p->trace.get()));
+        p->start(Session::teacher_forced(mo, prompts, forced, p->trace.get()));
         return p.release();
       },
       nb::arg("model"), nb::arg("prompts"), nb::arg("forced"), nb::arg("saves") = std::vector<SaveSpec>{},
@@ -143,13 +156,14 @@ void init_session(nb::module_& m) {
   m.def(
       "session_forward",
       [](const Model& mo, const Rows& rows, Cache& cache, const std::vector<SaveSpec>& saves,
-         const std::vector<EditSpec>& edits, bool all_logits) {
+         const std::vector<EditSpec>& edits, bool all_logits, const std::optional<FloatArray>& embeds) {
         auto p = std::make_unique<PySession>(saves, edits);
-        p->session.emplace(Session::forward(mo, continuation_batch(rows), cache, p->trace.get(), all_logits));
+        p->start(Session::forward(mo, continuation_batch(rows, embeds), cache, p->trace.get(), all_logits));
         return p.release();
       },
       nb::arg("model"), nb::arg("rows"), nb::arg("cache"), nb::arg("saves") = std::vector<SaveSpec>{},
-      nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("all_logits") = true, nb::rv_policy::take_ownership,
+      nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("all_logits") = true, nb::arg("embeds") = nb::none(),
+      nb::rv_policy::take_ownership,
       nb::keep_alive<0, 1>(), nb::keep_alive<0, 3>());
 }
 

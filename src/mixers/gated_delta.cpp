@@ -54,7 +54,8 @@ void gated_delta_recurrent(const GatedDeltaArgs& a) {
     const int64_t b = bh / H, h = bh % H;
     float* S = a.S + bh * Dk * Dv;
     std::vector<float> qn(static_cast<size_t>(Dk)), kn(static_cast<size_t>(Dk)), mem(static_cast<size_t>(Dv));
-    for (int64_t t = 0; t < a.T; ++t) {
+    const int64_t t_end = a.t_end < 0 ? a.T : a.t_end;
+    for (int64_t t = a.t_begin; t < t_end; ++t) {
       const int64_t r = (b * a.T + t) * H + h;  // row of [B,T,H]
       l2norm_row(a.q + r * Dk, Dk, scale, qn.data());
       l2norm_row(a.k + r * Dk, Dk, 1.0f, kn.data());
@@ -75,8 +76,9 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
     std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C),
                        P = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv), mem = buf(Dv), Sr;
     std::vector<double> U(static_cast<size_t>(C * Dv)), W(static_cast<size_t>(C * Dk));
-    for (int64_t t0 = 0; t0 < T; t0 += C) {
-      const int64_t L = std::min(C, T - t0);
+    const int64_t t_end = a.t_end < 0 ? T : a.t_end;
+    for (int64_t t0 = a.t_begin; t0 < t_end; t0 += C) {
+      const int64_t L = std::min(C, t_end - t0);
       float run = 0.0f;
       for (int64_t i = 0; i < L; ++i) {
         const int64_t r = (b * T + t0 + i) * H + h;

@@ -22,6 +22,8 @@ struct GatedDeltaArgs {
   float* o = nullptr;           ///< [B,T,H,Dv] attention_head_outputs
   float* states = nullptr;      ///< [B,T,H,Dk,Dv] optional: state after every token
   int64_t chunk = 64;           ///< chunk size (transformers' default; the mixer does not pass one)
+  int64_t t_begin = 0;          ///< scan tokens [t_begin, t_end) of each row, from S (a split scan)
+  int64_t t_end = -1;           ///< -1: T
 };
 
 /// Token-by-token recurrence (the decode kernel; also usable for whole prompts).

@@ -138,9 +138,10 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
     Tensor dec({B, T, H});
     for (int64_t r = 0; r < BT; ++r)
       for (int64_t hh = 0; hh < H; ++hh) dec[r * H + hh] = lw.A[hh] * dt[r * H + hh];
-    if (ls->visit(li, Value::decays, dec, dec.shape()))
-      for (int64_t r = 0; r < BT; ++r)
-        for (int64_t hh = 0; hh < H; ++hh) dt[r * H + hh] = dec[r * H + hh] / lw.A[hh];
+    if (ls->visit(li, Value::decays, dec, dec.shape())) {
+      dt = betas_for_decays(lw, dt, dec);
+      ls->revised(li, Value::betas, dt);  // a save / copy of betas now holds the dt in use
+    }
   }
 
   Tensor& S = *call.ssm;
@@ -151,21 +152,31 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   Tensor y({B, T, H, P});
   Tensor states;
   if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, H, N, P});
-  for (int64_t b = 0; b < B; ++b) {
-    SsdArgs a;
-    a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
-    a.x = x.data() + b * T * E;
-    a.B = Bm.data() + b * T * G * N;
-    a.C = Cm.data() + b * T * G * N;
-    a.dt = dt.data() + b * T * H;
-    a.A = lw.A.data();
-    a.D = lw.D.data();
-    a.S = S.data() + b * H * P * N;
-    a.y = y.data() + b * T * E;
-    a.states = states.defined() ? states.data() + b * T * H * N * P : nullptr;
-    a.chunk = d_.chunk;
-    if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
-  }
+  // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted and resumes
+  // from the (possibly written) state (values.md "state_after").
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t b = 0; b < B; ++b) {
+      SsdArgs a;
+      a.T = t1 - t0; a.H = H; a.P = P; a.G = G; a.N = N;
+      a.x = x.data() + (b * T + t0) * E;
+      a.B = Bm.data() + (b * T + t0) * G * N;
+      a.C = Cm.data() + (b * T + t0) * G * N;
+      a.dt = dt.data() + (b * T + t0) * H;
+      a.A = lw.A.data();
+      a.D = lw.D.data();
+      a.S = S.data() + b * H * P * N;
+      a.y = y.data() + (b * T + t0) * E;
+      a.states = states.defined() ? states.data() + (b * T + t0) * H * N * P : nullptr;
+      a.chunk = d_.chunk;
+      if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
+    }
+  };
+  scan_with_stops(ls, li, T, run, [&](int64_t t) {
+    Tensor served = served_state(S);
+    if (!ls->visit_state(li, t, served, served.shape())) return;
+    store_served_state(served, S);
+    if (states.defined()) copy_state_into(served, states, t);
+  });
   if (states.defined()) ls->visit(li, Value::states, states, states.shape());
   visit_state_output(li, S, ls, serve, store);
 
@@ -230,6 +241,16 @@ void Mamba2Mixer::store_served_state(const Tensor& o, Tensor& S) const {
   for (int64_t bh = 0; bh < S.size(0) * H; ++bh)
     for (int64_t p = 0; p < P; ++p)
       for (int64_t nn = 0; nn < N; ++nn) S[(bh * P + p) * N + nn] = o[(bh * N + nn) * P + p];
+}
+
+Tensor Mamba2Mixer::betas_for_decays(const Mamba2MixerWeights& w, const Tensor& betas_before,
+                                     const Tensor& decays) const {
+  const int64_t H = d_.H;
+  Tensor dt(betas_before.shape());
+  const int64_t rows = dt.numel() / H;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t hh = 0; hh < H; ++hh) dt[r * H + hh] = decays[r * H + hh] / w.A[hh];
+  return dt;
 }
 
 }  // namespace mixlens::detail

@@ -99,6 +99,9 @@ class Mamba2Mixer {
   /// One call on the mixer input x [B,T,D] (the normed block input); returns what the block adds
   /// to the residual [B,T,D] (after out_multiplier), visiting every linear_attn value on the way.
   Tensor forward(const Mamba2MixerWeights& w, const Tensor& x, const Batch& in, const Mamba2MixerCall& call) const;
+  /// The dt (betas) a decays write [B,T,H] implies: decays / A for every entry, as forward() uses
+  /// it (FamilyModel::betas_for_decays, read-after-write).
+  Tensor betas_for_decays(const Mamba2MixerWeights& w, const Tensor& betas_before, const Tensor& decays) const;
 
  private:
   void group_rmsnorm(Tensor& g, const Tensor& w, int64_t rows) const;

@@ -67,7 +67,8 @@ void ssd_chunked(const SsdArgs& a) {
     const float A = a.A[h], D = a.D[h];
     float* S = a.S + h * P * N;
     std::vector<float> acum(static_cast<size_t>(Q)), da(static_cast<size_t>(Q)), M(static_cast<size_t>(Q * Q)),
-        xdt(static_cast<size_t>(Q * P)), tmp(static_cast<size_t>(Q * P));
+        xdt(static_cast<size_t>(Q * P)), tmp(static_cast<size_t>(Q * P)),
+        Sr(a.states ? static_cast<size_t>(P * N) : 0);
     for (int64_t c = 0; c < nchunks; ++c) {
       const int64_t t0 = c * Q, L = std::min(Q, T - t0);
       const float* xc = a.x + t0 * ldx + h * P;
@@ -105,13 +106,24 @@ void ssd_chunked(const SsdArgs& a) {
         for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] += e * tmp[l * P + p] + D * xc[l * ldx + p];
       }
       if (a.states) {
-        // Replay the recurrence inside the chunk from the entering state.
-        std::vector<float> Sr(S, S + P * N);
+        // Replay the recurrence inside the chunk straight in the served layout [N,P]: each token's
+        // state is the previous one (already written) decayed plus B_l ⊗ xdt_l, vectorised over p,
+        // so the per-token states cost one streaming write each and no transposes.
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t n = 0; n < N; ++n) Sr[n * P + p] = S[p * N + n];
+        const float* prev = Sr.data();
         for (int64_t l = 0; l < L; ++l) {
           const float e = std::exp(da[l]);
-          for (int64_t p = 0; p < P; ++p)
-            for (int64_t n = 0; n < N; ++n) Sr[p * N + n] = Sr[p * N + n] * e + xdt[l * P + p] * Bc[l * ldbc + n];
-          store_state(Sr.data(), P, N, a.states + ((t0 + l) * H + h) * N * P);
+          const float* Bl = Bc + l * ldbc;
+          const float* xl = xdt.data() + l * P;
+          float* out = a.states + ((t0 + l) * H + h) * N * P;
+          for (int64_t n = 0; n < N; ++n) {
+            const float bn = Bl[n];
+            const float* pr = prev + n * P;
+            float* o = out + n * P;
+            for (int64_t p = 0; p < P; ++p) o[p] = pr[p] * e + bn * xl[p];
+          }
+          prev = out;
         }
       }
       // Chunk end state: S = exp(Acum_last) S + sum_l exp(Acum_last - Acum_l) xdt_l ⊗ B_l.

@@ -25,7 +25,9 @@ struct SsdArgs {
 /// Token-by-token recurrence (the decode kernel; also usable for whole prompts).
 void ssd_recurrent(const SsdArgs& a);
 /// Chunked SSD: intra-chunk quadratic form + inter-chunk state passing, BLAS for the products.
-/// `states`, when asked for, are replayed token by token from each chunk's entering state.
+/// `states`, when asked for, are replayed from each chunk's entering state directly in the served
+/// layout (vectorised over head_dim, no per-token transposes). A scan split at token t is two calls
+/// (tokens [0,t], then [t+1,T) from the state S left by the first).
 void ssd_chunked(const SsdArgs& a);
 
 }  // namespace mixlens::detail

@@ -1,5 +1,6 @@
 #include "models/common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -207,6 +208,12 @@ Tensor transpose_conv(const Tensor& w) {
 
 Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
   const int64_t V = embed.size(0), D = embed.size(1);
+  if (in.embeds.defined()) {  // inputs_embeds: the rows as given (shape checked by the caller)
+    if (in.embeds.shape() != Shape{in.batch, in.seq, D})
+      throw InputError(std::string(family) + ": inputs_embeds has shape " + shape_str(in.embeds.shape()) +
+                       ", expected " + shape_str({in.batch, in.seq, D}));
+    return in.embeds.clone();
+  }
   Tensor h({in.batch, in.seq, D});
   for (int64_t i = 0; i < in.batch * in.seq; ++i) {
     const int32_t id = in.ids[static_cast<size_t>(i)];
@@ -218,16 +225,31 @@ Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
   return h;
 }
 
+namespace {
+// Index of the first NaN / inf in p[0, n), or -1. Blocks are screened with an integer OR over the
+// exponent bits (vectorizes without -ffast-math, unlike a float test); only a hit is located.
+int64_t first_non_finite(const float* p, int64_t n) {
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    uint32_t hit = 0;
+    for (int64_t i = b; i < e; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + i, sizeof bits);
+      hit |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    if (hit)
+      for (int64_t i = b; i < e; ++i)
+        if (!std::isfinite(p[i])) return i;
+  }
+  return -1;
+}
+}  // namespace
+
 void FiniteWatch::check(int layer, Value v, const Tensor& t) {
   if (!first_.empty() || !t.defined()) return;
   const float* p = t.begin();
-  const int64_t n = t.numel();
-  int64_t bad = -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(p[i])) {
-      bad = i;
-      break;
-    }
+  const int64_t bad = first_non_finite(p, t.numel());
   const std::string path = site_path({layer, v});
   if (bad < 0) {
     last_finite_ = path;
@@ -249,7 +271,8 @@ void FiniteWatch::check(int layer, Value v, const Tensor& t) {
 void FiniteWatch::finish(const Tensor& logits) const {
   const float* p = logits.begin();
   int64_t bad = 0;
-  for (int64_t i = 0; i < logits.numel(); ++i) bad += !std::isfinite(p[i]);
+  if (first_non_finite(p, logits.numel()) >= 0)
+    for (int64_t i = 0; i < logits.numel(); ++i) bad += !std::isfinite(p[i]);
   // Also when the logits computed stayed finite (e.g. only the last position's): the NaN is in the
   // cache or in values that full logits would show, so the call's results are not trustworthy.
   if (bad == 0 && first_.empty()) return;
@@ -306,8 +329,26 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
   i.path = site_path(i.site);
   i.shape = std::move(shape);
   i.per_token = per_token;
+  // The token axis is a property of the value: the single-state values have none, states has one
+  // (family tables once passed 'writable' here for them).
+  if (v == Value::state_input || v == Value::state_output || v == Value::state) i.per_token = false;
+  if (v == Value::states) i.per_token = true;
   i.meaning = std::move(meaning);
   return i;
+}
+
+void copy_state_into(const Tensor& state, Tensor& states, int64_t t) {
+  const int64_t B = states.size(0), T = states.size(1), per = state.numel() / B;
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(state.data() + b * per, state.data() + (b + 1) * per, states.data() + (b * T + t) * per);
+}
+
+void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
+  auto it = s.find("linear_attn.state");
+  if (it == s.end()) return;
+  const auto per_layer = it->second;
+  s["linear_attn.state_after"] = per_layer;
+  s["linear_attn.set_state_after"] = per_layer;
 }
 
 void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,

@@ -18,9 +18,20 @@ namespace mixlens::detail {
 /// Per-batch cached state of one model; families extend it.
 struct CacheState {
   virtual ~CacheState() = default;
+  /// A deep, independent copy of the same dynamic type (every tensor cloned; Tensor copies share
+  /// storage). Every derived cache overrides it: Cache::copy refuses a copy of another type (a
+  /// derived cache that forgot the override would be sliced).
+  virtual std::unique_ptr<CacheState> clone() const = 0;
   int64_t batch = 0;
   int64_t seen = 0;   ///< tokens consumed
   int steps = 0;      ///< forward calls made
+
+ protected:
+  /// Replaces every defined tensor of `ts` by an independent copy (for clone()).
+  static void deep_copy(std::vector<Tensor>& ts) {
+    for (Tensor& t : ts)
+      if (t.defined()) t = t.clone();
+  }
 };
 
 class FamilyModel {
@@ -40,6 +51,14 @@ class FamilyModel {
   /// values.md support(): value name -> per layer reason ("" when available).
   virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
   virtual void set_chunk_size(int64_t) {}
+  /// Where betas and decays are two views of one dt (Mamba: betas = dt, decays = A*dt): the betas
+  /// the forward will use after `decays` [B,T,...] of `layer` is written over `betas_before`
+  /// (read-after-write in a Session). WriteError when the write implies no dt. Undefined where
+  /// betas does not depend on decays (gated DeltaNet).
+  virtual Tensor betas_for_decays(int layer, const Tensor& betas_before, const Tensor& decays) const {
+    (void)layer, (void)betas_before, (void)decays;
+    return Tensor();
+  }
 
   /// The LM head around the blocks, for nnterp's project_on_vocab and read access to the weights
   /// (Model::project_on_vocab, Model::head_weight). Pointers into the family's own tensors.

@@ -171,21 +171,25 @@ class MambaModel final : public SsmLm {
     Tensor states;
     if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, E_, N_});
     const bool chunked = ctx.kernel == "chunked";
-    for (int64_t b = 0; b < B; ++b) {
-      SelectiveScanArgs a;
-      a.T = T; a.E = E_; a.N = N_;
-      a.u = u.data() + b * T * E_;
-      a.dt = dt.data() + b * T * E_;
-      a.B = Bm.data() + b * T * N_;
-      a.C = Cm.data() + b * T * N_;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
-      a.S = S.data() + b * E_ * N_;
-      a.y = y.data() + b * T * E_;
-      a.states = states.defined() ? states.data() + b * T * E_ * N_ : nullptr;
-      a.chunk = chunk_;
-      if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
-    }
+    // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted.
+    auto run = [&](int64_t t0, int64_t t1) {
+      for (int64_t b = 0; b < B; ++b) {
+        SelectiveScanArgs a;
+        a.T = t1 - t0; a.E = E_; a.N = N_;
+        a.u = u.data() + (b * T + t0) * E_;
+        a.dt = dt.data() + (b * T + t0) * E_;
+        a.B = Bm.data() + (b * T + t0) * N_;
+        a.C = Cm.data() + (b * T + t0) * N_;
+        a.A = lw.A.data();
+        a.D = lw.D.data();
+        a.S = S.data() + b * E_ * N_;
+        a.y = y.data() + (b * T + t0) * E_;
+        a.states = states.defined() ? states.data() + (b * T + t0) * E_ * N_ : nullptr;
+        a.chunk = chunk_;
+        if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
+      }
+    };
+    scan_with_stops(ls, li, T, run, [&](int64_t t) { serve_state_at(li, t, cache, ls, states); });
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
     end_state(li, cache, ls);
     visit_if(ls, li, Value::attention_head_outputs, y);
@@ -204,15 +208,28 @@ class MambaModel final : public SsmLm {
   // (token, channel): rows left bit-identical keep their dt exactly; a changed row must imply the
   // same dt = decays[n] / A[e, n] for every n (within kDecayAgreement, relative), and dt is their
   // mean. Anything else has no dt that produces it, so it is refused rather than approximated.
-  void visit_decays(int li, const MambaLayer& lw, Tensor& dt, Listener* ls) const {
-    constexpr double kDecayAgreement = 1e-5;
+  Tensor decays_of(const MambaLayer& lw, const Tensor& dt) const {
     const int64_t B = dt.size(0), T = dt.size(1);
     Tensor dec({B, T, E_, N_});
     for (int64_t r = 0; r < B * T; ++r)
       for (int64_t e = 0; e < E_; ++e)
         for (int64_t k = 0; k < N_; ++k) dec[(r * E_ + e) * N_ + k] = lw.A[e * N_ + k] * dt[r * E_ + e];
-    const Tensor before = dec.clone();
+    return dec;
+  }
+
+  void visit_decays(int li, const MambaLayer& lw, Tensor& dt, Listener* ls) const {
+    Tensor dec = decays_of(lw, dt);
     if (!ls->visit(li, Value::decays, dec, dec.shape())) return;
+    dt = betas_for_decays(li, dt, dec);
+    ls->revised(li, Value::betas, dt);  // a save / copy of betas now holds the dt in use
+  }
+
+  Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& dec) const override {
+    constexpr double kDecayAgreement = 1e-5;
+    const MambaLayer& lw = layers_[static_cast<size_t>(li)];
+    const int64_t B = betas_before.size(0), T = betas_before.size(1);
+    const Tensor before = decays_of(lw, betas_before);
+    Tensor dt = betas_before.clone();
     for (int64_t r = 0; r < B * T; ++r)
       for (int64_t e = 0; e < E_; ++e) {
         const float* d = dec.data() + (r * E_ + e) * N_;
@@ -236,6 +253,7 @@ class MambaModel final : public SsmLm {
                            "or write betas instead");
         dt[r * E_ + e] = static_cast<float>(sum / static_cast<double>(N_));
       }
+    return dt;
   }
 
   int64_t N_ = 0, E_ = 0, R_ = 0, chunk_ = kChunk;

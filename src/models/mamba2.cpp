@@ -53,6 +53,9 @@ class Mamba2Model final : public SsmLm {
   }
 
   void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : config_chunk_); }
+  Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& decays) const override {
+    return mixer_.betas_for_decays(layers_[static_cast<size_t>(li)], betas_before, decays);
+  }
 
  private:
   int64_t conv_channels() const override { return mixer_.dims().conv_dim(); }

@@ -48,6 +48,13 @@ struct MlpW {
   Tensor gate_b, up_b, down_b;     // optional biases
 };
 
+struct MoeW {
+  Tensor router, bias;                  // [E, D], [E] e_score_correction_bias
+  std::vector<Tensor> up, down;         // per expert [I, in], [in, I] (in = latent or D)
+  Tensor shared_up, shared_down;        // [Is, D], [D, Is]
+  Tensor fc1, fc1_b, fc2, fc2_b;        // optional latent projections [latent, D], [D, latent]
+};
+
 struct AttnW {
   Tensor q, k, v, o;               // [H*hd, D], [Hkv*hd, D], [Hkv*hd, D], [D, H*hd]
   Tensor qb, kb, vb, ob;           // optional biases
@@ -58,6 +65,7 @@ struct BlockW {
   Mamba2MixerWeights mamba;
   AttnW attn;
   MlpW mlp;
+  MoeW moe;
 };
 
 struct HybridCache : CacheState {
@@ -67,6 +75,12 @@ struct HybridCache : CacheState {
   std::vector<KvCache> kv;   // attention layers
   std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
   std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
+  std::unique_ptr<CacheState> clone() const override {
+    auto c = std::make_unique<HybridCache>(*this);  // KV entries, masks, counters: value copies
+    deep_copy(c->conv);
+    deep_copy(c->ssm);
+    return c;
+  }
 };
 
 const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
@@ -132,7 +146,27 @@ class Mamba2Hybrid final : public FamilyModel {
           bw.attn.ob = w.get(m + "o_proj.bias", {s_.D});
         }
       }
-      if (b.branch_mlp || b.ff) {
+      if (b.moe) {
+        const std::string m = lp + s_.mlp_mod + ".";
+        const int64_t E = s_.n_experts, in = s_.latent > 0 ? s_.latent : s_.D;
+        bw.moe.router = w.get(m + "gate.weight", {E, s_.D});
+        bw.moe.bias = w.get(m + "gate.e_score_correction_bias", {E});
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string ep = m + "experts." + std::to_string(e) + ".";
+          bw.moe.up.push_back(w.get(ep + "up_proj.weight", {s_.moe_I, in}));
+          bw.moe.down.push_back(w.get(ep + "down_proj.weight", {in, s_.moe_I}));
+        }
+        bw.moe.shared_up = w.get(m + "shared_experts.up_proj.weight", {s_.shared_I, s_.D});
+        bw.moe.shared_down = w.get(m + "shared_experts.down_proj.weight", {s_.D, s_.shared_I});
+        if (s_.latent > 0) {
+          bw.moe.fc1 = w.get(m + "fc1_latent_proj.weight", {s_.latent, s_.D});
+          bw.moe.fc2 = w.get(m + "fc2_latent_proj.weight", {s_.D, s_.latent});
+          if (s_.mlp_bias) {
+            bw.moe.fc1_b = w.get(m + "fc1_latent_proj.bias", {s_.latent});
+            bw.moe.fc2_b = w.get(m + "fc2_latent_proj.bias", {s_.D});
+          }
+        }
+      } else if (b.branch_mlp || b.ff) {
         if (b.ff) bw.ff_norm = w.get(lp + s_.ff_norm, {s_.D});
         const std::string m = lp + s_.mlp_mod + ".";
         if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get(m + "gate_proj.weight", {I, s_.D});
@@ -157,6 +191,9 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
   void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : config_chunk_); }
+  Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& decays) const override {
+    return mixer_.betas_for_decays(blocks_[static_cast<size_t>(li)].mamba, betas_before, decays);
+  }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
     auto c = std::make_unique<HybridCache>();
@@ -201,14 +238,18 @@ class Mamba2Hybrid final : public FamilyModel {
       }
     }
     Tensor h = embed_tokens(embed_, in, s_.family.c_str());
-    if (s_.embedding_multiplier != 1.0f)
+    // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given.
+    if (s_.embedding_multiplier != 1.0f && !in.embeds.defined())
       for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
     visit_if(ls, -1, Value::embed_output, h);
+    FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
+    watch.check(-1, Value::embed_output, h);
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       const BlockW& bw = blocks_[static_cast<size_t>(i)];
+      ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       ops::rmsnorm(h.data(), bw.in_norm.data(), n.data(), BT, D, s_.eps);
       Tensor branch({B, T, D});
@@ -220,12 +261,19 @@ class Mamba2Hybrid final : public FamilyModel {
         call.has_state = cache.has_state;
         call.chunked = ctx.kernel == "chunked";
         call.ls = ls;
-        add_into(branch, mixer_.forward(bw.mamba, n, in, call));
+        Tensor out = mixer_.forward(bw.mamba, n, in, call);
+        watch.check(li, Value::attention_output, out);
+        add_into(branch, out);
       }
-      if (b.attn) add_into(branch, attention(li, bw.attn, n, in, pos, cache, ls));
+      if (b.attn) {
+        Tensor out = attention(li, bw.attn, n, in, pos, cache, ls);
+        watch.check(li, Value::attn_output, out);
+        add_into(branch, out);
+      }
       if (b.branch_mlp) {
-        Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
+        Tensor m = (b.moe ? moe(bw.moe, n.data(), BT) : mlp(bw.mlp, n.data(), BT)).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
+        watch.check(li, Value::mlp_output, m);
         add_into(branch, m);
       }
       add_into(h, branch);
@@ -233,19 +281,25 @@ class Mamba2Hybrid final : public FamilyModel {
         ops::rmsnorm(h.data(), bw.ff_norm.data(), n.data(), BT, D, s_.eps);
         Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
+        watch.check(li, Value::mlp_output, m);
         add_into(h, m);
       }
       visit_if(ls, li, Value::layer_output, h);
+      watch.check(li, Value::layer_output, h);
     }
     cache.has_state = true;
     ops::rmsnorm(h.data(), norm_f_.data(), h.data(), BT, D, s_.eps);
     visit_if(ls, -1, Value::ln_final_output, h);
-    if (s_.lm_head_multiplier == 1.0f) return lm_logits(lm_head_, h, ls, all_logits);
-    // Falcon-H1: logits = lm_head(h) * lm_head_multiplier; served (and sampled) after the multiplier.
-    const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
-    Tensor logits = lm_logits(lm_head_, h, nullptr, full);
-    for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
-    if (full) visit_if(ls, -1, Value::logits, logits);
+    Tensor logits;
+    if (s_.lm_head_multiplier == 1.0f) {
+      logits = lm_logits(lm_head_, h, ls, all_logits);
+    } else {  // Falcon-H1: logits = lm_head(h) * lm_head_multiplier, served (and sampled) so
+      const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
+      logits = lm_logits(lm_head_, h, nullptr, full);
+      for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= s_.lm_head_multiplier;
+      if (full) visit_if(ls, -1, Value::logits, logits);
+    }
+    watch.finish(logits);
     return logits;
   }
 
@@ -277,7 +331,8 @@ class Mamba2Hybrid final : public FamilyModel {
       }
       if (b.branch_mlp || b.ff)
         v.push_back(layer_value(i, Value::mlp_output, {B, T, D}, true,
-                                s_.mlp == HybridMlp::relu2 ? "relu2 MLP output" : "SwiGLU MLP output"));
+                                b.moe ? "MoE output: routed relu2 experts + shared expert"
+                                      : s_.mlp == HybridMlp::relu2 ? "relu2 MLP output" : "SwiGLU MLP output"));
       v.push_back(layer_value(i, Value::layer_output, {B, T, D}, true, "residual stream leaving the block"));
     }
     v.push_back(global_value(Value::ln_final_output, {B, T, D}, "final RMSNorm output"));
@@ -332,6 +387,94 @@ class Mamba2Hybrid final : public FamilyModel {
     ops::linear(up.data(), rows, I, m.down, out.data(), opt(m.down_b));
     if (s_.mlp_down_multiplier != 1.0f)
       for (int64_t k = 0; k < out.numel(); ++k) out[k] *= s_.mlp_down_multiplier;
+    return out;
+  }
+
+  // relu2 MLP with explicit sizes: down(relu(up x)^2).
+  static Tensor relu2(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I) {
+    Tensor u({rows, I}), out({rows, down_w.size(0)});
+    ops::linear(x, rows, in, up_w, u.data());
+    for (int64_t k = 0; k < rows * I; ++k) {
+      const float r = std::max(u[k], 0.0f);
+      u[k] = r * r;
+    }
+    ops::linear(u.data(), rows, I, down_w, out.data());
+    return out;
+  }
+
+  // NemotronHMoE: fp32 sigmoid router; choice scores + e_score_correction_bias; the topk_group
+  // groups with the largest sum of their top-2 choice scores stay eligible; top-k experts by choice
+  // score, weighted by their plain sigmoid scores (renormalised when norm_topk_prob, + 1e-20),
+  // times routed_scaling_factor; experts summed in expert order (index_add_), then fc2, + shared.
+  Tensor moe(const MoeW& m, const float* x, int64_t rows) const {
+    const int64_t E = s_.n_experts, D = s_.D, G = s_.n_group, per = E / G, in = s_.latent > 0 ? s_.latent : D;
+    Tensor logits({rows, E});
+    ops::linear(x, rows, D, m.router, logits.data());
+    std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
+    std::vector<float> sc(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gs(static_cast<size_t>(G));
+    std::vector<int64_t> gi(static_cast<size_t>(G)), ei(static_cast<size_t>(E));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t e = 0; e < E; ++e) {
+        sc[static_cast<size_t>(e)] = ops::sigmoid(logits[r * E + e]);
+        choice[static_cast<size_t>(e)] = sc[static_cast<size_t>(e)] + m.bias[e];
+      }
+      for (int64_t g = 0; g < G; ++g) {  // sum of the group's two best choice scores
+        float a = -INFINITY, b2 = -INFINITY;
+        for (int64_t j = 0; j < per; ++j) {
+          const float v = choice[static_cast<size_t>(g * per + j)];
+          if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
+        }
+        gs[static_cast<size_t>(g)] = per >= 2 ? a + b2 : a;
+        gi[static_cast<size_t>(g)] = g;
+      }
+      std::partial_sort(gi.begin(), gi.begin() + s_.topk_group, gi.end(), [&](int64_t a, int64_t b) {
+        return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)] || (gs[static_cast<size_t>(a)] == gs[static_cast<size_t>(b)] && a < b);
+      });
+      std::vector<uint8_t> keep(static_cast<size_t>(G), 0);
+      for (int64_t k = 0; k < s_.topk_group; ++k) keep[static_cast<size_t>(gi[static_cast<size_t>(k)])] = 1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (!keep[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
+        ei[static_cast<size_t>(e)] = e;
+      }
+      std::partial_sort(ei.begin(), ei.begin() + s_.topk, ei.end(), [&](int64_t a, int64_t b) {
+        return choice[static_cast<size_t>(a)] > choice[static_cast<size_t>(b)] ||
+               (choice[static_cast<size_t>(a)] == choice[static_cast<size_t>(b)] && a < b);
+      });
+      float tot = 0.0f;
+      for (int64_t k = 0; k < s_.topk; ++k) tot += sc[static_cast<size_t>(ei[static_cast<size_t>(k)])];
+      for (int64_t k = 0; k < s_.topk; ++k) {
+        const int64_t e = ei[static_cast<size_t>(k)];
+        float wgt = sc[static_cast<size_t>(e)];
+        if (s_.norm_topk) wgt /= (tot + 1e-20f);
+        routed[static_cast<size_t>(e)].push_back({r, wgt * s_.routed_scaling});
+      }
+    }
+    Tensor xin;
+    const float* xe = x;
+    if (s_.latent > 0) {
+      xin = Tensor({rows, in});
+      ops::linear(x, rows, D, m.fc1, xin.data(), opt(m.fc1_b));
+      xe = xin.data();
+    }
+    Tensor acc({rows, in});
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& toks = routed[static_cast<size_t>(e)];
+      if (toks.empty()) continue;
+      const int64_t nt = static_cast<int64_t>(toks.size());
+      Tensor xs({nt, in});
+      for (int64_t k = 0; k < nt; ++k)
+        std::memcpy(xs.data() + k * in, xe + toks[static_cast<size_t>(k)].first * in, sizeof(float) * static_cast<size_t>(in));
+      Tensor y = relu2(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in, s_.moe_I);
+      for (int64_t k = 0; k < nt; ++k) {
+        const auto& [r, wgt] = toks[static_cast<size_t>(k)];
+        for (int64_t d = 0; d < in; ++d) acc[r * in + d] += y[k * in + d] * wgt;
+      }
+    }
+    Tensor out({rows, D});
+    if (s_.latent > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
+    else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
+    Tensor sh = relu2(m.shared_up, m.shared_down, x, rows, D, s_.shared_I);
+    for (int64_t k = 0; k < rows * D; ++k) out[k] += sh[k];
     return out;
   }
 

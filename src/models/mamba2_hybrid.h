@@ -23,6 +23,7 @@ struct HybridBlock {
   bool mamba = false;       ///< the Mamba-2 mixer on the first branch (values linear_attn.*)
   bool attn = false;        ///< softmax attention on the first branch (values self_attn.*)
   bool branch_mlp = false;  ///< Nemotron-H MLP block: the MLP is the first branch (mlp.output)
+  bool moe = false;         ///< with branch_mlp: a Nemotron-H MoE block (NemotronHMoE) instead of the MLP
   bool ff = false;          ///< second residual branch: ff norm + MLP (mlp.output)
   LayerKind kind = LayerKind::mamba2;
 };
@@ -48,6 +49,11 @@ struct Mamba2HybridSpec {
   HybridMlp mlp = HybridMlp::swiglu;
   int64_t I = 0;
   bool mlp_bias = false;
+  // Nemotron-H MoE (NemotronHMoE / NemotronHTopkRouter): sigmoid router + e_score_correction_bias,
+  // group-limited top-k, relu2 experts (up/down, optional latent projections), one shared expert.
+  int64_t n_experts = 0, topk = 0, n_group = 1, topk_group = 1, moe_I = 0, shared_I = 0, latent = 0;
+  bool norm_topk = true;
+  float routed_scaling = 1.0f;
   // Falcon-H1 µP multipliers (1 elsewhere), applied where transformers applies them.
   float embedding_multiplier = 1.0f, lm_head_multiplier = 1.0f, key_multiplier = 1.0f;
   float attention_in_multiplier = 1.0f, attention_out_multiplier = 1.0f;

@@ -1,7 +1,7 @@
 // Nemotron-H (NemotronHForCausalLM, model_type "nemotron_h"): one residual block per entry of the
 // layer pattern (hybrid_override_pattern "M*-E" or layers_block_type / layer_types), each
 // h += mixer(RMSNorm(h)) with mixer = Mamba-2 (M), attention without positional encoding (*),
-// or a relu2 MLP (-). Reference: transformers 5.18 models/nemotron_h/modeling_nemotron_h.py.
+// a relu2 MLP (-) or a MoE of relu2 experts (E). Reference: transformers 5.18 models/nemotron_h/modeling_nemotron_h.py.
 // Mamba-2 here: n_groups > 1 with the grouped gated norm (Zamba2RMSNormGated, group = E / n_groups),
 // dt clamped to [time_step_min, inf) on prompts (NemotronHMamba2Mixer ignores time_step_limit).
 #include <algorithm>
@@ -29,8 +29,8 @@ HybridBlock block_for(const std::string& t, const io::Config& cfg, size_t i) {
     b.branch_mlp = true;
     b.kind = LayerKind::mlp;
   } else if (t == "E" || t == "moe") {
-    throw UnsupportedError(where(cfg) + ": block " + std::to_string(i) +
-                           " is a MoE block ('E' / 'moe'); mixlens does not support Nemotron-H MoE blocks yet");
+    b.branch_mlp = b.moe = true;
+    b.kind = LayerKind::moe;
   } else {
     throw ConfigError(where(cfg) + ": block " + std::to_string(i) + " has type '" + t +
                       "' (expected M / linear_attention, * / full_attention, - / mlp or E / moe)");
@@ -109,6 +109,27 @@ std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& cfg, const io::We
   s.I = cfg.get_or<int64_t>("intermediate_size", 21504);
   require_positive(cfg, {{"intermediate_size", s.I}});
   s.mlp_bias = cfg.get_or<bool>("mlp_bias", false);
+  if (std::any_of(s.blocks.begin(), s.blocks.end(), [](const HybridBlock& b) { return b.moe; })) {
+    s.n_experts = cfg.get_or<int64_t>("n_routed_experts", 8);
+    s.topk = cfg.get_or<int64_t>("num_experts_per_tok", 2);
+    s.n_group = cfg.get_or<int64_t>("n_group", 1);
+    s.topk_group = cfg.get_or<int64_t>("topk_group", 1);
+    s.moe_I = cfg.get_or<int64_t>("moe_intermediate_size", 7688);
+    s.shared_I = cfg.get_or<int64_t>("moe_shared_expert_intermediate_size", 7688);
+    s.latent = cfg.has("moe_latent_size") && !cfg.is_null("moe_latent_size") ? cfg.get<int64_t>("moe_latent_size") : 0;
+    require_positive(cfg, {{"n_routed_experts", s.n_experts}, {"num_experts_per_tok", s.topk}, {"n_group", s.n_group},
+                           {"topk_group", s.topk_group}, {"moe_intermediate_size", s.moe_I},
+                           {"moe_shared_expert_intermediate_size", s.shared_I}});
+    if (s.latent < 0) throw ConfigError(where(cfg) + ": moe_latent_size must be positive or null");
+    if (s.n_experts % s.n_group != 0 || s.topk_group > s.n_group || s.topk > s.n_experts)
+      throw ConfigError(where(cfg) + ": MoE routing sizes are inconsistent (n_routed_experts " + std::to_string(s.n_experts) +
+                        ", n_group " + std::to_string(s.n_group) + ", topk_group " + std::to_string(s.topk_group) +
+                        ", num_experts_per_tok " + std::to_string(s.topk) + ")");
+    if (cfg.get_or<int64_t>("n_shared_experts", 1) != 1)
+      throw UnsupportedError(where(cfg) + ": n_shared_experts other than 1 is not supported (NemotronHMoE builds one shared expert)");
+    s.norm_topk = cfg.get_or<bool>("norm_topk_prob", true);
+    s.routed_scaling = static_cast<float>(cfg.get_double_or("routed_scaling_factor", 1.0));
+  }
   const std::string act = cfg.get_or<std::string>("mlp_hidden_act", "relu2");
   if (act != "relu2") throw UnsupportedError(where(cfg) + ": mlp_hidden_act '" + act + "' is not supported (Nemotron-H uses relu2)");
   return make_mamba2_hybrid(s, cfg, w);

@@ -51,6 +51,12 @@ struct QwenCache : CacheState {
   std::vector<KvCache> kv;    // attention layers
   std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
   std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
+  std::unique_ptr<CacheState> clone() const override {
+    auto c = std::make_unique<QwenCache>(*this);  // KV entries, masks, counters: value copies
+    deep_copy(c->conv);
+    deep_copy(c->ssm);
+    return c;
+  }
 };
 
 // Concatenates row blocks of 2-D tensors with the same column count.
@@ -287,6 +293,7 @@ class QwenHybrid final : public FamilyModel {
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
       const Layer& l = layers_[static_cast<size_t>(i)];
+      ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       ops::rmsnorm(h.data(), l.in_norm.data(), n.data(), BT, D_, eps_, true);
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
@@ -494,7 +501,18 @@ class QwenHybrid final : public FamilyModel {
     a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
     a.S = S.data(); a.o = o.data();
     a.states = states.defined() ? states.data() : nullptr;
-    if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+    // The scan stops where the per-token state is wanted; the served layout is the cache's.
+    scan_with_stops(
+        ls, li, T,
+        [&](int64_t t0, int64_t t1) {
+          a.t_begin = t0;
+          a.t_end = t1;
+          if (ctx.kernel == "chunked") gated_delta_chunked(a); else gated_delta_recurrent(a);
+        },
+        [&](int64_t t) {
+          if (ls->visit_state(li, t, S, S.shape()) && states.defined()) copy_state_into(S, states, t);
+          a.S = S.data();  // a write may have replaced the tensor
+        });
     if (states.defined()) ls->visit(li, Value::states, states, states.shape());
     visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
     visit_if(ls, li, Value::attention_head_outputs, o);

@@ -74,6 +74,7 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
   Tensor n({B, T, D_});
   for (int64_t i = 0; i < L_; ++i) {
     const int li = static_cast<int>(i);
+    ctx.check_cancel();
     visit_if(ls, li, Value::layer_input, h);
     // MambaRMSNorm / Mamba2RMSNorm; with float32 weights residual_in_fp32 changes nothing.
     ops::rmsnorm(h.data(), norms_[static_cast<size_t>(i)].data(), n.data(), B * T, D_, eps_);
@@ -119,6 +120,14 @@ Tensor& SsmLm::begin_state(int li, SsmCache& cache, Listener* ls) const {
   visit_state_input(li, S, cache.has_state, ls, served_state_shape(), [this](const Tensor& s) { return served_state(s); },
                     [this](const Tensor& o, Tensor& s) { store_served_state(o, s); });
   return S;
+}
+
+void SsmLm::serve_state_at(int li, int64_t t, SsmCache& cache, Listener* ls, Tensor& states) const {
+  Tensor& S = cache.ssm[static_cast<size_t>(li)];
+  Tensor served = served_state(S);
+  if (!ls->visit_state(li, t, served, served.shape())) return;
+  store_served_state(served, S);
+  if (states.defined()) copy_state_into(served, states, t);
 }
 
 void SsmLm::end_state(int li, SsmCache& cache, Listener* ls) const {

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <mutex>
 #include <random>
+#include <typeinfo>
 
 #include "io/hub.h"
 #include "io/json.h"
@@ -39,6 +40,38 @@ Batch Batch::left_padded(const std::vector<std::vector<int32_t>>& rows, int32_t 
       b.mask[off + t] = 1;
     }
   }
+  return b;
+}
+
+Batch Batch::from_embeddings(const Tensor& embeds, std::vector<uint8_t> mask) {
+  if (!embeds.defined() || embeds.dim() != 3)
+    throw InputError("inputs_embeds must be a [batch, seq, hidden] array, got " +
+                     (embeds.defined() ? shape_str(embeds.shape()) : std::string("None")));
+  Batch b;
+  b.batch = embeds.size(0);
+  b.seq = embeds.size(1);
+  if (b.batch <= 0 || b.seq <= 0 || embeds.size(2) <= 0)
+    throw InputError("inputs_embeds " + shape_str(embeds.shape()) + " is empty: give at least one row and one token");
+  if (embeds.has_non_finite()) throw InputError("inputs_embeds contains NaN or inf");
+  const size_t n = static_cast<size_t>(b.batch * b.seq);
+  if (mask.empty()) mask.assign(n, 1);
+  if (mask.size() != n)
+    throw InputError("attention_mask has " + std::to_string(mask.size()) + " entries for inputs_embeds " +
+                     shape_str(embeds.shape()) + " (needs batch*seq = " + std::to_string(n) + ")");
+  for (int64_t r = 0; r < b.batch; ++r) {
+    bool seen_real = false;
+    for (int64_t t = 0; t < b.seq; ++t) {
+      const uint8_t m = mask[static_cast<size_t>(r * b.seq + t)];
+      if (m > 1) throw InputError("attention_mask entries must be 0 or 1");
+      if (!m && seen_real)
+        throw InputError("attention_mask row " + std::to_string(r) + " is not left padding (a 0 after a 1)");
+      seen_real = seen_real || m;
+    }
+    if (!seen_real) throw InputError("attention_mask row " + std::to_string(r) + " has no real token");
+  }
+  b.ids.assign(n, 0);
+  b.mask = std::move(mask);
+  b.embeds = embeds.clone();
   return b;
 }
 
@@ -93,6 +126,35 @@ int64_t Cache::batch() const { return impl_->state->batch; }
 int64_t Cache::seen_tokens() const { return impl_->state->seen; }
 int Cache::steps() const { return impl_->state->steps; }
 
+namespace {
+std::unique_ptr<detail::CacheState> checked_clone(const detail::CacheState& st) {
+  auto c = st.clone();
+  // A derived cache that did not override clone() would come back sliced to its base.
+  const detail::CacheState* copy = c.get();
+  if (!copy || typeid(*copy) != typeid(st))
+    throw UnsupportedError(std::string("Cache::copy: this family's cache (") + typeid(st).name() +
+                           ") does not implement clone()");
+  return c;
+}
+}  // namespace
+
+Cache Cache::copy() const {
+  Cache c;
+  c.impl_->state = checked_clone(*impl_->state);
+  c.impl_->owner = impl_->owner;
+  return c;
+}
+
+void Cache::restore(const Cache& snapshot) {
+  if (&snapshot == this) return;
+  if (snapshot.impl_->owner != impl_->owner)
+    throw InputError("Cache::restore: the snapshot belongs to another model");
+  if (snapshot.impl_->state->batch != impl_->state->batch)
+    throw InputError("Cache::restore: the snapshot has " + std::to_string(snapshot.impl_->state->batch) +
+                     " rows but this cache has " + std::to_string(impl_->state->batch));
+  impl_->state = checked_clone(*snapshot.impl_->state);
+}
+
 // ---- Model ----------------------------------------------------------------------------------
 
 struct Model::Impl {
@@ -137,7 +199,13 @@ Model Model::load(const std::string& path_or_hub_id) {
   io::Config config = io::Config::load(dir);
   io::WeightStore weights = io::WeightStore::open(dir);
   Model m;
-  m.impl_->family = detail::build_family(config, weights);
+  try {
+    m.impl_->family = detail::build_family(config, weights);
+  } catch (const nlohmann::json::exception& e) {
+    // A field of a JSON type no getter anticipated: still a ConfigError naming the file, never a
+    // bare exception (exit 3 / RuntimeError).
+    throw ConfigError(detail::where(config) + ": malformed field: " + e.what());
+  }
   m.impl_->family->info.path = dir.string();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the
@@ -167,7 +235,11 @@ int32_t Model::pad_token_id() const { return impl_->pad_id; }
 std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
 
 std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
-std::map<std::string, std::map<int, std::string>> Model::support() const { return impl_->family->support(); }
+std::map<std::string, std::map<int, std::string>> Model::support() const {
+  auto s = impl_->family->support();
+  detail::add_state_methods(s);  // every family, hybrids included: as linear_attn.state
+  return s;
+}
 void Model::set_chunk_size(int64_t c) {
   if (c < 0 || c > detail::kMaxChunkSize)
     throw InputError("set_chunk_size: " + std::to_string(c) + " is out of range [0, " +
@@ -215,14 +287,15 @@ Cache Model::new_cache(int64_t batch) const {
   return c;
 }
 
-Tensor Model::forward(const Batch& in, Cache& cache, Trace* trace, bool all_logits) const {
-  return detail::ModelAccess::forward(*this, in, cache, trace, nullptr, all_logits);
+Tensor Model::forward(const Batch& in, Cache& cache, Trace* trace, bool all_logits,
+                      const std::atomic<bool>* cancel) const {
+  return detail::ModelAccess::forward(*this, in, cache, trace, nullptr, all_logits, cancel);
 }
 
 const detail::FamilyModel& detail::ModelAccess::family(const Model& m) { return *m.impl_->family; }
 
 Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cache, Trace* trace, Listener* extra,
-                                    bool all_logits) {
+                                    bool all_logits, const std::atomic<bool>* cancel) {
   const Model::Impl& impl = *m.impl_;
   if (cache.impl_->owner != impl.family.get()) throw InputError("forward: the cache belongs to another model");
   auto& st = *cache.impl_->state;
@@ -232,12 +305,17 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
   if (in.seq <= 0) throw InputError("forward: empty call (no tokens)");
   if (in.ids.size() != static_cast<size_t>(in.batch * in.seq) || in.mask.size() != in.ids.size())
     throw InputError("forward: ids/mask sizes do not match batch x seq");
+  if (in.embeds.defined() && in.embeds.shape() != Shape{in.batch, in.seq, m.info().hidden_size})
+    throw InputError("forward: inputs_embeds has shape " + shape_str(in.embeds.shape()) + ", expected " +
+                     shape_str({in.batch, in.seq, m.info().hidden_size}) + " [batch, seq, hidden_size]");
   detail::CallCtx ctx;
   ctx.step = st.steps;
   ctx.batch = in.batch;
   ctx.seq = in.seq;
   ctx.fresh = st.seen == 0;
   ctx.kernel = impl.family->kernel_for(st, in.seq);
+  ctx.cancel = cancel;
+  ctx.check_cancel();
   std::optional<detail::TraceListener> trace_listener;
   if (trace) trace_listener.emplace(*trace, *impl.family);
   std::optional<detail::ChainListener> chain;
@@ -254,18 +332,26 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
 }
 
 Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace) const {
-  Batch b = Batch::left_padded(prompts, impl_->pad_id);
+  return run(Batch::left_padded(prompts, impl_->pad_id), trace);
+}
+
+Tensor Model::run(const Batch& b, Trace* trace, const std::atomic<bool>* cancel) const {
   Cache c = new_cache(b.batch);
-  return forward(b, c, trace, true);
+  return forward(b, c, trace, true, cancel);
 }
 
 GenerationResult Model::generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,
                                  Trace* trace) const {
-  return detail::ModelAccess::generate(*this, prompts, o, trace, nullptr);
+  return detail::ModelAccess::generate(*this, Batch::left_padded(prompts, impl_->pad_id), o, trace, nullptr);
 }
 
-GenerationResult detail::ModelAccess::generate(const Model& m, const std::vector<std::vector<int32_t>>& prompts,
-                                               const GenerateOptions& o, Trace* trace, Listener* extra) {
+GenerationResult Model::generate(const Batch& prompt, const GenerateOptions& o, Trace* trace,
+                                 const std::atomic<bool>* cancel) const {
+  return detail::ModelAccess::generate(*this, prompt, o, trace, nullptr, cancel);
+}
+
+GenerationResult detail::ModelAccess::generate(const Model& m, Batch b, const GenerateOptions& o, Trace* trace,
+                                               Listener* extra, const std::atomic<bool>* cancel) {
   const Model::Impl& impl = *m.impl_;
   if (o.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
   if (!o.greedy) {
@@ -273,7 +359,6 @@ GenerationResult detail::ModelAccess::generate(const Model& m, const std::vector
     if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) throw InputError("generate: top_p must be in (0, 1]");
     if (o.top_k < 0) throw InputError("generate: top_k must be >= 0");
   }
-  Batch b = Batch::left_padded(prompts, impl.pad_id);
   Cache cache = m.new_cache(b.batch);
   std::optional<int32_t> eos = impl.eos_id;
   if (o.eos_token_id) eos = *o.eos_token_id < 0 ? std::nullopt : o.eos_token_id;
@@ -282,7 +367,7 @@ GenerationResult detail::ModelAccess::generate(const Model& m, const std::vector
   res.new_tokens.resize(static_cast<size_t>(b.batch));
   std::vector<bool> done(static_cast<size_t>(b.batch), false);
   for (int step = 0; step < o.max_new_tokens; ++step) {
-    Tensor logits = forward(m, b, cache, trace, extra, false);
+    Tensor logits = forward(m, b, cache, trace, extra, false, cancel);
     res.steps += 1;
     const int64_t V = logits.size(2), T = logits.size(1);
     std::vector<int32_t> next(static_cast<size_t>(b.batch));
@@ -299,6 +384,7 @@ GenerationResult detail::ModelAccess::generate(const Model& m, const std::vector
     b.seq = 1;
     b.ids = next;
     b.mask.assign(static_cast<size_t>(b.batch), 1);
+    b.embeds = Tensor();  // from step 1 the generated ids are fed
   }
   return res;
 }

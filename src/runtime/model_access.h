@@ -12,10 +12,10 @@ struct ModelAccess {
   static const FamilyModel& family(const Model& m);
   /// Model::forward with `extra` (may be null) served after `trace`'s listener.
   static Tensor forward(const Model& m, const Batch& batch, Cache& cache, Trace* trace, Listener* extra,
-                        bool all_logits);
+                        bool all_logits, const std::atomic<bool>* cancel = nullptr);
   /// Model::generate with `extra` served at every step.
-  static GenerationResult generate(const Model& m, const std::vector<std::vector<int32_t>>& prompts,
-                                   const GenerateOptions& options, Trace* trace, Listener* extra);
+  static GenerationResult generate(const Model& m, Batch prompt, const GenerateOptions& options, Trace* trace,
+                                   Listener* extra, const std::atomic<bool>* cancel = nullptr);
 };
 
 }  // namespace mixlens::detail

@@ -1,6 +1,8 @@
 #include "mixlens/session.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -22,13 +24,20 @@ namespace {
 // Thrown on the worker to unwind a forward the caller abandoned; never leaves the worker.
 struct Aborted {};
 
-// A position in the run: step, then the value's index in Model::values() order. Start and end of
+// The session whose worker this thread is (null on other threads): a read from inside the forward
+// (an edit function calling back into the session) would wait on itself forever.
+thread_local const void* tl_worker_of = nullptr;
+
+// A position in the run: step, then 2 * the value's index in Model::values() order. Start and end of
 // a call bracket its values so "the forward is between calls" is a position too.
 constexpr int kCallStart = -1;
 constexpr int kCallEnd = INT_MAX;
+// Per-token values (Value::state) add the token: (step, order, token), so a layer's states go in
+// token order; -1 for every other value.
 struct Pos {
   int step = 0;
   int order = kCallStart;
+  int64_t token = -1;
   auto operator<=>(const Pos&) const = default;
 };
 
@@ -44,6 +53,10 @@ int moment_of(Value v) {
     case Value::attn_queries:
     case Value::attn_keys:
     case Value::attn_values: return 3;
+    // One kernel call computes the per-token states, the final state and the head outputs.
+    case Value::states:
+    case Value::state_output:
+    case Value::attention_head_outputs: return 4;
     default: return 0;
   }
 }
@@ -66,21 +79,26 @@ struct Session::Impl {
       ctx_ = ctx;
       num_layers_ = num_layers;
       s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
-      s_.pos = {ctx.step, kCallStart};
+      s_.pos = {ctx.step, kCallStart, -1};
       s_.stash.clear();
       s_.wait_while_paused(lk);
       refresh_mask();
     }
     void end_call() override {
       std::unique_lock<std::mutex> lk(s_.mu);
-      s_.pos = {ctx_.step, kCallEnd};
+      s_.pos = {ctx_.step, kCallEnd, -1};
       s_.wait_while_paused(lk);
       refresh_mask();
+    }
+    void revised(int layer, Value v, const Tensor& value) override {
+      std::lock_guard<std::mutex> lk(s_.mu);
+      auto it = s_.stash.find(Site{layer, v});
+      if (it != s_.stash.end()) it->second = value.clone();
     }
     bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
       std::unique_lock<std::mutex> lk(s_.mu);
       const Site site{layer, v};
-      s_.pos = {ctx_.step, s_.order_of(site)};
+      s_.pos = {ctx_.step, s_.order_of(site), -1};
       const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
       if (!at_target) {
         // Besides the target only its earlier moment siblings are wanted: keep them for reads.
@@ -96,7 +114,36 @@ struct Session::Impl {
       s_.wait_while_paused(lk);
       const bool written = s_.live_written;
       s_.live = nullptr;
-      if (moment_of(v) != 0) s_.stash_put(site, value);  // as consumed, after the caller's writes
+      // As consumed, after the caller's writes. A prompt's `states` stack (hundreds of MiB) is not
+      // copied again: the caller holds it already (Session::read hands it over).
+      if (moment_of(v) != 0 && !(v == Value::states && ctx_.seq > 1)) s_.stash_put(site, value);
+      refresh_mask();
+      return written;
+    }
+
+    // The scan stops only at the token the caller is waiting for (asked again after each stop).
+    int64_t next_state_token(int layer, int64_t after) const override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      if (!s_.target || !s_.target->is_value || s_.target->pos.step != ctx_.step) return -1;
+      if (s_.target->site != Site{layer, Value::state}) return -1;
+      return s_.target->pos.token > after ? s_.target->pos.token : -1;
+    }
+    bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override {
+      std::unique_lock<std::mutex> lk(s_.mu);
+      s_.pos = {ctx_.step, s_.order_of({layer, Value::state}), t};
+      s_.stash.clear();
+      const bool at_target = s_.target && s_.target->is_value && s_.target->pos == s_.pos;
+      if (!at_target) {
+        s_.wait_while_paused(lk);
+        refresh_mask();
+        return false;
+      }
+      s_.live = &value;
+      s_.live_shape = shape;
+      s_.live_written = false;
+      s_.wait_while_paused(lk);
+      const bool written = s_.live_written;
+      s_.live = nullptr;
       refresh_mask();
       return written;
     }
@@ -114,6 +161,9 @@ struct Session::Impl {
       if (m == 0) return;
       for (int v = 0; v < kNumValues; ++v) {
         const Site x{t.layer, static_cast<Value>(v)};
+        // The per-token stack costs a pass of its own on a multi-token call: kept for a later
+        // read only on a decode step, where it is one state.
+        if (x.value == Value::states && ctx_.seq > 1) continue;
         if (moment_of(x.value) == m && s_.has_order(x) && s_.order_of(x) < s_.target->pos.order &&
             s_.order_of(x) > s_.pos.order)
           want(x);
@@ -127,14 +177,22 @@ struct Session::Impl {
   Impl(const Model& m, Trace* t) : model(m), family(detail::ModelAccess::family(m)), trace(t), listener(*this) {
     const auto values = m.values(1, 1);
     order.assign(static_cast<size_t>((m.info().num_layers + 1) * kNumValues), -1);
-    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = static_cast<int>(i);
+    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = 2 * static_cast<int>(i);
     // Validate the trace's registrations now, on the caller, rather than at the first request.
     if (trace) detail::TraceListener check(*trace, family);
   }
 
   size_t slot(Site s) const { return static_cast<size_t>((s.layer + 1) * kNumValues + static_cast<int>(s.value)); }
-  bool has_order(Site s) const { return slot(s) < order.size() && order[slot(s)] >= 0; }
-  int order_of(Site s) const { return has_order(s) ? order[slot(s)] : kCallEnd - 1; }
+  // Orders are 2 * (index in Model::values()); the per-token `state` (not in values(): it addresses
+  // `states` by token) sits just before `states`, as the scan visits it before the stack is served.
+  bool has_order(Site s) const {
+    if (s.value == Value::state) s.value = Value::states;
+    return slot(s) < order.size() && order[slot(s)] >= 0;
+  }
+  int order_of(Site s) const {
+    if (s.value == Value::state) return has_order(s) ? order[slot({s.layer, Value::states})] - 1 : kCallEnd - 1;
+    return has_order(s) ? order[slot(s)] : kCallEnd - 1;
+  }
 
   // Worker side, lock held.
   void stash_put(Site site, const Tensor& value) {
@@ -161,6 +219,7 @@ struct Session::Impl {
 
   void start_worker(std::function<SessionResult(detail::Listener*)> body) {
     worker = std::thread([this, body = std::move(body)] {
+      tl_worker_of = this;
       try {
         SessionResult r = body(&listener);
         std::lock_guard<std::mutex> lk(mu);
@@ -175,6 +234,46 @@ struct Session::Impl {
       paused = false;
       cv.notify_all();
     });
+  }
+
+  // Caller side: the thread that created the session, never the worker (DESIGN: one caller).
+  void check_caller(const char* verb) const {
+    if (tl_worker_of == this)
+      throw InputError(std::string("Session::") + verb +
+                       " called from inside the forward (an edit function registered on the trace reads or writes "
+                       "through the open tracer): it would wait on itself forever. Inside an edit, use the value it "
+                       "is given; read other values in the block instead");
+    if (std::this_thread::get_id() != owner)
+      throw InputError(std::string("Session::") + verb +
+                       ": this session belongs to the thread that opened it; another thread cannot read or write it "
+                       "(open a trace in that thread: one trace at a time per model, the second waits)");
+    std::lock_guard<std::mutex> lk(mu);
+    if (aborted)
+      throw InputError(interrupted ? "this run was interrupted; start a new one"
+                                   : "this session was aborted; start a new one");
+  }
+
+  // Caller side: cv.wait, polling interrupt_check about every 50 ms when one is set. An exception
+  // from the check aborts the run (the worker stops at its next layer) and propagates.
+  template <class Pred>
+  void wait_caller(std::unique_lock<std::mutex>& lk, Pred pred) {
+    if (!interrupt_check) {
+      cv.wait(lk, pred);
+      return;
+    }
+    while (!cv.wait_for(lk, std::chrono::milliseconds(50), pred)) {
+      lk.unlock();
+      try {
+        interrupt_check();
+      } catch (...) {
+        lk.lock();
+        aborted = interrupted = true;
+        cancel.store(true);
+        cv.notify_all();
+        throw;
+      }
+      lk.lock();
+    }
   }
 
   // Caller side, lock held.
@@ -193,9 +292,11 @@ struct Session::Impl {
     if (p.order == kCallStart) return "the start of step " + std::to_string(p.step);
     if (p.order == kCallEnd) return "the end of step " + std::to_string(p.step);
     const auto values = model.values(1, 1);
-    const std::string path = p.order >= 0 && static_cast<size_t>(p.order) < values.size()
-                                 ? values[static_cast<size_t>(p.order)].path : "?";
-    return "'" + path + "' at step " + std::to_string(p.step);
+    const size_t i = static_cast<size_t>((p.order + 1) / 2);  // odd orders: the `state` before `states`
+    std::string path = p.order >= 0 && i < values.size() ? values[i].path : "?";
+    if (p.order % 2 != 0 && !path.empty() && path.back() == 's') path.pop_back();
+    return "'" + path + (p.token >= 0 ? "@t" + std::to_string(p.token) : std::string()) + "' at step " +
+           std::to_string(p.step);
   }
   std::string where_locked() const {
     if (done) return "finished";
@@ -207,10 +308,18 @@ struct Session::Impl {
     const std::string path(path_view);
     if (path.find('*') != std::string::npos)
       throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
-    const auto sites = detail::resolve_path(family, path);
+    std::string base = path;
+    const std::optional<int64_t> token = split_token(base);
+    const auto sites = detail::resolve_path(family, base);
     if (sites.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(sites.size()) + " values");
     check_step(step, path, verb);
-    return {{step, order_of(sites[0])}, sites[0], true};
+    if ((sites[0].value == Value::state) != token.has_value())
+      throw UnknownValueError("value path '" + path + "': " +
+                              (token ? std::string("only 'linear_attn.state' takes a token suffix '@t<t>'")
+                                     : "'state' is addressed per token, e.g. '" + base + "@t5' (negative counts from the end)"));
+    // Tokens resolve against the call's length: the prompt's padded length at the first step, 1 after.
+    const int64_t t = token ? resolve_token(*token, step == first_step ? first_seq : 1, path) : -1;
+    return {{step, order_of(sites[0]), t}, sites[0], true};
   }
   void check_step(int step, const std::string& path, const char* verb) const {
     if (step < first_step || step > last_step) {
@@ -233,7 +342,7 @@ struct Session::Impl {
     target = t;
     started = true;
     cv.notify_all();
-    cv.wait(lk, [&] { return done || (paused && !(pos < t.pos)); });
+    wait_caller(lk, [&] { return done || (paused && !(pos < t.pos)); });
     rethrow_worker_error();
     if (done) return step_ran(t.pos.step) ? Arrival::skipped : Arrival::ended;
     return pos == t.pos ? Arrival::at_target : Arrival::skipped;
@@ -248,7 +357,12 @@ struct Session::Impl {
     switch (a) {
       case Arrival::passed:
         throw OutOfOrderError(asked + ": the forward has already passed it and is at " + where_locked() +
-                              "; values are served in forward order (Model::values(), step by step)");
+                              "; values are served in forward order (Model::values(), step by step)" +
+                              (t.site.value == Value::state
+                                   ? std::string("; a layer's per-token states go in token order, and the forward runs "
+                                                 "layer 0 over every token before layer 1: loop layers outside tokens, "
+                                                 "save 'states', or pre-register the write (Trace::set / edits)")
+                                   : std::string()));
       case Arrival::skipped:
         throw InputError(asked + ": the forward did not produce it (" +
                          (done ? std::string("the run ended without visiting it)") : "it went on to " + where_locked() + ")"));
@@ -263,8 +377,14 @@ struct Session::Impl {
   const Model& model;
   const detail::FamilyModel& family;
   Trace* trace;
-  std::vector<int> order;  // per (layer + 1, value): index in Model::values() order, -1 if absent
+  std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
   int first_step = 0, last_step = 0;
+  int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
+
+  std::thread::id owner = std::this_thread::get_id();  // the caller thread (created the session)
+  std::function<void()> interrupt_check;
+  std::atomic<bool> cancel{false};  // stops the forward between layers (abort, interrupt)
+  bool interrupted = false;
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -308,18 +428,24 @@ void Session::abort() {
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->aborted = true;
+    impl_->cancel.store(true);
     impl_->cv.notify_all();
   }
   if (impl_->worker.joinable()) impl_->worker.join();
 }
 
 Session Session::run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace) {
-  Batch batch = Batch::left_padded(prompts, model.pad_token_id());  // validates now, on the caller
+  return run(model, Batch::left_padded(prompts, model.pad_token_id()), trace);  // validates now, on the caller
+}
+
+Session Session::run(const Model& model, Batch batch, Trace* trace) {
   auto impl = std::make_unique<Impl>(model, trace);
-  impl->start_worker([&model, trace, batch = std::move(batch)](detail::Listener* l) {
+  impl->first_seq = batch.seq;
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, trace, batch = std::move(batch), cancel](detail::Listener* l) {
     Cache cache = model.new_cache(batch.batch);
     SessionResult r;
-    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, true));
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, true, cancel));
     r.steps = 1;
     return r;
   });
@@ -328,12 +454,17 @@ Session Session::run(const Model& model, std::vector<std::vector<int32_t>> promp
 
 Session Session::generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
                           Trace* trace) {
-  Batch::left_padded(prompts, model.pad_token_id());
+  return generate(model, Batch::left_padded(prompts, model.pad_token_id()), options, trace);
+}
+
+Session Session::generate(const Model& model, Batch prompt, GenerateOptions options, Trace* trace) {
   if (options.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = prompt.seq;
   impl->last_step = options.max_new_tokens - 1;
-  impl->start_worker([&model, trace, prompts = std::move(prompts), options](detail::Listener* l) {
-    GenerationResult g = detail::ModelAccess::generate(model, prompts, options, trace, l);
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, trace, prompt = std::move(prompt), options, cancel](detail::Listener* l) {
+    GenerationResult g = detail::ModelAccess::generate(model, prompt, options, trace, l, cancel);
     SessionResult r;
     r.new_tokens = std::move(g.new_tokens);
     r.steps = g.steps;
@@ -352,13 +483,16 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
     if (row.size() != forced[0].size()) throw InputError("teacher_forced: every row needs the same number of forced tokens");
   const int n_steps = static_cast<int>(forced[0].size()) + 1;
   auto impl = std::make_unique<Impl>(model, trace);
+  impl->first_seq = batch.seq;
   impl->last_step = n_steps - 1;
-  impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps](detail::Listener* l) mutable {
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, trace, batch = std::move(batch), forced = std::move(forced), n_steps,
+                      cancel](detail::Listener* l) mutable {
     Cache cache = model.new_cache(batch.batch);
     SessionResult r;
     r.new_tokens.resize(static_cast<size_t>(batch.batch));
     for (int step = 0; step < n_steps; ++step) {
-      Tensor logits = detail::ModelAccess::forward(model, batch, cache, trace, l, true);
+      Tensor logits = detail::ModelAccess::forward(model, batch, cache, trace, l, true, cancel);
       const int64_t T = logits.size(1), V = logits.size(2);
       for (int64_t b = 0; b < batch.batch; ++b) {
         const float* row = logits.data() + (b * T + T - 1) * V;
@@ -380,10 +514,12 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
 Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_step = impl->last_step = cache.steps();
-  impl->pos = {cache.steps(), kCallStart};
-  impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits](detail::Listener* l) {
+  impl->pos = {cache.steps(), kCallStart, -1};
+  impl->first_seq = batch.seq;
+  const std::atomic<bool>* cancel = &impl->cancel;
+  impl->start_worker([&model, &cache, trace, batch = std::move(batch), all_logits, cancel](detail::Listener* l) {
     SessionResult r;
-    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits));
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits, cancel));
     r.steps = 1;
     return r;
   });
@@ -392,22 +528,28 @@ Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* t
 
 Tensor Session::read(int step, std::string_view path) {
   Impl& s = *impl_;
+  s.check_caller("read");
   const Impl::Target t = s.resolve(step, path, "read");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
-  if (a == Impl::Arrival::at_target) return s.live->defined() ? s.live->clone() : Tensor();
+  if (a == Impl::Arrival::at_target) {
+    if (!s.live->defined()) return Tensor();
+    // `states` is read-only and the forward drops it after this visit: hand over the stack itself
+    // rather than copying hundreds of MiB (the caller still owns an independent value).
+    if (t.site.value == Value::states) return *s.live;
+    return s.live->clone();
+  }
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
   if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
     auto it = s.stash.find(t.site);
     if (it != s.stash.end()) {
-      // Mamba betas and decays are two views of one dt: after a decays write the stashed betas
-      // is stale, and serving it would be a silently wrong number.
-      const std::string& fam = s.family.info.family;
+      // Mamba betas and decays are two views of one dt: after a decays write (the forward is
+      // paused at it) betas is the dt the write implies, which the forward will use.
       if (s.live_written && t.site.value == Value::betas && s.target && s.target->site.value == Value::decays &&
-          (fam == "mamba" || fam == "mamba2" || fam == "nemotron_h" || fam == "bamba" || fam == "falcon_h1"))
-        throw OutOfOrderError("cannot read '" + std::string(path) + "' at step " + std::to_string(step) +
-                              ": decays was written since, and on " + fam +
-                              " betas and decays are one dt; read betas before writing decays");
+          s.target->site.layer == t.site.layer && it->second.defined()) {
+        Tensor dt = s.family.betas_for_decays(t.site.layer, it->second, *s.live);
+        if (dt.defined()) return dt;
+      }
       return it->second.defined() ? it->second.clone() : Tensor();
     }
   }
@@ -416,10 +558,11 @@ Tensor Session::read(int step, std::string_view path) {
 
 void Session::write(int step, std::string_view path, const Tensor& value) {
   Impl& s = *impl_;
+  s.check_caller("write");
   const Impl::Target t = s.resolve(step, path, "write");
   if (t.site.value == Value::states)
-    throw WriteError("'" + site_path(t.site) +
-                     "' is read-only (the per-token state stack); write state_input or state_output instead");
+    throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
+                     site_path({t.site.layer, Value::state}) + "@t<t>') or state_input / state_output instead");
   if (t.site.value == Value::attn_probs)
     throw WriteError("'" + site_path(t.site) +
                      "' is read-only (the softmax weights are recomputed from the queries and keys); write "
@@ -443,6 +586,7 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
 
 bool Session::reach_step(int step) {
   Impl& s = *impl_;
+  s.check_caller("reach_step");
   if (step < s.first_step) throw InputError("reach_step(" + std::to_string(step) + "): the first step is " + std::to_string(s.first_step));
   if (step > s.last_step) return false;
   std::unique_lock<std::mutex> lk(s.mu);
@@ -453,19 +597,27 @@ bool Session::reach_step(int step) {
 
 SessionResult Session::finish() {
   Impl& s = *impl_;
+  s.check_caller("finish");
   std::unique_lock<std::mutex> lk(s.mu);
   s.rethrow_worker_error();
   if (!s.done) {
     s.started = true;
     s.finishing = true;
     s.cv.notify_all();
-    s.cv.wait(lk, [&] { return s.done; });
+    s.wait_caller(lk, [&] { return s.done; });
   }
   s.rethrow_worker_error();
   lk.unlock();
   if (s.worker.joinable()) s.worker.join();
   return s.result;
 }
+
+void Session::set_interrupt_check(std::function<void()> check) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  impl_->interrupt_check = std::move(check);
+}
+
+bool Session::in_forward() const { return tl_worker_of == impl_.get(); }
 
 int Session::first_step() const { return impl_->first_step; }
 int Session::last_step() const { return impl_->last_step; }

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <optional>
 
 #include "io/weights.h"
 #include "mixlens/errors.h"
@@ -19,6 +20,8 @@ struct Trace::Impl {
     EditFn fn;
     Tensor value;
     Steps steps;
+    std::optional<int64_t> token;  // "...state@t5": the per-token state after token 5 (may be < 0)
+    std::string base;              // path without the "@t" suffix
   };
   std::vector<Reg> regs;
   std::vector<std::pair<std::string, Tensor>> saved;
@@ -39,17 +42,17 @@ Trace::Trace(Trace&&) noexcept = default;
 Trace& Trace::operator=(Trace&&) noexcept = default;
 
 Trace& Trace::save(std::string_view path, Steps steps) {
-  impl_->regs.push_back({std::string(path), Impl::Kind::save, nullptr, Tensor(), steps});
+  impl_->regs.push_back({std::string(path), Impl::Kind::save, nullptr, Tensor(), steps, {}, {}});
   return *this;
 }
 Trace& Trace::edit(std::string_view path, EditFn fn, Steps steps) {
   if (!fn) throw InputError("Trace::edit('" + std::string(path) + "'): empty edit function");
-  impl_->regs.push_back({std::string(path), Impl::Kind::edit, std::move(fn), Tensor(), steps});
+  impl_->regs.push_back({std::string(path), Impl::Kind::edit, std::move(fn), Tensor(), steps, {}, {}});
   return *this;
 }
 Trace& Trace::set(std::string_view path, Tensor value, Steps steps) {
   if (!value.defined()) throw InputError("Trace::set('" + std::string(path) + "'): undefined tensor");
-  impl_->regs.push_back({std::string(path), Impl::Kind::set, nullptr, std::move(value), steps});
+  impl_->regs.push_back({std::string(path), Impl::Kind::set, nullptr, std::move(value), steps, {}, {}});
   return *this;
 }
 
@@ -104,6 +107,14 @@ std::string with_star(const std::string& path, std::string* layer = nullptr) {
 }  // namespace
 
 std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern) {
+  // The per-token "state" is not a separate entry of values(): it addresses `states` by token, so it
+  // exists exactly where `states` does.
+  static constexpr std::string_view kState = ".linear_attn.state";
+  if (pattern.size() > kState.size() && pattern.compare(pattern.size() - kState.size(), kState.size(), kState) == 0) {
+    std::vector<Site> sites = resolve_path(model, pattern + "s");
+    for (Site& s : sites) s.value = Value::state;
+    return sites;
+  }
   const auto values = model.values(1, 1);
   std::vector<Site> out;
   std::string layer;
@@ -179,17 +190,24 @@ TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
     return;
   impl.bound_family.clear();  // stays unbound if a path below fails
   impl.bound.clear();
-  for (const auto& r : impl.regs) {
-    impl.bound.push_back(resolve_path(model, r.path));
-    if (r.kind != Trace::Impl::Kind::save)
-      for (const Site& s : impl.bound.back()) {
-        if (s.value == Value::states)
-          throw WriteError("'" + site_path(s) +
-                           "' is read-only (the per-token state stack); write state_input or state_output instead");
-        if (s.value == Value::attn_probs)
-          throw WriteError("'" + site_path(s) + "' is read-only (the softmax weights are recomputed from the queries "
-                           "and keys); write self_attn.attention_queries / attention_keys instead");
-      }
+  for (auto& r : impl.regs) {
+    r.base = r.path;
+    r.token = split_token(r.base);
+    impl.bound.push_back(resolve_path(model, r.base));
+    for (const Site& s : impl.bound.back()) {
+      if (r.kind != Trace::Impl::Kind::save && s.value == Value::states)
+        throw WriteError("'" + site_path(s) +
+                         "' is read-only (the per-token state stack); write one token's state with '" +
+                         site_path({s.layer, Value::state}) + "@t<t>', or state_input / state_output");
+      if (r.kind != Trace::Impl::Kind::save && s.value == Value::attn_probs)
+        throw WriteError("'" + site_path(s) + "' is read-only (the softmax weights are recomputed from the queries "
+                         "and keys); write self_attn.attention_queries / attention_keys instead");
+      if (s.value == Value::state && !r.token)
+        throw UnknownValueError("value path '" + r.path + "': 'state' is addressed per token, e.g. '" +
+                                site_path(s) + "@t5' (the state after token 5; '@t-1' is the last token)");
+      if (s.value != Value::state && r.token)
+        throw UnknownValueError("value path '" + r.path + "': only 'linear_attn.state' takes a token suffix '@t<t>'");
+    }
   }
   impl.bound_family = model.info.family;
   impl.bound_kinds = model.info.layer_kinds;
@@ -201,6 +219,9 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
   const auto& regs = trace_.impl_->regs;
   for (size_t i = 0; i < regs.size(); ++i) {
     if (!regs[i].steps.contains(ctx.step)) continue;
+    // A token out of range for this call is an error before anything runs (e.g. '@t5' on a
+    // one-token decode step: restrict the registration's steps).
+    if (regs[i].token) resolve_token(*regs[i].token, ctx.seq, regs[i].path + " at step " + std::to_string(ctx.step));
     for (const Site& s : sites_[i]) mask_[static_cast<size_t>(s.layer + 1)] |= 1u << static_cast<unsigned>(s.value);
   }
   trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
@@ -208,37 +229,44 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
 
 void TraceListener::end_call() {}
 
+// Edits first (in registration order), then saves: a save holds the value the forward uses,
+// whichever order the two were registered in (read-after-write, issue 7).
 bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape) {
+  return serve(layer, v, -1, value, shape);
+}
+
+int64_t TraceListener::next_state_token(int layer, int64_t after) const {
+  const auto& regs = trace_.impl_->regs;
+  const Site site{layer, Value::state};
+  int64_t best = -1;
+  for (size_t i = 0; i < regs.size(); ++i) {
+    const auto& r = regs[i];
+    if (!r.token || !r.steps.contains(ctx_.step)) continue;
+    if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    const int64_t t = resolve_token(*r.token, ctx_.seq, r.path);
+    if (t > after && (best < 0 || t < best)) best = t;
+  }
+  return best;
+}
+
+bool TraceListener::visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) {
+  return serve(layer, Value::state, t, value, shape);
+}
+
+// Saves and writes of every registration on (layer, v) at this step; for Value::state only those
+// whose token resolves to `token`. Writes apply in registration order, each on the previous one.
+bool TraceListener::serve(int layer, Value v, int64_t token, Tensor& value, const Shape& shape) {
   auto& impl = *trace_.impl_;
   const Site site{layer, v};
   bool written = false;
   for (size_t i = 0; i < impl.regs.size(); ++i) {
     const auto& r = impl.regs[i];
-    if (!r.steps.contains(ctx_.step)) continue;
+    if (r.kind == Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
-    const std::string path = site_path(site);
-    if (r.kind == Trace::Impl::Kind::save) {
-      if (!value.defined()) continue;  // None (state_input of a fresh prompt) is not stored
-      std::string key = path + "@step" + std::to_string(ctx_.step);
-      auto it = impl.index.find(key);
-      const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
-      const uint64_t replaced =
-          it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
-      // Saved values only grow (e.g. a long generation saving every step): stop at a stated budget
-      // rather than when the machine runs out of memory.
-      const uint64_t budget = save_budget_bytes();
-      if (impl.saved_bytes - replaced + bytes > budget)
-        throw ResourceError("trace: saving '" + key + "' (" + std::to_string(bytes) + " bytes) would take the saved values past the " +
-                            std::to_string(budget >> 20) + " MiB budget (" + std::to_string(impl.saved_bytes >> 20) +
-                            " MiB held, " + std::to_string(impl.saved.size()) +
-                            " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
-      impl.saved_bytes = impl.saved_bytes - replaced + bytes;
-      if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
-      else {
-        impl.index[key] = impl.saved.size();
-        impl.saved.emplace_back(std::move(key), value.clone());
-      }
-      continue;
+    std::string path = site_path(site);
+    if (v == Value::state) {
+      if (!r.token || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
+      path += "@t" + std::to_string(*r.token);
     }
     Tensor candidate;
     if (r.kind == Trace::Impl::Kind::set) {
@@ -258,7 +286,54 @@ bool TraceListener::visit(int layer, Value v, Tensor& value, const Shape& shape)
     }
     written = true;
   }
+  if (!defer_saves_) record_saves(site, token, value, false);
   return written;
+}
+
+void TraceListener::settled(int layer, Value v, const Tensor& value) { record_saves({layer, v}, -1, value, false); }
+
+void TraceListener::settled_state(int layer, int64_t t, const Tensor& value) {
+  record_saves({layer, Value::state}, t, value, false);
+}
+
+void TraceListener::revised(int layer, Value v, const Tensor& value) { record_saves({layer, v}, -1, value, true); }
+
+// For Value::state, the registrations whose token resolves to `token`, each stored under its path
+// as spelled ("...state@t-1@step0"), so get() finds what was asked for.
+void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, bool only_existing) {
+  auto& impl = *trace_.impl_;
+  if (!value.defined()) return;  // None (state_input of a fresh prompt) is not stored
+  for (size_t i = 0; i < impl.regs.size(); ++i) {
+    const auto& r = impl.regs[i];
+    if (r.kind != Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
+    if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    std::string key = site_path(site);
+    if (site.value == Value::state) {
+      if (!r.token || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
+      key += "@t" + std::to_string(*r.token);
+    }
+    key += "@step" + std::to_string(ctx_.step);
+    auto it = impl.index.find(key);
+    if (it == impl.index.end() && only_existing) return;
+    const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
+    const uint64_t replaced =
+        it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
+    // Saved values only grow (e.g. a long generation saving every step): stop at a stated budget
+    // rather than when the machine runs out of memory.
+    const uint64_t budget = save_budget_bytes();
+    if (impl.saved_bytes - replaced + bytes > budget)
+      throw ResourceError("trace: saving '" + key + "' (" + std::to_string(bytes) + " bytes) would take the saved values past the " +
+                          std::to_string(budget >> 20) + " MiB budget (" + std::to_string(impl.saved_bytes >> 20) +
+                          " MiB held, " + std::to_string(impl.saved.size()) +
+                          " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
+    impl.saved_bytes = impl.saved_bytes - replaced + bytes;
+    if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+    else {
+      impl.index[key] = impl.saved.size();
+      impl.saved.emplace_back(std::move(key), value.clone());
+    }
+    if (site.value != Value::state) return;  // one stored copy per (site, step), however many registrations name it
+  }
 }
 
 }  // namespace detail

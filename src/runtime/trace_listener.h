@@ -22,8 +22,20 @@ class TraceListener final : public Listener {
   void begin_call(const CallCtx& ctx, int num_layers) override;
   void end_call() override;
   bool visit(int layer, Value v, Tensor& value, const Shape& shape) override;
+  int64_t next_state_token(int layer, int64_t after) const override;
+  bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override;
+  void revised(int layer, Value v, const Tensor& value) override;
+  void defer_saves() override { defer_saves_ = true; }
+  void settled(int layer, Value v, const Tensor& value) override;
+  void settled_state(int layer, int64_t t, const Tensor& value) override;
 
  private:
+  /// Edits of (layer, v) at this step (for Value::state, those whose token is `token`), then saves.
+  bool serve(int layer, Value v, int64_t token, Tensor& value, const Shape& shape);
+  /// Stores `value` for every save registration of `site` at this step (all = also sites saved
+  /// before; revised() passes false to update only those already stored).
+  void record_saves(Site site, int64_t token, const Tensor& value, bool only_existing);
+  bool defer_saves_ = false;
   Trace& trace_;
   const FamilyModel& model_;
   const std::vector<std::vector<Site>>& sites_;  // per registration (bound in the Trace)

@@ -1,5 +1,10 @@
 #include "mixlens/values.h"
 
+#include <algorithm>
+#include <cctype>
+
+#include "mixlens/errors.h"
+
 namespace mixlens {
 
 std::string_view layer_kind_name(LayerKind k) {
@@ -10,6 +15,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::attention: return "attention";
     case LayerKind::mlp: return "mlp";
     case LayerKind::hybrid: return "hybrid";
+    case LayerKind::moe: return "moe";
   }
   return "?";
 }
@@ -29,6 +35,7 @@ std::string_view value_name(Value v) {
     case Value::state_input: return "state_input";
     case Value::state_output: return "state_output";
     case Value::states: return "states";
+    case Value::state: return "state";
     case Value::attention_head_outputs: return "attention_head_outputs";
     case Value::attention_output: return "attention_output";
     case Value::attn_queries: return "attention_queries";
@@ -76,6 +83,26 @@ std::string site_path(const Site& s) {
     default: break;
   }
   return p + std::string(value_name(s.value));
+}
+
+std::optional<int64_t> split_token(std::string& path) {
+  const size_t at = path.rfind("@t");
+  if (at == std::string::npos) return std::nullopt;
+  const std::string num = path.substr(at + 2);
+  const size_t digits = num.size() - (num.rfind('-', 0) == 0 ? 1 : 0);
+  if (digits == 0 || digits > 12 ||
+      !std::all_of(num.end() - static_cast<std::ptrdiff_t>(digits), num.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
+    throw InputError("value path '" + path + "': a token suffix is '@t<index>' (e.g. '@t5', '@t-1' for the last token)");
+  path.resize(at);
+  return std::stoll(num);
+}
+
+int64_t resolve_token(int64_t t, int64_t seq, const std::string& path) {
+  const int64_t r = t < 0 ? seq + t : t;
+  if (r < 0 || r >= seq)
+    throw InputError("'" + path + "': token " + std::to_string(t) + " is out of range for a call of " + std::to_string(seq) +
+                     " tokens (0.." + std::to_string(seq - 1) + ", or -" + std::to_string(seq) + "..-1)");
+  return r;
 }
 
 }  // namespace mixlens

@@ -18,7 +18,7 @@ namespace mixlens::test {
 /// Whether block `l` has a recurrent mixer (linear_attn values); hybrids also have attention and MLP blocks.
 inline bool has_mixer(const Model& m, int l) {
   const LayerKind k = m.info().layer_kinds[static_cast<size_t>(l)];
-  return k != LayerKind::attention && k != LayerKind::mlp;
+  return k != LayerKind::attention && k != LayerKind::mlp && k != LayerKind::moe;
 }
 
 /// Every golden value of `c` (expect_golden_values) and at least `min_compared` of them.

@@ -290,6 +290,25 @@ TEST(HostileNumbers, QwenHugeWriteRaisesToo) {
   }
 }
 
+TEST(HostileNumbers, Mamba2HybridsRaiseToo) {
+  // Nemotron-H, Bamba and Falcon-H1 share one engine; each forward runs the same watch.
+  const std::pair<const char*, const char*> cases[] = {{"bamba/groups2_edits", "layers.0.linear_attn.attention_values"},
+                                                       {"nemotron_h/groups2_edits", "layers.0.linear_attn.attention_values"},
+                                                       {"falcon_h1/no_rms_norm_padded", "layers.0.linear_attn.attention_keys"}};
+  for (const auto& [dir, path] : cases) {
+    const Model m = Model::load(fixture(dir).string());
+    Trace t;
+    t.set(path, filled(m, path, 4, 3e38f));
+    try {
+      (void)m.run({{5, 6, 7, 8}}, &t);
+      ADD_FAILURE() << dir << ": no error";
+    } catch (const NumericError& e) {
+      EXPECT_TRUE(has(e.what(), "forward produced non-finite logits")) << e.what();
+      EXPECT_TRUE(has(e.what(), "the first non-finite value was layers.0.linear_attn.attention_output")) << e.what();
+    }
+  }
+}
+
 TEST(HostileNumbers, GreedyAndSamplingRefuseNaN) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float logits[4] = {0.5f, nan, 2.0f, 1.0f};

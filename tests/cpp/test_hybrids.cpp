@@ -167,8 +167,11 @@ TEST(Hybrids, BadConfigsGiveClearErrors) {
                     }), "hybrid_override_pattern has 4 blocks but num_hidden_layers is 3");
   EXPECT_LOAD_ERROR(ConfigError, patched_copy("nemotron_h/groups2_edits", "badtype", [](nlohmann::json& c) { c["layers_block_type"][1] = "conv"; }),
                     "block 1 has type 'conv'");
-  EXPECT_LOAD_ERROR(UnsupportedError, patched_copy("nemotron_h/groups2_edits", "moe", [](nlohmann::json& c) { c["layers_block_type"][3] = "moe"; }),
-                    "block 3 is a MoE block");
+  // A MoE block where the checkpoint has an MLP: the router weight is missing.
+  EXPECT_LOAD_ERROR(Error, patched_copy("nemotron_h/groups2_edits", "moe", [](nlohmann::json& c) { c["layers_block_type"][3] = "moe"; }),
+                    "layers.3.mixer.gate.weight");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("nemotron_h/moe_latent", "route", [](nlohmann::json& c) { c["topk_group"] = 3; }),
+                    "MoE routing sizes are inconsistent");
   // A missing block weight: the pattern says attention where the checkpoint has an MLP.
   EXPECT_LOAD_ERROR(Error, patched_copy("nemotron_h/groups2_edits", "missing", [](nlohmann::json& c) { c["layers_block_type"][3] = "full_attention"; }),
                     "layers.3.mixer.q_proj.weight");

@@ -66,8 +66,10 @@ TEST(Session, ReadEqualsTraceSaveAndWriteEqualsTraceEdit) {
   ASSERT_EQ(r.logits.size(), 1u);
   EXPECT_TRUE(same(r.logits[0], ref_logits));
   EXPECT_TRUE(same(states, ref.get("layers.2.linear_attn.states")));
-  // The trace saved betas before its own edit; the session read the same unedited value.
-  EXPECT_TRUE(same(unedited, ref.get("layers.1.linear_attn.betas")));
+  // Read-after-write: the trace's save holds what the forward used (its own edit applied, though
+  // the save was registered first), as the session's read after its write does.
+  EXPECT_TRUE(same(b, ref.get("layers.1.linear_attn.betas")));
+  EXPECT_FALSE(same(unedited, ref.get("layers.1.linear_attn.betas")));
   ASSERT_EQ(s.calls().size(), 1u);
   EXPECT_EQ(s.calls()[0].kernel, "chunked");
 }
@@ -104,12 +106,17 @@ TEST(Session, MomentValuesReadInAnyOrderButWrittenInOrder) {
                OutOfOrderError);
   const Tensor d = s.read(0, "layers.0.linear_attn.decays");
   EXPECT_TRUE(same(s.read(0, "layers.0.linear_attn.betas"), ref.get("layers.0.linear_attn.betas")));
-  // On Mamba betas and decays are one dt: after a decays write the first-read betas is stale,
-  // so reading it again is refused rather than served.
+  // On Mamba betas and decays are one dt: after a decays write, betas reads the dt = decays / A
+  // the forward will use, the same value a pre-registered save records under the same edit.
   Tensor half = d.clone();
   for (int64_t i = 0; i < half.numel(); ++i) half[i] *= 0.5f;
   s.write(0, "layers.0.linear_attn.decays", half);
-  EXPECT_THROW(s.read(0, "layers.0.linear_attn.betas"), OutOfOrderError);
+  Trace edited;
+  edited.save("layers.0.linear_attn.betas").set("layers.0.linear_attn.decays", half);
+  f.model.run(f.prompts, &edited);
+  const Tensor b_after = s.read(0, "layers.0.linear_attn.betas");
+  EXPECT_TRUE(same(b_after, edited.get("layers.0.linear_attn.betas")));
+  EXPECT_FALSE(same(b_after, ref.get("layers.0.linear_attn.betas")));
   // A later moment: the earlier one's copies are gone.
   s.read(0, "layers.1.linear_attn.attention_keys");
   EXPECT_THROW(s.read(0, "layers.0.linear_attn.attention_queries"), OutOfOrderError);

@@ -176,3 +176,18 @@ def test_bad_inputs_exit_non_zero_with_a_clear_message(tmp_path, text_model_dir)
     _one_line_error(cli("frobnicate"), "unknown command")
     _one_line_error(cli("run", "--model", text_model_dir, "--ids", "5,99999999", "--save", "logits", "--out", tmp_path / "y"),
                     "outside the vocabulary")
+
+
+def test_run_saves_the_state_after_one_token(tmp_path, text_model_dir, torch_model, prompt_ids):
+    """`--save layers.1.linear_attn.state@t2` (and @t-1) writes transformers' state after that token."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "state.safetensors"
+    paths = ["layers.1.linear_attn.state@t2", "layers.1.linear_attn.state@t-1"]
+    r = cli("run", "--model", text_model_dir, PROMPT, *sum((["--save", p] for p in paths), []), "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    assert set(got) == set(paths)
+    states = om.run(torch_model, [prompt_ids], 1)[om.key("layers.1.linear_attn.states", 0)]
+    assert rel_rms(got[paths[0]], states[:, 2]) <= 1e-5
+    assert rel_rms(got[paths[1]], states[:, -1]) <= 1e-5

@@ -1,0 +1,92 @@
+"""Published Mamba-2 hybrid layouts (random weights, bfloat16, made by transformers 5.18 with the
+configs of scripts/make_published_hybrids.py, where each config's source is written down):
+tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
+blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers. Built once under build/published/ (a few
+minutes and 1-3 GB each; later runs reuse them). mixlens loads each, matches transformers' float32
+logits (both sides widen the same bf16 weights) and serves the published value shapes.
+
+The two reduced big layouts (Nemotron-H-8B widths, Bamba-9B widths: ~1.5B parameters each, mostly
+the 128k-row embedding tables; ~5 minutes each on 2 cores) run only with MIXLENS_BIG_LAYOUTS=1, to
+keep `make test` short; the Falcon-H1-0.5B layout (~1 minute) always runs.
+
+Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for the Nemotron-H
+layout); they run one after the other, never at the same time."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import mixlens
+from conftest import rel_rms
+
+PROMPT = [1, 17, 923, 4051, 12, 7, 30000, 2, 511, 64, 9001, 3]
+
+# name -> (value path, expected shape for the 12-token prompt)
+SHAPES = {
+    "falcon_h1_0_5b": {
+        "layers.0.linear_attn.attention_queries": (1, 12, 1, 128),
+        "layers.0.linear_attn.attention_values": (1, 12, 24, 64),
+        "layers.0.linear_attn.states": (1, 12, 24, 128, 64),
+        "layers.35.self_attn.attention_keys": (1, 12, 2, 64),
+        "layers.35.self_attn.attention_output": (1, 12, 1024),
+        "layers.35.mlp.output": (1, 12, 1024),
+    },
+    "nemotron_h_8b_8blocks": {
+        "layers.0.linear_attn.attention_keys": (1, 12, 8, 128),
+        "layers.0.linear_attn.state_output": (1, 128, 128, 64),
+        "layers.7.self_attn.attention_queries": (1, 12, 32, 128),
+        "layers.7.self_attn.attention_values": (1, 12, 8, 128),
+        "layers.1.mlp.output": (1, 12, 4096),
+    },
+    "bamba_9b_2layers": {
+        "layers.0.linear_attn.attention_values": (1, 12, 128, 64),
+        "layers.0.linear_attn.betas": (1, 12, 128),
+        "layers.1.self_attn.attention_keys": (1, 12, 8, 128),
+        "layers.1.mlp.output": (1, 12, 4096),
+    },
+}
+MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
+               "bamba_9b_2layers": "BambaForCausalLM"}
+
+
+BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers"}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def layout(request):
+    import os
+
+    import make_published_hybrids as mph
+
+    if request.param in BIG and os.environ.get("MIXLENS_BIG_LAYOUTS") != "1":
+        pytest.skip("big reduced layout: set MIXLENS_BIG_LAYOUTS=1 to run it")
+    return request.param, mph.cached(request.param)
+
+
+def test_logits_match_transformers_float32_and_shapes_are_published(layout):
+    import torch
+    import transformers
+
+    name, d = layout
+    m = mixlens.StandardizedTransformer(str(d))
+    paths = list(SHAPES[name]) + ["logits"]
+    run = m.generate([PROMPT], max_new_tokens=1, eos_token_id=-1, saves=paths).run()
+    got = {p: np.asarray(run.saved[p][0]) for p in paths}
+    del m, run
+    gc.collect()
+    for p, shape in SHAPES[name].items():
+        assert got[p].shape == shape, (p, got[p].shape)
+        assert np.isfinite(got[p]).all(), p
+
+    ref = getattr(transformers, MODEL_CLASS[name]).from_pretrained(str(d), dtype=torch.bfloat16).float().eval()
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([PROMPT])).logits.float().numpy()
+    del ref
+    gc.collect()
+    err = rel_rms(got["logits"], want)
+    print(f"{name}: logits rel RMS vs transformers {err:.2e}")  # shown with pytest -s
+    assert err <= 1e-4, err
+    assert (got["logits"][0].argmax(-1) == want[0].argmax(-1)).all()

@@ -1,0 +1,252 @@
+"""Per-token state (docs/values.md "Per-token state"): `state_after(t)`, `set_state_after(t, v)`,
+`for t in tracer.iter[...]: mix.state`, and the `state@t<t>` path, on every family, against
+transformers 5.18.
+
+Reads: the oracle captures the state after every token inside transformers' own token-by-token
+kernels (tests/python/oracle_*.py patch them); `state_after(t)` must equal it for every t of prompts
+of lengths 1, chunk-1, chunk, chunk+1, 2*chunk+1, on the default and forced routes, in a
+left-padded batch.
+Writes: transformers runs tokens 0..t, its cache's recurrent state is replaced by the written one
+(conv window kept: the oracle's state_input edit of the next call), then the rest of the prompt is
+fed (Mamba: one decode step per token, as transformers cannot continue a scan from a state;
+Qwen: one multi-token call). mixlens must match it on every token, before and after t.
+
+Tolerance: relative RMS <= 1e-5 on states, 1e-4 on logits (float32 on both sides; the chunked
+kernels associate sums differently, and a split scan restarts its chunks at t + 1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mixlens
+import oracle_mamba as om1
+import oracle_mamba2 as om2
+import oracle_qwen as oq
+from conftest import build_mamba2, rel_rms
+
+STATE_TOL, LOGIT_TOL = 1e-5, 1e-4
+QWEN_PAD = 0
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def mix(layer: int, value: str) -> str:
+    return f"layers.{layer}.linear_attn.{value}"
+
+
+class Family:
+    """A fresh random model of one family, with its oracle and chunk length."""
+
+    def __init__(self, name: str, tmp_path):
+        import make_fixtures as mf
+
+        self.name = name
+        if name == "mamba2":
+            self.torch_model = build_mamba2(tmp_path, 81, dict(num_hidden_layers=2, n_groups=1, chunk_size=4,
+                                                               tie_word_embeddings=True))
+            self.chunk, self.route_family, self.layers = 4, "mamba2", [0, 1]
+        elif name == "mamba":
+            import make_fixtures_mamba as mfm
+
+            model = mfm.build_model({"seed": 82, "config": dict(num_hidden_layers=2, tie_word_embeddings=True)})
+            model.save_pretrained(str(tmp_path))
+            self.torch_model = mfm.load_model(tmp_path)
+            self.chunk, self.route_family, self.layers = 64, "mamba", [0, 1]
+        else:
+            import qwen_fixtures as qf
+
+            spec = dict(seed=83, prompts=[1], config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+                                                            linear_num_key_heads=2, linear_num_value_heads=4))
+            model = qf.build_model("qwen3_5", spec)
+            model.save_pretrained(tmp_path)
+            self.torch_model = type(model).from_pretrained(tmp_path).eval()
+            self.chunk, self.route_family, self.layers = 64, "qwen3_5", [0, 2]
+        self.vocab = self.torch_model.config.vocab_size
+        self.prompts_of = lambda lens, seed=5: mf.make_prompts(seed, lens, self.vocab)
+        self.model = mixlens.StandardizedTransformer(str(tmp_path))
+
+    def ref(self, prompts, n_steps=1, edits=(), feeds=None) -> dict:
+        """The oracle's values; `feeds` [n_steps-1][B][n] tokens fed after each step."""
+        if self.name == "qwen3_5":
+            values, _ = oq.run(self.torch_model, prompts, QWEN_PAD, n_steps, list(edits), feeds=feeds)
+            return values
+        oracle = om2 if self.name == "mamba2" else om1
+        forced = None if not feeds else np.array([[row[0] for row in step] for step in feeds])
+        return oracle.run(self.torch_model, prompts, n_steps, list(edits), forced_tokens=forced)
+
+
+@pytest.fixture(scope="module", params=["mamba2", "mamba", "qwen3_5"])
+def fam(request, tmp_path_factory):
+    return Family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _lengths(q: int) -> list[int]:
+    return [1, q - 1, q, q + 1, 2 * q + 1]
+
+
+@pytest.mark.parametrize("route", ["default", "chunked", "recurrent"])
+def test_state_after_every_token_matches_transformers(fam, route):
+    """Every t of each prompt length (batched, left-padded: the longest row sets T), read in a token
+    loop in one layer and by state_after(t) (negative too) in another."""
+    lens = _lengths(fam.chunk)
+    prompts = fam.prompts_of([max(lens)] + lens[:-1])  # one batch: rows of every length
+    single = fam.prompts_of([lens[1]], seed=6)
+    mixlens.route_kernels(fam.route_family, route)
+    try:
+        for batch in (prompts, single):
+            ref = fam.ref(batch)
+            T = max(len(p) for p in batch)
+            la, lb = fam.layers
+            with fam.model.trace(batch) as tracer:
+                loop = [fam.model.layers[la].linear_attn.state for _ in tracer.iter[:]]
+                mb = fam.model.layers[lb].linear_attn
+                by_index = [mb.state_after(t - T if t % 2 else t) for t in range(T)]
+            for layer, got in ((la, loop), (lb, by_index)):
+                want = ref[oq.key(mix(layer, "states"), 0)]
+                assert len(got) == T == want.shape[1]
+                for t in range(T):
+                    err = rel_rms(got[t], want[:, t])
+                    assert err <= STATE_TOL, f"{fam.name} {route} layer {layer} t={t}/{T}: rel rms {err:.2e}"
+    finally:
+        mixlens.route_kernels(fam.route_family, "default")
+
+
+def _write_case(fam, lens, t, factor, layer, how):
+    """mixlens with the state after token t of `layer` scaled by `factor`, and transformers doing the
+    same through its cache; compares every logit and the states after t."""
+    prompts = fam.prompts_of(lens, seed=7)
+    T = max(lens)
+    pads = [T - n for n in lens]
+    assert t >= max(pads), "the oracle's prefix must hold a real token in every row"
+    prefix = [p[: t + 1 - pad] for p, pad in zip(prompts, pads)]
+    rest = [p[t + 1 - pad:] for p, pad in zip(prompts, pads)]
+    R = T - t - 1
+    edit = dict(name="w", path=mix(layer, "state_input"), step=1, op="scale", factor=factor)
+    if fam.name == "qwen3_5":
+        ref = fam.ref(prefix, 2, [edit], feeds=[rest]) if R else fam.ref(prefix, 1)
+        ref_logits = np.concatenate([ref[oq.key("logits", 0)]] + ([ref[oq.key("logits", 1)]] if R else []), axis=1)
+    else:
+        feeds = [[[r[k]] for r in rest] for k in range(R)]
+        ref = fam.ref(prefix, 1 + R, [edit] if R else [], feeds=feeds)
+        ref_logits = np.concatenate([ref[om2.key("logits", k)] for k in range(1 + R)], axis=1)
+
+    path = f"{mix(layer, 'state')}@t{t}"
+    if how == "interleaved":
+        with fam.model.trace(prompts) as tracer:
+            mb = fam.model.layers[layer].linear_attn
+            mb.set_state_after(t, mb.state_after(t) * factor)
+            out_state = mb.state_output
+        logits = tracer.logits
+    else:
+        got = fam.model.run(prompts, saves=[mix(layer, "state_output")], edits={path: lambda v: v * factor})
+        logits, out_state = got["logits"], got[mix(layer, "state_output")]
+    err = rel_rms(logits, ref_logits)
+    assert err <= LOGIT_TOL, f"{fam.name} write at t={t} ({how}): logits rel rms {err:.2e}"
+    last = 1 if (R and fam.name == "qwen3_5") else R
+    want_out = ref[oq.key(mix(layer, "state_output"), last)] * (1.0 if R else factor)  # t = T-1: the write is it
+    assert rel_rms(out_state, want_out) <= STATE_TOL
+    return logits
+
+
+@pytest.mark.parametrize("how", ["interleaved", "pre_registered"])
+def test_write_at_t_matches_transformers_cache_replacement(fam, how):
+    q = fam.chunk
+    lens = [2 * q + 1, q + 2]
+    pad = lens[0] - lens[1]
+    for t in sorted({pad, q - 1, q, 2 * q - 1, 2 * q}):  # mid-chunk, chunk ends and starts, last token
+        if t >= pad:
+            _write_case(fam, lens, t, 0.25, fam.layers[-1], how)
+    _write_case(fam, [q + 1], q // 2, -1.5, fam.layers[0], how)
+
+
+def test_write_changes_only_tokens_after_t_and_the_cache_follows(fam):
+    prompts = fam.prompts_of([fam.chunk + 3], seed=9)
+    t, layer = fam.chunk // 2, fam.layers[0]
+    base = fam.model.run(prompts, saves=[mix(layer, "states")])
+    # A write of the unchanged state: every value equals the plain run within float tolerance.
+    same = fam.model.run(prompts, saves=[mix(layer, "states")], edits={f"{mix(layer, 'state')}@t{t}": lambda v: v})
+    assert rel_rms(same["logits"], base["logits"]) <= LOGIT_TOL
+    zero = fam.model.run(prompts, saves=[mix(layer, "states")], edits={f"{mix(layer, 'state')}@t{t}": lambda v: v * 0})
+    assert rel_rms(zero["logits"][:, : t + 1], base["logits"][:, : t + 1]) <= LOGIT_TOL
+    assert np.abs(zero["logits"][:, t + 1:] - base["logits"][:, t + 1:]).max() > 1e-3
+    assert np.abs(zero[mix(layer, "states")][:, t]).max() == 0.0
+    # The decode step after a write at the last prompt token equals writing its state_input.
+    with fam.model.generate(prompts, max_new_tokens=2, eos_token_id=-1) as tr:
+        mb = fam.model.layers[layer].linear_attn
+        for step in tr.iter[:]:
+            if step == 0:
+                v = mb.state_after(-1) * 0.5
+                mb.set_state_after(-1, v)
+            else:
+                step1 = fam.model.logits
+    with fam.model.generate(prompts, max_new_tokens=2, eos_token_id=-1) as tr:
+        mb = fam.model.layers[layer].linear_attn
+        for step in tr.iter[:]:
+            if step == 1:
+                mb.state_input = v
+                want = fam.model.logits
+    np.testing.assert_array_equal(step1, want)
+
+
+def test_two_writes_compose_in_token_order(fam):
+    q = fam.chunk
+    prompts = fam.prompts_of([2 * q + 1], seed=11)
+    layer = fam.layers[-1]
+    t1, t2 = q // 2, q + 1
+    p = mix(layer, "state")
+    both = fam.model.run(prompts, saves=[mix(layer, "states")],
+                         edits={f"{p}@t{t1}": lambda v: v * 0.5, f"{p}@t{t2}": lambda v: v * 3.0})
+    with fam.model.trace(prompts) as tracer:
+        mb = fam.model.layers[layer].linear_attn
+        mb.set_state_after(t1, mb.state_after(t1) * 0.5)
+        mb.set_state_after(t2, mb.state_after(t2) * 3.0)
+    assert rel_rms(tracer.logits, both["logits"]) <= LOGIT_TOL
+    one = fam.model.run(prompts, saves=[mix(layer, "states")], edits={f"{p}@t{t1}": lambda v: v * 0.5})
+    S1, S2 = one[mix(layer, "states")], both[mix(layer, "states")]
+    assert rel_rms(S2[:, :t2], S1[:, :t2]) <= STATE_TOL
+    assert rel_rms(S2[:, t2], 3.0 * S1[:, t2]) <= STATE_TOL
+
+
+def test_token_loop_writes_and_errors(fam):
+    prompts = fam.prompts_of([6], seed=12)
+    la, lb = fam.layers
+    with fam.model.trace(prompts) as tracer:
+        for t in tracer.iter[:]:
+            s = fam.model.layers[la].linear_attn.state
+            fam.model.layers[la].linear_attn.state = s * 0.5  # every token's state halved in turn
+    ref = fam.model.run(prompts, edits={f"{mix(la, 'state')}@t{t}": (lambda v: v * 0.5) for t in range(6)})
+    assert rel_rms(tracer.logits, ref["logits"]) <= LOGIT_TOL
+    # Layers inside the token loop go back in forward order: a clear OutOfOrderError.
+    with pytest.raises(mixlens.OutOfOrderError, match="loop layers outside tokens"):
+        with fam.model.trace(prompts) as tracer:
+            for t in tracer.iter[:2]:
+                fam.model.layers[la].linear_attn.state
+                fam.model.layers[lb].linear_attn.state
+    with pytest.raises(mixlens.InputError, match="tracer.iter"):
+        with fam.model.trace(prompts):
+            fam.model.layers[la].linear_attn.state
+    with pytest.raises(mixlens.InputError, match="out of range"):
+        with fam.model.trace(prompts):
+            fam.model.layers[la].linear_attn.state_after(6)
+    with pytest.raises(mixlens.WriteError, match="shape"):
+        fam.model.run(prompts, edits={f"{mix(la, 'state')}@t1": np.zeros((1, 2), np.float32)})
+    with pytest.raises(mixlens.UnknownValueError, match="per token"):
+        fam.model.run(prompts, saves=[mix(la, "state")])
+
+
+def test_support_and_values(fam):
+    sup = fam.model.support()
+    for name in ("linear_attn.state", "linear_attn.state_after", "linear_attn.set_state_after"):
+        assert name in sup
+    if fam.name == "qwen3_5":
+        assert sup["linear_attn.state_after"][0] is None and "attention block" in sup["linear_attn.state_after"][1]
+        assert fam.model.support(layer=1)["linear_attn.set_state_after"] is not None
+        assert fam.model.support(layer=-1)["linear_attn.state_after"] is None
+    else:
+        assert sup["linear_attn.state_after"] is None
+        assert fam.model.support(layer=0)["linear_attn.state"] is None
+    per_token = {v["path"].split(".")[-1]: v["per_token"] for v in fam.model.values() if v["layer"] == fam.layers[0]}
+    assert per_token["states"] and "state" not in per_token  # addressed per token, not a values() entry
+    assert not per_token["state_input"] and not per_token["state_output"]
+    assert "state_after" in dir(fam.model.layers[fam.layers[0]].linear_attn)
