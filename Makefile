@@ -18,7 +18,7 @@ export ASAN_OPTIONS  ?= detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS  ?= halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup build bench clean
+.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup build bench clean docs
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: scripts/setup.sh requirements-dev.txt
@@ -83,6 +83,10 @@ bench: build
 	$(PY) bench/bench_mamba.py
 	$(PY) bench/bench_qwen3_5.py
 	$(PY) bench/bench_hybrids.py
+
+# API reference generated from the docstrings (pdoc), into build/docs.
+docs: build
+	$(PY) -m pdoc mixlens mixlens.interventions -o build/docs
 
 clean:
 	rm -rf build

@@ -158,6 +158,16 @@ class Model {
   /// InputError outside [0, 2048] (the kernels' cost grows with the chunk's square).
   void set_chunk_size(int64_t chunk_size);
 
+  /// nnterp's project_on_vocab (logit lens): the final norm (ln_final, as the forward applies it)
+  /// then the LM head, on hidden states [..., hidden_size] -> logits [..., vocab_size], float32.
+  /// Equals transformers' lm_head(norm(h)). InputError on a wrong last dimension or non-finite
+  /// input; UnsupportedError for a family that has not declared its head.
+  Tensor project_on_vocab(const Tensor& hidden) const;
+  /// Read access to the weights around the blocks, by nnterp role: "embed_tokens" [V, D],
+  /// "ln_final" [D] (the stored RMSNorm weight; Qwen scales by 1 + w), "lm_head" [V, D] (the
+  /// embedding itself when tied). The tensor may borrow read-only (memory-mapped) storage.
+  Tensor head_weight(const std::string& role) const;
+
  private:
   friend struct detail::ModelAccess;
   Model();

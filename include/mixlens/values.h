@@ -38,6 +38,7 @@ enum class Value : uint8_t {
   attn_values,   ///< "attention_values": v [B,T,kv_heads,head_dim]
   attn_gate,     ///< "gate": output-gate logits before the sigmoid [B,T,heads*head_dim]
   attn_output,   ///< "attention_output": what the attention adds to the residual [B,T,hidden]
+  attn_probs,    ///< "attention_probabilities": softmax weights [B,heads,T,T_k], read-only, computed on demand
   // feed-forward ("layers.{i}.mlp.output")
   mlp_output,    ///< "output": MLP / MoE output added to the residual [B,T,hidden]
   kCount

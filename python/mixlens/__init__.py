@@ -6,7 +6,7 @@ The API follows nnsight / nnterp::
     model = mixlens.StandardizedTransformer("models/mamba2-tinystories")   # folder or cached hub id
 
     with model.trace("Once upon a time") as tracer:      # or a list of prompts, or token ids
-        b = model.layers[1].linear_attn.betas             # numpy [B,T,heads], read as the forward gets there
+        b = model.layers[1].linear_attn.betas             # torch [B,T,heads], read as the forward gets there
         model.layers[1].linear_attn.betas = b * 0.5       # consumed by the rest of the forward
         s = model.layers[1].linear_attn.states.save()     # [B,T,heads,state,head_dim]; .save() is optional
         out = model.logits.save()                         # [B,T,vocab]
@@ -17,8 +17,15 @@ The API follows nnsight / nnterp::
     tracer.tokens, tracer.text
 
 The forward runs on a C++ worker thread and pauses only where the block reads or writes, so values
-are real arrays (copies) and must be visited in forward order (``model.values()``); asking for a value
-the forward has passed raises :class:`OutOfOrderError`. ``model.run(prompts, saves=[...], edits={...})``
+are real tensors (copies; ``torch.Tensor`` when torch is installed, numpy otherwise: ``output=``) and
+must be visited in forward order (``model.values()``); asking for a value the forward has passed
+raises :class:`OutOfOrderError`. An in-place edit of the value read last is a write, consumed when
+the block moves on; editing a value the forward has passed raises :class:`WriteError`.
+``with model.trace() as tracer: with tracer.invoke(prompt): ...`` batches several prompts into one
+forward (nnsight's invokes). nnterp's accessors and helpers: ``model.layers_output[i]``,
+``attentions_output``, ``mlps_output``, ``attention_probabilities``, ``next_token_probs``, ``steer``,
+``skip_layer(s)``, ``project_on_vocab``, :mod:`mixlens.interventions` (``logit_lens``,
+``patchscope_lens``, ``patchscope_generate``); docs/nnterp.md maps every call. ``model.run(prompts, saves=[...], edits={...})``
 is the non-interleaved form. Value names and their reference quantities: ``docs/values.md`` in the
 repository; ``model.values()`` lists them with shapes and meanings, and
 ``model.support()`` says which exist where.
@@ -50,6 +57,7 @@ from .errors import (
 )
 from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
+from . import interventions
 from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
 
 __version__ = "0.1.0"
@@ -68,6 +76,7 @@ __all__ = [
     "route_kernels",
     "chunk_per_token",
     "hub",
+    "interventions",
     "MixlensError",
     "CheckpointError",
     "ConfigError",
@@ -82,6 +91,16 @@ __all__ = [
     "OutOfOrderError",
     "InterruptedRunError",
 ]
+
+
+def __getattr__(name: str):
+    # mixlens.ValueTensor: a torch.Tensor subclass, defined on first use so that importing mixlens does
+    # not import torch.
+    if name == "ValueTensor":
+        from ._convert import value_tensor_class
+
+        return value_tensor_class()
+    raise AttributeError(f"module 'mixlens' has no attribute {name!r}")
 
 
 def route_kernels(family: str, route: str) -> None:

@@ -14,6 +14,9 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core, hub
+from ._convert import ValueArray, as_float32, resolve_output, to_output, to_plain
+from ._inplace import LiveValues, _Live
+from . import _invoke, _nnterp
 from .errors import InputError, UnknownAttributeError, UnknownValueError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
@@ -68,20 +71,6 @@ def _embeds_input(inputs_embeds: Any, attention_mask: Any) -> tuple[np.ndarray, 
     return arr, mask, single
 
 
-class ValueArray(np.ndarray):
-    """A value read inside a trace: a plain float32 numpy array (a copy; editing it in place changes
-    nothing), with nnsight's ``.save()`` accepted for compatibility."""
-
-    def save(self) -> "ValueArray":
-        """nnsight compatibility: reads are already real arrays, so this returns the value itself."""
-        return self
-
-    @property
-    def value(self) -> "ValueArray":
-        """nnsight < 0.4 compatibility (``saved.value``)."""
-        return self
-
-
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     """`value` as a Python int if it is an integer (not bool / float) in [lo, hi]; else InputError naming
     the argument and the range (rather than nanobind's "incompatible function arguments")."""
@@ -110,21 +99,11 @@ def _check_rows(rows: list, what: str = "token id") -> list:
     return out
 
 
-def _as_value(arr: Optional[np.ndarray]) -> Optional[ValueArray]:
-    return None if arr is None else arr.view(ValueArray)
+def _as_value(arr: Optional[np.ndarray], fmt: str = "numpy"):
+    return to_output(arr, fmt)
 
 
-def _as_float32(value: Any, path: str) -> np.ndarray:
-    """A C-contiguous float32 copy of `value` for a write; WriteError for non-numeric dtypes."""
-    if value is None:
-        raise WriteError(f"write to '{path}': the new value is None")
-    try:
-        arr = np.asarray(value)
-    except ValueError as e:  # a ragged nested list
-        raise WriteError(f"write to '{path}': the new value is not a rectangular array ({e})") from None
-    if arr.dtype.kind not in "fiu":
-        raise WriteError(f"write to '{path}': dtype {arr.dtype} cannot be written (values are float32)")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+_as_float32 = as_float32  # the write conversion (torch / numpy / scalars): mixlens._convert
 
 
 def _steps_of(key: str) -> tuple[str, int, int]:
@@ -158,8 +137,9 @@ def _check_saved_steps(specs: list, ran: Iterable[int]) -> None:
             raise InputError(f"save '{path}@step{first}': the run never made step {first} (it ran {made})")
 
 
-def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]]) -> list:
-    """{path[@stepK]: array or callable(array) -> array | None} or [(path, value), ...]."""
+def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]], fmt: str = "numpy") -> list:
+    """{path[@stepK]: array or callable(value) -> value | None} or [(path, value), ...]. A callable gets the
+    value in the model's output format; editing it in place and returning None applies the edit."""
     if edits is None:
         return []
     items = edits.items() if isinstance(edits, Mapping) else edits
@@ -170,12 +150,16 @@ def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]]) -> list:
             fn = value
 
             def call(v, fn=fn, path=path):
-                out = fn(v)
-                return None if out is None else _as_float32(out, path)
+                val = to_output(v, fmt)
+                rec = None if val is None else _Live(0, path, val, fmt == "torch")
+                out = fn(val)
+                if out is None:
+                    return None if rec is None or not rec.modified() else as_float32(val, path)
+                return as_float32(out, path)
 
             specs.append((path, first, last, call))
         else:
-            specs.append((path, first, last, _as_float32(value, path)))
+            specs.append((path, first, last, as_float32(value, path)))
     return specs
 
 
@@ -374,9 +358,11 @@ class _Layers(Sequence):
 
 
 class _LayerValue:
-    """nnterp's ``model.layers_output[i]`` / ``model.layers_input[i]`` (read and assign by index)."""
+    """nnterp's ``model.layers_output[i]`` / ``model.layers_input[i]`` / ``attentions_output[i]`` /
+    ``mlps_output[i]`` (read and assign by layer index). `name` is the value's path under ``layers.{i}.``,
+    or a function of the layer index giving it (the mixer's path depends on the block's kind)."""
 
-    def __init__(self, model: "StandardizedTransformer", name: str):
+    def __init__(self, model: "StandardizedTransformer", name):
         self._model, self._name = model, name
 
     def __len__(self) -> int:
@@ -384,7 +370,10 @@ class _LayerValue:
 
     def _path(self, i: int) -> str:
         n = self._model.num_layers
-        return f"layers.{i + n if i < 0 else i}.{self._name}"
+        i = _check_int("layer", i, -n, n - 1)
+        i = i + n if i < 0 else i
+        name = self._name(i) if callable(self._name) else self._name
+        return f"layers.{i}.{name}"
 
     def __getitem__(self, i: int):
         return self._model._read(self._path(i))
@@ -426,6 +415,8 @@ class _StepLoop:
 
     def __iter__(self) -> Iterator[int]:
         tr = self._tracer
+        if _invoke.current() is not None:
+            raise InputError("tracer.iter inside an invoke: invoke bodies read and write the first step only")
         if tr._kind == "trace":
             yield from self._tokens()
             return
@@ -442,6 +433,7 @@ class _StepLoop:
         for step in steps:
             if step > last:
                 break
+            tr._live.settle()  # a new step: pending in-place edits go in first
             if not sess.reach_step(step):  # the generation ended (EOS) before this step
                 break
             tr._step = step
@@ -459,12 +451,24 @@ class _StepIndexer:
         return iter(_StepLoop(self._tracer, slice(None)))
 
 
+class _StopTrace(Exception):
+    """Raised by :meth:`Tracer.stop` and swallowed by that tracer's ``with`` block."""
+
+    def __init__(self, tracer: "Tracer"):
+        super().__init__("tracer.stop() outside its own `with` block")
+        self.tracer = tracer
+
+
 class Tracer:
     """The object of ``with model.trace(...) as tracer`` / ``with model.generate(...) as tracer``.
 
     Inside the block, ``model.<...>`` reads block until the forward (running on a C++ worker thread)
     reaches the value, and assignments replace it before it is consumed. Reads and writes go in
     forward order (``model.values()``); going back raises :class:`mixlens.OutOfOrderError`.
+
+    ``tracer.invoke(prompt)`` (trace / generate opened without inputs) batches several prompts, each with its
+    own reads and writes, into one forward; ``tracer.stop()`` ends the block without running the rest;
+    ``tracer.attention_mask`` / ``tracer.input_ids`` give the left-padded batch.
 
     After the block: ``tracer.logits`` (trace: ``[B,T,vocab]``; teacher-forced generate: one array per
     step), ``tracer.tokens`` / ``tracer.text`` (generate: the new tokens / their text, per prompt, or a
@@ -489,15 +493,19 @@ class Tracer:
             if cache is not None and self._mask:
                 raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
             self._rows: list = []
+        elif inputs is None:
+            # No inputs: the prompts come from tracer.invoke(...) blocks, batched when the block ends.
+            if attention_mask is not None:
+                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
+            self._rows, self._single = [], False
         else:
-            if inputs is None:
-                raise InputError("give inputs (a prompt, prompts or token ids) or inputs_embeds")
             if attention_mask is not None:
                 raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
             self._rows, self._single = model._rows(inputs)
         self._cache = cache
         self._saves = _save_specs(saves)
-        self._edits = _edit_specs(edits)
+        self._fmt = model._output
+        self._edits = _edit_specs(edits, self._fmt)
         self._forced = forced_tokens
         self._gen = gen
         self._step = 0
@@ -506,9 +514,26 @@ class Tracer:
         self._calls: list = []
         self._owner_thread = None
         self._opened_token = None
+        self._deferred = inputs is None and inputs_embeds is None
+        self._deferred_open = False
+        self._invokes: list = []
+        self._live = LiveValues(self._apply_write)
+        self._stopped = False
+        self._shapes: dict = {}
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> "Tracer":
+        if self._deferred:
+            if self._deferred_open or self._result is not None:
+                raise InputError("this tracer was already entered; make a new one with model.trace() / model.generate()")
+            if self._cache is not None or self._forced is not None:
+                raise InputError("tracer.invoke batches fresh prompts: no cache= or forced_tokens= with invokes")
+            self._deferred_open = True  # the invoke bodies are captured now and run when the block ends
+            self._model._deferred_tracer = weakref.ref(self)
+            return self
+        return self._enter_session()
+
+    def _enter_session(self) -> "Tracer":
         m = self._model
         if self._session is not None or self._result is not None:
             raise InputError("this tracer was already entered; make a new one with model.trace(...) / model.generate(...)")
@@ -571,10 +596,49 @@ class Tracer:
             self._holds_model = False
             m._trace_lock.release()
 
+    def invoke(self, inputs: Prompt) -> "_invoke._Invoke":
+        """nnsight's ``with tracer.invoke(prompt):`` inside ``with model.trace() as tracer:`` (no inputs) or
+        ``model.generate(max_new_tokens=...)``: each invoke adds its prompt(s) to one left-padded batch that
+        runs as one forward; reads in its body return its own rows, writes replace them. The bodies run
+        when the trace block ends, in forward order across invokes (see :mod:`mixlens._invoke`)."""
+        if not self._deferred:
+            raise InputError("tracer.invoke: open the trace without inputs (model.trace() / model.generate()) to "
+                             "batch invokes")
+        if self._session is not None or not self._deferred_open:
+            raise InputError("tracer.invoke is used inside its trace's `with` block")
+        rows, single = self._model._rows(inputs)
+        return _invoke._Invoke(self, rows, single)
+
     def __exit__(self, exc_type, exc, tb) -> bool:
-        sess, self._session = self._session, None
+        stopped = exc_type is not None and issubclass(exc_type, _StopTrace) and exc.tracer is self
+        if self._deferred and self._deferred_open:
+            self._deferred_open = False
+            if exc_type is not None:
+                return False
+            if not self._invokes:
+                raise InputError("model.trace() / model.generate() without inputs needs tracer.invoke(prompt) blocks")
+            for inv in self._invokes:
+                inv.first_row = len(self._rows)
+                self._rows.extend(inv.rows)
+            self._enter_session()
+            try:
+                _invoke.run_invokes(self, self._invokes, None)
+            except BaseException as e:
+                sess, self._session = self._session, None
+                self._calls = sess.calls
+                try:
+                    sess.close()
+                finally:
+                    self._release_model()
+                if isinstance(e, _StopTrace) and e.tracer is self:  # tracer.stop() inside an invoke
+                    self._stopped = True
+                    return True
+                raise
+        sess = self._session
         try:
             if exc_type is None:
+                self._live.settle()  # in-place edits of the last value read reach the rest of the forward
+                self._session = None
                 # Step by step, so Ctrl-C (KeyboardInterrupt) is raised between forward calls rather
                 # than after the whole generation: each C++ wait blocks with the GIL released.
                 for step in range(sess.first_step + 1, sess.last_step + 1):
@@ -586,12 +650,15 @@ class Tracer:
                 self._result = result
             else:
                 self._calls = sess.calls
+                self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
         finally:
+            self._session = None
+            self._live.close(check=False)
             try:
-                sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt)
+                sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt, stop())
             finally:
                 self._release_model()
-        return False
+        return stopped
 
     def __del__(self):
         # Entered and never exited (no `with`, or the frame was dropped): abort the run so the model is
@@ -620,11 +687,20 @@ class Tracer:
     # -- reads / writes (used by the envoys) --------------------------------------------------
     def _require_session(self):
         if self._session is None:
+            if self._deferred and self._deferred_open:
+                raise InputError("this trace batches tracer.invoke(...) blocks: read and write values inside an invoke")
             raise InputError("this tracer is not open: values are read inside its `with` block")
         return self._session
 
-    def _read(self, path: str) -> Optional[ValueArray]:
-        return _as_value(self._require_session().read(self._step, path))
+    def _read(self, path: str):
+        inv = _invoke.current()
+        if inv is not None and inv.tracer is self:
+            return inv.read(path)
+        sess = self._require_session()
+        self._live.settle()  # the block moves on: apply in-place edits of the previous value first
+        value = to_output(sess.read(self._step, path), self._fmt)
+        self._live.track(self._step, path, value, read_only=path.endswith(".states"))
+        return value
 
     def _refuse_foreign(self, path: str) -> None:
         """Raises for a read / write of `path` from outside the thread and context that opened this tracer:
@@ -642,7 +718,66 @@ class Tracer:
                          "inside its own `with model.trace(...)` block (opening one waits until that trace ends)")
 
     def _write(self, path: str, value) -> None:
-        self._require_session().write(self._step, path, _as_float32(value, path))
+        inv = _invoke.current()
+        if inv is not None and inv.tracer is self:
+            return inv.write(path, value)
+        sess = self._require_session()
+        self._live.settle(keep=(self._step, path))
+        arr = as_float32(value, path)
+        shape = self._expected_shape(path)
+        if shape is not None and arr.shape != shape:
+            try:  # a scalar / vector broadcast over the value (mix.betas[...] = 0 style), as torch would
+                arr = np.ascontiguousarray(np.broadcast_to(arr, shape))
+            except ValueError:
+                pass  # the core names the expected and given shapes
+        sess.write(self._step, path, arr)
+        self._live.wrote(self._step, path)
+
+    def _apply_write(self, step: int, path: str, arr: np.ndarray) -> None:
+        self._require_session().write(step, path, arr)
+
+    def _call_seq(self) -> int:
+        """Tokens of the forward call at the current step."""
+        first = self._require_session().first_step
+        if self._kind == "generate" and self._step > first:
+            return 1
+        return max(len(r) for r in self._rows)
+
+    def _expected_shape(self, path: str) -> Optional[tuple]:
+        key = (len(self._rows), self._call_seq())
+        table = self._shapes.get(key)
+        if table is None:
+            table = {v["path"]: tuple(v["shape"]) for v in self._model._core.values(*key)}
+            self._shapes[key] = table
+        return table.get(path)
+
+    def stop(self) -> None:
+        """nnsight's ``tracer.stop()``: end the block here without running the rest of the forward. Values
+        read so far stay valid; results (``tracer.logits``, ``tokens``, ``saved``) are not available."""
+        self._require_session()
+        raise _StopTrace(self)
+
+    @property
+    def stopped(self) -> bool:
+        """True when the block ended with :meth:`stop`."""
+        return self._stopped
+
+    @property
+    def input_ids(self):
+        """The prompt batch as the forward receives it: ``[B, T]`` token ids, left-padded with the model's
+        pad_token_id (int64; a torch tensor or numpy array by the model's output format)."""
+        pad = self._model._core.pad_token_id
+        T = max(len(r) for r in self._rows)
+        ids = np.array([[pad] * (T - len(r)) + list(r) for r in self._rows], dtype=np.int64)
+        return to_plain(ids, self._fmt)
+
+    @property
+    def attention_mask(self):
+        """``[B, T]`` int64, 1 for real tokens and 0 for left padding (transformers' attention_mask of the
+        same left-padded batch); a torch tensor or numpy array by the model's output format."""
+        T = max(len(r) for r in self._rows)
+        mask = np.array([[0] * (T - len(r)) + [1] * len(r) for r in self._rows], dtype=np.int64)
+        return to_plain(mask, self._fmt)
 
     # -- steps ------------------------------------------------------------------------------
     @property
@@ -662,6 +797,8 @@ class Tracer:
 
     # -- results ----------------------------------------------------------------------------
     def _done(self) -> dict:
+        if self._stopped:
+            raise InputError("this trace was stopped with tracer.stop(): the forward did not finish, so it has no results")
         if self._result is None:
             raise InputError("results are available after the `with` block has finished without an error")
         return self._result
@@ -669,7 +806,7 @@ class Tracer:
     @property
     def logits(self):
         """trace: logits ``[B,T,vocab]`` float32; teacher-forced generate: a list, one array per step."""
-        logits = self._done()["logits"]
+        logits = [to_plain(x, self._fmt) for x in self._done()["logits"]]
         if self._kind == "trace":
             return logits[0]
         return logits or None
@@ -704,12 +841,12 @@ class Tracer:
         the value does not exist (state_input at step 0)]}."""
         raw = self._done()["saved"]
         if self._kind == "trace":
-            return {_STEP_KEY.match(k).group("path"): _as_value(v) for k, v in raw.items()}
+            return {_STEP_KEY.match(k).group("path"): to_plain(v, self._fmt) for k, v in raw.items()}
         out: dict = {}
         n = self.steps
         for k, v in raw.items():
             m = _STEP_KEY.match(k)
-            out.setdefault(m.group("path"), [None] * n)[int(m.group("step"))] = _as_value(v)
+            out.setdefault(m.group("path"), [None] * n)[int(m.group("step"))] = to_plain(v, self._fmt)
         return out
 
     @property
@@ -722,7 +859,7 @@ class Tracer:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-class StandardizedTransformer:
+class StandardizedTransformer(_nnterp.NnterpMixin):
     """A recurrent LM (Mamba-2, ...) loaded natively, with nnterp's standardized names.
 
     ``StandardizedTransformer(path_or_hub_id)`` loads a checkpoint folder (config.json, *.safetensors,
@@ -747,12 +884,18 @@ class StandardizedTransformer:
     ``model.ln_final.output``, ``model.logits`` ``[B,T,hidden]``, ``[B,T,vocab]``
     ==========================================  ====================================================
 
-    All values are float32 numpy arrays (copies). The numerical reference is HF transformers'
-    pure-torch implementation; ``model.values()`` lists every path with its shape and meaning.
+    Values are float32 copies handed out as ``torch.Tensor`` or numpy arrays by ``output=`` ("auto":
+    torch when installed; ``$MIXLENS_OUTPUT`` sets the default). An in-place edit of the value read last
+    reaches the forward when the block moves on; see :mod:`mixlens._inplace`. nnterp's surface
+    (``layers_output``, ``attentions_output``, ``mlps_output``, ``next_token_probs``, ``steer``,
+    ``skip_layer(s)``, ``project_on_vocab``, head weights) is in :class:`mixlens._nnterp.NnterpMixin`.
+    The numerical reference is HF transformers' pure-torch implementation; ``model.values()`` lists
+    every path with its shape and meaning.
     """
 
     def __init__(self, path_or_hub_id: Optional[str] = None, *, cache_dir: Optional[str] = None,
-                 revision: Optional[str] = None, use_hub: bool = False):
+                 revision: Optional[str] = None, use_hub: bool = False, output: Optional[str] = None):
+        self._output = resolve_output(output)
         path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
@@ -766,6 +909,7 @@ class StandardizedTransformer:
         self.layers_input = _LayerValue(self, "layer_input")
         self.layers_output = _LayerValue(self, "layer_output")
         self.tokenizer = Tokenizer(self._core)
+        _nnterp.attach(self)
 
     # -- description ------------------------------------------------------------------------
     @property
@@ -777,6 +921,26 @@ class StandardizedTransformer:
     def num_layers(self) -> int:
         return self._core.info["num_layers"]
 
+    @property
+    def hidden_size(self) -> int:
+        return self._core.info["hidden_size"]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding / LM head (config.vocab_size; may exceed the tokenizer's vocabulary)."""
+        return self._core.info["vocab_size"]
+
+    @property
+    def output_format(self) -> str:
+        """'torch' or 'numpy': the type of every value this model hands out (``output=`` at load; settable)."""
+        return self._output
+
+    @output_format.setter
+    def output_format(self, output: str) -> None:
+        if self._open_tracer() is not None:
+            raise InputError("output_format cannot change while a trace is open")
+        self._output = resolve_output(output)
+
     def values(self, batch: int = 1, seq: int = 1) -> list[dict]:
         """Every value in forward order for a call of `batch` rows and `seq` tokens: path, layer, shape,
         writable, per_token, meaning (the reference quantity it equals)."""
@@ -787,6 +951,12 @@ class StandardizedTransformer:
         if self._value_paths is None:
             self._value_paths = frozenset(v["path"] for v in self._core.values())
         return self._value_paths
+
+    def _order(self) -> dict:
+        """Value path -> its index in forward order (``model.values()``)."""
+        if getattr(self, "_value_order", None) is None:
+            self._value_order = {v["path"]: k for k, v in enumerate(self._core.values())}
+        return self._value_order
 
     def _known(self, path: str) -> bool:
         return path in self._paths()
@@ -846,15 +1016,25 @@ class StandardizedTransformer:
     def _tracer_for(self, path: str) -> Tracer:
         t = self._open_tracer()
         if t is None:
+            d = getattr(self, "_deferred_tracer", None)
+            if d is not None and d() is not None and d()._deferred_open:
+                raise InputError(f"'{path}': this trace batches tracer.invoke(...) blocks: read and write values inside "
+                                 "an invoke")
             raise InputError(f"'{path}' is read inside `with model.trace(...)` or `with model.generate(...)`")
         if not t._opened_here():
             t._refuse_foreign(path)
         return t
 
     def _read(self, path: str):
+        inv = _invoke.current()
+        if inv is not None:  # an invoke body's thread: its trace was opened by the caller's thread
+            return inv.tracer._read(path)
         return self._tracer_for(path)._read(path)
 
     def _write(self, path: str, value) -> None:
+        inv = _invoke.current()
+        if inv is not None:
+            return inv.tracer._write(path, value)
         self._tracer_for(path)._write(path, value)
 
     @property
@@ -932,10 +1112,10 @@ class StandardizedTransformer:
         ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace`. Ctrl-C stops it between layers."""
         specs = _save_specs(saves)
         rows, embeds, mask = self._input_args(inputs, inputs_embeds, attention_mask)
-        logits, saved = self._core.run(rows, specs, _edit_specs(edits), embeds, mask)
+        logits, saved = self._core.run(rows, specs, _edit_specs(edits, self._output), embeds, mask)
         _check_saved_steps(specs, [0])
-        out = {"logits": logits}
-        out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
+        out = {"logits": to_plain(logits, self._output)}
+        out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
     def new_cache(self, batch: int = 1) -> Cache:
@@ -954,10 +1134,10 @@ class StandardizedTransformer:
             raise InputError("this cache is in use by an open trace")
         specs, step = _save_specs(saves), cache.steps
         rows, embeds, _ = self._input_args(inputs, inputs_embeds, None, continuation=True)
-        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits), True, embeds)
+        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), True, embeds)
         _check_saved_steps(specs, [step])
-        out = {"logits": logits}
-        out.update({_STEP_KEY.match(k).group("path"): v for k, v in saved.items()})
+        out = {"logits": to_plain(logits, self._output)}
+        out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
 

@@ -135,6 +135,21 @@ void init_model(nb::module_& m) {
       .def("id_to_token", [](const Model& mo, int32_t id) { return mo.tokenizer().id_to_token(id); })
       .def_prop_ro("tokenizer_vocab_size", [](const Model& mo) { return mo.tokenizer().vocab_size(); })
       .def("set_chunk_size", &Model::set_chunk_size, nb::arg("chunk_size"))
+      .def(
+          "project_on_vocab",
+          [](const Model& mo, const FloatArray& hidden) {
+            Tensor h = from_numpy(hidden);
+            Tensor out;
+            {
+              nb::gil_scoped_release r;
+              out = mo.project_on_vocab(h);
+            }
+            return to_numpy(std::move(out));
+          },
+          nb::arg("hidden"), "Model::project_on_vocab: final norm + LM head, [..., D] -> [..., V].")
+      .def(
+          "head_weight", [](const Model& mo, const std::string& role) { return to_numpy(mo.head_weight(role).clone()); },
+          nb::arg("role"), "A copy of the 'embed_tokens', 'ln_final' or 'lm_head' weight.")
       .def("new_cache", &Model::new_cache, nb::arg("batch"), nb::keep_alive<0, 1>())
       .def(
           "run",

@@ -52,7 +52,9 @@ void KvCache::append(const float* kn, const float* vn, int64_t B, int64_t T, int
 }
 
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
-                      const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out) {
+                      const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
+                      float* probs) {
+  const int64_t Tk = past + T;
   const int64_t rep = H / Hkv, width = Hkv * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   ops::parallel_for(B * H, [&](int64_t bh) {
@@ -82,9 +84,11 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
         w[static_cast<size_t>(j)] = std::exp(w[static_cast<size_t>(j)] - mx);
         sum += w[static_cast<size_t>(j)];
       }
+      float* prow = probs ? probs + ((b * H + h) * T + t) * Tk : nullptr;  // zero-filled by the caller
       for (int64_t j = 0; j < n; ++j) {
         if (!m[static_cast<size_t>(j)]) continue;
         const float p = w[static_cast<size_t>(j)] / sum;
+        if (prow) prow[j] = p;
         const float* vj = V + j * width + g * d;
         for (int64_t e = 0; e < d; ++e) o[e] += p * vj[e];
       }

@@ -28,7 +28,10 @@ struct KvCache {
 /// q [B,T,H,d] (RoPE applied), out [B,T,H,d]. Query head h reads KV head h / (H / Hkv).
 /// A query with no visible key (a padded position of a left-padded row) gets 0, as torch's SDPA
 /// (safe softmax) returns for a fully masked row.
+/// `probs` (nullptr unless asked for): the softmax weights [B,H,T,past+T], 0 for masked and future
+/// keys (transformers' eager attention weights, nnterp's attention_probabilities).
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
-                      const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out);
+                      const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
+                      float* probs = nullptr);
 
 }  // namespace mixlens::detail

@@ -379,7 +379,8 @@ std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_lay
   }
   for (int i = 0; i < num_layers; ++i) {
     const std::string block = "block " + std::to_string(i) + " is a " + family + " block";
-    for (Value v : {Value::attn_queries, Value::attn_keys, Value::attn_values, Value::attn_gate, Value::attn_output})
+    for (Value v : {Value::attn_queries, Value::attn_keys, Value::attn_values, Value::attn_gate, Value::attn_output,
+                    Value::attn_probs})
       s["self_attn." + std::string(value_name(v))][i] =
           block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values";
     s["mlp.output"][i] = block + ", which has no MLP: the mixer output is layers." + std::to_string(i) +

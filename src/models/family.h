@@ -59,6 +59,20 @@ class FamilyModel {
     (void)layer, (void)betas_before, (void)decays;
     return Tensor();
   }
+
+  /// The LM head around the blocks, for nnterp's project_on_vocab and read access to the weights
+  /// (Model::project_on_vocab, Model::head_weight). Pointers into the family's own tensors.
+  struct Head {
+    const Tensor* embed = nullptr;    ///< [V, D] token embeddings
+    const Tensor* norm = nullptr;     ///< [D] final RMSNorm weight
+    const Tensor* lm_head = nullptr;  ///< [V, D] unembedding (the embedding when tied)
+    float eps = 1e-5f;
+    bool zero_centred = false;        ///< Qwen's RMSNorm scales by (1 + w)
+    float logit_scale = 1.0f;         ///< Falcon-H1's lm_head_multiplier (logits = lm_head(h) * scale)
+  };
+  /// UnsupportedError by default, so a family that has not declared its head never projects
+  /// with a wrong norm.
+  virtual Head head() const;
 };
 
 using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;

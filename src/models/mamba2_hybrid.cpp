@@ -303,6 +303,8 @@ class Mamba2Hybrid final : public FamilyModel {
     return logits;
   }
 
+  Head head() const override { return {&embed_, &norm_f_, &lm_head_, s_.eps, false, s_.lm_head_multiplier}; }
+
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t D = s_.D;
     std::vector<ValueInfo> v;
@@ -318,6 +320,11 @@ class Mamba2Hybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::attn_keys, {B, T, s_.Hkv, s_.hd}, true,
                                 std::string(s_.key_multiplier != 1.0f ? "k * key_multiplier" : "k") + rope + " (as cached)"));
         v.push_back(layer_value(i, Value::attn_values, {B, T, s_.Hkv, s_.hd}, true, "v (as cached)"));
+        ValueInfo p = layer_value(i, Value::attn_probs, {B, s_.H, T, T}, true,
+                                  "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
+                                  "masked and future keys; transformers' eager attn_weights), read-only");
+        p.writable = false;
+        v.push_back(p);
         v.push_back(layer_value(i, Value::attn_output, {B, T, D}, true,
                                 s_.attention_out_multiplier != 1.0f ? "o_proj(attention) * attention_out_multiplier, added to the residual"
                                                                     : "o_proj(attention), added to the residual"));
@@ -499,7 +506,11 @@ class Mamba2Hybrid final : public FamilyModel {
     const int64_t past = kv.len;
     kv.append(k.data(), v.data(), B, T, Hkv * d);
     Tensor att({B, T, H, d});
-    causal_attention(q.data(), B, T, H, Hkv, d, past, kv, cache.key_mask, att.data());
+    // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
+    Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
+    causal_attention(q.data(), B, T, H, Hkv, d, past, kv, cache.key_mask, att.data(),
+                     probs.defined() ? probs.data() : nullptr);
+    if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
     Tensor out({B, T, D});
     ops::linear(att.data(), BT, H * d, a.o, out.data(), opt(a.ob));
     if (s_.attention_out_multiplier != 1.0f)

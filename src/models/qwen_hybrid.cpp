@@ -315,6 +315,8 @@ class QwenHybrid final : public FamilyModel {
     return logits;
   }
 
+  Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, true}; }
+
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv;
     std::vector<ValueInfo> v;
@@ -340,6 +342,11 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::attn_queries, {B, T, H_, hd_}, true, "q after q_norm and RoPE"));
         v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv_, hd_}, true, "k after k_norm and RoPE (as cached)"));
         v.push_back(layer_value(i, Value::attn_values, {B, T, Hkv_, hd_}, true, "v (as cached)"));
+        ValueInfo p = layer_value(i, Value::attn_probs, {B, H_, T, T}, true,
+                                  "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
+                                  "masked and future keys; transformers' eager attn_weights), read-only");
+        p.writable = false;
+        v.push_back(p);
         v.push_back(layer_value(i, Value::attn_gate, {B, T, H_ * hd_}, true, "output-gate logits before the sigmoid"));
         v.push_back(layer_value(i, Value::attn_output, {B, T, D_}, true, "o_proj(attention * sigmoid(gate)), added to the residual"));
       }
@@ -554,7 +561,11 @@ class QwenHybrid final : public FamilyModel {
     const int64_t past = kv.len;
     kv.append(k.data(), v.data(), B, T, Hkv_ * d);
     Tensor att({B, T, H_, d});
-    causal_attention(q.data(), B, T, H_, Hkv_, d, past, kv, cache.key_mask, att.data());
+    // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
+    Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H_, T, past + T}) : Tensor();
+    causal_attention(q.data(), B, T, H_, Hkv_, d, past, kv, cache.key_mask, att.data(),
+                     probs.defined() ? probs.data() : nullptr);
+    if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
     visit_if(ls, li, Value::attn_gate, gate);
     for (int64_t e = 0; e < att.numel(); ++e) att[e] *= ops::sigmoid(gate[e]);
     Tensor out({B, T, D_});

@@ -33,6 +33,7 @@ class SsmLm : public FamilyModel {
                  bool all_logits) const override;
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override;
   std::map<std::string, std::map<int, std::string>> support() const override;
+  Head head() const override { return {&embed_, &norm_f_, &lm_head_, eps_, false}; }
 
  protected:
   /// Reads the fields and tensors every SSM LM has (hidden_size, num_hidden_layers, vocab_size,

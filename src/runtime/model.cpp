@@ -12,6 +12,7 @@
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/family.h"
+#include "ops/ops.h"
 #include "runtime/model_access.h"
 #include "runtime/sampling.h"
 #include "runtime/trace_listener.h"
@@ -244,6 +245,38 @@ void Model::set_chunk_size(int64_t c) {
     throw InputError("set_chunk_size: " + std::to_string(c) + " is out of range [0, " +
                      std::to_string(detail::kMaxChunkSize) + "] (0 restores the config's chunk size)");
   impl_->family->set_chunk_size(c);
+}
+
+detail::FamilyModel::Head detail::FamilyModel::head() const {
+  throw UnsupportedError("family '" + info.family + "' does not declare its LM head yet: project_on_vocab and "
+                         "head weights are unavailable (read 'logits' instead)");
+}
+
+Tensor Model::project_on_vocab(const Tensor& hidden) const {
+  const detail::FamilyModel::Head h = impl_->family->head();
+  const int64_t D = info().hidden_size, V = info().vocab_size;
+  if (!hidden.defined() || hidden.dim() < 1 || hidden.size(-1) != D)
+    throw InputError("project_on_vocab: expected hidden states [..., " + std::to_string(D) + "], got " +
+                     (hidden.defined() ? shape_str(hidden.shape()) : std::string("None")));
+  if (hidden.has_non_finite()) throw InputError("project_on_vocab: the hidden states contain NaN or inf");
+  const int64_t rows = hidden.numel() / D;
+  Tensor n(hidden.shape());
+  if (rows > 0) ops::rmsnorm(hidden.data(), h.norm->data(), n.data(), rows, D, h.eps, h.zero_centred);
+  Shape out_shape = hidden.shape();
+  out_shape.back() = V;
+  Tensor logits(out_shape);
+  if (rows > 0) ops::linear(n.data(), rows, D, *h.lm_head, logits.data());
+  if (h.logit_scale != 1.0f)
+    for (int64_t k = 0; k < logits.numel(); ++k) logits[k] *= h.logit_scale;
+  return logits;
+}
+
+Tensor Model::head_weight(const std::string& role) const {
+  const detail::FamilyModel::Head h = impl_->family->head();
+  if (role == "embed_tokens") return *h.embed;
+  if (role == "ln_final") return *h.norm;
+  if (role == "lm_head") return *h.lm_head;
+  throw InputError("head_weight: unknown role '" + role + "' (embed_tokens, ln_final or lm_head)");
 }
 
 Cache Model::new_cache(int64_t batch) const {

@@ -563,6 +563,10 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
   if (t.site.value == Value::states)
     throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
                      site_path({t.site.layer, Value::state}) + "@t<t>') or state_input / state_output instead");
+  if (t.site.value == Value::attn_probs)
+    throw WriteError("'" + site_path(t.site) +
+                     "' is read-only (the softmax weights are recomputed from the queries and keys); write "
+                     "self_attn.attention_queries / attention_keys instead");
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
   if (a != Impl::Arrival::at_target) {

@@ -61,7 +61,11 @@ void write_trace(const std::string& file, const Trace& trace, const Model& model
   meta["prompts"] = prompts;
   meta["prompt_ids"] = prompt_ids;
   meta["generated_ids"] = generated_ids;
-  io::write_safetensors(file, tensors, {{"mixlens", meta.dump()}});
+  // The prompt batch as the forward saw it (left-padded), so saved [B,T,...] values can be masked.
+  const Batch b = Batch::left_padded(prompt_ids, model.pad_token_id());
+  io::I64Tensor ids{{b.batch, b.seq}, {b.ids.begin(), b.ids.end()}};
+  io::I64Tensor mask{{b.batch, b.seq}, {b.mask.begin(), b.mask.end()}};
+  io::write_safetensors(file, tensors, {{"mixlens", meta.dump()}}, {{"input_ids", ids}, {"attention_mask", mask}});
 }
 
 }  // namespace mixlens

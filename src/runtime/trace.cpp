@@ -199,6 +199,9 @@ TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
         throw WriteError("'" + site_path(s) +
                          "' is read-only (the per-token state stack); write one token's state with '" +
                          site_path({s.layer, Value::state}) + "@t<t>', or state_input / state_output");
+      if (r.kind != Trace::Impl::Kind::save && s.value == Value::attn_probs)
+        throw WriteError("'" + site_path(s) + "' is read-only (the softmax weights are recomputed from the queries "
+                         "and keys); write self_attn.attention_queries / attention_keys instead");
       if (s.value == Value::state && !r.token)
         throw UnknownValueError("value path '" + r.path + "': 'state' is addressed per token, e.g. '" +
                                 site_path(s) + "@t5' (the state after token 5; '@t-1' is the last token)");

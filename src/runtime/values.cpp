@@ -43,6 +43,7 @@ std::string_view value_name(Value v) {
     case Value::attn_values: return "attention_values";
     case Value::attn_gate: return "gate";
     case Value::attn_output: return "attention_output";
+    case Value::attn_probs: return "attention_probabilities";
     case Value::mlp_output: return "output";
     case Value::kCount: break;
   }
@@ -60,7 +61,8 @@ Component value_component(Value v) {
     case Value::attn_keys:
     case Value::attn_values:
     case Value::attn_gate:
-    case Value::attn_output: return Component::self_attn;
+    case Value::attn_output:
+    case Value::attn_probs: return Component::self_attn;
     case Value::mlp_output: return Component::mlp;
     default: return Component::linear_attn;
   }

@@ -3,12 +3,17 @@ same recipe as scripts/make_fixtures.py), saved to a temp folder, and the compar
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Values come out as numpy in the tests written against the numpy API; tests of the torch front end
+# pass output="torch" (test_torch_io.py) or "auto" explicitly.
+os.environ.setdefault("MIXLENS_OUTPUT", "numpy")
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))

@@ -104,7 +104,8 @@ def test_dir_and_repr_follow_each_layer_of_a_hybrid(hybrid):
     attn = kinds.index("attention")
     lin = kinds.index("gated_deltanet")
     assert dir(hybrid.layers[attn].self_attn) == sorted(
-        ["attention_queries", "attention_keys", "attention_values", "gate", "attention_output"])
+        ["attention_queries", "attention_keys", "attention_values", "attention_probabilities", "gate",
+         "attention_output"])
     assert dir(hybrid.layers[attn].linear_attn) == []
     assert dir(hybrid.layers[lin].self_attn) == []
     assert "betas" in dir(hybrid.layers[lin].linear_attn)

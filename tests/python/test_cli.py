@@ -80,7 +80,9 @@ def test_run_save_out_writes_transformers_values(tmp_path, text_model_dir, torch
     r = cli("run", "--model", text_model_dir, PROMPT, *sum((["--save", p] for p in paths), []), "--out", out)
     assert r.returncode == 0, r.stderr
     got = load_file(str(out))
-    assert set(got) == set(paths)
+    assert set(got) == set(paths) | {"input_ids", "attention_mask"}
+    np.testing.assert_array_equal(got["input_ids"], [prompt_ids])
+    np.testing.assert_array_equal(got["attention_mask"], np.ones((1, len(prompt_ids))))
     ref = om.run(torch_model, [prompt_ids], 1)
     for p in paths:
         assert got[p].dtype == np.float32
@@ -89,6 +91,23 @@ def test_run_save_out_writes_transformers_values(tmp_path, text_model_dir, torch
         meta = json.loads(f.metadata()["mixlens"])
     assert Path(meta["model"]).resolve() == Path(text_model_dir).resolve()
     assert meta["prompts"] == [PROMPT] and meta["prompt_ids"] == [prompt_ids]
+
+
+def test_run_out_carries_the_left_padded_batch_and_its_attention_mask(tmp_path, text_model_dir):
+    import tokenizers
+    from safetensors.numpy import load_file
+
+    prompts = [PROMPT, "Hi there"]
+    out = tmp_path / "values.safetensors"
+    r = cli("run", "--model", text_model_dir, *prompts, "--save", "logits", "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    tok = tokenizers.Tokenizer.from_file(str(text_model_dir / "tokenizer.json"))
+    tok.enable_padding(direction="left", pad_id=1)  # the fixture's pad_token_id
+    enc = tok.encode_batch(prompts)
+    assert got["input_ids"].dtype == np.int64 and got["attention_mask"].dtype == np.int64
+    np.testing.assert_array_equal(got["input_ids"], [e.ids for e in enc])
+    np.testing.assert_array_equal(got["attention_mask"], [e.attention_mask for e in enc])
 
 
 def test_generate_save_writes_per_step_keys(tmp_path, text_model_dir, torch_model, prompt_ids):
@@ -102,7 +121,7 @@ def test_generate_save_writes_per_step_keys(tmp_path, text_model_dir, torch_mode
     got = load_file(str(out))
     ref = om.run(torch_model, [prompt_ids], n)
     want = {om.key(f"layers.{i}.linear_attn.state_output", k) for i in range(2) for k in range(n)}
-    assert set(got) == want
+    assert set(got) == want | {"input_ids", "attention_mask"}
     for k in want:
         assert rel_rms(got[k], ref[k]) <= tolerance(k), k
 

@@ -1,0 +1,161 @@
+"""In-place edits of values read inside a ``with`` block (issue 10 item 2): no silent no-op.
+
+The value read last is *live*: the forward is still paused at it, so an in-place edit (``v[:, 3] = 0``,
+``model.layers_output[i][:, t] = x``, ``v *= 2``) is consumed as a write when the block moves on (the
+next read, write, ``tracer.iter`` step, ``tracer.stop()`` or the end of the block). Detection: a torch
+value's version counter (bumped by every in-place op on it or its views), a numpy value compared
+bit-for-bit against a pristine copy.
+
+A value the forward has moved past is *released*: numpy values become read-only (editing raises
+:class:`mixlens.WriteError` at once, naming the value and saying to assign); torch values have no
+read-only mode, so their version counter is checked at every later move and at the end of the
+block, which raises the same WriteError. After the block ends every value is an ordinary array again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ._convert import ValueArray, as_float32, released_error
+from .errors import MixlensError, OutOfOrderError, WriteError
+
+
+def _version(v) -> Optional[int]:
+    try:
+        return v._version
+    except (AttributeError, RuntimeError):  # inference-mode tensors have no version counter
+        return None
+
+
+class _Live:
+    __slots__ = ("step", "path", "ref", "version", "pristine", "is_torch")
+
+    def __init__(self, step: int, path: str, value: Any, is_torch: bool):
+        self.step, self.path, self.is_torch = step, path, is_torch
+        self.ref = value
+        self.version: Optional[int] = None
+        self.pristine: Optional[np.ndarray] = None
+        self.rebase()
+
+    def rebase(self) -> None:
+        """Take the value as it is now as unmodified."""
+        v = self.ref
+        self.version = _version(v) if self.is_torch else None
+        if self.version is None:
+            self.pristine = np.array(v.detach().numpy() if self.is_torch else v, dtype=np.float32, copy=True)
+        else:
+            self.pristine = None
+
+    def modified(self) -> bool:
+        v = self.ref
+        if self.version is not None:
+            return _version(v) != self.version
+        cur = v.detach().numpy() if self.is_torch else np.asarray(v)
+        if cur.shape != self.pristine.shape:
+            return True
+        return not np.array_equal(cur.view(np.uint32), self.pristine.view(np.uint32))
+
+
+class LiveValues:
+    """Per-tracer bookkeeping; `write(step, path, float32 array)` applies a write through the session."""
+
+    def __init__(self, write: Callable[[int, str, np.ndarray], None]):
+        self._write = write
+        self._live: Optional[_Live] = None
+        self._released_np: list = []  # weakrefs to numpy values made read-only
+        self._released_torch: list = []  # (weakref, version, step, path)
+
+    def track(self, step: int, path: str, value: Any, read_only: bool = False) -> None:
+        """`value` (just read at `step`, `path`) becomes the live value. A read-only value (``states``) is
+        released at once: there is nothing to write back."""
+        if value is None:
+            return
+        is_torch = not isinstance(value, np.ndarray)
+        rec = _Live(step, path, value, is_torch) if not read_only or is_torch else None
+        if rec is None:
+            self._release_np(value, step, path)
+        elif read_only:
+            self._release(rec)
+        else:
+            self._live = rec
+
+    def wrote(self, step: int, path: str) -> None:
+        """An explicit assignment to (step, path): it replaces the whole value, so the live value (if it is
+        that one) starts over from here; later in-place edits of it are still consumed."""
+        live = self._live
+        if live is not None and live.step == step and live.path == path:
+            live.rebase()
+
+    def settle(self, keep: Optional[tuple] = None) -> None:
+        """The block moves on: apply the live value's in-place edits, release it, and check released torch
+        values for edits made after they were released. `keep` = (step, path) of an assignment about to
+        replace the live value itself: it stays live (the assignment supersedes its edits so far)."""
+        live = self._live
+        if live is not None and keep == (live.step, live.path):
+            self.check_released()
+            return
+        self._live = None
+        try:
+            if live is not None and live.modified():
+                try:
+                    self._write(live.step, live.path, as_float32(live.ref, live.path))
+                except (OutOfOrderError, WriteError) as e:
+                    raise type(e)(f"in-place edit of '{live.path}' (read at step {live.step}) could not be applied: "
+                                  f"{e}") from None
+        finally:
+            if live is not None:
+                self._release(live)
+        self.check_released()
+
+    def check_released(self) -> None:
+        keep, bad = [], None
+        for ref, version, step, path in self._released_torch:
+            v = ref()
+            if v is None:
+                continue
+            if bad is None and _version(v) not in (None, version):
+                bad = (step, path)
+                continue
+            keep.append((ref, version, step, path))
+        self._released_torch = keep
+        if bad is not None:
+            raise released_error(bad)
+
+    def close(self, check: bool) -> None:
+        """The block ends: optionally check released torch values, then make every value ordinary again."""
+        self._live = None
+        try:
+            if check:
+                self.check_released()
+        finally:
+            for ref in self._released_np:
+                v = ref()
+                if v is not None:
+                    v.__dict__.pop("_mixlens_released", None)
+                    try:
+                        v.flags.writeable = True
+                    except ValueError:
+                        pass
+            self._released_np.clear()
+            self._released_torch.clear()
+
+    # -- internals -------------------------------------------------------------------------
+    def _release(self, live: _Live) -> None:
+        if live.is_torch:
+            version = _version(live.ref)
+            if version is not None:
+                self._released_torch.append((weakref.ref(live.ref), version, live.step, live.path))
+        else:
+            self._release_np(live.ref, live.step, live.path)
+
+    def _release_np(self, v: np.ndarray, step: int, path: str) -> None:
+        if isinstance(v, ValueArray):
+            v.__dict__["_mixlens_released"] = (step, path)
+            v.flags.writeable = False
+            self._released_np.append(weakref.ref(v))
+
+
+__all__ = ["LiveValues", "MixlensError"]

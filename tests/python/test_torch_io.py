@@ -1,0 +1,255 @@
+"""Issue 10 items 1 and 2: values as torch tensors or numpy arrays, writes from any of them, and
+in-place edits that reach the forward (or raise) - never a silent no-op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mixlens
+from conftest import rel_rms
+
+PROMPT = "Once upon a time, there was a little"
+
+
+@pytest.fixture(scope="module", params=["torch", "numpy"])
+def model(request, text_model_dir):
+    return mixlens.StandardizedTransformer(str(text_model_dir), output=request.param)
+
+
+@pytest.fixture(scope="module")
+def tmodel(text_model_dir):
+    return mixlens.StandardizedTransformer(str(text_model_dir), output="torch")
+
+
+def np32(x) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def test_output_option(text_model_dir, monkeypatch):
+    monkeypatch.delenv("MIXLENS_OUTPUT", raising=False)
+    auto = mixlens.StandardizedTransformer(str(text_model_dir))
+    assert auto.output_format == "torch"  # torch is installed here
+    monkeypatch.setenv("MIXLENS_OUTPUT", "numpy")
+    assert mixlens.StandardizedTransformer(str(text_model_dir)).output_format == "numpy"
+    with pytest.raises(mixlens.InputError, match="output must be one of"):
+        mixlens.StandardizedTransformer(str(text_model_dir), output="jax")
+    auto.output_format = "numpy"
+    assert isinstance(auto.run(PROMPT)["logits"], np.ndarray)
+    auto.output_format = "torch"
+    assert isinstance(auto.run(PROMPT)["logits"], torch.Tensor)
+
+
+def test_reads_are_torch_tensors_or_numpy_arrays(model):
+    torch_out = model.output_format == "torch"
+    with model.trace(PROMPT) as tracer:
+        b = model.layers[1].linear_attn.betas
+        h = model.layers_output[1]
+        assert model.layers[0].linear_attn.state_input is None if False else True
+        s = b.save()
+        assert s is b
+    kind = torch.Tensor if torch_out else np.ndarray
+    for v in (b, h, tracer.logits):
+        assert isinstance(v, kind)
+        assert (v.dtype == torch.float32) if torch_out else (v.dtype == np.float32)
+    assert isinstance(b, mixlens.ValueTensor if torch_out else mixlens.ValueArray)
+    # value + torch.Tensor works either way, and gives a torch tensor.
+    summed = h + torch.ones(h.shape[-1])
+    assert isinstance(summed, torch.Tensor) and torch.allclose(summed - 1, torch.as_tensor(np32(h)))
+    # Operations on a ValueTensor give plain tensors (no subclass leaking into user code).
+    if torch_out:
+        assert type(h * 2) is torch.Tensor
+    # run / saved / logits follow the option too.
+    out = model.run(PROMPT, saves=["layers.1.linear_attn.betas"])
+    assert isinstance(out["logits"], kind) and isinstance(out["layers.1.linear_attn.betas"], kind)
+    np.testing.assert_array_equal(np32(out["layers.1.linear_attn.betas"]), np32(b))
+    np.testing.assert_array_equal(np32(out["logits"]), np32(tracer.logits))
+
+
+def test_torch_reads_are_zero_copy_views_of_the_served_copy(tmodel):
+    with tmodel.trace(PROMPT):
+        h = tmodel.layers_output[0]
+        base = h.numpy()  # shares memory: no copy between the C++ buffer handed over and the tensor
+        assert np.shares_memory(base, h.numpy())
+        assert h.data_ptr() == base.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: torch.as_tensor(b, dtype=torch.bfloat16) * 0 + 0.5,      # bf16, cast
+    lambda b: (torch.as_tensor(b, dtype=torch.float64) * 0 + 0.5).requires_grad_(),  # grad: detached
+    lambda b: np.full(b.shape, 0.5, np.float64),                          # numpy float64
+    lambda b: 0.5,                                                        # Python scalar, broadcast
+    lambda b: torch.tensor(0.5),                                          # 0-d tensor, broadcast
+    lambda b: torch.full((b.shape[-1],), 0.5, dtype=torch.float16),       # vector, broadcast over [B, T]
+])
+def test_writes_accept_torch_numpy_and_scalars(model, make):
+    with model.trace(PROMPT) as ref:
+        b = model.layers[0].linear_attn.betas
+        model.layers[0].linear_attn.betas = np.full(tuple(b.shape), 0.5, np.float32)
+    with model.trace(PROMPT) as got:
+        b = model.layers[0].linear_attn.betas
+        model.layers[0].linear_attn.betas = make(np32(b))
+    np.testing.assert_array_equal(np32(got.logits), np32(ref.logits))
+
+
+def test_bad_writes_name_the_problem(tmodel):
+    with tmodel.trace(PROMPT):
+        b = tmodel.layers[0].linear_attn.betas
+        with pytest.raises(mixlens.WriteError, match="dtype torch.complex64"):
+            tmodel.layers[0].linear_attn.betas = torch.zeros(b.shape, dtype=torch.complex64)
+        with pytest.raises(mixlens.WriteError, match=r"expected shape \[1, \d+, 4\], got \[3, 2\]"):
+            tmodel.layers[0].linear_attn.betas = torch.zeros(3, 2)
+
+
+# ---- in-place edits (item 2) ------------------------------------------------------------------
+
+
+def test_inplace_slice_of_layers_output_equals_the_assignment(model):
+    x = np.linspace(-1, 1, 256 if False else model.hidden_size, dtype=np.float32)
+    with model.trace(PROMPT) as ref:
+        h = np32(model.layers_output[0]).copy()
+        h[:, 3] = x
+        model.layers_output[0] = h
+    with model.trace(PROMPT) as got:
+        model.layers_output[0][:, 3] = torch.as_tensor(x) if model.output_format == "torch" else x
+        out1 = model.layers_output[1]  # the block moves on: the edit is consumed first
+    np.testing.assert_array_equal(np32(got.logits), np32(ref.logits))
+    base = model.run(PROMPT)["logits"]
+    assert rel_rms(np32(got.logits), np32(base)) > 1e-4, "the in-place edit changed nothing"
+    assert out1 is not None
+
+
+def test_inplace_betas_skip_token_equals_the_assignment(model):
+    with model.trace(PROMPT) as ref:
+        b = np32(model.layers[1].linear_attn.betas).copy()
+        b[:, 3] = 0
+        model.layers[1].linear_attn.betas = b
+        ref_states = np32(model.layers[1].linear_attn.states).copy()
+    with model.trace(PROMPT) as got:
+        mix = model.layers[1].linear_attn
+        mix.betas[:, 3] = 0
+        states = np32(mix.states).copy()
+    np.testing.assert_array_equal(np32(got.logits), np32(ref.logits))
+    np.testing.assert_array_equal(states, ref_states)
+    # Skipping token 3 (values.md): the state after token 3 equals the state after token 2.
+    np.testing.assert_allclose(states[:, 3], states[:, 2], rtol=1e-6, atol=1e-7)
+
+
+def test_augmented_assignment_on_a_layer_value(model):
+    with model.trace(PROMPT) as ref:
+        model.layers_output[0] = np32(model.layers_output[0]) * 2
+    with model.trace(PROMPT) as got:
+        model.layers_output[0] *= 2  # read, in-place multiply, assign back: applied once
+    np.testing.assert_array_equal(np32(got.logits), np32(ref.logits))
+
+
+def test_inplace_edit_at_the_end_of_the_block_and_at_a_step(model):
+    with model.trace(PROMPT) as ref:
+        model.ln_final.output = np32(model.ln_final.output) * 0.5
+    with model.trace(PROMPT) as got:
+        model.ln_final.output.__imul__(0.5)  # last read of the block: consumed at exit
+    np.testing.assert_array_equal(np32(got.logits), np32(ref.logits))
+    # In generation, moving to the next step consumes the edit too.
+    with model.generate(PROMPT, max_new_tokens=3) as gref:
+        for step in gref.iter[:]:
+            if step == 1:
+                model.layers_output[1] = np32(model.layers_output[1]) * 3
+    with model.generate(PROMPT, max_new_tokens=3) as ggot:
+        for step in ggot.iter[:]:
+            if step == 1:
+                model.layers_output[1][:] *= 3
+    assert ggot.tokens == gref.tokens
+
+
+def test_inplace_after_an_assignment_still_counts(model):
+    with model.trace(PROMPT) as ref:
+        b = model.layers[0].linear_attn.betas
+        model.layers[0].linear_attn.betas = np32(b) * 0 + 0.25
+    with model.trace(PROMPT) as got:
+        b = model.layers[0].linear_attn.betas
+        model.layers[0].linear_attn.betas = np32(b) * 7
+        b[...] = 0.25  # the forward is still at betas: this edit wins
+    np.testing.assert_array_equal(np32(got.logits), np32(ref.logits))
+
+
+def test_editing_a_value_the_forward_has_passed_raises(model):
+    torch_out = model.output_format == "torch"
+    with pytest.raises(mixlens.WriteError, match=r"in-place edit of 'layers.0.layer_output'.*assign"):
+        with model.trace(PROMPT):
+            h = model.layers_output[0]
+            model.layers_output[1]
+            h[:, 0] = 0  # numpy: raises here; torch: at the next move
+            model.layers_output[2] if model.num_layers > 2 else model.logits
+    # After the block values are ordinary arrays again.
+    with model.trace(PROMPT):
+        h = model.layers_output[0]
+        model.logits
+    h[:, 0] = 1
+    assert float(np32(h)[0, 0, 0]) == 1.0
+    if not torch_out:
+        with model.trace(PROMPT):
+            h = model.layers_output[0]
+            model.layers_output[1]
+            with pytest.raises(mixlens.WriteError, match="moved past it"):
+                h += 1
+            with pytest.raises(ValueError, match="read-only"):
+                np.add(h, 1, out=h)  # numpy's own message, but never silent
+
+
+def test_editing_states_in_place_raises(model):
+    with pytest.raises(mixlens.WriteError):
+        with model.trace(PROMPT):
+            s = model.layers[0].linear_attn.states
+            s[:, 0] = 0
+            model.logits
+
+
+def test_inplace_moment_sibling_after_a_later_read_raises(model):
+    with pytest.raises(mixlens.OutOfOrderError, match="in-place edit of 'layers.0.linear_attn.betas'"):
+        with model.trace(PROMPT):
+            mix = model.layers[0].linear_attn
+            mix.decays  # the forward is at decays; betas is served from its copy
+            mix.betas[:, 0] = 0
+            model.logits
+
+
+def test_edit_callables_may_edit_in_place(model):
+    ref = model.run(PROMPT, edits={"layers.0.linear_attn.betas": lambda b: b * 0})["logits"]
+
+    def zero(b):
+        b[:] = 0  # returns None: the in-place edit is the edit
+
+    got = model.run(PROMPT, edits={"layers.0.linear_attn.betas": zero})["logits"]
+    np.testing.assert_array_equal(np32(got), np32(ref))
+
+
+# ---- tracer.stop, attention mask ---------------------------------------------------------------
+
+
+def test_tracer_stop_ends_the_block_early(model):
+    with model.trace(PROMPT) as tracer:
+        h = model.layers_output[0]
+        tracer.stop()
+        raise AssertionError("not reached")
+    assert tracer.stopped and h is not None
+    with pytest.raises(mixlens.InputError, match="stopped"):
+        tracer.logits
+    ref = model.run(PROMPT, saves=["layers.0.layer_output"])["layers.0.layer_output"]
+    np.testing.assert_array_equal(np32(h), np32(ref))
+    with model.trace(PROMPT) as again:  # the model is free again
+        model.logits
+    assert again.logits is not None
+
+
+def test_attention_mask_of_a_left_padded_batch(model):
+    prompts = [PROMPT, "Hi"]
+    n = [len(model.tokenizer.encode(p)) for p in prompts]
+    with model.trace(prompts) as tracer:
+        mask = model.attention_mask
+        ids = model.input_ids
+    T = max(n)
+    expect = np.array([[0] * (T - k) + [1] * k for k in n])
+    np.testing.assert_array_equal(np32(mask), expect)
+    np.testing.assert_array_equal(np32(tracer.attention_mask), expect)
+    assert list(np32(ids)[1, T - n[1]:]) == model.tokenizer.encode("Hi")
