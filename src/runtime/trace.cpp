@@ -183,7 +183,7 @@ void check_write(const std::string& path, Value v, const Tensor& w, const Shape&
 }
 
 TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
-    : trace_(trace), model_(model), sites_(trace.impl_->bound) {
+    : trace_(trace), sites_(trace.impl_->bound) {
   auto& impl = *trace_.impl_;
   if (impl.bound_family == model.info.family && impl.bound_kinds == model.info.layer_kinds &&
       impl.bound.size() == impl.regs.size())

@@ -37,7 +37,6 @@ class TraceListener final : public Listener {
   void record_saves(Site site, int64_t token, const Tensor& value, bool only_existing);
   bool defer_saves_ = false;
   Trace& trace_;
-  const FamilyModel& model_;
   const std::vector<std::vector<Site>>& sites_;  // per registration (bound in the Trace)
   CallCtx ctx_;
 };
