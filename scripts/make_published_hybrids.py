@@ -24,8 +24,9 @@ Where the configs come from (no internet here; the hub files could not be fetche
   release has 32 layers with attention on 9, 18, 27): hidden 4096, 32 heads, mamba_d_state 128,
   attn_layer_indices [9, 18, 27] are quoted by a config survey; 8 KV heads, intermediate 14336,
   128 mamba heads (d_head 64), 1 group, d_conv 4, expand 2, chunk 256 are BambaConfig's defaults,
-  which match the 9B; vocab 128256 (the Llama-3 tokenizer Bamba uses) and rope_theta 10000 are
-  from the model card as remembered, not re-checked here.
+  which match the 9B; vocab 128256, rope_theta 10000, bos/eos 128000/128001, pad 0 and
+  partial_rotary_factor 0.5 agree with a published tiny-random config derived from
+  ibm-fms/Bamba-9B (yujiepan/bamba-tiny-random, whose config.json names it as its source).
 * Falcon-H1-Tiny: no config could be found offline; not built.
 """
 
@@ -64,7 +65,7 @@ BAMBA_9B_2LAYERS = dict(
     vocab_size=128256, hidden_size=4096, num_hidden_layers=2, attn_layer_indices=[1], num_attention_heads=32,
     num_key_value_heads=8, intermediate_size=14336, mamba_n_heads=128, mamba_d_head=64, mamba_d_state=128,
     mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, bos_token_id=128000, eos_token_id=128001,
 )
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
