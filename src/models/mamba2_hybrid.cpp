@@ -12,6 +12,7 @@
 #include "mixers/attention.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
+#include "models/hybrid_cache.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
@@ -66,21 +67,6 @@ struct BlockW {
   AttnW attn;
   MlpW mlp;
   MoeW moe;
-};
-
-struct HybridCache : CacheState {
-  bool has_state = false;
-  std::vector<Tensor> conv;  // mixer layers: [B, K, conv_dim]
-  std::vector<Tensor> ssm;   // mixer layers: [B, H, P, N] kernel layout
-  std::vector<KvCache> kv;   // attention layers
-  std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
-  std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
-  std::unique_ptr<CacheState> clone() const override {
-    auto c = std::make_unique<HybridCache>(*this);  // KV entries, masks, counters: value copies
-    deep_copy(c->conv);
-    deep_copy(c->ssm);
-    return c;
-  }
 };
 
 const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
@@ -196,47 +182,20 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
-    auto c = std::make_unique<HybridCache>();
-    c->batch = batch;
-    c->conv.resize(static_cast<size_t>(L_));
-    c->ssm.resize(static_cast<size_t>(L_));
-    c->kv.resize(static_cast<size_t>(L_));
-    for (int64_t i = 0; i < L_; ++i)
-      if (s_.blocks[static_cast<size_t>(i)].mamba) {
-        c->conv[static_cast<size_t>(i)] = Tensor({batch, s_.mamba.K, s_.mamba.conv_dim()});
-        Shape st{batch};
-        for (int64_t d : mixer_.state_shape()) st.push_back(d);
-        c->ssm[static_cast<size_t>(i)] = Tensor(st);
-      }
-    c->key_mask.resize(static_cast<size_t>(batch));
-    c->real_seen.assign(static_cast<size_t>(batch), 0);
-    return c;
+    std::vector<bool> is_mixer;
+    for (const HybridBlock& b : s_.blocks) is_mixer.push_back(b.mamba);
+    return std::make_unique<HybridCache>(batch, is_mixer, s_.mamba.K, s_.mamba.conv_dim(), mixer_.state_shape());
   }
 
   std::string kernel_for(const CacheState& cache, int64_t seq) const override {
-    switch (kernel_route(s_.family)) {
-      case KernelRoute::chunked: return "chunked";
-      case KernelRoute::recurrent: return "recurrent";
-      default: break;
-    }
-    return static_cast<const HybridCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
+    return hybrid_kernel(s_.family, cache, seq);
   }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
                  bool all_logits) const override {
     auto& cache = static_cast<HybridCache&>(cache_base);
     const int64_t B = in.batch, T = in.seq, BT = B * T, D = s_.D;
-    // Position ids as transformers' generate builds them (cumsum(mask) - 1 over real tokens, 0 at
-    // padding); the key mask keeps padding out of every later attention call.
-    std::vector<int64_t> pos(static_cast<size_t>(BT));
-    for (int64_t b = 0; b < B; ++b) {
-      auto& seen = cache.real_seen[static_cast<size_t>(b)];
-      for (int64_t t = 0; t < T; ++t) {
-        const uint8_t m = in.mask[static_cast<size_t>(b * T + t)];
-        pos[static_cast<size_t>(b * T + t)] = m ? seen++ : 0;
-        cache.key_mask[static_cast<size_t>(b)].push_back(m);
-      }
-    }
+    const std::vector<int64_t> pos = cache.advance_positions(in);
     Tensor h = embed_tokens(embed_, in, s_.family.c_str());
     // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given.
     if (s_.embedding_multiplier != 1.0f && !in.embeds.defined())

@@ -13,6 +13,7 @@
 #include "mixers/gated_delta.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
+#include "models/hybrid_cache.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
@@ -42,21 +43,6 @@ struct Layer {
   // attention
   Tensor q_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
   Mlp mlp;
-};
-
-struct QwenCache : CacheState {
-  bool has_state = false;
-  std::vector<Tensor> conv;   // GDN layers: [B, K, conv_dim] last K pre-conv inputs
-  std::vector<Tensor> ssm;    // GDN layers: [B, HV, Dk, Dv] (served layout = kernel layout)
-  std::vector<KvCache> kv;    // attention layers
-  std::vector<std::vector<uint8_t>> key_mask;  // per row: 1 for every real token seen
-  std::vector<int64_t> real_seen;              // per row: real tokens seen (next position id)
-  std::unique_ptr<CacheState> clone() const override {
-    auto c = std::make_unique<QwenCache>(*this);  // KV entries, masks, counters: value copies
-    deep_copy(c->conv);
-    deep_copy(c->ssm);
-    return c;
-  }
 };
 
 // Concatenates row blocks of 2-D tensors with the same column count.
@@ -243,46 +229,20 @@ class QwenHybrid final : public FamilyModel {
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
-    auto c = std::make_unique<QwenCache>();
-    c->batch = batch;
-    c->conv.resize(static_cast<size_t>(L_));
-    c->ssm.resize(static_cast<size_t>(L_));
-    c->kv.resize(static_cast<size_t>(L_));
-    for (int64_t i = 0; i < L_; ++i)
-      if (layers_[static_cast<size_t>(i)].linear) {
-        c->conv[static_cast<size_t>(i)] = Tensor({batch, K_, g_.conv_dim()});
-        c->ssm[static_cast<size_t>(i)] = Tensor({batch, g_.HV, g_.Dk, g_.Dv});
-      }
-    c->key_mask.resize(static_cast<size_t>(batch));
-    c->real_seen.assign(static_cast<size_t>(batch), 0);
-    return c;
+    std::vector<bool> is_mixer;
+    for (const Layer& l : layers_) is_mixer.push_back(l.linear);
+    return std::make_unique<HybridCache>(batch, is_mixer, K_, g_.conv_dim(), Shape{g_.HV, g_.Dk, g_.Dv});
   }
 
   std::string kernel_for(const CacheState& cache, int64_t seq) const override {
-    switch (kernel_route(spec_.family)) {
-      case KernelRoute::chunked: return "chunked";
-      case KernelRoute::recurrent: return "recurrent";
-      default: break;
-    }
-    return static_cast<const QwenCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
+    return hybrid_kernel(spec_.family, cache, seq);
   }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
                  bool all_logits) const override {
-    auto& cache = static_cast<QwenCache&>(cache_base);
+    auto& cache = static_cast<HybridCache&>(cache_base);
     const int64_t B = in.batch, T = in.seq, BT = B * T;
-    // Position ids as transformers' generate builds them: cumsum(mask) - 1 over real tokens (0 at
-    // padding), continuing from each row's real-token count; the key mask keeps padding out of
-    // every later attention call.
-    std::vector<int64_t> pos(static_cast<size_t>(BT));
-    for (int64_t b = 0; b < B; ++b) {
-      auto& seen = cache.real_seen[static_cast<size_t>(b)];
-      for (int64_t t = 0; t < T; ++t) {
-        const uint8_t m = in.mask[static_cast<size_t>(b * T + t)];
-        pos[static_cast<size_t>(b * T + t)] = m ? seen++ : 0;
-        cache.key_mask[static_cast<size_t>(b)].push_back(m);
-      }
-    }
+    const std::vector<int64_t> pos = cache.advance_positions(in);
     Tensor h = embed_tokens(embed_, in, spec_.family.c_str());
     visit_if(ls, -1, Value::embed_output, h);
     FiniteWatch watch(spec_.family);
@@ -447,7 +407,7 @@ class QwenHybrid final : public FamilyModel {
   }
 
   // Gated DeltaNet mixer (Qwen3_5GatedDeltaNet.forward).
-  Tensor gdn(int li, const Layer& l, const Tensor& n_in, const Batch& in, bool masked, QwenCache& cache,
+  Tensor gdn(int li, const Layer& l, const Tensor& n_in, const Batch& in, bool masked, HybridCache& cache,
              Listener* ls, const CallCtx& ctx) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T;
     const int64_t HK = g_.HK, HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv, r = HV / HK;
@@ -537,7 +497,7 @@ class QwenHybrid final : public FamilyModel {
 
   // Gated softmax attention (Qwen3_5Attention).
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
-                   QwenCache& cache, Listener* ls) const {
+                   HybridCache& cache, Listener* ls) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
     Tensor qg({BT, H_ * 2 * d});
     ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
