@@ -187,7 +187,7 @@ def test_run_saves_the_state_after_one_token(tmp_path, text_model_dir, torch_mod
     r = cli("run", "--model", text_model_dir, PROMPT, *sum((["--save", p] for p in paths), []), "--out", out)
     assert r.returncode == 0, r.stderr
     got = load_file(str(out))
-    assert set(got) == set(paths)
+    assert set(got) == set(paths) | {"input_ids", "attention_mask"}  # --out also carries the batch
     states = om.run(torch_model, [prompt_ids], 1)[om.key("layers.1.linear_attn.states", 0)]
     assert rel_rms(got[paths[0]], states[:, 2]) <= 1e-5
     assert rel_rms(got[paths[1]], states[:, -1]) <= 1e-5
