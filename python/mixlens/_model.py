@@ -159,7 +159,12 @@ def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]], fmt: str
 
             specs.append((path, first, last, call))
         else:
-            specs.append((path, first, last, as_float32(value, path)))
+            arr = as_float32(value, path)
+            if np.ndim(value) == 0:  # a scalar fills the value, as an assignment in the `with` block does
+                specs.append((path, first, last,
+                              lambda v, x=float(arr[0]): None if v is None else np.full(np.shape(v), x, np.float32)))
+            else:
+                specs.append((path, first, last, arr))
     return specs
 
 
@@ -749,6 +754,10 @@ class Tracer:
         if table is None:
             table = {v["path"]: tuple(v["shape"]) for v in self._model._core.values(*key)}
             self._shapes[key] = table
+        base, at, _ = path.partition("@t")
+        if at and base.endswith(".state"):  # one token's slice of `states` [B,T,...] -> [B,...]
+            states = table.get(base + "s")
+            return None if states is None else states[:1] + states[2:]
         return table.get(path)
 
     def stop(self) -> None:

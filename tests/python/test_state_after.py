@@ -250,3 +250,23 @@ def test_support_and_values(fam):
     assert per_token["states"] and "state" not in per_token  # addressed per token, not a values() entry
     assert not per_token["state_input"] and not per_token["state_output"]
     assert "state_after" in dir(fam.model.layers[fam.layers[0]].linear_attn)
+
+
+def test_a_scalar_state_write_fills_the_state_like_other_writes():
+    """`set_state_after(t, 0.0)` and `edits={"...state@t2": 0.0}` broadcast the scalar, as betas writes do."""
+    m = mixlens.load(output="numpy")  # the shipped Mamba-2
+    prompt = "Once upon a time, there was"
+    with m.trace(prompt):
+        m.layers[1].linear_attn.set_state_after(2, 0.0)
+        scalar = m.logits.save()
+    with m.trace(prompt):
+        s = m.layers[1].linear_attn.state_after(2)
+        m.layers[1].linear_attn.set_state_after(2, np.zeros_like(s))
+        zeros = m.logits.save()
+    plain = m.run(prompt)["logits"]
+    pre = m.run(prompt, edits={"layers.1.linear_attn.state@t2": 0.0})["logits"]
+    np.testing.assert_array_equal(np.asarray(scalar), np.asarray(zeros))
+    np.testing.assert_array_equal(np.asarray(pre), np.asarray(zeros))
+    assert np.abs(np.asarray(zeros)[:, 3:] - np.asarray(plain)[:, 3:]).max() > 1e-3  # the write did something
+    # tokens <= t: the same up to rounding (the scan is split at t)
+    assert rel_rms(np.asarray(zeros)[:, :3], np.asarray(plain)[:, :3]) <= 1e-5
