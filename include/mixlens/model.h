@@ -102,9 +102,20 @@ struct ModelInfo {
   int64_t hidden_size = 0;
   int64_t vocab_size = 0;
   std::vector<LayerKind> layer_kinds;
+  std::string dtype = "float32";  ///< LoadOptions::dtype the model was loaded with
 };
 
 class FamilyModel;  // internal
+
+/// Options of Model::load.
+struct LoadOptions {
+  /// Dtype the matmul weights (projections, embedding, lm_head, experts) are kept in and multiplied
+  /// as, always with float32 accumulation: "float32" (default: widened at load, exact parity with
+  /// transformers in float32), "bfloat16", "float16", or "auto" (each weight's checkpoint dtype).
+  /// Recurrent state, A_log, dt_bias, D, norm and conv weights, gates, decays, activations and
+  /// every served value stay float32 whatever this says. InputError for any other string.
+  std::string dtype = "float32";
+};
 
 class Model {
  public:
@@ -113,7 +124,8 @@ class Model {
   /// non-regular file, NaN / inf / |w| >= 2^64 weights), ConfigError (missing or mistyped fields,
   /// and values out of range: see detail::validate_config), UnsupportedError (unknown model_type),
   /// TokenizerError.
-  static Model load(const std::string& path_or_hub_id);
+  /// `options.dtype`: see LoadOptions (InputError for an unknown dtype, before anything is read).
+  static Model load(const std::string& path_or_hub_id, const LoadOptions& options = {});
   ~Model();
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;

@@ -1,5 +1,6 @@
-// A minimal dense float32 tensor: row-major, contiguous, shared storage.
-// All mixlens activations, weights (widened at load) and served values are float32.
+// A minimal dense tensor: row-major, contiguous, shared storage.
+// All mixlens activations and served values are float32; only matmul weights loaded with a
+// narrow `dtype` load option (LoadOptions::dtype) hold bfloat16 / float16.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -10,12 +11,17 @@ namespace mixlens {
 
 using Shape = std::vector<int64_t>;
 
+/// Element type of a Tensor. Everything but narrow matmul weights is f32.
+enum class ScalarType : uint8_t { float32, bfloat16, float16 };
+/// "float32", "bfloat16", "float16" (torch's spelling).
+const char* dtype_str(ScalarType d);
+
 /// "[2, 3, 4]"
 std::string shape_str(const Shape& s);
 /// Product of the dimensions (1 for a scalar shape []).
 int64_t shape_numel(const Shape& s);
 
-/// Dense row-major float32 tensor. Copying a Tensor shares storage (like a torch tensor handle);
+/// Dense row-major tensor, float32 unless made by Tensor::narrow (bf16/f16 weights). Copying a Tensor shares storage (like a torch tensor handle);
 /// clone() makes an independent copy. A default-constructed Tensor is "None" (defined() == false).
 class Tensor {
  public:
@@ -29,6 +35,10 @@ class Tensor {
   static Tensor from(Shape shape, const std::vector<float>& values);
   /// Non-owning view over external memory kept alive by `owner` (e.g. a memory-mapped file).
   static Tensor borrow(Shape shape, const float* data, std::shared_ptr<const void> owner);
+  /// Read-only bf16 / f16 tensor over `data` (numel 16-bit values) kept alive by `owner`.
+  /// Only matmul weights are narrow: data() / operator[] throw Error on them (use raw() in the
+  /// kernels of ops::linear, or to_f32()).
+  static Tensor narrow(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
@@ -36,30 +46,43 @@ class Tensor {
   /// Size of dimension i (negative i counts from the end).
   int64_t size(int64_t i) const;
   int64_t numel() const { return numel_; }
+  ScalarType dtype() const { return dtype_; }
+  /// The storage whatever the dtype (numel elements of dtype()).
+  const void* raw() const { return data_; }
 
-  /// Mutable data. Throws Error if the tensor borrows read-only memory (call clone() first).
+  /// Mutable data. Throws Error if the tensor borrows read-only memory (call clone() first) or is
+  /// not float32.
   float* data();
-  const float* data() const { return data_; }
-  const float* begin() const { return data_; }
-  const float* end() const { return data_ + numel_; }
+  /// Error unless float32.
+  const float* data() const {
+    if (dtype_ != ScalarType::float32) [[unlikely]] not_f32();
+    return static_cast<const float*>(data_);
+  }
+  const float* begin() const { return data(); }
+  const float* end() const { return data() + numel_; }
   float& operator[](int64_t i) { return data()[i]; }
-  float operator[](int64_t i) const { return data_[i]; }
+  float operator[](int64_t i) const { return data()[i]; }
 
+  /// An independent copy (same dtype).
   Tensor clone() const;
+  /// float32 values: *this when already float32 (shared), else a widened copy (exact).
+  Tensor to_f32() const;
   /// Same storage, new shape with the same element count (else InputError).
   Tensor reshape(Shape shape) const;
   /// True when any element is NaN.
   bool has_nan() const;
   /// True when any element is NaN or +-inf.
   bool has_non_finite() const;
-  std::vector<float> to_vector() const { return std::vector<float>(data_, data_ + numel_); }
+  std::vector<float> to_vector() const;
 
  private:
+  [[noreturn]] void not_f32() const;
   Shape shape_;
   int64_t numel_ = 0;
   std::shared_ptr<const void> storage_;
-  float* data_ = nullptr;
+  void* data_ = nullptr;
   bool writable_ = true;
+  ScalarType dtype_ = ScalarType::float32;
 };
 
 }  // namespace mixlens

@@ -1,12 +1,16 @@
 #include "io/weights.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 #include <cmath>
 #include <map>
 #include <system_error>
 
 #include "io/json.h"
 #include "mixlens/errors.h"
+#include "ops/dtype.h"
 
 namespace fs = std::filesystem;
 
@@ -148,6 +152,20 @@ Tensor WeightStore::get(const std::string& name) const {
   return files_[entry(name).file].get_f32(name);
 }
 
+namespace {
+// A NaN / inf weight poisons every output silently, and so does one whose square overflows
+// float32 (|w| >= 2^64 ~ 1.8e19: any dot product or norm through it is inf).
+constexpr float kMaxWeight = 0x1p64f;
+void check_weight(const std::string& name, const fs::path& folder, int64_t i, float x) {
+  if (std::fabs(x) < kMaxWeight) return;  // false for NaN too
+  const std::string what = std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "inf" : "-inf") : std::to_string(x);
+  throw CheckpointError("tensor '" + name + "' in " + folder.string() + " contains " +
+                        (std::isnan(x) ? std::string("NaN") : std::isinf(x) ? what : "a weight of magnitude " + what) +
+                        " at flat index " + std::to_string(i) +
+                        " (weights must be finite with |w| < 2^64, else every value through them overflows)");
+}
+}  // namespace
+
 Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
   const Entry& e = entry(name);
   if (e.info->shape != expected)
@@ -155,21 +173,53 @@ Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
                           shape_str(e.info->shape) + ", expected " + shape_str(expected) +
                           " from config.json");
   Tensor t = files_[e.file].get_f32(name);
-  // A NaN / inf weight poisons every output silently, and so does one whose square overflows
-  // float32 (|w| >= 2^64 ~ 1.8e19: any dot product or norm through it is inf). One pass at load is
-  // cheap next to the matmuls.
-  constexpr float kMaxWeight = 0x1p64f;
+  // One pass at load is cheap next to the matmuls.
   const float* p = t.begin();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    if (std::fabs(p[i]) < kMaxWeight) continue;  // false for NaN too
-    const float x = p[i];
-    const std::string what = std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "inf" : "-inf") : std::to_string(x);
-    throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " contains " +
-                          (std::isnan(x) ? std::string("NaN") : std::isinf(x) ? what : "a weight of magnitude " + what) +
-                          " at flat index " + std::to_string(i) +
-                          " (weights must be finite with |w| < 2^64, else every value through them overflows)");
-  }
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (!(std::fabs(p[i]) < kMaxWeight)) check_weight(name, folder_, i, p[i]);
   return t;
+}
+
+void WeightStore::set_matmul_dtype(const std::string& dtype) {
+  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "auto")
+    throw InputError("dtype '" + dtype + "' is not one of float32, bfloat16, float16, auto");
+  matmul_dtype_ = dtype;
+}
+
+Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) const {
+  if (matmul_dtype_ == "float32") return get(name, expected);
+  const Entry& e = entry(name);
+  DType target = DType::BF16;
+  if (matmul_dtype_ == "float16") target = DType::F16;
+  else if (matmul_dtype_ == "auto") target = e.info->dtype;
+  if (target != DType::BF16 && target != DType::F16) return get(name, expected);  // auto on F32 / F64
+  if (e.info->shape != expected) return get(name, expected);  // raises the shape error
+  const mixlens::ScalarType out = target == DType::BF16 ? mixlens::ScalarType::bfloat16 : mixlens::ScalarType::float16;
+  const int64_t n = shape_numel(expected);
+  // 64-byte aligned so the kernels' vector loads of a row start never split a cache line.
+  const size_t bytes = ((static_cast<size_t>(n) * 2 + 63) / 64) * 64 + 64;
+  std::shared_ptr<uint16_t> buf(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), std::free);
+  if (!buf) throw std::bad_alloc();
+  uint16_t* dst = buf.get();
+  if (e.info->dtype == target) {
+    const std::span<const uint8_t> src = files_[e.file].bytes(name);
+    std::memcpy(dst, src.data(), static_cast<size_t>(n) * 2);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = target == DType::BF16 ? ops::bf16_to_f32(dst[i]) : ops::f16_to_f32(dst[i]);
+      if (!(std::fabs(x) < kMaxWeight)) check_weight(name, folder_, i, x);
+    }
+  } else {  // convert through float32 (checked there), rounding to nearest even
+    const Tensor f = get(name, expected);
+    const float* p = f.data();
+    for (int64_t i = 0; i < n; ++i) dst[i] = target == DType::BF16 ? ops::f32_to_bf16(p[i]) : ops::f32_to_f16(p[i]);
+    if (target == DType::F16)  // float16 overflows at 65504: a weight beyond it would be inf
+      for (int64_t i = 0; i < n; ++i)
+        if (!std::isfinite(ops::f16_to_f32(dst[i])))
+          throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " has a weight of " +
+                                std::to_string(p[i]) + " at flat index " + std::to_string(i) +
+                                ", beyond float16's range (load with dtype bfloat16 or float32)");
+  }
+  return Tensor::narrow(expected, out, dst, std::shared_ptr<const void>(buf, dst));
 }
 
 std::vector<int64_t> WeightStore::get_i64(const std::string& name) const {

@@ -39,6 +39,15 @@ class WeightStore {
   /// config.json" unless the stored shape equals `expected` (checked before any conversion),
   /// and CheckpointError "... contains NaN" for a tensor with a NaN (model loading uses this form).
   Tensor get(const std::string& name, const Shape& expected) const;
+  /// Which dtype get_matmul keeps matmul weights in: "float32" (widen, the default), "bfloat16",
+  /// "float16", or "auto" (each tensor's checkpoint dtype; F64 -> float32). InputError otherwise.
+  void set_matmul_dtype(const std::string& dtype);
+  const std::string& matmul_dtype() const { return matmul_dtype_; }
+  /// A weight only ever multiplied by ops::linear (or looked up row-wise as an embedding): as
+  /// get(name, expected) under "float32", else a narrow (bf16 / f16) Tensor in the dtype chosen by
+  /// set_matmul_dtype (float32 -> bf16 / f16 rounds to nearest even, as torch's .to()). The same
+  /// shape and finiteness checks as get(name, expected).
+  Tensor get_matmul(const std::string& name, const Shape& expected) const;
   /// Integer tensors as int64 (see SafetensorsFile::get_i64).
   std::vector<int64_t> get_i64(const std::string& name) const;
   /// All tensor names, sorted.
@@ -55,6 +64,7 @@ class WeightStore {
   std::filesystem::path folder_;
   std::vector<SafetensorsFile> files_;
   std::unordered_map<std::string, Entry> entries_;
+  std::string matmul_dtype_ = "float32";
 };
 
 /// Levenshtein distance (for "did you mean" suggestions).

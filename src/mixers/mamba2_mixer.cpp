@@ -38,7 +38,7 @@ Mamba2Mixer::Mamba2Mixer(const Mamba2MixerDims& dims, const std::string& where) 
 Mamba2MixerWeights Mamba2Mixer::load(const io::WeightStore& w, const std::string& p) const {
   const int64_t proj = d_.proj_rows(), cd = d_.conv_dim();
   Mamba2MixerWeights l;
-  l.in_proj = w.get(p + "in_proj.weight", {proj, d_.D});
+  l.in_proj = w.get_matmul(p + "in_proj.weight", {proj, d_.D});
   if (d_.in_proj_bias) l.in_proj_bias = w.get(p + "in_proj.bias", {proj});
   l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {cd, 1, d_.K}));
   l.conv_bias = d_.conv_bias ? w.get(p + "conv1d.bias", {cd}) : Tensor({cd});
@@ -48,7 +48,7 @@ Mamba2MixerWeights Mamba2Mixer::load(const io::WeightStore& w, const std::string
   for (int64_t h = 0; h < d_.H; ++h) l.A[h] = -std::exp(A_log[h]);
   l.D = w.get(p + "D", {d_.H});
   if (d_.norm != Mamba2Norm::none) l.gnorm = w.get(p + "norm.weight", {d_.E});
-  l.out_proj = w.get(p + "out_proj.weight", {d_.D, d_.E});
+  l.out_proj = w.get_matmul(p + "out_proj.weight", {d_.D, d_.E});
   if (d_.out_proj_bias) l.out_proj_bias = w.get(p + "out_proj.bias", {d_.D});
   return l;
 }

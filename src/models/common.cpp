@@ -194,8 +194,8 @@ void validate_config(const io::Config& cfg) {
 
 Tensor load_embedding(const io::WeightStore& w, std::initializer_list<const char*> names, const Shape& shape) {
   for (const char* n : names)
-    if (w.has(n)) return w.get(n, shape);
-  return w.get(*names.begin(), shape);  // raises the missing-tensor error with suggestions
+    if (w.has(n)) return w.get_matmul(n, shape);
+  return w.get_matmul(*names.begin(), shape);  // raises the missing-tensor error with suggestions
 }
 
 Tensor transpose_conv(const Tensor& w) {
@@ -220,7 +220,7 @@ Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
     if (id < 0 || id >= V)
       throw InputError(std::string(family) + ": token id " + std::to_string(id) + " at position " +
                        std::to_string(i % in.seq) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
-    std::memcpy(h.data() + i * D, embed.data() + id * D, sizeof(float) * static_cast<size_t>(D));
+    ops::copy_row(embed, id, h.data() + i * D);  // any weight dtype
   }
   return h;
 }

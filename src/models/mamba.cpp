@@ -75,18 +75,18 @@ class MambaModel final : public SsmLm {
     for (int64_t i = 0; i < L_; ++i) {
       const std::string p = "backbone.layers." + std::to_string(i) + ".mixer.";
       MambaLayer& l = layers_[static_cast<size_t>(i)];
-      l.in_proj = w.get(p + "in_proj.weight", {2 * E_, D_});
+      l.in_proj = w.get_matmul(p + "in_proj.weight", {2 * E_, D_});
       if (use_bias) l.in_proj_bias = w.get(p + "in_proj.bias", {2 * E_});
       l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {E_, 1, K_}));
       l.conv_bias = use_conv_bias ? w.get(p + "conv1d.bias", {E_}) : Tensor({E_});
-      l.x_proj = w.get(p + "x_proj.weight", {R_ + 2 * N_, E_});
+      l.x_proj = w.get_matmul(p + "x_proj.weight", {R_ + 2 * N_, E_});
       l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
       l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
       const Tensor A_log = w.get(p + "A_log", {E_, N_});
       l.A = Tensor({E_, N_});
       for (int64_t k = 0; k < E_ * N_; ++k) l.A[k] = -std::exp(A_log[k]);
       l.D = w.get(p + "D", {E_});
-      l.out_proj = w.get(p + "out_proj.weight", {D_, E_});
+      l.out_proj = w.get_matmul(p + "out_proj.weight", {D_, E_});
       if (use_bias) l.out_proj_bias = w.get(p + "out_proj.bias", {D_});
     }
     info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mamba);

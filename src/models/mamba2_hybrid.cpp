@@ -109,9 +109,9 @@ class Mamba2Hybrid final : public FamilyModel {
     for (const auto& cand : s_.prefixes)
       if (w.has(cand + s_.embed)) { p = cand; break; }
     if (p.empty() && !s_.prefixes.empty()) p = s_.prefixes.front();  // w.get below names the missing tensor
-    embed_ = w.get(p + s_.embed, {s_.V, s_.D});
+    embed_ = w.get_matmul(p + s_.embed, {s_.V, s_.D});
     norm_f_ = w.get(p + s_.final_norm, {s_.D});
-    lm_head_ = s_.tie ? embed_ : w.get("lm_head.weight", {s_.V, s_.D});
+    lm_head_ = s_.tie ? embed_ : w.get_matmul("lm_head.weight", {s_.V, s_.D});
     const int64_t qd = s_.H * s_.hd, kd = s_.Hkv * s_.hd, I = s_.I;
     for (int64_t i = 0; i < L_; ++i) {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
@@ -121,10 +121,10 @@ class Mamba2Hybrid final : public FamilyModel {
       if (b.mamba) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
       if (b.attn) {
         const std::string m = lp + s_.attn_mod + ".";
-        bw.attn.q = w.get(m + "q_proj.weight", {qd, s_.D});
-        bw.attn.k = w.get(m + "k_proj.weight", {kd, s_.D});
-        bw.attn.v = w.get(m + "v_proj.weight", {kd, s_.D});
-        bw.attn.o = w.get(m + "o_proj.weight", {s_.D, qd});
+        bw.attn.q = w.get_matmul(m + "q_proj.weight", {qd, s_.D});
+        bw.attn.k = w.get_matmul(m + "k_proj.weight", {kd, s_.D});
+        bw.attn.v = w.get_matmul(m + "v_proj.weight", {kd, s_.D});
+        bw.attn.o = w.get_matmul(m + "o_proj.weight", {s_.D, qd});
         if (s_.attn_bias) {
           bw.attn.qb = w.get(m + "q_proj.bias", {qd});
           bw.attn.kb = w.get(m + "k_proj.bias", {kd});
@@ -139,14 +139,14 @@ class Mamba2Hybrid final : public FamilyModel {
         bw.moe.bias = w.get(m + "gate.e_score_correction_bias", {E});
         for (int64_t e = 0; e < E; ++e) {
           const std::string ep = m + "experts." + std::to_string(e) + ".";
-          bw.moe.up.push_back(w.get(ep + "up_proj.weight", {s_.moe_I, in}));
-          bw.moe.down.push_back(w.get(ep + "down_proj.weight", {in, s_.moe_I}));
+          bw.moe.up.push_back(w.get_matmul(ep + "up_proj.weight", {s_.moe_I, in}));
+          bw.moe.down.push_back(w.get_matmul(ep + "down_proj.weight", {in, s_.moe_I}));
         }
-        bw.moe.shared_up = w.get(m + "shared_experts.up_proj.weight", {s_.shared_I, s_.D});
-        bw.moe.shared_down = w.get(m + "shared_experts.down_proj.weight", {s_.D, s_.shared_I});
+        bw.moe.shared_up = w.get_matmul(m + "shared_experts.up_proj.weight", {s_.shared_I, s_.D});
+        bw.moe.shared_down = w.get_matmul(m + "shared_experts.down_proj.weight", {s_.D, s_.shared_I});
         if (s_.latent > 0) {
-          bw.moe.fc1 = w.get(m + "fc1_latent_proj.weight", {s_.latent, s_.D});
-          bw.moe.fc2 = w.get(m + "fc2_latent_proj.weight", {s_.D, s_.latent});
+          bw.moe.fc1 = w.get_matmul(m + "fc1_latent_proj.weight", {s_.latent, s_.D});
+          bw.moe.fc2 = w.get_matmul(m + "fc2_latent_proj.weight", {s_.D, s_.latent});
           if (s_.mlp_bias) {
             bw.moe.fc1_b = w.get(m + "fc1_latent_proj.bias", {s_.latent});
             bw.moe.fc2_b = w.get(m + "fc2_latent_proj.bias", {s_.D});
@@ -155,9 +155,9 @@ class Mamba2Hybrid final : public FamilyModel {
       } else if (b.branch_mlp || b.ff) {
         if (b.ff) bw.ff_norm = w.get(lp + s_.ff_norm, {s_.D});
         const std::string m = lp + s_.mlp_mod + ".";
-        if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get(m + "gate_proj.weight", {I, s_.D});
-        bw.mlp.up = w.get(m + "up_proj.weight", {I, s_.D});
-        bw.mlp.down = w.get(m + "down_proj.weight", {s_.D, I});
+        if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get_matmul(m + "gate_proj.weight", {I, s_.D});
+        bw.mlp.up = w.get_matmul(m + "up_proj.weight", {I, s_.D});
+        bw.mlp.down = w.get_matmul(m + "down_proj.weight", {s_.D, I});
         if (s_.mlp_bias) {
           if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate_b = w.get(m + "gate_proj.bias", {I});
           bw.mlp.up_b = w.get(m + "up_proj.bias", {I});

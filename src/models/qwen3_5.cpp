@@ -3,6 +3,7 @@
 // Qwen3_5ForCausalLM, model.*). The block stack is shared with Qwen3-Next (qwen_hybrid.cpp);
 // this file only reads the separate GDN projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a.
 #include "models/common.h"
+#include "ops/ops.h"
 #include "models/family.h"
 #include "models/qwen_hybrid.h"
 
@@ -11,12 +12,15 @@ namespace mixlens::detail {
 namespace {
 
 Tensor load_separate(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
-  const Tensor parts[] = {w.get(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get(p + "in_proj_z.weight", {g.value_dim(), g.D}),
-                          w.get(p + "in_proj_b.weight", {g.HV, g.D}), w.get(p + "in_proj_a.weight", {g.HV, g.D})};
-  Tensor out({g.proj_rows(), g.D});
-  float* dst = out.data();
-  for (const Tensor& t : parts) dst = std::copy(t.begin(), t.end(), dst);
-  return out;
+  const Tensor parts[] = {w.get_matmul(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get_matmul(p + "in_proj_z.weight", {g.value_dim(), g.D}),
+                          w.get_matmul(p + "in_proj_b.weight", {g.HV, g.D}), w.get_matmul(p + "in_proj_a.weight", {g.HV, g.D})};
+  std::vector<ops::RowBlock> blocks;
+  int64_t row = 0;
+  for (const Tensor& t : parts) {
+    blocks.push_back({&t, 0, t.size(0), row});
+    row += t.size(0);
+  }
+  return ops::assemble_rows(g.proj_rows(), g.D, blocks);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "models/common.h"
+#include "ops/ops.h"
 #include "models/family.h"
 #include "models/qwen_hybrid.h"
 
@@ -16,12 +17,10 @@ namespace {
 Tensor load_fused(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
   const int64_t D = g.D, Dk = g.Dk, r = g.HV / g.HK, rv = r * g.Dv;
   const int64_t group = 2 * Dk + 2 * rv;
-  const Tensor qkvz = w.get(p + "in_proj_qkvz.weight", {g.HK * group, D});
-  const Tensor ba = w.get(p + "in_proj_ba.weight", {g.HK * 2 * r, D});
-  Tensor out({g.proj_rows(), D});
-  auto rows = [&](const Tensor& src, int64_t from, int64_t n, int64_t to) {
-    std::memcpy(out.data() + to * D, src.data() + from * D, sizeof(float) * static_cast<size_t>(n * D));
-  };
+  const Tensor qkvz = w.get_matmul(p + "in_proj_qkvz.weight", {g.HK * group, D});
+  const Tensor ba = w.get_matmul(p + "in_proj_ba.weight", {g.HK * 2 * r, D});
+  std::vector<ops::RowBlock> blocks;  // any dtype: narrow weights stay narrow
+  auto rows = [&](const Tensor& src, int64_t from, int64_t n, int64_t to) { blocks.push_back({&src, from, n, to}); };
   const int64_t kd = g.key_dim(), vd = g.value_dim(), cd = g.conv_dim();
   for (int64_t h = 0; h < g.HK; ++h) {
     const int64_t base = h * group;
@@ -32,7 +31,7 @@ Tensor load_fused(const io::WeightStore& w, const std::string& p, const GdnDims&
     rows(ba, h * 2 * r, r, cd + vd + h * r);                // b
     rows(ba, h * 2 * r + r, r, cd + vd + g.HV + h * r);     // a
   }
-  return out;
+  return ops::assemble_rows(g.proj_rows(), D, blocks);
 }
 
 }  // namespace

@@ -47,16 +47,14 @@ struct Layer {
 
 // Concatenates row blocks of 2-D tensors with the same column count.
 Tensor cat_rows(std::initializer_list<Tensor> parts) {
+  // Any dtype (narrow matmul weights stay narrow).
   int64_t rows = 0;
-  const int64_t cols = parts.begin()->size(1);
-  for (const auto& p : parts) rows += p.size(0);
-  Tensor out({rows, cols});
-  int64_t off = 0;
+  std::vector<ops::RowBlock> blocks;
   for (const auto& p : parts) {
-    std::memcpy(out.data() + off * cols, p.data(), sizeof(float) * static_cast<size_t>(p.numel()));
-    off += p.size(0);
+    blocks.push_back({&p, 0, p.size(0), rows});
+    rows += p.size(0);
   }
-  return out;
+  return ops::assemble_rows(rows, parts.begin()->size(1), blocks);
 }
 
 class QwenHybrid final : public FamilyModel {
@@ -149,9 +147,9 @@ class QwenHybrid final : public FamilyModel {
     // Weights: published VLM checkpoints keep the text model under model.language_model.
     const std::string p = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
     const bool tie = cfg.get_or<bool>("tie_word_embeddings", top.get_or<bool>("tie_word_embeddings", false));
-    embed_ = w.get(p + "embed_tokens.weight", {V_, D_});
+    embed_ = w.get_matmul(p + "embed_tokens.weight", {V_, D_});
     norm_ = w.get(p + "norm.weight", {D_});
-    lm_head_ = tie ? embed_ : w.get("lm_head.weight", {V_, D_});
+    lm_head_ = tie ? embed_ : w.get_matmul("lm_head.weight", {V_, D_});
     const int64_t I = cfg.get_or<int64_t>("intermediate_size", 0);
     layers_.resize(static_cast<size_t>(L_));
     for (int64_t i = 0; i < L_; ++i) {
@@ -169,13 +167,13 @@ class QwenHybrid final : public FamilyModel {
         for (int64_t h = 0; h < g_.HV; ++h) l.neg_A[h] = -std::exp(A_log[h]);
         l.dt_bias = w.get(m + "dt_bias", {g_.HV});
         l.gnorm = w.get(m + "norm.weight", {g_.Dv});
-        l.out_proj = w.get(m + "out_proj.weight", {D_, g_.value_dim()});
+        l.out_proj = w.get_matmul(m + "out_proj.weight", {D_, g_.value_dim()});
       } else {
         const std::string m = lp + "self_attn.";
-        l.q_proj = w.get(m + "q_proj.weight", {H_ * hd_ * 2, D_});
-        l.k_proj = w.get(m + "k_proj.weight", {Hkv_ * hd_, D_});
-        l.v_proj = w.get(m + "v_proj.weight", {Hkv_ * hd_, D_});
-        l.o_proj = w.get(m + "o_proj.weight", {D_, H_ * hd_});
+        l.q_proj = w.get_matmul(m + "q_proj.weight", {H_ * hd_ * 2, D_});
+        l.k_proj = w.get_matmul(m + "k_proj.weight", {Hkv_ * hd_, D_});
+        l.v_proj = w.get_matmul(m + "v_proj.weight", {Hkv_ * hd_, D_});
+        l.o_proj = w.get_matmul(m + "o_proj.weight", {D_, H_ * hd_});
         l.q_norm = w.get(m + "q_norm.weight", {hd_});
         l.k_norm = w.get(m + "k_norm.weight", {hd_});
       }
@@ -209,15 +207,15 @@ class QwenHybrid final : public FamilyModel {
             x.expert_down.push_back(w.get(ep + "down_proj.weight", {D_, x.I}));
           }
         }
-        x.shared_gate_up = cat_rows({w.get(mp + "shared_expert.gate_proj.weight", {x.Is, D_}),
-                                     w.get(mp + "shared_expert.up_proj.weight", {x.Is, D_})});
-        x.shared_down = w.get(mp + "shared_expert.down_proj.weight", {D_, x.Is});
+        x.shared_gate_up = cat_rows({w.get_matmul(mp + "shared_expert.gate_proj.weight", {x.Is, D_}),
+                                     w.get_matmul(mp + "shared_expert.up_proj.weight", {x.Is, D_})});
+        x.shared_down = w.get_matmul(mp + "shared_expert.down_proj.weight", {D_, x.Is});
         x.shared_gate = w.get(mp + "shared_expert_gate.weight", {1, D_});
       } else {
         require_positive(cfg, {{"intermediate_size", I}});
         l.mlp.I = I;
-        l.mlp.gate_up = cat_rows({w.get(mp + "gate_proj.weight", {I, D_}), w.get(mp + "up_proj.weight", {I, D_})});
-        l.mlp.down = w.get(mp + "down_proj.weight", {D_, I});
+        l.mlp.gate_up = cat_rows({w.get_matmul(mp + "gate_proj.weight", {I, D_}), w.get_matmul(mp + "up_proj.weight", {I, D_})});
+        l.mlp.down = w.get_matmul(mp + "down_proj.weight", {D_, I});
       }
     }
     info.family = spec_.family;

@@ -29,7 +29,7 @@ void SsmLm::load_backbone(const io::Config& cfg, const io::WeightStore& w, const
   // load; the 5.18 loader no longer does, mixlens still accepts it).
   embed_ = load_embedding(w, {"backbone.embeddings.weight", "backbone.embedding.weight"}, {V_, D_});
   norm_f_ = w.get("backbone.norm_f.weight", {D_});
-  lm_head_ = tie ? embed_ : w.get("lm_head.weight", {V_, D_});
+  lm_head_ = tie ? embed_ : w.get_matmul("lm_head.weight", {V_, D_});
   norms_.clear();
   for (int64_t i = 0; i < L_; ++i) norms_.push_back(w.get("backbone.layers." + std::to_string(i) + ".norm.weight", {D_}));
   info.family = family;

@@ -5,12 +5,16 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <new>
 #include <cstdlib>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "mixlens/errors.h"
+#include "ops/kernels.h"
 
 namespace mixlens::ops {
 
@@ -22,29 +26,121 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
               static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
 }
 
+namespace {
+
+// Measured here (bench/results/kernels.md, busy 2-core machine, best-of): our AVX-512 matvec
+// streams f32 weights at the same GB/s as Debian OpenBLAS 0.3.21's sgemv (AVX2-width) or
+// better, and bf16 / f16 weights at the same *element* rate x2 - no library offers sgemv with
+// narrow weights and float32 activations (OpenBLAS sbgemv and oneDNN bf16 round x to bf16;
+// scipy-openblas32 0.3.34 exports no sbgemv at all). So decode uses our kernels for every dtype.
+constexpr int64_t kMatvecRows = 4;  // up to this many rows: one matvec per row (weights stream once per row)
+constexpr int64_t kTile = 256;      // output features widened per sgemm call for narrow weights
+
+void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
+                 int64_t out, int64_t o0, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * in;
+    float* yr = y + r * out + o0;
+    switch (W.dtype()) {
+      case ScalarType::float32: kt.matvec_f32(static_cast<const float*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
+      case ScalarType::bfloat16: kt.matvec_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
+      case ScalarType::float16: kt.matvec_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
+    }
+  }
+}
+
+}  // namespace
+
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y, const float* bias) {
+  if (W.dim() != 2) throw InputError("linear: weight " + shape_str(W.shape()) + " is not a matrix");
   const int64_t out = W.size(0);
   if (W.size(1) != in) throw InputError("linear: weight " + shape_str(W.shape()) + " does not take " +
                                         std::to_string(in) + " inputs");
-  // Split the output features across our pool, each block a single-threaded BLAS call: mixing
-  // OpenBLAS's own threads with ours oversubscribes the cores (measured 10x slower on 2 cores).
+  if (rows == 0 || out == 0) return;
+  const KernelTable& kt = kernels();
   const int64_t work = rows * out * in;
-  const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
-  const int64_t per = (out + nblocks - 1) / nblocks;
-  parallel_for(nblocks, [&](int64_t blk) {
-    const int64_t o0 = blk * per, n = std::min(per, out - o0);
-    if (n <= 0) return;
-    const float* Wb = W.data() + o0 * in;
-    if (rows == 1)  // matrix-vector: gemv streams the weight once
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(n), static_cast<blasint>(in), 1.0f, Wb,
-                  static_cast<blasint>(in), x, 1, 0.0f, y + o0, 1);
-    else
-      gemm(false, true, rows, n, in, 1.0f, x, in, Wb, in, 0.0f, y + o0, out);
-  });
+  if (rows <= kMatvecRows) {
+    // Decode: memory-bound, so split the weight rows in blocks of 16+ over the pool (a few per
+    // thread so a thread slowed by another process does not hold up the op).
+    const int64_t nblocks = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(4 * num_threads(), (out + 15) / 16);
+    const int64_t per = (out + nblocks - 1) / nblocks;
+    parallel_for(nblocks, [&](int64_t blk) {
+      const int64_t o0 = blk * per, n = std::min(per, out - o0);
+      if (n > 0) matvec_rows(kt, W, x, rows, in, y, out, o0, n);
+    });
+  } else {
+    // Prompt: compute-bound, OpenBLAS sgemm (AVX-512 kernels on this CPU) per block of output
+    // features, each block a single-threaded BLAS call: mixing OpenBLAS's own threads with ours
+    // oversubscribes the cores (measured 10x slower on 2 cores). Narrow weights are widened
+    // (exactly) a tile at a time into a per-thread buffer first.
+    const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
+    const int64_t per = (out + nblocks - 1) / nblocks;
+    parallel_for(nblocks, [&](int64_t blk) {
+      const int64_t o0 = blk * per, n = std::min(per, out - o0);
+      if (n <= 0) return;
+      if (W.dtype() == ScalarType::float32) {
+        gemm(false, true, rows, n, in, 1.0f, x, in, static_cast<const float*>(W.raw()) + o0 * in, in, 0.0f, y + o0, out);
+        return;
+      }
+      thread_local std::vector<float> buf;
+      const int64_t tile = std::min(kTile, n);
+      if (buf.size() < static_cast<size_t>(tile * in)) buf.resize(static_cast<size_t>(tile * in));
+      const auto* w16 = static_cast<const uint16_t*>(W.raw());
+      for (int64_t t0 = 0; t0 < n; t0 += tile) {
+        const int64_t nt = std::min(tile, n - t0);
+        const uint16_t* src = w16 + (o0 + t0) * in;
+        if (W.dtype() == ScalarType::bfloat16) kt.widen_bf16(src, buf.data(), nt * in);
+        else kt.widen_f16(src, buf.data(), nt * in);
+        gemm(false, true, rows, nt, in, 1.0f, x, in, buf.data(), in, 0.0f, y + o0 + t0, out);
+      }
+    });
+  }
   if (bias)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t o = 0; o < out; ++o) y[r * out + o] += bias[o];
 }
+
+Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& blocks) {
+  if (blocks.empty()) return Tensor({rows, cols});
+  const ScalarType t = blocks.front().src->dtype();
+  for (const RowBlock& b : blocks) {
+    if (b.src->dtype() != t) throw InputError("assemble_rows: sources of different dtypes");
+    if (b.src->dim() != 2 || b.src->size(1) != cols || b.from < 0 || b.n < 0 || b.from + b.n > b.src->size(0) ||
+        b.to < 0 || b.to + b.n > rows)
+      throw InputError("assemble_rows: block out of range for source " + shape_str(b.src->shape()));
+  }
+  if (t == ScalarType::float32) {
+    Tensor out({rows, cols});
+    for (const RowBlock& b : blocks)
+      std::memcpy(out.data() + b.to * cols, b.src->data() + b.from * cols, sizeof(float) * static_cast<size_t>(b.n * cols));
+    return out;
+  }
+  const size_t n = static_cast<size_t>(rows * cols);
+  const size_t bytes = ((n * 2 + 63) / 64) * 64 + 64;
+  std::shared_ptr<uint16_t> buf(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), std::free);
+  if (!buf) throw std::bad_alloc();
+  std::memset(buf.get(), 0, n * 2);
+  for (const RowBlock& b : blocks)
+    std::memcpy(buf.get() + b.to * cols, static_cast<const uint16_t*>(b.src->raw()) + b.from * cols,
+                2 * static_cast<size_t>(b.n * cols));
+  return Tensor::narrow({rows, cols}, t, buf.get(), std::shared_ptr<const void>(buf, buf.get()));
+}
+
+void copy_row(const Tensor& W, int64_t r, float* out) {
+  const int64_t cols = W.size(1);
+  if (W.dtype() == ScalarType::float32) {
+    std::memcpy(out, W.data() + r * cols, sizeof(float) * static_cast<size_t>(cols));
+    return;
+  }
+  const auto* src = static_cast<const uint16_t*>(W.raw()) + r * cols;
+  if (W.dtype() == ScalarType::bfloat16) kernels().widen_bf16(src, out, cols);
+  else kernels().widen_f16(src, out, cols);
+}
+
+void exp(const float* x, float* y, int64_t n) { kernels().exp(x, y, n); }
+void silu(const float* x, float* y, int64_t n) { kernels().mul_silu(x, x, y, n); }
+void sigmoid(const float* x, float* y, int64_t n) { kernels().sigmoid(x, y, n); }
+void mul_silu(const float* x, const float* g, float* y, int64_t n) { kernels().mul_silu(x, g, y, n); }
 
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps,
              bool zero_centred) {
@@ -64,7 +160,16 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
 namespace {
 
 // A small persistent pool: the forward calls parallel_for many times per token, so threads are
-// kept alive rather than spawned per call.
+// kept alive, and between the ops of one token they spin briefly (a few tens of microseconds)
+// on an atomic generation counter instead of sleeping on a condvar, which cost a futex wake per op
+// (3.6% of decode). Idle workers then sleep, so an idle process burns no CPU.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+constexpr int kSpin = 2000;  // pause iterations (~40 ns each) before sleeping
+
 class Pool {
  public:
   explicit Pool(int n) : n_(n) {
@@ -73,7 +178,7 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -86,25 +191,29 @@ class Pool {
       for (int64_t i = 0; i < n; ++i) f(i);
       return;
     }
+    job_ = &f;
+    total_ = n;
+    next_.store(0);
+    done_.store(0);
+    generation_.fetch_add(1);  // seq_cst: pairs with sleepers_ (no lost wake-up)
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      cv_.notify_all();
+    }
+    work();
+    for (int i = 0; i < kSpin && done_.load(std::memory_order_acquire) != n_ - 1; ++i) cpu_relax();
+    if (done_.load(std::memory_order_acquire) != n_ - 1) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return done_.load() == n_ - 1; });
+    }
+    job_ = nullptr;
+    std::exception_ptr e;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      job_ = &f;
-      total_ = n;
-      next_.store(0);
-      done_ = 0;
-      ++generation_;
+      std::swap(e, error_);
     }
-    cv_.notify_all();
-    work();
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return done_ == n_ - 1; });
-    job_ = nullptr;
     busy_.store(false);
-    if (error_) {
-      auto e = error_;
-      error_ = nullptr;
-      std::rethrow_exception(e);
-    }
+    if (e) std::rethrow_exception(e);
   }
 
  private:
@@ -124,18 +233,25 @@ class Pool {
   void loop() {
     uint64_t seen = 0;
     for (;;) {
-      {
+      uint64_t g = generation_.load(std::memory_order_acquire);
+      for (int i = 0; i < kSpin && g == seen && !stop_.load(std::memory_order_relaxed); ++i) {
+        cpu_relax();
+        g = generation_.load(std::memory_order_acquire);
+      }
+      if (g == seen) {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        sleepers_.fetch_add(1);
+        cv_.wait(lk, [&] { return stop_.load() || generation_.load() != seen; });
+        sleepers_.fetch_sub(1);
+        g = generation_.load();
       }
+      if (stop_.load()) return;
+      seen = g;
       work();
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        ++done_;
+      if (done_.fetch_add(1) + 1 == n_ - 1) {
+        std::lock_guard<std::mutex> lk(mu_);  // the caller may be between its check and its wait
+        done_cv_.notify_one();
       }
-      done_cv_.notify_one();
     }
   }
 
@@ -146,9 +262,10 @@ class Pool {
   const std::function<void(int64_t)>* job_ = nullptr;
   int64_t total_ = 0;
   std::atomic<int64_t> next_{0};
-  int done_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
   std::atomic<bool> busy_{false};
   std::exception_ptr error_;
 };

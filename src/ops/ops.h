@@ -1,17 +1,30 @@
-// Dense building blocks (float32). Matrix products go to BLAS; the rest are simple loops the
-// compiler vectorizes.
+// Dense building blocks (float32 activations). Matrix products run our ISA-dispatched kernels
+// (ops/kernels.h) or BLAS; the rest are simple loops the compiler vectorizes.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "mixlens/tensor.h"
 
 namespace mixlens::ops {
 
-/// y[rows, out] = x[rows, in] @ W[out, in]^T (+ bias[out]). PyTorch nn.Linear.
+/// y[rows, out] = x[rows, in] @ W[out, in]^T (+ bias[out]). PyTorch nn.Linear. W may be float32,
+/// bfloat16 or float16 (a narrow matmul weight): products and sums are float32 either way.
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
             const float* bias = nullptr);
+
+/// Rows [from, from + n) of `src` placed at rows [to, to + n) of a new tensor (assemble_rows).
+struct RowBlock {
+  const Tensor* src;
+  int64_t from, n, to;
+};
+/// A [rows, cols] tensor of the sources' dtype (all equal, else InputError) filled from `blocks`
+/// (each source 2-D with `cols` columns); rows no block covers are zero. Narrow weights stay narrow.
+Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& blocks);
+/// Row r of a 2-D tensor of any dtype, as float32, into out[cols] (embedding lookup).
+void copy_row(const Tensor& W, int64_t r, float* out);
 
 /// Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C with explicit leading dimensions.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
@@ -26,6 +39,16 @@ inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 /// torch.nn.functional.softplus with beta 1, threshold 20.
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+/// Array forms on the dispatched kernels (AVX-512 / AVX2 polynomial exp, max error ~2 ulp of
+/// float32; the scalar level calls std::exp). In place allowed (y == x).
+void exp(const float* x, float* y, int64_t n);
+/// y = x * sigmoid(x) = x / (1 + exp(-x)).
+void silu(const float* x, float* y, int64_t n);
+/// y = 1 / (1 + exp(-x)).
+void sigmoid(const float* x, float* y, int64_t n);
+/// y = x * silu(g) (the gated-norm gate, elementwise).
+void mul_silu(const float* x, const float* g, float* y, int64_t n);
 
 /// Runs f(i) for i in [0, n) on the worker pool (calling thread included).
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "mixlens/errors.h"
+#include "ops/dtype.h"
 
 namespace mixlens {
 
@@ -37,7 +38,7 @@ Tensor::Tensor(Shape shape, float fill) : shape_(std::move(shape)) {
   if (fill == 0.0f)
     std::memset(data_, 0, sizeof(float) * static_cast<size_t>(numel_));
   else
-    for (int64_t i = 0; i < numel_; ++i) data_[i] = fill;
+    for (int64_t i = 0; i < numel_; ++i) buf[i] = fill;
 }
 
 Tensor Tensor::from(Shape shape, const std::vector<float>& values) {
@@ -59,6 +60,44 @@ Tensor Tensor::borrow(Shape shape, const float* data, std::shared_ptr<const void
   return t;
 }
 
+Tensor Tensor::narrow(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner) {
+  if (dtype == ScalarType::float32) throw InputError("Tensor::narrow: dtype must be bfloat16 or float16");
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.numel_ = shape_numel(t.shape_);
+  t.storage_ = std::move(owner);
+  t.data_ = const_cast<void*>(data);  // guarded by writable_ = false
+  t.writable_ = false;
+  t.dtype_ = dtype;
+  return t;
+}
+
+const char* dtype_str(ScalarType d) {
+  switch (d) {
+    case ScalarType::float32: return "float32";
+    case ScalarType::bfloat16: return "bfloat16";
+    case ScalarType::float16: return "float16";
+  }
+  return "?";
+}
+
+void Tensor::not_f32() const {
+  throw Error(std::string("tensor ") + shape_str(shape_) + " holds " + dtype_str(dtype_) +
+              " weights, not float32 (a narrow matmul weight; use to_f32())");
+}
+
+Tensor Tensor::to_f32() const {
+  if (!defined() || dtype_ == ScalarType::float32) return *this;
+  Tensor t(shape_);
+  ops::widen(dtype_, data_, t.data(), numel_);
+  return t;
+}
+
+std::vector<float> Tensor::to_vector() const {
+  const Tensor f = to_f32();
+  return std::vector<float>(f.begin(), f.end());
+}
+
 int64_t Tensor::size(int64_t i) const {
   int64_t d = dim();
   if (i < 0) i += d;
@@ -68,12 +107,18 @@ int64_t Tensor::size(int64_t i) const {
 }
 
 float* Tensor::data() {
+  if (dtype_ != ScalarType::float32) not_f32();
   if (!writable_) throw Error("tensor borrows read-only (memory-mapped) storage; clone() it first");
-  return data_;
+  return static_cast<float*>(data_);
 }
 
 Tensor Tensor::clone() const {
   if (!defined()) return Tensor();
+  if (dtype_ != ScalarType::float32) {
+    auto buf = std::shared_ptr<uint16_t[]>(new uint16_t[static_cast<size_t>(numel_ > 0 ? numel_ : 1)]);
+    if (numel_) std::memcpy(buf.get(), data_, sizeof(uint16_t) * static_cast<size_t>(numel_));
+    return narrow(shape_, dtype_, buf.get(), std::shared_ptr<const void>(buf, buf.get()));
+  }
   Tensor t(shape_);
   if (numel_) std::memcpy(t.data_, data_, sizeof(float) * static_cast<size_t>(numel_));
   return t;
@@ -88,14 +133,16 @@ Tensor Tensor::reshape(Shape shape) const {
 }
 
 bool Tensor::has_non_finite() const {
-  for (int64_t i = 0; i < numel_; ++i)
-    if (!std::isfinite(data_[i])) return true;
+  const Tensor f = to_f32();
+  for (float v : f)
+    if (!std::isfinite(v)) return true;
   return false;
 }
 
 bool Tensor::has_nan() const {
-  for (int64_t i = 0; i < numel_; ++i)
-    if (std::isnan(data_[i])) return true;
+  const Tensor f = to_f32();
+  for (float v : f)
+    if (std::isnan(v)) return true;
   return false;
 }
 

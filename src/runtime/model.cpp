@@ -194,10 +194,13 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
 }
 }  // namespace detail
 
-Model Model::load(const std::string& path_or_hub_id) {
+Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options) {
+  io::WeightStore probe;
+  probe.set_matmul_dtype(options.dtype);  // an unknown dtype fails before any file is read
   const fs::path dir = io::resolve_model(path_or_hub_id);
   io::Config config = io::Config::load(dir);
   io::WeightStore weights = io::WeightStore::open(dir);
+  weights.set_matmul_dtype(options.dtype);
   Model m;
   try {
     m.impl_->family = detail::build_family(config, weights);
@@ -207,6 +210,7 @@ Model Model::load(const std::string& path_or_hub_id) {
     throw ConfigError(detail::where(config) + ": malformed field: " + e.what());
   }
   m.impl_->family->info.path = dir.string();
+  m.impl_->family->info.dtype = options.dtype;
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the
   // top level: fall back there when the top level has none.
@@ -273,9 +277,10 @@ Tensor Model::project_on_vocab(const Tensor& hidden) const {
 
 Tensor Model::head_weight(const std::string& role) const {
   const detail::FamilyModel::Head h = impl_->family->head();
-  if (role == "embed_tokens") return *h.embed;
+  // Served values stay float32: narrow weights are widened (exactly) on the way out.
+  if (role == "embed_tokens") return h.embed->to_f32();
   if (role == "ln_final") return *h.norm;
-  if (role == "lm_head") return *h.lm_head;
+  if (role == "lm_head") return h.lm_head->to_f32();
   throw InputError("head_weight: unknown role '" + role + "' (embed_tokens, ln_final or lm_head)");
 }
 

@@ -1,0 +1,94 @@
+#include "ops/kernels.h"
+
+#include <atomic>
+#include <cstdlib>
+
+#include "mixlens/errors.h"
+
+namespace mixlens::ops {
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512bf16: return "avx512bf16";
+  }
+  return "?";
+}
+
+bool isa_supported(Isa i) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  switch (i) {
+    case Isa::scalar: return true;
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::avx512:
+      return isa_supported(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+    case Isa::avx512bf16:
+      return isa_supported(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+  }
+  return false;
+#else
+  return i == Isa::scalar;
+#endif
+}
+
+Isa best_isa() {
+  for (Isa i : {Isa::avx512bf16, Isa::avx512, Isa::avx2})
+    if (isa_supported(i)) return i;
+  return Isa::scalar;
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512bf16})
+    if (name == isa_name(i)) return i;
+  throw InputError("ISA level '" + name + "' is not one of scalar, avx2, avx512, avx512bf16");
+}
+
+const KernelTable* kernels_for(Isa i) {
+#if defined(__x86_64__)
+  switch (i) {
+    case Isa::scalar: return &kScalarKernels;
+    case Isa::avx2: return &kAvx2Kernels;
+    // The bf16 dot instruction (vdpbf16ps) would round the activations to bf16; widening the
+    // weights in registers is as fast here (decode is memory-bound) and exact, so the avx512bf16
+    // level runs the avx512 kernels (bench/results/kernels.md).
+    case Isa::avx512:
+    case Isa::avx512bf16: return &kAvx512Kernels;
+  }
+  return nullptr;
+#else
+  return i == Isa::scalar ? &kScalarKernels : nullptr;
+#endif
+}
+
+namespace {
+Isa initial_isa() {
+  if (const char* s = std::getenv("MIXLENS_ISA"); s && *s) {
+    const Isa i = parse_isa(s);
+    if (!isa_supported(i))
+      throw Error(std::string("MIXLENS_ISA=") + s + ": this CPU cannot run that level (best: " + isa_name(best_isa()) + ")");
+    return i;
+  }
+  return best_isa();
+}
+std::atomic<int>& current() {
+  static std::atomic<int> c{static_cast<int>(initial_isa())};
+  return c;
+}
+}  // namespace
+
+Isa isa() { return static_cast<Isa>(current().load(std::memory_order_relaxed)); }
+
+void set_isa(Isa i) {
+  if (!isa_supported(i) || !kernels_for(i))
+    throw Error(std::string("set_isa: this CPU cannot run ") + isa_name(i) + " (best: " + isa_name(best_isa()) + ")");
+  current().store(static_cast<int>(i));
+}
+
+const KernelTable& kernels() { return *kernels_for(isa()); }
+
+}  // namespace mixlens::ops

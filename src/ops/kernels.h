@@ -1,0 +1,52 @@
+// Hot kernels with run-time ISA dispatch. Each level is compiled in a file of its own with that
+// level's target flags (CMakeLists.txt), so the library itself needs no -march=native; the level
+// is picked once from __builtin_cpu_supports, or forced with MIXLENS_ISA=avx512bf16|avx512|avx2|scalar
+// (a level the CPU lacks is refused with an Error) or ops::set_isa (tests).
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace mixlens::ops {
+
+enum class Isa { scalar, avx2, avx512, avx512bf16 };
+/// "scalar", "avx2", "avx512", "avx512bf16".
+const char* isa_name(Isa i);
+/// The level in use (MIXLENS_ISA, else the best the CPU supports).
+Isa isa();
+/// The best level this CPU supports.
+Isa best_isa();
+/// Whether the CPU can run level `i`.
+bool isa_supported(Isa i);
+/// Forces a level (tests, benchmarks). Error when the CPU cannot run it.
+void set_isa(Isa i);
+/// Parses a level name; InputError naming the choices otherwise.
+Isa parse_isa(const std::string& name);
+
+/// One ISA level's kernels. Matrices are row-major with `ld` elements between rows.
+struct KernelTable {
+  /// y[o] = sum_k W[o*ld + k] * x[k] for o < n, k < in (float32 products and sums).
+  void (*matvec_f32)(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
+  void (*matvec_bf16)(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
+  void (*matvec_f16)(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
+  /// dst[i] = float(src[i]) (exact).
+  void (*widen_bf16)(const uint16_t* src, float* dst, int64_t n);
+  void (*widen_f16)(const uint16_t* src, float* dst, int64_t n);
+  /// y[i] = exp(x[i]); in place allowed.
+  void (*exp)(const float* x, float* y, int64_t n);
+  /// y[i] = x[i] * g[i] / (1 + exp(-g[i])) (g == x gives silu); in place allowed.
+  void (*mul_silu)(const float* x, const float* g, float* y, int64_t n);
+  /// y[i] = 1 / (1 + exp(-x[i])).
+  void (*sigmoid)(const float* x, float* y, int64_t n);
+};
+
+/// The table of the level in use.
+const KernelTable& kernels();
+/// The table of a given level (tests); nullptr when not compiled in.
+const KernelTable* kernels_for(Isa i);
+
+// Per-level tables (kernels_*.cpp).
+extern const KernelTable kScalarKernels;
+extern const KernelTable kAvx2Kernels;
+extern const KernelTable kAvx512Kernels;
+
+}  // namespace mixlens::ops

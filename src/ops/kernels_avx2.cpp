@@ -1,0 +1,160 @@
+// AVX2 + FMA + F16C kernels (8 floats per register). Compiled with those target flags
+// (CMakeLists.txt), called only after __builtin_cpu_supports says so; keep free of library
+// templates/inline functions (see kernels_avx512.cpp).
+#if defined(__x86_64__)
+// GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (their __Y = __Y idiom).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "ops/kernels.h"
+
+namespace mixlens::ops {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float bf16f(uint16_t b) {
+  const __m128i v = _mm_cvtsi32_si128(static_cast<int>(static_cast<uint32_t>(b) << 16));
+  return _mm_cvtss_f32(_mm_castsi128_ps(v));
+}
+inline float f16f(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
+
+struct F32 {
+  using T = float;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static float one(const float* p) { return *p; }
+};
+struct BF16 {
+  using T = uint16_t;
+  static __m256 load(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static float one(const uint16_t* p) { return bf16f(*p); }
+};
+struct F16 {
+  using T = uint16_t;
+  static __m256 load(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static float one(const uint16_t* p) { return f16f(*p); }
+};
+
+template <class L>
+void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  const int64_t in8 = in & ~int64_t{7};
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    const typename L::T* w0 = W + o * ld;
+    const typename L::T* w1 = w0 + ld;
+    const typename L::T* w2 = w1 + ld;
+    const typename L::T* w3 = w2 + ld;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < in8; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      a0 = _mm256_fmadd_ps(L::load(w0 + k), xv, a0);
+      a1 = _mm256_fmadd_ps(L::load(w1 + k), xv, a1);
+      a2 = _mm256_fmadd_ps(L::load(w2 + k), xv, a2);
+      a3 = _mm256_fmadd_ps(L::load(w3 + k), xv, a3);
+    }
+    float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+    for (int64_t k = in8; k < in; ++k) {
+      s0 += L::one(w0 + k) * x[k];
+      s1 += L::one(w1 + k) * x[k];
+      s2 += L::one(w2 + k) * x[k];
+      s3 += L::one(w3 + k) * x[k];
+    }
+    y[o] = s0, y[o + 1] = s1, y[o + 2] = s2, y[o + 3] = s3;
+  }
+  for (; o < n; ++o) {
+    const typename L::T* w0 = W + o * ld;
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in8; k += 8) a0 = _mm256_fmadd_ps(L::load(w0 + k), _mm256_loadu_ps(x + k), a0);
+    float s0 = hsum(a0);
+    for (int64_t k = in8; k < in; ++k) s0 += L::one(w0 + k) * x[k];
+    y[o] = s0;
+  }
+}
+
+void mv_f32(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F32>(W, ld, x, y, n, in); }
+void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<BF16>(W, ld, x, y, n, in); }
+void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
+
+template <class L>
+void widen(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, L::load(s + i));
+  for (; i < n; ++i) d[i] = L::one(s + i);
+}
+
+// exp as in kernels_avx512.cpp; 2^n is built from exponent bits in two halves so that
+// n in [-150, 128] (gradual underflow, overflow to inf) stays representable.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.8f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));  // NaN passes
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+void exp_(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float xb[8] = {0}, yb[8];
+    for (int64_t j = i; j < n; ++j) xb[j - i] = x[j];
+    _mm256_storeu_ps(yb, exp8(_mm256_loadu_ps(xb)));
+    for (int64_t j = i; j < n; ++j) y[j] = yb[j - i];
+  }
+}
+inline __m256 sigmoid8(__m256 v) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+}
+inline __m256 mul_silu8(__m256 xv, __m256 gv) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_mul_ps(xv, _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+}
+void sigmoid(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, sigmoid8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float xb[8] = {0}, yb[8];
+    for (int64_t j = i; j < n; ++j) xb[j - i] = x[j];
+    _mm256_storeu_ps(yb, sigmoid8(_mm256_loadu_ps(xb)));
+    for (int64_t j = i; j < n; ++j) y[j] = yb[j - i];
+  }
+}
+void mul_silu(const float* x, const float* g, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mul_silu8(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i)));
+  if (i < n) {
+    float xb[8] = {0}, gb[8] = {0}, yb[8];
+    for (int64_t j = i; j < n; ++j) xb[j - i] = x[j], gb[j - i] = g[j];
+    _mm256_storeu_ps(yb, mul_silu8(_mm256_loadu_ps(xb), _mm256_loadu_ps(gb)));
+    for (int64_t j = i; j < n; ++j) y[j] = yb[j - i];
+  }
+}
+
+}  // namespace
+
+const KernelTable kAvx2Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid};
+
+}  // namespace mixlens::ops
+#endif  // __x86_64__

@@ -1,0 +1,164 @@
+// AVX-512 (F + BW + VL, FMA, F16C) kernels. Compiled with those target flags (CMakeLists.txt)
+// and only called after __builtin_cpu_supports says so (kernels.cpp). Keep this file free of
+// library templates/inline functions: a copy compiled here could be picked by the linker for
+// other files and run AVX-512 code on a CPU without it.
+#if defined(__x86_64__)
+// GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (their __Y = __Y idiom).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "ops/kernels.h"
+
+namespace mixlens::ops {
+namespace {
+
+inline __mmask16 tail_mask(int64_t r) { return static_cast<__mmask16>((1u << r) - 1u); }
+
+struct F32 {
+  using T = float;
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+};
+struct BF16 {
+  using T = uint16_t;
+  // bf16 -> f32 is a 16-bit left shift: exact, 2 µops per 16 weights.
+  static __m512 load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static __m512 load(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+};
+struct F16 {
+  using T = uint16_t;
+  static __m512 load(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m512 load(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+};
+
+// Four rows at a time share each load of x; two accumulators per row hide the FMA latency.
+template <class L>
+void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31}, in16 = in & ~int64_t{15};
+  const __mmask16 mt = tail_mask(in - in16);
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    const typename L::T* w0 = W + o * ld;
+    const typename L::T* w1 = w0 + ld;
+    const typename L::T* w2 = w1 + ld;
+    const typename L::T* w3 = w2 + ld;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t k = 0;
+    for (; k < in32; k += 32) {
+      const __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+      a0 = _mm512_fmadd_ps(L::load(w0 + k), xa, a0);
+      a1 = _mm512_fmadd_ps(L::load(w1 + k), xa, a1);
+      a2 = _mm512_fmadd_ps(L::load(w2 + k), xa, a2);
+      a3 = _mm512_fmadd_ps(L::load(w3 + k), xa, a3);
+      b0 = _mm512_fmadd_ps(L::load(w0 + k + 16), xb, b0);
+      b1 = _mm512_fmadd_ps(L::load(w1 + k + 16), xb, b1);
+      b2 = _mm512_fmadd_ps(L::load(w2 + k + 16), xb, b2);
+      b3 = _mm512_fmadd_ps(L::load(w3 + k + 16), xb, b3);
+    }
+    if (k < in16) {
+      const __m512 xa = _mm512_loadu_ps(x + k);
+      a0 = _mm512_fmadd_ps(L::load(w0 + k), xa, a0);
+      a1 = _mm512_fmadd_ps(L::load(w1 + k), xa, a1);
+      a2 = _mm512_fmadd_ps(L::load(w2 + k), xa, a2);
+      a3 = _mm512_fmadd_ps(L::load(w3 + k), xa, a3);
+      k += 16;
+    }
+    if (k < in) {
+      const __m512 xa = _mm512_maskz_loadu_ps(mt, x + k);
+      b0 = _mm512_fmadd_ps(L::load(w0 + k, mt), xa, b0);
+      b1 = _mm512_fmadd_ps(L::load(w1 + k, mt), xa, b1);
+      b2 = _mm512_fmadd_ps(L::load(w2 + k, mt), xa, b2);
+      b3 = _mm512_fmadd_ps(L::load(w3 + k, mt), xa, b3);
+    }
+    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0));
+    y[o + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1));
+    y[o + 2] = _mm512_reduce_add_ps(_mm512_add_ps(a2, b2));
+    y[o + 3] = _mm512_reduce_add_ps(_mm512_add_ps(a3, b3));
+  }
+  for (; o < n; ++o) {
+    const typename L::T* w0 = W + o * ld;
+    __m512 a0 = _mm512_setzero_ps(), b0 = a0;
+    int64_t k = 0;
+    for (; k < in32; k += 32) {
+      a0 = _mm512_fmadd_ps(L::load(w0 + k), _mm512_loadu_ps(x + k), a0);
+      b0 = _mm512_fmadd_ps(L::load(w0 + k + 16), _mm512_loadu_ps(x + k + 16), b0);
+    }
+    if (k < in16) {
+      a0 = _mm512_fmadd_ps(L::load(w0 + k), _mm512_loadu_ps(x + k), a0);
+      k += 16;
+    }
+    if (k < in) b0 = _mm512_fmadd_ps(L::load(w0 + k, mt), _mm512_maskz_loadu_ps(mt, x + k), b0);
+    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0));
+  }
+}
+
+void mv_f32(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F32>(W, ld, x, y, n, in); }
+void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<BF16>(W, ld, x, y, n, in); }
+void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
+
+template <class L>
+void widen(const uint16_t* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, L::load(s + i));
+  if (i < n) _mm512_mask_storeu_ps(d + i, tail_mask(n - i), L::load(s + i, tail_mask(n - i)));
+}
+
+// exp: Cephes expf on r = x - n ln2 (|r| <= ln2/2), 2^n applied with scalef (handles overflow to
+// inf and gradual underflow). Max error ~2 ulp (tests/cpp/test_kernels.cpp measures it).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));  // NaN passes
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <class F>
+inline void map(const float* x, float* y, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, f(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(y + i, m, f(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+void exp_(const float* x, float* y, int64_t n) { map(x, y, n, exp16); }
+void sigmoid(const float* x, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  map(x, y, n, [one](__m512 v) { return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v)))); });
+}
+void mul_silu(const float* x, const float* g, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  auto f = [one](__m512 xv, __m512 gv) {
+    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    return _mm512_mul_ps(xv, s);
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, f(_mm512_loadu_ps(x + i), _mm512_loadu_ps(g + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(y + i, m, f(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, g + i)));
+  }
+}
+
+}  // namespace
+
+const KernelTable kAvx512Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid};
+
+}  // namespace mixlens::ops
+#endif  // __x86_64__

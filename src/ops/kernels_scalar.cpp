@@ -1,0 +1,53 @@
+// Scalar kernels: the portable fallback level and the reference the vector levels are tested
+// against (exp here is std::exp, so this level is bit-identical to the pre-dispatch code).
+#include <cmath>
+
+#include "ops/dtype.h"
+#include "ops/kernels.h"
+
+namespace mixlens::ops {
+namespace {
+
+template <class Load>
+void matvec(const Load& w, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  for (int64_t o = 0; o < n; ++o) {
+    // Four partial sums: the dependency chain of one sum would limit a scalar core to 1 add / 4 cycles.
+    float s[4] = {0, 0, 0, 0};
+    int64_t k = 0;
+    for (; k + 4 <= in; k += 4)
+      for (int j = 0; j < 4; ++j) s[j] += w(o * ld + k + j) * x[k + j];
+    for (; k < in; ++k) s[0] += w(o * ld + k) * x[k];
+    y[o] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+}
+
+void mv_f32(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  matvec([W](int64_t i) { return W[i]; }, ld, x, y, n, in);
+}
+void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  matvec([W](int64_t i) { return bf16_to_f32(W[i]); }, ld, x, y, n, in);
+}
+void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  matvec([W](int64_t i) { return f16_to_f32(W[i]); }, ld, x, y, n, in);
+}
+void widen_bf16(const uint16_t* s, float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
+}
+void widen_f16(const uint16_t* s, float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = f16_to_f32(s[i]);
+}
+void exp_(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i]);
+}
+void mul_silu(const float* x, const float* g, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * (g[i] / (1.0f + std::exp(-g[i])));
+}
+void sigmoid(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = 1.0f / (1.0f + std::exp(-x[i]));
+}
+
+}  // namespace
+
+const KernelTable kScalarKernels = {mv_f32, mv_bf16, mv_f16, widen_bf16, widen_f16, exp_, mul_silu, sigmoid};
+
+}  // namespace mixlens::ops
