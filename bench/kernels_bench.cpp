@@ -151,8 +151,8 @@ int main(int argc, char** argv) {
   // Through ops::linear on the pool (MIXLENS_NUM_THREADS, default all cores), best ISA level.
   std::vector<Tensor> T32, T16;
   for (int m = 0; m < kMats; ++m) {
-    T32.push_back(Tensor::borrow({kOut, kIn}, W32[m].data(), nullptr));
-    T16.push_back(Tensor::narrow({kOut, kIn}, ScalarType::bfloat16, W16[m].data(), nullptr));
+    T32.push_back(Tensor::borrow({kOut, kIn}, W32[m].data(), std::shared_ptr<const void>(W32[m].data(), [](const void*) {})));
+    T16.push_back(Tensor::narrow({kOut, kIn}, ScalarType::bfloat16, W16[m].data(), std::shared_ptr<const void>(W16[m].data(), [](const void*) {})));
   }
   const std::string pool = "mixlens ops::linear f32, " + std::to_string(ops::num_threads()) + " threads";
   report(pool.c_str(), b32, best_of([&] {

@@ -35,6 +35,8 @@ usage:
   --out FILE   safetensors file: one tensor per saved path (generate: PATH@step{k}),
                with a JSON "mixlens" metadata entry (model, prompts, token ids)
   --ids        PROMPT is comma-separated token ids instead of text
+  --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16 or auto
+               (the checkpoint's dtype); values are float32 whatever the dtype
   several PROMPTs run as one left-padded batch
 )";
 
@@ -42,6 +44,7 @@ struct Args {
   std::string command, model;
   std::vector<std::string> positional, saves;
   std::string out;
+  mixlens::LoadOptions load;
   int max_new_tokens = -1;
   bool greedy = false, sampling_flag = false, ids = false;
   mixlens::GenerateOptions gen;
@@ -101,6 +104,11 @@ Args parse(int argc, char** argv) {
     else if (f == "--seed") a.gen.seed = parse_number<uint64_t>(f, value()), a.sampling_flag = true;
     else if (f == "--prompt-length") a.prompt_length = parse_number<int64_t>(f, value());
     else if (f == "--ids") a.ids = true;
+    else if (f == "--dtype") {
+      a.load.dtype = value();
+      if (a.load.dtype != "float32" && a.load.dtype != "bfloat16" && a.load.dtype != "float16" && a.load.dtype != "auto")
+        usage_error("--dtype must be float32, bfloat16, float16 or auto, not '" + a.load.dtype + "'");
+    }
     else if (f == "--help" || f == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -131,13 +139,13 @@ int run_command(const Args& a) {
   if (a.command == "inspect") {
     if (!a.positional.empty()) usage_error("inspect takes no positional arguments");
     if (a.prompt_length < 1) usage_error("--prompt-length must be >= 1");
-    mixlens::Model m = mixlens::Model::load(model_path);
+    mixlens::Model m = mixlens::Model::load(model_path, a.load);
     std::fputs(mixlens::describe_model(m, a.prompt_length).c_str(), stdout);
     return 0;
   }
   if (a.command == "tokenize") {
     if (a.positional.size() != 1) usage_error("tokenize takes exactly one TEXT");
-    mixlens::Model m = mixlens::Model::load(model_path);
+    mixlens::Model m = mixlens::Model::load(model_path, a.load);
     const auto ids = m.tokenizer().encode(a.positional[0]);
     std::printf("%s\n", join_ids(ids).c_str());
     for (int32_t id : ids) std::printf("%d\t%s\n", id, m.tokenizer().id_to_token(id).c_str());
@@ -152,7 +160,7 @@ int run_command(const Args& a) {
     if (a.max_new_tokens < 1) usage_error("generate needs --max-new-tokens N (N >= 1)");
     if (a.greedy && a.sampling_flag) usage_error("--greedy cannot be combined with sampling flags");
   }
-  mixlens::Model m = mixlens::Model::load(model_path);
+  mixlens::Model m = mixlens::Model::load(model_path, a.load);
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& p : a.positional) prompts.push_back(a.ids ? parse_ids(p) : m.tokenizer().encode(p));
   mixlens::Trace trace;

@@ -868,6 +868,18 @@ class Tracer:
 # ---- the model ---------------------------------------------------------------------------------
 
 
+def _dtype_name(dtype: Any) -> str:
+    """'float32' / 'bfloat16' / 'float16' / 'auto' from a string or a torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = str(dtype).replace("torch.", "")  # torch.bfloat16 -> "bfloat16" without importing torch
+    if name not in ("float32", "bfloat16", "float16", "auto"):
+        raise ValueError(f"dtype {dtype!r} is not one of 'float32', 'bfloat16', 'float16', 'auto' "
+                         "(or torch.float32 / torch.bfloat16 / torch.float16)")
+    return name
+
+
 class StandardizedTransformer(_nnterp.NnterpMixin):
     """A recurrent LM (Mamba-2, ...) loaded natively, with nnterp's standardized names.
 
@@ -903,12 +915,19 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
     """
 
     def __init__(self, path_or_hub_id: Optional[str] = None, *, cache_dir: Optional[str] = None,
-                 revision: Optional[str] = None, use_hub: bool = False, output: Optional[str] = None):
+                 revision: Optional[str] = None, use_hub: bool = False, output: Optional[str] = None,
+                 dtype: Any = "float32"):
+        """``dtype``: the dtype the matmul weights (projections, embeddings, lm_head, experts) are kept
+        in and multiplied as, with float32 accumulation: ``"float32"`` (default, widened at load: exact
+        parity with transformers in float32), ``"bfloat16"``, ``"float16"``, or ``"auto"`` (each weight's
+        checkpoint dtype); ``torch.float32`` / ``torch.bfloat16`` / ``torch.float16`` are accepted too.
+        States, gates, decays, norms and every value served stay float32. ValueError otherwise."""
         self._output = resolve_output(output)
+        dtype = _dtype_name(dtype)
         path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
-        self._core = _core.Model.load(path)
+        self._core = _core.Model.load(path, dtype)
         self._open: Optional[weakref.ref] = None  # the open tracer (any thread's)
         self._trace_lock = threading.Lock()       # held while a trace is open: one at a time per model
         self._value_paths: Optional[frozenset] = None

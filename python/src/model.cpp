@@ -59,6 +59,7 @@ nb::dict info_dict(const Model& m) {
   d["num_layers"] = i.num_layers;
   d["hidden_size"] = i.hidden_size;
   d["vocab_size"] = i.vocab_size;
+  d["dtype"] = i.dtype;
   nb::list kinds;
   for (LayerKind k : i.layer_kinds) kinds.append(nb::str(std::string(layer_kind_name(k)).c_str()));
   d["layer_kinds"] = kinds;
@@ -117,7 +118,15 @@ void init_model(nb::module_& m) {
 
   nb::class_<Model>(m, "Model")
       .def_static(
-          "load", [](const std::string& path) { nb::gil_scoped_release r; return Model::load(path); }, nb::arg("path"))
+          "load",
+          [](const std::string& path, const std::string& dtype) {
+            nb::gil_scoped_release r;
+            LoadOptions o;
+            o.dtype = dtype;
+            return Model::load(path, o);
+          },
+          nb::arg("path"), nb::arg("dtype") = "float32",
+          "Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype).")
       .def_prop_ro("info", &info_dict)
       .def("values", &values_list, nb::arg("batch") = 1, nb::arg("seq") = 1)
       .def("support", &Model::support)

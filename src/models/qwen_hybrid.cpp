@@ -203,8 +203,8 @@ class QwenHybrid final : public FamilyModel {
                                                                                  down_all.begin() + (e + 1) * D_ * x.I)));
           } else {
             const std::string ep = mp + "experts." + std::to_string(e) + ".";
-            x.expert_gate_up.push_back(cat_rows({w.get(ep + "gate_proj.weight", {x.I, D_}), w.get(ep + "up_proj.weight", {x.I, D_})}));
-            x.expert_down.push_back(w.get(ep + "down_proj.weight", {D_, x.I}));
+            x.expert_gate_up.push_back(cat_rows({w.get_matmul(ep + "gate_proj.weight", {x.I, D_}), w.get_matmul(ep + "up_proj.weight", {x.I, D_})}));
+            x.expert_down.push_back(w.get_matmul(ep + "down_proj.weight", {D_, x.I}));
           }
         }
         x.shared_gate_up = cat_rows({w.get_matmul(mp + "shared_expert.gate_proj.weight", {x.Is, D_}),

@@ -33,7 +33,7 @@ struct KernelTable {
   void (*widen_f16)(const uint16_t* src, float* dst, int64_t n);
   /// y[i] = exp(x[i]); in place allowed.
   void (*exp)(const float* x, float* y, int64_t n);
-  /// y[i] = x[i] * g[i] / (1 + exp(-g[i])) (g == x gives silu); in place allowed.
+  /// y[i] = x[i] * g[i] / (1 + exp(-g[i])), x == nullptr meaning 1 (silu); in place allowed.
   void (*mul_silu)(const float* x, const float* g, float* y, int64_t n);
   /// y[i] = 1 / (1 + exp(-x[i])).
   void (*sigmoid)(const float* x, float* y, int64_t n);

@@ -143,10 +143,11 @@ void sigmoid(const float* x, float* y, int64_t n) {
 }
 void mul_silu(const float* x, const float* g, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mul_silu8(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mul_silu8(x ? _mm256_loadu_ps(x + i) : one, _mm256_loadu_ps(g + i)));
   if (i < n) {
     float xb[8] = {0}, gb[8] = {0}, yb[8];
-    for (int64_t j = i; j < n; ++j) xb[j - i] = x[j], gb[j - i] = g[j];
+    for (int64_t j = i; j < n; ++j) xb[j - i] = x ? x[j] : 1.0f, gb[j - i] = g[j];
     _mm256_storeu_ps(yb, mul_silu8(_mm256_loadu_ps(xb), _mm256_loadu_ps(gb)));
     for (int64_t j = i; j < n; ++j) y[j] = yb[j - i];
   }

@@ -148,6 +148,10 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n) {
     const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     return _mm512_mul_ps(xv, s);
   };
+  if (!x) {
+    map(g, y, n, [&f, one](__m512 gv) { return f(one, gv); });
+    return;
+  }
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, f(_mm512_loadu_ps(x + i), _mm512_loadu_ps(g + i)));
   if (i < n) {

@@ -40,7 +40,10 @@ void exp_(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i]);
 }
 void mul_silu(const float* x, const float* g, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * (g[i] / (1.0f + std::exp(-g[i])));
+  if (!x)
+    for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i]));
+  else
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * (g[i] / (1.0f + std::exp(-g[i])));
 }
 void sigmoid(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = 1.0f / (1.0f + std::exp(-x[i]));

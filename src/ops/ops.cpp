@@ -138,7 +138,7 @@ void copy_row(const Tensor& W, int64_t r, float* out) {
 }
 
 void exp(const float* x, float* y, int64_t n) { kernels().exp(x, y, n); }
-void silu(const float* x, float* y, int64_t n) { kernels().mul_silu(x, x, y, n); }
+void silu(const float* x, float* y, int64_t n) { kernels().mul_silu(nullptr, x, y, n); }
 void sigmoid(const float* x, float* y, int64_t n) { kernels().sigmoid(x, y, n); }
 void mul_silu(const float* x, const float* g, float* y, int64_t n) { kernels().mul_silu(x, g, y, n); }
 

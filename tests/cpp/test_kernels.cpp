@@ -1,0 +1,336 @@
+// Kernels (issue 9 items 1-2): every ISA level this CPU runs vs a double-precision reference over
+// odd sizes; the vectorized exp / silu / sigmoid error; narrow (bf16 / f16) weights through
+// ops::linear and through whole models (LoadOptions::dtype).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "fixture_util.h"
+#include "io/safetensors.h"
+#include "mixlens/errors.h"
+#include "mixlens/model.h"
+#include "ops/dtype.h"
+#include "ops/kernels.h"
+#include "ops/ops.h"
+
+namespace fs = std::filesystem;
+using namespace mixlens;
+
+namespace {
+
+std::vector<ops::Isa> levels() {
+  std::vector<ops::Isa> out;
+  for (ops::Isa i : {ops::Isa::scalar, ops::Isa::avx2, ops::Isa::avx512, ops::Isa::avx512bf16})
+    if (ops::isa_supported(i)) out.push_back(i);
+  return out;
+}
+
+// Restores the level in use after a test forces one.
+struct IsaGuard {
+  ops::Isa saved = ops::isa();
+  ~IsaGuard() { ops::set_isa(saved); }
+};
+
+// A non-owning owner (a Tensor with a null owner counts as undefined).
+std::shared_ptr<const void> unowned(const void* p) { return std::shared_ptr<const void>(p, [](const void*) {}); }
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(g);
+  return v;
+}
+
+}  // namespace
+
+TEST(Kernels, IsaNamesAndForcing) {
+  EXPECT_EQ(ops::parse_isa("avx2"), ops::Isa::avx2);
+  EXPECT_THROW(ops::parse_isa("sse9"), InputError);
+  EXPECT_TRUE(ops::isa_supported(ops::Isa::scalar));
+  IsaGuard g;
+  for (ops::Isa i : levels()) {
+    ops::set_isa(i);
+    EXPECT_EQ(ops::isa(), i);
+  }
+  for (ops::Isa i : {ops::Isa::avx2, ops::Isa::avx512, ops::Isa::avx512bf16})
+    if (!ops::isa_supported(i)) {
+      EXPECT_THROW(ops::set_isa(i), Error);
+    }
+}
+
+TEST(Kernels, MatvecEveryDtypeAndLevelMatchesDouble) {
+  const int64_t outs[] = {1, 3, 4, 5, 17, 33};
+  const int64_t ins[] = {1, 7, 15, 16, 17, 31, 32, 33, 100, 773};
+  for (ops::Isa isa : levels()) {
+    const ops::KernelTable& kt = *ops::kernels_for(isa);
+    for (int64_t n : outs)
+      for (int64_t in : ins) {
+        const int64_t ld = in + 3;  // a row stride wider than the row
+        std::vector<float> W = randn(static_cast<size_t>(n * ld), 7u + static_cast<uint32_t>(n * 1000 + in));
+        const std::vector<float> x = randn(static_cast<size_t>(in), 99u + static_cast<uint32_t>(in));
+        std::vector<uint16_t> Wb(W.size()), Wh(W.size());
+        for (size_t i = 0; i < W.size(); ++i) Wb[i] = ops::f32_to_bf16(W[i]), Wh[i] = ops::f32_to_f16(W[i]);
+        for (int dt = 0; dt < 3; ++dt) {
+          std::vector<float> y(static_cast<size_t>(n) + 1, 12345.0f);  // y[n] must stay untouched
+          if (dt == 0) kt.matvec_f32(W.data(), ld, x.data(), y.data(), n, in);
+          if (dt == 1) kt.matvec_bf16(Wb.data(), ld, x.data(), y.data(), n, in);
+          if (dt == 2) kt.matvec_f16(Wh.data(), ld, x.data(), y.data(), n, in);
+          for (int64_t o = 0; o < n; ++o) {
+            double ref = 0, mag = 0;
+            for (int64_t k = 0; k < in; ++k) {
+              const size_t i = static_cast<size_t>(o * ld + k);
+              const double w = dt == 0 ? W[i] : dt == 1 ? ops::bf16_to_f32(Wb[i]) : ops::f16_to_f32(Wh[i]);
+              ref += w * x[static_cast<size_t>(k)];
+              mag += std::fabs(w * x[static_cast<size_t>(k)]);
+            }
+            // float32 summation of `in` terms: error <= ~in * 2^-24 * sum|terms| (loose bound).
+            const double tol = 1e-6 + 6e-8 * static_cast<double>(in) * mag;
+            ASSERT_NEAR(y[static_cast<size_t>(o)], ref, tol)
+                << ops::isa_name(isa) << " dtype " << dt << " n=" << n << " in=" << in << " row " << o;
+          }
+          ASSERT_EQ(y[static_cast<size_t>(n)], 12345.0f) << "wrote past the end";
+        }
+      }
+  }
+}
+
+TEST(Kernels, WidenIsExact) {
+  std::vector<uint16_t> b(1037), h(1037);
+  const std::vector<float> v = randn(b.size(), 5, 100.0f);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = ops::f32_to_bf16(v[i]), h[i] = ops::f32_to_f16(v[i]);
+  for (ops::Isa isa : levels()) {
+    const ops::KernelTable& kt = *ops::kernels_for(isa);
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{17}, int64_t{1037}}) {
+      std::vector<float> ob(static_cast<size_t>(n)), oh(static_cast<size_t>(n));
+      kt.widen_bf16(b.data(), ob.data(), n);
+      kt.widen_f16(h.data(), oh.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(ob[static_cast<size_t>(i)], ops::bf16_to_f32(b[static_cast<size_t>(i)])) << ops::isa_name(isa);
+        ASSERT_EQ(oh[static_cast<size_t>(i)], ops::f16_to_f32(h[static_cast<size_t>(i)])) << ops::isa_name(isa);
+      }
+    }
+  }
+}
+
+TEST(Kernels, Bf16RoundingIsNearestEven) {
+  EXPECT_EQ(ops::f32_to_bf16(1.0f), 0x3f80);
+  // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (1.0).
+  EXPECT_EQ(ops::f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);
+  EXPECT_EQ(ops::f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);
+  EXPECT_TRUE(std::isnan(ops::bf16_to_f32(ops::f32_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+// The vector exp is a polynomial, not libm: measure its error in float32 ulps over the whole range
+// the mixers feed it (and the special values), for every level.
+TEST(Kernels, ExpSiluSigmoidError) {
+  std::vector<float> x;
+  for (float v = -104.0f; v <= 89.0f; v += 0.00731f) x.push_back(v);
+  for (float v : {0.0f, -0.0f, 1e-30f, -1e-30f, 88.7f, 88.73f, -87.3f, -103.9f, -200.0f, 200.0f}) x.push_back(v);
+  const int64_t n = static_cast<int64_t>(x.size());
+  for (ops::Isa isa : levels()) {
+    const ops::KernelTable& kt = *ops::kernels_for(isa);
+    std::vector<float> e(x.size()), s(x.size()), g(x.size()), ms(x.size()), half(x.size(), -0.5f);
+    kt.exp(x.data(), e.data(), n);
+    kt.mul_silu(nullptr, x.data(), s.data(), n);
+    kt.mul_silu(half.data(), x.data(), ms.data(), n);
+    kt.sigmoid(x.data(), g.data(), n);
+    double worst = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double ref = std::exp(static_cast<double>(x[i]));
+      if (ref > 3.4028234663852886e38) {
+        EXPECT_TRUE(std::isinf(e[i])) << x[i];
+        continue;
+      }
+      if (ref < 1.1754943508222875e-38) {  // subnormal results: absolute error below the smallest normal
+        EXPECT_NEAR(e[i], ref, 1.2e-38) << x[i];
+        continue;
+      }
+      const double ulp = std::ldexp(1.0, std::ilogb(ref) - 23);
+      worst = std::max(worst, std::fabs(e[i] - ref) / ulp);
+      const double sg = 1.0 / (1.0 + std::exp(-static_cast<double>(x[i])));
+      ASSERT_NEAR(g[i], sg, 4e-7 * sg + 1e-38) << ops::isa_name(isa) << " sigmoid(" << x[i] << ")";
+      ASSERT_NEAR(s[i], x[i] * sg, 4e-7 * std::fabs(x[i] * sg) + 1e-38) << ops::isa_name(isa) << " silu(" << x[i] << ")";
+      ASSERT_NEAR(ms[i], -0.5 * x[i] * sg, 4e-7 * std::fabs(x[i] * sg) + 1e-38) << ops::isa_name(isa) << " -0.5 * silu(" << x[i] << ")";
+    }
+    EXPECT_LE(worst, 3.0) << ops::isa_name(isa) << " exp max error in ulps";
+    RecordProperty(std::string("exp_max_ulp_") + ops::isa_name(isa), std::to_string(worst));
+    std::printf("[ exp ] %s: max error %.2f ulp\n", ops::isa_name(isa), worst);
+    // NaN stays NaN, -inf -> 0, +inf -> inf.
+    const float sp[3] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity(),
+                         std::numeric_limits<float>::infinity()};
+    float out[3];
+    kt.exp(sp, out, 3);
+    EXPECT_TRUE(std::isnan(out[0])) << ops::isa_name(isa);
+    EXPECT_EQ(out[1], 0.0f) << ops::isa_name(isa);
+    EXPECT_TRUE(std::isinf(out[2])) << ops::isa_name(isa);
+  }
+}
+
+// ops::linear with narrow weights equals ops::linear with the same weights widened, on the
+// matvec path (rows <= 4) and the widen-then-sgemm path, at every level.
+TEST(Kernels, LinearNarrowEqualsWidened) {
+  IsaGuard guard;
+  for (ops::Isa isa : levels()) {
+    ops::set_isa(isa);
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{37}})
+      for (auto [out, in] : {std::pair<int64_t, int64_t>{1, 5}, {300, 129}, {1029, 257}}) {
+        const std::vector<float> w = randn(static_cast<size_t>(out * in), 3);
+        const std::vector<float> x = randn(static_cast<size_t>(rows * in), 4);
+        for (ScalarType t : {ScalarType::bfloat16, ScalarType::float16}) {
+          std::vector<uint16_t> n(w.size());
+          for (size_t i = 0; i < w.size(); ++i) n[i] = t == ScalarType::bfloat16 ? ops::f32_to_bf16(w[i]) : ops::f32_to_f16(w[i]);
+          const Tensor Wn = Tensor::narrow({out, in}, t, n.data(), unowned(n.data()));
+          const Tensor Ww = Wn.to_f32();
+          ASSERT_EQ(Ww.dtype(), ScalarType::float32);
+          std::vector<float> y1(static_cast<size_t>(rows * out)), y2(y1.size()), bias(static_cast<size_t>(out), 0.5f);
+          ops::linear(x.data(), rows, in, Wn, y1.data(), bias.data());
+          ops::linear(x.data(), rows, in, Ww, y2.data(), bias.data());
+          for (size_t i = 0; i < y1.size(); ++i)
+            ASSERT_NEAR(y1[i], y2[i], 2e-5 * (1.0 + std::fabs(y2[i])))
+                << ops::isa_name(isa) << " rows " << rows << " [" << out << "," << in << "] " << dtype_str(t);
+        }
+      }
+  }
+}
+
+TEST(Kernels, NarrowTensorRefusesFloatAccess) {
+  std::vector<uint16_t> n(6, ops::f32_to_bf16(2.0f));
+  const Tensor t = Tensor::narrow({2, 3}, ScalarType::bfloat16, n.data(), unowned(n.data()));
+  EXPECT_EQ(t.dtype(), ScalarType::bfloat16);
+  EXPECT_THROW((void)t.data(), Error);
+  try {
+    (void)t.data();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bfloat16"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(t.to_f32().to_vector(), std::vector<float>(6, 2.0f));
+  EXPECT_EQ(t.clone().to_vector(), std::vector<float>(6, 2.0f));
+  EXPECT_EQ(t.clone().dtype(), ScalarType::bfloat16);
+}
+
+TEST(Kernels, ParallelForManyCallsAndErrors) {
+  // The spinning pool: many back-to-back ops (each sees every index exactly once), then an error.
+  std::vector<std::atomic<int>> hits(64);
+  for (int rep = 0; rep < 2000; ++rep)
+    ops::parallel_for(64, [&](int64_t i) { hits[static_cast<size_t>(i)].fetch_add(1); });
+  for (auto& h : hits) EXPECT_EQ(h.load(), 2000);
+  EXPECT_THROW(ops::parallel_for(8, [](int64_t i) { if (i == 5) throw InputError("boom"); }), InputError);
+  int64_t sum = 0;
+  std::mutex mu;
+  ops::parallel_for(100, [&](int64_t i) { std::lock_guard<std::mutex> lk(mu); sum += i; });
+  EXPECT_EQ(sum, 4950);
+}
+
+// ---- whole models with narrow weights ------------------------------------------------------------
+
+namespace {
+
+// Matmul weights of the fixture families (what WeightStore::get_matmul serves narrow).
+bool is_matmul_weight(const std::string& name) {
+  if (name.find("dt_proj") != std::string::npos) return false;  // Mamba-1's dt_proj stays float32
+  for (const char* s : {"proj.weight", "proj_qkv.weight", "proj_z.weight", "proj_a.weight", "proj_b.weight", "proj_qkvz.weight", "proj_ba.weight",
+                        "embeddings.weight", "embedding.weight", "embed_tokens.weight", "lm_head.weight"})
+    if (name.size() >= std::strlen(s) && name.compare(name.size() - std::strlen(s), std::strlen(s), s) == 0) return true;
+  return false;
+}
+
+// A copy of fixture `rel`'s checkpoint whose matmul weights are rounded to bf16 and stored as
+// float32: a float32 load of it must equal a bfloat16 load of the original (to float32 rounding).
+fs::path rounded_copy(const std::string& rel) {
+  const fs::path src = test::fixture(rel);
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_bf16_" + std::to_string(::getpid()) + "_" +
+                                                    std::to_string(std::hash<std::string>{}(rel)));
+  fs::create_directories(dst);
+  for (const auto& e : fs::directory_iterator(src))
+    if (e.path().extension() == ".json") fs::copy_file(e.path(), dst / e.path().filename(), fs::copy_options::overwrite_existing);
+  io::SafetensorsFile f(src / "model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const io::TensorInfo& t : f.tensors()) {
+    Tensor v = f.get_f32(t.name).clone();
+    if (is_matmul_weight(t.name))
+      for (int64_t i = 0; i < v.numel(); ++i) v[i] = ops::bf16_to_f32(ops::f32_to_bf16(v[i]));
+    out.emplace_back(t.name, v);
+  }
+  io::write_safetensors(dst / "model.safetensors", out);
+  return dst;
+}
+
+std::vector<std::vector<int32_t>> prompts_for(const Model& m) {
+  const int32_t V = static_cast<int32_t>(m.info().vocab_size);
+  return {{1 % V, 5 % V, 9 % V, 2 % V, 7 % V, 3 % V, 11 % V}, {4 % V, 8 % V, 6 % V}};
+}
+
+}  // namespace
+
+class NarrowModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(NarrowModel, Bf16LoadEqualsFloat32LoadOfRoundedWeights) {
+  const std::string rel = GetParam();
+  LoadOptions bf;
+  bf.dtype = "bfloat16";
+  const Model narrow = Model::load(test::fixture(rel).string(), bf);
+  EXPECT_EQ(narrow.info().dtype, "bfloat16");
+  const fs::path rounded = rounded_copy(rel);
+  const Model ref = Model::load(rounded.string());
+  const auto prompts = prompts_for(ref);
+  const Tensor a = narrow.run(prompts), b = ref.run(prompts);
+  ASSERT_EQ(a.shape(), b.shape());
+  // Same weights, same float32 arithmetic but for summation order in the kernels.
+  EXPECT_LT(test::rel_rms(a, b), 2e-5) << rel;
+  // Generation (decode steps: the matvec path) agrees token for token.
+  GenerateOptions g;
+  g.max_new_tokens = 6;
+  g.eos_token_id = -1;
+  EXPECT_EQ(narrow.generate(prompts, g).new_tokens, ref.generate(prompts, g).new_tokens) << rel;
+  fs::remove_all(rounded);
+}
+
+TEST_P(NarrowModel, AutoOnFloat32CheckpointIsFloat32AndBf16IsClose) {
+  const std::string rel = GetParam();
+  LoadOptions au;
+  au.dtype = "auto";
+  const Model f32 = Model::load(test::fixture(rel).string());
+  const Model autom = Model::load(test::fixture(rel).string(), au);
+  const auto prompts = prompts_for(f32);
+  const Tensor a = f32.run(prompts), b = autom.run(prompts);
+  EXPECT_EQ(a.to_vector(), b.to_vector()) << "auto on a float32 checkpoint must be the float32 path";
+  LoadOptions bf;
+  bf.dtype = "float16";
+  const Tensor c = Model::load(test::fixture(rel).string(), bf).run(prompts);
+  EXPECT_LT(test::rel_rms(c, a), 2e-2) << rel << ": float16 weights drift too far from float32";
+  // Served weights stay float32.
+  EXPECT_EQ(Model::load(test::fixture(rel).string(), bf).head_weight("lm_head").dtype(), ScalarType::float32);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, NarrowModel,
+                         ::testing::Values("mamba2/short_prompt", "mamba/short_prompt", "qwen3_5/short_prompt",
+                                           "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "bamba/padded_batch",
+                                           "nemotron_h/moe_latent", "falcon_h1/norm_before_gate"),
+                         [](const auto& p) {
+                           std::string s = p.param;
+                           for (char& c : s)
+                             if (c == '/') c = '_';
+                           return s;
+                         });
+
+TEST(NarrowModelErrors, UnknownDtypeIsAnInputError) {
+  LoadOptions o;
+  o.dtype = "int8";
+  try {
+    (void)Model::load(test::fixture("mamba2/short_prompt").string(), o);
+    FAIL() << "int8 accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("int8"), std::string::npos);
+  }
+}
