@@ -183,28 +183,31 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   // Falcon-H1 without mamba_rms_norm gates inside the decode kernel (z passed to
   // selective_state_update), so the decode step's head outputs are served gated.
   const bool gate_in_kernel = d_.norm == Mamba2Norm::none && decode;
-  if (gate_in_kernel)
-    for (int64_t k = 0; k < BT * E; ++k) y[k] *= ops::silu(zxbcdt[(k / E) * proj + k % E]);
+  // z of row r is zxbcdt[r * proj, + E): gates go row by row (no divide / modulo per element).
+  const auto gate_rows = [&](const float* src, float* dst) {
+    for (int64_t r = 0; r < BT; ++r) ops::mul_silu(src + r * E, zxbcdt.data() + r * proj, dst + r * E, E);
+  };
+  if (gate_in_kernel) gate_rows(y.data(), y.data());
   visit_if(ls, li, Value::attention_head_outputs, y);
 
   Tensor g({B, T, E});
   switch (d_.norm) {
     case Mamba2Norm::gated_full:  // MambaRMSNormGated: gate before norm, over the full E width
-      for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      gate_rows(y.data(), g.data());
       ops::rmsnorm(g.data(), lw.gnorm.data(), g.data(), BT, E, d_.eps);
       break;
     case Mamba2Norm::gated_grouped:
-      for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      gate_rows(y.data(), g.data());
       group_rmsnorm(g, lw.gnorm, BT);
       break;
     case Mamba2Norm::grouped_then_gate:
       std::copy(y.begin(), y.end(), g.data());
       group_rmsnorm(g, lw.gnorm, BT);
-      for (int64_t k = 0; k < BT * E; ++k) g[k] *= ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      gate_rows(g.data(), g.data());
       break;
     case Mamba2Norm::none:
       if (gate_in_kernel) std::copy(y.begin(), y.end(), g.data());
-      else for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * ops::silu(zxbcdt[(k / E) * proj + k % E]);
+      else gate_rows(y.data(), g.data());
       break;
   }
   Tensor out({B, T, D});

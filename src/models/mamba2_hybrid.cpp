@@ -333,10 +333,9 @@ class Mamba2Hybrid final : public FamilyModel {
     if (s_.mlp == HybridMlp::swiglu) {
       Tensor g({rows, I});
       ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
-      for (int64_t k = 0; k < rows * I; ++k) {
-        const float gv = s_.mlp_gate_multiplier != 1.0f ? g[k] * s_.mlp_gate_multiplier : g[k];
-        up[k] = ops::silu(gv) * up[k];
-      }
+      if (s_.mlp_gate_multiplier != 1.0f)
+        for (int64_t k = 0; k < rows * I; ++k) g[k] *= s_.mlp_gate_multiplier;
+      ops::mul_silu(up.data(), g.data(), up.data(), rows * I);  // up * silu(gate), vectorized
     } else {
       for (int64_t k = 0; k < rows * I; ++k) {
         const float r = std::max(up[k], 0.0f);

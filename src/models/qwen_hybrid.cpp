@@ -348,8 +348,8 @@ class QwenHybrid final : public FamilyModel {
   Tensor dense(const Tensor& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows) const {
     Tensor gu({rows, 2 * I}), act({rows, I}), out({rows, D_});
     ops::linear(x, rows, D_, gate_up, gu.data());
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < I; ++j) act[r * I + j] = ops::silu(gu[r * 2 * I + j]) * gu[r * 2 * I + I + j];
+    for (int64_t r = 0; r < rows; ++r)  // up * silu(gate), vectorized
+      ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
     ops::linear(act.data(), rows, I, down, out.data());
     return out;
   }
@@ -525,7 +525,11 @@ class QwenHybrid final : public FamilyModel {
                      probs.defined() ? probs.data() : nullptr);
     if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
     visit_if(ls, li, Value::attn_gate, gate);
-    for (int64_t e = 0; e < att.numel(); ++e) att[e] *= ops::sigmoid(gate[e]);
+    {
+      Tensor sg(gate.shape());  // gate is served: sigmoid into a copy, vectorized
+      ops::sigmoid(gate.data(), sg.data(), sg.numel());
+      for (int64_t e = 0; e < att.numel(); ++e) att[e] *= sg[e];
+    }
     Tensor out({B, T, D_});
     ops::linear(att.data(), BT, H_ * d, l.o_proj, out.data());
     visit_if(ls, li, Value::attn_output, out);

@@ -23,8 +23,7 @@ void causal_conv1d(const float* in, int64_t in_stride, int64_t B, int64_t T, int
         const float* w = wT + j * C;
         for (int64_t c = 0; c < C; ++c) o[c] += w[c] * e[c];
       }
-      if (use_silu)
-        for (int64_t c = 0; c < C; ++c) o[c] = silu(o[c]);
+      if (use_silu) silu(o, o, C);  // vectorized
     }
     std::memcpy(st, ext.data() + T * C, sizeof(float) * static_cast<size_t>(K * C));
   }
