@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "ops/kernels.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
@@ -54,18 +55,20 @@ void KvCache::append(const float* kn, const float* vn, int64_t B, int64_t T, int
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
                       float* probs) {
+  // The output always comes from the tiled kernel, so asking for the probabilities never changes
+  // it; the explicit softmax below only materializes them.
+  flash_causal_attention(q, B, T, H, Hkv, d, past, kv, key_mask, out);
+  if (!probs) return;
   const int64_t Tk = past + T;
   const int64_t rep = H / Hkv, width = Hkv * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   ops::parallel_for(B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H, g = h / rep;
     const float* K = kv.k[static_cast<size_t>(b)].data();
-    const float* V = kv.v[static_cast<size_t>(b)].data();
     const auto& m = key_mask[static_cast<size_t>(b)];
     std::vector<float> w(static_cast<size_t>(past + T));
     for (int64_t t = 0; t < T; ++t) {
       const float* qt = q + ((b * T + t) * H + h) * d;
-      float* o = out + ((b * T + t) * H + h) * d;
       const int64_t n = past + t + 1;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) {
@@ -76,7 +79,6 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
         w[static_cast<size_t>(j)] = s * scale;
         mx = std::max(mx, w[static_cast<size_t>(j)]);
       }
-      std::fill(o, o + d, 0.0f);
       if (mx == -std::numeric_limits<float>::infinity()) continue;  // fully masked row -> 0
       float sum = 0.0f;
       for (int64_t j = 0; j < n; ++j) {
@@ -84,14 +86,77 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
         w[static_cast<size_t>(j)] = std::exp(w[static_cast<size_t>(j)] - mx);
         sum += w[static_cast<size_t>(j)];
       }
-      float* prow = probs ? probs + ((b * H + h) * T + t) * Tk : nullptr;  // zero-filled by the caller
+      float* prow = probs + ((b * H + h) * T + t) * Tk;  // zero-filled by the caller
       for (int64_t j = 0; j < n; ++j) {
         if (!m[static_cast<size_t>(j)]) continue;
-        const float p = w[static_cast<size_t>(j)] / sum;
-        if (prow) prow[j] = p;
-        const float* vj = V + j * width + g * d;
-        for (int64_t e = 0; e < d; ++e) o[e] += p * vj[e];
+        prow[j] = w[static_cast<size_t>(j)] / sum;
       }
+    }
+  });
+}
+
+void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
+                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out) {
+  // Per query tile and head: key tiles of scores (one dispatched matvec per query: a query's result
+  // never depends on the tiling, so a prompt split into calls gives the same outputs), an online
+  // softmax (running max and sum, rescaling the partial output) and o += p V. A [kBq, d]
+  // accumulator and a kBk-key tile stay in cache; no [T, T] matrix.
+  constexpr int64_t kBq = 32, kBk = 128;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t rep = H / Hkv, width = Hkv * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t qtiles = (T + kBq - 1) / kBq;
+  const ops::KernelTable& kt = ops::kernels();
+  ops::parallel_for(B * H * qtiles, [&](int64_t job) {
+    const int64_t qt = job % qtiles, bh = job / qtiles;  // once per tile, not per element
+    const int64_t b = bh / H, h = bh % H, g = h / rep;
+    const int64_t t0 = qt * kBq, nq = std::min(kBq, T - t0);
+    const float* K = kv.k[static_cast<size_t>(b)].data() + g * d;
+    const float* V = kv.v[static_cast<size_t>(b)].data() + g * d;
+    const uint8_t* m = key_mask[static_cast<size_t>(b)].data();
+    thread_local std::vector<float> S, O, mx, sum;
+    S.resize(static_cast<size_t>(kBk));
+    O.assign(static_cast<size_t>(nq * d), 0.0f);
+    mx.assign(static_cast<size_t>(nq), kNegInf);
+    sum.assign(static_cast<size_t>(nq), 0.0f);
+    const int64_t kend = past + t0 + nq;  // keys [0, kend) are visible to some query of the tile
+    for (int64_t k0 = 0; k0 < kend; k0 += kBk) {
+      const int64_t nk = std::min(kBk, kend - k0);
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t limit = std::min(nk, past + t0 + i + 1 - k0);  // causal: keys j < limit
+        if (limit <= 0) continue;
+        float* s = S.data();
+        kt.matvec_f32(K + k0 * width, width, q + ((b * T + t0 + i) * H + h) * d, s, limit, d);
+        float rmax = kNegInf;
+        for (int64_t j = 0; j < limit; ++j) {
+          s[j] = m[k0 + j] ? s[j] * scale : kNegInf;
+          rmax = std::max(rmax, s[j]);
+        }
+        if (rmax == kNegInf) continue;  // nothing visible in this tile
+        float& mi = mx[static_cast<size_t>(i)];
+        const float mnew = std::max(mi, rmax);
+        const float alpha = std::exp(mi - mnew);  // exp(-inf) = 0 on the first visible tile
+        for (int64_t j = 0; j < limit; ++j) s[j] -= mnew;
+        kt.exp(s, s, limit);  // masked keys: exp(-inf) = 0
+        float rs = 0.0f;
+        for (int64_t j = 0; j < limit; ++j) rs += s[j];
+        sum[static_cast<size_t>(i)] = sum[static_cast<size_t>(i)] * alpha + rs;
+        mi = mnew;
+        float* o = O.data() + i * d;
+        if (alpha != 1.0f)
+          for (int64_t e = 0; e < d; ++e) o[e] *= alpha;
+        kt.acc_rows(s, V + k0 * width, width, limit, d, o);
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      float* o = out + ((b * T + t0 + i) * H + h) * d;
+      const float l = sum[static_cast<size_t>(i)];
+      if (l == 0.0f) {  // a query with no visible key (left padding) gets 0, as SDPA
+        std::fill(o, o + d, 0.0f);
+        continue;
+      }
+      const float inv = 1.0f / l;
+      for (int64_t e = 0; e < d; ++e) o[e] = O[static_cast<size_t>(i * d + e)] * inv;
     }
   });
 }

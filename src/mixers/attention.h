@@ -29,9 +29,19 @@ struct KvCache {
 /// A query with no visible key (a padded position of a left-padded row) gets 0, as torch's SDPA
 /// (safe softmax) returns for a fully masked row.
 /// `probs` (nullptr unless asked for): the softmax weights [B,H,T,past+T], 0 for masked and future
-/// keys (transformers' eager attention weights, nnterp's attention_probabilities).
+/// keys (transformers' eager attention weights, nnterp's attention_probabilities). The output is
+/// always flash_causal_attention's (reading the probabilities never changes it); with `probs`, an
+/// explicit per-query softmax materializes the weights as well.
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
                       float* probs = nullptr);
+
+/// The attention output, tiled (flash-attention style): per query tile and head, key tiles of
+/// scores (dispatched matvec), an online softmax (running max and sum, rescaling the partial
+/// output) and o += p v; no [T, T] matrix, keys past the causal limit never touched. Each query's
+/// result depends only on its inputs (not on T, past or the tiling), so a prompt split into calls
+/// gives the same outputs. Same results as the explicit softmax to float32 rounding.
+void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
+                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out);
 
 }  // namespace mixlens::detail

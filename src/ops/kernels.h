@@ -37,6 +37,9 @@ struct KernelTable {
   void (*mul_silu)(const float* x, const float* g, float* y, int64_t n);
   /// y[i] = 1 / (1 + exp(-x[i])).
   void (*sigmoid)(const float* x, float* y, int64_t n);
+  /// o[e] += sum_j p[j] * V[j*ld + e] for e < d, j < n, summed in increasing j (a row's result
+  /// depends on nothing but its inputs: attention outputs do not change with the tiling).
+  void (*acc_rows)(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o);
 };
 
 /// The table of the level in use.

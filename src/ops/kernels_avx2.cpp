@@ -153,9 +153,23 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n) {
   }
 }
 
+void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o) {
+  const int64_t d8 = d & ~int64_t{7};
+  for (int64_t e = 0; e < d8; e += 8) {
+    __m256 acc = _mm256_loadu_ps(o + e);
+    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(V + j * ld + e), acc);
+    _mm256_storeu_ps(o + e, acc);
+  }
+  for (int64_t e = d8; e < d; ++e) {
+    float acc = o[e];
+    for (int64_t j = 0; j < n; ++j) acc = __builtin_fmaf(p[j], V[j * ld + e], acc);
+    o[e] = acc;
+  }
+}
+
 }  // namespace
 
-const KernelTable kAvx2Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid};
+const KernelTable kAvx2Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid, acc_rows};
 
 }  // namespace mixlens::ops
 #endif  // __x86_64__

@@ -160,9 +160,20 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n) {
   }
 }
 
+// A 16-wide block of o stays in a register while j streams (same order as the scalar level,
+// but fused multiply-adds).
+void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o) {
+  for (int64_t e = 0; e < d; e += 16) {
+    const __mmask16 m = d - e >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(d - e);
+    __m512 acc = _mm512_maskz_loadu_ps(m, o + e);
+    for (int64_t j = 0; j < n; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, V + j * ld + e), acc);
+    _mm512_mask_storeu_ps(o + e, m, acc);
+  }
+}
+
 }  // namespace
 
-const KernelTable kAvx512Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid};
+const KernelTable kAvx512Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid, acc_rows};
 
 }  // namespace mixlens::ops
 #endif  // __x86_64__

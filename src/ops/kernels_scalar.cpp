@@ -49,8 +49,13 @@ void sigmoid(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = 1.0f / (1.0f + std::exp(-x[i]));
 }
 
+void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t e = 0; e < d; ++e) o[e] += p[j] * V[j * ld + e];
+}
+
 }  // namespace
 
-const KernelTable kScalarKernels = {mv_f32, mv_bf16, mv_f16, widen_bf16, widen_f16, exp_, mul_silu, sigmoid};
+const KernelTable kScalarKernels = {mv_f32, mv_bf16, mv_f16, widen_bf16, widen_f16, exp_, mul_silu, sigmoid, acc_rows};
 
 }  // namespace mixlens::ops

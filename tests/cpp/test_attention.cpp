@@ -1,0 +1,121 @@
+// Tiled (flash) causal attention vs the explicit per-query softmax and a double-precision
+// reference: GQA, a KV cache (past > 0, decode T = 1), left padding (fully masked queries),
+// several query / key tiles and odd head dims (issue 9 item 3).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "mixers/attention.h"
+
+using namespace mixlens;
+using namespace mixlens::detail;
+
+namespace {
+
+struct Case {
+  int64_t B, T, H, Hkv, d, past;
+};
+
+void reference(const std::vector<float>& q, const Case& c, const KvCache& kv, const std::vector<std::vector<uint8_t>>& mask,
+               std::vector<double>& out) {
+  const int64_t rep = c.H / c.Hkv, width = c.Hkv * c.d;
+  out.assign(static_cast<size_t>(c.B * c.T * c.H * c.d), 0.0);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t t = 0; t < c.T; ++t) {
+        const float* qt = q.data() + ((b * c.T + t) * c.H + h) * c.d;
+        std::vector<double> w;
+        std::vector<int64_t> js;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= c.past + t; ++j) {
+          if (!mask[static_cast<size_t>(b)][static_cast<size_t>(j)]) continue;
+          const float* kj = kv.k[static_cast<size_t>(b)].data() + j * width + (h / rep) * c.d;
+          double s = 0;
+          for (int64_t e = 0; e < c.d; ++e) s += static_cast<double>(qt[e]) * kj[e];
+          s /= std::sqrt(static_cast<double>(c.d));
+          w.push_back(s);
+          js.push_back(j);
+          mx = std::max(mx, s);
+        }
+        double sum = 0;
+        for (double& v : w) sum += (v = std::exp(v - mx));
+        double* o = out.data() + ((b * c.T + t) * c.H + h) * c.d;
+        for (size_t k = 0; k < w.size(); ++k) {
+          const float* vj = kv.v[static_cast<size_t>(b)].data() + js[k] * width + (h / rep) * c.d;
+          for (int64_t e = 0; e < c.d; ++e) o[e] += w[k] / sum * vj[e];
+        }
+      }
+}
+
+}  // namespace
+
+// A query's output does not depend on how the prompt was split into calls (T, past) nor on the tile.
+TEST(FlashAttention, SplitInvariant) {
+  const int64_t H = 2, Hkv = 1, d = 12, Tall = 300, width = Hkv * d;
+  std::mt19937 gen(11);
+  std::normal_distribution<float> nd(0.0f, 1.5f);
+  std::vector<float> q(static_cast<size_t>(Tall * H * d)), k(static_cast<size_t>(Tall * width)), v(k.size());
+  for (float& x : q) x = nd(gen);
+  for (float& x : k) x = nd(gen);
+  for (float& x : v) x = nd(gen);
+  KvCache kv;
+  kv.append(k.data(), v.data(), 1, Tall, width);
+  const std::vector<std::vector<uint8_t>> mask{std::vector<uint8_t>(Tall, 1)};
+  std::vector<float> whole(q.size());
+  flash_causal_attention(q.data(), 1, Tall, H, Hkv, d, 0, kv, mask, whole.data());
+  for (int64_t past : {int64_t{1}, int64_t{37}, int64_t{129}, int64_t{299}}) {
+    std::vector<float> part(static_cast<size_t>((Tall - past) * H * d));
+    flash_causal_attention(q.data() + past * H * d, 1, Tall - past, H, Hkv, d, past, kv, mask, part.data());
+    for (size_t i = 0; i < part.size(); ++i) ASSERT_EQ(part[i], whole[static_cast<size_t>(past * H * d) + i]) << past;
+  }
+}
+
+TEST(FlashAttention, MatchesExplicitAndDoubleReference) {
+  const Case cases[] = {{2, 150, 4, 2, 20, 0},  {2, 5, 4, 1, 17, 70}, {2, 1, 6, 3, 24, 200},
+                        {1, 200, 2, 2, 8, 140}, {3, 64, 2, 1, 33, 0},  {1, 1, 1, 1, 5, 0}};
+  std::mt19937 gen(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const Case& c : cases) {
+    const int64_t Tk = c.past + c.T, width = c.Hkv * c.d;
+    std::vector<float> q(static_cast<size_t>(c.B * c.T * c.H * c.d));
+    for (float& v : q) v = 2.0f * nd(gen);  // sharp softmaxes exercise the running-max rescale
+    std::vector<float> k(static_cast<size_t>(c.B * Tk * width)), v(k.size());
+    for (float& x : k) x = nd(gen);
+    for (float& x : v) x = nd(gen);
+    KvCache kv;
+    kv.append(k.data(), v.data(), c.B, Tk, width);  // past + T tokens in the cache, as the models do
+    std::vector<std::vector<uint8_t>> mask(static_cast<size_t>(c.B), std::vector<uint8_t>(static_cast<size_t>(Tk), 1));
+    // Row 1 left-padded: its first queries (when T > 1, past == 0) see no key at all.
+    if (c.B > 1)
+      for (int64_t j = 0; j < std::min<int64_t>(Tk - 1, c.past + 3); ++j) mask[1][static_cast<size_t>(j)] = 0;
+    std::vector<float> flash(q.size(), 99.0f), expl(q.size(), 99.0f),
+        probs(static_cast<size_t>(c.B * c.H * c.T * Tk), 0.0f);
+    flash_causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, flash.data());
+    causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, expl.data(), probs.data());
+    std::vector<float> dflt(q.size(), 99.0f);
+    causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, dflt.data());
+    std::vector<double> ref;
+    reference(q, c, kv, mask, ref);
+    double worst_flash = 0;
+    for (size_t i = 0; i < q.size(); ++i) {
+      worst_flash = std::max(worst_flash, std::fabs(flash[i] - ref[i]));
+      ASSERT_EQ(dflt[i], flash[i]) << "without probs, causal_attention must run the flash path";
+      ASSERT_EQ(expl[i], flash[i]) << "asking for the probabilities must not change the output";
+    }
+    // Outputs are convex combinations of N(0,1) values: float32 rounding is ~1e-6 here.
+    EXPECT_LT(worst_flash, 5e-6) << "B" << c.B << " T" << c.T << " past" << c.past << " d" << c.d;
+    // The probabilities themselves: rows sum to 1 over visible keys (0 for fully masked queries).
+    for (int64_t r = 0; r < c.B * c.H * c.T; ++r) {
+      double s = 0;
+      for (int64_t j = 0; j < Tk; ++j) s += probs[static_cast<size_t>(r * Tk + j)];
+      EXPECT_TRUE(std::fabs(s - 1.0) < 1e-5 || s == 0.0) << s;
+    }
+    // Fully masked queries give exactly 0.
+    if (c.B > 1 && c.past == 0 && c.T > 1) {
+      for (int64_t e = 0; e < c.d; ++e) EXPECT_EQ(flash[static_cast<size_t>((1 * c.T + 0) * c.H * c.d + e)], 0.0f);
+    }
+  }
+}
