@@ -99,7 +99,78 @@ void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_
 }
 
 void mv_f32(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F32>(W, ld, x, y, n, in); }
-void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<BF16>(W, ld, x, y, n, in); }
+// bf16 without a widening shuffle: one 512-bit load holds 32 weights; the even ones become floats
+// by a 16-bit left shift, the odd ones by masking off the low half. x is deinterleaved once per
+// call to match (xd: per 32-block, 16 even then 16 odd entries), so a row costs per 32 weights
+// 1 load + 1 shift + 1 and + 2 FMA (vpmovzxwd + shift per 16 was shuffle-port bound).
+constexpr int64_t kMaxDeinterleave = 32768;
+alignas(64) thread_local float xd_buf[kMaxDeinterleave];
+
+void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31};
+  if (in32 == 0 || in32 > kMaxDeinterleave) {
+    matvec<BF16>(W, ld, x, y, n, in);
+    return;
+  }
+  float* xd = xd_buf;
+  const __m512i idx_even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i idx_odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t k = 0; k < in32; k += 32) {
+    const __m512 a = _mm512_loadu_ps(x + k), b = _mm512_loadu_ps(x + k + 16);
+    _mm512_store_ps(xd + k, _mm512_permutex2var_ps(a, idx_even, b));
+    _mm512_store_ps(xd + k + 16, _mm512_permutex2var_ps(a, idx_odd, b));
+  }
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t rest = in - in32;
+  auto pair = [hi](const uint16_t* w, __m512& ev, __m512& od) {
+    const __m512i v = _mm512_loadu_si512(w);
+    ev = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    od = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+  };
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    const uint16_t* w0 = W + o * ld;
+    const uint16_t* w1 = w0 + ld;
+    const uint16_t* w2 = w1 + ld;
+    const uint16_t* w3 = w2 + ld;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t k = 0; k < in32; k += 32) {
+      const __m512 xe = _mm512_load_ps(xd + k), xo = _mm512_load_ps(xd + k + 16);
+      __m512 e, d;
+      pair(w0 + k, e, d);
+      a0 = _mm512_fmadd_ps(e, xe, a0);
+      b0 = _mm512_fmadd_ps(d, xo, b0);
+      pair(w1 + k, e, d);
+      a1 = _mm512_fmadd_ps(e, xe, a1);
+      b1 = _mm512_fmadd_ps(d, xo, b1);
+      pair(w2 + k, e, d);
+      a2 = _mm512_fmadd_ps(e, xe, a2);
+      b2 = _mm512_fmadd_ps(d, xo, b2);
+      pair(w3 + k, e, d);
+      a3 = _mm512_fmadd_ps(e, xe, a3);
+      b3 = _mm512_fmadd_ps(d, xo, b3);
+    }
+    float t[4] = {0, 0, 0, 0};
+    if (rest) matvec<BF16>(w0 + in32, ld, x + in32, t, 4, rest);
+    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) + t[0];
+    y[o + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1)) + t[1];
+    y[o + 2] = _mm512_reduce_add_ps(_mm512_add_ps(a2, b2)) + t[2];
+    y[o + 3] = _mm512_reduce_add_ps(_mm512_add_ps(a3, b3)) + t[3];
+  }
+  for (; o < n; ++o) {
+    const uint16_t* w0 = W + o * ld;
+    __m512 a0 = _mm512_setzero_ps(), b0 = a0;
+    for (int64_t k = 0; k < in32; k += 32) {
+      __m512 e, d;
+      pair(w0 + k, e, d);
+      a0 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k), a0);
+      b0 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 16), b0);
+    }
+    float t = 0;
+    if (rest) matvec<BF16>(w0 + in32, ld, x + in32, &t, 1, rest);
+    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) + t;
+  }
+}
 void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
 
 template <class L>
