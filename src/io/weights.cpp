@@ -196,10 +196,7 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
   if (e.info->shape != expected) return get(name, expected);  // raises the shape error
   const mixlens::ScalarType out = target == DType::BF16 ? mixlens::ScalarType::bfloat16 : mixlens::ScalarType::float16;
   const int64_t n = shape_numel(expected);
-  // 64-byte aligned so the kernels' vector loads of a row start never split a cache line.
-  const size_t bytes = ((static_cast<size_t>(n) * 2 + 63) / 64) * 64 + 64;
-  std::shared_ptr<uint16_t> buf(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), std::free);
-  if (!buf) throw std::bad_alloc();
+  std::shared_ptr<uint16_t> buf = ops::alloc_weights16(n);
   uint16_t* dst = buf.get();
   if (e.info->dtype == target) {
     const std::span<const uint8_t> src = files_[e.file].bytes(name);

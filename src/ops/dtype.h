@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "mixlens/tensor.h"
 
@@ -22,19 +23,43 @@ inline uint16_t f32_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-/// IEEE half bits -> float (exact).
+/// IEEE half bits -> float (exact; bit manipulation: clang has no _Float16 on plain x86-64).
 inline float f16_to_f32(uint16_t h) {
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return static_cast<float>(x);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  float f;
+  if (e == 0) {  // zero / subnormal: m * 2^-24, exact in float
+    f = static_cast<float>(m) * 0x1p-24f;
+    return sign ? -f : f;
+  }
+  const uint32_t u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+  std::memcpy(&f, &u, 4);
+  return f;
 }
-/// float -> IEEE half bits, round to nearest even; out of range -> +-inf.
+/// float -> IEEE half bits, round to nearest even; beyond 65504 (after rounding) -> +-inf; NaN stays
+/// NaN (F. Giesen's float_to_half_fast3_rtne).
 inline uint16_t f32_to_f16(float f) {
-  const _Float16 x = static_cast<_Float16>(f);
-  uint16_t h;
-  std::memcpy(&h, &x, 2);
-  return h;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  if (u >= 0x47800000u) return static_cast<uint16_t>(sign | (u > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (u < 0x38800000u) {  // result subnormal or zero: let the FPU round at the 2^-24 grid
+    float g;
+    std::memcpy(&g, &u, 4);
+    g += 0.5f;
+    uint32_t r;
+    std::memcpy(&r, &g, 4);
+    return static_cast<uint16_t>(sign | (r - 0x3f000000u));
+  }
+  const uint32_t odd = (u >> 13) & 1u;
+  u += 0xc8000fffu + odd;  // rebias the exponent (127 -> 15) and round to nearest even
+  return static_cast<uint16_t>(sign | (u >> 13));
 }
+
+/// Storage for `n` 16-bit weights: 64-byte aligned (vector loads of a row start never split a
+/// cache line); buffers of 4 MiB and more are 2 MiB aligned and advised as transparent huge pages
+/// (a decode step streams every weight: 4 KiB pages cost TLB misses). Throws std::bad_alloc.
+std::shared_ptr<uint16_t> alloc_weights16(int64_t n);
 
 /// dst[i] = float(src[i]) for n 16-bit (bf16 / f16) or float32 values.
 inline void widen(ScalarType t, const void* src, float* dst, int64_t n) {

@@ -1,5 +1,9 @@
 #include "ops/kernels.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <atomic>
 #include <cstdlib>
 
@@ -17,18 +21,30 @@ const char* isa_name(Isa i) {
   return "?";
 }
 
+#if defined(__x86_64__)
+namespace {
+// CPUID bits __builtin_cpu_supports does not name in every compiler (clang 14: no "f16c",
+// "avx512bf16"); the OS-support part (XSAVE state) is covered by the avx2 / avx512f checks.
+bool cpuid_bit(unsigned leaf, unsigned sub, int reg, unsigned bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+}  // namespace
+#endif
+
 bool isa_supported(Isa i) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   switch (i) {
     case Isa::scalar: return true;
-    case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::avx2:  // F16C: CPUID.1:ECX[29]
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpuid_bit(1, 0, 2, 29);
     case Isa::avx512:
       return isa_supported(Isa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");
-    case Isa::avx512bf16:
-      return isa_supported(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+    case Isa::avx512bf16:  // AVX512_BF16: CPUID.(7,1):EAX[5]
+      return isa_supported(Isa::avx512) && cpuid_bit(7, 1, 0, 5);
   }
   return false;
 #else

@@ -3,7 +3,9 @@
 // templates/inline functions (see kernels_avx512.cpp).
 #if defined(__x86_64__)
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (their __Y = __Y idiom).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <cstdint>

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mixlens/errors.h"
+#include "ops/dtype.h"
 #include "ops/kernels.h"
 
 namespace mixlens::ops {
@@ -116,9 +117,7 @@ Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& bl
     return out;
   }
   const size_t n = static_cast<size_t>(rows * cols);
-  const size_t bytes = ((n * 2 + 63) / 64) * 64 + 64;
-  std::shared_ptr<uint16_t> buf(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), std::free);
-  if (!buf) throw std::bad_alloc();
+  std::shared_ptr<uint16_t> buf = alloc_weights16(rows * cols);
   std::memset(buf.get(), 0, n * 2);
   for (const RowBlock& b : blocks)
     std::memcpy(buf.get() + b.to * cols, static_cast<const uint16_t*>(b.src->raw()) + b.from * cols,

@@ -1,7 +1,11 @@
 #include "mixlens/tensor.h"
 
+#include <sys/mman.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "mixlens/errors.h"
 #include "ops/dtype.h"
@@ -71,6 +75,20 @@ Tensor Tensor::narrow(Shape shape, ScalarType dtype, const void* data, std::shar
   t.dtype_ = dtype;
   return t;
 }
+
+namespace ops {
+std::shared_ptr<uint16_t> alloc_weights16(int64_t n) {
+  const size_t bytes = static_cast<size_t>(n > 0 ? n : 1) * 2;
+  const size_t align = bytes >= (size_t{4} << 20) ? (size_t{2} << 20) : 64;
+  const size_t total = (bytes + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, total);
+  if (!p) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  if (align > 64) madvise(p, total, MADV_HUGEPAGE);  // advice only: failure is harmless
+#endif
+  return std::shared_ptr<uint16_t>(static_cast<uint16_t*>(p), std::free);
+}
+}  // namespace ops
 
 const char* dtype_str(ScalarType d) {
   switch (d) {

@@ -3,6 +3,7 @@
 // ops::linear and through whole models (LoadOptions::dtype).
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -19,6 +20,7 @@
 #include "io/safetensors.h"
 #include "mixlens/errors.h"
 #include "mixlens/model.h"
+#include "mixlens/trace.h"
 #include "ops/dtype.h"
 #include "ops/kernels.h"
 #include "ops/ops.h"
@@ -121,6 +123,42 @@ TEST(Kernels, WidenIsExact) {
       }
     }
   }
+}
+
+TEST(Kernels, Half16ConversionsExactAndNearestEven) {
+  // Every half bit pattern widens as the safetensors reader does.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float a = ops::f16_to_f32(static_cast<uint16_t>(h)), b = io::f16_to_f32(static_cast<uint16_t>(h));
+    if (std::isnan(b)) {
+      ASSERT_TRUE(std::isnan(a)) << h;
+      continue;
+    }
+    ASSERT_EQ(a, b) << h;
+    if (!std::isinf(b)) ASSERT_EQ(ops::f32_to_f16(b), h) << "round trip " << h;
+  }
+  // Narrowing picks the nearest half, ties to even, overflow to inf.
+  std::mt19937 g(17);
+  std::uniform_real_distribution<float> u(-70000.0f, 70000.0f);
+  for (int i = 0; i < 200000; ++i) {
+    const float x = i % 2 ? u(g) : u(g) * 1e-6f;
+    const uint16_t h = ops::f32_to_f16(x);
+    const double got = ops::f16_to_f32(h);
+    if (std::fabs(x) >= 65520.0f) {
+      ASSERT_TRUE(std::isinf(got)) << x;
+      continue;
+    }
+    for (int dlt : {-1, 1}) {
+      const uint16_t nb = static_cast<uint16_t>(h + dlt);
+      const double other = ops::f16_to_f32(nb);
+      if (std::isnan(other) || std::isinf(other) || (nb & 0x7fff) == 0x7fff) continue;
+      const double dg = std::fabs(got - x), dn = std::fabs(other - x);
+      ASSERT_TRUE(dg < dn || (dg == dn && (h & 1) == 0)) << x << " -> " << got << " but " << other << " is nearer";
+    }
+  }
+  EXPECT_EQ(ops::f32_to_f16(65504.0f), 0x7bff);
+  EXPECT_EQ(ops::f32_to_f16(-1e6f), 0xfc00);
+  EXPECT_EQ(ops::f32_to_f16(0x1p-25f), 0x0000);             // half of the smallest subnormal: ties to even (0)
+  EXPECT_EQ(ops::f32_to_f16(0x1p-25f + 0x1p-40f), 0x0001);
 }
 
 TEST(Kernels, Bf16RoundingIsNearestEven) {
@@ -333,4 +371,30 @@ TEST(NarrowModelErrors, UnknownDtypeIsAnInputError) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("int8"), std::string::npos);
   }
+}
+
+// The CLI's --dtype: the values it writes are the library's for that dtype; a bad dtype is a usage error.
+TEST(NarrowModelCli, DtypeFlag) {
+  const fs::path dir = fs::temp_directory_path() / ("mixlens_cli_dtype_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string model = test::fixture("mamba2/short_prompt").string();
+  auto cli = [&](const std::string& args) {
+    const std::string cmd = std::string(MIXLENS_CLI_PATH) + " " + args + " > /dev/null 2> " + (dir / "err.txt").string();
+    const int rc = std::system(cmd.c_str());
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+  };
+  const fs::path out = dir / "v.safetensors";
+  ASSERT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype bfloat16 --save logits --out " + out.string()), 0);
+  LoadOptions bf;
+  bf.dtype = "bfloat16";
+  Trace t;
+  t.save("logits");
+  Model::load(model, bf).run({{3, 4, 5}}, &t);
+  EXPECT_EQ(test::rel_rms(io::SafetensorsFile(out).get_f32("logits"), t.get("logits")), 0.0);
+  Trace t32;
+  t32.save("logits");
+  Model::load(model).run({{3, 4, 5}}, &t32);
+  EXPECT_GT(test::rel_rms(t.get("logits"), t32.get("logits")), 0.0) << "bfloat16 must not silently be float32";
+  EXPECT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype int8 --save logits --out " + out.string()), 2);
+  fs::remove_all(dir);
 }
