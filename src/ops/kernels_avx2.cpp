@@ -45,39 +45,24 @@ struct F16 {
   static float one(const uint16_t* p) { return f16f(*p); }
 };
 
+// One row at a time (one sequential stream; see kernels_avx512.cpp), four accumulators.
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  const int64_t in8 = in & ~int64_t{7};
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    const typename L::T* w0 = W + o * ld;
-    const typename L::T* w1 = w0 + ld;
-    const typename L::T* w2 = w1 + ld;
-    const typename L::T* w3 = w2 + ld;
+  const int64_t in32 = in & ~int64_t{31}, in8 = in & ~int64_t{7};
+  for (int64_t o = 0; o < n; ++o) {
+    const typename L::T* w = W + o * ld;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < in8; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + k);
-      a0 = _mm256_fmadd_ps(L::load(w0 + k), xv, a0);
-      a1 = _mm256_fmadd_ps(L::load(w1 + k), xv, a1);
-      a2 = _mm256_fmadd_ps(L::load(w2 + k), xv, a2);
-      a3 = _mm256_fmadd_ps(L::load(w3 + k), xv, a3);
+    int64_t k = 0;
+    for (; k < in32; k += 32) {
+      a0 = _mm256_fmadd_ps(L::load(w + k), _mm256_loadu_ps(x + k), a0);
+      a1 = _mm256_fmadd_ps(L::load(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+      a2 = _mm256_fmadd_ps(L::load(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+      a3 = _mm256_fmadd_ps(L::load(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
     }
-    float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-    for (int64_t k = in8; k < in; ++k) {
-      s0 += L::one(w0 + k) * x[k];
-      s1 += L::one(w1 + k) * x[k];
-      s2 += L::one(w2 + k) * x[k];
-      s3 += L::one(w3 + k) * x[k];
-    }
-    y[o] = s0, y[o + 1] = s1, y[o + 2] = s2, y[o + 3] = s3;
-  }
-  for (; o < n; ++o) {
-    const typename L::T* w0 = W + o * ld;
-    __m256 a0 = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in8; k += 8) a0 = _mm256_fmadd_ps(L::load(w0 + k), _mm256_loadu_ps(x + k), a0);
-    float s0 = hsum(a0);
-    for (int64_t k = in8; k < in; ++k) s0 += L::one(w0 + k) * x[k];
-    y[o] = s0;
+    for (; k < in8; k += 8) a0 = _mm256_fmadd_ps(L::load(w + k), _mm256_loadu_ps(x + k), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < in; ++k) s += L::one(w + k) * x[k];
+    y[o] = s;
   }
 }
 

@@ -39,64 +39,26 @@ struct F16 {
   static __m512 load(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 };
 
-// Four rows at a time share each load of x; two accumulators per row hide the FMA latency.
+// One row at a time: rows are contiguous, so the weights stream as one sequential read (four
+// interleaved row streams measured 40% slower here: bench/results/kernels.md); x stays in L1.
+// Four accumulators hide the FMA latency.
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  const int64_t in32 = in & ~int64_t{31}, in16 = in & ~int64_t{15};
+  const int64_t in64 = in & ~int64_t{63}, in16 = in & ~int64_t{15};
   const __mmask16 mt = tail_mask(in - in16);
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    const typename L::T* w0 = W + o * ld;
-    const typename L::T* w1 = w0 + ld;
-    const typename L::T* w2 = w1 + ld;
-    const typename L::T* w3 = w2 + ld;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t o = 0; o < n; ++o) {
+    const typename L::T* w = W + o * ld;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
-    for (; k < in32; k += 32) {
-      const __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
-      a0 = _mm512_fmadd_ps(L::load(w0 + k), xa, a0);
-      a1 = _mm512_fmadd_ps(L::load(w1 + k), xa, a1);
-      a2 = _mm512_fmadd_ps(L::load(w2 + k), xa, a2);
-      a3 = _mm512_fmadd_ps(L::load(w3 + k), xa, a3);
-      b0 = _mm512_fmadd_ps(L::load(w0 + k + 16), xb, b0);
-      b1 = _mm512_fmadd_ps(L::load(w1 + k + 16), xb, b1);
-      b2 = _mm512_fmadd_ps(L::load(w2 + k + 16), xb, b2);
-      b3 = _mm512_fmadd_ps(L::load(w3 + k + 16), xb, b3);
+    for (; k < in64; k += 64) {
+      a0 = _mm512_fmadd_ps(L::load(w + k), _mm512_loadu_ps(x + k), a0);
+      a1 = _mm512_fmadd_ps(L::load(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+      a2 = _mm512_fmadd_ps(L::load(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+      a3 = _mm512_fmadd_ps(L::load(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
     }
-    if (k < in16) {
-      const __m512 xa = _mm512_loadu_ps(x + k);
-      a0 = _mm512_fmadd_ps(L::load(w0 + k), xa, a0);
-      a1 = _mm512_fmadd_ps(L::load(w1 + k), xa, a1);
-      a2 = _mm512_fmadd_ps(L::load(w2 + k), xa, a2);
-      a3 = _mm512_fmadd_ps(L::load(w3 + k), xa, a3);
-      k += 16;
-    }
-    if (k < in) {
-      const __m512 xa = _mm512_maskz_loadu_ps(mt, x + k);
-      b0 = _mm512_fmadd_ps(L::load(w0 + k, mt), xa, b0);
-      b1 = _mm512_fmadd_ps(L::load(w1 + k, mt), xa, b1);
-      b2 = _mm512_fmadd_ps(L::load(w2 + k, mt), xa, b2);
-      b3 = _mm512_fmadd_ps(L::load(w3 + k, mt), xa, b3);
-    }
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0));
-    y[o + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1));
-    y[o + 2] = _mm512_reduce_add_ps(_mm512_add_ps(a2, b2));
-    y[o + 3] = _mm512_reduce_add_ps(_mm512_add_ps(a3, b3));
-  }
-  for (; o < n; ++o) {
-    const typename L::T* w0 = W + o * ld;
-    __m512 a0 = _mm512_setzero_ps(), b0 = a0;
-    int64_t k = 0;
-    for (; k < in32; k += 32) {
-      a0 = _mm512_fmadd_ps(L::load(w0 + k), _mm512_loadu_ps(x + k), a0);
-      b0 = _mm512_fmadd_ps(L::load(w0 + k + 16), _mm512_loadu_ps(x + k + 16), b0);
-    }
-    if (k < in16) {
-      a0 = _mm512_fmadd_ps(L::load(w0 + k), _mm512_loadu_ps(x + k), a0);
-      k += 16;
-    }
-    if (k < in) b0 = _mm512_fmadd_ps(L::load(w0 + k, mt), _mm512_maskz_loadu_ps(mt, x + k), b0);
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0));
+    for (; k < in16; k += 16) a0 = _mm512_fmadd_ps(L::load(w + k), _mm512_loadu_ps(x + k), a0);
+    if (k < in) a1 = _mm512_fmadd_ps(L::load(w + k, mt), _mm512_maskz_loadu_ps(mt, x + k), a1);
+    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
   }
 }
 
@@ -129,45 +91,28 @@ void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n,
     ev = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     od = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
   };
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
+  const int64_t in64 = in32 & ~int64_t{63};
+  for (int64_t o = 0; o < n; ++o) {  // one row at a time: one sequential stream (see matvec)
     const uint16_t* w0 = W + o * ld;
-    const uint16_t* w1 = w0 + ld;
-    const uint16_t* w2 = w1 + ld;
-    const uint16_t* w3 = w2 + ld;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t k = 0; k < in32; k += 32) {
-      const __m512 xe = _mm512_load_ps(xd + k), xo = _mm512_load_ps(xd + k + 16);
+    __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+    int64_t k = 0;
+    for (; k < in64; k += 64) {
       __m512 e, d;
       pair(w0 + k, e, d);
-      a0 = _mm512_fmadd_ps(e, xe, a0);
-      b0 = _mm512_fmadd_ps(d, xo, b0);
-      pair(w1 + k, e, d);
-      a1 = _mm512_fmadd_ps(e, xe, a1);
-      b1 = _mm512_fmadd_ps(d, xo, b1);
-      pair(w2 + k, e, d);
-      a2 = _mm512_fmadd_ps(e, xe, a2);
-      b2 = _mm512_fmadd_ps(d, xo, b2);
-      pair(w3 + k, e, d);
-      a3 = _mm512_fmadd_ps(e, xe, a3);
-      b3 = _mm512_fmadd_ps(d, xo, b3);
+      a0 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k), a0);
+      b0 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 16), b0);
+      pair(w0 + k + 32, e, d);
+      a1 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k + 32), a1);
+      b1 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 48), b1);
     }
-    float t[4] = {0, 0, 0, 0};
-    if (rest) matvec<BF16>(w0 + in32, ld, x + in32, t, 4, rest);
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) + t[0];
-    y[o + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a1, b1)) + t[1];
-    y[o + 2] = _mm512_reduce_add_ps(_mm512_add_ps(a2, b2)) + t[2];
-    y[o + 3] = _mm512_reduce_add_ps(_mm512_add_ps(a3, b3)) + t[3];
-  }
-  for (; o < n; ++o) {
-    const uint16_t* w0 = W + o * ld;
-    __m512 a0 = _mm512_setzero_ps(), b0 = a0;
-    for (int64_t k = 0; k < in32; k += 32) {
+    for (; k < in32; k += 32) {
       __m512 e, d;
       pair(w0 + k, e, d);
       a0 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k), a0);
       b0 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 16), b0);
     }
+    a0 = _mm512_add_ps(a0, a1);
+    b0 = _mm512_add_ps(b0, b1);
     float t = 0;
     if (rest) matvec<BF16>(w0 + in32, ld, x + in32, &t, 1, rest);
     y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) + t;
