@@ -29,11 +29,12 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 
 namespace {
 
-// Measured here (bench/results/kernels.md, busy 2-core machine, best-of): our AVX-512 matvec
-// streams f32 weights at the same GB/s as Debian OpenBLAS 0.3.21's sgemv (AVX2-width) or
-// better, and bf16 / f16 weights at the same *element* rate x2 - no library offers sgemv with
-// narrow weights and float32 activations (OpenBLAS sbgemv and oneDNN bf16 round x to bf16;
-// scipy-openblas32 0.3.34 exports no sbgemv at all). So decode uses our kernels for every dtype.
+// Choice of the decode kernels, measured here (bench/results/kernels.md: Zen 4, busy 2-core
+// machine, best of 9, single thread, GB/s of weight bytes; streaming-read ceiling ~12): our
+// AVX-512 / AVX2 matvec 9.4-13.3 (f32), 12-15 (bf16, f16); Debian OpenBLAS 0.3.21 sgemv 5.5-6.5,
+// scipy-openblas32 0.3.34 sgemv 8-9 (no sbgemv exported); oneDNN 2.6 bf16 matmul at M=1 3.9-11
+// and it rounds x to bf16. No library does 16-bit weights x float32 activations, and none reaches
+// 85% of the ceiling for f32 here, so decode runs our kernels for every dtype.
 constexpr int64_t kMatvecRows = 4;  // up to this many rows: one matvec per row (weights stream once per row)
 constexpr int64_t kTile = 256;      // output features widened per sgemm call for narrow weights
 
