@@ -122,7 +122,10 @@ TEST_P(StateAfter, WriteAtTEqualsPrefixThenCacheReplacedThenRest) {
     const Tensor& S = w.get(mix(layer, "states"));
     Tensor half = token_of(a.get(mix(layer, "states")), t);
     for (int64_t i = 0; i < half.numel(); ++i) half[i] *= 0.5f;
-    EXPECT_LE(rel_rms(token_of(S, t), half), 1e-6);
+    // 2e-6, not 1e-6: the reference's first call has t + 1 rows, so its projections may run the
+    // matvec kernel where the one-call run uses sgemm (float32 rounding in another order; 1.06e-6
+    // measured on qwen3_5/hv_eq_hk_chunks with the AVX-512 kernels).
+    EXPECT_LE(rel_rms(token_of(S, t), half), 2e-6);
     EXPECT_LE(rel_rms(token_of(S, T - 1), token_of(r.get(mix(layer, "states"), 1), T - t - 2)), 1e-5);
   }
 }
