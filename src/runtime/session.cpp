@@ -85,6 +85,7 @@ struct Session::Impl {
       refresh_mask();
     }
     void end_call() override {
+      release_stack();  // the session outlives the call: do not keep a stack of it
       std::unique_lock<std::mutex> lk(s_.mu);
       s_.pos = {ctx_.step, kCallEnd, -1};
       s_.wait_while_paused(lk);

@@ -327,10 +327,13 @@ void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, 
                           " MiB held, " + std::to_string(impl.saved.size()) +
                           " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
     impl.saved_bytes = impl.saved_bytes - replaced + bytes;
-    if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+    // The `states` stack is read-only and the forward never touches it after serving it: share it
+    // rather than copy hundreds of MiB (the forward's next stack_buffer sees it held and allocates).
+    Tensor kept = site.value == Value::states ? value : value.clone();
+    if (it != impl.index.end()) impl.saved[it->second].second = std::move(kept);
     else {
       impl.index[key] = impl.saved.size();
-      impl.saved.emplace_back(std::move(key), value.clone());
+      impl.saved.emplace_back(std::move(key), std::move(kept));
     }
     if (site.value != Value::state) return;  // one stored copy per (site, step), however many registrations name it
   }

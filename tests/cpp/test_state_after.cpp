@@ -13,6 +13,8 @@
 #include "mixlens/model.h"
 #include "mixlens/session.h"
 #include "mixlens/trace.h"
+#include "runtime/listener.h"
+#include "runtime/model_access.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
@@ -168,5 +170,48 @@ TEST(StateAfterErrors, PathsAndSessionOrder) {
     FAIL() << "expected OutOfOrderError";
   } catch (const OutOfOrderError& e) {
     EXPECT_NE(std::string(e.what()).find("token order"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+// Reads `states` of every recurrent layer, as a loop that reduces each layer's stack and drops it
+// (or, with `keep`, holds every one of them).
+class StackReader final : public detail::Listener {
+ public:
+  StackReader(std::vector<int> layers, bool keep) : layers_(std::move(layers)), keep_(keep) {}
+  void begin_call(const detail::CallCtx&, int num_layers) override {
+    mask_.assign(static_cast<size_t>(num_layers + 1), 0u);
+    for (int l : layers_) mask_[static_cast<size_t>(l + 1)] |= 1u << static_cast<unsigned>(Value::states);
+  }
+  bool visit(int layer, Value, Tensor& value, const Shape&) override {
+    seen.emplace_back(layer, keep_ ? value : value.clone());
+    return false;
+  }
+  std::vector<std::pair<int, Tensor>> seen;
+
+ private:
+  std::vector<int> layers_;
+  bool keep_;
+};
+
+}  // namespace
+
+// Issue 7 item 3: reading every layer's states costs one stack allocation when each one is dropped
+// after reading (fresh pages per layer were half the cost), and a stack still held is never reused.
+TEST_P(StateAfter, EveryLayersStatesReuseOneDroppedStackAndNeverAKeptOne) {
+  const auto& p = GetParam();
+  GoldenCase c(p.family, p.name);
+  const std::vector<int> layers = linear_layers(c.model);
+  if (layers.size() < 2) GTEST_SKIP() << "needs two recurrent layers";
+  const Batch b = Batch::left_padded(c.prompts, c.model.pad_token_id());
+  for (bool keep : {false, true}) {
+    StackReader reader(layers, keep);
+    Cache cache = c.model.new_cache(b.batch);
+    detail::ModelAccess::forward(c.model, b, cache, nullptr, &reader, false);
+    ASSERT_EQ(reader.seen.size(), layers.size());
+    EXPECT_EQ(reader.stacks_made(), keep ? static_cast<int64_t>(layers.size()) : 1) << p.family << " keep=" << keep;
+    for (const auto& [l, s] : reader.seen)  // after the run: a kept stack was not overwritten
+      EXPECT_LE(rel_rms(s, c.golden.get_f32(mix(l, "states") + "@step0")), 1e-5) << p.family << " layer " << l;
   }
 }
