@@ -19,6 +19,20 @@
 using namespace mixlens;
 using namespace mixlens::test;
 
+// Runs `stmt`, requiring it to throw `type` (or a subclass) whose message contains `substr`.
+#define EXPECT_ERROR(stmt, type, substr)                                                       \
+  do {                                                                                         \
+    try {                                                                                      \
+      stmt;                                                                                    \
+      ADD_FAILURE() << "expected " #type " containing \"" << (substr) << "\", nothing thrown"; \
+    } catch (const type& e_) {                                                                 \
+      EXPECT_NE(std::string(e_.what()).find(substr), std::string::npos)                        \
+          << "message \"" << e_.what() << "\" lacks \"" << (substr) << "\"";                   \
+    } catch (const std::exception& e_) {                                                       \
+      ADD_FAILURE() << "expected " #type ", got another exception: " << e_.what();             \
+    }                                                                                          \
+  } while (0)
+
 namespace {
 
 struct FamilyCase {
@@ -213,5 +227,60 @@ TEST_P(StateAfter, EveryLayersStatesReuseOneDroppedStackAndNeverAKeptOne) {
     EXPECT_EQ(reader.stacks_made(), keep ? static_cast<int64_t>(layers.size()) : 1) << p.family << " keep=" << keep;
     for (const auto& [l, s] : reader.seen)  // after the run: a kept stack was not overwritten
       EXPECT_LE(rel_rms(s, c.golden.get_f32(mix(l, "states") + "@step0")), 1e-5) << p.family << " layer " << l;
+  }
+}
+
+// A generation saving 'state@t3' (all steps) saves the prompt's state after token 3: decode steps
+// have one token (t0 == t-1) and are skipped for it; 'state@t-1' is saved at every step. Asked for
+// at a decode step alone, t3 is an error.
+TEST(StateAfterErrors, GenerationSavesThePromptsStateAtTAndEveryStepsLast) {
+  const Model m = Model::load(fixture("mamba2/g1_chunks").string());
+  const std::vector<std::vector<int32_t>> prompt{{5, 6, 7, 8, 9, 10}};
+  GenerateOptions o;
+  o.max_new_tokens = 3;
+  o.greedy = true;
+  o.eos_token_id = -1;
+  Trace t;
+  t.save("layers.1.linear_attn.state@t3").save("layers.1.linear_attn.state@t-1").save("layers.1.linear_attn.states");
+  m.generate(prompt, o, &t);
+  const Tensor states = t.get("layers.1.linear_attn.states", 0);
+  // A split scan restarts its chunks at t + 1: float rounding differs from the unsplit stack.
+  EXPECT_LE(rel_rms(t.get("layers.1.linear_attn.state@t3", 0), token_of(states, 3)), 1e-5);
+  EXPECT_LE(rel_rms(t.get("layers.1.linear_attn.state@t-1", 0), token_of(states, 5)), 1e-5);
+  for (int step = 1; step < 3; ++step) {
+    EXPECT_FALSE(t.has("layers.1.linear_attn.state@t3", step)) << step;
+    EXPECT_LE(rel_rms(t.get("layers.1.linear_attn.state@t-1", step), token_of(t.get("layers.1.linear_attn.states", step), 0)),
+              1e-5) << step;
+  }
+  Trace only;
+  only.save("layers.1.linear_attn.state@t3", Steps::only(1));
+  EXPECT_ERROR(m.generate(prompt, o, &only), InputError, "out of range for a call of 1 tokens");
+  Trace short_prompt;  // the prompt itself lacks t3: an error, not a silent skip
+  short_prompt.save("layers.1.linear_attn.state@t3");
+  EXPECT_ERROR(m.generate({{5, 6}}, o, &short_prompt), InputError, "out of range for a call of 2 tokens");
+}
+
+// One layer's `states` and its per-token `state` in one block: the error states the rule and why.
+TEST(StateAfterErrors, StatesAndPerTokenStateOfOneLayerStateTheRule) {
+  const Model m = Model::load(fixture("mamba2/g1_chunks").string());
+  const std::vector<std::vector<int32_t>> prompt{{5, 6, 7, 8, 9, 10}};
+  {
+    Session s = Session::run(m, prompt);
+    s.read(0, "layers.1.linear_attn.state@t2");
+    EXPECT_ERROR(s.read(0, "layers.1.linear_attn.states"), OutOfOrderError,
+                 "read a layer's `states` or its per-token `state`");
+  }
+  {
+    Session s = Session::run(m, prompt);
+    s.read(0, "layers.1.linear_attn.states");
+    EXPECT_ERROR(s.read(0, "layers.1.linear_attn.state@t2"), OutOfOrderError, "the stack is computed only if");
+  }
+  {  // the way out the message names: the stack pre-registered, the per-token state in the block
+    Trace t;
+    t.save("layers.1.linear_attn.states");
+    Session s = Session::run(m, prompt, &t);
+    const Tensor st = s.read(0, "layers.1.linear_attn.state@t2");
+    s.finish();
+    EXPECT_LE(rel_rms(st, token_of(t.get("layers.1.linear_attn.states", 0), 2)), 1e-5);
   }
 }

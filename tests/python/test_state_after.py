@@ -298,3 +298,23 @@ def test_a_states_stack_held_by_the_block_is_never_reused_for_the_next_layer(fam
     assert _address(other) != _address(kept)
     np.testing.assert_array_equal(np.asarray(kept), want[mix(la, "states")])
     np.testing.assert_array_equal(np.asarray(other), want[mix(lb, "states")])
+
+
+def test_states_and_per_token_state_of_one_layer_in_one_block_state_the_rule():
+    """Reading a layer's `states` and its per-token `state` in one block fails either way round with a
+    message giving the rule and the reason; the way out it names (the stack pre-registered) works."""
+    m = mixlens.load(output="numpy")  # the shipped Mamba-2
+    prompt = "Once upon a time, there was"
+    rule = "read a layer's `states` or its per-token `state`"
+    with pytest.raises(mixlens.OutOfOrderError, match=rule) as e:
+        with m.trace(prompt):
+            m.layers[1].linear_attn.state_after(2)
+            m.layers[1].linear_attn.states
+    assert "computed only if it was asked for before the scan started" in str(e.value)
+    with pytest.raises(mixlens.OutOfOrderError, match=rule):
+        with m.trace(prompt):
+            m.layers[1].linear_attn.states
+            m.layers[1].linear_attn.state_after(2)
+    with m.trace(prompt, saves=["layers.1.linear_attn.states"]) as tr:
+        s2 = m.layers[1].linear_attn.state_after(2)
+    assert rel_rms(s2, tr.saved["layers.1.linear_attn.states"][:, 2]) <= STATE_TOL
