@@ -12,8 +12,9 @@ namespace mixlens {
 std::string version();
 
 /// The model used when none is given: $MIXLENS_MODEL, else the small Mamba-2 shipped in the Python
-/// package installed next to this executable (PREFIX/bin/EXE -> PREFIX/lib/python3*/{site,dist}-
-/// packages/mixlens/models/mamba2-tinystories, as a wheel installs it), else the repository's
+/// package installed next to this executable (SITE/mixlens.scripts/EXE -> SITE/mixlens/models/
+/// mamba2-tinystories for a wheel repaired by auditwheel; PREFIX/bin/EXE -> PREFIX/lib/python3*/
+/// {site,dist}-packages/mixlens/models/mamba2-tinystories otherwise), else the repository's
 /// models/mamba2-tinystories (development builds).
 std::string default_model_path();
 

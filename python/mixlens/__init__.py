@@ -66,7 +66,7 @@ from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArra
 from ._extract import Extraction, extract, extract_ray, open_extraction
 
 # One source: CMakeLists.txt's project(VERSION), compiled into the core (and read by the package metadata).
-__version__: str = _core.__version__
+__version__: str = _core.version()
 
 LanguageModel = StandardizedTransformer  # nnsight spelling
 

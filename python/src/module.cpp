@@ -1,4 +1,6 @@
 #include "bindings.h"
+#include <nanobind/stl/string.h>
+
 #include "mixlens/tools.h"
 
 NB_MODULE(_core, m) {
@@ -8,4 +10,5 @@ NB_MODULE(_core, m) {
   mixlens::py::init_session(m);
   mixlens::py::init_extract(m);
   m.attr("__version__") = mixlens::version();
+  m.def("version", &mixlens::version, "mixlens::version(): CMakeLists.txt's project(VERSION), the one version source.");
 }

@@ -29,6 +29,10 @@ std::string default_model_path() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
+    // auditwheel moves the CLI into site-packages/mixlens.scripts/ (bin/mixlens is a launcher).
+    if (const fs::path m = exe.parent_path().parent_path() / "mixlens" / "models" / "mamba2-tinystories";
+        fs::is_regular_file(m / "config.json", ec))
+      return m.lexically_normal().string();
     const fs::path prefix = exe.parent_path().parent_path();
     for (const char* lib : {"lib", "lib64"}) {
       std::vector<fs::path> found;
