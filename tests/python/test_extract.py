@@ -179,7 +179,7 @@ def test_resume_after_an_exception_equals_a_clean_run(model, tmp_path, monkeypat
 
 
 def test_resume_after_the_cli_is_killed_equals_a_clean_run(tmp_path):
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(40)]
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(24)]
     (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
     args = ["extract", tmp_path / "p.txt", "--values", "layers.1.linear_attn.states", "--batch-size", 2,
             "--shard-bytes", "1M"]
