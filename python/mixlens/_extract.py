@@ -114,8 +114,8 @@ class _Progress:
         if self._bar is None:
             try:
                 from tqdm.auto import tqdm
-            except ImportError:
-                self._enabled = False
+            except ImportError:  # tqdm is optional: a plain progress line, like the CLI's
+                self._line(p)
                 return
             # Prompts already done at the first report (resumed shards, the first batch) are the bar's
             # start, so the rate and ETA are this run's.
@@ -124,6 +124,15 @@ class _Progress:
         self._bar.update(p["prompts_done"] - self._bar.n)
         self._bar.set_postfix(shard=f"{p['shards_done']}/{p['shards_total']}",
                               MiB=f"{p['bytes_done'] / 2**20:.1f}/{p['bytes_total'] / 2**20:.1f}", refresh=False)
+
+    def _line(self, p: dict) -> None:
+        fresh = p["prompts_done"] - p["prompts_skipped"]
+        rate = fresh / p["elapsed_s"] if p["elapsed_s"] > 0 else 0.0
+        eta = f"{(p['prompts_total'] - p['prompts_done']) / rate:.0f}s" if rate > 0 else "?"
+        end = "\n" if p["shards_done"] == p["shards_total"] else ""
+        print(f"\r{self._desc}: {p['prompts_done']}/{p['prompts_total']} prompts, shard "
+              f"{p['shards_done']}/{p['shards_total']}, {rate:.1f} prompts/s, ETA {eta}   ", end=end,
+              file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -304,3 +304,11 @@ def test_ray_missing_is_a_clear_error(model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'ray\[data\]'"):
         model.extract(PROMPTS, values="logits", out=tmp_path, ray=True)
+
+
+def test_progress_without_tqdm_is_a_plain_line(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    model.extract(PROMPTS, values="logits", out=tmp_path, shard_bytes=1)
+    err = capsys.readouterr().err
+    assert f"extract: {len(PROMPTS)}/{len(PROMPTS)} prompts" in err and "prompts/s" in err and "ETA" in err
