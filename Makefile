@@ -103,7 +103,7 @@ bench: setup-dev build
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.
-bench-state-after: build
+bench-state-after: setup-dev build
 	$(PY) bench/bench_state_after.py $(BENCH_ARGS)
 
 # API reference generated from the docstrings (pdoc), into build/docs.
