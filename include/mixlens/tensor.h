@@ -39,8 +39,13 @@ class Tensor {
   /// Only matmul weights are narrow: data() / operator[] throw Error on them (use raw() in the
   /// kernels of ops::linear, or to_f32()).
   static Tensor narrow(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner);
+  /// Tensor of the given shape whose contents are left uninitialised: for buffers a kernel fills
+  /// entirely (zeroing hundreds of MiB first would be a pass of its own).
+  static Tensor uninitialized(Shape shape);
 
   bool defined() const { return storage_ != nullptr; }
+  /// True when no other Tensor (a copy, a reshape, an array handed to Python) shares the storage.
+  bool sole_owner() const { return storage_ != nullptr && storage_.use_count() == 1; }
   const Shape& shape() const { return shape_; }
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
   /// Size of dimension i (negative i counts from the end).
