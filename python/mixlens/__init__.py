@@ -58,6 +58,7 @@ from .errors import (
 from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
 from . import interventions
+from . import metrics
 from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
 
 __version__ = "0.1.0"
