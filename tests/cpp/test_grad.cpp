@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "fixture_util.h"
 #include "mixlens/errors.h"
+#include "mixlens/grad.h"
 #include "mixlens/model.h"
 #include "mixlens/trace.h"
 
@@ -122,4 +124,27 @@ TEST(Grad, ErrorsNameTheProblem) {
   t1.enable_grad();
   const Tensor l1 = m1.run({{1, 2, 3}}, &t1);
   EXPECT_THROW(t1.backward(l1), UnsupportedError);
+}
+
+// The metric helpers' gradients against central differences of their own value (double softmax).
+TEST(Grad, MetricHelpersMatchFiniteDifferences) {
+  const Tensor z = random_like({2, 3, 5}, 9);
+  const std::vector<std::function<metrics::MetricGrad(const Tensor&)>> ms = {
+      [](const Tensor& x) { return metrics::log_prob(x, 3); },
+      [](const Tensor& x) { return metrics::log_prob(x, 1, 0, 1); },
+      [](const Tensor& x) { return metrics::logit_diff(x, 4, 2, -2); },
+      [](const Tensor& x) { return metrics::sequence_log_prob(x, {{1, 2, -1}, {0, 4, 3}}); }};
+  for (size_t k = 0; k < ms.size(); ++k) {
+    const Tensor g = ms[k](z).dlogits;
+    for (int64_t i = 0; i < z.numel(); ++i) {
+      const float h = 1e-2f;
+      Tensor p = z.clone(), m = z.clone();
+      p[i] += h;
+      m[i] -= h;
+      EXPECT_NEAR(g[i], (ms[k](p).value - ms[k](m).value) / (2.0 * h), 2e-4) << "metric " << k << " element " << i;
+    }
+  }
+  EXPECT_THROW(metrics::log_prob(z, 5), InputError);
+  EXPECT_THROW(metrics::log_prob(z, 1, 3), InputError);
+  EXPECT_THROW(metrics::sequence_log_prob(z, {{1, 2, 3}}), InputError);
 }
