@@ -51,7 +51,7 @@ struct CallRecord {
 };
 
 class Model;
-namespace detail { class TraceListener; }
+namespace detail { class TraceListener; struct GradAccess; }
 
 /// Default budget for the values one Trace saves (see Trace::save).
 inline constexpr uint64_t kDefaultSaveBudgetBytes = uint64_t{8} << 30;
@@ -96,9 +96,35 @@ class Trace {
   /// Forget saved values and call records (registrations stay).
   void clear_results();
 
+  // ---- Gradients (issue 12; docs/gradients.md) ---------------------------------------------
+  /// Record what backward() needs during the next forward calls made with this trace (each call
+  /// replaces the previous record): the call's input and starting cache, every block's input, and
+  /// every write with the elements it changed. Costs one copy of the residual stream per block.
+  Trace& enable_grad(bool on = true);
+  bool grad_enabled() const;
+  /// Reverse pass through the most recent forward call recorded with enable_grad(): `dlogits` is
+  /// dMetric/dLogits [B,T,vocab] of that call (see mixlens/grad.h for metric helpers). Computes the
+  /// gradient of the metric with respect to every value in `paths` (patterns as save(), "*" for
+  /// every layer; default: every path registered with save()), through the edited forward: an
+  /// element a write changed is a constant (no gradient flows to what computed it), as a tensor
+  /// assignment in torch. The cache the call started from is a constant (its gradient is
+  /// state_input's); state_output feeds only the next call, so its gradient is zero.
+  /// Errors: InputError (no recorded call, wrong dlogits shape, non-finite dlogits),
+  /// UnknownValueError (bad path; 'state@t' paths have no gradient), UnsupportedError (a family
+  /// without a backward yet, a call that wrote a per-token state). The Model must still be alive.
+  void backward(const Tensor& dlogits, const std::vector<std::string>& paths = {});
+  /// True when the last backward() computed the gradient of `path` (canonical, no "*").
+  bool has_grad(std::string_view path) const;
+  /// dMetric/d(value) from the last backward(), shaped as the value; UnknownValueError when it was
+  /// not computed (name it in backward's paths or save() it).
+  Tensor grad(std::string_view path) const;
+  /// Every gradient of the last backward(), path -> tensor.
+  const std::map<std::string, Tensor>& grads() const;
+
  private:
   friend class Model;
   friend class detail::TraceListener;
+  friend struct detail::GradAccess;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -62,6 +62,7 @@ from .errors import (
 from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
 from . import interventions
+from . import metrics
 from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
 from ._extract import Extraction, extract, extract_ray, open_extraction
 

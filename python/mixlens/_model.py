@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core, hub
-from ._convert import ValueArray, as_float32, resolve_output, to_output, to_plain
+from ._convert import ValueArray, as_float32, is_torch, resolve_output, to_output, to_plain
 from ._inplace import LiveValues, _Live
 from . import _invoke, _nnterp
 from .errors import InputError, UnknownAttributeError, UnknownValueError, WriteError
@@ -483,8 +483,12 @@ class Tracer:
 
     def __init__(self, model: "StandardizedTransformer", kind: str, inputs: Optional[Prompt], *,
                  cache: Optional[Cache] = None, saves=None, edits=None, forced_tokens=None, inputs_embeds=None,
-                 attention_mask=None, **gen):
+                 attention_mask=None, grad: bool = False, **gen):
         self._session = None  # first: __del__ looks at it even when __init__ raised
+        self._grad = bool(grad)
+        self._grad_session = None  # the finished session whose trace holds the gradient record
+        self._grad_reads: list = []  # (path, value) read in the block, given .grad by backward()
+        self._logits_leaf = None
         self._holds_model = False
         self._model = model
         self._kind = kind
@@ -567,12 +571,12 @@ class Tracer:
         core = self._model._core
         e, mask = self._embeds, self._mask
         if self._kind == "trace" and self._cache is None:
-            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask)
+            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask, grad=self._grad)
         elif self._kind == "trace":
             if self._cache._busy:
                 raise InputError("this cache is in use by another open trace")
             self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits,
-                                                  True, e)
+                                                  True, e, grad=self._grad)
             self._cache._busy = True
         elif self._forced is not None:
             self._session = _core.session_teacher_forced(core, self._rows, self._forced, self._saves, self._edits)
@@ -651,6 +655,8 @@ class Tracer:
                         break
                 result = sess.finish()
                 self._calls = sess.calls
+                if self._grad:
+                    self._grad_session = sess  # keeps the trace (and its record) for backward()
                 _check_saved_steps(self._saves, (c["step"] for c in self._calls))
                 self._result = result
             else:
@@ -704,6 +710,8 @@ class Tracer:
         sess = self._require_session()
         self._live.settle()  # the block moves on: apply in-place edits of the previous value first
         value = to_output(sess.read(self._step, path), self._fmt)
+        if self._grad and value is not None and "@t" not in path:
+            self._grad_reads.append((path, value))
         self._live.track(self._step, path, value, read_only=path.endswith(".states"))
         return value
 
@@ -815,6 +823,11 @@ class Tracer:
     @property
     def logits(self):
         """trace: logits ``[B,T,vocab]`` float32; teacher-forced generate: a list, one array per step."""
+        if self._grad and self._fmt == "torch" and self._kind == "trace":
+            # One leaf tensor, so a metric built from it can be differentiated (backward()).
+            if self._logits_leaf is None:
+                self._logits_leaf = to_plain(self._done()["logits"][0], self._fmt).requires_grad_(True)
+            return self._logits_leaf
         logits = [to_plain(x, self._fmt) for x in self._done()["logits"]]
         if self._kind == "trace":
             return logits[0]
@@ -859,6 +872,61 @@ class Tracer:
             m = _STEP_KEY.match(k)
             out.setdefault(m.group("path"), [None] * n)[int(m.group("step"))] = to_plain(v, self._fmt)
         return out
+
+    # -- gradients (issue 12, docs/gradients.md) ------------------------------------------------
+    def backward(self, metric, paths: Optional[Iterable[str]] = None) -> None:
+        """Gradients of a scalar `metric` of this trace's logits with respect to its values, computed natively
+        (C++ reverse pass through the edited forward). Needs ``model.trace(..., grad=True)``.
+
+        `metric`: a torch scalar computed from ``tracer.logits`` (torch output), a :mod:`mixlens.metrics`
+        metric (``LogProb``, ``LogitDiff``; no torch needed), or dMetric/dLogits itself as a ``[B,T,vocab]``
+        array. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
+        saved path and every value read in the block; each read value gets ``.grad``, and
+        :meth:`grad` returns any of them. Errors as ``Trace::backward`` (mixlens/trace.h)."""
+        sess = self._grad_session
+        if sess is None:
+            self._done()
+            raise InputError("tracer.backward: open the trace with grad=True (model.trace(..., grad=True)) so the "
+                             "forward keeps what the backward needs")
+        logits = self._done()["logits"][0]
+        if hasattr(metric, "dlogits") and callable(metric.dlogits):
+            dl = metric.dlogits(logits)
+        elif is_torch(metric):
+            import torch
+
+            leaf = self._logits_leaf
+            if leaf is None or not metric.requires_grad:
+                raise InputError("tracer.backward: the metric does not depend on tracer.logits (build it from "
+                                 "tracer.logits after the block)")
+            if metric.numel() != 1:
+                raise InputError(f"tracer.backward: the metric must be a scalar, got shape {tuple(metric.shape)}")
+            (g,) = torch.autograd.grad(metric, leaf, allow_unused=True)
+            if g is None:
+                raise InputError("tracer.backward: the metric does not depend on tracer.logits")
+            dl = g.detach().to(torch.float32).contiguous().numpy()
+        else:
+            dl = as_float32(metric, "dlogits")
+        dl = np.ascontiguousarray(dl, dtype=np.float32)
+        if paths is None:
+            wanted = [p for p, _, _ in self._saves if "@t" not in p] + [p for p, _ in self._grad_reads]
+        else:
+            wanted = [paths] if isinstance(paths, str) else list(paths)
+        wanted = list(dict.fromkeys(wanted))
+        sess.backward(dl, wanted)
+        have = set(sess.grad_paths())
+        for path, value in self._grad_reads:
+            if path in have:
+                g = to_plain(sess.grad(path), self._fmt)
+                try:
+                    value.grad = g
+                except (AttributeError, RuntimeError, TypeError):
+                    pass  # a tensor type that takes no .grad: tracer.grad(path) still has it
+
+    def grad(self, path: str):
+        """The gradient computed by the last :meth:`backward` for `path` (same shape and type as the value)."""
+        if self._grad_session is None:
+            raise InputError("tracer.grad: run tracer.backward(metric) on a trace opened with grad=True first")
+        return to_plain(self._grad_session.grad(path), self._fmt)
 
     @property
     def calls(self) -> list[dict]:
@@ -1078,7 +1146,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 
     # -- runs ---------------------------------------------------------------------------------
     def trace(self, inputs: Optional[Prompt] = None, *, cache: Optional[Cache] = None, saves=None, edits=None,
-              inputs_embeds=None, attention_mask=None) -> Tracer:
+              inputs_embeds=None, attention_mask=None, grad: bool = False) -> Tracer:
         """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
         ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
         every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
@@ -1094,9 +1162,13 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         InputError, never that trace's values. An edit function that reads through the open tracer raises
         InputError (it would wait on itself). A tracer entered and never exited is aborted, with a
         RuntimeWarning, when garbage-collected. Ctrl-C raises KeyboardInterrupt within about 50 ms (the forward
-        stops at its next layer)."""
+        stops at its next layer).
+
+        ``grad=True`` records what :meth:`Tracer.backward` needs (each block's input and every write: one copy
+        of the residual stream per block); after the block, ``tracer.backward(metric)`` computes gradients
+        natively (docs/gradients.md)."""
         return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits, inputs_embeds=inputs_embeds,
-                      attention_mask=attention_mask)
+                      attention_mask=attention_mask, grad=grad)
 
     def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,

@@ -113,20 +113,37 @@ void init_session(nb::module_& m) {
       .def_prop_ro("first_step", [](PySession& p) { return p.s().first_step(); })
       .def_prop_ro("last_step", [](PySession& p) { return p.s().last_step(); })
       .def_prop_ro("calls", [](PySession& p) { return calls_list(p.s().calls()); })
-      .def_prop_ro("where", [](PySession& p) { return p.s().where(); });
+      .def_prop_ro("where", [](PySession& p) { return p.s().where(); })
+      // Gradients (issue 12, docs/gradients.md): after the run, through the trace's record.
+      .def("backward",
+           [](PySession& p, const FloatArray& dlogits, const std::vector<std::string>& paths) {
+             Tensor d = from_numpy(dlogits);
+             nb::gil_scoped_release r;
+             p.trace->backward(d, paths);
+           },
+           nb::arg("dlogits"), nb::arg("paths") = std::vector<std::string>{})
+      .def("grad", [](PySession& p, const std::string& path) { return to_numpy(p.trace->grad(path).clone()); },
+           nb::arg("path"))
+      .def("grad_paths",
+           [](PySession& p) {
+             std::vector<std::string> out;
+             for (const auto& [k, v] : p.trace->grads()) out.push_back(k);
+             return out;
+           });
 
   // Factories: the session keeps the model (and a continued cache) alive.
   m.def(
       "session_run",
       [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves, const std::vector<EditSpec>& edits,
-         const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask) {
+         const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask, bool grad) {
         auto p = std::make_unique<PySession>(saves, edits);
+        p->trace->enable_grad(grad);
         p->start(Session::run(mo, prompt_batch(mo, prompts, embeds, mask), p->trace.get()));
         return p.release();
       },
       nb::arg("model"), nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{},
       nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
-      nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
+      nb::arg("grad") = false, nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
   m.def(
       "session_generate",
       [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,
@@ -156,14 +173,15 @@ void init_session(nb::module_& m) {
   m.def(
       "session_forward",
       [](const Model& mo, const Rows& rows, Cache& cache, const std::vector<SaveSpec>& saves,
-         const std::vector<EditSpec>& edits, bool all_logits, const std::optional<FloatArray>& embeds) {
+         const std::vector<EditSpec>& edits, bool all_logits, const std::optional<FloatArray>& embeds, bool grad) {
         auto p = std::make_unique<PySession>(saves, edits);
+        p->trace->enable_grad(grad);
         p->start(Session::forward(mo, continuation_batch(rows, embeds), cache, p->trace.get(), all_logits));
         return p.release();
       },
       nb::arg("model"), nb::arg("rows"), nb::arg("cache"), nb::arg("saves") = std::vector<SaveSpec>{},
       nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("all_logits") = true, nb::arg("embeds") = nb::none(),
-      nb::rv_policy::take_ownership,
+      nb::arg("grad") = false, nb::rv_policy::take_ownership,
       nb::keep_alive<0, 1>(), nb::keep_alive<0, 3>());
 }
 

@@ -13,6 +13,11 @@
 #include "mixlens/model.h"
 #include "runtime/listener.h"
 
+namespace mixlens::grad {
+struct Tape;
+class GradSink;
+}  // namespace mixlens::grad
+
 namespace mixlens::detail {
 
 /// Per-batch cached state of one model; families extend it.
@@ -73,6 +78,11 @@ class FamilyModel {
   /// UnsupportedError by default, so a family that has not declared its head never projects
   /// with a wrong norm.
   virtual Head head() const;
+
+  /// Trace::backward (issue 12, docs/gradients.md): given dMetric/dLogits of the call recorded in
+  /// `tape`, puts the gradient of every value `sink` asks for. UnsupportedError by default, naming
+  /// the family, so a family without a backward never returns wrong gradients.
+  virtual void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const;
 };
 
 using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;

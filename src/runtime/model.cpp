@@ -6,6 +6,7 @@
 #include <random>
 #include <typeinfo>
 
+#include "grad/tape.h"
 #include "io/hub.h"
 #include "io/json.h"
 #include "io/weights.h"
@@ -328,9 +329,21 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
   detail::Listener* listener = chain ? static_cast<detail::Listener*>(&*chain)
                                : trace_listener ? static_cast<detail::Listener*>(&*trace_listener)
                                                 : extra;
+  // Gradients (src/grad): a trace with enable_grad() records this call for Trace::backward.
+  std::shared_ptr<grad::Tape> tape;
+  std::optional<grad::Recorder> recorder;
+  if (trace && detail::GradAccess::enabled(*trace)) {
+    tape = grad::begin_tape(*impl.family, in, st, ctx);
+    recorder.emplace(listener, *tape);
+    listener = &*recorder;
+  }
   if (listener) listener->begin_call(ctx, m.info().num_layers);
   Tensor logits = impl.family->forward(in, st, listener, ctx, all_logits);
   if (listener) listener->end_call();
+  if (tape) {
+    tape->logits_shape = logits.shape();
+    detail::GradAccess::store(*trace, std::move(tape));
+  }
   st.seen += in.seq;
   st.steps += 1;
   return logits;

@@ -4,6 +4,7 @@
 #include <map>
 #include <optional>
 
+#include "grad/tape.h"
 #include "io/weights.h"
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
@@ -34,6 +35,10 @@ struct Trace::Impl {
   std::string bound_family;
   std::vector<LayerKind> bound_kinds;
   std::vector<std::vector<Site>> bound;
+  // Gradients (src/grad): the record of the last call made with enable_grad, and backward's result.
+  bool grad_on = false;
+  std::shared_ptr<grad::Tape> tape;
+  std::map<std::string, Tensor> grads;
 };
 
 Trace::Trace() : impl_(std::make_unique<Impl>()) {}
@@ -91,7 +96,52 @@ void Trace::clear_results() {
   impl_->calls.clear();
 }
 
+Trace& Trace::enable_grad(bool on) {
+  impl_->grad_on = on;
+  return *this;
+}
+bool Trace::grad_enabled() const { return impl_->grad_on; }
+
+void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& paths) {
+  auto& impl = *impl_;
+  if (!impl.tape)
+    throw InputError("backward: no forward call of this trace was recorded for gradients (call enable_grad() "
+                     "before the run)");
+  std::vector<std::string> patterns = paths;
+  if (patterns.empty())
+    for (const auto& r : impl.regs)
+      if (r.kind == Impl::Kind::save && r.path.find("@t") == std::string::npos) patterns.push_back(r.path);
+  std::vector<Site> wanted;
+  for (const std::string& p : patterns) {
+    if (p.find("@t") != std::string::npos)
+      throw UnknownValueError("backward: '" + p + "' is a per-token state; its gradient is not served (ask for "
+                              "the layer's 'states' instead)");
+    for (const Site& s : detail::resolve_path(*impl.tape->family, p)) wanted.push_back(s);
+  }
+  impl.grads = grad::run_backward(*impl.tape, dlogits, wanted);
+}
+
+bool Trace::has_grad(std::string_view path) const { return impl_->grads.count(std::string(path)) > 0; }
+
+Tensor Trace::grad(std::string_view path) const {
+  auto it = impl_->grads.find(std::string(path));
+  if (it == impl_->grads.end())
+    throw UnknownValueError("no gradient of '" + std::string(path) + "'" +
+                            (impl_->grads.empty() ? std::string(" (run backward() first, naming it in paths or saving it)")
+                                                  : " (computed: " + impl_->grads.begin()->first + ", ...; name it in "
+                                                    "backward's paths or save it)"));
+  return it->second;
+}
+
+const std::map<std::string, Tensor>& Trace::grads() const { return impl_->grads; }
+
 namespace detail {
+
+bool GradAccess::enabled(const Trace& t) { return t.impl_->grad_on; }
+void GradAccess::store(Trace& t, std::shared_ptr<grad::Tape> tape) {
+  t.impl_->tape = std::move(tape);
+  t.impl_->grads.clear();
+}
 
 namespace {
 

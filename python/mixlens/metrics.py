@@ -1,0 +1,100 @@
+"""Metrics for :meth:`mixlens.Tracer.backward` that need no torch (issue 12, docs/gradients.md).
+
+Each metric is a scalar function of a trace's logits ``[B, T, vocab]`` with its exact gradient
+``dlogits`` (what the C++ backward takes)::
+
+    with model.trace(prompt, grad=True) as tr:
+        ...
+    tr.backward(mixlens.metrics.LogProb(token_id))            # log p(token | prompt) at the last position
+    tr.backward(mixlens.metrics.LogitDiff(good_id, bad_id))   # logit(good) - logit(bad)
+
+``position`` is a token index of the call (negative counts from the end; ``None``: every position),
+``row`` a batch row (``None``: every row); the metric sums over the rows and positions it covers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+class Metric:
+    """Base: ``value(logits) -> float`` and ``dlogits(logits) -> float32 [B,T,V]``."""
+
+    def __init__(self, position: Optional[int] = -1, row: Optional[int] = None):
+        self.position, self.row = position, row
+
+    def _cells(self, shape) -> tuple[list, list]:
+        B, T = shape[0], shape[1]
+        rows = list(range(B)) if self.row is None else [self.row]
+        pos = list(range(T)) if self.position is None else [self.position % T if -T <= self.position < T else None]
+        if None in pos:
+            raise IndexError(f"metric position {self.position} is out of range for a call of {T} tokens")
+        for r in rows:
+            if not -B <= r < B:
+                raise IndexError(f"metric row {r} is out of range for a batch of {B}")
+        return rows, pos
+
+    def value(self, logits) -> float:
+        raise NotImplementedError
+
+    def dlogits(self, logits) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    m = z.max(-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+
+class LogProb(Metric):
+    """Sum of ``log_softmax(logits)[row, position, token]``. ``token``: an id, or an int array ``[B, T]``
+    of targets (with ``position=None``: the sum of every position's target log-prob)."""
+
+    def __init__(self, token, position: Optional[int] = -1, row: Optional[int] = None):
+        super().__init__(position, row)
+        self.token = token
+
+    def _target(self, r: int, t: int) -> int:
+        tok = np.asarray(self.token)
+        return int(tok) if tok.ndim == 0 else int(tok[r, t])
+
+    def value(self, logits) -> float:
+        z = np.asarray(logits)
+        rows, pos = self._cells(z.shape)
+        return float(sum(_log_softmax(z[r, t])[self._target(r, t)] for r in rows for t in pos))
+
+    def dlogits(self, logits) -> np.ndarray:
+        z = np.asarray(logits)
+        out = np.zeros(z.shape, np.float64)
+        rows, pos = self._cells(z.shape)
+        for r in rows:
+            for t in pos:
+                out[r, t] -= np.exp(_log_softmax(z[r, t]))
+                out[r, t, self._target(r, t)] += 1.0
+        return out.astype(np.float32)
+
+
+class LogitDiff(Metric):
+    """Sum of ``logits[row, position, a] - logits[row, position, b]``."""
+
+    def __init__(self, a: int, b: int, position: Optional[int] = -1, row: Optional[int] = None):
+        super().__init__(position, row)
+        self.a, self.b = int(a), int(b)
+
+    def value(self, logits) -> float:
+        z = np.asarray(logits)
+        rows, pos = self._cells(z.shape)
+        return float(sum(float(z[r, t, self.a]) - float(z[r, t, self.b]) for r in rows for t in pos))
+
+    def dlogits(self, logits) -> np.ndarray:
+        z = np.asarray(logits)
+        out = np.zeros(z.shape, np.float32)
+        rows, pos = self._cells(z.shape)
+        for r in rows:
+            for t in pos:
+                out[r, t, self.a] += 1.0
+                out[r, t, self.b] -= 1.0
+        return out

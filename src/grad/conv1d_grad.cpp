@@ -1,0 +1,26 @@
+// Backward of the causal depthwise conv1d (ops::causal_conv1d) with respect to the call's input;
+// the cached window the call starts from is a constant here (its gradient is not served).
+#include <algorithm>
+
+#include "grad/ops_grad.h"
+
+namespace mixlens::grad {
+
+void causal_conv1d_backward(const float* du, int64_t B, int64_t T, int64_t C, int64_t K, const float* wT,
+                            float* din, int64_t din_stride) {
+  // u[t] reads ext[t+1+j] = input[t+1+j-K] for j >= K-1-t: input row s gets wT[j] du[s+K-1-j].
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < T; ++s) {
+      float* o = din + (b * T + s) * din_stride;
+      std::fill(o, o + C, 0.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t t = s + K - 1 - j;
+        if (t >= T) continue;
+        const float* g = du + (b * T + t) * C;
+        const float* w = wT + j * C;
+        for (int64_t c = 0; c < C; ++c) o[c] += w[c] * g[c];
+      }
+    }
+}
+
+}  // namespace mixlens::grad

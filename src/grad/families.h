@@ -1,0 +1,41 @@
+// Family backwards (issue 12): the pieces a family's FamilyModel::backward override calls.
+#pragma once
+#include <functional>
+#include <vector>
+
+#include "grad/tape.h"
+#include "mixers/mamba2_mixer.h"
+
+namespace mixlens::grad {
+
+/// The tensors around the blocks of a pure SSM LM (models/ssm_lm.h).
+struct SsmBackbone {
+  const Tensor* norm_f = nullptr;
+  const Tensor* lm_head = nullptr;
+  const std::vector<Tensor>* norms = nullptr;
+  float eps = 1e-5f;
+  int64_t D = 0, L = 0, V = 0;
+};
+
+/// A mixer's backward: given the normed block input n [B,T,D] (recomputed) and dL/d(mixer output)
+/// [B,T,D], writes dL/dn into dn [B,T,D] and puts the mixer values' gradients into the sink.
+using MixerBackward = std::function<void(int layer, const Tensor& n, const Tensor& dout, Tensor& dn)>;
+
+/// Backward of embeddings -> blocks h += mixer(RMSNorm(h)) -> RMSNorm -> lm_head (SsmLm::forward).
+void ssm_lm_backward(const SsmBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink,
+                     const MixerBackward& mixer);
+
+/// What a Mamba-2 mixer call read from its cache (constants of the backward).
+struct Mamba2CallState {
+  const Tensor* conv = nullptr;  ///< [B,K,conv_dim] window before the call
+  const Tensor* ssm = nullptr;   ///< [B,H,P,N] state before the call
+  bool has_state = false;
+  bool chunked = true;
+};
+
+/// Backward of Mamba2Mixer::forward (recomputed from n with the tape's writes re-applied).
+void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& w, int layer,
+                           const Tensor& n, const Mamba2CallState& call, const Tape& tape, const Tensor& dout,
+                           Tensor& dn, GradSink& sink);
+
+}  // namespace mixlens::grad

@@ -1,0 +1,191 @@
+// Backward of the Mamba-2 mixer (mixers/mamba2_mixer.cpp): the call is recomputed from its normed
+// input with the recorded writes re-applied, then differentiated op by op: out_proj, the gated
+// RMSNorm, the SSD scan (grad/ssd_grad.cpp), dt's softplus and clamp, the causal conv + SiLU
+// (grad/conv1d_grad.cpp), in_proj. Reference: transformers Mamba2Mixer.torch_forward.
+#include <algorithm>
+#include <cstring>
+
+#include "grad/families.h"
+#include "grad/ops_grad.h"
+#include "mixers/ssd.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& lw, int li,
+                           const Tensor& n_in, const Mamba2CallState& call, const Tape& tape, const Tensor& dout_in,
+                           Tensor& dn, GradSink& sink) {
+  const auto& d = mixer.dims();
+  const auto& m = d.proj_multipliers;
+  if (d.norm != detail::Mamba2Norm::gated_full || d.in_multiplier != 1.0f || d.out_multiplier != 1.0f ||
+      m[0] != 1.0f || m[1] != 1.0f || m[2] != 1.0f || m[3] != 1.0f || m[4] != 1.0f)
+    throw UnsupportedError("backward: this Mamba-2 mixer variant (grouped / ungated norm or µP multipliers: "
+                           "Nemotron-H, Falcon-H1) has no backward yet; done: Mamba2ForCausalLM's mixer");
+  const Batch& in = tape.batch;
+  const int64_t B = in.batch, T = in.seq, BT = B * T;
+  const int64_t D = d.D, E = d.E, H = d.H, P = d.P, G = d.G, N = d.N, K = d.K;
+  const int64_t cd = d.conv_dim(), proj = d.proj_rows();
+  const bool masked = T > 1 && in.has_padding();
+  const bool decode = call.has_state && T == 1;
+
+  // ---- recompute (as Mamba2Mixer::forward) -------------------------------------------------
+  Tensor nm = n_in.clone();
+  if (masked) detail::apply_row_mask(nm, in);
+  Tensor zx({B, T, proj});
+  ops::linear(nm.data(), BT, D, lw.in_proj, zx.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
+  Tensor window = call.conv->clone();
+  Tensor u({B, T, cd});
+  ops::causal_conv1d(zx.data() + E, proj, B, T, cd, K, lw.conv_wT.data(), lw.conv_bias.data(), window.data(), u.data(),
+                     false);
+  Tensor x({B, T, H, P}), Bm({B, T, G, N}), Cm({B, T, G, N});
+  for (int64_t r = 0; r < BT; ++r) {
+    const bool keep = !masked || in.mask[static_cast<size_t>(r)];
+    const float* src = u.data() + r * cd;
+    for (int64_t c = 0; c < cd; ++c) {
+      const float v = keep ? ops::silu(src[c]) : 0.0f;
+      if (c < E) x[r * E + c] = v;
+      else if (c < E + G * N) Bm[r * G * N + c - E] = v;
+      else Cm[r * G * N + c - E - G * N] = v;
+    }
+  }
+  tape.apply(li, Value::attention_queries, Cm);
+  tape.apply(li, Value::attention_keys, Bm);
+  tape.apply(li, Value::attention_values, x);
+  Tensor dt_pre({B, T, H}), dt({B, T, H});
+  std::vector<uint8_t> pass(static_cast<size_t>(BT * H), 1);  // the clamp passes the gradient
+  for (int64_t r = 0; r < BT; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      const float pre = zx[r * proj + E + cd + h] + lw.dt_bias[h];
+      float v = ops::softplus(pre);
+      if (!decode) {
+        // torch.clamp's gradient is 1 inside [lo, hi] (bounds included), 0 outside.
+        pass[static_cast<size_t>(r * H + h)] = v >= d.dt_lo && v <= d.dt_hi;
+        v = std::min(std::max(v, d.dt_lo), d.dt_hi);
+      }
+      dt_pre[r * H + h] = pre;
+      dt[r * H + h] = v;
+    }
+  tape.apply(li, Value::betas, dt);
+  const Written* wdec = tape.write(li, Value::decays);
+  if (wdec)  // a decays write sets dt = decays / A where it changed something
+    for (int64_t k = 0; k < BT * H; ++k)
+      if (wdec->changed[static_cast<size_t>(k)]) dt[k] = wdec->value[k] / lw.A[k % H];
+  // The state the scan starts from (kernel layout), with a state_input write laid in.
+  Tensor S0 = call.has_state ? call.ssm->clone() : Tensor({B, H, P, N});
+  const Written* wsi = tape.write(li, Value::state_input);
+  if (wsi) {
+    Tensor served = mixer.served_state(S0);
+    wsi->apply(served);
+    mixer.store_served_state(served, S0);
+  }
+  Tensor y({B, T, H, P});
+  {
+    Tensor S = S0.clone();
+    for (int64_t b = 0; b < B; ++b) {
+      detail::SsdArgs a;
+      a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
+      a.x = x.data() + b * T * E;
+      a.B = Bm.data() + b * T * G * N;
+      a.C = Cm.data() + b * T * G * N;
+      a.dt = dt.data() + b * T * H;
+      a.A = lw.A.data();
+      a.D = lw.D.data();
+      a.S = S.data() + b * H * P * N;
+      a.y = y.data() + b * T * E;
+      a.chunk = d.chunk;
+      if (call.chunked) detail::ssd_chunked(a); else detail::ssd_recurrent(a);
+    }
+  }
+  tape.apply(li, Value::attention_head_outputs, y);
+  Tensor g0({B, T, E});
+  for (int64_t k = 0; k < BT * E; ++k) g0[k] = y[k] * ops::silu(zx[(k / E) * proj + k % E]);
+
+  // ---- backward -----------------------------------------------------------------------------
+  Tensor dout = dout_in.clone();
+  sink.put(li, Value::attention_output, dout);
+  tape.block(li, Value::attention_output, dout);
+  Tensor dgn({B, T, E}), dg0({B, T, E});
+  linear_backward(dout.data(), BT, D, lw.out_proj, dgn.data(), false);
+  rmsnorm_backward(g0.data(), lw.gnorm.data(), dgn.data(), dg0.data(), BT, E, d.eps, false, false);
+  Tensor dy({B, T, H, P});
+  Tensor dzx({B, T, proj});
+  for (int64_t k = 0; k < BT * E; ++k) {
+    const float z = zx[(k / E) * proj + k % E];
+    dy[k] = dg0[k] * ops::silu(z);
+    dzx[(k / E) * proj + k % E] = dg0[k] * y[k] * silu_grad(z);
+  }
+  sink.put(li, Value::attention_head_outputs, dy);
+  tape.block(li, Value::attention_head_outputs, dy);
+
+  Tensor dx({B, T, H, P}), dB({B, T, G, N}), dC({B, T, G, N}), ddt({B, T, H}), ddA({B, T, H}), dS0({B, H, P, N});
+  Tensor dstates;
+  if (sink.wants(li, Value::states)) dstates = Tensor({B, T, H, N, P});
+  for (int64_t b = 0; b < B; ++b) {
+    SsdGradArgs a;
+    a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
+    a.x = x.data() + b * T * E;
+    a.B = Bm.data() + b * T * G * N;
+    a.C = Cm.data() + b * T * G * N;
+    a.dt = dt.data() + b * T * H;
+    a.A = lw.A.data();
+    a.D = lw.D.data();
+    a.S0 = S0.data() + b * H * P * N;
+    a.dy = dy.data() + b * T * E;
+    a.dx = dx.data() + b * T * E;
+    a.dB = dB.data() + b * T * G * N;
+    a.dC = dC.data() + b * T * G * N;
+    a.ddt = ddt.data() + b * T * H;
+    a.ddA = ddA.data() + b * T * H;
+    a.dS0 = dS0.data() + b * H * P * N;
+    a.dstates = dstates.defined() ? dstates.data() + b * T * H * N * P : nullptr;
+    a.chunk = std::min<int64_t>(d.chunk, 64);
+    ssd_backward(a);
+  }
+  if (dstates.defined()) sink.put(li, Value::states, dstates);
+  // state_output feeds only the next call: this call's metric does not depend on it.
+  if (sink.wants(li, Value::state_output)) sink.put(li, Value::state_output, Tensor({B, H, N, P}));
+  if (call.has_state || wsi) sink.put(li, Value::state_input, mixer.served_state(dS0));
+
+  // decays = A dt: the decay path's gradient; betas = dt: both paths (where no decays write replaced dt).
+  Tensor ddec({B, T, H}), dbet({B, T, H});
+  for (int64_t k = 0; k < BT * H; ++k) {
+    const float A = lw.A[k % H];
+    const bool replaced = wdec && wdec->changed[static_cast<size_t>(k)];
+    ddec[k] = replaced ? ddA[k] + ddt[k] / A : ddA[k];
+    dbet[k] = replaced ? 0.0f : ddt[k] + A * ddA[k];
+  }
+  sink.put(li, Value::decays, ddec);
+  sink.put(li, Value::betas, dbet);
+  tape.block(li, Value::betas, dbet);
+  for (int64_t r = 0; r < BT; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t k = r * H + h;
+      dzx[r * proj + E + cd + h] = pass[static_cast<size_t>(k)] ? dbet[k] * softplus_grad(dt_pre[k]) : 0.0f;
+    }
+
+  sink.put(li, Value::attention_values, dx);
+  sink.put(li, Value::attention_keys, dB);
+  sink.put(li, Value::attention_queries, dC);
+  tape.block(li, Value::attention_values, dx);
+  tape.block(li, Value::attention_keys, dB);
+  tape.block(li, Value::attention_queries, dC);
+  Tensor du({B, T, cd});
+  for (int64_t r = 0; r < BT; ++r) {
+    const bool keep = !masked || in.mask[static_cast<size_t>(r)];
+    for (int64_t c = 0; c < cd; ++c) {
+      float g = 0.0f;
+      if (keep) {
+        g = c < E ? dx[r * E + c] : c < E + G * N ? dB[r * G * N + c - E] : dC[r * G * N + c - E - G * N];
+        g *= silu_grad(u[r * cd + c]);
+      }
+      du[r * cd + c] = g;
+    }
+  }
+  causal_conv1d_backward(du.data(), B, T, cd, K, lw.conv_wT.data(), dzx.data() + E, proj);
+  linear_backward(dzx.data(), BT, proj, lw.in_proj, dn.data(), false);
+  if (masked) detail::apply_row_mask(dn, in);
+}
+
+}  // namespace mixlens::grad

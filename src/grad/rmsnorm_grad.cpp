@@ -1,0 +1,30 @@
+// Backward of RMSNorm (ops::rmsnorm; Mamba2RMSNorm, MambaRMSNormGated's norm, Qwen's (1 + w) form).
+#include <cmath>
+
+#include "grad/ops_grad.h"
+
+namespace mixlens::grad {
+
+void rmsnorm_backward(const float* x, const float* w, const float* dy, float* dx, int64_t rows, int64_t dim,
+                      float eps, bool zero_centred, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    const float* gr = dy + r * dim;
+    float* o = dx + r * dim;
+    double ss = 0.0, dot = 0.0;
+    for (int64_t i = 0; i < dim; ++i) {
+      const double wg = static_cast<double>(zero_centred ? 1.0f + w[i] : w[i]) * gr[i];
+      ss += static_cast<double>(xr[i]) * xr[i];
+      dot += wg * xr[i];
+    }
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dim) + static_cast<double>(eps));
+    const double k = inv * inv * inv * dot / static_cast<double>(dim);
+    for (int64_t i = 0; i < dim; ++i) {
+      const double wg = static_cast<double>(zero_centred ? 1.0f + w[i] : w[i]) * gr[i];
+      const float v = static_cast<float>(inv * wg - k * xr[i]);
+      o[i] = accumulate ? o[i] + v : v;
+    }
+  }
+}
+
+}  // namespace mixlens::grad

@@ -1,0 +1,107 @@
+// What a forward call keeps for Trace::backward (issue 12, docs/gradients.md): the call's input,
+// the cache it started from, every block's input (post-write) as a recomputation checkpoint, and
+// every write made during the call (the written value and which elements it changed). The
+// backward recomputes one block at a time from its checkpoint, re-applying the recorded writes,
+// so the memory held is one residual stream per block plus what the block being differentiated
+// needs.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixlens/model.h"
+#include "models/family.h"
+#include "runtime/listener.h"
+
+namespace mixlens::grad {
+
+/// One write of a call: the value the forward used and the elements the write changed (elements a
+/// write left bitwise equal pass the gradient through; changed ones are constants upstream).
+struct Written {
+  Tensor value;
+  std::vector<uint8_t> changed;  ///< per element, 1 = overwritten
+  /// Applies the write to a recomputed value (changed elements take the written value).
+  void apply(Tensor& t) const;
+  /// Zeroes the gradient of changed elements (they do not depend on what came before the write).
+  void block(Tensor& g) const;
+  bool any() const;
+};
+
+struct Tape {
+  const detail::FamilyModel* family = nullptr;
+  Batch batch;
+  std::unique_ptr<detail::CacheState> cache_before;  ///< deep copy taken before the call
+  std::string kernel;
+  int step = 0;
+  std::vector<Tensor> layer_inputs;  ///< per block, as consumed (after writes)
+  Tensor final_hidden;               ///< the last block's layer_output as consumed (before ln_final)
+  std::map<std::pair<int, int>, Written> writes;
+  std::string unsupported;           ///< non-empty: why backward cannot run for this call
+  Shape logits_shape;
+
+  const Written* write(int layer, Value v) const {
+    auto it = writes.find({layer, static_cast<int>(v)});
+    return it == writes.end() ? nullptr : &it->second;
+  }
+  /// The recorded write of (layer, v) applied to `t`, if any.
+  void apply(int layer, Value v, Tensor& t) const {
+    if (const Written* w = write(layer, v)) w->apply(t);
+  }
+  void block(int layer, Value v, Tensor& g) const {
+    if (const Written* w = write(layer, v)) w->block(g);
+  }
+};
+
+/// Where a family's backward puts the gradients asked for.
+class GradSink {
+ public:
+  GradSink(std::vector<Site> wanted);
+  bool wants(int layer, Value v) const;
+  /// Stores a copy of `g` as the gradient of (layer, v) if it was asked for.
+  void put(int layer, Value v, const Tensor& g);
+  std::map<std::string, Tensor>& grads() { return grads_; }
+
+ private:
+  std::vector<Site> wanted_;
+  std::map<std::string, Tensor> grads_;
+};
+
+/// Wraps the call's listener (trace / session): records block inputs and writes into `tape`.
+class Recorder final : public detail::Listener {
+ public:
+  Recorder(detail::Listener* inner, Tape& tape) : inner_(inner), tape_(tape) {}
+  void begin_call(const detail::CallCtx& ctx, int num_layers) override;
+  void end_call() override;
+  bool visit(int layer, Value v, Tensor& value, const Shape& shape) override;
+  int64_t next_state_token(int layer, int64_t after) const override;
+  bool visit_state(int layer, int64_t t, Tensor& value, const Shape& shape) override;
+  void revised(int layer, Value v, const Tensor& value) override;
+
+ private:
+  void refresh();
+  detail::Listener* inner_;
+  Tape& tape_;
+  int layers_ = 0;
+};
+
+/// Runs the family's backward for `tape` and returns path -> gradient for `wanted`.
+std::map<std::string, Tensor> run_backward(const Tape& tape, const Tensor& dlogits, const std::vector<Site>& wanted);
+
+}  // namespace mixlens::grad
+
+namespace mixlens::detail {
+/// Model-side access to a Trace's gradient record (defined in runtime/trace.cpp).
+struct GradAccess {
+  static bool enabled(const Trace& t);
+  static void store(Trace& t, std::shared_ptr<grad::Tape> tape);
+};
+}  // namespace mixlens::detail
+
+namespace mixlens::grad {
+/// A tape for a call about to run: the batch and a deep copy of the cache it starts from.
+std::shared_ptr<Tape> begin_tape(const detail::FamilyModel& family, const Batch& in, const detail::CacheState& cache,
+                                 const detail::CallCtx& ctx);
+}  // namespace mixlens::grad
