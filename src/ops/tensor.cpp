@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "mixlens/errors.h"
+#include "runtime/arena.h"
 
 namespace mixlens {
 
@@ -31,9 +32,7 @@ Tensor::Tensor(Shape shape) : Tensor(std::move(shape), 0.0f) {}
 
 Tensor::Tensor(Shape shape, float fill) : shape_(std::move(shape)) {
   numel_ = shape_numel(shape_);
-  auto buf = std::shared_ptr<float[]>(new float[static_cast<size_t>(numel_ > 0 ? numel_ : 1)]);
-  data_ = buf.get();
-  storage_ = std::shared_ptr<const void>(buf, buf.get());
+  storage_ = detail::arena_alloc(numel_, &data_);  // large buffers recycle pages (runtime/arena.h)
   if (fill == 0.0f)
     std::memset(data_, 0, sizeof(float) * static_cast<size_t>(numel_));
   else
