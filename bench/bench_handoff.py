@@ -7,7 +7,9 @@ For N in 0, 1, 10, 100 the block reads the first N small values of the model in 
 (layer_input, layer_output, betas, decays, ...: a few KiB each, so the copy is negligible and the
 time is the hand-off: Python attribute lookup, the binding, the worker pausing and resuming). The
 per-value cost is (t(N) - t(0)) / N, the median of R alternating repeats; the forward itself is the
-same work in every block. Default model: the mamba2-130m layout (24 layers), an 8-token prompt.
+same work in every block. Default model: a tiny random 24-layer Mamba-2 (hidden 64, made once with
+transformers under build/), whose 8-token forward takes well under a millisecond, so the forward's
+own jitter does not hide the hand-off; --model DIR measures another checkpoint.
 Not a test: numbers depend on the machine and its load (printed with the result).
 """
 
@@ -22,6 +24,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
+
+
+def tiny_model(out: Path) -> Path:
+    """A random Mamba2ForCausalLM with 24 layers of width 64 (about 1,000 values per 8-token call)."""
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Mamba2Config(hidden_size=64, num_hidden_layers=24, num_heads=8, head_dim=16, expand=2, state_size=16,
+                       n_groups=1, vocab_size=256, chunk_size=8, tie_word_embeddings=True)
+    Mamba2ForCausalLM(cfg).save_pretrained(out)
+    return out
 
 
 def small_paths(model, limit: int, max_numel: int = 1 << 16) -> list[str]:
@@ -57,7 +73,7 @@ def block_time(model, ids, readers) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="default: the cached mamba2-130m layout")
+    ap.add_argument("--model", default=None, help="default: a tiny 24-layer Mamba-2 built under build/")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--counts", default="0,1,10,100")
     ap.add_argument("--threads", type=int, default=2)
@@ -66,14 +82,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("MIXLENS_NUM_THREADS", str(a.threads))
     import mixlens
 
-    path = a.model
-    if path is None:
-        from published_layout_cache import cached_layout
-        path = str(cached_layout())
+    path = a.model or str(tiny_model(REPO / "build" / "bench-handoff-mamba2-24l"))
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores", flush=True)
     model = mixlens.StandardizedTransformer(path)
-    ids = [(i * 37 + 5) % 1000 for i in range(8)]
+    ids = [(i * 37 + 5) % 256 for i in range(8)]
     counts = [int(c) for c in a.counts.split(",")]
     paths = small_paths(model, max(counts))
     if len(paths) < max(counts):
