@@ -162,8 +162,10 @@ def convert(name: str, ckpt: Path, outtype: str) -> tuple[Path | None, str]:
     log(f"convert_hf_to_gguf.py {name} --outtype {outtype}")
     env = dict(os.environ, PYTHONPATH=str(CACHE / "src" / "gguf-py"))
     tmp = out.with_suffix(".partial")
+    # The random Qwen3.5 layout has no multi-token-prediction tensors (mixlens does not run MTP).
+    extra = ["--no-mtp"] if name == "qwen3_5" else []
     r = subprocess.run([PY, str(CACHE / "src" / "convert_hf_to_gguf.py"), str(gguf_source(name, ckpt)),
-                        "--outtype", outtype, "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+                        "--outtype", outtype, "--outfile", str(tmp), *extra], capture_output=True, text=True, env=env)
     if r.returncode != 0 or not tmp.exists():
         note = (r.stderr.strip().splitlines() or ["unknown error"])[-1][:200]
         log(f"conversion of {name} to {outtype} failed: {note}")
@@ -275,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--models", default="mamba2,mamba,qwen3_5")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out (no build, no GGUFs)")
     ap.add_argument("--no-long", action="store_true", help="skip the 32k mamba2 prompt")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "harness.md"))
     a = ap.parse_args(argv)
@@ -291,7 +294,7 @@ def main(argv=None) -> int:
 
     names = [n for n in a.models.split(",") if n]
     ckpts = checkpoints(names)
-    bench, llama_note = build_llama()
+    bench, llama_note = (None, "left out (--no-llama)") if a.no_llama else build_llama()
     ggufs: dict[tuple[str, str], Path | None] = {}
     gguf_notes: dict[tuple[str, str], str] = {}
     if bench:

@@ -27,6 +27,15 @@ fi
 command -v cmake >/dev/null || skip "cmake not found"
 command -v c++ >/dev/null || skip "no C++ compiler"
 mkdir -p "$CACHE"
+# One build at a time per cache dir: a second caller waits for the first and reuses its result.
+if command -v flock >/dev/null && [[ -z "${BUILD_LLAMA_CPP_LOCKED:-}" ]]; then
+  export BUILD_LLAMA_CPP_LOCKED=1
+  exec flock "$CACHE/.lock" "$0" "$@"
+fi
+if [[ -f "$CACHE/BUILD_OK" ]]; then
+  echo "build_llama_cpp: already built in $CACHE"
+  exit 0
+fi
 
 if [[ ! -f "$CACHE/src/convert_hf_to_gguf.py" ]]; then
   dl="$CACHE/download"
