@@ -256,6 +256,20 @@ def long_prompt(ckpt: Path, bench: Path | None, gguf: Path | None, threads: int,
 
 # ---- report -----------------------------------------------------------------------------------
 
+def mixlens_has_dtype() -> bool:
+    r = subprocess.run([PY, "-c", "import inspect, mixlens; "
+                        "print('dtype' in inspect.signature(mixlens.StandardizedTransformer).parameters)"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() == "True"
+
+
+def base_of(system: str, systems: list[str]) -> str:
+    """The mixlens column a ratio compares with: equal weight dtype where mixlens has it."""
+    if ("BF16" in system or "bf16" in system) and "mixlens bf16" in systems:
+        return "mixlens bf16"
+    return "mixlens f32"
+
+
 def summarize(samples: list[float]) -> tuple[float, float]:
     if not samples:
         return float("nan"), float("nan")
@@ -303,6 +317,8 @@ def main(argv=None) -> int:
                 ggufs[(n, t)], gguf_notes[(n, t)] = convert(n, ckpts[n], t)
 
     systems = ["mixlens f32"]
+    if mixlens_has_dtype():  # issue 9 item 1 (weights kept in bf16), where this build has it
+        systems += ["mixlens bf16"]
     if bench:
         systems += ["llama.cpp F32", "llama.cpp BF16"]
     if not a.no_transformers:
@@ -316,7 +332,8 @@ def main(argv=None) -> int:
             for s in systems:
                 log(f"round {r + 1}/{repeats}: {n} / {s}")
                 if s.startswith("mixlens"):
-                    res, m = worker("mixlens", ckpts[n], a.threads, prompts, decode, "float32")
+                    res, m = worker("mixlens", ckpts[n], a.threads, prompts, decode,
+                                    "bfloat16" if s.endswith("bf16") else "float32")
                 elif s.startswith("transformers"):
                     res, m = worker("transformers", ckpts[n], a.threads, prompts, decode, "float32")
                 else:
@@ -343,6 +360,7 @@ def main(argv=None) -> int:
 
     # ---- table
     metrics = ["decode"] + [f"prompt{p}" for p in prompts]
+    others = [s for s in systems if not s.startswith("mixlens")]
     lines = [
         "# mixlens vs llama.cpp vs transformers (`make bench`)",
         "",
@@ -357,21 +375,22 @@ def main(argv=None) -> int:
         f"llama.cpp: llama.cpp@{LLAMA_COMMIT} (llama-cpp-python 0.3.36 sdist), CPU backend, GGML_NATIVE"
         + (f" — SKIPPED: {llama_note}" if not bench else ""),
         "",
-        "| model | metric | " + " | ".join(f"{s} tok/s" for s in systems) + " | "
-        + " | ".join(f"mixlens / {s}" for s in systems[1:]) + " |",
-        "|---|---|" + "---|" * (2 * len(systems) - 1),
+        "| model | metric | " + " | ".join(f"{s} tok/s" for s in systems) + " |"
+        + "".join(f" {base_of(s, systems)} / {s} |" for s in others),
+        "|---|---|" + "---|" * (len(systems) + len(others)),
     ]
     ratios_for_plot = []
     for n in names:
         for k in metrics:
-            meds = [summarize(samples.get((n, s, k), [])) for s in systems]
-            cells = [fmt(m, sp) for m, sp in meds]
+            med = {s: summarize(samples.get((n, s, k), [])) for s in systems}
+            cells = [fmt(*med[s]) for s in systems]
             ratio_cells = []
-            for (m, _), s in zip(meds[1:], systems[1:]):
-                r = meds[0][0] / m if m == m and m else float("nan")
+            for s in others:
+                m, mine = med[s][0], med[base_of(s, systems)][0]
+                r = mine / m if m == m and m else float("nan")
                 ratio_cells.append("-" if r != r else f"{r:.2f}x")
-                ratios_for_plot.append((n, k, s, r))
-            lines.append(f"| {n} | {k} | " + " | ".join(cells) + " | " + " | ".join(ratio_cells) + " |")
+                ratios_for_plot.append((n, k, f"{base_of(s, systems).split()[1]} vs {s}", r))
+            lines.append(f"| {n} | {k} | " + " | ".join(cells) + " |" + "".join(f" {c} |" for c in ratio_cells))
     lines += ["", "Peak RSS per process (MiB; the largest over rounds):", "",
               "| model | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
     for n in names:
@@ -417,7 +436,7 @@ def plot(ratios, path: Path, busy: bool) -> None:
     ratios = [r for r in ratios if r[3] == r[3]]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if ratios:
-        labels = [f"{n}\n{k}\nvs {s}" for n, k, s, _ in ratios]
+        labels = [f"{n}\n{k}\n{s}" for n, k, s, _ in ratios]
         vals = [r for *_, r in ratios]
         colors = ["tab:green" if v >= 1 else "tab:red" for v in vals]
         ax.bar(range(len(vals)), vals, color=colors)
