@@ -346,6 +346,7 @@ def main(argv=None) -> int:
                     errors[(n, s)] = res["error"]
                     log(f"  error: {res['error']}")
                     continue
+                log("  " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()) + f"; peak RSS {m / 2**20:,.0f} MiB")
                 rss[(n, s)] = max(rss.get((n, s), 0), m)
                 for k, v in res.items():
                     if k.startswith("prompt") or k == "decode":
@@ -356,6 +357,8 @@ def main(argv=None) -> int:
         lengths = [4096, 32768]
         log(f"mamba2 long prompts {lengths}: mixlens CLI (chunked prefill) and llama-bench F32")
         long_rows = long_prompt(ckpts["mamba2"], bench, ggufs.get(("mamba2", "f32")), a.threads, lengths)
+        for row in long_rows:
+            log(f"  {row}")
     load_end = load_line()
 
     # ---- table
