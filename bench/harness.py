@@ -178,7 +178,9 @@ def llama_bench(bench: Path, gguf: Path, threads: int, prompts: list[int], decod
     args = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
             "-p", ",".join(map(str, prompts)) if prompts else "0", "-n", str(decode)]
     if max(prompts or [0]) > 4096:
-        args += ["-b", "2048", "-ub", "512"]
+        # One cold run, like the mixlens CLI measured next to it (llama-bench's warm-up would run the
+        # whole prompt a second time).
+        args += ["-b", "2048", "-ub", "512", "--no-warmup"]
     rc, out, err, rss = run_measured(args)
     if rc != 0:
         return {"error": (err.strip().splitlines() or ["llama-bench failed"])[-1][:200]}, rss
