@@ -4,7 +4,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <map>
@@ -61,20 +60,6 @@ int moment_of(Value v) {
     case Value::attention_head_outputs: return 4;
     default: return 0;
   }
-}
-
-// How long a waiting side of a session spins before sleeping: $MIXLENS_SPIN_US (0 = never spin),
-// default 50 us. Long enough for the other side's usual turn (a value copy, a few Python lines),
-// short enough that a paused forward does not hold a core for long.
-int64_t spin_micros() {
-  static const int64_t us = [] {
-    const char* env = std::getenv("MIXLENS_SPIN_US");
-    if (!env || !*env) return int64_t{50};
-    char* end = nullptr;
-    const long long v = std::strtoll(env, &end, 10);
-    return (end && *end == '\0' && v >= 0 && v <= 1000000) ? static_cast<int64_t>(v) : int64_t{50};
-  }();
-  return us;
 }
 
 }  // namespace
@@ -223,61 +208,14 @@ struct Session::Impl {
     stash[site] = value.defined() ? value.clone() : Tensor();
   }
 
-  // Every change the other thread waits for: bump the epoch (for spin()) and wake the sleepers.
-  void signal() {
-    epoch.fetch_add(1, std::memory_order_release);
-    cv.notify_all();
-  }
-
-  // Lock held on entry and exit: releases it and spins until the other thread signals or about
-  // kSpinMicros pass. A read is two hand-offs (caller -> worker -> caller); through the condition
-  // variable alone each is a futex wake-up and a reschedule (~40 us per value read on a loaded
-  // machine), spinning takes well under a microsecond when both threads have a core. The caller
-  // re-checks its condition after this and sleeps on the condition variable as before.
-  //
-  // Adaptive: on a loaded machine the other thread often has no core, every spin runs out and
-  // only delays it (measured 150-190 us per read instead of 35 us with 5 compilers on 2 cores), so
-  // after 4 spins in a row that ran out the next 64 waits sleep at once, then spinning is tried again.
-  void spin(std::unique_lock<std::mutex>& lk) {
-    const int64_t budget = spin_micros();
-    if (budget <= 0) return;
-    if (spin_skip > 0) {
-      --spin_skip;
-      return;
-    }
-    const uint64_t e = epoch.load(std::memory_order_acquire);
-    lk.unlock();
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(budget);
-    bool woke = true;
-    // A busy spin, not sched_yield: yielding hands the core to other processes for a whole time
-    // slice (measured: milliseconds per read on a loaded machine).
-    for (unsigned i = 1; epoch.load(std::memory_order_acquire) == e; ++i) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-      if ((i & 63u) == 0 && std::chrono::steady_clock::now() > until) {
-        woke = false;
-        break;
-      }
-    }
-    lk.lock();
-    spin_misses = woke ? 0 : spin_misses + 1;
-    if (spin_misses >= 4) {
-      spin_misses = 0;
-      spin_skip = 64;
-    }
-  }
-
   // Worker side, lock held: stay paused while there is nowhere further to go (no target beyond the
   // current position and not finishing). The caller reads `paused` and `pos` meanwhile.
   void wait_while_paused(std::unique_lock<std::mutex>& lk) {
     if (aborted) throw Aborted{};
-    auto stay = [&] { return !aborted && !finishing && !(target && pos < target->pos); };
-    while (stay()) {
+    while (!aborted && !finishing && !(target && pos < target->pos)) {
       paused = true;
-      signal();
-      spin(lk);
-      if (stay()) cv.wait(lk);
+      cv.notify_all();
+      cv.wait(lk);
     }
     paused = false;
     if (aborted) throw Aborted{};
@@ -298,7 +236,7 @@ struct Session::Impl {
       std::lock_guard<std::mutex> lk(mu);
       done = true;
       paused = false;
-      signal();
+      cv.notify_all();
     });
   }
 
@@ -323,7 +261,6 @@ struct Session::Impl {
   // from the check aborts the run (the worker stops at its next layer) and propagates.
   template <class Pred>
   void wait_caller(std::unique_lock<std::mutex>& lk, Pred pred) {
-    if (!pred()) spin(lk);
     if (!interrupt_check) {
       cv.wait(lk, pred);
       return;
@@ -336,7 +273,7 @@ struct Session::Impl {
         lk.lock();
         aborted = interrupted = true;
         cancel.store(true);
-        signal();
+        cv.notify_all();
         throw;
       }
       lk.lock();
@@ -419,7 +356,7 @@ struct Session::Impl {
     if (started && t.pos < pos) return Arrival::passed;
     target = t;
     started = true;
-    signal();
+    cv.notify_all();
     wait_caller(lk, [&] { return done || (paused && !(pos < t.pos)); });
     rethrow_worker_error();
     if (done) return step_ran(t.pos.step) ? Arrival::skipped : Arrival::ended;
@@ -467,8 +404,6 @@ struct Session::Impl {
 
   mutable std::mutex mu;
   std::condition_variable cv;
-  std::atomic<uint64_t> epoch{0};  // bumped by signal(): what spin() watches
-  int spin_misses = 0, spin_skip = 0;  // spin()'s back-off (under mu)
   // Caller -> worker.
   std::optional<Target> target;
   bool started = false, finishing = false, aborted = false;
@@ -510,7 +445,7 @@ void Session::abort() {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->aborted = true;
     impl_->cancel.store(true);
-    impl_->signal();
+    impl_->cv.notify_all();
   }
   if (impl_->worker.joinable()) impl_->worker.join();
 }
@@ -684,7 +619,7 @@ SessionResult Session::finish() {
   if (!s.done) {
     s.started = true;
     s.finishing = true;
-    s.signal();
+    s.cv.notify_all();
     s.wait_caller(lk, [&] { return s.done; });
   }
   s.rethrow_worker_error();
