@@ -394,7 +394,7 @@ def main(argv=None) -> int:
                 m, mine = med[s][0], med[base_of(s, systems)][0]
                 r = mine / m if m == m and m else float("nan")
                 ratio_cells.append("-" if r != r else f"{r:.2f}x")
-                ratios_for_plot.append((n, k, f"{base_of(s, systems).split()[1]} vs {s}", r))
+                ratios_for_plot.append((n, k, f"{base_of(s, systems).split()[1]} / {s}", r))
             lines.append(f"| {n} | {k} | " + " | ".join(cells) + " |" + "".join(f" {c} |" for c in ratio_cells))
     lines += ["", "Peak RSS per process (MiB; the largest over rounds):", "",
               "| model | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
@@ -427,30 +427,41 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({
+        "samples": [[n, s, k, v] for (n, s, k), v in samples.items()], "rss": [[n, s, v] for (n, s), v in rss.items()],
+        "errors": [[n, s, e] for (n, s), e in errors.items()], "long": long_rows, "ratios": ratios_for_plot,
+        "busy": busy, "load_start": load, "load_end": load_end}, indent=1))
     plot(ratios_for_plot, out.with_suffix(".png"), busy)
     log(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 
 def plot(ratios, path: Path, busy: bool) -> None:
+    """Grouped bars: one group per (model, metric), one bar (colour) per comparison."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ratios = [r for r in ratios if r[3] == r[3]]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    if ratios:
-        labels = [f"{n}\n{k}\n{s}" for n, k, s, _ in ratios]
-        vals = [r for *_, r in ratios]
-        colors = ["tab:green" if v >= 1 else "tab:red" for v in vals]
-        ax.bar(range(len(vals)), vals, color=colors)
-        ax.set_xticks(range(len(vals)), labels, fontsize=6)
-        ax.axhline(1.0, color="black", lw=0.8)
-    else:
-        ax.text(0.5, 0.5, "no ratios measured", ha="center")
+    groups = list(dict.fromkeys((n, k) for n, k, _, _ in ratios))
+    labels = list(dict.fromkeys(s for _, _, s, _ in ratios))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups) + 2), 4.8))
+    width = 0.8 / max(len(labels), 1)
+    for j, lab in enumerate(labels):
+        xs, ys = [], []
+        for i, g in enumerate(groups):
+            for n, k, s, r in ratios:
+                if (n, k) == g and s == lab:
+                    xs.append(i + (j - (len(labels) - 1) / 2) * width)
+                    ys.append(r)
+        ax.bar(xs, ys, width=width, label=f"mixlens {lab}")
+    ax.set_xticks(range(len(groups)), [f"{n}\n{k}" for n, k in groups], fontsize=8)
+    ax.axhline(1.0, color="black", lw=0.8)
     ax.set_ylabel("mixlens / other (tokens/s)")
-    ax.set_title("mixlens speed ratio" + (" (busy machine)" if busy else ""))
+    ax.set_title("mixlens speed ratio, > 1: mixlens faster" + (" (busy machine: noisy)" if busy else ""))
+    if labels:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
