@@ -7,8 +7,15 @@
 
 namespace mixlens {
 
-/// The model used when none is given: $MIXLENS_MODEL, else the small Mamba-2 shipped in the
-/// repository (models/mamba2-tinystories).
+/// The mixlens version ("0.1.0"): CMakeLists.txt's project(VERSION), the one source of the version
+/// (the Python package's metadata reads it from there too).
+std::string version();
+
+/// The model used when none is given: $MIXLENS_MODEL, else the small Mamba-2 shipped in the Python
+/// package installed next to this executable (SITE/mixlens.scripts/EXE -> SITE/mixlens/models/
+/// mamba2-tinystories for a wheel repaired by auditwheel; PREFIX/bin/EXE -> PREFIX/lib/python3*/
+/// {site,dist}-packages/mixlens/models/mamba2-tinystories otherwise), else the repository's
+/// models/mamba2-tinystories (development builds).
 std::string default_model_path();
 
 /// The one hub resolver (also behind Model::load and mixlens.hub.resolve): the snapshot folder of
@@ -28,8 +35,9 @@ std::string describe_model(const Model& model, int64_t prompt_length);
 /// "PATH@step{k}" when `per_step`, else "PATH"), plus metadata "mixlens" = JSON {model, prompts,
 /// prompt_ids, generated_ids}, and the left-padded prompt batch as int64 tensors "input_ids" and
 /// "attention_mask" [B,T] (1 = real token), as transformers' tokenizer(padding_side="left") gives
-/// them. CheckpointError if the file cannot be written.
-void write_trace(const std::string& file, const Trace& trace, const Model& model,
+/// them. Returns the names of the tensors written, in file order (the saved paths, then
+/// "input_ids" and "attention_mask"). CheckpointError if the file cannot be written.
+std::vector<std::string> write_trace(const std::string& file, const Trace& trace, const Model& model,
                  const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
                  const std::vector<std::vector<int32_t>>& generated_ids, bool per_step);
 

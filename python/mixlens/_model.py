@@ -835,13 +835,15 @@ class Tracer:
 
     @property
     def tokens(self):
-        """generate: the new token ids per prompt (a single list for a single prompt)."""
+        """generate: the new token ids, a list per row when the input had a batch dimension (a list of
+        prompts / rows, a [B,T] array, [B,T,hidden] inputs_embeds; B = 1 included), else one flat list (a
+        string, flat ids, a [T] array, [T,hidden] inputs_embeds): the same for ids and embeddings."""
         toks = self._done()["new_tokens"]
         return toks[0] if self._single else toks
 
     @property
     def text(self):
-        """generate: the decoded new tokens per prompt (a single str for a single prompt)."""
+        """generate: the decoded new tokens, shaped as :attr:`tokens` (a str per row, or one str)."""
         toks = self._done()["new_tokens"]
         texts = [self._model.tokenizer.decode(t) for t in toks]
         return texts[0] if self._single else texts
@@ -1157,6 +1159,13 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
+    def extract(self, inputs, values, out, **kwargs) -> dict:
+        """Dataset-scale extraction to sharded safetensors + index.json (resumable; ``ray=True`` for a Ray
+        cluster): see :func:`mixlens.extract` for the arguments, docs/extract.md for the layout."""
+        from . import _extract
+
+        return _extract.extract(self, inputs, values, out, **kwargs)
+
     def new_cache(self, batch: int = 1) -> Cache:
         """An empty cache for `batch` rows, for ``forward`` / ``trace(..., cache=)`` continuations."""
         return Cache(self._core.new_cache(_check_int("batch", batch, 1, _INT32_MAX)))
@@ -1185,12 +1194,14 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 def default_model_path() -> str:
     """The model loaded when no path is given (same rule as the ``mixlens`` CLI and the C++
     ``mixlens::default_model_path()``): ``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the
-    repository mixlens was built from (``<repo>/models/mamba2-tinystories``). InputError when neither
+    installed package (``mixlens/models/mamba2-tinystories``, package data of the wheel), else the one in
+    the repository mixlens was built from (``<repo>/models/mamba2-tinystories``). InputError when none
     exists."""
     env = os.environ.get("MIXLENS_MODEL")
     if env:
         return env
-    candidates = []
+    # Installed from a wheel: the model ships as package data (mixlens/models/mamba2-tinystories).
+    candidates = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mamba2-tinystories")]
     if hasattr(_core, "default_model_path"):
         candidates.append(_core.default_model_path())  # $MIXLENS_MODEL unset: the compiled-in repo path
     # A source checkout on sys.path (python/mixlens -> <repo>/models/...).
