@@ -18,7 +18,7 @@ export ASAN_OPTIONS  ?= detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS  ?= halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-state-after clean docs wheel stubs
+.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-families bench-state-after clean docs wheel stubs
 
 # `setup`: what building and `make demo` need (requirements-build.txt: no torch / transformers);
 # `setup-dev`: the test dependencies on top (requirements-dev.txt), for make test / docs / bench.
@@ -94,8 +94,14 @@ fuzz: build/asan/.configured
 	  cd ../../..; \
 	done
 
-# Speed vs transformers, measured in the same run (not tests); tables land in bench/results/.
+# One harness: mixlens vs llama.cpp (built from a pinned release by scripts/build_llama_cpp.sh into
+# ~/.cache/mixlens, skipped with a note when it cannot be built) vs transformers, interleaved; table
+# and plot in bench/results/harness.{md,png}. BENCH_QUICK=1: the quick mode (< 10 min once cached).
 bench: setup-dev build
+	$(PY) bench/harness.py $(if $(BENCH_QUICK),--quick)
+
+# The older per-family comparisons with transformers (kernel routes, per-token states).
+bench-families: setup-dev build
 	$(PY) bench/bench_mamba2.py
 	$(PY) bench/bench_mamba.py
 	$(PY) bench/bench_qwen3_5.py

@@ -3,7 +3,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <limits>
 #include <map>
 #include <new>
@@ -26,6 +28,7 @@ usage:
                    [--greedy | --temperature T --top-k K --top-p P --seed S]
                    [--save PATH ...] [--out FILE] [--ids]
   mixlens run      [--model DIR|HUB_ID] PROMPT... --save PATH ... --out FILE [--ids]
+  (PROMPT... may be replaced or joined by --prompt-file PATH / --ids-file PATH, each repeatable)
   mixlens inspect  [--model DIR|HUB_ID] [--prompt-length T]
   mixlens tokenize [--model DIR|HUB_ID] TEXT
   mixlens extract  [--model DIR|HUB_ID] PROMPTS_FILE --values PATH ... --out DIR
@@ -43,7 +46,12 @@ usage:
   --ids        PROMPT is comma-separated token ids instead of text
   --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16 or auto
                (the checkpoint's dtype); values are float32 whatever the dtype
-  several PROMPTs run as one left-padded batch
+  --prompt-file PATH   one text prompt: the file's content (less one trailing newline)
+  --ids-file PATH      one prompt of token ids: whitespace- or comma-separated, or a JSON list
+                       (a JSON list of lists: one prompt per inner list)
+  -            as PROMPT or PATH: read that prompt from standard input (once)
+  several prompts run as one left-padded batch, in the order given; prompts of any length
+  (e.g. 32k tokens) go through files or stdin, which have no argument-list limit
 
 extract: run every prompt of PROMPTS_FILE (.jsonl: one object per line with a "text" field; else
 plain text, one prompt per line) and write the values of their real tokens to DIR as sharded
@@ -58,9 +66,16 @@ already written are skipped.
   --hash-prompts     index.json keeps FNV-1a hashes of the prompts instead of their text
 )";
 
+// One prompt as given: positional text / ids, or a file (stdin for "-") of text or ids.
+struct PromptArg {
+  enum Kind { text, ids, text_file, ids_file } kind = text;
+  std::string value;
+};
+
 struct Args {
   std::string command, model;
   std::vector<std::string> positional, saves;
+  std::vector<PromptArg> prompts;  // in command-line order
   std::string out;
   mixlens::LoadOptions load;
   int max_new_tokens = -1;
@@ -150,6 +165,8 @@ Args parse(int argc, char** argv) {
       if (a.load.dtype != "float32" && a.load.dtype != "bfloat16" && a.load.dtype != "float16" && a.load.dtype != "auto")
         usage_error("--dtype must be float32, bfloat16, float16 or auto, not '" + a.load.dtype + "'");
     }
+    else if (f == "--prompt-file") a.prompts.push_back({PromptArg::text_file, value()});
+    else if (f == "--ids-file") a.prompts.push_back({PromptArg::ids_file, value()});
     else if (f == "--values") {
       std::stringstream ss(value());
       std::string p;
@@ -166,8 +183,13 @@ Args parse(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (f.size() > 1 && f[0] == '-' && f[1] == '-') usage_error("unknown flag " + f);
-    else a.positional.push_back(f);
+    else {
+      a.positional.push_back(f);
+      a.prompts.push_back({PromptArg::text, f});  // kind fixed below once --ids is known
+    }
   }
+  for (PromptArg& p : a.prompts)
+    if (p.kind == PromptArg::text && a.ids) p.kind = PromptArg::ids;
   return a;
 }
 
@@ -179,6 +201,77 @@ std::vector<int32_t> parse_ids(const std::string& s) {
     if (!tok.empty()) ids.push_back(parse_number<int32_t>("--ids prompt", tok));
   if (ids.empty()) usage_error("--ids prompt '" + s + "' has no token ids");
   return ids;
+}
+
+// The whole content of `path`, or of standard input for "-" (read at most once).
+std::string read_source(const std::string& path, const std::string& flag) {
+  static bool stdin_used = false;
+  std::string out;
+  if (path == "-") {
+    if (stdin_used) usage_error("standard input ('-') can feed only one prompt");
+    stdin_used = true;
+    std::ostringstream ss;
+    ss << std::cin.rdbuf();
+    out = ss.str();
+  } else {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(path, ec)) usage_error(flag + " '" + path + "' is not a readable file");
+    std::ifstream f(path, std::ios::binary);
+    if (!f) usage_error(flag + " '" + path + "' cannot be opened");
+    std::ostringstream ss;
+    ss << f.rdbuf();
+    out = ss.str();
+  }
+  return out;
+}
+
+// Token ids of an ids file: a JSON list (of ints, or of lists of ints: several prompts), else ids
+// separated by whitespace and/or commas.
+std::vector<std::vector<int32_t>> parse_ids_file(const std::string& text, const std::string& where) {
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos) usage_error(where + " has no token ids");
+  auto id_of = [&](const nlohmann::json& j) -> int32_t {
+    if (!j.is_number_integer()) usage_error(where + ": token ids must be integers, got " + j.dump());
+    const auto v = j.get<int64_t>();
+    if (v < 0 || v > std::numeric_limits<int32_t>::max()) usage_error(where + ": token id " + j.dump() + " is out of range");
+    return static_cast<int32_t>(v);
+  };
+  std::vector<std::vector<int32_t>> rows;
+  if (text[first] == '[') {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      usage_error(where + " is not a valid JSON list: " + e.what());
+    }
+    if (!j.is_array() || j.empty()) usage_error(where + ": expected a non-empty JSON list of token ids");
+    if (j[0].is_array()) {
+      for (const auto& r : j) {
+        if (!r.is_array() || r.empty()) usage_error(where + ": every inner list needs at least one token id");
+        std::vector<int32_t> row;
+        for (const auto& x : r) row.push_back(id_of(x));
+        rows.push_back(std::move(row));
+      }
+    } else {
+      std::vector<int32_t> row;
+      for (const auto& x : j) row.push_back(id_of(x));
+      rows.push_back(std::move(row));
+    }
+    return rows;
+  }
+  std::vector<int32_t> row;
+  std::string tok;
+  auto flush = [&] {
+    if (!tok.empty()) row.push_back(parse_number<int32_t>(where, tok));
+    tok.clear();
+  };
+  for (char c : text) {
+    if (c == ',' || std::isspace(static_cast<unsigned char>(c))) flush();
+    else tok += c;
+  }
+  flush();
+  rows.push_back(std::move(row));
+  return rows;
 }
 
 std::string join_ids(const std::vector<int32_t>& ids) {
@@ -264,7 +357,7 @@ int run_command(const Args& a) {
     return 0;
   }
   if (a.command != "generate" && a.command != "run") usage_error("unknown command '" + a.command + "'");
-  if (a.positional.empty()) usage_error(a.command + " needs a PROMPT");
+  if (a.prompts.empty()) usage_error(a.command + " needs a PROMPT (or --prompt-file / --ids-file)");
   if (a.command == "run" && (a.saves.empty() || a.out.empty()))
     usage_error("run needs --save PATH ... and --out FILE");
   if (!a.out.empty() && a.saves.empty()) usage_error("--out needs at least one --save PATH");
@@ -274,13 +367,48 @@ int run_command(const Args& a) {
   }
   mixlens::Model m = mixlens::Model::load(model_path, a.load);
   std::vector<std::vector<int32_t>> prompts;
-  for (const auto& p : a.positional) prompts.push_back(a.ids ? parse_ids(p) : m.tokenizer().encode(p));
+  std::vector<std::string> texts;    // per prompt: as given (text, ids string or file name)
+  std::vector<bool> is_text;         // echoed before the continuation
+  for (const PromptArg& p : a.prompts) {
+    switch (p.kind) {
+      case PromptArg::text:
+      case PromptArg::text_file: {
+        std::string t = p.kind == PromptArg::text && p.value != "-" ? p.value
+                                                                   : read_source(p.value, p.kind == PromptArg::text ? "PROMPT" : "--prompt-file");
+        if (p.kind == PromptArg::text_file || p.value == "-")
+          if (!t.empty() && t.back() == '\n') t.pop_back();  // the file's final newline is not prompt text
+        if (t.empty()) usage_error("prompt " + (p.value == "-" ? std::string("from standard input") : "'" + p.value + "'") + " is empty");
+        prompts.push_back(m.tokenizer().encode(t));
+        if (prompts.back().empty()) usage_error("prompt from '" + p.value + "' encodes to no tokens");
+        texts.push_back(t);
+        is_text.push_back(true);
+        break;
+      }
+      case PromptArg::ids:
+        if (p.value != "-") {
+          prompts.push_back(parse_ids(p.value));
+          texts.push_back(p.value);
+          is_text.push_back(false);
+          break;
+        }
+        [[fallthrough]];
+      case PromptArg::ids_file: {
+        const std::string where = p.value == "-" ? "standard input" : "--ids-file '" + p.value + "'";
+        for (auto& row : parse_ids_file(read_source(p.value, "--ids-file"), where)) {
+          prompts.push_back(std::move(row));
+          texts.push_back(p.value);
+          is_text.push_back(false);
+        }
+        break;
+      }
+    }
+  }
   mixlens::Trace trace;
   for (const auto& s : a.saves) trace.save(s);
 
   std::vector<std::vector<int32_t>> generated;
   if (a.command == "run") {
-    m.run(prompts, &trace);
+    m.run(prompts, &trace, /*all_logits=*/false);  // a saved `logits` still gets every position
   } else {
     mixlens::GenerateOptions o = a.gen;
     o.max_new_tokens = a.max_new_tokens;
@@ -288,14 +416,14 @@ int run_command(const Args& a) {
     auto res = m.generate(prompts, o, &trace);
     generated = res.new_tokens;
     for (size_t r = 0; r < prompts.size(); ++r) {
-      if (m.has_tokenizer() && !a.ids)
-        std::printf("%s%s\n", a.positional[r].c_str(), m.tokenizer().decode(res.new_tokens[r]).c_str());
+      if (m.has_tokenizer() && is_text[r])
+        std::printf("%s%s\n", texts[r].c_str(), m.tokenizer().decode(res.new_tokens[r]).c_str());
       else
         std::printf("%s\n", join_ids(res.new_tokens[r]).c_str());
     }
   }
   if (!a.out.empty()) {
-    const auto names = mixlens::write_trace(a.out, trace, m, a.positional, prompts, generated, a.command == "generate");
+    const auto names = mixlens::write_trace(a.out, trace, m, texts, prompts, generated, a.command == "generate");
     std::string list;
     for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
     std::fprintf(stderr, "mixlens: wrote %zu tensors to %s: %s\n", names.size(), a.out.c_str(), list.c_str());

@@ -145,17 +145,23 @@ class Model {
 
   Cache new_cache(int64_t batch) const;
   /// One forward call over `batch` starting from `cache` (updated in place). Returns logits
-  /// [B,T,vocab] when `all_logits`, else [B,1,vocab] for the last position. NumericError when a
+  /// [B,T,vocab] when `all_logits`, else [B,1,vocab] for the last position: then the LM head runs
+  /// on the last position only (the [B,T,vocab] block is never built) unless the trace saves,
+  /// edits or reads `logits`, which still get every position. A long call may run as a chunked
+  /// prefill (set_prefill_chunk): same numbers up to float rounding. NumericError when a
   /// value of the call goes NaN / inf (the message names the first one; the cache is then poisoned:
   /// start a new one); ResourceError when the trace's saved values pass their budget.
   /// `cancel` (optional, set from another thread) stops the call between layers with
   /// InterruptedError; the cache is then unspecified (restore a copy() to roll back).
   Tensor forward(const Batch& batch, Cache& cache, Trace* trace = nullptr, bool all_logits = true,
                  const std::atomic<bool>* cancel = nullptr) const;
-  /// Fresh cache + forward of left-padded prompts; logits [B,T,vocab].
-  Tensor run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace = nullptr) const;
-  /// Fresh cache + forward of a prepared batch (e.g. Batch::from_embeddings); logits [B,T,vocab].
-  Tensor run(const Batch& batch, Trace* trace = nullptr, const std::atomic<bool>* cancel = nullptr) const;
+  /// Fresh cache + forward of left-padded prompts; logits [B,T,vocab] (`all_logits` false: [B,1,vocab],
+  /// the last position only, as forward()).
+  Tensor run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace = nullptr, bool all_logits = true) const;
+  /// Fresh cache + forward of a prepared batch (e.g. Batch::from_embeddings); logits [B,T,vocab]
+  /// (`all_logits` false: [B,1,vocab]).
+  Tensor run(const Batch& batch, Trace* trace = nullptr, const std::atomic<bool>* cancel = nullptr,
+             bool all_logits = true) const;
   /// Step 0 runs the prompts, then up to max_new_tokens-1 single-token decode steps.
   GenerationResult generate(const std::vector<std::vector<int32_t>>& prompts,
                             const GenerateOptions& options, Trace* trace = nullptr) const;
@@ -169,6 +175,21 @@ class Model {
   /// restores config.chunk_size), Mamba-1's chunked scan (0 restores its default, 64).
   /// InputError outside [0, 2048] (the kernels' cost grows with the chunk's square).
   void set_chunk_size(int64_t chunk_size);
+
+  /// Chunked prefill: a call longer than `tokens` runs as consecutive calls of `tokens` tokens
+  /// (the last one takes a remainder of 1 too, so no piece is a one-token decode step) carrying the
+  /// cache, so its activations are those of one chunk: a 32k-token prompt needs the memory of a
+  /// 512-token one beyond the cache (and the logits when all of them are returned). It applies
+  /// only when nothing of the call is observed: no listener wants any value of it (no save, edit,
+  /// per-token state or interleaved read/write at that step; checked after begin_call) and the
+  /// batch has no left padding (a chunk of padding only would have no real token). It changes the
+  /// schedule, never the math: logits and cache equal the unchunked call's up to float rounding
+  /// at the chunk boundaries (the SSD / scan chunks restart there from the carried state). The
+  /// call stays one step (Trace::calls() records it once). 0 turns it off. Default
+  /// kDefaultPrefillChunk. InputError when negative.
+  void set_prefill_chunk(int64_t tokens);
+  int64_t prefill_chunk() const;
+  static constexpr int64_t kDefaultPrefillChunk = 512;
 
   /// nnterp's project_on_vocab (logit lens): the final norm (ln_final, as the forward applies it)
   /// then the LM head, on hidden states [..., hidden_size] -> logits [..., vocab_size], float32.

@@ -59,8 +59,9 @@ class Session {
  public:
   /// One forward call of left-padded `prompts` from a fresh cache (Model::run); its step is 0.
   static Session run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace = nullptr);
-  /// One forward call of a prepared batch (ids or Batch::from_embeddings) from a fresh cache.
-  static Session run(const Model& model, Batch batch, Trace* trace = nullptr);
+  /// One forward call of a prepared batch (ids or Batch::from_embeddings) from a fresh cache;
+  /// `all_logits` false: the result's logits are [B,1,V] (the last position, as Model::forward).
+  static Session run(const Model& model, Batch batch, Trace* trace = nullptr, bool all_logits = true);
   /// Model::generate: step 0 is the prompt, steps 1.. single-token decode steps.
   static Session generate(const Model& model, std::vector<std::vector<int32_t>> prompts, GenerateOptions options,
                           Trace* trace = nullptr);

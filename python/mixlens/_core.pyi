@@ -107,6 +107,15 @@ class Model:
 
     def set_chunk_size(self, chunk_size: int) -> None: ...
 
+    @property
+    def prefill_chunk(self) -> int:
+        """
+        Chunked prefill length in tokens (0 = off); see Model::set_prefill_chunk.
+        """
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, arg: int, /) -> None: ...
+
     def project_on_vocab(self, hidden: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)]) -> object:
         """Model::project_on_vocab: final norm + LM head, [..., D] -> [..., V]."""
 
@@ -115,9 +124,9 @@ class Model:
 
     def new_cache(self, batch: int) -> Cache: ...
 
-    def run(self, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> tuple:
+    def run(self, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], all_logits: bool = True) -> tuple:
         """
-        One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): (logits [B,T,V], {'path@step0': array}). Ctrl-C stops it between layers.
+        One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): (logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.
         """
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> tuple:

@@ -71,6 +71,16 @@ def _embeds_input(inputs_embeds: Any, attention_mask: Any) -> tuple[np.ndarray, 
     return arr, mask, single
 
 
+def _all_logits(logits: Any) -> bool:
+    """``logits="all"`` (every position, [B,T,vocab]: the default) or ``"last"`` ([B,1,vocab]: the LM head runs
+    on the last position only, unless ``logits`` is saved or read, which still get every position)."""
+    if logits == "all":
+        return True
+    if logits == "last":
+        return False
+    raise InputError(f"logits={logits!r}: use 'all' (every position, [B,T,vocab]) or 'last' ([B,1,vocab])")
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     """`value` as a Python int if it is an integer (not bool / float) in [lo, hi]; else InputError naming
     the argument and the range (rather than nanobind's "incompatible function arguments")."""
@@ -483,12 +493,15 @@ class Tracer:
 
     def __init__(self, model: "StandardizedTransformer", kind: str, inputs: Optional[Prompt], *,
                  cache: Optional[Cache] = None, saves=None, edits=None, forced_tokens=None, inputs_embeds=None,
-                 attention_mask=None, grad: bool = False, **gen):
+                 attention_mask=None, grad: bool = False, logits: str = "all", **gen):
         self._session = None  # first: __del__ looks at it even when __init__ raised
         self._grad = bool(grad)
         self._grad_session = None  # the finished session whose trace holds the gradient record
         self._grad_reads: list = []  # (path, value) read in the block, given .grad by backward()
         self._logits_leaf = None
+        self._all_logits = _all_logits(logits)
+        if self._grad and not self._all_logits:
+            raise InputError("grad=True needs logits='all': backward takes dMetric/dLogits at every position")
         self._holds_model = False
         self._model = model
         self._kind = kind
@@ -571,12 +584,13 @@ class Tracer:
         core = self._model._core
         e, mask = self._embeds, self._mask
         if self._kind == "trace" and self._cache is None:
-            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask, grad=self._grad)
+            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask, self._all_logits,
+                                              grad=self._grad)
         elif self._kind == "trace":
             if self._cache._busy:
                 raise InputError("this cache is in use by another open trace")
             self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits,
-                                                  True, e, grad=self._grad)
+                                                  self._all_logits, e, grad=self._grad)
             self._cache._busy = True
         elif self._forced is not None:
             self._session = _core.session_teacher_forced(core, self._rows, self._forced, self._saves, self._edits)
@@ -1029,6 +1043,18 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         return self._core.info["vocab_size"]
 
     @property
+    def prefill_chunk(self) -> int:
+        """Chunked prefill length in tokens (default 512; 0 = off). A call longer than this that nobody observes
+        (no save, edit or read of any of its values; no left padding) runs as pieces of this many tokens carrying
+        the cache, so a long prompt needs the memory of one piece beyond the cache. Same numbers up to float
+        rounding at the piece boundaries; still one step. InputError when negative."""
+        return self._core.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, tokens: int) -> None:
+        self._core.prefill_chunk = _check_int("prefill_chunk", tokens, 0, _INT32_MAX)
+
+    @property
     def output_format(self) -> str:
         """'torch' or 'numpy': the type of every value this model hands out (``output=`` at load; settable)."""
         return self._output
@@ -1146,7 +1172,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 
     # -- runs ---------------------------------------------------------------------------------
     def trace(self, inputs: Optional[Prompt] = None, *, cache: Optional[Cache] = None, saves=None, edits=None,
-              inputs_embeds=None, attention_mask=None, grad: bool = False) -> Tracer:
+              inputs_embeds=None, attention_mask=None, grad: bool = False, logits: str = "all") -> Tracer:
         """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
         ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
         every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
@@ -1156,6 +1182,10 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         numpy or torch, with an optional 0/1 ``attention_mask [B,T]`` marking left padding (first calls only);
         ``embed_tokens.output`` then serves them. Embeddings equal to the table rows of some ids give exactly
         the ids' results.
+
+        ``logits="last"``: ``tracer.logits`` is ``[B,1,vocab]`` (the last position) and the LM head runs on that
+        position only (a long prompt never builds ``[B,T,vocab]``); reading or saving ``logits`` still gets every
+        position. Default ``"all"``: ``[B,T,vocab]``.
 
         Threads: one trace is open per model at a time. A trace opened in another thread waits until this one
         ends; a thread (or asyncio task) reading ``model.<value>`` while another one's trace is open gets
@@ -1168,7 +1198,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         of the residual stream per block); after the block, ``tracer.backward(metric)`` computes gradients
         natively (docs/gradients.md)."""
         return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits, inputs_embeds=inputs_embeds,
-                      attention_mask=attention_mask, grad=grad)
+                      attention_mask=attention_mask, grad=grad, logits=logits)
 
     def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -1209,12 +1239,15 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         return [], arr, mask
 
     def run(self, inputs: Optional[Prompt] = None, saves=None, edits=None, *, inputs_embeds=None,
-            attention_mask=None) -> dict:
+            attention_mask=None, logits: str = "all") -> dict:
         """One forward with pre-registered saves / edits (no block): {"logits": [B,T,vocab], path: array}.
-        ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace`. Ctrl-C stops it between layers."""
+        ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace`. ``logits="last"``: ``[B,1,vocab]``, the LM head
+        run on the last position only (a saved ``logits`` still gets every position). Ctrl-C stops it between
+        layers."""
         specs = _save_specs(saves)
+        all_logits = _all_logits(logits)
         rows, embeds, mask = self._input_args(inputs, inputs_embeds, attention_mask)
-        logits, saved = self._core.run(rows, specs, _edit_specs(edits, self._output), embeds, mask)
+        logits, saved = self._core.run(rows, specs, _edit_specs(edits, self._output), embeds, mask, all_logits)
         _check_saved_steps(specs, [0])
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
@@ -1232,18 +1265,20 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         return Cache(self._core.new_cache(_check_int("batch", batch, 1, _INT32_MAX)))
 
     def forward(self, inputs: Optional[Prompt] = None, cache: Optional[Cache] = None, saves=None, edits=None, *,
-                inputs_embeds=None) -> dict:
+                inputs_embeds=None, logits: str = "all") -> dict:
         """One forward call continuing `cache` (updated in place): {"logits": [B,T,vocab], path: array}.
         Several new tokens over a cached state run the chunked kernel from that state. ``inputs_embeds``
         ``[B,T,hidden]`` instead of ids as in :meth:`trace`. Ctrl-C stops it between layers (the cache is
-        then unspecified: ``cache.restore(snapshot)`` rolls back)."""
+        then unspecified: ``cache.restore(snapshot)`` rolls back). ``logits="last"`` as in :meth:`run`."""
+        all_logits = _all_logits(logits)
         if not isinstance(cache, Cache):
             raise InputError("forward needs cache= (a mixlens Cache from model.new_cache)")
         if cache._busy:
             raise InputError("this cache is in use by an open trace")
         specs, step = _save_specs(saves), cache.steps
         rows, embeds, _ = self._input_args(inputs, inputs_embeds, None, continuation=True)
-        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), True, embeds)
+        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), all_logits,
+                                           embeds)
         _check_saved_steps(specs, [step])
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})

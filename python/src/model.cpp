@@ -145,6 +145,8 @@ void init_model(nb::module_& m) {
       .def("id_to_token", [](const Model& mo, int32_t id) { return mo.tokenizer().id_to_token(id); })
       .def_prop_ro("tokenizer_vocab_size", [](const Model& mo) { return mo.tokenizer().vocab_size(); })
       .def("set_chunk_size", &Model::set_chunk_size, nb::arg("chunk_size"))
+      .def_prop_rw("prefill_chunk", &Model::prefill_chunk, &Model::set_prefill_chunk,
+                   "Chunked prefill length in tokens (0 = off); see Model::set_prefill_chunk.")
       .def(
           "project_on_vocab",
           [](const Model& mo, const FloatArray& hidden) {
@@ -165,19 +167,19 @@ void init_model(nb::module_& m) {
           "run",
           [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves,
              const std::vector<EditSpec>& edits, const std::optional<FloatArray>& embeds,
-             const std::vector<uint8_t>& mask) {
+             const std::vector<uint8_t>& mask, bool all_logits) {
             Trace trace;
             register_saves(trace, saves);
             register_edits(trace, edits);
             Batch b = prompt_batch(mo, prompts, embeds, mask);
             Tensor logits = run_interruptible<Tensor>(
-                [&](const std::atomic<bool>* cancel) { return mo.run(b, &trace, cancel); });
+                [&](const std::atomic<bool>* cancel) { return mo.run(b, &trace, cancel, all_logits); });
             return nb::make_tuple(to_numpy(std::move(logits)), saved_dict(trace));
           },
           nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{}, nb::arg("edits") = std::vector<EditSpec>{},
-          nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
+          nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{}, nb::arg("all_logits") = true,
           "One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): "
-          "(logits [B,T,V], {'path@step0': array}). Ctrl-C stops it between layers.")
+          "(logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.")
       .def(
           "generate",
           [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,

@@ -135,15 +135,15 @@ void init_session(nb::module_& m) {
   m.def(
       "session_run",
       [](const Model& mo, const Rows& prompts, const std::vector<SaveSpec>& saves, const std::vector<EditSpec>& edits,
-         const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask, bool grad) {
+         const std::optional<FloatArray>& embeds, const std::vector<uint8_t>& mask, bool all_logits, bool grad) {
         auto p = std::make_unique<PySession>(saves, edits);
         p->trace->enable_grad(grad);
-        p->start(Session::run(mo, prompt_batch(mo, prompts, embeds, mask), p->trace.get()));
+        p->start(Session::run(mo, prompt_batch(mo, prompts, embeds, mask), p->trace.get(), all_logits));
         return p.release();
       },
       nb::arg("model"), nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{},
       nb::arg("edits") = std::vector<EditSpec>{}, nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{},
-      nb::arg("grad") = false, nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
+      nb::arg("all_logits") = true, nb::arg("grad") = false, nb::rv_policy::take_ownership, nb::keep_alive<0, 1>());
   m.def(
       "session_generate",
       [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,

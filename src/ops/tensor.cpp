@@ -9,6 +9,7 @@
 
 #include "mixlens/errors.h"
 #include "ops/dtype.h"
+#include "runtime/arena.h"
 
 namespace mixlens {
 
@@ -46,9 +47,7 @@ Tensor Tensor::uninitialized(Shape shape) {
 
 Tensor::Tensor(Shape shape, float fill) : shape_(std::move(shape)) {
   numel_ = shape_numel(shape_);
-  auto buf = std::shared_ptr<float[]>(new float[static_cast<size_t>(numel_ > 0 ? numel_ : 1)]);
-  data_ = buf.get();
-  storage_ = std::shared_ptr<const void>(buf, buf.get());
+  storage_ = detail::arena_alloc(numel_, &data_);  // large buffers recycle pages (runtime/arena.h)
   if (fill == 0.0f)
     std::memset(data_, 0, sizeof(float) * static_cast<size_t>(numel_));
   else

@@ -163,6 +163,7 @@ struct Model::Impl {
   std::optional<Tokenizer> tokenizer;
   int32_t pad_id = 0;
   std::optional<int32_t> eos_id;
+  int64_t prefill_chunk = Model::kDefaultPrefillChunk;
 };
 
 Model::Model() : impl_(std::make_unique<Impl>()) {}
@@ -252,6 +253,12 @@ void Model::set_chunk_size(int64_t c) {
   impl_->family->set_chunk_size(c);
 }
 
+void Model::set_prefill_chunk(int64_t tokens) {
+  if (tokens < 0) throw InputError("set_prefill_chunk: " + std::to_string(tokens) + " must be >= 0 (0 turns it off)");
+  impl_->prefill_chunk = tokens;
+}
+int64_t Model::prefill_chunk() const { return impl_->prefill_chunk; }
+
 detail::FamilyModel::Head detail::FamilyModel::head() const {
   throw UnsupportedError("family '" + info.family + "' does not declare its LM head yet: project_on_vocab and "
                          "head weights are unavailable (read 'logits' instead)");
@@ -336,26 +343,77 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
     tape = grad::begin_tape(*impl.family, in, st, ctx);
     recorder.emplace(listener, *tape);
     listener = &*recorder;
+    all_logits = true;  // the metric may read any position; backward takes dMetric/dLogits [B,T,vocab]
   }
   if (listener) listener->begin_call(ctx, m.info().num_layers);
-  Tensor logits = impl.family->forward(in, st, listener, ctx, all_logits);
+  // Nobody observes this call: the mask is settled at begin_call and only changes inside a visit,
+  // which an all-zero mask never makes.
+  const bool observed = listener && std::any_of(listener->mask().begin(), listener->mask().end(),
+                                                [](uint32_t w) { return w != 0; });
+  const int64_t C = impl.prefill_chunk;
+  Tensor logits;
+  if (C > 0 && in.seq > C + 1 && !observed && !tape && !in.has_padding()) {
+    logits = chunked_prefill(m, in, st, listener, ctx, all_logits, C);
+  } else {
+    logits = impl.family->forward(in, st, listener, ctx, all_logits);
+    st.seen += in.seq;
+  }
   if (listener) listener->end_call();
   if (tape) {
     tape->logits_shape = logits.shape();
     detail::GradAccess::store(*trace, std::move(tape));
   }
-  st.seen += in.seq;
   st.steps += 1;
   return logits;
 }
 
-Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace) const {
-  return run(Batch::left_padded(prompts, impl_->pad_id), trace);
+Tensor detail::ModelAccess::chunked_prefill(const Model& m, const Batch& in, CacheState& st, Listener* listener,
+                                            const CallCtx& call, bool all_logits, int64_t C) {
+  const FamilyModel& fam = *m.impl_->family;
+  const int64_t B = in.batch, T = in.seq, D = m.info().hidden_size;
+  Tensor all;  // [B,T,V] when every position's logits are returned
+  Tensor logits;
+  for (int64_t t0 = 0; t0 < T;) {
+    // Pieces of C tokens; a last piece of one token joins the one before (never a decode step).
+    int64_t n = std::min(C, T - t0);
+    if (T - t0 - n == 1) n += 1;
+    Batch piece;
+    piece.batch = B;
+    piece.seq = n;
+    piece.ids.resize(static_cast<size_t>(B * n));
+    piece.mask.assign(static_cast<size_t>(B * n), 1);
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(in.ids.begin() + b * T + t0, n, piece.ids.begin() + b * n);
+    if (in.embeds.defined()) {
+      piece.embeds = Tensor({B, n, D});
+      for (int64_t b = 0; b < B; ++b)
+        std::copy_n(in.embeds.data() + (b * T + t0) * D, n * D, piece.embeds.data() + b * n * D);
+    }
+    CallCtx ctx = call;
+    ctx.seq = n;
+    ctx.fresh = st.seen == 0;
+    ctx.kernel = fam.kernel_for(st, n);
+    ctx.check_cancel();
+    logits = fam.forward(piece, st, listener, ctx, all_logits);
+    st.seen += n;
+    if (all_logits) {
+      const int64_t V = logits.size(2);
+      if (!all.defined()) all = Tensor({B, T, V});
+      for (int64_t b = 0; b < B; ++b)
+        std::copy_n(logits.data() + b * n * V, n * V, all.data() + (b * T + t0) * V);
+    }
+    t0 += n;
+  }
+  return all_logits ? all : logits;
 }
 
-Tensor Model::run(const Batch& b, Trace* trace, const std::atomic<bool>* cancel) const {
+Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace, bool all_logits) const {
+  return run(Batch::left_padded(prompts, impl_->pad_id), trace, nullptr, all_logits);
+}
+
+Tensor Model::run(const Batch& b, Trace* trace, const std::atomic<bool>* cancel, bool all_logits) const {
   Cache c = new_cache(b.batch);
-  return forward(b, c, trace, true, cancel);
+  return forward(b, c, trace, all_logits, cancel);
 }
 
 GenerationResult Model::generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,

@@ -12,6 +12,7 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 
 #include "mixlens/errors.h"
 #include "models/family.h"
@@ -180,7 +181,10 @@ struct Session::Impl {
   Impl(const Model& m, Trace* t) : model(m), family(detail::ModelAccess::family(m)), trace(t), listener(*this) {
     const auto values = m.values(1, 1);
     order.assign(static_cast<size_t>((m.info().num_layers + 1) * kNumValues), -1);
-    for (size_t i = 0; i < values.size(); ++i) order[slot(values[i].site)] = 2 * static_cast<int>(i);
+    for (size_t i = 0; i < values.size(); ++i) {
+      order[slot(values[i].site)] = 2 * static_cast<int>(i);
+      path_sites.emplace(values[i].path, values[i].site);
+    }
     // Validate the trace's registrations now, on the caller, rather than at the first request.
     if (trace) detail::TraceListener check(*trace, family);
   }
@@ -313,16 +317,27 @@ struct Session::Impl {
       throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
     std::string base = path;
     const std::optional<int64_t> token = split_token(base);
-    const auto sites = detail::resolve_path(family, base);
-    if (sites.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(sites.size()) + " values");
+    // A canonical path resolves from the table built once (resolve_path builds Model::values()
+    // every time: most of a read's cost on a 24-layer model); anything else goes the long way,
+    // which also words the errors.
+    std::vector<Site> found;
+    if (auto it = path_sites.find(base); it != path_sites.end()) {
+      found.push_back(it->second);
+    } else if (base.size() > 18 && base.compare(base.size() - 18, 18, ".linear_attn.state") == 0 &&
+               (it = path_sites.find(base + "s")) != path_sites.end()) {
+      found.push_back({it->second.layer, Value::state});
+    } else {
+      found = detail::resolve_path(family, base);
+    }
+    if (found.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(found.size()) + " values");
     check_step(step, path, verb);
-    if ((sites[0].value == Value::state) != token.has_value())
+    if ((found[0].value == Value::state) != token.has_value())
       throw UnknownValueError("value path '" + path + "': " +
                               (token ? std::string("only 'linear_attn.state' takes a token suffix '@t<t>'")
                                      : "'state' is addressed per token, e.g. '" + base + "@t5' (negative counts from the end)"));
     // Tokens resolve against the call's length: the prompt's padded length at the first step, 1 after.
     const int64_t t = token ? resolve_token(*token, step == first_step ? first_seq : 1, path) : -1;
-    return {{step, order_of(sites[0]), t}, sites[0], true};
+    return {{step, order_of(found[0]), t}, found[0], true};
   }
   void check_step(int step, const std::string& path, const char* verb) const {
     if (step < first_step || step > last_step) {
@@ -400,6 +415,7 @@ struct Session::Impl {
   const detail::FamilyModel& family;
   Trace* trace;
   std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
+  std::unordered_map<std::string, Site> path_sites;  // canonical path -> site (Model::values())
   int first_step = 0, last_step = 0;
   int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
 
@@ -463,14 +479,14 @@ Session Session::run(const Model& model, std::vector<std::vector<int32_t>> promp
   return run(model, Batch::left_padded(prompts, model.pad_token_id()), trace);  // validates now, on the caller
 }
 
-Session Session::run(const Model& model, Batch batch, Trace* trace) {
+Session Session::run(const Model& model, Batch batch, Trace* trace, bool all_logits) {
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_seq = batch.seq;
   const std::atomic<bool>* cancel = &impl->cancel;
-  impl->start_worker([&model, trace, batch = std::move(batch), cancel](detail::Listener* l) {
+  impl->start_worker([&model, trace, batch = std::move(batch), cancel, all_logits](detail::Listener* l) {
     Cache cache = model.new_cache(batch.batch);
     SessionResult r;
-    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, true, cancel));
+    r.logits.push_back(detail::ModelAccess::forward(model, batch, cache, trace, l, all_logits, cancel));
     r.steps = 1;
     return r;
   });
