@@ -47,9 +47,11 @@ Tensor Tensor::uninitialized(Shape shape) {
 
 Tensor::Tensor(Shape shape, float fill) : shape_(std::move(shape)) {
   numel_ = shape_numel(shape_);
-  storage_ = detail::arena_alloc(numel_, &data_);  // large buffers recycle pages (runtime/arena.h)
+  float* buf = nullptr;
+  storage_ = detail::arena_alloc(numel_, &buf);  // large buffers recycle pages (runtime/arena.h)
+  data_ = buf;
   if (fill == 0.0f)
-    std::memset(data_, 0, sizeof(float) * static_cast<size_t>(numel_));
+    std::memset(buf, 0, sizeof(float) * static_cast<size_t>(numel_));
   else
     for (int64_t i = 0; i < numel_; ++i) buf[i] = fill;
 }
