@@ -18,22 +18,39 @@ export ASAN_OPTIONS  ?= detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS  ?= halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup build bench bench-state-after clean docs
+.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-state-after clean docs wheel stubs
 
+# `setup`: what building and `make demo` need (requirements-build.txt: no torch / transformers);
+# `setup-dev`: the test dependencies on top (requirements-dev.txt), for make test / docs / bench.
 setup: $(VENV)/.setup-done
-$(VENV)/.setup-done: scripts/setup.sh requirements-dev.txt
+$(VENV)/.setup-done: scripts/setup.sh requirements-build.txt
 	bash scripts/setup.sh
 	touch $@
+setup-dev: $(VENV)/.setup-dev-done
+$(VENV)/.setup-dev-done: scripts/setup.sh requirements-build.txt requirements-dev.txt
+	bash scripts/setup.sh --dev
+	touch $(VENV)/.setup-done $@
 
-# One CMake build (build/py) serves the Python package, the native CLI and the C++ tests.
+# One CMake build (build/py) serves the Python package, the native CLI and the C++ tests (wheel
+# builds use a temporary folder and no tests: pyproject.toml).
 build: setup
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --no-build-isolation --no-deps .
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --no-build-isolation --no-deps \
+	  -C build-dir=build/py -C cmake.define.MIXLENS_TESTS=ON .
+
+# A wheel that works on other Linux machines: built without tests or -march=native, its shared
+# libraries (OpenBLAS, PCRE2, utf8proc, ...) bundled by auditwheel; lands in wheelhouse/.
+wheel: setup-dev
+	bash scripts/build_wheel.sh wheelhouse
+
+# The committed type stubs of the native module (tests/python/test_packaging.py checks they are current).
+stubs: build
+	$(PY) -m nanobind.stubgen -q -m mixlens._core -o python/mixlens/_core.pyi
 
 demo: build
 	$(VENV)/bin/mixlens generate "$(PROMPT)" --max-new-tokens 60 --greedy
 
 # SKIP_SANITIZE=1 leaves out the sanitizer / fuzz part for quick local iterations (CI never sets it).
-test: build
+test: setup-dev build
 	ctest --test-dir build/py --output-on-failure -j $(JOBS)
 	$(PY) -m pytest -q tests/python
 	$(if $(SKIP_SANITIZE),@echo "test: sanitizer and fuzz checks skipped (SKIP_SANITIZE)",$(MAKE) --no-print-directory test-sanitize)
@@ -78,7 +95,7 @@ fuzz: build/asan/.configured
 	done
 
 # Speed vs transformers, measured in the same run (not tests); tables land in bench/results/.
-bench: build
+bench: setup-dev build
 	$(PY) bench/bench_mamba2.py
 	$(PY) bench/bench_mamba.py
 	$(PY) bench/bench_qwen3_5.py
@@ -86,12 +103,12 @@ bench: build
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.
-bench-state-after: build
+bench-state-after: setup-dev build
 	$(PY) bench/bench_state_after.py $(BENCH_ARGS)
 
 # API reference generated from the docstrings (pdoc), into build/docs.
-docs: build
+docs: setup-dev build
 	$(PY) -m pdoc mixlens mixlens.interventions -o build/docs
 
 clean:
-	rm -rf build
+	rm -rf build wheelhouse

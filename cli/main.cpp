@@ -1,4 +1,5 @@
 // mixlens command-line tool: a thin front end over the library (flag parsing and printing only).
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "mixlens/errors.h"
+#include "mixlens/extract.h"
 #include "mixlens/model.h"
 #include "mixlens/tools.h"
 
@@ -26,6 +28,10 @@ usage:
   mixlens run      [--model DIR|HUB_ID] PROMPT... --save PATH ... --out FILE [--ids]
   mixlens inspect  [--model DIR|HUB_ID] [--prompt-length T]
   mixlens tokenize [--model DIR|HUB_ID] TEXT
+  mixlens extract  [--model DIR|HUB_ID] PROMPTS_FILE --values PATH ... --out DIR
+                   [--batch-size N] [--positions all|last|mask] [--text-field F] [--mask-field F]
+                   [--shard-bytes N] [--max-bytes N] [--hash-prompts]
+  mixlens --version
 
   --model      checkpoint folder or hub id from the local HuggingFace cache
                (default: $MIXLENS_MODEL, else the model shipped with mixlens)
@@ -36,6 +42,18 @@ usage:
                with a JSON "mixlens" metadata entry (model, prompts, token ids)
   --ids        PROMPT is comma-separated token ids instead of text
   several PROMPTs run as one left-padded batch
+
+extract: run every prompt of PROMPTS_FILE (.jsonl: one object per line with a "text" field; else
+plain text, one prompt per line) and write the values of their real tokens to DIR as sharded
+safetensors + index.json (layout: docs/extract.md). A rerun with the same arguments resumes: shards
+already written are skipped.
+  --values PATH      value paths as for --save (repeatable, or comma-separated)
+  --batch-size N     prompts per forward (left-padded batch; default 8)
+  --positions P      all (every token, default), last (the last token), or mask (the 0/1 list in
+                     each jsonl line's --mask-field, default "mask")
+  --shard-bytes N    data bytes per shard (default 256M; K/M/G suffixes = 2^10/2^20/2^30)
+  --max-bytes N      refuse to start when the estimated output is larger (default: no limit)
+  --hash-prompts     index.json keeps FNV-1a hashes of the prompts instead of their text
 )";
 
 struct Args {
@@ -46,6 +64,12 @@ struct Args {
   bool greedy = false, sampling_flag = false, ids = false;
   mixlens::GenerateOptions gen;
   int64_t prompt_length = 8;
+  // extract
+  std::vector<std::string> values;
+  int64_t batch_size = 8;
+  std::string positions = "all", text_field = "text", mask_field;
+  uint64_t shard_bytes = 256ull << 20, max_bytes = 0;
+  bool hash_prompts = false;
 };
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -76,10 +100,27 @@ T parse_number(const std::string& flag, const std::string& v) {
   }
 }
 
+// "4096", "64K", "256M", "2G" (binary multiples).
+uint64_t parse_bytes(const std::string& flag, std::string v) {
+  uint64_t mult = 1;
+  if (!v.empty()) {
+    const char c = static_cast<char>(std::toupper(static_cast<unsigned char>(v.back())));
+    const int shift = c == 'K' ? 10 : c == 'M' ? 20 : c == 'G' ? 30 : c == 'T' ? 40 : 0;
+    if (shift) mult = uint64_t{1} << shift, v.pop_back();
+  }
+  const uint64_t n = parse_number<uint64_t>(flag, v);
+  if (n > std::numeric_limits<uint64_t>::max() / mult) usage_error(flag + " is too large");
+  return n * mult;
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   if (argc < 2) usage_error("no command given");
   a.command = argv[1];
+  if (a.command == "--version" || a.command == "-V" || a.command == "version") {
+    std::printf("mixlens %s\n", mixlens::version().c_str());
+    std::exit(0);
+  }
   if (a.command == "--help" || a.command == "-h" || a.command == "help") {
     std::fputs(kUsage, stdout);
     std::exit(0);
@@ -101,6 +142,18 @@ Args parse(int argc, char** argv) {
     else if (f == "--seed") a.gen.seed = parse_number<uint64_t>(f, value()), a.sampling_flag = true;
     else if (f == "--prompt-length") a.prompt_length = parse_number<int64_t>(f, value());
     else if (f == "--ids") a.ids = true;
+    else if (f == "--values") {
+      std::stringstream ss(value());
+      std::string p;
+      while (std::getline(ss, p, ','))
+        if (!p.empty()) a.values.push_back(p);
+    } else if (f == "--batch-size") a.batch_size = parse_number<int64_t>(f, value());
+    else if (f == "--positions") a.positions = value();
+    else if (f == "--text-field") a.text_field = value();
+    else if (f == "--mask-field") a.mask_field = value();
+    else if (f == "--shard-bytes") a.shard_bytes = parse_bytes(f, value());
+    else if (f == "--max-bytes") a.max_bytes = parse_bytes(f, value());
+    else if (f == "--hash-prompts") a.hash_prompts = true;
     else if (f == "--help" || f == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -126,8 +179,67 @@ std::string join_ids(const std::vector<int32_t>& ids) {
   return s + "]";
 }
 
+std::string human_bytes(uint64_t b) {
+  char buf[32];
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return buf;
+}
+
+std::string clock_str(double s) {
+  const long long t = static_cast<long long>(s + 0.5);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", t / 3600, t / 60 % 60, t % 60);
+  return buf;
+}
+
+int run_extract(const Args& a, const std::string& model_path) {
+  if (a.positional.size() != 1) usage_error("extract takes exactly one PROMPTS_FILE");
+  if (a.values.empty()) usage_error("extract needs --values PATH ...");
+  if (a.out.empty()) usage_error("extract needs --out DIR");
+  if (!a.saves.empty()) usage_error("extract takes --values, not --save");
+  const std::string mask_field = a.mask_field.empty() && a.positions == "mask" ? "mask" : a.mask_field;
+  if (!mask_field.empty() && a.positions != "mask") usage_error("--mask-field needs --positions mask");
+  const auto prompts = mixlens::read_prompts_file(a.positional[0], a.text_field, mask_field);
+  mixlens::Model m = mixlens::Model::load(model_path);
+  mixlens::ExtractOptions o;
+  o.values = a.values;
+  o.batch_size = a.batch_size;
+  o.positions = a.positions;
+  o.shard_bytes = a.shard_bytes;
+  o.max_bytes = a.max_bytes;
+  o.store_prompts = !a.hash_prompts;
+  const mixlens::ExtractPlan plan = mixlens::plan_extraction(m, prompts, o);
+  std::fprintf(stderr, "mixlens: extract %zu prompts, %lld rows, %zu values -> %s in %zu shards (about %s)\n",
+               plan.ids.size(), static_cast<long long>(plan.total_rows), plan.values.size(), a.out.c_str(),
+               plan.shards.size(), human_bytes(plan.total_bytes).c_str());
+  mixlens::ExtractRunOptions run;
+  double last = -1;
+  run.on_progress = [&](const mixlens::ExtractProgress& p) {
+    const bool end = p.shards_done == p.shards_total;  // the last report
+    if (!end && p.elapsed_s - last < 0.5) return;  // at most two lines a second
+    last = p.elapsed_s;
+    const int64_t fresh = p.prompts_done - p.prompts_skipped;  // rate of this run's forwards only
+    const double rate = p.elapsed_s > 0 ? static_cast<double>(fresh) / p.elapsed_s : 0;
+    const std::string eta = rate > 0 ? clock_str(static_cast<double>(p.prompts_total - p.prompts_done) / rate) : "?";
+    std::fprintf(stderr, "\rextract: %lld/%lld prompts  shard %lld/%lld  %s/%s  %.1f prompts/s  ETA %s   ",
+                 static_cast<long long>(p.prompts_done), static_cast<long long>(p.prompts_total),
+                 static_cast<long long>(p.shards_done), static_cast<long long>(p.shards_total),
+                 human_bytes(p.bytes_done).c_str(), human_bytes(p.bytes_total).c_str(), rate, eta.c_str());
+    if (end) std::fputc('\n', stderr);
+  };
+  const auto sum = mixlens::extract(m, plan, a.out, run);
+  std::fprintf(stderr, "mixlens: %lld shards written, %lld already complete (resumed); index: %s/index.json\n",
+               static_cast<long long>(sum.shards_written), static_cast<long long>(sum.shards_skipped), a.out.c_str());
+  return 0;
+}
+
 int run_command(const Args& a) {
   const std::string model_path = a.model.empty() ? mixlens::default_model_path() : a.model;
+  if (a.command == "extract") return run_extract(a, model_path);
   if (a.command == "inspect") {
     if (!a.positional.empty()) usage_error("inspect takes no positional arguments");
     if (a.prompt_length < 1) usage_error("--prompt-length must be >= 1");

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything mixlens needs on a fresh Debian machine: the C++ libraries from Debian's
-# packages and a project-local virtual environment (.venv) with the Python side.
+# packages and a project-local virtual environment (.venv) with the Python side:
+# requirements-build.txt (building, `make demo`), and with --dev requirements-dev.txt too (tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,4 +21,7 @@ fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -r requirements-dev.txt
+.venv/bin/python -m pip install -q -r requirements-build.txt
+if [ "${1:-}" = "--dev" ]; then
+  .venv/bin/python -m pip install -q -r requirements-dev.txt
+fi

@@ -7,8 +7,15 @@
 
 namespace mixlens {
 
-/// The model used when none is given: $MIXLENS_MODEL, else the small Mamba-2 shipped in the
-/// repository (models/mamba2-tinystories).
+/// The mixlens version ("0.1.0"): CMakeLists.txt's project(VERSION), the one source of the version
+/// (the Python package's metadata reads it from there too).
+std::string version();
+
+/// The model used when none is given: $MIXLENS_MODEL, else the small Mamba-2 shipped in the Python
+/// package installed next to this executable (SITE/mixlens.scripts/EXE -> SITE/mixlens/models/
+/// mamba2-tinystories for a wheel repaired by auditwheel; PREFIX/bin/EXE -> PREFIX/lib/python3*/
+/// {site,dist}-packages/mixlens/models/mamba2-tinystories otherwise), else the repository's
+/// models/mamba2-tinystories (development builds).
 std::string default_model_path();
 
 /// The one hub resolver (also behind Model::load and mixlens.hub.resolve): the snapshot folder of

@@ -33,6 +33,10 @@ repository; ``model.values()`` lists them with shapes and meanings, and
 ``mixlens.load()`` / ``StandardizedTransformer()`` with no path load :func:`default_model_path`:
 ``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the repository (``models/mamba2-tinystories``).
 
+Datasets: :func:`extract` / ``model.extract(prompts_or_file_or_dataset, values=..., out=DIR)`` writes
+values of many prompts to sharded safetensors + index.json (resumable; ``ray=True`` on a Ray cluster),
+:func:`open_extraction` reads them back (docs/extract.md).
+
 Also: :func:`route_kernels` (force the chunked / recurrent algorithm per family),
 :func:`chunk_per_token`, :mod:`mixlens.hub` (hub ids in the local cache, the C++ resolver), and the exception
 classes (all :class:`MixlensError`).
@@ -59,8 +63,10 @@ from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
 from . import interventions
 from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
+from ._extract import Extraction, extract, extract_ray, open_extraction
 
-__version__ = "0.1.0"
+# One source: CMakeLists.txt's project(VERSION), compiled into the core (and read by the package metadata).
+__version__: str = _core.version()
 
 LanguageModel = StandardizedTransformer  # nnsight spelling
 
@@ -73,6 +79,10 @@ __all__ = [
     "ValueArray",
     "Cache",
     "Tokenizer",
+    "extract",
+    "extract_ray",
+    "open_extraction",
+    "Extraction",
     "route_kernels",
     "chunk_per_token",
     "hub",

@@ -1129,6 +1129,13 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
+    def extract(self, inputs, values, out, **kwargs) -> dict:
+        """Dataset-scale extraction to sharded safetensors + index.json (resumable; ``ray=True`` for a Ray
+        cluster): see :func:`mixlens.extract` for the arguments, docs/extract.md for the layout."""
+        from . import _extract
+
+        return _extract.extract(self, inputs, values, out, **kwargs)
+
     def new_cache(self, batch: int = 1) -> Cache:
         """An empty cache for `batch` rows, for ``forward`` / ``trace(..., cache=)`` continuations."""
         return Cache(self._core.new_cache(_check_int("batch", batch, 1, _INT32_MAX)))
@@ -1155,12 +1162,14 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 def default_model_path() -> str:
     """The model loaded when no path is given (same rule as the ``mixlens`` CLI and the C++
     ``mixlens::default_model_path()``): ``$MIXLENS_MODEL`` when set, else the Mamba-2 shipped in the
-    repository mixlens was built from (``<repo>/models/mamba2-tinystories``). InputError when neither
+    installed package (``mixlens/models/mamba2-tinystories``, package data of the wheel), else the one in
+    the repository mixlens was built from (``<repo>/models/mamba2-tinystories``). InputError when none
     exists."""
     env = os.environ.get("MIXLENS_MODEL")
     if env:
         return env
-    candidates = []
+    # Installed from a wheel: the model ships as package data (mixlens/models/mamba2-tinystories).
+    candidates = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "mamba2-tinystories")]
     if hasattr(_core, "default_model_path"):
         candidates.append(_core.default_model_path())  # $MIXLENS_MODEL unset: the compiled-in repo path
     # A source checkout on sys.path (python/mixlens -> <repo>/models/...).

@@ -10,6 +10,7 @@ namespace mixlens::py {
 void init_errors(nb::module_& m);
 void init_model(nb::module_& m);
 void init_session(nb::module_& m);
+void init_extract(nb::module_& m);
 
 GenerateOptions make_options(int max_new_tokens, bool greedy, float temperature, int top_k, float top_p,
                              uint64_t seed, std::optional<int32_t> eos_token_id);

@@ -84,8 +84,9 @@ nb::list values_list(const Model& m, int64_t batch, int64_t seq) {
 
 void init_model(nb::module_& m) {
   m.def("default_model_path", &default_model_path,
-        "The model used when none is given: $MIXLENS_MODEL, else the shipped models/mamba2-tinystories (the path "
-        "of the source tree this module was built from).");
+        "The model used when none is given: $MIXLENS_MODEL, else the models/mamba2-tinystories shipped in an "
+        "installed package next to the running executable's prefix, else the source tree's (mixlens::"
+        "default_model_path; mixlens.default_model_path() looks in this package first).");
   m.def("resolve_hub_id", &resolve_hub_id, nb::arg("hub_id"), nb::arg("cache_dir") = "",
         "Snapshot folder of 'owner/name[@revision]' in the local HuggingFace cache (the C++ resolver "
         "Model.load uses; never leaves the cache). CheckpointError when absent.");

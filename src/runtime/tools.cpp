@@ -1,6 +1,8 @@
 #include "mixlens/tools.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -11,11 +13,41 @@
 #define MIXLENS_DEFAULT_MODEL_DIR "models/mamba2-tinystories"
 #endif
 
+#ifndef MIXLENS_VERSION
+#error "MIXLENS_VERSION must be defined by the build (CMakeLists.txt project VERSION)"
+#endif
+
 namespace mixlens {
+
+std::string version() { return MIXLENS_VERSION; }
 
 std::string default_model_path() {
   if (const char* env = std::getenv("MIXLENS_MODEL"); env && *env) return env;
-  return MIXLENS_DEFAULT_MODEL_DIR;
+  // Installed from a wheel: the CLI is PREFIX/bin/mixlens and the model ships in the Python package,
+  // PREFIX/lib/pythonX.Y/{site,dist}-packages/mixlens/models/ (venv, --user and system layouts).
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    // auditwheel moves the CLI into site-packages/mixlens.scripts/ (bin/mixlens is a launcher).
+    if (const fs::path m = exe.parent_path().parent_path() / "mixlens" / "models" / "mamba2-tinystories";
+        fs::is_regular_file(m / "config.json", ec))
+      return m.lexically_normal().string();
+    const fs::path prefix = exe.parent_path().parent_path();
+    for (const char* lib : {"lib", "lib64"}) {
+      std::vector<fs::path> found;
+      for (fs::directory_iterator it(prefix / lib, ec), end; !ec && it != end; it.increment(ec))
+        if (it->path().filename().string().rfind("python3", 0) == 0)
+          for (const char* site : {"site-packages", "dist-packages"}) {
+            const fs::path m = it->path() / site / "mixlens" / "models" / "mamba2-tinystories";
+            if (fs::is_regular_file(m / "config.json", ec)) found.push_back(m);
+          }
+      std::sort(found.begin(), found.end());  // deterministic when several Pythons have it
+      if (!found.empty()) return found.back().string();
+      ec.clear();
+    }
+  }
+  return MIXLENS_DEFAULT_MODEL_DIR;  // the source tree of a development build
 }
 
 std::string resolve_hub_id(const std::string& hub_id, const std::string& cache_dir) {

@@ -5,6 +5,7 @@ ragged writes, and Ctrl-C during a long generation."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import shutil
 import signal
 import threading
@@ -168,8 +169,13 @@ def test_load_without_a_path_uses_mixlens_model_then_the_shipped_model(monkeypat
     monkeypatch.delenv("MIXLENS_MODEL")
     if not (SHIPPED_MODEL / "config.json").is_file():
         pytest.skip("the shipped model is not in this checkout")
-    assert os.path.samefile(mixlens.default_model_path(), SHIPPED_MODEL)
-    assert os.path.samefile(mixlens.load().info["path"], SHIPPED_MODEL)
+    # The copy shipped in the installed package (package data), else the repository's.
+    shipped = os.path.join(os.path.dirname(mixlens.__file__), "models", "mamba2-tinystories")
+    want = shipped if os.path.isdir(shipped) else str(SHIPPED_MODEL)
+    assert os.path.samefile(mixlens.default_model_path(), want)
+    assert os.path.samefile(mixlens.load().info["path"], want)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (Path(want) / f).read_bytes() == (SHIPPED_MODEL / f).read_bytes()
 
 
 # ---- 6. docstrings point at files a clone has --------------------------------------------------------

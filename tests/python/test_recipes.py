@@ -28,7 +28,7 @@ def run_script(path_or_code, cwd, *args):
 def test_there_are_recipes():
     names = {p.stem for p in RECIPES}
     assert {"logit_lens", "activation_patching", "steering", "skip_token_betas", "generation_steps", "plots",
-                     "patch_state"} <= names
+                     "patch_state", "extract_dataset"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

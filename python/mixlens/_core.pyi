@@ -1,0 +1,214 @@
+"""
+mixlens native core: models, traces and the interleaving Session (use the `mixlens` package)
+"""
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+from mixlens.errors import (
+    CheckpointError as CheckpointError,
+    ConfigError as ConfigError,
+    InputError as InputError,
+    InterruptedRunError as InterruptedRunError,
+    MixlensError as MixlensError,
+    NumericError as NumericError,
+    OutOfOrderError as OutOfOrderError,
+    ResourceError as ResourceError,
+    TokenizerError as TokenizerError,
+    UnknownValueError as UnknownValueError,
+    UnsupportedError as UnsupportedError,
+    WriteError as WriteError
+)
+
+
+def default_model_path() -> str:
+    """
+    The model used when none is given: $MIXLENS_MODEL, else the models/mamba2-tinystories shipped in an installed package next to the running executable's prefix, else the source tree's (mixlens::default_model_path; mixlens.default_model_path() looks in this package first).
+    """
+
+def resolve_hub_id(hub_id: str, cache_dir: str = '') -> str:
+    """
+    Snapshot folder of 'owner/name[@revision]' in the local HuggingFace cache (the C++ resolver Model.load uses; never leaves the cache). CheckpointError when absent.
+    """
+
+def hub_cache_dir() -> str:
+    """The HuggingFace cache resolve_hub_id uses by default, read now."""
+
+def route_kernels(family: str, route: str) -> None:
+    """
+    Force the recurrent-mixer algorithm of a family process-wide: 'recurrent', 'chunked' or 'default'.
+    """
+
+def kernel_route(family: str) -> str: ...
+
+def set_chunk_size(model: Model, chunk_size: int) -> None:
+    """
+    Mamba-2 chunk size override (1 = chunk_per_token); 0 restores config.chunk_size.
+    """
+
+class Cache:
+    """
+    Cached recurrent state of a batch (conv windows and SSM states per layer).
+    """
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def seen_tokens(self) -> int: ...
+
+    @property
+    def steps(self) -> int:
+        """forward calls made with this cache (the next call's step index)"""
+
+    def copy(self) -> Cache:
+        """
+        An independent deep copy (conv windows, recurrent states, KV entries, counters), bitwise.
+        """
+
+    def restore(self, snapshot: Cache) -> None:
+        """
+        Make this cache bitwise equal to `snapshot` (a copy() of a cache of the same model and batch).
+        """
+
+class Model:
+    @staticmethod
+    def load(path: str) -> Model: ...
+
+    @property
+    def info(self) -> dict: ...
+
+    def values(self, batch: int = 1, seq: int = 1) -> list: ...
+
+    def support(self) -> dict[str, dict[int, str]]: ...
+
+    @property
+    def has_tokenizer(self) -> bool: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_to_id(self, arg: str, /) -> int | None: ...
+
+    def id_to_token(self, arg: int, /) -> str: ...
+
+    @property
+    def tokenizer_vocab_size(self) -> int: ...
+
+    def set_chunk_size(self, chunk_size: int) -> None: ...
+
+    def project_on_vocab(self, hidden: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)]) -> object:
+        """Model::project_on_vocab: final norm + LM head, [..., D] -> [..., V]."""
+
+    def head_weight(self, role: str) -> object:
+        """A copy of the 'embed_tokens', 'ln_final' or 'lm_head' weight."""
+
+    def new_cache(self, batch: int) -> Cache: ...
+
+    def run(self, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> tuple:
+        """
+        One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): (logits [B,T,V], {'path@step0': array}). Ctrl-C stops it between layers.
+        """
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> tuple:
+        """
+        (new tokens per prompt, steps, {'path@step{k}': array}). Ctrl-C stops it between layers.
+        """
+
+    def forward(self, rows: Sequence[Sequence[int]], cache: Cache, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], all_logits: bool = True, embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None) -> tuple:
+        """
+        One forward call continuing `cache` (updated in place): (logits, saved). Ctrl-C stops it between layers (the cache is then unspecified: restore a copy()).
+        """
+
+class Session:
+    """
+    A forward running on a worker thread, paused where read()/write() ask (mixlens/session.h).
+    """
+
+    def read(self, step: int, path: str) -> object: ...
+
+    def write(self, step: int, path: str, value: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)]) -> None: ...
+
+    def reach_step(self, step: int) -> bool: ...
+
+    def finish(self) -> dict: ...
+
+    def close(self) -> None:
+        """Abort the run if it is still going (idempotent)."""
+
+    @property
+    def in_forward(self) -> bool:
+        """
+        True on this session's worker thread (inside the forward: a pre-registered edit function).
+        """
+
+    @property
+    def first_step(self) -> int: ...
+
+    @property
+    def last_step(self) -> int: ...
+
+    @property
+    def calls(self) -> list: ...
+
+    @property
+    def where(self) -> str: ...
+
+def session_run(model: Model, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> Session: ...
+
+def session_generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> Session: ...
+
+def session_teacher_forced(model: Model, prompts: Sequence[Sequence[int]], forced: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = []) -> Session: ...
+
+def session_forward(model: Model, rows: Sequence[Sequence[int]], cache: Cache, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], all_logits: bool = True, embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None) -> Session: ...
+
+def read_prompts_file(path: str, text_field: str = 'text', mask_field: str = '') -> list[tuple[str, list[int], list[int]]]:
+    """
+    mixlens::read_prompts_file: [(text, ids=[], mask)] from a .jsonl or plain-text prompts file.
+    """
+
+class ExtractPlan:
+    """mixlens::ExtractPlan: tokens, rows and shards decided before a run."""
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def total_rows(self) -> int: ...
+
+    @property
+    def num_prompts(self) -> int: ...
+
+    @property
+    def num_shards(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def values(self) -> list[str]: ...
+
+def plan_extraction(model: Model, prompts: Sequence[tuple[str, Sequence[int], Sequence[int]]], values: Sequence[str], batch_size: int, positions: str, shard_bytes: int, max_bytes: int, store_prompts: bool) -> ExtractPlan:
+    """
+    mixlens::plan_extraction (ResourceError past max_bytes, naming both numbers).
+    """
+
+def extract(model: Model, plan: ExtractPlan, out: str, only_shards: Sequence[int] | None = None, write_index: bool = True, on_progress: object | None = None) -> dict:
+    """
+    mixlens::extract: runs the plan into folder `out` (resumes; Ctrl-C stops it between layers).
+    """
+
+def version() -> str:
+    """
+    mixlens::version(): CMakeLists.txt's project(VERSION), the one version source.
+    """
