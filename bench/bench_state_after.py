@@ -25,7 +25,9 @@ each, at --tokens tokens, batch 1, it times:
     token-by-token kernel, the only way it yields the state after every token), taking every
     layer's recurrent state after each token and reducing it to its norm as the mixlens block
     does. Skipped with --no-hf. transformers is loaded only after mixlens' copy of the model is
-    freed (the Qwen3.5-0.8B run peaks near 4 GiB).
+    freed. Memory: the Qwen3.5-0.8B run at 1,024 tokens peaked at 5.4 GB resident (1.7 GB of float32
+    weights, a 1 GB `states` stack, the [1,1024,248320] logits of 1 GB and their Python copy); use
+    --tokens 512 where 4 GiB is the limit.
 Targets (issue 7): states of all layers <= 3x plain; one layer's states, set_state_after and
 state_after <= 1.3x plain; mixlens' all-layer states >= 20x faster than the transformers token loop.
 
@@ -203,7 +205,7 @@ def bench(family: str, args) -> list[dict]:
     for r in rows:
         print(row_text(r), flush=True)
     if not args.no_hf:
-        del ml
+        del ml, fns, read_states  # the closures hold the model: free it before transformers loads its copy
         gc.collect()
         n = args.hf_tokens
         hf = []
