@@ -287,8 +287,10 @@ int run_command(const Args& a) {
     }
   }
   if (!a.out.empty()) {
-    mixlens::write_trace(a.out, trace, m, a.positional, prompts, generated, a.command == "generate");
-    std::fprintf(stderr, "mixlens: wrote %zu tensors to %s\n", trace.saved().size(), a.out.c_str());
+    const auto names = mixlens::write_trace(a.out, trace, m, a.positional, prompts, generated, a.command == "generate");
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    std::fprintf(stderr, "mixlens: wrote %zu tensors to %s: %s\n", names.size(), a.out.c_str(), list.c_str());
   } else if (!a.saves.empty()) {
     for (const auto& [k, t] : trace.saved()) std::fprintf(stderr, "%s %s\n", k.c_str(), mixlens::shape_str(t.shape()).c_str());
   }

@@ -29,8 +29,13 @@ class Tensor {
   static Tensor from(Shape shape, const std::vector<float>& values);
   /// Non-owning view over external memory kept alive by `owner` (e.g. a memory-mapped file).
   static Tensor borrow(Shape shape, const float* data, std::shared_ptr<const void> owner);
+  /// Tensor of the given shape whose contents are left uninitialised: for buffers a kernel fills
+  /// entirely (zeroing hundreds of MiB first would be a pass of its own).
+  static Tensor uninitialized(Shape shape);
 
   bool defined() const { return storage_ != nullptr; }
+  /// True when no other Tensor (a copy, a reshape, an array handed to Python) shares the storage.
+  bool sole_owner() const { return storage_ != nullptr && storage_.use_count() == 1; }
   const Shape& shape() const { return shape_; }
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
   /// Size of dimension i (negative i counts from the end).

@@ -35,8 +35,9 @@ std::string describe_model(const Model& model, int64_t prompt_length);
 /// "PATH@step{k}" when `per_step`, else "PATH"), plus metadata "mixlens" = JSON {model, prompts,
 /// prompt_ids, generated_ids}, and the left-padded prompt batch as int64 tensors "input_ids" and
 /// "attention_mask" [B,T] (1 = real token), as transformers' tokenizer(padding_side="left") gives
-/// them. CheckpointError if the file cannot be written.
-void write_trace(const std::string& file, const Trace& trace, const Model& model,
+/// them. Returns the names of the tensors written, in file order (the saved paths, then
+/// "input_ids" and "attention_mask"). CheckpointError if the file cannot be written.
+std::vector<std::string> write_trace(const std::string& file, const Trace& trace, const Model& model,
                  const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
                  const std::vector<std::vector<int32_t>>& generated_ids, bool per_step);
 

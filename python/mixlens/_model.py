@@ -824,13 +824,15 @@ class Tracer:
 
     @property
     def tokens(self):
-        """generate: the new token ids per prompt (a single list for a single prompt)."""
+        """generate: the new token ids, a list per row when the input had a batch dimension (a list of
+        prompts / rows, a [B,T] array, [B,T,hidden] inputs_embeds; B = 1 included), else one flat list (a
+        string, flat ids, a [T] array, [T,hidden] inputs_embeds): the same for ids and embeddings."""
         toks = self._done()["new_tokens"]
         return toks[0] if self._single else toks
 
     @property
     def text(self):
-        """generate: the decoded new tokens per prompt (a single str for a single prompt)."""
+        """generate: the decoded new tokens, shaped as :attr:`tokens` (a str per row, or one str)."""
         toks = self._done()["new_tokens"]
         texts = [self._model.tokenizer.decode(t) for t in toks]
         return texts[0] if self._single else texts

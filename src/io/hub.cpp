@@ -134,6 +134,14 @@ fs::path resolve_model(const std::string& arg) {
         !fs::is_directory(cache / cache_dir_name(id.repo), ec))
       throw CheckpointError("model folder '" + arg + "' does not exist");
   }
+  // "models/mamba-x" is both a relative folder and an owner/name hub id: when it is neither, say so
+  // for both readings (a mistyped folder otherwise reads as an unknown hub id only).
+  if (cache.empty() || !fs::is_directory(cache / cache_dir_name(id.repo), ec))
+    throw CheckpointError("model folder '" + arg + "' does not exist (no directory " +
+                          fs::absolute(as_path, ec).lexically_normal().string() + "), and as a hub id '" + id.repo +
+                          "' is not in the local HuggingFace cache (looked in " +
+                          (cache.empty() ? std::string("<no cache: HOME unset>") : (cache / cache_dir_name(id.repo)).string()) +
+                          "); download it with huggingface-cli or pass a folder (mixlens never downloads)");
   return resolve_in_cache(id, cache);
 }
 

@@ -151,7 +151,7 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
 
   Tensor y({B, T, H, P});
   Tensor states;
-  if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, H, N, P});
+  if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, H, N, P});
   // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted and resumes
   // from the (possibly written) state (values.md "state_after").
   auto run = [&](int64_t t0, int64_t t1) {
@@ -177,7 +177,10 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
     store_served_state(served, S);
     if (states.defined()) copy_state_into(served, states, t);
   });
-  if (states.defined()) ls->visit(li, Value::states, states, states.shape());
+  if (states.defined()) {
+    ls->visit(li, Value::states, states, states.shape());
+    ls->recycle_stack(std::move(states));
+  }
   visit_state_output(li, S, ls, serve, store);
 
   // Falcon-H1 without mamba_rms_norm gates inside the decode kernel (z passed to

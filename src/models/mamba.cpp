@@ -169,7 +169,7 @@ class MambaModel final : public SsmLm {
     Tensor& S = begin_state(li, cache, ls);
     Tensor y({B, T, E_});
     Tensor states;
-    if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, E_, N_});
+    if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, E_, N_});
     const bool chunked = ctx.kernel == "chunked";
     // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted.
     auto run = [&](int64_t t0, int64_t t1) {
@@ -190,7 +190,10 @@ class MambaModel final : public SsmLm {
       }
     };
     scan_with_stops(ls, li, T, run, [&](int64_t t) { serve_state_at(li, t, cache, ls, states); });
-    if (states.defined()) ls->visit(li, Value::states, states, states.shape());
+    if (states.defined()) {
+      ls->visit(li, Value::states, states, states.shape());
+      ls->recycle_stack(std::move(states));
+    }
     end_state(li, cache, ls);
     visit_if(ls, li, Value::attention_head_outputs, y);
 

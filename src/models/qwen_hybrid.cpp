@@ -455,7 +455,7 @@ class QwenHybrid final : public FamilyModel {
         std::memcpy(S.data(), served.data(), sizeof(float) * static_cast<size_t>(S.numel()));
     }
     Tensor o({B, T, HV, Dv}), states;
-    if (ls && ls->wants(li, Value::states)) states = Tensor({B, T, HV, Dk, Dv});
+    if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, HV, Dk, Dv});
     GatedDeltaArgs a;
     a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
     a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
@@ -473,7 +473,10 @@ class QwenHybrid final : public FamilyModel {
           if (ls->visit_state(li, t, S, S.shape()) && states.defined()) copy_state_into(S, states, t);
           a.S = S.data();  // a write may have replaced the tensor
         });
-    if (states.defined()) ls->visit(li, Value::states, states, states.shape());
+    if (states.defined()) {
+      ls->visit(li, Value::states, states, states.shape());
+      ls->recycle_stack(std::move(states));
+    }
     visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
     visit_if(ls, li, Value::attention_head_outputs, o);
 

@@ -29,6 +29,16 @@ int64_t shape_numel(const Shape& s) {
 
 Tensor::Tensor(Shape shape) : Tensor(std::move(shape), 0.0f) {}
 
+Tensor Tensor::uninitialized(Shape shape) {
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.numel_ = shape_numel(t.shape_);
+  auto buf = std::shared_ptr<float[]>(new float[static_cast<size_t>(t.numel_ > 0 ? t.numel_ : 1)]);
+  t.data_ = buf.get();
+  t.storage_ = std::shared_ptr<const void>(buf, buf.get());
+  return t;
+}
+
 Tensor::Tensor(Shape shape, float fill) : shape_(std::move(shape)) {
   numel_ = shape_numel(shape_);
   auto buf = std::shared_ptr<float[]>(new float[static_cast<size_t>(numel_ > 0 ? numel_ : 1)]);

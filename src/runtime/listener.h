@@ -63,8 +63,31 @@ class Listener {
   /// As settled(), for the per-token state after token t (visit_state).
   virtual void settled_state(int layer, int64_t t, const Tensor& value) { (void)layer, (void)t, (void)value; }
 
+  /// A buffer for a `states` stack of `shape`, contents uninitialised (the scans write every
+  /// element): the previous layer's stack when nobody holds it any more (the reader dropped it, as
+  /// a loop reading every layer's states does). Fresh pages cost a page fault and a kernel zeroing
+  /// each, which was half the time of reading every layer's states (issue 7 item 3).
+  Tensor stack_buffer(const Shape& shape) {
+    Tensor t = std::move(spare_stack_);
+    spare_stack_ = Tensor();
+    if (t.defined() && t.sole_owner() && t.shape() == shape) return t;
+    t = Tensor();  // held elsewhere (a save, a Python array) or of another shape: never reused
+    ++stacks_made_;
+    return Tensor::uninitialized(shape);
+  }
+  /// Stacks stack_buffer had to allocate (not reused) so far.
+  int64_t stacks_made() const { return stacks_made_; }
+  /// After the stack was served: kept for the next stack_buffer (reused only once nobody else holds it).
+  void recycle_stack(Tensor&& stack) { spare_stack_ = std::move(stack); }
+  /// Drops the kept stack (a listener that outlives one forward call, at its end).
+  void release_stack() { spare_stack_ = Tensor(); }
+
  protected:
   std::vector<uint32_t> mask_;
+
+ private:
+  Tensor spare_stack_;
+  int64_t stacks_made_ = 0;
 };
 
 /// Serves two listeners in one forward: `first` (a Trace's saves / edits) sees each value before

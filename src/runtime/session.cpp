@@ -9,7 +9,9 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "mixlens/errors.h"
 #include "models/family.h"
@@ -85,6 +87,7 @@ struct Session::Impl {
       refresh_mask();
     }
     void end_call() override {
+      release_stack();  // the session outlives the call: do not keep a stack of it
       std::unique_lock<std::mutex> lk(s_.mu);
       s_.pos = {ctx_.step, kCallEnd, -1};
       s_.wait_while_paused(lk);
@@ -352,8 +355,27 @@ struct Session::Impl {
     return std::any_of(calls.begin(), calls.end(), [&](const CallRecord& c) { return c.step == step; });
   }
 
+  // The rule for one layer's `states` and its per-token `state` in one block, and why (values.md).
+  static std::string stack_or_tokens_rule(int layer) {
+    const std::string base = "layers." + std::to_string(layer) + ".linear_attn.";
+    return "in one block, read a layer's `states` or its per-token `state` (state_after / set_state_after / "
+           "tracer.iter), not both: the per-token state is served during the layer's scan, the `states` stack "
+           "after the scan ends, and the stack is computed only if it was asked for before the scan started. "
+           "Use states[:, t] for the state after token t, or pre-register the stack (Python saves=['" +
+           base + "states'], C++ Trace::save) and read or write the per-token state in the block";
+  }
+
   [[noreturn]] void not_served(const Target& t, const std::string& path, const char* verb, Arrival a) const {
     const std::string asked = std::string("cannot ") + verb + " '" + path + "' at step " + std::to_string(t.pos.step);
+    // A layer's stack after its per-token state in this call, or the reverse: say the rule, not only
+    // "not produced" / "passed".
+    const auto read_other = [&](Value other) { return touched.count({t.pos.step, t.site.layer, static_cast<int>(other)}) > 0; };
+    if (t.site.value == Value::states && a != Arrival::passed && read_other(Value::state))
+      throw OutOfOrderError(asked + ": this block already read or wrote that layer's per-token state at this step; " +
+                            stack_or_tokens_rule(t.site.layer));
+    if (t.site.value == Value::state && a == Arrival::passed && read_other(Value::states))
+      throw OutOfOrderError(asked + ": this block already read that layer's `states` at this step; " +
+                            stack_or_tokens_rule(t.site.layer));
     switch (a) {
       case Arrival::passed:
         throw OutOfOrderError(asked + ": the forward has already passed it and is at " + where_locked() +
@@ -394,6 +416,9 @@ struct Session::Impl {
   // Worker -> caller.
   bool paused = false, done = false, error_reported = false;
   Pos pos;
+  // (step, layer, value) of the `states` / per-token `state` the caller read or wrote, for the error
+  // that states the one-or-the-other rule.
+  std::set<std::tuple<int, int, int>> touched;
   Tensor* live = nullptr;  // the value the worker is paused at (its own tensor)
   Shape live_shape;
   bool live_written = false;
@@ -533,6 +558,8 @@ Tensor Session::read(int step, std::string_view path) {
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Arrival a = s.advance_to(lk, t);
   if (a == Impl::Arrival::at_target) {
+    if (t.site.value == Value::states || t.site.value == Value::state)
+      s.touched.insert({t.pos.step, t.site.layer, static_cast<int>(t.site.value)});
     if (!s.live->defined()) return Tensor();
     // `states` is read-only and the forward drops it after this visit: hand over the stack itself
     // rather than copying hundreds of MiB (the caller still owns an independent value).
@@ -577,6 +604,7 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
                             "reading a later one");
     s.not_served(t, std::string(path), "write", a);
   }
+  if (t.site.value == Value::state) s.touched.insert({t.pos.step, t.site.layer, static_cast<int>(Value::state)});
   detail::check_write(site_path(t.site), t.site.value, value, s.live_shape);  // throws before any change
   Tensor& live = *s.live;
   if (live.defined() && live.shape() == s.live_shape) std::copy(value.begin(), value.end(), live.data());

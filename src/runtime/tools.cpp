@@ -78,7 +78,7 @@ std::string describe_model(const Model& model, int64_t prompt_length) {
   return o.str();
 }
 
-void write_trace(const std::string& file, const Trace& trace, const Model& model,
+std::vector<std::string> write_trace(const std::string& file, const Trace& trace, const Model& model,
                  const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
                  const std::vector<std::vector<int32_t>>& generated_ids, bool per_step) {
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -98,6 +98,11 @@ void write_trace(const std::string& file, const Trace& trace, const Model& model
   io::I64Tensor ids{{b.batch, b.seq}, {b.ids.begin(), b.ids.end()}};
   io::I64Tensor mask{{b.batch, b.seq}, {b.mask.begin(), b.mask.end()}};
   io::write_safetensors(file, tensors, {{"mixlens", meta.dump()}}, {{"input_ids", ids}, {"attention_mask", mask}});
+  std::vector<std::string> names;
+  for (const auto& [k, t] : tensors) names.push_back(k);
+  names.push_back("input_ids");
+  names.push_back("attention_mask");
+  return names;
 }
 
 }  // namespace mixlens

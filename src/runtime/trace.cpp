@@ -95,6 +95,9 @@ namespace detail {
 
 namespace {
 
+// Whether token t (negative: from the end) exists in a call of `seq` tokens.
+bool token_in_call(int64_t t, int64_t seq) { return t < 0 ? -t <= seq : t < seq; }
+
 // "layers.12.linear_attn.betas" -> "layers.*.linear_attn.betas"
 std::string with_star(const std::string& path, std::string* layer = nullptr) {
   if (path.rfind("layers.", 0) != 0) return path;
@@ -219,9 +222,16 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
   const auto& regs = trace_.impl_->regs;
   for (size_t i = 0; i < regs.size(); ++i) {
     if (!regs[i].steps.contains(ctx.step)) continue;
-    // A token out of range for this call is an error before anything runs (e.g. '@t5' on a
-    // one-token decode step: restrict the registration's steps).
-    if (regs[i].token) resolve_token(*regs[i].token, ctx.seq, regs[i].path + " at step " + std::to_string(ctx.step));
+    // A token out of range for this call is an error before anything runs, except on a one-token
+    // decode step that a registration over several steps reaches: a generation saving 'state@t3'
+    // saves the prompt's state after token 3 (t indexes the tokens of each call; a decode step has
+    // only t0 == t-1). Asked for at that step alone (Steps::only), it is an error too.
+    if (regs[i].token) {
+      if (!token_in_call(*regs[i].token, ctx.seq)) {
+        if (ctx.seq == 1 && ctx.step > regs[i].steps.first) continue;
+        resolve_token(*regs[i].token, ctx.seq, regs[i].path + " at step " + std::to_string(ctx.step));
+      }
+    }
     for (const Site& s : sites_[i]) mask_[static_cast<size_t>(s.layer + 1)] |= 1u << static_cast<unsigned>(s.value);
   }
   trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
@@ -243,6 +253,7 @@ int64_t TraceListener::next_state_token(int layer, int64_t after) const {
     const auto& r = regs[i];
     if (!r.token || !r.steps.contains(ctx_.step)) continue;
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
+    if (!token_in_call(*r.token, ctx_.seq)) continue;  // a decode step without that token (begin_call)
     const int64_t t = resolve_token(*r.token, ctx_.seq, r.path);
     if (t > after && (best < 0 || t < best)) best = t;
   }
@@ -265,7 +276,7 @@ bool TraceListener::serve(int layer, Value v, int64_t token, Tensor& value, cons
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
     std::string path = site_path(site);
     if (v == Value::state) {
-      if (!r.token || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
+      if (!r.token || !token_in_call(*r.token, ctx_.seq) || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
       path += "@t" + std::to_string(*r.token);
     }
     Tensor candidate;
@@ -309,7 +320,7 @@ void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, 
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
     std::string key = site_path(site);
     if (site.value == Value::state) {
-      if (!r.token || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
+      if (!r.token || !token_in_call(*r.token, ctx_.seq) || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
       key += "@t" + std::to_string(*r.token);
     }
     key += "@step" + std::to_string(ctx_.step);
@@ -327,10 +338,13 @@ void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, 
                           " MiB held, " + std::to_string(impl.saved.size()) +
                           " values); save fewer values or steps (Steps), or set MIXLENS_SAVE_BUDGET_MB");
     impl.saved_bytes = impl.saved_bytes - replaced + bytes;
-    if (it != impl.index.end()) impl.saved[it->second].second = value.clone();
+    // The `states` stack is read-only and the forward never touches it after serving it: share it
+    // rather than copy hundreds of MiB (the forward's next stack_buffer sees it held and allocates).
+    Tensor kept = site.value == Value::states ? value : value.clone();
+    if (it != impl.index.end()) impl.saved[it->second].second = std::move(kept);
     else {
       impl.index[key] = impl.saved.size();
-      impl.saved.emplace_back(std::move(key), value.clone());
+      impl.saved.emplace_back(std::move(key), std::move(kept));
     }
     if (site.value != Value::state) return;  // one stored copy per (site, step), however many registrations name it
   }

@@ -810,6 +810,11 @@ TEST_F(IoHub, MissingModelsAndPaths) {
   EXPECT_ERROR(resolve_model("state-spaces/mamba2-huge"), CheckpointError,
                "download it with huggingface-cli or pass a folder");
   EXPECT_ERROR(resolve_model("./no/such/folder"), CheckpointError, "model folder './no/such/folder' does not exist");
+  // A missing relative folder that also reads as owner/name: both readings are reported.
+  EXPECT_ERROR(resolve_model("models/mamba-x"), CheckpointError,
+               "model folder 'models/mamba-x' does not exist (no directory " +
+                   (fs::current_path() / "models/mamba-x").string() + "), and as a hub id 'models/mamba-x' is not in the "
+                   "local HuggingFace cache");
   EXPECT_ERROR(resolve_model("mamba2-tiny"), CheckpointError, "model folder 'mamba2-tiny' does not exist");
   EXPECT_ERROR(resolve_model(""), CheckpointError, "does not exist");
   write_file(dir_ / "weights.safetensors", "x");

@@ -13,9 +13,25 @@
 #include "mixlens/model.h"
 #include "mixlens/session.h"
 #include "mixlens/trace.h"
+#include "runtime/listener.h"
+#include "runtime/model_access.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
+
+// Runs `stmt`, requiring it to throw `type` (or a subclass) whose message contains `substr`.
+#define EXPECT_ERROR(stmt, type, substr)                                                       \
+  do {                                                                                         \
+    try {                                                                                      \
+      stmt;                                                                                    \
+      ADD_FAILURE() << "expected " #type " containing \"" << (substr) << "\", nothing thrown"; \
+    } catch (const type& e_) {                                                                 \
+      EXPECT_NE(std::string(e_.what()).find(substr), std::string::npos)                        \
+          << "message \"" << e_.what() << "\" lacks \"" << (substr) << "\"";                   \
+    } catch (const std::exception& e_) {                                                       \
+      ADD_FAILURE() << "expected " #type ", got another exception: " << e_.what();             \
+    }                                                                                          \
+  } while (0)
 
 namespace {
 
@@ -168,5 +184,103 @@ TEST(StateAfterErrors, PathsAndSessionOrder) {
     FAIL() << "expected OutOfOrderError";
   } catch (const OutOfOrderError& e) {
     EXPECT_NE(std::string(e.what()).find("token order"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+// Reads `states` of every recurrent layer, as a loop that reduces each layer's stack and drops it
+// (or, with `keep`, holds every one of them).
+class StackReader final : public detail::Listener {
+ public:
+  StackReader(std::vector<int> layers, bool keep) : layers_(std::move(layers)), keep_(keep) {}
+  void begin_call(const detail::CallCtx&, int num_layers) override {
+    mask_.assign(static_cast<size_t>(num_layers + 1), 0u);
+    for (int l : layers_) mask_[static_cast<size_t>(l + 1)] |= 1u << static_cast<unsigned>(Value::states);
+  }
+  bool visit(int layer, Value, Tensor& value, const Shape&) override {
+    seen.emplace_back(layer, keep_ ? value : value.clone());
+    return false;
+  }
+  std::vector<std::pair<int, Tensor>> seen;
+
+ private:
+  std::vector<int> layers_;
+  bool keep_;
+};
+
+}  // namespace
+
+// Issue 7 item 3: reading every layer's states costs one stack allocation when each one is dropped
+// after reading (fresh pages per layer were half the cost), and a stack still held is never reused.
+TEST_P(StateAfter, EveryLayersStatesReuseOneDroppedStackAndNeverAKeptOne) {
+  const auto& p = GetParam();
+  GoldenCase c(p.family, p.name);
+  const std::vector<int> layers = linear_layers(c.model);
+  if (layers.size() < 2) GTEST_SKIP() << "needs two recurrent layers";
+  const Batch b = Batch::left_padded(c.prompts, c.model.pad_token_id());
+  for (bool keep : {false, true}) {
+    StackReader reader(layers, keep);
+    Cache cache = c.model.new_cache(b.batch);
+    detail::ModelAccess::forward(c.model, b, cache, nullptr, &reader, false);
+    ASSERT_EQ(reader.seen.size(), layers.size());
+    EXPECT_EQ(reader.stacks_made(), keep ? static_cast<int64_t>(layers.size()) : 1) << p.family << " keep=" << keep;
+    for (const auto& [l, s] : reader.seen)  // after the run: a kept stack was not overwritten
+      EXPECT_LE(rel_rms(s, c.golden.get_f32(mix(l, "states") + "@step0")), 1e-5) << p.family << " layer " << l;
+  }
+}
+
+// A generation saving 'state@t3' (all steps) saves the prompt's state after token 3: decode steps
+// have one token (t0 == t-1) and are skipped for it; 'state@t-1' is saved at every step. Asked for
+// at a decode step alone, t3 is an error.
+TEST(StateAfterErrors, GenerationSavesThePromptsStateAtTAndEveryStepsLast) {
+  const Model m = Model::load(fixture("mamba2/g1_chunks").string());
+  const std::vector<std::vector<int32_t>> prompt{{5, 6, 7, 8, 9, 10}};
+  GenerateOptions o;
+  o.max_new_tokens = 3;
+  o.greedy = true;
+  o.eos_token_id = -1;
+  Trace t;
+  t.save("layers.1.linear_attn.state@t3").save("layers.1.linear_attn.state@t-1").save("layers.1.linear_attn.states");
+  m.generate(prompt, o, &t);
+  const Tensor states = t.get("layers.1.linear_attn.states", 0);
+  // A split scan restarts its chunks at t + 1: float rounding differs from the unsplit stack.
+  EXPECT_LE(rel_rms(t.get("layers.1.linear_attn.state@t3", 0), token_of(states, 3)), 1e-5);
+  EXPECT_LE(rel_rms(t.get("layers.1.linear_attn.state@t-1", 0), token_of(states, 5)), 1e-5);
+  for (int step = 1; step < 3; ++step) {
+    EXPECT_FALSE(t.has("layers.1.linear_attn.state@t3", step)) << step;
+    EXPECT_LE(rel_rms(t.get("layers.1.linear_attn.state@t-1", step), token_of(t.get("layers.1.linear_attn.states", step), 0)),
+              1e-5) << step;
+  }
+  Trace only;
+  only.save("layers.1.linear_attn.state@t3", Steps::only(1));
+  EXPECT_ERROR(m.generate(prompt, o, &only), InputError, "out of range for a call of 1 tokens");
+  Trace short_prompt;  // the prompt itself lacks t3: an error, not a silent skip
+  short_prompt.save("layers.1.linear_attn.state@t3");
+  EXPECT_ERROR(m.generate({{5, 6}}, o, &short_prompt), InputError, "out of range for a call of 2 tokens");
+}
+
+// One layer's `states` and its per-token `state` in one block: the error states the rule and why.
+TEST(StateAfterErrors, StatesAndPerTokenStateOfOneLayerStateTheRule) {
+  const Model m = Model::load(fixture("mamba2/g1_chunks").string());
+  const std::vector<std::vector<int32_t>> prompt{{5, 6, 7, 8, 9, 10}};
+  {
+    Session s = Session::run(m, prompt);
+    s.read(0, "layers.1.linear_attn.state@t2");
+    EXPECT_ERROR(s.read(0, "layers.1.linear_attn.states"), OutOfOrderError,
+                 "read a layer's `states` or its per-token `state`");
+  }
+  {
+    Session s = Session::run(m, prompt);
+    s.read(0, "layers.1.linear_attn.states");
+    EXPECT_ERROR(s.read(0, "layers.1.linear_attn.state@t2"), OutOfOrderError, "the stack is computed only if");
+  }
+  {  // the way out the message names: the stack pre-registered, the per-token state in the block
+    Trace t;
+    t.save("layers.1.linear_attn.states");
+    Session s = Session::run(m, prompt, &t);
+    const Tensor st = s.read(0, "layers.1.linear_attn.state@t2");
+    s.finish();
+    EXPECT_LE(rel_rms(st, token_of(t.get("layers.1.linear_attn.states", 0), 2)), 1e-5);
   }
 }

@@ -188,6 +188,39 @@ def test_run_saves_the_state_after_one_token(tmp_path, text_model_dir, torch_mod
     assert r.returncode == 0, r.stderr
     got = load_file(str(out))
     assert set(got) == set(paths) | {"input_ids", "attention_mask"}  # --out also carries the batch
+    assert (f"mixlens: wrote 4 tensors to {out}: layers.1.linear_attn.state@t2, layers.1.linear_attn.state@t-1, "
+            "input_ids, attention_mask") in r.stderr  # the message counts and names what the file holds
     states = om.run(torch_model, [prompt_ids], 1)[om.key("layers.1.linear_attn.states", 0)]
     assert rel_rms(got[paths[0]], states[:, 2]) <= 1e-5
     assert rel_rms(got[paths[1]], states[:, -1]) <= 1e-5
+
+
+def test_generate_saves_the_prompts_state_at_t_and_every_steps_last(tmp_path, text_model_dir, torch_model, prompt_ids):
+    """`generate --save ...state@t3`: t indexes the tokens of each call, so it is the prompt's state after
+    token 3 (saved at step 0; decode steps have one token and no t3); `state@t-1` is saved at every step."""
+    from safetensors.numpy import load_file
+
+    n, out = 3, tmp_path / "gen_state.safetensors"
+    r = cli("generate", "--model", text_model_dir, PROMPT, "--max-new-tokens", n, "--greedy",
+            "--save", "layers.1.linear_attn.state@t3", "--save", "layers.1.linear_attn.state@t-1", "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    want = {"layers.1.linear_attn.state@t3@step0"} | {f"layers.1.linear_attn.state@t-1@step{k}" for k in range(n)}
+    assert set(got) == want | {"input_ids", "attention_mask"}
+    ref = om.run(torch_model, [prompt_ids], n)
+    assert rel_rms(got["layers.1.linear_attn.state@t3@step0"], ref[om.key("layers.1.linear_attn.states", 0)][:, 3]) <= 1e-5
+    for k in range(n):
+        assert rel_rms(got[f"layers.1.linear_attn.state@t-1@step{k}"],
+                       ref[om.key("layers.1.linear_attn.state_output", k)]) <= 1e-5, k
+    r = cli("generate", "--model", text_model_dir, "Once", "--max-new-tokens", 2,
+            "--save", "layers.1.linear_attn.state@t3", "--out", out)  # a prompt without token 3: an error
+    assert r.returncode == 1 and "out of range" in r.stderr, r.stderr
+
+
+def test_a_missing_relative_model_folder_is_reported_as_a_folder_and_as_a_hub_id(tmp_path):
+    r = subprocess.run([find_cli(), "inspect", "--model", "models/no-such-model"], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path, env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.returncode == 1
+    where = os.path.realpath(tmp_path)
+    assert f"model folder 'models/no-such-model' does not exist (no directory {where}/models/no-such-model)" in r.stderr
+    assert "as a hub id 'models/no-such-model' is not in the local HuggingFace cache" in r.stderr

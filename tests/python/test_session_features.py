@@ -115,6 +115,28 @@ def test_embeddings_equal_ids_in_run_trace_and_generate(model):
                                   model.forward(inputs_embeds=single["embed_tokens.output"][:, 4:], cache=c2)["logits"])
 
 
+def test_generated_tokens_have_one_shape_for_one_prompt_given_as_ids_or_as_embeddings(model):
+    """`tracer.tokens` (and `text`) follow the input's batch dimension, the same for ids and embeddings: a
+    prompt without one (flat ids, a [T] array, [T,hidden] embeddings) gives a flat list; with one ([ids],
+    a [1,T] array, [1,T,hidden] embeddings, as `run` returns them) a list per row."""
+    prompt = ids(9, 5)
+    E = model.run(prompt, saves=["embed_tokens.output"])["embed_tokens.output"]  # [1, T, hidden]
+    gen = dict(max_new_tokens=3, eos_token_id=-1)
+    flat = [model.generate(x, **gen).run() for x in (prompt, np.array(prompt))]
+    flat.append(model.generate(inputs_embeds=E[0], **gen).run())
+    rows = [model.generate(x, **gen).run() for x in ([prompt], np.array([prompt]))]
+    rows.append(model.generate(inputs_embeds=E, **gen).run())
+    with model.generate(inputs_embeds=E, **gen) as tr:
+        pass
+    rows.append(tr)
+    want = flat[0].tokens
+    assert len(want) == 3 and all(isinstance(t, int) for t in want)
+    for r in flat:
+        assert r.tokens == want
+    for r in rows:
+        assert r.tokens == [want]
+
+
 def test_bad_embedding_inputs_are_clear_errors(model):
     D = model.info["hidden_size"]
     with pytest.raises(mixlens.InputError, match="not both"):

@@ -270,3 +270,51 @@ def test_a_scalar_state_write_fills_the_state_like_other_writes():
     assert np.abs(np.asarray(zeros)[:, 3:] - np.asarray(plain)[:, 3:]).max() > 1e-3  # the write did something
     # tokens <= t: the same up to rounding (the scan is split at t)
     assert rel_rms(np.asarray(zeros)[:, :3], np.asarray(plain)[:, :3]) <= 1e-5
+
+
+
+def _address(v) -> int:
+    return v.data_ptr() if hasattr(v, "data_ptr") else v.__array_interface__["data"][0]
+
+
+def test_a_states_stack_held_by_the_block_is_never_reused_for_the_next_layer(fam):
+    """Issue 7 item 3: the forward writes a layer's `states` into the previous layer's stack once the block
+    dropped it (tests/cpp/test_state_after.cpp counts the allocations); a stack the block still holds must
+    keep its values, and a dropped-and-reused one must serve the right ones."""
+    prompts = fam.prompts_of([2 * fam.chunk + 1, fam.chunk], seed=13)
+    la, lb = fam.layers
+    want = fam.model.run(prompts, saves=[mix(la, "states"), mix(lb, "states")])
+    with fam.model.trace(prompts):
+        s = fam.model.layers[la].linear_attn.states
+        a_sum = float(np.asarray(s, dtype=np.float64).sum())
+        del s
+        s = fam.model.layers[lb].linear_attn.states
+        np.testing.assert_array_equal(np.asarray(s), want[mix(lb, "states")])
+        del s
+    assert a_sum == float(np.asarray(want[mix(la, "states")], dtype=np.float64).sum())
+    with fam.model.trace(prompts):
+        kept = fam.model.layers[la].linear_attn.states
+        other = fam.model.layers[lb].linear_attn.states
+    assert _address(other) != _address(kept)
+    np.testing.assert_array_equal(np.asarray(kept), want[mix(la, "states")])
+    np.testing.assert_array_equal(np.asarray(other), want[mix(lb, "states")])
+
+
+def test_states_and_per_token_state_of_one_layer_in_one_block_state_the_rule():
+    """Reading a layer's `states` and its per-token `state` in one block fails either way round with a
+    message giving the rule and the reason; the way out it names (the stack pre-registered) works."""
+    m = mixlens.load(output="numpy")  # the shipped Mamba-2
+    prompt = "Once upon a time, there was"
+    rule = "read a layer's `states` or its per-token `state`"
+    with pytest.raises(mixlens.OutOfOrderError, match=rule) as e:
+        with m.trace(prompt):
+            m.layers[1].linear_attn.state_after(2)
+            m.layers[1].linear_attn.states
+    assert "computed only if it was asked for before the scan started" in str(e.value)
+    with pytest.raises(mixlens.OutOfOrderError, match=rule):
+        with m.trace(prompt):
+            m.layers[1].linear_attn.states
+            m.layers[1].linear_attn.state_after(2)
+    with m.trace(prompt, saves=["layers.1.linear_attn.states"]) as tr:
+        s2 = m.layers[1].linear_attn.state_after(2)
+    assert rel_rms(s2, tr.saved["layers.1.linear_attn.states"][:, 2]) <= STATE_TOL
