@@ -76,7 +76,10 @@ class Cache:
 
 class Model:
     @staticmethod
-    def load(path: str) -> Model: ...
+    def load(path: str, dtype: str = 'float32') -> Model:
+        """
+        Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype).
+        """
 
     @property
     def info(self) -> dict: ...
@@ -179,7 +182,7 @@ class Session:
 
     def grad_paths(self) -> list[str]: ...
 
-def session_run(model: Model, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], grad: bool = False) -> Session: ...
+def session_run(model: Model, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], all_logits: bool = True, grad: bool = False) -> Session: ...
 
 def session_generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> Session: ...
 
