@@ -12,7 +12,7 @@ import torch
 
 import mixlens
 import oracle_grad_mamba2 as og
-from conftest import build_mamba2, rel_rms
+from conftest import SHIPPED_MODEL, build_mamba2, rel_rms
 
 TOL = 1e-4
 
@@ -148,3 +148,29 @@ def test_backward_errors(case):
     tr.backward(mixlens.metrics.LogProb(1), paths=["layers.0.linear_attn.betas"])
     with pytest.raises(mixlens.UnknownValueError, match="no gradient"):
         tr.grad("layers.1.linear_attn.betas")
+
+
+def test_bfloat16_weights_give_the_gradient_of_the_bf16_rounded_model(tmp_path):
+    """dtype="bfloat16" keeps matmul weights narrow; backward widens them, so its gradients equal those of a
+    float32 load of the same weights rounded to bf16 (and differ from the float32 model's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = str(SHIPPED_MODEL)
+    rounded = tmp_path / "rounded"
+    shutil.copytree(src, rounded)
+    w = load_file(str(rounded / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).to(torch.float32) if v.dim() >= 2 and "conv1d" not in k else v
+               for k, v in w.items()}, str(rounded / "model.safetensors"), metadata={"format": "pt"})
+
+    def grad_of(path, dtype):
+        m = mixlens.StandardizedTransformer(str(path), output="torch", dtype=dtype)
+        with m.trace("Once upon a time there", grad=True) as tr:
+            h = m.layers_output[1]
+        tr.backward(mixlens.metrics.LogProb(7))
+        return h.grad
+
+    g16 = grad_of(src, "bfloat16")
+    assert rel_rms(g16, grad_of(rounded, "float32")) <= 1e-4
+    assert rel_rms(g16, grad_of(src, "float32")) > 1e-4
