@@ -905,6 +905,8 @@ class Tracer:
         logits = self._done()["logits"][0]
         if hasattr(metric, "dlogits") and callable(metric.dlogits):
             dl = metric.dlogits(logits)
+        elif is_torch(metric) and metric.dim() == 3 and not metric.requires_grad:
+            dl = metric.detach().float().cpu().numpy()  # dMetric/dLogits itself, given as a torch tensor
         elif is_torch(metric):
             import torch
 

@@ -49,6 +49,15 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
 
 
+def _token_id(i: int, vocab: int, what: str) -> int:
+    # A negative id would silently index from the end of the vocabulary: refuse it like any other bad id.
+    if not 0 <= i < vocab:
+        from .errors import InputError
+
+        raise InputError(f"{what} {i} is not a token id of this model (0..{vocab - 1})")
+    return i
+
+
 class LogProb(Metric):
     """Sum of ``log_softmax(logits)[row, position, token]``. ``token``: an id, or an int array ``[B, T]``
     of targets (with ``position=None``: the sum of every position's target log-prob)."""
@@ -57,14 +66,15 @@ class LogProb(Metric):
         super().__init__(position, row)
         self.token = token
 
-    def _target(self, r: int, t: int) -> int:
+    def _target(self, r: int, t: int, vocab: int) -> int:
         tok = np.asarray(self.token)
-        return int(tok) if tok.ndim == 0 else int(tok[r, t])
+        i = int(tok) if tok.ndim == 0 else int(tok[r, t])
+        return _token_id(i, vocab, "LogProb token")
 
     def value(self, logits) -> float:
         z = np.asarray(logits)
         rows, pos = self._cells(z.shape)
-        return float(sum(_log_softmax(z[r, t])[self._target(r, t)] for r in rows for t in pos))
+        return float(sum(_log_softmax(z[r, t])[self._target(r, t, z.shape[-1])] for r in rows for t in pos))
 
     def dlogits(self, logits) -> np.ndarray:
         z = np.asarray(logits)
@@ -73,7 +83,7 @@ class LogProb(Metric):
         for r in rows:
             for t in pos:
                 out[r, t] -= np.exp(_log_softmax(z[r, t]))
-                out[r, t, self._target(r, t)] += 1.0
+                out[r, t, self._target(r, t, z.shape[-1])] += 1.0
         return out.astype(np.float32)
 
 
@@ -87,12 +97,14 @@ class LogitDiff(Metric):
     def value(self, logits) -> float:
         z = np.asarray(logits)
         rows, pos = self._cells(z.shape)
+        _token_id(self.a, z.shape[-1], "LogitDiff token a"), _token_id(self.b, z.shape[-1], "LogitDiff token b")
         return float(sum(float(z[r, t, self.a]) - float(z[r, t, self.b]) for r in rows for t in pos))
 
     def dlogits(self, logits) -> np.ndarray:
         z = np.asarray(logits)
         out = np.zeros(z.shape, np.float32)
         rows, pos = self._cells(z.shape)
+        _token_id(self.a, z.shape[-1], "LogitDiff token a"), _token_id(self.b, z.shape[-1], "LogitDiff token b")
         for r in rows:
             for t in pos:
                 out[r, t, self.a] += 1.0

@@ -125,6 +125,9 @@ bool Trace::has_grad(std::string_view path) const { return impl_->grads.count(st
 
 Tensor Trace::grad(std::string_view path) const {
   auto it = impl_->grads.find(std::string(path));
+  if (it == impl_->grads.end() && path.find("@t") != std::string_view::npos)
+    throw UnknownValueError("no gradient of '" + std::string(path) + "': per-token states have none; ask for the "
+                            "layer's 'states' and index token t");
   if (it == impl_->grads.end())
     throw UnknownValueError("no gradient of '" + std::string(path) + "'" +
                             (impl_->grads.empty() ? std::string(" (run backward() first, naming it in paths or saving it)")

@@ -174,3 +174,27 @@ def test_bfloat16_weights_give_the_gradient_of_the_bf16_rounded_model(tmp_path):
     g16 = grad_of(src, "bfloat16")
     assert rel_rms(g16, grad_of(rounded, "float32")) <= 1e-4
     assert rel_rms(g16, grad_of(src, "float32")) > 1e-4
+
+
+def test_metric_token_ids_are_checked_and_torch_dlogits_are_accepted():
+    """LogProb(-1) once silently meant the last vocabulary entry; a torch dlogits tensor was refused; a
+    per-token state's missing gradient pointed at backward's paths, which refuse it too."""
+    m = mixlens.StandardizedTransformer(str(SHIPPED_MODEL), output="torch")
+    V = m.vocab_size
+    for bad in (mixlens.metrics.LogProb(-1), mixlens.metrics.LogProb(V), mixlens.metrics.LogitDiff(3, V + 5)):
+        with m.trace("Once upon a time", grad=True) as tr:
+            m.layers_output[1]
+        with pytest.raises(mixlens.InputError, match="not a token id"):
+            tr.backward(bad)
+
+    grads = []
+    for as_torch in (False, True):
+        with m.trace("Once upon a time", grad=True) as tr:
+            h = m.layers_output[1]
+        d = np.zeros((1, 4, V), np.float32)
+        d[0, -1, 7] = 1.0
+        tr.backward(torch.from_numpy(d) if as_torch else d)
+        grads.append(h.grad)
+        with pytest.raises(mixlens.UnknownValueError, match="per-token states have none"):
+            tr.grad("layers.1.linear_attn.state@t2")
+    assert torch.equal(grads[0], grads[1]) and float(grads[0].abs().sum()) > 0
