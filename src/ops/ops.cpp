@@ -271,9 +271,13 @@ class Pool {
 };
 
 int configured_threads() {
-  if (const char* s = std::getenv("MIXLENS_NUM_THREADS")) {
-    int n = std::atoi(s);
-    if (n > 0) return n;
+  if (const char* s = std::getenv("MIXLENS_NUM_THREADS"); s && *s) {
+    // A typo would otherwise silently run on every core: refuse it like the other MIXLENS_* settings.
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    if (*end != '\0' || n < 1 || n > 4096)
+      throw InputError("MIXLENS_NUM_THREADS='" + std::string(s) + "' must be a whole number of threads in 1..4096");
+    return static_cast<int>(n);
   }
   return std::max(1u, std::thread::hardware_concurrency());
 }

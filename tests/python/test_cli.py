@@ -224,3 +224,12 @@ def test_a_missing_relative_model_folder_is_reported_as_a_folder_and_as_a_hub_id
     where = os.path.realpath(tmp_path)
     assert f"model folder 'models/no-such-model' does not exist (no directory {where}/models/no-such-model)" in r.stderr
     assert "as a hub id 'models/no-such-model' is not in the local HuggingFace cache" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "3x"])
+def test_a_bad_thread_count_is_refused_not_ignored(value):
+    """MIXLENS_NUM_THREADS=abc once ran silently on every core."""
+    r = cli("generate", "hi", "--max-new-tokens", "1", env={**os.environ, "MIXLENS_NUM_THREADS": value})
+    assert r.returncode == 1 and f"MIXLENS_NUM_THREADS='{value}'" in r.stderr
+    ok = cli("generate", "hi", "--max-new-tokens", "1", env={**os.environ, "MIXLENS_NUM_THREADS": "1"})
+    assert ok.returncode == 0, ok.stderr
