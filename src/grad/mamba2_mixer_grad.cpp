@@ -1,7 +1,9 @@
 // Backward of the Mamba-2 mixer (mixers/mamba2_mixer.cpp): the call is recomputed from its normed
-// input with the recorded writes re-applied, then differentiated op by op: out_proj, the gated
-// RMSNorm, the SSD scan (grad/ssd_grad.cpp), dt's softplus and clamp, the causal conv + SiLU
-// (grad/conv1d_grad.cpp), in_proj. Reference: transformers Mamba2Mixer.torch_forward.
+// input with the recorded writes re-applied, then differentiated op by op: out_proj (and
+// ssm_out_multiplier), the norm variant (gated full / gated grouped / grouped then gated / none),
+// the SSD scan (grad/ssd_grad.cpp), dt's softplus and clamp, the causal conv + SiLU
+// (grad/conv1d_grad.cpp), the µP section multipliers, in_proj, ssm_in_multiplier. Reference:
+// transformers Mamba2Mixer / NemotronHMamba2Mixer / BambaMixer / FalconH1Mixer torch_forward.
 #include <algorithm>
 #include <cstring>
 
@@ -19,22 +21,51 @@ void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba
                            Tensor& dn, GradSink& sink) {
   const auto& d = mixer.dims();
   const auto& m = d.proj_multipliers;
-  if (d.norm != detail::Mamba2Norm::gated_full || d.in_multiplier != 1.0f || d.out_multiplier != 1.0f ||
-      m[0] != 1.0f || m[1] != 1.0f || m[2] != 1.0f || m[3] != 1.0f || m[4] != 1.0f)
-    throw UnsupportedError("backward: this Mamba-2 mixer variant (grouped / ungated norm or µP multipliers: "
-                           "Nemotron-H, Falcon-H1) has no backward yet; done: Mamba2ForCausalLM's mixer");
   const Batch& in = tape.batch;
   const int64_t B = in.batch, T = in.seq, BT = B * T;
   const int64_t D = d.D, E = d.E, H = d.H, P = d.P, G = d.G, N = d.N, K = d.K;
   const int64_t cd = d.conv_dim(), proj = d.proj_rows();
   const bool masked = T > 1 && in.has_padding();
   const bool decode = call.has_state && T == 1;
+  const bool mup = m[0] != 1.0f || m[1] != 1.0f || m[2] != 1.0f || m[3] != 1.0f || m[4] != 1.0f;
+  // Falcon-H1 without the norm gates inside the decode kernel: head outputs are served gated.
+  const bool gate_in_kernel = d.norm == detail::Mamba2Norm::none && decode;
+  const int64_t gs = d.G > 0 ? E / G : E;  // grouped norms: channels per group
+  const int64_t sec_end[5] = {E, 2 * E, 2 * E + G * N, 2 * E + 2 * G * N, proj};  // z | x | B | C | dt
+  const auto scale_sections = [&](Tensor& t) {  // t [BT, proj] *= the µP section multipliers
+    if (!mup) return;
+    for (int64_t r = 0; r < BT; ++r) {
+      float* row = t.data() + r * proj;
+      int64_t c = 0;
+      for (int sct = 0; sct < 5; ++sct)
+        for (; c < sec_end[sct]; ++c) row[c] *= m[static_cast<size_t>(sct)];
+    }
+  };
+  // RMSNorm of x [BT, E] into o: over the full width, or per group of E/G with its weight slice.
+  const bool grouped = d.norm == detail::Mamba2Norm::gated_grouped || d.norm == detail::Mamba2Norm::grouped_then_gate;
+  const int64_t nd = grouped ? gs : E;
+  const auto norm_fwd = [&](const Tensor& x, Tensor& o) {
+    for (int64_t r = 0; r < BT * (E / nd); ++r) {
+      const int64_t gi = r % (E / nd);
+      ops::rmsnorm(x.data() + r * nd, lw.gnorm.data() + gi * nd, o.data() + r * nd, 1, nd, d.eps);
+    }
+  };
+  const auto norm_bwd = [&](const Tensor& x, const Tensor& dy, Tensor& dx) {
+    for (int64_t r = 0; r < BT * (E / nd); ++r) {
+      const int64_t gi = r % (E / nd);
+      rmsnorm_backward(x.data() + r * nd, lw.gnorm.data() + gi * nd, dy.data() + r * nd, dx.data() + r * nd, 1, nd,
+                       d.eps, false, false);
+    }
+  };
 
   // ---- recompute (as Mamba2Mixer::forward) -------------------------------------------------
   Tensor nm = n_in.clone();
   if (masked) detail::apply_row_mask(nm, in);
-  Tensor zx({B, T, proj});
+  if (d.in_multiplier != 1.0f)
+    for (int64_t k = 0; k < nm.numel(); ++k) nm[k] *= d.in_multiplier;
+  Tensor zx({B, T, proj});  // after the µP section multipliers, as the conv / gate / dt read it
   ops::linear(nm.data(), BT, D, lw.in_proj, zx.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
+  scale_sections(zx);
   Tensor window = call.conv->clone();
   Tensor u({B, T, cd});
   ops::causal_conv1d(zx.data() + E, proj, B, T, cd, K, lw.conv_wT.data(), lw.conv_bias.data(), window.data(), u.data(),
@@ -98,26 +129,69 @@ void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba
       if (call.chunked) detail::ssd_chunked(a); else detail::ssd_recurrent(a);
     }
   }
+  Tensor y_raw;  // the scan's output before the decode kernel's gate (gate_in_kernel only)
+  if (gate_in_kernel) {
+    y_raw = y.clone();
+    for (int64_t k = 0; k < BT * E; ++k) y[k] *= ops::silu(zx[(k / E) * proj + k % E]);
+  }
   tape.apply(li, Value::attention_head_outputs, y);
+  // g0: what the backward of the norm variant needs: the gated y the norm reads (gated_*), or
+  // norm(y) which the gate multiplies (grouped_then_gate).
   Tensor g0({B, T, E});
-  for (int64_t k = 0; k < BT * E; ++k) g0[k] = y[k] * ops::silu(zx[(k / E) * proj + k % E]);
+  const auto zval = [&](int64_t k) { return zx[(k / E) * proj + k % E]; };
+  if (d.norm == detail::Mamba2Norm::gated_full || d.norm == detail::Mamba2Norm::gated_grouped)
+    for (int64_t k = 0; k < BT * E; ++k) g0[k] = y[k] * ops::silu(zval(k));
+  else if (d.norm == detail::Mamba2Norm::grouped_then_gate)
+    norm_fwd(y, g0);
 
   // ---- backward -----------------------------------------------------------------------------
   Tensor dout = dout_in.clone();
   sink.put(li, Value::attention_output, dout);
   tape.block(li, Value::attention_output, dout);
-  Tensor dgn({B, T, E}), dg0({B, T, E});
+  if (d.out_multiplier != 1.0f)  // attention_output is served after ssm_out_multiplier
+    for (int64_t k = 0; k < dout.numel(); ++k) dout[k] *= d.out_multiplier;
+  Tensor dgn({B, T, E});
   linear_backward(dout.data(), BT, D, lw.out_proj, dgn.data(), false);
-  rmsnorm_backward(g0.data(), lw.gnorm.data(), dgn.data(), dg0.data(), BT, E, d.eps, false, false);
   Tensor dy({B, T, H, P});
   Tensor dzx({B, T, proj});
-  for (int64_t k = 0; k < BT * E; ++k) {
-    const float z = zx[(k / E) * proj + k % E];
-    dy[k] = dg0[k] * ops::silu(z);
-    dzx[(k / E) * proj + k % E] = dg0[k] * y[k] * silu_grad(z);
+  switch (d.norm) {
+    case detail::Mamba2Norm::gated_full:
+    case detail::Mamba2Norm::gated_grouped: {
+      Tensor dg0({B, T, E});
+      norm_bwd(g0, dgn, dg0);
+      for (int64_t k = 0; k < BT * E; ++k) {
+        const float z = zval(k);
+        dy[k] = dg0[k] * ops::silu(z);
+        dzx[(k / E) * proj + k % E] = dg0[k] * y[k] * silu_grad(z);
+      }
+      break;
+    }
+    case detail::Mamba2Norm::grouped_then_gate: {
+      Tensor dg0({B, T, E});
+      for (int64_t k = 0; k < BT * E; ++k) {
+        const float z = zval(k);
+        dg0[k] = dgn[k] * ops::silu(z);
+        dzx[(k / E) * proj + k % E] = dgn[k] * g0[k] * silu_grad(z);
+      }
+      norm_bwd(y, dg0, dy);
+      break;
+    }
+    case detail::Mamba2Norm::none:
+      for (int64_t k = 0; k < BT * E; ++k) {
+        const float z = zval(k);
+        dy[k] = gate_in_kernel ? dgn[k] : dgn[k] * ops::silu(z);
+        dzx[(k / E) * proj + k % E] = gate_in_kernel ? 0.0f : dgn[k] * y[k] * silu_grad(z);
+      }
+      break;
   }
   sink.put(li, Value::attention_head_outputs, dy);
   tape.block(li, Value::attention_head_outputs, dy);
+  if (gate_in_kernel)  // back through the decode kernel's gate y = y_raw * silu(z)
+    for (int64_t k = 0; k < BT * E; ++k) {
+      const float z = zval(k);
+      dzx[(k / E) * proj + k % E] = dy[k] * y_raw[k] * silu_grad(z);
+      dy[k] *= ops::silu(z);
+    }
 
   Tensor dx({B, T, H, P}), dB({B, T, G, N}), dC({B, T, G, N}), ddt({B, T, H}), ddA({B, T, H}), dS0({B, H, P, N});
   Tensor dstates;
@@ -184,7 +258,10 @@ void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba
     }
   }
   causal_conv1d_backward(du.data(), B, T, cd, K, lw.conv_wT.data(), dzx.data() + E, proj);
+  scale_sections(dzx);  // d(raw projection) = multiplier * d(scaled projection)
   linear_backward(dzx.data(), BT, proj, lw.in_proj, dn.data(), false);
+  if (d.in_multiplier != 1.0f)
+    for (int64_t k = 0; k < dn.numel(); ++k) dn[k] *= d.in_multiplier;
   if (masked) detail::apply_row_mask(dn, in);
 }
 

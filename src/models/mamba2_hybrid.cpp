@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "grad/mamba2_hybrid_grad.h"
 #include "mixers/attention.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -42,32 +43,43 @@ void read_rope(const io::Config& cfg, double default_partial, double& theta, dou
   if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
 }
 
+std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc) {
+  const int64_t E = s.n_experts, G = s.n_group, per = E / G;
+  std::vector<float> choice(static_cast<size_t>(E)), gs(static_cast<size_t>(G));
+  std::vector<int64_t> gi(static_cast<size_t>(G)), ei(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] = sc[e] + bias[e];
+  for (int64_t g = 0; g < G; ++g) {  // sum of the group's two best choice scores
+    float a = -INFINITY, b2 = -INFINITY;
+    for (int64_t j = 0; j < per; ++j) {
+      const float v = choice[static_cast<size_t>(g * per + j)];
+      if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
+    }
+    gs[static_cast<size_t>(g)] = per >= 2 ? a + b2 : a;
+    gi[static_cast<size_t>(g)] = g;
+  }
+  std::partial_sort(gi.begin(), gi.begin() + s.topk_group, gi.end(), [&](int64_t a, int64_t b) {
+    return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)] || (gs[static_cast<size_t>(a)] == gs[static_cast<size_t>(b)] && a < b);
+  });
+  std::vector<uint8_t> keep(static_cast<size_t>(G), 0);
+  for (int64_t k = 0; k < s.topk_group; ++k) keep[static_cast<size_t>(gi[static_cast<size_t>(k)])] = 1;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!keep[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
+    ei[static_cast<size_t>(e)] = e;
+  }
+  std::partial_sort(ei.begin(), ei.begin() + s.topk, ei.end(), [&](int64_t a, int64_t b) {
+    return choice[static_cast<size_t>(a)] > choice[static_cast<size_t>(b)] ||
+           (choice[static_cast<size_t>(a)] == choice[static_cast<size_t>(b)] && a < b);
+  });
+  ei.resize(static_cast<size_t>(s.topk));
+  return ei;
+}
+
 namespace {
 
-struct MlpW {
-  Tensor gate, up, down;           // gate [I, D] (swiglu only), up [I, D], down [D, I]
-  Tensor gate_b, up_b, down_b;     // optional biases
-};
-
-struct MoeW {
-  Tensor router, bias;                  // [E, D], [E] e_score_correction_bias
-  std::vector<Tensor> up, down;         // per expert [I, in], [in, I] (in = latent or D)
-  Tensor shared_up, shared_down;        // [Is, D], [D, Is]
-  Tensor fc1, fc1_b, fc2, fc2_b;        // optional latent projections [latent, D], [D, latent]
-};
-
-struct AttnW {
-  Tensor q, k, v, o;               // [H*hd, D], [Hkv*hd, D], [Hkv*hd, D], [D, H*hd]
-  Tensor qb, kb, vb, ob;           // optional biases
-};
-
-struct BlockW {
-  Tensor in_norm, ff_norm;
-  Mamba2MixerWeights mamba;
-  AttnW attn;
-  MlpW mlp;
-  MoeW moe;
-};
+using MlpW = HybridMlpWeights;
+using MoeW = HybridMoeWeights;
+using AttnW = HybridAttnWeights;
+using BlockW = HybridBlockWeights;
 
 const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 
@@ -262,6 +274,11 @@ class Mamba2Hybrid final : public FamilyModel {
     return logits;
   }
 
+  // Gradients (src/grad/mamba2_hybrid_grad.cpp, docs/gradients.md).
+  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
+    grad::mamba2_hybrid_backward({&s_, &mixer_, &inv_freq_, &norm_f_, &lm_head_, &blocks_}, tape, dlogits, sink);
+  }
+
   Head head() const override { return {&embed_, &norm_f_, &lm_head_, s_.eps, false, s_.lm_head_multiplier}; }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
@@ -365,39 +382,14 @@ class Mamba2Hybrid final : public FamilyModel {
   // score, weighted by their plain sigmoid scores (renormalised when norm_topk_prob, + 1e-20),
   // times routed_scaling_factor; experts summed in expert order (index_add_), then fc2, + shared.
   Tensor moe(const MoeW& m, const float* x, int64_t rows) const {
-    const int64_t E = s_.n_experts, D = s_.D, G = s_.n_group, per = E / G, in = s_.latent > 0 ? s_.latent : D;
+    const int64_t E = s_.n_experts, D = s_.D, in = s_.latent > 0 ? s_.latent : D;
     Tensor logits({rows, E});
     ops::linear(x, rows, D, m.router, logits.data());
     std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
-    std::vector<float> sc(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gs(static_cast<size_t>(G));
-    std::vector<int64_t> gi(static_cast<size_t>(G)), ei(static_cast<size_t>(E));
+    std::vector<float> sc(static_cast<size_t>(E));
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t e = 0; e < E; ++e) {
-        sc[static_cast<size_t>(e)] = ops::sigmoid(logits[r * E + e]);
-        choice[static_cast<size_t>(e)] = sc[static_cast<size_t>(e)] + m.bias[e];
-      }
-      for (int64_t g = 0; g < G; ++g) {  // sum of the group's two best choice scores
-        float a = -INFINITY, b2 = -INFINITY;
-        for (int64_t j = 0; j < per; ++j) {
-          const float v = choice[static_cast<size_t>(g * per + j)];
-          if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
-        }
-        gs[static_cast<size_t>(g)] = per >= 2 ? a + b2 : a;
-        gi[static_cast<size_t>(g)] = g;
-      }
-      std::partial_sort(gi.begin(), gi.begin() + s_.topk_group, gi.end(), [&](int64_t a, int64_t b) {
-        return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)] || (gs[static_cast<size_t>(a)] == gs[static_cast<size_t>(b)] && a < b);
-      });
-      std::vector<uint8_t> keep(static_cast<size_t>(G), 0);
-      for (int64_t k = 0; k < s_.topk_group; ++k) keep[static_cast<size_t>(gi[static_cast<size_t>(k)])] = 1;
-      for (int64_t e = 0; e < E; ++e) {
-        if (!keep[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
-        ei[static_cast<size_t>(e)] = e;
-      }
-      std::partial_sort(ei.begin(), ei.begin() + s_.topk, ei.end(), [&](int64_t a, int64_t b) {
-        return choice[static_cast<size_t>(a)] > choice[static_cast<size_t>(b)] ||
-               (choice[static_cast<size_t>(a)] == choice[static_cast<size_t>(b)] && a < b);
-      });
+      for (int64_t e = 0; e < E; ++e) sc[static_cast<size_t>(e)] = ops::sigmoid(logits[r * E + e]);
+      const std::vector<int64_t> ei = moe_choose(s_, m.bias, sc.data());
       float tot = 0.0f;
       for (int64_t k = 0; k < s_.topk; ++k) tot += sc[static_cast<size_t>(ei[static_cast<size_t>(k)])];
       for (int64_t k = 0; k < s_.topk; ++k) {

@@ -60,6 +60,34 @@ struct Mamba2HybridSpec {
   float mlp_gate_multiplier = 1.0f, mlp_down_multiplier = 1.0f;
 };
 
+/// One block's weights (shapes as loaded by make_mamba2_hybrid; optional tensors undefined).
+struct HybridMlpWeights {
+  Tensor gate, up, down;        ///< gate [I, D] (swiglu only), up [I, D], down [D, I]
+  Tensor gate_b, up_b, down_b;  ///< optional biases
+};
+struct HybridMoeWeights {
+  Tensor router, bias;           ///< [E, D], [E] e_score_correction_bias
+  std::vector<Tensor> up, down;  ///< per expert [I, in], [in, I] (in = latent or D)
+  Tensor shared_up, shared_down; ///< [Is, D], [D, Is]
+  Tensor fc1, fc1_b, fc2, fc2_b; ///< optional latent projections [latent, D], [D, latent]
+};
+struct HybridAttnWeights {
+  Tensor q, k, v, o;      ///< [H*hd, D], [Hkv*hd, D], [Hkv*hd, D], [D, H*hd]
+  Tensor qb, kb, vb, ob;  ///< optional biases
+};
+struct HybridBlockWeights {
+  Tensor in_norm, ff_norm;
+  Mamba2MixerWeights mamba;
+  HybridAttnWeights attn;
+  HybridMlpWeights mlp;
+  HybridMoeWeights moe;
+};
+
+/// NemotronHTopkRouter's choice for one token: `sc` [E] the sigmoid router scores; returns the
+/// top-k expert ids (group-limited, by score + e_score_correction_bias), best first. Shared by the
+/// forward and the backward (src/grad/mamba2_hybrid_grad.cpp) so both route identically.
+std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc);
+
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);
 

@@ -1,0 +1,437 @@
+// Backward of the Mamba-2 hybrid skeleton (models/mamba2_hybrid.cpp; Nemotron-H, Bamba,
+// Falcon-H1): LM head (* lm_head_multiplier), final RMSNorm, then each block from the last,
+// recomputed from its recorded input with the recorded writes re-applied and differentiated:
+// the second branch (pre_ff RMSNorm + SwiGLU MLP), then the first branch's Mamba-2 mixer
+// (grad/mamba2_mixer_grad.cpp), softmax attention (projections, key / in / out multipliers, RoPE,
+// grad/attention_grad.cpp), relu2 MLP or MoE (straight-through of the chosen experts: the routing
+// is a constant, the chosen experts' weights are differentiated), and the block's input norm.
+#include "grad/mamba2_hybrid_grad.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "grad/families.h"
+#include "grad/ops_grad.h"
+#include "mixers/attention.h"
+#include "models/common.h"
+#include "models/hybrid_cache.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+namespace {
+
+using detail::HybridBlock;
+using detail::HybridBlockWeights;
+using detail::Mamba2HybridSpec;
+
+const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
+
+void scale(Tensor& t, float s) {
+  if (s == 1.0f) return;
+  for (int64_t k = 0; k < t.numel(); ++k) t[k] *= s;
+}
+
+void add_into(Tensor& h, const Tensor& x) {
+  for (int64_t k = 0; k < h.numel(); ++k) h[k] += x[k];
+}
+
+/// Replays the tape's writes of one layer into a forward (the Mamba-2 mixer's, for the value the
+/// block adds): each recorded write's changed elements take the written value.
+class Replay final : public detail::Listener {
+ public:
+  Replay(const Tape& tape, int layer, int num_layers) : tape_(tape) {
+    mask_.assign(static_cast<size_t>(num_layers + 1), 0u);
+    for (const auto& [site, w] : tape.writes)
+      if (site.first == layer) mask_[static_cast<size_t>(layer + 1)] |= 1u << static_cast<unsigned>(site.second);
+  }
+  void begin_call(const detail::CallCtx&, int) override {}
+  bool visit(int layer, Value v, Tensor& value, const Shape&) override {
+    const Written* w = tape_.write(layer, v);
+    if (!w) return false;
+    if (!value.defined()) {  // a fresh call's None state_input the write replaced
+      value = w->value.clone();
+      return true;
+    }
+    w->apply(value);
+    return w->any();
+  }
+
+ private:
+  const Tape& tape_;
+};
+
+class HybridBackward {
+ public:
+  HybridBackward(const HybridModelView& m, const Tape& tape, GradSink& sink)
+      : m_(m), s_(*m.spec), tape_(tape), sink_(sink), in_(tape.batch), B_(in_.batch), T_(in_.seq), BT_(B_ * T_),
+        cache_(static_cast<const detail::HybridCache&>(*tape.cache_before)) {
+    // Positions and the key mask as the forward built them (the cache before the call, advanced).
+    auto adv = cache_.clone();
+    auto& hc = static_cast<detail::HybridCache&>(*adv);
+    pos_ = hc.advance_positions(in_);
+    key_mask_ = hc.key_mask;
+  }
+
+  void run(const Tensor& dlogits) {
+    const int64_t D = s_.D, V = s_.V, L = static_cast<int64_t>(s_.blocks.size());
+    Tensor dl({B_, T_, V});
+    if (dlogits.size(1) == T_) {
+      std::memcpy(dl.data(), dlogits.data(), sizeof(float) * static_cast<size_t>(dl.numel()));
+    } else {  // the last position's logits only (a generation's prompt)
+      for (int64_t b = 0; b < B_; ++b)
+        std::memcpy(dl.data() + (b * T_ + T_ - 1) * V, dlogits.data() + b * V, sizeof(float) * static_cast<size_t>(V));
+    }
+    sink_.put(-1, Value::logits, dl);
+    tape_.block(-1, Value::logits, dl);
+    scale(dl, s_.lm_head_multiplier);  // logits are served after lm_head_multiplier
+    Tensor dhf({B_, T_, D});
+    linear_backward(dl.data(), BT_, V, *m_.lm_head, dhf.data(), false);
+    sink_.put(-1, Value::ln_final_output, dhf);
+    tape_.block(-1, Value::ln_final_output, dhf);
+    Tensor dh({B_, T_, D});
+    rmsnorm_backward(tape_.final_hidden.data(), m_.norm_f->data(), dhf.data(), dh.data(), BT_, D, s_.eps, false, false);
+    for (int64_t i = L - 1; i >= 0; --i) block(static_cast<int>(i), dh);
+    sink_.put(-1, Value::embed_output, dh);
+  }
+
+ private:
+  // dh: dL/d(layer_output) in, dL/d(layer_input) out.
+  void block(int li, Tensor& dh) {
+    const HybridBlock& b = s_.blocks[static_cast<size_t>(li)];
+    const HybridBlockWeights& w = (*m_.blocks)[static_cast<size_t>(li)];
+    const int64_t D = s_.D;
+    sink_.put(li, Value::layer_output, dh);
+    tape_.block(li, Value::layer_output, dh);
+    const Tensor& hin = tape_.layer_inputs[static_cast<size_t>(li)];
+    Tensor n({B_, T_, D});
+    ops::rmsnorm(hin.data(), w.in_norm.data(), n.data(), BT_, D, s_.eps);
+    const size_t i = static_cast<size_t>(li);
+    const Mamba2CallState call{b.mamba ? &cache_.conv[i] : nullptr, b.mamba ? &cache_.ssm[i] : nullptr,
+                               cache_.has_state, tape_.kernel == "chunked"};
+    Attn att;
+    if (b.attn) att = attn_forward(li, w.attn, n);
+
+    // Second branch: h = h1 + MLP(RMSNorm(h1)), h1 = layer_input + first branch.
+    Tensor dh1 = dh;  // dL/dh1
+    if (b.ff) {
+      Tensor h1 = hin.clone();
+      if (b.mamba) add_into(h1, mixer_forward(li, w, n, call));
+      if (b.attn) add_into(h1, att.out);
+      if (b.branch_mlp) add_into(h1, branch_mlp_forward(li, b, w, n));
+      Tensor n2({B_, T_, D});
+      ops::rmsnorm(h1.data(), w.ff_norm.data(), n2.data(), BT_, D, s_.eps);
+      Tensor dm = dh.clone();
+      sink_.put(li, Value::mlp_output, dm);
+      tape_.block(li, Value::mlp_output, dm);
+      Tensor dn2({B_, T_, D});
+      mlp_backward(w.mlp, n2, dm, dn2);
+      dh1 = dh.clone();
+      rmsnorm_backward(h1.data(), w.ff_norm.data(), dn2.data(), dh1.data(), BT_, D, s_.eps, false, true);
+    }
+    // First branch: h1 = layer_input + sum of the branch outputs on n = RMSNorm(layer_input).
+    Tensor dn({B_, T_, D}), part({B_, T_, D});
+    if (b.mamba) {
+      mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dh1, part, sink_);
+      add_into(dn, part);
+    }
+    if (b.attn) {
+      attn_backward(li, w.attn, att, dh1, part);
+      add_into(dn, part);
+    }
+    if (b.branch_mlp) {
+      Tensor dm = dh1.clone();
+      sink_.put(li, Value::mlp_output, dm);
+      tape_.block(li, Value::mlp_output, dm);
+      if (b.moe) moe_backward(w.moe, n, dm, part);
+      else mlp_backward(w.mlp, n, dm, part);
+      add_into(dn, part);
+    }
+    dh = dh1.clone();
+    rmsnorm_backward(hin.data(), w.in_norm.data(), dn.data(), dh.data(), BT_, D, s_.eps, false, true);
+    sink_.put(li, Value::layer_input, dh);
+    tape_.block(li, Value::layer_input, dh);
+  }
+
+  // ---- Mamba-2 mixer: its output (for h1), through the mixer's own forward with the writes replayed.
+  Tensor mixer_forward(int li, const HybridBlockWeights& w, const Tensor& n, const Mamba2CallState& c) const {
+    Tensor conv = c.conv->clone(), ssm = c.ssm->clone();
+    Replay rp(tape_, li, static_cast<int>(s_.blocks.size()));
+    detail::Mamba2MixerCall call;
+    call.layer = li;
+    call.conv = &conv;
+    call.ssm = &ssm;
+    call.has_state = c.has_state;
+    call.chunked = c.chunked;
+    call.ls = &rp;
+    return m_.mixer->forward(w.mamba, n, in_, call);
+  }
+
+  // ---- attention (NemotronHAttention / BambaAttention / FalconH1Attention) ----------------------
+  struct Attn {
+    Tensor q, k, v, out;  // q [B,T,H,d] and k, v [B,T,Hkv,d] as consumed (RoPE, multipliers, writes)
+    detail::KvCache kv;   // the cache before the call with k, v appended
+    int64_t past = 0;
+  };
+
+  Attn attn_forward(int li, const detail::HybridAttnWeights& a, const Tensor& n_in) const {
+    const int64_t d = s_.hd, H = s_.H, Hkv = s_.Hkv, D = s_.D;
+    Tensor x = n_in.clone();
+    scale(x, s_.attention_in_multiplier);
+    Attn r;
+    r.q = Tensor({B_, T_, H, d});
+    r.k = Tensor({B_, T_, Hkv, d});
+    r.v = Tensor({B_, T_, Hkv, d});
+    ops::linear(x.data(), BT_, D, a.q, r.q.data(), opt(a.qb));
+    ops::linear(x.data(), BT_, D, a.k, r.k.data(), opt(a.kb));
+    ops::linear(x.data(), BT_, D, a.v, r.v.data(), opt(a.vb));
+    scale(r.k, s_.key_multiplier);
+    if (s_.rope) {
+      detail::apply_rope(r.q.data(), BT_, H, d, s_.rot, pos_.data(), *m_.inv_freq);
+      detail::apply_rope(r.k.data(), BT_, Hkv, d, s_.rot, pos_.data(), *m_.inv_freq);
+    }
+    tape_.apply(li, Value::attn_queries, r.q);
+    tape_.apply(li, Value::attn_keys, r.k);
+    tape_.apply(li, Value::attn_values, r.v);
+    r.kv = cache_.kv[static_cast<size_t>(li)];
+    r.past = r.kv.len;
+    r.kv.append(r.k.data(), r.v.data(), B_, T_, Hkv * d);
+    Tensor att({B_, T_, H, d});
+    detail::causal_attention(r.q.data(), B_, T_, H, Hkv, d, r.past, r.kv, key_mask_, att.data());
+    r.out = Tensor({B_, T_, D});
+    ops::linear(att.data(), BT_, H * d, a.o, r.out.data(), opt(a.ob));
+    scale(r.out, s_.attention_out_multiplier);
+    tape_.apply(li, Value::attn_output, r.out);
+    return r;
+  }
+
+  void attn_backward(int li, const detail::HybridAttnWeights& a, const Attn& r, const Tensor& dout_in, Tensor& dn) {
+    const int64_t d = s_.hd, H = s_.H, Hkv = s_.Hkv, D = s_.D;
+    Tensor dout = dout_in.clone();
+    sink_.put(li, Value::attn_output, dout);
+    tape_.block(li, Value::attn_output, dout);
+    scale(dout, s_.attention_out_multiplier);
+    Tensor datt({B_, T_, H, d});
+    linear_backward(dout.data(), BT_, D, a.o, datt.data(), false);
+    Tensor dq({B_, T_, H, d}), dk({B_, T_, Hkv, d}), dv({B_, T_, Hkv, d});
+    causal_attention_backward(r.q.data(), B_, T_, H, Hkv, d, r.past, r.kv, key_mask_, datt.data(), dq.data(), dk.data(),
+                              dv.data());
+    sink_.put(li, Value::attn_queries, dq);
+    sink_.put(li, Value::attn_keys, dk);
+    sink_.put(li, Value::attn_values, dv);
+    tape_.block(li, Value::attn_queries, dq);
+    tape_.block(li, Value::attn_keys, dk);
+    tape_.block(li, Value::attn_values, dv);
+    if (s_.rope) {
+      apply_rope_backward(dq.data(), BT_, H, d, s_.rot, pos_.data(), *m_.inv_freq);
+      apply_rope_backward(dk.data(), BT_, Hkv, d, s_.rot, pos_.data(), *m_.inv_freq);
+    }
+    scale(dk, s_.key_multiplier);
+    linear_backward(dq.data(), BT_, H * d, a.q, dn.data(), false);
+    linear_backward(dk.data(), BT_, Hkv * d, a.k, dn.data(), true);
+    linear_backward(dv.data(), BT_, Hkv * d, a.v, dn.data(), true);
+    scale(dn, s_.attention_in_multiplier);
+  }
+
+  // ---- MLPs --------------------------------------------------------------------------------------
+  // swiglu: down(up x * silu(gate x * gate_mult)) * down_mult; relu2: down(relu(up x)^2).
+  Tensor mlp_forward(const detail::HybridMlpWeights& m, const float* x, int64_t rows) const {
+    const int64_t I = s_.I, D = s_.D;
+    Tensor up({rows, I}), out({rows, D});
+    ops::linear(x, rows, D, m.up, up.data(), opt(m.up_b));
+    if (s_.mlp == detail::HybridMlp::swiglu) {
+      Tensor g({rows, I});
+      ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
+      for (int64_t k = 0; k < rows * I; ++k) up[k] *= ops::silu(g[k] * s_.mlp_gate_multiplier);
+    } else {
+      for (int64_t k = 0; k < rows * I; ++k) up[k] = std::max(up[k], 0.0f) * std::max(up[k], 0.0f);
+    }
+    ops::linear(up.data(), rows, I, m.down, out.data(), opt(m.down_b));
+    scale(out, s_.mlp_down_multiplier);
+    return out;
+  }
+
+  void mlp_backward(const detail::HybridMlpWeights& m, const Tensor& x, const Tensor& dout_in, Tensor& dx) const {
+    const int64_t I = s_.I, D = s_.D;
+    Tensor dout = dout_in.clone();
+    scale(dout, s_.mlp_down_multiplier);
+    Tensor up({BT_, I}), da({BT_, I});
+    ops::linear(x.data(), BT_, D, m.up, up.data(), opt(m.up_b));
+    linear_backward(dout.data(), BT_, D, m.down, da.data(), false);
+    if (s_.mlp == detail::HybridMlp::swiglu) {
+      Tensor g({BT_, I});
+      ops::linear(x.data(), BT_, D, m.gate, g.data(), opt(m.gate_b));
+      const float gm = s_.mlp_gate_multiplier;
+      for (int64_t k = 0; k < BT_ * I; ++k) {
+        const float gg = g[k] * gm, a = da[k];
+        g[k] = a * up[k] * silu_grad(gg) * gm;  // d gate projection
+        up[k] = a * ops::silu(gg);              // d up projection
+      }
+      linear_backward(up.data(), BT_, I, m.up, dx.data(), false);
+      linear_backward(g.data(), BT_, I, m.gate, dx.data(), true);
+    } else {
+      for (int64_t k = 0; k < BT_ * I; ++k) up[k] = da[k] * 2.0f * std::max(up[k], 0.0f);
+      linear_backward(up.data(), BT_, I, m.up, dx.data(), false);
+    }
+  }
+
+  // relu2 with explicit weights (experts, shared expert): dx (+)= d/dx of dy . down(relu(up x)^2).
+  static void relu2_backward(const Tensor& up_w, const Tensor& down_w, const float* x, const float* dy, int64_t rows,
+                             int64_t in, int64_t I, float* dx, bool accumulate) {
+    Tensor u({rows, I}), du({rows, I});
+    ops::linear(x, rows, in, up_w, u.data());
+    linear_backward(dy, rows, down_w.size(0), down_w, du.data(), false);
+    for (int64_t k = 0; k < rows * I; ++k) du[k] *= 2.0f * std::max(u[k], 0.0f);
+    linear_backward(du.data(), rows, I, up_w, dx, accumulate);
+  }
+  static Tensor relu2_forward(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in,
+                              int64_t I) {
+    Tensor u({rows, I}), out({rows, down_w.size(0)});
+    ops::linear(x, rows, in, up_w, u.data());
+    for (int64_t k = 0; k < rows * I; ++k) u[k] = std::max(u[k], 0.0f) * std::max(u[k], 0.0f);
+    ops::linear(u.data(), rows, I, down_w, out.data());
+    return out;
+  }
+
+  // NemotronHMoE: the routing (which experts) is a constant; the chosen experts' weights
+  // w_k = s_k / (sum_j s_j + 1e-20) * routed_scaling (s = sigmoid(router x)) and the experts are
+  // differentiated, as torch autograd does through topk_weights.
+  Tensor moe_forward(const detail::HybridMoeWeights& m, const float* x, int64_t rows) const {
+    Tensor dummy;
+    return moe_impl(m, x, rows, nullptr, dummy);
+  }
+  void moe_backward(const detail::HybridMoeWeights& m, const Tensor& x, const Tensor& dout, Tensor& dx) const {
+    moe_impl(m, x.data(), BT_, dout.data(), dx);
+  }
+
+  // Forward (dout == nullptr: returns the output) or backward (writes dx [rows, D]).
+  Tensor moe_impl(const detail::HybridMoeWeights& m, const float* x, int64_t rows, const float* dout, Tensor& dx) const {
+    const int64_t E = s_.n_experts, D = s_.D, K = s_.topk, lat = s_.latent, in = lat > 0 ? lat : D;
+    Tensor logits({rows, E});
+    ops::linear(x, rows, D, m.router, logits.data());
+    std::vector<int64_t> chosen(static_cast<size_t>(rows * K));
+    std::vector<float> sc(static_cast<size_t>(rows * E)), tot(static_cast<size_t>(rows));
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> routed(static_cast<size_t>(E));  // (row, k)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = sc.data() + r * E;
+      for (int64_t e = 0; e < E; ++e) s[e] = ops::sigmoid(logits[r * E + e]);
+      const auto ei = detail::moe_choose(s_, m.bias, s);
+      float t = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        chosen[static_cast<size_t>(r * K + k)] = ei[static_cast<size_t>(k)];
+        t += s[ei[static_cast<size_t>(k)]];
+        routed[static_cast<size_t>(ei[static_cast<size_t>(k)])].push_back({r, k});
+      }
+      tot[static_cast<size_t>(r)] = t;
+    }
+    const auto weight = [&](int64_t r, int64_t k) {
+      const float s = sc[static_cast<size_t>(r * E + chosen[static_cast<size_t>(r * K + k)])];
+      return (s_.norm_topk ? s / (tot[static_cast<size_t>(r)] + 1e-20f) : s) * s_.routed_scaling;
+    };
+    Tensor xin;
+    const float* xe = x;
+    if (lat > 0) {
+      xin = Tensor({rows, in});
+      ops::linear(x, rows, D, m.fc1, xin.data(), opt(m.fc1_b));
+      xe = xin.data();
+    }
+    if (!dout) {  // forward
+      Tensor acc({rows, in});
+      for (int64_t e = 0; e < E; ++e) {
+        const auto& toks = routed[static_cast<size_t>(e)];
+        if (toks.empty()) continue;
+        const int64_t nt = static_cast<int64_t>(toks.size());
+        Tensor xs({nt, in});
+        for (int64_t j = 0; j < nt; ++j)
+          std::memcpy(xs.data() + j * in, xe + toks[static_cast<size_t>(j)].first * in, sizeof(float) * static_cast<size_t>(in));
+        Tensor y = relu2_forward(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in, s_.moe_I);
+        for (int64_t j = 0; j < nt; ++j) {
+          const auto [r, k] = toks[static_cast<size_t>(j)];
+          const float wg = weight(r, k);
+          for (int64_t c = 0; c < in; ++c) acc[r * in + c] += y[j * in + c] * wg;
+        }
+      }
+      Tensor out({rows, D});
+      if (lat > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
+      else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
+      add_into(out, relu2_forward(m.shared_up, m.shared_down, x, rows, D, s_.shared_I));
+      return out;
+    }
+    // backward: dacc = d(fc2 input); per chosen (r, k): dw_k = dacc_r . y, dxe_r += w_k d relu2
+    Tensor dacc({rows, in});
+    if (lat > 0) linear_backward(dout, rows, D, m.fc2, dacc.data(), false);
+    else std::memcpy(dacc.data(), dout, sizeof(float) * static_cast<size_t>(rows * D));
+    std::vector<float> dw(static_cast<size_t>(rows * K), 0.0f);
+    Tensor dxe({rows, in});
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& toks = routed[static_cast<size_t>(e)];
+      if (toks.empty()) continue;
+      const int64_t nt = static_cast<int64_t>(toks.size());
+      Tensor xs({nt, in}), dys({nt, in}), dxs({nt, in});
+      for (int64_t j = 0; j < nt; ++j)
+        std::memcpy(xs.data() + j * in, xe + toks[static_cast<size_t>(j)].first * in, sizeof(float) * static_cast<size_t>(in));
+      Tensor y = relu2_forward(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in, s_.moe_I);
+      for (int64_t j = 0; j < nt; ++j) {
+        const auto [r, k] = toks[static_cast<size_t>(j)];
+        const float wg = weight(r, k);
+        double dot = 0.0;
+        for (int64_t c = 0; c < in; ++c) {
+          dot += static_cast<double>(dacc[r * in + c]) * y[j * in + c];
+          dys[j * in + c] = dacc[r * in + c] * wg;
+        }
+        dw[static_cast<size_t>(r * K + k)] = static_cast<float>(dot);
+      }
+      relu2_backward(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), dys.data(), nt, in,
+                     s_.moe_I, dxs.data(), false);
+      for (int64_t j = 0; j < nt; ++j) {
+        const int64_t r = toks[static_cast<size_t>(j)].first;
+        for (int64_t c = 0; c < in; ++c) dxe[r * in + c] += dxs[j * in + c];
+      }
+    }
+    // dw -> the sigmoid scores of the chosen experts -> router logits -> x.
+    Tensor dlog({rows, E});
+    for (int64_t r = 0; r < rows; ++r) {
+      const float S = tot[static_cast<size_t>(r)] + 1e-20f;
+      double sdw = 0.0;  // sum_k dw_k s_k
+      for (int64_t k = 0; k < K; ++k)
+        sdw += static_cast<double>(dw[static_cast<size_t>(r * K + k)]) * sc[static_cast<size_t>(r * E + chosen[static_cast<size_t>(r * K + k)])];
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = chosen[static_cast<size_t>(r * K + k)];
+        const float s = sc[static_cast<size_t>(r * E + e)];
+        float ds = dw[static_cast<size_t>(r * K + k)];
+        if (s_.norm_topk) ds = static_cast<float>(ds / S - sdw / (static_cast<double>(S) * S));
+        dlog[r * E + e] += ds * s_.routed_scaling * sigmoid_d(s);
+      }
+    }
+    linear_backward(dlog.data(), rows, E, m.router, dx.data(), false);
+    if (lat > 0) linear_backward(dxe.data(), rows, in, m.fc1, dx.data(), true);
+    else add_into(dx, dxe);
+    relu2_backward(m.shared_up, m.shared_down, x, dout, rows, D, s_.shared_I, dx.data(), true);
+    return Tensor();
+  }
+
+  Tensor branch_mlp_forward(int li, const HybridBlock& b, const HybridBlockWeights& w, const Tensor& n) const {
+    Tensor o = (b.moe ? moe_forward(w.moe, n.data(), BT_) : mlp_forward(w.mlp, n.data(), BT_)).reshape({B_, T_, s_.D});
+    tape_.apply(li, Value::mlp_output, o);
+    return o;
+  }
+
+  const HybridModelView& m_;
+  const Mamba2HybridSpec& s_;
+  const Tape& tape_;
+  GradSink& sink_;
+  const Batch& in_;
+  const int64_t B_, T_, BT_;
+  const detail::HybridCache& cache_;
+  std::vector<int64_t> pos_;
+  std::vector<std::vector<uint8_t>> key_mask_;
+};
+
+}  // namespace
+
+void mamba2_hybrid_backward(const HybridModelView& m, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
+  HybridBackward(m, tape, sink).run(dlogits);
+}
+
+}  // namespace mixlens::grad
