@@ -32,10 +32,12 @@ $(VENV)/.setup-dev-done: scripts/setup.sh requirements-build.txt requirements-de
 	touch $(VENV)/.setup-done $@
 
 # One CMake build (build/py) serves the Python package, the native CLI and the C++ tests (wheel
-# builds use a temporary folder and no tests: pyproject.toml).
+# builds use a temporary folder and no tests: pyproject.toml). `make demo` builds it without the C++
+# tests (TESTS=OFF: the same library objects, so a later `make test` compiles only the tests).
+TESTS ?= ON
 build: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --no-build-isolation --no-deps \
-	  -C build-dir=build/py -C cmake.define.MIXLENS_TESTS=ON .
+	  -C build-dir=build/py -C cmake.define.MIXLENS_TESTS=$(TESTS) .
 
 # A wheel that works on other Linux machines: built without tests or -march=native, its shared
 # libraries (OpenBLAS, PCRE2, utf8proc, ...) bundled by auditwheel; lands in wheelhouse/.
@@ -46,7 +48,8 @@ wheel: setup-dev
 stubs: build
 	$(PY) -m nanobind.stubgen -q -m mixlens._core -o python/mixlens/_core.pyi
 
-demo: build
+demo: setup
+	$(MAKE) --no-print-directory build TESTS=OFF
 	$(VENV)/bin/mixlens generate "$(PROMPT)" --max-new-tokens 60 --greedy
 
 # SKIP_SANITIZE=1 leaves out the sanitizer / fuzz part for quick local iterations (CI never sets it).
