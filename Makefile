@@ -103,12 +103,11 @@ fuzz: build/asan/.configured
 bench: setup-dev build
 	$(PY) bench/harness.py $(if $(BENCH_QUICK),--quick)
 
-# The older per-family comparisons with transformers (kernel routes, per-token states).
+# Every family (the Mamba-2 hybrids too) against transformers, with each kernel route forced as extra
+# mixlens columns; bench/results/families.md. Per-token states: bench-state-after.
 bench-families: setup-dev build
-	$(PY) bench/bench_mamba2.py
-	$(PY) bench/bench_mamba.py
-	$(PY) bench/bench_qwen3_5.py
-	$(PY) bench/bench_hybrids.py
+	$(PY) bench/harness.py --models mamba2,mamba,qwen3_5,falcon_h1,nemotron_h,bamba --routes recurrent,chunked \
+	  --no-llama --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/families.md
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.
