@@ -38,4 +38,14 @@ void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba
                            const Tensor& n, const Mamba2CallState& call, const Tape& tape, const Tensor& dout,
                            Tensor& dn, GradSink& sink);
 
+/// Given the mixer's output as the block adds it (attention_output after writes), returns
+/// dL/d(that output): lets a block whose later part reads the mixer output (a second branch)
+/// differentiate that part between the mixer's recompute and its backward.
+using MixerDout = std::function<Tensor(const Tensor& out)>;
+/// As mamba2_mixer_backward, with dout obtained from the recomputed output (one recompute, no
+/// separate forward for the output).
+void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& w, int layer,
+                           const Tensor& n, const Mamba2CallState& call, const Tape& tape, const MixerDout& dout_of,
+                           Tensor& dn, GradSink& sink);
+
 }  // namespace mixlens::grad

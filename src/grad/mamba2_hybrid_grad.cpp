@@ -37,31 +37,6 @@ void add_into(Tensor& h, const Tensor& x) {
   for (int64_t k = 0; k < h.numel(); ++k) h[k] += x[k];
 }
 
-/// Replays the tape's writes of one layer into a forward (the Mamba-2 mixer's, for the value the
-/// block adds): each recorded write's changed elements take the written value.
-class Replay final : public detail::Listener {
- public:
-  Replay(const Tape& tape, int layer, int num_layers) : tape_(tape) {
-    mask_.assign(static_cast<size_t>(num_layers + 1), 0u);
-    for (const auto& [site, w] : tape.writes)
-      if (site.first == layer) mask_[static_cast<size_t>(layer + 1)] |= 1u << static_cast<unsigned>(site.second);
-  }
-  void begin_call(const detail::CallCtx&, int) override {}
-  bool visit(int layer, Value v, Tensor& value, const Shape&) override {
-    const Written* w = tape_.write(layer, v);
-    if (!w) return false;
-    if (!value.defined()) {  // a fresh call's None state_input the write replaced
-      value = w->value.clone();
-      return true;
-    }
-    w->apply(value);
-    return w->any();
-  }
-
- private:
-  const Tape& tape_;
-};
-
 class HybridBackward {
  public:
   HybridBackward(const HybridModelView& m, const Tape& tape, GradSink& sink)
@@ -113,11 +88,11 @@ class HybridBackward {
     Attn att;
     if (b.attn) att = attn_forward(li, w.attn, n);
 
-    // Second branch: h = h1 + MLP(RMSNorm(h1)), h1 = layer_input + first branch.
-    Tensor dh1 = dh;  // dL/dh1
-    if (b.ff) {
+    // Second branch: h = h1 + MLP(RMSNorm(h1)), h1 = layer_input + first branch; gives dL/dh1.
+    Tensor dh1 = dh;
+    const auto second_branch = [&](const Tensor* mixer_out) {
       Tensor h1 = hin.clone();
-      if (b.mamba) add_into(h1, mixer_forward(li, w, n, call));
+      if (mixer_out) add_into(h1, *mixer_out);
       if (b.attn) add_into(h1, att.out);
       if (b.branch_mlp) add_into(h1, branch_mlp_forward(li, b, w, n));
       Tensor n2({B_, T_, D});
@@ -129,11 +104,18 @@ class HybridBackward {
       mlp_backward(w.mlp, n2, dm, dn2);
       dh1 = dh.clone();
       rmsnorm_backward(h1.data(), w.ff_norm.data(), dn2.data(), dh1.data(), BT_, D, s_.eps, false, true);
-    }
-    // First branch: h1 = layer_input + sum of the branch outputs on n = RMSNorm(layer_input).
+      return dh1;
+    };
+    if (b.ff && !b.mamba) second_branch(nullptr);
+    // First branch: h1 = layer_input + sum of the branch outputs on n = RMSNorm(layer_input). With a
+    // second branch, the mixer's recompute supplies its output to it before differentiating.
     Tensor dn({B_, T_, D}), part({B_, T_, D});
     if (b.mamba) {
-      mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dh1, part, sink_);
+      if (b.ff)
+        mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_,
+                              [&](const Tensor& out) { return second_branch(&out); }, part, sink_);
+      else
+        mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dh1, part, sink_);
       add_into(dn, part);
     }
     if (b.attn) {
@@ -152,20 +134,6 @@ class HybridBackward {
     rmsnorm_backward(hin.data(), w.in_norm.data(), dn.data(), dh.data(), BT_, D, s_.eps, false, true);
     sink_.put(li, Value::layer_input, dh);
     tape_.block(li, Value::layer_input, dh);
-  }
-
-  // ---- Mamba-2 mixer: its output (for h1), through the mixer's own forward with the writes replayed.
-  Tensor mixer_forward(int li, const HybridBlockWeights& w, const Tensor& n, const Mamba2CallState& c) const {
-    Tensor conv = c.conv->clone(), ssm = c.ssm->clone();
-    Replay rp(tape_, li, static_cast<int>(s_.blocks.size()));
-    detail::Mamba2MixerCall call;
-    call.layer = li;
-    call.conv = &conv;
-    call.ssm = &ssm;
-    call.has_state = c.has_state;
-    call.chunked = c.chunked;
-    call.ls = &rp;
-    return m_.mixer->forward(w.mamba, n, in_, call);
   }
 
   // ---- attention (NemotronHAttention / BambaAttention / FalconH1Attention) ----------------------

@@ -16,9 +16,26 @@
 
 namespace mixlens::grad {
 
+static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& lw, int li,
+                                  const Tensor& n_in, const Mamba2CallState& call, const Tape& tape,
+                                  const MixerDout& dout_of, Tensor& dn, GradSink& sink, const Tensor* dout_given);
+
 void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& lw, int li,
                            const Tensor& n_in, const Mamba2CallState& call, const Tape& tape, const Tensor& dout_in,
                            Tensor& dn, GradSink& sink) {
+  mamba2_mixer_backward(mixer, lw, li, n_in, call, tape, MixerDout(), dn, sink, &dout_in);
+}
+
+void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& lw, int li,
+                           const Tensor& n_in, const Mamba2CallState& call, const Tape& tape, const MixerDout& dout_of,
+                           Tensor& dn, GradSink& sink) {
+  mamba2_mixer_backward(mixer, lw, li, n_in, call, tape, dout_of, dn, sink, nullptr);
+}
+
+// The one implementation: dout is *dout_given, or dout_of(the recomputed output).
+static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& lw, int li,
+                                  const Tensor& n_in, const Mamba2CallState& call, const Tape& tape,
+                                  const MixerDout& dout_of, Tensor& dn, GradSink& sink, const Tensor* dout_given) {
   const auto& d = mixer.dims();
   const auto& m = d.proj_multipliers;
   const Batch& in = tape.batch;
@@ -143,6 +160,31 @@ void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba
     for (int64_t k = 0; k < BT * E; ++k) g0[k] = y[k] * ops::silu(zval(k));
   else if (d.norm == detail::Mamba2Norm::grouped_then_gate)
     norm_fwd(y, g0);
+
+  Tensor dout_in;
+  if (dout_given) {
+    dout_in = *dout_given;
+  } else {  // the mixer's output (Mamba2Mixer::forward's tail), for dout_of
+    Tensor gn({B, T, E});
+    switch (d.norm) {
+      case detail::Mamba2Norm::gated_full:
+      case detail::Mamba2Norm::gated_grouped:
+        norm_fwd(g0, gn);
+        break;
+      case detail::Mamba2Norm::grouped_then_gate:
+        for (int64_t k = 0; k < BT * E; ++k) gn[k] = g0[k] * ops::silu(zval(k));
+        break;
+      case detail::Mamba2Norm::none:
+        for (int64_t k = 0; k < BT * E; ++k) gn[k] = gate_in_kernel ? y[k] : y[k] * ops::silu(zval(k));
+        break;
+    }
+    Tensor out({B, T, D});
+    ops::linear(gn.data(), BT, E, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
+    if (d.out_multiplier != 1.0f)
+      for (int64_t k = 0; k < out.numel(); ++k) out[k] *= d.out_multiplier;
+    tape.apply(li, Value::attention_output, out);
+    dout_in = dout_of(out);
+  }
 
   // ---- backward -----------------------------------------------------------------------------
   Tensor dout = dout_in.clone();
