@@ -5,7 +5,9 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
+#include "mixers/attention.h"
 #include "mixlens/tensor.h"
 
 namespace mixlens::grad {
@@ -58,6 +60,24 @@ struct SsdGradArgs {
   int64_t chunk = 64;
 };
 void ssd_backward(const SsdGradArgs& a);
+
+/// Backward of detail::causal_attention (GQA, scale 1/sqrt(d), causal over the cache, key padding
+/// mask; a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw
+/// them: q [B,T,H,d] (after RoPE), `kv` holding past + T tokens per row (the cache before the call
+/// with the call's k / v [B,T,Hkv,d] appended, after any writes), key_mask[b] of length >= past + T,
+/// dout [B,T,H,d]. Writes (overwrites) dq [B,T,H,d] and dk, dv [B,T,Hkv,d] for the call's T new
+/// tokens only: the cached keys / values (positions < past) are constants. Softmax rows are
+/// recomputed per query (memory O(past + T) per thread). InputError when kv.len != past + T or H is
+/// not a multiple of Hkv.
+void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
+                               const detail::KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask,
+                               const float* dout, float* dq, float* dk, float* dv);
+
+/// Backward of detail::apply_rope (rotate-half on the first rotary_dim dims of each head of
+/// [rows, heads, head_dim], the rest passing through), in place: g := R(pos)^T g, the inverse
+/// rotation. Same arguments as the forward (pos per row, rope_inv_freq(rotary_dim, theta)).
+void apply_rope_backward(float* g, int64_t rows, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                         const int64_t* pos, const std::vector<float>& inv_freq);
 
 }  // namespace mixlens::grad
 
