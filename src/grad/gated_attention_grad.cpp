@@ -1,12 +1,11 @@
 // Backward of the Qwen gated softmax attention (QwenHybrid::attention, transformers
 // Qwen3_5Attention): recomputed from the normed input with the recorded writes re-applied, then
 // o_proj, the sigmoid output gate, causal GQA attention (keys cached before the call are
-// constants), RoPE (a rotation: its backward is the rotation by -angle), q_norm / k_norm ((1 + w))
-// and the q / k / v projections.
+// constants), RoPE, q_norm / k_norm ((1 + w)) and the q / k / v projections. The attention and RoPE
+// backwards are the shared core (grad/attention_grad.cpp).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "grad/ops_grad.h"
 #include "grad/qwen_grad.h"
@@ -14,72 +13,6 @@
 #include "ops/ops.h"
 
 namespace mixlens::grad {
-
-namespace {
-
-// Causal GQA softmax attention backward (detail::causal_attention's function): q [B,T,H,d], the
-// call's keys / values are the last T entries of kv; dq [B,T,H,d], dk / dv [B,T,Hkv,d] for the
-// call's own keys (cached ones are constants). Parallel over (row, KV head): the query heads
-// sharing a KV head accumulate into it in order.
-void causal_attention_backward(const float* q, const float* dout, int64_t B, int64_t T, int64_t H, int64_t Hkv,
-                               int64_t d, int64_t past, const detail::KvCache& kv,
-                               const std::vector<std::vector<uint8_t>>& key_mask, float* dq, float* dk, float* dv) {
-  const int64_t rep = H / Hkv, width = Hkv * d, Tk = past + T;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::fill(dk, dk + B * T * width, 0.0f);
-  std::fill(dv, dv + B * T * width, 0.0f);
-  ops::parallel_for(B * Hkv, [&](int64_t bg) {
-    const int64_t b = bg / Hkv, g = bg % Hkv;
-    const float* K = kv.k[static_cast<size_t>(b)].data() + g * d;
-    const float* V = kv.v[static_cast<size_t>(b)].data() + g * d;
-    const auto& m = key_mask[static_cast<size_t>(b)];
-    std::vector<double> p(static_cast<size_t>(Tk)), dp(static_cast<size_t>(Tk));
-    for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        const float* qt = q + ((b * T + t) * H + h) * d;
-        const float* go = dout + ((b * T + t) * H + h) * d;
-        float* gq = dq + ((b * T + t) * H + h) * d;
-        std::fill(gq, gq + d, 0.0f);
-        const int64_t n = past + t + 1;
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
-          if (!m[static_cast<size_t>(j)]) continue;
-          double s = 0.0;
-          for (int64_t e = 0; e < d; ++e) s += static_cast<double>(qt[e]) * K[j * width + e];
-          p[static_cast<size_t>(j)] = s * scale;
-          mx = std::max(mx, p[static_cast<size_t>(j)]);
-        }
-        if (mx == -std::numeric_limits<double>::infinity()) continue;  // no visible key: output 0
-        double sum = 0.0;
-        for (int64_t j = 0; j < n; ++j)
-          if (m[static_cast<size_t>(j)]) sum += (p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx));
-        double pdp = 0.0;
-        for (int64_t j = 0; j < n; ++j) {
-          if (!m[static_cast<size_t>(j)]) continue;
-          p[static_cast<size_t>(j)] /= sum;
-          double s = 0.0;
-          for (int64_t e = 0; e < d; ++e) s += static_cast<double>(go[e]) * V[j * width + e];
-          dp[static_cast<size_t>(j)] = s;
-          pdp += p[static_cast<size_t>(j)] * s;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          if (!m[static_cast<size_t>(j)]) continue;
-          const double pj = p[static_cast<size_t>(j)];
-          const float ds = static_cast<float>(pj * (dp[static_cast<size_t>(j)] - pdp) * scale);
-          for (int64_t e = 0; e < d; ++e) gq[e] += ds * K[j * width + e];
-          if (j < past) continue;
-          float* gk = dk + ((b * T + j - past) * Hkv + g) * d;
-          float* gv = dv + ((b * T + j - past) * Hkv + g) * d;
-          for (int64_t e = 0; e < d; ++e) {
-            gk[e] += ds * qt[e];
-            gv[e] += static_cast<float>(pj) * go[e];
-          }
-        }
-      }
-  });
-}
-
-}  // namespace
 
 AttnMixerGrad::AttnMixerGrad(const AttnView& w, int li, const Tensor& n, const detail::HybridCache& before,
                              const std::vector<int64_t>& pos, const Tape& tape)
@@ -139,7 +72,7 @@ void AttnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) 
   sink.put(li, Value::attn_gate, dgate);
   tape_.block(li, Value::attn_gate, dgate);
   Tensor dq({B, T, H, d}), dk({B, T, Hkv, d}), dv({B, T, Hkv, d});
-  causal_attention_backward(q_.data(), datt.data(), B, T, H, Hkv, d, past_, kv_, before_.key_mask, dq.data(),
+  causal_attention_backward(q_.data(), B, T, H, Hkv, d, past_, kv_, before_.key_mask, datt.data(), dq.data(),
                             dk.data(), dv.data());
   sink.put(li, Value::attn_queries, dq);
   sink.put(li, Value::attn_keys, dk);
@@ -147,11 +80,8 @@ void AttnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) 
   tape_.block(li, Value::attn_queries, dq);
   tape_.block(li, Value::attn_keys, dk);
   tape_.block(li, Value::attn_values, dv);
-  // RoPE is a rotation per position: its transpose is the rotation by the negated angle.
-  std::vector<int64_t> neg(pos_.size());
-  for (size_t i = 0; i < pos_.size(); ++i) neg[i] = -pos_[i];
-  detail::apply_rope(dq.data(), BT, H, d, w_.rot, neg.data(), *w_.inv_freq);
-  detail::apply_rope(dk.data(), BT, Hkv, d, w_.rot, neg.data(), *w_.inv_freq);
+  apply_rope_backward(dq.data(), BT, H, d, w_.rot, pos_.data(), *w_.inv_freq);
+  apply_rope_backward(dk.data(), BT, Hkv, d, w_.rot, pos_.data(), *w_.inv_freq);
   Tensor dqpre({B, T, H, d}), dkpre({B, T, Hkv, d});
   rmsnorm_backward(qpre_.data(), w_.q_norm->data(), dq.data(), dqpre.data(), BT * H, d, w_.eps, true, false);
   rmsnorm_backward(kpre_.data(), w_.k_norm->data(), dk.data(), dkpre.data(), BT * Hkv, d, w_.eps, true, false);
