@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "grad/ops_grad.h"
+#include "ops/kernels.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {
@@ -35,21 +36,6 @@ inline void l2n(const float* x, int64_t n, float scale, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }
 
-// The forward step on S [Dk,Dv] in the forward's order (S *= decay; mem = S^T k; S += k (beta (v - mem))^T).
-inline void fwd_step(const float* prev, float* next, const float* k, const float* v, float g, float beta, int64_t Dk,
-                     int64_t Dv, float* mem) {
-  const float decay = std::exp(g);
-  std::fill(mem, mem + Dv, 0.0f);
-  for (int64_t d = 0; d < Dk; ++d)
-    for (int64_t e = 0; e < Dv; ++e) {
-      next[d * Dv + e] = prev[d * Dv + e] * decay;
-      mem[e] += next[d * Dv + e] * k[d];
-    }
-  for (int64_t e = 0; e < Dv; ++e) mem[e] = (v[e] - mem[e]) * beta;
-  for (int64_t d = 0; d < Dk; ++d)
-    for (int64_t e = 0; e < Dv; ++e) next[d * Dv + e] += k[d] * mem[e];
-}
-
 }  // namespace
 
 void gated_delta_backward(const GatedDeltaGradArgs& a) {
@@ -57,88 +43,97 @@ void gated_delta_backward(const GatedDeltaGradArgs& a) {
   const int64_t Q = std::max<int64_t>(1, a.chunk);
   const int64_t nchunks = (T + Q - 1) / Q;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+  const ops::KernelTable& kt = ops::kernels();
   ops::parallel_for(a.B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H;
     auto row = [&](int64_t t) { return (b * T + t) * H + h; };  // row of [B,T,H]
-    std::vector<float> qn(static_cast<size_t>(T * Dk)), kn(static_cast<size_t>(T * Dk));
+    auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
+    std::vector<float> qn = buf(T * Dk), kn = buf(T * Dk), S = buf((Q + 1) * SN), U = buf(Q * Dv), lam(static_cast<size_t>(SN), 0.0f),
+                       dqn = buf(Dk), dkn = buf(Dk), tmp = buf(Dk), w1 = buf(Dv), dd = buf(Dv), dmem = buf(Dv), ckpt;
     for (int64_t t = 0; t < T; ++t) {
       l2n(a.q + row(t) * Dk, Dk, scale, qn.data() + t * Dk);
       l2n(a.k + row(t) * Dk, Dk, 1.0f, kn.data() + t * Dk);
     }
-    std::vector<float> ckpt(static_cast<size_t>(std::max<int64_t>(nchunks, 1) * SN)), S(static_cast<size_t>((Q + 1) * SN)),
-        lam(static_cast<size_t>(SN), 0.0f), mem(static_cast<size_t>(Dv)), Sp(static_cast<size_t>(SN)),
-        dqn(static_cast<size_t>(Dk)), dkn(static_cast<size_t>(Dk)), u(static_cast<size_t>(Dv)),
-        dd(static_cast<size_t>(Dv)), tmp(static_cast<size_t>(SN));
-    // Forward: the state entering every chunk.
-    std::copy(a.S0 + bh * SN, a.S0 + (bh + 1) * SN, tmp.begin());
-    for (int64_t c = 0; c < nchunks; ++c) {
-      std::copy(tmp.begin(), tmp.end(), ckpt.begin() + c * SN);
-      for (int64_t t = c * Q; t < std::min(T, (c + 1) * Q); ++t) {
-        fwd_step(tmp.data(), S.data(), kn.data() + t * Dk, a.v + row(t) * Dv, a.g[row(t)], a.beta[row(t)], Dk, Dv,
-                 mem.data());
-        std::copy(S.begin(), S.begin() + SN, tmp.begin());
+    // S_t = decay S_{t-1} + k^ (beta u)^T with u = v - decay S_{t-1}^T k^ (u kept per token of the chunk).
+    auto replay = [&](const float* prev, float* next, int64_t t, float* u) {
+      const float decay = std::exp(a.g[row(t)]), be = a.beta[row(t)];
+      const float* k = kn.data() + t * Dk;
+      const float* v = a.v + row(t) * Dv;
+      std::fill(u, u + Dv, 0.0f);
+      kt.acc_rows(k, prev, Dv, Dk, Dv, u);
+      for (int64_t e = 0; e < Dv; ++e) u[e] = v[e] - decay * u[e];
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float kd = k[d];
+        const float* pr = prev + d * Dv;
+        float* nx = next + d * Dv;
+        for (int64_t e = 0; e < Dv; ++e) nx[e] = pr[e] * decay + kd * (be * u[e]);
       }
+    };
+    const float* entry = nullptr;  // chunk-entry states [nchunks, Dk, Dv]
+    if (a.ckpt) {
+      entry = a.ckpt + bh * nchunks * SN;
+    } else {  // no checkpoints from the caller: one forward pass keeps them
+      ckpt = buf(nchunks * SN);
+      std::copy(a.S0 + bh * SN, a.S0 + (bh + 1) * SN, S.begin());
+      for (int64_t c = 0; c < nchunks; ++c) {
+        std::copy(S.begin(), S.begin() + SN, ckpt.begin() + c * SN);
+        for (int64_t t = c * Q; t < std::min(T, (c + 1) * Q); ++t) {
+          replay(S.data(), S.data() + SN, t, U.data());
+          std::copy(S.begin() + SN, S.begin() + 2 * SN, S.begin());
+        }
+      }
+      entry = ckpt.data();
     }
     for (int64_t c = nchunks - 1; c >= 0; --c) {
       const int64_t t0 = c * Q, L = std::min(Q, T - t0);
       // S[0] = state entering the chunk, S[l+1] = state after token t0+l.
-      std::copy(ckpt.begin() + c * SN, ckpt.begin() + (c + 1) * SN, S.begin());
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t t = t0 + l;
-        fwd_step(S.data() + l * SN, S.data() + (l + 1) * SN, kn.data() + t * Dk, a.v + row(t) * Dv, a.g[row(t)],
-                 a.beta[row(t)], Dk, Dv, mem.data());
-      }
+      std::copy(entry + c * SN, entry + (c + 1) * SN, S.begin());
+      for (int64_t l = 0; l < L; ++l) replay(S.data() + l * SN, S.data() + (l + 1) * SN, t0 + l, U.data() + l * Dv);
       for (int64_t l = L - 1; l >= 0; --l) {
         const int64_t t = t0 + l, r = row(t);
         const float* St = S.data() + (l + 1) * SN;
         const float* Sprev = S.data() + l * SN;
         const float* q = qn.data() + t * Dk;
         const float* k = kn.data() + t * Dk;
-        const float* v = a.v + r * Dv;
+        const float* u = U.data() + l * Dv;
         const float* dout = a.dout + r * Dv;
-        const float gt = a.g[r], be = a.beta[r], decay = std::exp(gt);
-        // o = S_t^T q^
+        const float be = a.beta[r], decay = std::exp(a.g[r]);
+        // o = S_t^T q^: dq^ = S_t do, Lam += q^ do^T.
+        kt.matvec_f32(St, Dv, dout, dqn.data(), Dk, Dv);
         for (int64_t d = 0; d < Dk; ++d) {
-          float s = 0.0f;
-          for (int64_t e = 0; e < Dv; ++e) {
-            s += St[d * Dv + e] * dout[e];
-            lam[d * Dv + e] += q[d] * dout[e];
-          }
-          dqn[d] = s;
+          float* ld = lam.data() + d * Dv;
+          const float qd = q[d];
+          for (int64_t e = 0; e < Dv; ++e) ld[e] += qd * dout[e];
         }
         if (a.dstates) std::copy(lam.begin(), lam.end(), a.dstates + r * SN);
-        // S' = decay S_{t-1}; u = v - S'^T k^
-        std::fill(mem.begin(), mem.end(), 0.0f);
-        for (int64_t d = 0; d < Dk; ++d)
-          for (int64_t e = 0; e < Dv; ++e) {
-            Sp[d * Dv + e] = Sprev[d * Dv + e] * decay;
-            mem[e] += Sp[d * Dv + e] * k[d];
-          }
-        for (int64_t e = 0; e < Dv; ++e) u[e] = v[e] - mem[e];
-        // S_t = S' + k^ (beta u)^T: ddelta = Lam^T k^
+        // S_t = S' + k^ (beta u)^T, S' = decay S_{t-1}, u = v - S'^T k^.
+        std::fill(dd.begin(), dd.end(), 0.0f);
+        kt.acc_rows(k, lam.data(), Dv, Dk, Dv, dd.data());  // Lam^T k^
         double dbeta = 0.0;
         for (int64_t e = 0; e < Dv; ++e) {
-          float s = 0.0f;
-          for (int64_t d = 0; d < Dk; ++d) s += lam[d * Dv + e] * k[d];
-          dd[e] = s;
-          a.dv[r * Dv + e] = be * s;
-          dbeta += static_cast<double>(s) * u[e];
+          a.dv[r * Dv + e] = be * dd[e];
+          dbeta += static_cast<double>(dd[e]) * u[e];
+          dmem[e] = -be * dd[e];
+          w1[e] = be * u[e];
         }
         a.dbeta[r] = static_cast<float>(dbeta);
-        // dk^ = Lam (beta u) + S' dmem with dmem = -beta ddelta; dS' = Lam + k^ dmem^T.
-        double dg = 0.0;
+        // dk^ = Lam (beta u) + S' dmem;  dg = <Lam + k^ dmem^T, S'> = decay (<Lam, S_{t-1}> + k^ . S_{t-1} dmem).
+        kt.matvec_f32(lam.data(), Dv, w1.data(), dkn.data(), Dk, Dv);
+        kt.matvec_f32(Sprev, Dv, dmem.data(), tmp.data(), Dk, Dv);
+        float ls = 0.0f;
+        kt.matvec_f32(lam.data(), SN, Sprev, &ls, 1, SN);
+        double dg = ls;
         for (int64_t d = 0; d < Dk; ++d) {
-          float s = 0.0f;
-          for (int64_t e = 0; e < Dv; ++e) {
-            const float dmem = -be * dd[e];
-            s += lam[d * Dv + e] * (be * u[e]) + Sp[d * Dv + e] * dmem;
-            const float dsp = lam[d * Dv + e] + k[d] * dmem;
-            dg += static_cast<double>(dsp) * Sp[d * Dv + e];
-            lam[d * Dv + e] = dsp * decay;
-          }
-          dkn[d] = s;
+          dkn[d] += decay * tmp[d];
+          dg += static_cast<double>(k[d]) * tmp[d];
         }
-        a.dg[r] = static_cast<float>(dg);
+        a.dg[r] = static_cast<float>(dg * decay);
+        // Lam_{t-1} = decay (Lam + k^ dmem^T).
+        for (int64_t d = 0; d < Dk; ++d) {
+          float* ld = lam.data() + d * Dv;
+          const float kd = k[d];
+          for (int64_t e = 0; e < Dv; ++e) ld[e] = decay * (ld[e] + kd * dmem[e]);
+        }
         l2norm_backward(a.q + r * Dk, dqn.data(), a.dq + r * Dk, Dk, scale);
         l2norm_backward(a.k + r * Dk, dkn.data(), a.dk + r * Dk, Dk, 1.0f);
       }

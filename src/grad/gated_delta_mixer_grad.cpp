@@ -3,6 +3,7 @@
 // (kernel as the forward ran it), then out_proj, the gated RMSNorm (norm, then * silu(z)), the delta
 // rule (grad/gated_delta_grad.cpp), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the
 // q/k head repetition, the causal conv + SiLU and in_proj.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -59,12 +60,23 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
   tape.apply(li, Value::state_input, S0_);
   o_ = Tensor({B, T, HV, Dv});
   {
+    // Run chunk by chunk (the forward kernel's own chunks: the same results) and keep the state
+    // entering every chunk as the backward's checkpoints.
+    const int64_t nch = (T + kChunk - 1) / kChunk, SN = Dk * Dv;
+    ckpt_ = Tensor({B, HV, nch, Dk, Dv});
     Tensor S = S0_.clone();
     detail::GatedDeltaArgs a;
     a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
     a.q = q_.data(); a.k = k_.data(); a.v = v_.data(); a.g = g_.data(); a.beta = beta_.data();
     a.S = S.data(); a.o = o_.data();
-    if (tape.kernel == "chunked") detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
+    a.chunk = kChunk;
+    for (int64_t c = 0; c < nch; ++c) {
+      for (int64_t bh = 0; bh < B * HV; ++bh)
+        std::memcpy(ckpt_.data() + (bh * nch + c) * SN, S.data() + bh * SN, sizeof(float) * static_cast<size_t>(SN));
+      a.t_begin = c * kChunk;
+      a.t_end = std::min(T, (c + 1) * kChunk);
+      if (tape.kernel == "chunked") detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
+    }
   }
   tape.apply(li, Value::attention_head_outputs, o_);
   Tensor y({B, T, vd});
@@ -122,6 +134,8 @@ void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) c
   a.dout = dO.data();
   a.dq = dq.data(); a.dk = dk.data(); a.dv = dv.data(); a.dg = dg.data(); a.dbeta = dbeta.data(); a.dS0 = dS0.data();
   a.dstates = dstates.defined() ? dstates.data() : nullptr;
+  a.chunk = kChunk;
+  a.ckpt = ckpt_.data();
   gated_delta_backward(a);
   if (dstates.defined()) sink.put(li, Value::states, dstates);
   // state_output feeds only the next call: this call's metric does not depend on it.

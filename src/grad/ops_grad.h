@@ -106,6 +106,9 @@ struct GatedDeltaGradArgs {
   float* dS0 = nullptr;         ///< [B,H,Dk,Dv]
   float* dstates = nullptr;     ///< optional [B,T,H,Dk,Dv]: dL/dS_t (what o_t reads and later tokens continue from)
   int64_t chunk = 64;
+  /// Optional [B,H,ceil(T/chunk),Dk,Dv]: the state entering every chunk (the forward kernel's own, when
+  /// the caller recomputed the forward chunk by chunk); nullptr: a forward pass here keeps them.
+  const float* ckpt = nullptr;
 };
 void gated_delta_backward(const GatedDeltaGradArgs& a);
 

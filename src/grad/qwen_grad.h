@@ -78,7 +78,8 @@ class GdnMixerGrad {
   int li_;
   const Tape& tape_;
   bool masked_ = false, has_state_ = false;
-  Tensor proj_, u_, q_, k_, v_, beta_, g_, S0_, o_, out_;
+  static constexpr int64_t kChunk = 64;  ///< the forward kernel's chunk (GatedDeltaArgs' default)
+  Tensor proj_, u_, q_, k_, v_, beta_, g_, S0_, o_, out_, ckpt_;
 };
 
 /// The gated softmax attention of one layer, recomputed for its backward.
