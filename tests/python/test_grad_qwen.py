@@ -158,3 +158,16 @@ def test_state_output_gradient_is_zero():
     tr.backward(c.metric(tr.logits), paths=["layers.0.linear_attn.state_output", "layers.0.linear_attn.state_input"])
     assert float(tr.grad("layers.0.linear_attn.state_output").abs().max()) == 0.0
     assert float(tr.grad("layers.0.linear_attn.state_input").abs().max()) > 0.0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5/continuation", "qwen3_next/moe_hv_2hk"])
+def test_decode_step_gradients_match_torch(name):
+    """A one-token call over a cache (the decode kernel, the token recurrence), state_input included."""
+    c = Case(name)
+    c.cont = [[11] for _ in c.prompts]
+    c.targets = c.targets[:, :1]
+    c.mask = torch.ones(len(c.prompts), 1)
+    got, tr = c.mixlens_grads()
+    assert tr.calls[-1]["kernel"] == "recurrent"
+    assert any(p.endswith("state_input") for p in c.paths())
+    assert compare(got, c.torch_grads("explicit"), "decode step") == len(c.paths())
