@@ -23,7 +23,8 @@ std::shared_ptr<Tape> begin_tape(const detail::FamilyModel& family, const Batch&
 
 void detail::FamilyModel::backward(const grad::Tape&, const Tensor&, grad::GradSink&) const {
   throw UnsupportedError("backward: gradients are not implemented for the " + info.family +
-                         " family yet (done: mamba2, nemotron_h, bamba, falcon_h1; see docs/gradients.md)");
+                         " family yet (done: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1; see "
+                         "docs/gradients.md)");
 }
 
 }  // namespace mixlens

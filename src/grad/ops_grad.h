@@ -80,3 +80,39 @@ void apply_rope_backward(float* g, int64_t rows, int64_t heads, int64_t head_dim
                          const int64_t* pos, const std::vector<float>& inv_freq);
 
 }  // namespace mixlens::grad
+
+namespace mixlens::grad {
+
+/// Backward of the gated delta rule (mixers/gated_delta.h, either kernel: they compute the same
+/// function) for rows of [B,T,H,...] in the served layouts: per value head, with q^ = l2norm(q) /
+/// sqrt(Dk), k^ = l2norm(k),  S_t = exp(g_t) S_{t-1} + k^ (beta_t (v_t - exp(g_t) S_{t-1}^T k^))^T,
+/// o_t = S_t^T q^. The states are recomputed with the token recurrence from checkpoints kept every
+/// `chunk` tokens (memory: T/chunk + chunk states per head). Outputs are overwritten; dq / dk are
+/// with respect to q / k before the in-kernel L2 norm (one per value head, as the kernel reads them).
+struct GatedDeltaGradArgs {
+  int64_t B = 0, T = 0, H = 0, Dk = 0, Dv = 0;
+  const float* q = nullptr;     ///< [B,T,H,Dk]
+  const float* k = nullptr;     ///< [B,T,H,Dk]
+  const float* v = nullptr;     ///< [B,T,H,Dv]
+  const float* g = nullptr;     ///< [B,T,H] log decay
+  const float* beta = nullptr;  ///< [B,T,H]
+  const float* S0 = nullptr;    ///< [B,H,Dk,Dv] the state the call starts from
+  const float* dout = nullptr;  ///< [B,T,H,Dv] dL/do
+  float* dq = nullptr;          ///< [B,T,H,Dk]
+  float* dk = nullptr;          ///< [B,T,H,Dk]
+  float* dv = nullptr;          ///< [B,T,H,Dv]
+  float* dg = nullptr;          ///< [B,T,H]
+  float* dbeta = nullptr;       ///< [B,T,H]
+  float* dS0 = nullptr;         ///< [B,H,Dk,Dv]
+  float* dstates = nullptr;     ///< optional [B,T,H,Dk,Dv]: dL/dS_t (what o_t reads and later tokens continue from)
+  int64_t chunk = 64;
+  /// Optional [B,H,ceil(T/chunk),Dk,Dv]: the state entering every chunk (the forward kernel's own, when
+  /// the caller recomputed the forward chunk by chunk); nullptr: a forward pass here keeps them.
+  const float* ckpt = nullptr;
+};
+void gated_delta_backward(const GatedDeltaGradArgs& a);
+
+/// y = scale * x / sqrt(sum(x^2) + 1e-6) (transformers' l2norm, then the query scale): dx from dy.
+void l2norm_backward(const float* x, const float* dy, float* dx, int64_t n, float scale);
+
+}  // namespace mixlens::grad

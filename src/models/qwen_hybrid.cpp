@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "grad/qwen_grad.h"
 #include "mixers/attention.h"
 #include "mixers/gated_delta.h"
 #include "mixlens/errors.h"
@@ -271,6 +272,45 @@ class QwenHybrid final : public FamilyModel {
     Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
     watch.finish(logits);
     return logits;
+  }
+
+  // Gradients (src/grad/qwen_hybrid_grad.cpp and the mixers' backwards, docs/gradients.md).
+  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
+    grad::QwenBackbone bb;
+    bb.norm = &norm_;
+    bb.lm_head = &lm_head_;
+    bb.eps = eps_;
+    bb.D = D_;
+    bb.L = L_;
+    bb.V = V_;
+    for (const Layer& l : layers_) {
+      grad::QwenLayerView v;
+      v.linear = l.linear;
+      v.in_norm = &l.in_norm;
+      v.post_norm = &l.post_norm;
+      if (l.linear) {
+        v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, eps_, &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
+      } else {
+        v.attn = {D_, H_, Hkv_, hd_, rot_, eps_, &inv_freq_, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.q_norm, &l.k_norm};
+      }
+      const Mlp& m = l.mlp;
+      v.mlp.moe = m.moe;
+      v.mlp.D = D_;
+      v.mlp.I = m.I;
+      v.mlp.Is = m.Is;
+      v.mlp.topk = topk_;
+      v.mlp.norm_topk = norm_topk_;
+      v.mlp.gate_up = &m.gate_up;
+      v.mlp.down = &m.down;
+      v.mlp.router = &m.router;
+      v.mlp.expert_gate_up = &m.expert_gate_up;
+      v.mlp.expert_down = &m.expert_down;
+      v.mlp.shared_gate_up = &m.shared_gate_up;
+      v.mlp.shared_down = &m.shared_down;
+      v.mlp.shared_gate = &m.shared_gate;
+      bb.layers.push_back(v);
+    }
+    grad::qwen_hybrid_backward(bb, tape, dlogits, sink);
   }
 
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, true}; }

@@ -1,0 +1,100 @@
+// Backward of the Qwen gated softmax attention (QwenHybrid::attention, transformers
+// Qwen3_5Attention): recomputed from the normed input with the recorded writes re-applied, then
+// o_proj, the sigmoid output gate, causal GQA attention (keys cached before the call are
+// constants), RoPE, q_norm / k_norm ((1 + w)) and the q / k / v projections. The attention and RoPE
+// backwards are the shared core (grad/attention_grad.cpp).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "grad/ops_grad.h"
+#include "grad/qwen_grad.h"
+#include "mixers/attention.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+AttnMixerGrad::AttnMixerGrad(const AttnView& w, int li, const Tensor& n, const detail::HybridCache& before,
+                             const std::vector<int64_t>& pos, const Tape& tape)
+    : w_(w), li_(li), tape_(tape), before_(before), pos_(pos) {
+  const int64_t B = tape.batch.batch, T = tape.batch.seq, BT = B * T, d = w.hd, H = w.H, Hkv = w.Hkv;
+  n_ = n.clone();
+  Tensor qg({BT, H * 2 * d});
+  ops::linear(n_.data(), BT, w.D, *w.q_proj, qg.data());
+  qpre_ = Tensor({B, T, H, d});
+  gate_ = Tensor({B, T, H * d});
+  for (int64_t row = 0; row < BT; ++row)
+    for (int64_t h = 0; h < H; ++h) {  // per head [query | gate]
+      const float* src = qg.data() + (row * H + h) * 2 * d;
+      std::memcpy(qpre_.data() + (row * H + h) * d, src, sizeof(float) * static_cast<size_t>(d));
+      std::memcpy(gate_.data() + (row * H + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
+    }
+  kpre_ = Tensor({B, T, Hkv, d});
+  v_ = Tensor({B, T, Hkv, d});
+  ops::linear(n_.data(), BT, w.D, *w.k_proj, kpre_.data());
+  ops::linear(n_.data(), BT, w.D, *w.v_proj, v_.data());
+  q_ = Tensor({B, T, H, d});
+  k_ = Tensor({B, T, Hkv, d});
+  ops::rmsnorm(qpre_.data(), w.q_norm->data(), q_.data(), BT * H, d, w.eps, true);
+  ops::rmsnorm(kpre_.data(), w.k_norm->data(), k_.data(), BT * Hkv, d, w.eps, true);
+  detail::apply_rope(q_.data(), BT, H, d, w.rot, pos.data(), *w.inv_freq);
+  detail::apply_rope(k_.data(), BT, Hkv, d, w.rot, pos.data(), *w.inv_freq);
+  tape.apply(li, Value::attn_queries, q_);
+  tape.apply(li, Value::attn_keys, k_);
+  tape.apply(li, Value::attn_values, v_);
+  kv_ = before.kv[static_cast<size_t>(li)];
+  past_ = kv_.len;
+  kv_.append(k_.data(), v_.data(), B, T, Hkv * d);
+  att_ = Tensor({B, T, H, d});
+  detail::causal_attention(q_.data(), B, T, H, Hkv, d, past_, kv_, before.key_mask, att_.data());
+  tape.apply(li, Value::attn_gate, gate_);
+  Tensor ag({BT, H * d});
+  for (int64_t e = 0; e < ag.numel(); ++e) ag[e] = att_[e] * ops::sigmoid(gate_[e]);
+  out_ = Tensor({B, T, w.D});
+  ops::linear(ag.data(), BT, H * d, *w.o_proj, out_.data());
+  tape.apply(li, Value::attn_output, out_);
+}
+
+void AttnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) const {
+  const int li = li_;
+  const int64_t B = tape_.batch.batch, T = tape_.batch.seq, BT = B * T, d = w_.hd, H = w_.H, Hkv = w_.Hkv;
+  Tensor dout = dout_in.clone();
+  sink.put(li, Value::attn_output, dout);
+  tape_.block(li, Value::attn_output, dout);
+  Tensor dag({B, T, H * d});
+  linear_backward(dout.data(), BT, w_.D, *w_.o_proj, dag.data(), false);
+  Tensor dgate({B, T, H * d}), datt({B, T, H, d});
+  for (int64_t e = 0; e < dag.numel(); ++e) {
+    const float s = ops::sigmoid(gate_[e]);
+    dgate[e] = dag[e] * att_[e] * sigmoid_d(s);
+    datt[e] = dag[e] * s;
+  }
+  sink.put(li, Value::attn_gate, dgate);
+  tape_.block(li, Value::attn_gate, dgate);
+  Tensor dq({B, T, H, d}), dk({B, T, Hkv, d}), dv({B, T, Hkv, d});
+  causal_attention_backward(q_.data(), B, T, H, Hkv, d, past_, kv_, before_.key_mask, datt.data(), dq.data(),
+                            dk.data(), dv.data());
+  sink.put(li, Value::attn_queries, dq);
+  sink.put(li, Value::attn_keys, dk);
+  sink.put(li, Value::attn_values, dv);
+  tape_.block(li, Value::attn_queries, dq);
+  tape_.block(li, Value::attn_keys, dk);
+  tape_.block(li, Value::attn_values, dv);
+  apply_rope_backward(dq.data(), BT, H, d, w_.rot, pos_.data(), *w_.inv_freq);
+  apply_rope_backward(dk.data(), BT, Hkv, d, w_.rot, pos_.data(), *w_.inv_freq);
+  Tensor dqpre({B, T, H, d}), dkpre({B, T, Hkv, d});
+  rmsnorm_backward(qpre_.data(), w_.q_norm->data(), dq.data(), dqpre.data(), BT * H, d, w_.eps, true, false);
+  rmsnorm_backward(kpre_.data(), w_.k_norm->data(), dk.data(), dkpre.data(), BT * Hkv, d, w_.eps, true, false);
+  Tensor dqg({BT, H * 2 * d});
+  for (int64_t row = 0; row < BT; ++row)
+    for (int64_t h = 0; h < H; ++h) {
+      float* dst = dqg.data() + (row * H + h) * 2 * d;
+      std::memcpy(dst, dqpre.data() + (row * H + h) * d, sizeof(float) * static_cast<size_t>(d));
+      std::memcpy(dst + d, dgate.data() + (row * H + h) * d, sizeof(float) * static_cast<size_t>(d));
+    }
+  linear_backward(dqg.data(), BT, H * 2 * d, *w_.q_proj, dn.data(), false);
+  linear_backward(dkpre.data(), BT, Hkv * d, *w_.k_proj, dn.data(), true);
+  linear_backward(dv.data(), BT, Hkv * d, *w_.v_proj, dn.data(), true);
+}
+
+}  // namespace mixlens::grad

@@ -1,0 +1,175 @@
+// Backward of the gated DeltaNet mixer (QwenHybrid::gdn, transformers Qwen3_5GatedDeltaNet /
+// Qwen3NextGatedDeltaNet): recomputed from the normed input with the recorded writes re-applied
+// (kernel as the forward ran it), then out_proj, the gated RMSNorm (norm, then * silu(z)), the delta
+// rule (grad/gated_delta_grad.cpp), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the
+// q/k head repetition, the causal conv + SiLU and in_proj.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "grad/ops_grad.h"
+#include "grad/qwen_grad.h"
+#include "mixers/gated_delta.h"
+#include "models/common.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const detail::HybridCache& before,
+                           const Tape& tape)
+    : w_(w), li_(li), tape_(tape) {
+  const Batch& in = tape.batch;
+  const int64_t B = in.batch, T = in.seq, BT = B * T;
+  const int64_t HK = w.HK, HV = w.HV, Dk = w.Dk, Dv = w.Dv, r = HV / HK, kd = HK * Dk, vd = HV * Dv;
+  const int64_t cd = 2 * kd + vd, pr = cd + vd + 2 * HV;
+  masked_ = T > 1 && in.has_padding();
+  has_state_ = before.has_state;
+  Tensor nm = n_in.clone();
+  if (masked_) detail::apply_row_mask(nm, in);
+  proj_ = Tensor({B, T, pr});
+  ops::linear(nm.data(), BT, w.D, *w.in_proj, proj_.data());
+  Tensor window = before.conv[static_cast<size_t>(li)].clone();
+  u_ = Tensor({B, T, cd});  // conv output before the SiLU
+  ops::causal_conv1d(proj_.data(), pr, B, T, cd, w.K, w.conv_wT->data(), nullptr, window.data(), u_.data(), false);
+  q_ = Tensor({B, T, HV, Dk});
+  k_ = Tensor({B, T, HV, Dk});
+  v_ = Tensor({B, T, HV, Dv});
+  for (int64_t row = 0; row < BT; ++row) {
+    const float* src = u_.data() + row * cd;
+    for (int64_t j = 0; j < HV; ++j)
+      for (int64_t d = 0; d < Dk; ++d) {
+        q_[(row * HV + j) * Dk + d] = ops::silu(src[(j / r) * Dk + d]);
+        k_[(row * HV + j) * Dk + d] = ops::silu(src[kd + (j / r) * Dk + d]);
+      }
+    for (int64_t c = 0; c < vd; ++c) v_[row * vd + c] = ops::silu(src[2 * kd + c]);
+  }
+  tape.apply(li, Value::attention_queries, q_);
+  tape.apply(li, Value::attention_keys, k_);
+  tape.apply(li, Value::attention_values, v_);
+  beta_ = Tensor({B, T, HV});
+  g_ = Tensor({B, T, HV});
+  for (int64_t row = 0; row < BT; ++row)
+    for (int64_t j = 0; j < HV; ++j) {
+      const float* pb = proj_.data() + row * pr + cd + vd;
+      beta_[row * HV + j] = ops::sigmoid(pb[j]);
+      g_[row * HV + j] = (*w.neg_A)[j] * ops::softplus(pb[HV + j] + (*w.dt_bias)[j]);
+    }
+  tape.apply(li, Value::betas, beta_);
+  tape.apply(li, Value::decays, g_);
+  S0_ = has_state_ ? before.ssm[static_cast<size_t>(li)].clone() : Tensor({B, HV, Dk, Dv});
+  tape.apply(li, Value::state_input, S0_);
+  o_ = Tensor({B, T, HV, Dv});
+  {
+    // Run chunk by chunk (the forward kernel's own chunks: the same results) and keep the state
+    // entering every chunk as the backward's checkpoints.
+    const int64_t nch = (T + kChunk - 1) / kChunk, SN = Dk * Dv;
+    ckpt_ = Tensor({B, HV, nch, Dk, Dv});
+    Tensor S = S0_.clone();
+    detail::GatedDeltaArgs a;
+    a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
+    a.q = q_.data(); a.k = k_.data(); a.v = v_.data(); a.g = g_.data(); a.beta = beta_.data();
+    a.S = S.data(); a.o = o_.data();
+    a.chunk = kChunk;
+    for (int64_t c = 0; c < nch; ++c) {
+      for (int64_t bh = 0; bh < B * HV; ++bh)
+        std::memcpy(ckpt_.data() + (bh * nch + c) * SN, S.data() + bh * SN, sizeof(float) * static_cast<size_t>(SN));
+      a.t_begin = c * kChunk;
+      a.t_end = std::min(T, (c + 1) * kChunk);
+      if (tape.kernel == "chunked") detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
+    }
+  }
+  tape.apply(li, Value::attention_head_outputs, o_);
+  Tensor y({B, T, vd});
+  for (int64_t row = 0; row < BT; ++row)
+    for (int64_t j = 0; j < HV; ++j) {
+      const float* oj = o_.data() + (row * HV + j) * Dv;
+      const float* z = proj_.data() + row * pr + cd + j * Dv;
+      float ss = 0.0f;
+      for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w.eps);
+      for (int64_t e = 0; e < Dv; ++e) y[row * vd + j * Dv + e] = (*w.gnorm)[e] * (oj[e] * inv) * ops::silu(z[e]);
+    }
+  out_ = Tensor({B, T, w.D});
+  ops::linear(y.data(), BT, vd, *w.out_proj, out_.data());
+  tape.apply(li, Value::attention_output, out_);
+}
+
+void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) const {
+  const Batch& in = tape_.batch;
+  const int li = li_;
+  const int64_t B = in.batch, T = in.seq, BT = B * T;
+  const int64_t HK = w_.HK, HV = w_.HV, Dk = w_.Dk, Dv = w_.Dv, r = HV / HK, kd = HK * Dk, vd = HV * Dv;
+  const int64_t cd = 2 * kd + vd, pr = cd + vd + 2 * HV;
+  Tensor dout = dout_in.clone();
+  sink.put(li, Value::attention_output, dout);
+  tape_.block(li, Value::attention_output, dout);
+  Tensor dy({B, T, vd});
+  linear_backward(dout.data(), BT, w_.D, *w_.out_proj, dy.data(), false);
+  // y = gnorm * rmsnorm(o) * silu(z) per value head.
+  Tensor dproj({B, T, pr});
+  Tensor dyn({B, T, vd}), dO({B, T, HV, Dv});
+  for (int64_t row = 0; row < BT; ++row)
+    for (int64_t j = 0; j < HV; ++j) {
+      const float* oj = o_.data() + (row * HV + j) * Dv;
+      const float* z = proj_.data() + row * pr + cd + j * Dv;
+      float ss = 0.0f;
+      for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w_.eps);
+      for (int64_t e = 0; e < Dv; ++e) {
+        const int64_t c = row * vd + j * Dv + e;
+        dyn[c] = dy[c] * ops::silu(z[e]);
+        dproj[row * pr + cd + j * Dv + e] = dy[c] * (*w_.gnorm)[e] * (oj[e] * inv) * silu_grad(z[e]);
+      }
+    }
+  rmsnorm_backward(o_.data(), w_.gnorm->data(), dyn.data(), dO.data(), BT * HV, Dv, w_.eps, false, false);
+  sink.put(li, Value::attention_head_outputs, dO);
+  tape_.block(li, Value::attention_head_outputs, dO);
+
+  Tensor dq({B, T, HV, Dk}), dk({B, T, HV, Dk}), dv({B, T, HV, Dv}), dg({B, T, HV}), dbeta({B, T, HV}),
+      dS0({B, HV, Dk, Dv}), dstates;
+  if (sink.wants(li, Value::states)) dstates = Tensor({B, T, HV, Dk, Dv});
+  GatedDeltaGradArgs a;
+  a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
+  a.q = q_.data(); a.k = k_.data(); a.v = v_.data(); a.g = g_.data(); a.beta = beta_.data(); a.S0 = S0_.data();
+  a.dout = dO.data();
+  a.dq = dq.data(); a.dk = dk.data(); a.dv = dv.data(); a.dg = dg.data(); a.dbeta = dbeta.data(); a.dS0 = dS0.data();
+  a.dstates = dstates.defined() ? dstates.data() : nullptr;
+  a.chunk = kChunk;
+  a.ckpt = ckpt_.data();
+  gated_delta_backward(a);
+  if (dstates.defined()) sink.put(li, Value::states, dstates);
+  // state_output feeds only the next call: this call's metric does not depend on it.
+  if (sink.wants(li, Value::state_output)) sink.put(li, Value::state_output, Tensor({B, HV, Dk, Dv}));
+  if (has_state_ || tape_.write(li, Value::state_input)) sink.put(li, Value::state_input, dS0);
+
+  for (auto [v, t] : {std::pair<Value, Tensor*>{Value::attention_queries, &dq}, {Value::attention_keys, &dk},
+                      {Value::attention_values, &dv}, {Value::betas, &dbeta}, {Value::decays, &dg}}) {
+    sink.put(li, v, *t);
+    tape_.block(li, v, *t);
+  }
+  for (int64_t row = 0; row < BT; ++row)
+    for (int64_t j = 0; j < HV; ++j) {
+      const float* pb = proj_.data() + row * pr + cd + vd;
+      dproj[row * pr + cd + vd + j] = dbeta[row * HV + j] * sigmoid_d(ops::sigmoid(pb[j]));
+      dproj[row * pr + cd + vd + HV + j] =
+          dg[row * HV + j] * (*w_.neg_A)[j] * softplus_grad(pb[HV + j] + (*w_.dt_bias)[j]);
+    }
+  // Conv + SiLU: q / k of value head j came from key head j / r.
+  Tensor du({B, T, cd});
+  for (int64_t row = 0; row < BT; ++row) {
+    float* d = du.data() + row * cd;
+    std::memset(d, 0, sizeof(float) * static_cast<size_t>(cd));
+    for (int64_t j = 0; j < HV; ++j)
+      for (int64_t e = 0; e < Dk; ++e) {
+        d[(j / r) * Dk + e] += dq[(row * HV + j) * Dk + e];
+        d[kd + (j / r) * Dk + e] += dk[(row * HV + j) * Dk + e];
+      }
+    for (int64_t c = 0; c < vd; ++c) d[2 * kd + c] = dv[row * vd + c];
+    for (int64_t c = 0; c < cd; ++c) d[c] *= silu_grad(u_[row * cd + c]);
+  }
+  causal_conv1d_backward(du.data(), B, T, cd, w_.K, w_.conv_wT->data(), dproj.data(), pr);
+  linear_backward(dproj.data(), BT, pr, *w_.in_proj, dn.data(), false);
+  if (masked_) detail::apply_row_mask(dn, in);
+}
+
+}  // namespace mixlens::grad

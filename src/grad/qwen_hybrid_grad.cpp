@@ -1,0 +1,192 @@
+// Backward of the Qwen hybrid skeleton (QwenHybrid::forward): LM head, the final (1 + w) RMSNorm,
+// then each decoder block from last to first, recomputed from its recorded input:
+//   h1 = h0 + mixer(norm1(h0)),  h2 = h1 + mlp(norm2(h1)),
+// with the SwiGLU MLP or the sparse MoE (the router's top-k choice is a constant; the gradient flows
+// through the chosen experts, their routing weights (softmax over all experts, optionally renormalised
+// over the chosen) and the sigmoid-gated shared expert).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "grad/ops_grad.h"
+#include "grad/qwen_grad.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+namespace {
+
+// SwiGLU down(silu(gate x) * up x) with gate | up fused: dx (+)= from dy [rows, D].
+void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64_t D, const float* x, int64_t rows,
+                     const float* dy, float* dx, bool accumulate, float* y_out = nullptr) {
+  Tensor gu({rows, 2 * I}), dact({rows, I}), dgu({rows, 2 * I});
+  ops::linear(x, rows, D, gate_up, gu.data());
+  if (y_out) {  // the forward output too (the MoE needs it for the routing weights' gradient)
+    Tensor act({rows, I});
+    for (int64_t r = 0; r < rows; ++r)
+      ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
+    ops::linear(act.data(), rows, I, down, y_out);
+  }
+  linear_backward(dy, rows, D, down, dact.data(), false);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i], da = dact[r * I + i];
+      dgu[r * 2 * I + i] = da * u * silu_grad(g);
+      dgu[r * 2 * I + I + i] = da * ops::silu(g);
+    }
+  linear_backward(dgu.data(), rows, 2 * I, gate_up, dx, accumulate);
+}
+
+void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
+  const int64_t D = m.D, rows = x.numel() / D, E = m.router->size(0), K = m.topk;
+  // Shared expert, gated by sigmoid(x . w_gate).
+  Tensor ys({rows, D}), sg({rows, 1}), dys({rows, D});
+  ops::linear(x.data(), rows, D, *m.shared_gate, sg.data());
+  std::vector<float> dsg(static_cast<size_t>(rows));
+  {
+    Tensor gu({rows, 2 * m.Is}), act({rows, m.Is});
+    ops::linear(x.data(), rows, D, *m.shared_gate_up, gu.data());
+    for (int64_t r = 0; r < rows; ++r)
+      ops::mul_silu(gu.data() + r * 2 * m.Is + m.Is, gu.data() + r * 2 * m.Is, act.data() + r * m.Is, m.Is);
+    ops::linear(act.data(), rows, m.Is, *m.shared_down, ys.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = ops::sigmoid(sg[r]);
+    double dot = 0.0;
+    for (int64_t d = 0; d < D; ++d) {
+      dys[r * D + d] = s * dout[r * D + d];
+      dot += static_cast<double>(dout[r * D + d]) * ys[r * D + d];
+    }
+    dsg[static_cast<size_t>(r)] = static_cast<float>(dot) * sigmoid_d(s);
+  }
+  swiglu_backward(*m.shared_gate_up, *m.shared_down, m.Is, D, x.data(), rows, dys.data(), dx.data(), false);
+  linear_backward(dsg.data(), rows, 1, *m.shared_gate, dx.data(), true);
+  // Routing as the forward computes it (the top-k choice is a constant of the backward).
+  Tensor logits({rows, E}), probs({rows, E});
+  ops::linear(x.data(), rows, D, *m.router, logits.data());
+  std::vector<std::vector<int64_t>> chosen(static_cast<size_t>(rows));
+  std::vector<float> tot(static_cast<size_t>(rows));
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> routed(static_cast<size_t>(E));  // (row, slot)
+  std::vector<int64_t> idx(static_cast<size_t>(E));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* lg = logits.data() + r * E;
+    float* p = probs.data() + r * E;
+    const float mx = *std::max_element(lg, lg + E);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(lg[e] - mx));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float t = 0.0f;
+    for (int64_t k = 0; k < K; ++k) t += p[idx[static_cast<size_t>(k)]];
+    tot[static_cast<size_t>(r)] = t;
+    chosen[static_cast<size_t>(r)].assign(idx.begin(), idx.begin() + K);
+    for (int64_t k = 0; k < K; ++k) routed[static_cast<size_t>(idx[static_cast<size_t>(k)])].push_back({r, k});
+  }
+  // Experts: dx += expert backward of w dout; dw = dout . expert output.
+  Tensor dw({rows, K});
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& toks = routed[static_cast<size_t>(e)];
+    if (toks.empty()) continue;
+    const int64_t nt = static_cast<int64_t>(toks.size());
+    Tensor xs({nt, D}), dy({nt, D}), y({nt, D}), dxs({nt, D});
+    for (int64_t i = 0; i < nt; ++i) {
+      const auto [r, k] = toks[static_cast<size_t>(i)];
+      const float p = probs[r * E + e], w = m.norm_topk ? p / tot[static_cast<size_t>(r)] : p;
+      std::memcpy(xs.data() + i * D, x.data() + r * D, sizeof(float) * static_cast<size_t>(D));
+      for (int64_t d = 0; d < D; ++d) dy[i * D + d] = w * dout[r * D + d];
+    }
+    swiglu_backward((*m.expert_gate_up)[static_cast<size_t>(e)], (*m.expert_down)[static_cast<size_t>(e)], m.I, D,
+                    xs.data(), nt, dy.data(), dxs.data(), false, y.data());
+    for (int64_t i = 0; i < nt; ++i) {
+      const auto [r, k] = toks[static_cast<size_t>(i)];
+      double dot = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        dx[r * D + d] += dxs[i * D + d];
+        dot += static_cast<double>(dout[r * D + d]) * y[i * D + d];
+      }
+      dw[r * K + k] = static_cast<float>(dot);
+    }
+  }
+  // Routing weights -> probabilities (renormalised over the chosen) -> softmax over every expert.
+  Tensor dlogits({rows, E});
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = probs.data() + r * E;
+    const auto& ch = chosen[static_cast<size_t>(r)];
+    std::vector<double> dp(static_cast<size_t>(E), 0.0);
+    double c = 0.0;  // sum_k dw_k p_k / tot^2 (the renormalisation's shared term)
+    const double t = tot[static_cast<size_t>(r)];
+    if (m.norm_topk)
+      for (int64_t k = 0; k < K; ++k) c += static_cast<double>(dw[r * K + k]) * p[ch[static_cast<size_t>(k)]] / (t * t);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ch[static_cast<size_t>(k)];
+      dp[static_cast<size_t>(e)] = m.norm_topk ? dw[r * K + k] / t - c : dw[r * K + k];
+    }
+    double pdp = 0.0;
+    for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < E; ++e) dlogits[r * E + e] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - pdp));
+  }
+  linear_backward(dlogits.data(), rows, E, *m.router, dx.data(), true);
+}
+
+}  // namespace
+
+void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
+  if (m.moe) return moe_backward(m, x, dout, dx);
+  swiglu_backward(*m.gate_up, *m.down, m.I, m.D, x.data(), x.numel() / m.D, dout.data(), dx.data(), false);
+}
+
+void qwen_hybrid_backward(const QwenBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
+  const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, V = bb.V, BT = B * T;
+  Tensor dl({B, T, V});
+  if (dlogits.size(1) == T) {
+    std::memcpy(dl.data(), dlogits.data(), sizeof(float) * static_cast<size_t>(dl.numel()));
+  } else {  // logits of the last position only: the other positions get no gradient
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(dl.data() + (b * T + T - 1) * V, dlogits.data() + b * V, sizeof(float) * static_cast<size_t>(V));
+  }
+  sink.put(-1, Value::logits, dl);
+  tape.block(-1, Value::logits, dl);
+  Tensor dhf({B, T, D});
+  linear_backward(dl.data(), BT, V, *bb.lm_head, dhf.data(), false);
+  sink.put(-1, Value::ln_final_output, dhf);
+  tape.block(-1, Value::ln_final_output, dhf);
+  Tensor dh({B, T, D});
+  rmsnorm_backward(tape.final_hidden.data(), bb.norm->data(), dhf.data(), dh.data(), BT, D, bb.eps, true, false);
+  // Positions and key masks as the call computed them, from a copy of the cache it started from.
+  auto before_ptr = tape.cache_before->clone();
+  auto& before = static_cast<detail::HybridCache&>(*before_ptr);
+  const std::vector<int64_t> pos = before.advance_positions(tape.batch);
+  Tensor n1({B, T, D}), n2({B, T, D}), h1({B, T, D}), dn({B, T, D}), dm({B, T, D});
+  for (int64_t i = bb.L - 1; i >= 0; --i) {
+    const int li = static_cast<int>(i);
+    const QwenLayerView& l = bb.layers[static_cast<size_t>(i)];
+    sink.put(li, Value::layer_output, dh);
+    tape.block(li, Value::layer_output, dh);
+    const Tensor& h0 = tape.layer_inputs[static_cast<size_t>(i)];
+    ops::rmsnorm(h0.data(), l.in_norm->data(), n1.data(), BT, D, bb.eps, true);
+    std::unique_ptr<GdnMixerGrad> gdn;
+    std::unique_ptr<AttnMixerGrad> att;
+    if (l.linear) gdn = std::make_unique<GdnMixerGrad>(l.gdn, li, n1, before, tape);
+    else att = std::make_unique<AttnMixerGrad>(l.attn, li, n1, before, pos, tape);
+    const Tensor& out = l.linear ? gdn->output() : att->output();
+    for (int64_t k = 0; k < h1.numel(); ++k) h1[k] = h0[k] + out[k];
+    // MLP: h2 = h1 + mlp(norm2(h1)).
+    std::memcpy(dm.data(), dh.data(), sizeof(float) * static_cast<size_t>(dh.numel()));
+    sink.put(li, Value::mlp_output, dm);
+    tape.block(li, Value::mlp_output, dm);
+    ops::rmsnorm(h1.data(), l.post_norm->data(), n2.data(), BT, D, bb.eps, true);
+    mlp_backward(l.mlp, n2, dm, dn);
+    rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, true, true);
+    // Mixer: h1 = h0 + mixer(norm1(h0)).
+    if (l.linear) gdn->backward(dh, dn, sink); else att->backward(dh, dn, sink);
+    rmsnorm_backward(h0.data(), l.in_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, true, true);
+    sink.put(li, Value::layer_input, dh);
+    tape.block(li, Value::layer_input, dh);
+  }
+  sink.put(-1, Value::embed_output, dh);
+}
+
+}  // namespace mixlens::grad
