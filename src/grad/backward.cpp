@@ -23,7 +23,7 @@ std::shared_ptr<Tape> begin_tape(const detail::FamilyModel& family, const Batch&
 
 void detail::FamilyModel::backward(const grad::Tape&, const Tensor&, grad::GradSink&) const {
   throw UnsupportedError("backward: gradients are not implemented for the " + info.family +
-                         " family yet (done: mamba2; see docs/gradients.md)");
+                         " family yet (done: mamba2, mamba; see docs/gradients.md)");
 }
 
 }  // namespace mixlens
