@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "grad/ops_grad.h"
+#include "mixers/selective_scan.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {
@@ -30,16 +31,19 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
     const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock), W = (e1 - e0) * N;
     float* dBb = dBp.data() + blk * T * N;
     float* dCb = dCp.data() + blk * T * N;
+    // S[l] (l = 0..Q): the states of the chunk being differentiated; dA[l]: exp(A dt) of its tokens,
+    // computed once with the forward's exp (fast_exp) and reused by the adjoint.
     std::vector<float> ckpt(static_cast<size_t>(nchunks * W)), S(static_cast<size_t>((Q + 1) * W)),
-        lam(static_cast<size_t>(W), 0.0f);
-    // One token of the forward for the block: nx = exp(A dt) prev + (dt B) u.
-    auto step = [&](int64_t t, const float* prev, float* nx) {
+        dA(static_cast<size_t>(Q * W)), lam(static_cast<size_t>(W), 0.0f);
+    // One token of the forward for the block: da = exp(A dt), nx = da prev + (dt B) u.
+    auto step = [&](int64_t t, const float* prev, float* nx, float* da) {
       for (int64_t e = e0; e < e1; ++e) {
         const float dt = a.dt[t * E + e], u = a.u[t * E + e];
         const float* A = a.A + e * N;
         const float* Bv = a.B + t * N;
         const int64_t o = (e - e0) * N;
-        for (int64_t n = 0; n < N; ++n) nx[o + n] = std::exp(A[n] * dt) * prev[o + n] + (dt * Bv[n]) * u;
+        for (int64_t n = 0; n < N; ++n) da[o + n] = detail::fast_exp(A[n] * dt);
+        for (int64_t n = 0; n < N; ++n) nx[o + n] = da[o + n] * prev[o + n] + (dt * Bv[n]) * u;
       }
     };
     // Forward: the state entering every chunk.
@@ -47,7 +51,7 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
     for (int64_t c = 0; c < nchunks; ++c) {
       std::copy(cur.begin(), cur.end(), ckpt.begin() + c * W);
       for (int64_t t = c * Q; t < std::min(T, (c + 1) * Q); ++t) {
-        step(t, cur.data(), nxt.data());
+        step(t, cur.data(), nxt.data(), dA.data());
         cur.swap(nxt);
       }
     }
@@ -55,13 +59,16 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
       const int64_t t0 = c * Q, L = std::min(Q, T - t0);
       // S[0] = state entering the chunk, S[l+1] = state after token t0+l.
       std::copy(ckpt.begin() + c * W, ckpt.begin() + (c + 1) * W, S.begin());
-      for (int64_t l = 0; l < L; ++l) step(t0 + l, S.data() + l * W, S.data() + (l + 1) * W);
+      for (int64_t l = 0; l < L; ++l) step(t0 + l, S.data() + l * W, S.data() + (l + 1) * W, dA.data() + l * W);
       for (int64_t l = L - 1; l >= 0; --l) {
         const int64_t t = t0 + l;
         const float* Bv = a.B + t * N;
         const float* Cv = a.C + t * N;
         const float* St = S.data() + (l + 1) * W;
         const float* Sp = S.data() + l * W;
+        const float* da = dA.data() + l * W;
+        float* dBt = dBb + t * N;
+        float* dCt = dCb + t * N;
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t o = (e - e0) * N;
           const float dt = a.dt[t * E + e], u = a.u[t * E + e], dy = a.dy[t * E + e];
@@ -70,19 +77,20 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
           // y_t = S_t . C_t + D u_t
           for (int64_t n = 0; n < N; ++n) {
             lm[n] += dy * Cv[n];
-            dCb[t * N + n] += St[o + n] * dy;
+            dCt[n] += St[o + n] * dy;
           }
           if (a.dstates) std::memcpy(a.dstates + (t * E + e) * N, lm, sizeof(float) * static_cast<size_t>(N));
           // S_t = exp(A dt) S_{t-1} + (dt B) u; then L_{t-1} gets exp(A dt) L_t.
           float s = 0.0f, dtA = 0.0f;
+          const float dtu = dt * u;
+          float* ddA = a.ddA ? a.ddA + (t * E + e) * N : nullptr;
           for (int64_t n = 0; n < N; ++n) {
-            const float dA = std::exp(A[n] * dt);
+            const float g = lm[n] * Sp[o + n] * da[o + n];  // d/d(A dt)
             s += lm[n] * Bv[n];
-            dBb[t * N + n] += lm[n] * dt * u;
-            const float g = lm[n] * Sp[o + n] * dA;  // d/d(A dt)
-            if (a.ddA) a.ddA[(t * E + e) * N + n] = g;
+            dBt[n] += lm[n] * dtu;
             dtA += A[n] * g;
-            lm[n] *= dA;
+            if (ddA) ddA[n] = g;
+            lm[n] *= da[o + n];
           }
           a.du[t * E + e] = a.D[e] * dy + dt * s;
           a.ddt[t * E + e] = s * u;
