@@ -47,5 +47,34 @@ using MixerDout = std::function<Tensor(const Tensor& out)>;
 void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& w, int layer,
                            const Tensor& n, const Mamba2CallState& call, const Tape& tape, const MixerDout& dout_of,
                            Tensor& dn, GradSink& sink);
+/// The weights of one Mamba-1 mixer (models/mamba.cpp MambaLayer), as its backward reads them.
+struct MambaMixerView {
+  int64_t D = 0, E = 0, N = 0, R = 0, K = 0;
+  int64_t chunk = 64;                   ///< the chunked scan's chunk length (recomputation as the forward)
+  const Tensor* in_proj = nullptr;      ///< [2E, D]: x | z
+  const Tensor* in_proj_bias = nullptr; ///< [2E] or undefined
+  const Tensor* conv_wT = nullptr;      ///< [K, E]
+  const Tensor* conv_bias = nullptr;    ///< [E]
+  const Tensor* x_proj = nullptr;       ///< [R + 2N, E]: dt_low | B | C
+  const Tensor* dt_proj = nullptr;      ///< [E, R] float32
+  const Tensor* dt_proj_bias = nullptr; ///< [E]
+  const Tensor* A = nullptr;            ///< [E, N] = -exp(A_log)
+  const Tensor* Dskip = nullptr;        ///< [E]
+  const Tensor* out_proj = nullptr;     ///< [D, E]
+};
+
+/// What a Mamba-1 mixer call read from its cache (constants of the backward), and how the family
+/// maps a decays write back to dt (MambaModel::betas_for_decays: one dt per (token, channel)).
+struct MambaCallState {
+  const Tensor* conv = nullptr;  ///< [B,K,E] window before the call
+  const Tensor* ssm = nullptr;   ///< [B,E,N] state before the call
+  bool has_state = false;
+  bool chunked = true;
+  std::function<Tensor(const Tensor& betas, const Tensor& decays)> betas_for_decays;
+};
+
+/// Backward of MambaModel::mixer (recomputed from n with the tape's writes re-applied).
+void mamba_mixer_backward(const MambaMixerView& w, int layer, const Tensor& n, const MambaCallState& call,
+                          const Tape& tape, const Tensor& dout, Tensor& dn, GradSink& sink);
 
 }  // namespace mixlens::grad

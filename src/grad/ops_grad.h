@@ -114,5 +114,30 @@ void gated_delta_backward(const GatedDeltaGradArgs& a);
 
 /// y = scale * x / sqrt(sum(x^2) + 1e-6) (transformers' l2norm, then the query scale): dx from dy.
 void l2norm_backward(const float* x, const float* dy, float* dx, int64_t n, float scale);
+/// Backward of the Mamba-1 selective scan of one batch row (mixers/selective_scan.h, either kernel):
+/// per channel e and state index n  S_t[e,n] = exp(A[e,n] dt_t[e]) S_{t-1}[e,n] + dt_t[e] B_t[n] u_t[e],
+/// y_t[e] = sum_n S_t[e,n] C_t[n] + D[e] u_t[e]. The states are recomputed from checkpoints every
+/// `chunk` tokens (memory: T/chunk + chunk states per channel, not T). Outputs are overwritten.
+struct SelectiveScanGradArgs {
+  int64_t T = 0, E = 0, N = 0;
+  const float* u = nullptr;   ///< [T,E]
+  const float* dt = nullptr;  ///< [T,E]
+  const float* B = nullptr;   ///< [T,N]
+  const float* C = nullptr;   ///< [T,N]
+  const float* A = nullptr;   ///< [E,N]
+  const float* D = nullptr;   ///< [E]
+  const float* S0 = nullptr;  ///< [E,N] initial state
+  const float* dy = nullptr;  ///< [T,E]
+  float* du = nullptr;        ///< [T,E] through the state write and the D skip
+  float* dB = nullptr;        ///< [T,N]
+  float* dC = nullptr;        ///< [T,N]
+  float* ddt = nullptr;       ///< [T,E] through dt B u only (the write strength)
+  float* ddtA = nullptr;      ///< [T,E] the decay path as a gradient of dt: sum_n A[e,n] ddA[t,e,n]
+  float* ddA = nullptr;       ///< optional [T,E,N]: d/d(A dt) per element (the decays value)
+  float* dS0 = nullptr;       ///< [E,N]
+  float* dstates = nullptr;   ///< optional [T,E,N]: dL/dS_t (served layout)
+  int64_t chunk = 64;
+};
+void selective_scan_backward(const SelectiveScanGradArgs& a);
 
 }  // namespace mixlens::grad

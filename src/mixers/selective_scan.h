@@ -4,9 +4,31 @@
 // (model-math.md §3.1 / §9.1; transformers mamba_selective_scan / mamba_selective_state_update).
 // Two algorithms compute it: the token loop (also the decode step) and a chunked parallel scan.
 #pragma once
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 
 namespace mixlens::detail {
+
+// exp for the discretisation exp(A dt) (argument <= 0 here): Cephes' expf polynomial, within 2 ulp
+// of std::exp on [-87.3, 88], 0 below. Branch-free so that loops over the state index vectorize;
+// std::exp does not, and it is most of a Mamba-1 scan's time. exp(0) is exactly 1 (dt = 0 keeps
+// the state bit for bit). Shared with the backward (grad/selective_scan_grad.cpp).
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.33654f), 88.0f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e_r = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.33654f ? 0.0f : e_r * scale;
+}
 
 /// One batch row. Layouts are the served (values.md) ones, tokens first.
 struct SelectiveScanArgs {

@@ -16,6 +16,7 @@
 #include <functional>
 #include <limits>
 
+#include "grad/families.h"
 #include "mixers/selective_scan.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -95,6 +96,28 @@ class MambaModel final : public SsmLm {
   /// The chunked scan's chunk length (0 restores the default). It changes no value beyond float
   /// rounding; tests use short chunks to cover the carry between chunks.
   void set_chunk_size(int64_t c) override { chunk_ = c > 0 ? c : kChunk; }
+
+  // Gradients (src/grad/mamba_mixer_grad.cpp, docs/gradients.md).
+  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
+    const auto& cache = static_cast<const SsmCache&>(*tape.cache_before);
+    const grad::SsmBackbone bb{&norm_f_, &lm_head_, &norms_, eps_, D_, L_, V_};
+    grad::ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
+      const size_t i = static_cast<size_t>(li);
+      const MambaLayer& l = layers_[i];
+      grad::MambaMixerView w;
+      w.D = D_; w.E = E_; w.N = N_; w.R = R_; w.K = K_; w.chunk = chunk_;
+      w.in_proj = &l.in_proj; w.in_proj_bias = &l.in_proj_bias; w.conv_wT = &l.conv_wT; w.conv_bias = &l.conv_bias;
+      w.x_proj = &l.x_proj; w.dt_proj = &l.dt_proj; w.dt_proj_bias = &l.dt_proj_bias; w.A = &l.A; w.Dskip = &l.D;
+      w.out_proj = &l.out_proj;
+      grad::MambaCallState call;
+      call.conv = &cache.conv[i];
+      call.ssm = &cache.ssm[i];
+      call.has_state = cache.has_state;
+      call.chunked = tape.kernel == "chunked";
+      call.betas_for_decays = [&](const Tensor& b, const Tensor& d) { return betas_for_decays(li, b, d); };
+      grad::mamba_mixer_backward(w, li, n, call, tape, dout, dn, sink);
+    });
+  }
 
  private:
   int64_t conv_channels() const override { return E_; }

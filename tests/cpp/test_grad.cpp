@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <string>
 
 #include "fixture_util.h"
 #include "mixlens/errors.h"
@@ -118,10 +119,11 @@ TEST(Grad, ErrorsNameTheProblem) {
   EXPECT_THROW(tr.backward(logits, {"layers.0.linear_attn.state@t1"}), UnknownValueError);
   tr.backward(logits, {"layers.0.linear_attn.betas"});
   EXPECT_THROW(tr.grad("layers.1.linear_attn.betas"), UnknownValueError);
-  // A family without a backward says so instead of returning wrong numbers.
+  // A call backward cannot differentiate (a per-token state write) says so instead of returning
+  // wrong numbers.
   Model m1 = Model::load(test::fixture("mamba/basic").string());
   Trace t1;
-  t1.enable_grad();
+  t1.edit("layers.0.linear_attn.state@t1", [](Tensor& s, const SiteContext&) { s[0] += 1.0f; }).enable_grad();
   const Tensor l1 = m1.run({{1, 2, 3}}, &t1);
   EXPECT_THROW(t1.backward(l1), UnsupportedError);
 }
@@ -147,4 +149,91 @@ TEST(Grad, MetricHelpersMatchFiniteDifferences) {
   EXPECT_THROW(metrics::log_prob(z, 5), InputError);
   EXPECT_THROW(metrics::log_prob(z, 1, 3), InputError);
   EXPECT_THROW(metrics::sequence_log_prob(z, {{1, 2, 3}}), InputError);
+}
+
+// Mamba-1 (issue 12; every value against torch autograd in tests/python/test_grad_mamba.py): the
+// committed fixture, both selective-scan algorithms (the chunked one with several chunks and with
+// the default single chunk), directional finite differences on the embeddings.
+namespace {
+struct Mamba1Route {
+  explicit Mamba1Route(const char* r) { route_kernels("mamba", r); }
+  ~Mamba1Route() { route_kernels("mamba", "default"); }
+};
+}  // namespace
+
+TEST(Grad, Mamba1EmbeddingsMatchDirectionalFiniteDifferences) {
+  Model m = Model::load(test::fixture("mamba/basic").string());
+  Trace probe;
+  probe.save("embed_tokens.output");
+  m.run({kIds}, &probe);
+  const Tensor E = probe.get("embed_tokens.output");
+  for (const char* route : {"chunked", "recurrent"})
+    for (int64_t chunk : {int64_t{0}, int64_t{5}}) {
+      Mamba1Route guard(route);
+      m.set_chunk_size(chunk);
+      Trace tr;
+      tr.save("embed_tokens.output").save("layers.*.linear_attn.betas").enable_grad();
+      const Tensor logits = m.run(Batch::from_embeddings(E), &tr);
+      EXPECT_EQ(tr.calls().back().kernel, route);
+      const Tensor W = random_like(logits.shape(), 13);
+      tr.backward(W);
+      const Tensor g = tr.grad("embed_tokens.output");
+      ASSERT_EQ(g.shape(), E.shape());
+      EXPECT_TRUE(tr.has_grad("layers.2.linear_attn.betas"));
+      // Embeddings are ~0.1: a direction of that size keeps the central difference in its quadratic range.
+      const Tensor v = random_like(E.shape(), 14, 0.1f);
+      const float h = 1e-2f;
+      const double fp = dot(W, m.run(Batch::from_embeddings(axpy(E, h, v))));
+      const double fm = dot(W, m.run(Batch::from_embeddings(axpy(E, -h, v))));
+      const double fd = (fp - fm) / (2.0 * h), an = dot(g, v);
+      EXPECT_NEAR(an, fd, 1e-2 * std::abs(fd)) << route << " chunk " << chunk;
+      // A wrong backward would not pass by luck: the directional derivative is not small.
+      EXPECT_GT(std::abs(fd), 1e-3) << route;
+    }
+  m.set_chunk_size(0);
+}
+
+// Continuations (a multi-token call and a decode step): the conv window and the state come from the
+// cache; state_input's gradient against finite differences of a written state_input, and (the
+// multi-token call) the betas gradient against finite differences of a written betas.
+TEST(Grad, Mamba1ContinuationStateInputMatchesFiniteDifferences) {
+  Model m = Model::load(test::fixture("mamba/basic").string());
+  Cache cache = m.new_cache(1);
+  m.forward(Batch::left_padded({kIds}, 0), cache);
+  for (const std::vector<int32_t>& toks : {std::vector<int32_t>{7, 3, 12, 5, 1}, std::vector<int32_t>{9}}) {
+    const Batch cont = Batch::left_padded({toks}, 0);
+    for (const char* path : {"layers.1.linear_attn.state_input", "layers.0.linear_attn.betas"}) {
+      // One decode step's dt moves the float32 metric too little for a clean difference (torch checks it).
+      if (toks.size() == 1 && std::string(path).ends_with("betas")) continue;
+      Cache c1 = cache.copy();
+      Trace tr;
+      tr.save(path).enable_grad();
+      const Tensor logits = m.forward(cont, c1, &tr);
+      const Tensor W = random_like(logits.shape(), 15);
+      tr.backward(W);
+      const Tensor g = tr.grad(path);
+      // A relative direction for betas (dt > 0 stays > 0 on both sides).
+      Tensor v = random_like(g.shape(), 16);
+      if (std::string(path).ends_with("betas")) {
+        const Tensor dt = tr.get(path, tr.calls().back().step);
+        for (int64_t k = 0; k < v.numel(); ++k) v[k] *= dt[k];
+      }
+      auto f = [&](float h) {
+        Cache c = cache.copy();
+        Trace t;
+        t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
+        return dot(W, m.forward(cont, c, &t));
+      };
+      const float h = 1e-2f;
+      const double fd = (f(h) - f(-h)) / (2.0 * h), an = dot(g, v);
+      EXPECT_NEAR(an, fd, 1e-2 * std::abs(fd)) << path << " tokens " << toks.size();
+      EXPECT_GT(std::abs(fd), 1e-4) << path;
+    }
+    Cache c2 = cache.copy();
+    Trace tr;
+    tr.enable_grad();
+    const Tensor W = random_like(m.forward(cont, c2, &tr).shape(), 17);
+    tr.backward(W, {"layers.1.linear_attn.state_output"});
+    for (float x : tr.grad("layers.1.linear_attn.state_output")) EXPECT_EQ(x, 0.0f);
+  }
 }

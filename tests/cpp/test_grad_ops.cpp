@@ -190,3 +190,70 @@ TEST(GradOps, SsdScanMatchesFiniteDifferences) {
     }
   }
 }
+
+// The Mamba-1 selective scan (grad/selective_scan_grad.cpp) with the decay path a = A dt [T,E,N] a
+// separate input (so ddA is checked per element) and the write path dt separate; more channels than
+// one parallel block (17 > 16), several checkpoint chunk lengths; dstates against perturbing S_t.
+TEST(GradOps, SelectiveScanMatchesFiniteDifferences) {
+  const int64_t T = 7, E = 17, N = 3;
+  auto u = rnd(T * E, 21), Bv = rnd(T * N, 22), Cv = rnd(T * N, 23), dt = rnd(T * E, 24, 0.05, 0.8),
+       A = rnd(E * N, 25, -2.0, -0.2), D = rnd(E, 26), S0 = rnd(E * N, 27), dy = rnd(T * E, 28);
+  std::vector<double> a(T * E * N);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t n = 0; n < N; ++n) a[(t * E + e) * N + n] = A[e * N + n] * dt[t * E + e];
+  // One flat parameter vector: u | B | C | dt | a | S0, plus a perturbation added to S_t (dstates).
+  std::vector<double> bump(T * E * N, 0.0);
+  std::vector<std::vector<double>*> parts{&u, &Bv, &Cv, &dt, &a, &S0, &bump};
+  std::vector<double> all;
+  for (auto* p : parts) all.insert(all.end(), p->begin(), p->end());
+  auto s = [&](const std::vector<double>& v) {
+    size_t o = 0;
+    std::vector<std::vector<double>> q;
+    for (auto* p : parts) q.emplace_back(v.begin() + o, v.begin() + o + p->size()), o += p->size();
+    const auto &uu = q[0], &bb = q[1], &cc = q[2], &dd = q[3], &aa = q[4], &s0 = q[5], &bp = q[6];
+    double acc = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      std::vector<double> S(s0.begin() + e * N, s0.begin() + (e + 1) * N);
+      for (int64_t t = 0; t < T; ++t) {
+        double y = D[e] * uu[t * E + e];
+        for (int64_t n = 0; n < N; ++n) {
+          double& sv = S[n];
+          sv = sv * std::exp(aa[(t * E + e) * N + n]) + dd[t * E + e] * bb[t * N + n] * uu[t * E + e] +
+               bp[(t * E + e) * N + n];
+          y += sv * cc[t * N + n];
+        }
+        acc += dy[t * E + e] * y;
+      }
+    }
+    return acc;
+  };
+  const auto ref = fd(all, s);
+  for (int64_t chunk : {1, 3, 64}) {
+    std::vector<float> du(u.size()), dB(Bv.size()), dC(Cv.size()), ddt(dt.size()), ddtA(dt.size()), ddA(a.size()),
+        dS0(S0.size()), dst(bump.size());
+    auto uf = f32(u), Bf = f32(Bv), Cf = f32(Cv), dtf = f32(dt), Af = f32(A), Df = f32(D), S0f = f32(S0), dyf = f32(dy);
+    grad::SelectiveScanGradArgs g;
+    g.T = T; g.E = E; g.N = N;
+    g.u = uf.data(); g.B = Bf.data(); g.C = Cf.data(); g.dt = dtf.data(); g.A = Af.data(); g.D = Df.data();
+    g.S0 = S0f.data(); g.dy = dyf.data();
+    g.du = du.data(); g.dB = dB.data(); g.dC = dC.data(); g.ddt = ddt.data(); g.ddtA = ddtA.data();
+    g.ddA = ddA.data(); g.dS0 = dS0.data(); g.dstates = dst.data();
+    g.chunk = chunk;
+    grad::selective_scan_backward(g);
+    std::vector<std::vector<float>*> got{&du, &dB, &dC, &ddt, &ddA, &dS0, &dst};
+    const char* names[] = {"du", "dB", "dC", "ddt", "ddA", "dS0", "dstates"};
+    size_t o = 0;
+    for (size_t k = 0; k < got.size(); ++k) {
+      std::vector<double> r(ref.begin() + o, ref.begin() + o + got[k]->size());
+      o += got[k]->size();
+      EXPECT_LT(rel_rms(*got[k], r), kTol) << names[k] << " chunk " << chunk;
+    }
+    // ddtA is the decay path folded onto dt: sum_n A[e,n] ddA[t,e,n].
+    const size_t off_a = u.size() + Bv.size() + Cv.size() + dt.size();
+    std::vector<double> fold(dt.size(), 0.0);
+    for (int64_t k = 0; k < T * E; ++k)
+      for (int64_t n = 0; n < N; ++n) fold[k] += A[(k % E) * N + n] * ref[off_a + k * N + n];
+    EXPECT_LT(rel_rms(ddtA, fold), kTol) << "ddtA chunk " << chunk;
+  }
+}

@@ -1,0 +1,191 @@
+// Backward of the Mamba-1 mixer (models/mamba.cpp MambaModel::mixer): the call is recomputed from its
+// normed input with the recorded writes re-applied, then differentiated op by op: out_proj, the
+// silu(z) gate, the selective scan with its D skip (grad/selective_scan_grad.cpp), dt's softplus and
+// dt_proj, x_proj, the causal conv + SiLU (grad/conv1d_grad.cpp), in_proj.
+// Reference: transformers MambaMixer.forward (pure-torch path, mamba_selective_scan).
+#include <algorithm>
+#include <cstring>
+
+#include "grad/families.h"
+#include "grad/ops_grad.h"
+#include "mixers/selective_scan.h"
+#include "models/common.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, const MambaCallState& call,
+                          const Tape& tape, const Tensor& dout_in, Tensor& dn, GradSink& sink) {
+  const Batch& in = tape.batch;
+  const int64_t B = in.batch, T = in.seq, BT = B * T;
+  const int64_t D = w.D, E = w.E, N = w.N, R = w.R, K = w.K, XR = R + 2 * N;
+  // As the forward: the mask applies whenever the batch has padding (transformers 5.18).
+  const bool masked = in.has_padding();
+
+  // ---- recompute (as MambaModel::mixer) -----------------------------------------------------
+  Tensor nm = n_in.clone();
+  if (masked) detail::apply_row_mask(nm, in);
+  Tensor xz({B, T, 2 * E});
+  ops::linear(nm.data(), BT, D, *w.in_proj, xz.data(), w.in_proj_bias->defined() ? w.in_proj_bias->data() : nullptr);
+  Tensor window = call.conv->clone();
+  Tensor c({B, T, E});  // conv output before its SiLU
+  ops::causal_conv1d(xz.data(), 2 * E, B, T, E, K, w.conv_wT->data(), w.conv_bias->data(), window.data(), c.data(),
+                     false);
+  Tensor u({B, T, E});  // what x_proj reads (before any attention_values write)
+  for (int64_t r = 0; r < BT; ++r) {
+    const bool keep = !masked || in.mask[static_cast<size_t>(r)];
+    for (int64_t e = 0; e < E; ++e) u[r * E + e] = keep ? ops::silu(c[r * E + e]) : 0.0f;
+  }
+  Tensor dbc({B, T, XR});
+  ops::linear(u.data(), BT, E, *w.x_proj, dbc.data());
+  Tensor Bm({B, T, N}), Cm({B, T, N}), dt_pre({B, T, E}), dt({B, T, E});
+  for (int64_t r = 0; r < BT; ++r) {
+    std::memcpy(Bm.data() + r * N, dbc.data() + r * XR + R, sizeof(float) * static_cast<size_t>(N));
+    std::memcpy(Cm.data() + r * N, dbc.data() + r * XR + R + N, sizeof(float) * static_cast<size_t>(N));
+  }
+  ops::gemm(false, true, BT, E, R, 1.0f, dbc.data(), XR, w.dt_proj->data(), R, 0.0f, dt_pre.data(), E);
+  for (int64_t r = 0; r < BT; ++r)
+    for (int64_t e = 0; e < E; ++e) {
+      dt_pre[r * E + e] += (*w.dt_proj_bias)[e];
+      dt[r * E + e] = ops::softplus(dt_pre[r * E + e]);
+    }
+  tape.apply(li, Value::attention_queries, Cm);
+  tape.apply(li, Value::attention_keys, Bm);
+  Tensor us = u.clone();  // what the scan reads
+  tape.apply(li, Value::attention_values, us);
+  tape.apply(li, Value::betas, dt);
+  // A decays write replaces the dt of every (token, channel) row it changed (the family's rule).
+  const Written* wdec = tape.write(li, Value::decays);
+  std::vector<uint8_t> row_changed;
+  if (wdec) {
+    dt = call.betas_for_decays(dt, wdec->value);
+    row_changed.assign(static_cast<size_t>(BT * E), 0);
+    for (int64_t k = 0; k < BT * E * N; ++k)
+      if (wdec->changed[static_cast<size_t>(k)]) row_changed[static_cast<size_t>(k / N)] = 1;
+  }
+  // The state the scan starts from, with a state_input write laid in (served layout = kernel layout).
+  Tensor S0 = call.has_state ? call.ssm->clone() : Tensor({B, E, N});
+  const Written* wsi = tape.write(li, Value::state_input);
+  if (wsi) wsi->apply(S0);
+  Tensor y({B, T, E});
+  {
+    Tensor S = S0.clone();
+    for (int64_t b = 0; b < B; ++b) {
+      detail::SelectiveScanArgs a;
+      a.T = T; a.E = E; a.N = N;
+      a.u = us.data() + b * T * E;
+      a.dt = dt.data() + b * T * E;
+      a.B = Bm.data() + b * T * N;
+      a.C = Cm.data() + b * T * N;
+      a.A = w.A->data();
+      a.D = w.Dskip->data();
+      a.S = S.data() + b * E * N;
+      a.y = y.data() + b * T * E;
+      a.chunk = w.chunk;
+      if (call.chunked) detail::selective_scan_chunked(a); else detail::selective_scan_recurrent(a);
+    }
+  }
+  tape.apply(li, Value::attention_head_outputs, y);
+
+  // ---- backward -----------------------------------------------------------------------------
+  Tensor dout = dout_in.clone();
+  sink.put(li, Value::attention_output, dout);
+  tape.block(li, Value::attention_output, dout);
+  Tensor dg({B, T, E});
+  linear_backward(dout.data(), BT, D, *w.out_proj, dg.data(), false);
+  Tensor dxz({B, T, 2 * E});
+  Tensor dy({B, T, E});
+  for (int64_t r = 0; r < BT; ++r)
+    for (int64_t e = 0; e < E; ++e) {
+      const float z = xz[r * 2 * E + E + e], g = dg[r * E + e];
+      dy[r * E + e] = g * ops::silu(z);
+      dxz[r * 2 * E + E + e] = g * y[r * E + e] * silu_grad(z);
+    }
+  sink.put(li, Value::attention_head_outputs, dy);
+  tape.block(li, Value::attention_head_outputs, dy);
+
+  const bool want_ddA = wdec || sink.wants(li, Value::decays);
+  Tensor du({B, T, E}), dB({B, T, N}), dC({B, T, N}), ddt({B, T, E}), ddtA({B, T, E}), dS0({B, E, N});
+  Tensor ddA = want_ddA ? Tensor({B, T, E, N}) : Tensor();
+  Tensor dstates = sink.wants(li, Value::states) ? Tensor({B, T, E, N}) : Tensor();
+  for (int64_t b = 0; b < B; ++b) {
+    SelectiveScanGradArgs a;
+    a.T = T; a.E = E; a.N = N;
+    a.u = us.data() + b * T * E;
+    a.dt = dt.data() + b * T * E;
+    a.B = Bm.data() + b * T * N;
+    a.C = Cm.data() + b * T * N;
+    a.A = w.A->data();
+    a.D = w.Dskip->data();
+    a.S0 = S0.data() + b * E * N;
+    a.dy = dy.data() + b * T * E;
+    a.du = du.data() + b * T * E;
+    a.dB = dB.data() + b * T * N;
+    a.dC = dC.data() + b * T * N;
+    a.ddt = ddt.data() + b * T * E;
+    a.ddtA = ddtA.data() + b * T * E;
+    a.ddA = want_ddA ? ddA.data() + b * T * E * N : nullptr;
+    a.dS0 = dS0.data() + b * E * N;
+    a.dstates = dstates.defined() ? dstates.data() + b * T * E * N : nullptr;
+    a.chunk = std::min<int64_t>(w.chunk, 64);
+    selective_scan_backward(a);
+  }
+  if (dstates.defined()) sink.put(li, Value::states, dstates);
+  // state_output feeds only the next call: this call's metric does not depend on it.
+  if (sink.wants(li, Value::state_output)) sink.put(li, Value::state_output, Tensor({B, E, N}));
+  if (call.has_state || wsi) sink.put(li, Value::state_input, dS0);
+
+  // decays = A dt feeds exp() only; betas = dt is the total derivative through both uses. Where a
+  // decays write changed a (token, channel) row, dt = mean_n(decays[n] / A[e,n]) feeds both uses:
+  // each written element gets its 1/(N A) share, and dt flows only through elements left unchanged.
+  Tensor dbet({B, T, E});
+  Tensor ddec = want_ddA ? Tensor({B, T, E, N}) : Tensor();
+  for (int64_t k = 0; k < BT * E; ++k) {
+    const float* A = w.A->data() + (k % E) * N;
+    const float total = ddt[k] + ddtA[k];
+    if (!wdec || !row_changed[static_cast<size_t>(k)]) {
+      dbet[k] = total;
+      if (want_ddA) std::memcpy(ddec.data() + k * N, ddA.data() + k * N, sizeof(float) * static_cast<size_t>(N));
+      continue;
+    }
+    float through = 0.0f;
+    for (int64_t m = 0; m < N; ++m) {
+      const float g = total / (static_cast<float>(N) * A[m]);
+      ddec[k * N + m] = g;
+      if (!wdec->changed[static_cast<size_t>(k * N + m)]) through += A[m] * g;
+    }
+    dbet[k] = through;
+  }
+  if (want_ddA) sink.put(li, Value::decays, ddec);
+  sink.put(li, Value::betas, dbet);
+  tape.block(li, Value::betas, dbet);
+
+  // dt = softplus(dt_proj(dt_low) + bias); B, C, dt_low come from x_proj(u).
+  Tensor ddbc({B, T, XR});
+  Tensor ddt_pre({B, T, E});
+  for (int64_t k = 0; k < BT * E; ++k) ddt_pre[k] = dbet[k] * softplus_grad(dt_pre[k]);
+  // ddt_low[BT,R] = ddt_pre[BT,E] @ dt_proj[E,R], written into ddbc's first R columns.
+  ops::gemm(false, false, BT, R, E, 1.0f, ddt_pre.data(), E, w.dt_proj->data(), R, 0.0f, ddbc.data(), XR);
+  sink.put(li, Value::attention_keys, dB);
+  sink.put(li, Value::attention_queries, dC);
+  sink.put(li, Value::attention_values, du);
+  tape.block(li, Value::attention_keys, dB);
+  tape.block(li, Value::attention_queries, dC);
+  tape.block(li, Value::attention_values, du);
+  for (int64_t r = 0; r < BT; ++r) {
+    std::memcpy(ddbc.data() + r * XR + R, dB.data() + r * N, sizeof(float) * static_cast<size_t>(N));
+    std::memcpy(ddbc.data() + r * XR + R + N, dC.data() + r * N, sizeof(float) * static_cast<size_t>(N));
+  }
+  // u feeds both x_proj and (unless a write replaced it) the scan.
+  linear_backward(ddbc.data(), BT, XR, *w.x_proj, du.data(), true);
+  Tensor dc({B, T, E});
+  for (int64_t r = 0; r < BT; ++r) {
+    const bool keep = !masked || in.mask[static_cast<size_t>(r)];
+    for (int64_t e = 0; e < E; ++e) dc[r * E + e] = keep ? du[r * E + e] * silu_grad(c[r * E + e]) : 0.0f;
+  }
+  causal_conv1d_backward(dc.data(), B, T, E, K, w.conv_wT->data(), dxz.data(), 2 * E);
+  linear_backward(dxz.data(), BT, 2 * E, *w.in_proj, dn.data(), false);
+  if (masked) detail::apply_row_mask(dn, in);
+}
+
+}  // namespace mixlens::grad
