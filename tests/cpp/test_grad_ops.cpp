@@ -70,6 +70,32 @@ TEST(GradOps, LinearMatchesFiniteDifferences) {
   EXPECT_LT(rel_rms(dx, fd(x, s)), kTol);
 }
 
+// linear_backward's two paths: all-zero rows of dy (a metric on some positions) are skipped, the rest
+// multiplied on the thread pool in column blocks; a product large enough to be split, with and
+// without zero rows, overwriting and accumulating, against a double-precision reference.
+TEST(GradOps, LinearBackwardSkipsZeroRowsAndSplitsColumns) {
+  const int64_t R = 40, I = 200, O = 300;  // R*I*O > 2^20: split over the pool
+  const auto w = rnd(O * I, 21), base = rnd(R * I, 22);
+  for (int zero_rows : {0, 1, 39, 40}) {  // none, few, all but one, all zero
+    auto dy = rnd(R * O, 23);
+    for (int64_t r = 0; r < zero_rows; ++r)
+      for (int64_t o = 0; o < O; ++o) dy[static_cast<size_t>(((r * 7) % R) * O + o)] = 0.0;  // rows spread out
+    for (bool acc : {false, true}) {
+      std::vector<double> ref(R * I);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < I; ++i) {
+          double v = acc ? static_cast<double>(static_cast<float>(base[r * I + i])) : 0.0;
+          for (int64_t o = 0; o < O; ++o) v += static_cast<double>(static_cast<float>(dy[r * O + o])) *
+                                               static_cast<float>(w[o * I + i]);
+          ref[r * I + i] = v;
+        }
+      std::vector<float> dx = f32(base);
+      grad::linear_backward(f32(dy).data(), R, O, Tensor::from({O, I}, f32(w)), dx.data(), acc);
+      EXPECT_LT(rel_rms(dx, ref), kTol) << zero_rows << " zero rows, accumulate " << acc;
+    }
+  }
+}
+
 TEST(GradOps, RmsnormMatchesFiniteDifferences) {
   for (bool zc : {false, true}) {
     const int64_t R = 3, Dm = 7;
