@@ -57,7 +57,11 @@ class Tensor {
 
   /// Mutable data. Throws Error if the tensor borrows read-only memory (call clone() first) or is
   /// not float32.
-  float* data();
+  float* data() {
+    // Inline: elementwise loops index through operator[], which called out of line per element.
+    if (dtype_ != ScalarType::float32 || !writable_) [[unlikely]] not_writable_f32();
+    return static_cast<float*>(data_);
+  }
   /// Error unless float32.
   const float* data() const {
     if (dtype_ != ScalarType::float32) [[unlikely]] not_f32();
@@ -82,6 +86,7 @@ class Tensor {
 
  private:
   [[noreturn]] void not_f32() const;
+  [[noreturn]] void not_writable_f32() const;
   /// borrow / narrow: a read-only view of `data` kept alive by `owner`.
   static Tensor read_only_view(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner);
   Shape shape_;

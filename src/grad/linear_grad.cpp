@@ -1,15 +1,59 @@
-// Backward of nn.Linear with respect to its input (ops::linear): one BLAS product.
+// Backward of nn.Linear with respect to its input (ops::linear): BLAS products on the thread pool.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
 #include "grad/ops_grad.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {
 
+namespace {
+
+// dx[rows,in] (+)= dy[rows,out] @ W[out,in], split over blocks of `in` columns on the pool (BLAS is
+// single-threaded inside our pool, as in ops::linear, so one call would use one core).
+void product(const float* dy, int64_t ldy, int64_t rows, int64_t out, const float* w, int64_t in, float beta, float* dx,
+             int64_t ldx) {
+  const int64_t work = rows * out * in;
+  const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(ops::num_threads(), (in + 63) / 64);
+  const int64_t per = ((in + nblocks - 1) / nblocks + 15) / 16 * 16;  // whole SIMD widths per block
+  ops::parallel_for(nblocks, [&](int64_t blk) {
+    const int64_t i0 = blk * per, n = std::min(per, in - i0);
+    if (n > 0) ops::gemm(false, false, rows, n, out, 1.0f, dy, ldy, w + i0, in, beta, dx + i0, ldx);
+  });
+}
+
+}  // namespace
+
 void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W, float* dx, bool accumulate) {
   const int64_t in = W.size(1);
   // Narrow (bf16/f16) weights are widened for the product: the gradient of the model as loaded.
   const Tensor w = W.to_f32();  // shares W when already float32
-  // dx[rows,in] = dy[rows,out] @ W[out,in]
-  ops::gemm(false, false, rows, in, out, 1.0f, dy, out, w.data(), in, accumulate ? 1.0f : 0.0f, dx, in);
+  const float beta = accumulate ? 1.0f : 0.0f;
+  // Rows of dy that are all zero (a metric on some positions only: the LM head's dlogits) give zero
+  // rows of dx; only the others go through the product.
+  std::vector<int64_t> live;
+  live.reserve(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = dy + r * out;
+    if (std::any_of(g, g + out, [](float v) { return v != 0.0f; })) live.push_back(r);
+  }
+  const int64_t nl = static_cast<int64_t>(live.size());
+  if (nl == rows || nl * 2 > rows) {  // dense enough: one product over every row
+    product(dy, out, rows, out, w.data(), in, beta, dx, in);
+    return;
+  }
+  if (!accumulate) std::fill(dx, dx + rows * in, 0.0f);
+  if (nl == 0) return;
+  std::vector<float> gdy(static_cast<size_t>(nl * out)), gdx(static_cast<size_t>(nl * in));
+  for (int64_t k = 0; k < nl; ++k) std::memcpy(gdy.data() + k * out, dy + live[static_cast<size_t>(k)] * out,
+                                               sizeof(float) * static_cast<size_t>(out));
+  product(gdy.data(), out, nl, out, w.data(), in, 0.0f, gdx.data(), in);
+  for (int64_t k = 0; k < nl; ++k) {
+    float* o = dx + live[static_cast<size_t>(k)] * in;
+    const float* s = gdx.data() + k * in;
+    for (int64_t i = 0; i < in; ++i) o[i] += s[i];
+  }
 }
 
 }  // namespace mixlens::grad

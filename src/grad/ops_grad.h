@@ -37,9 +37,8 @@ inline float softplus_grad(float v) { return v > 20.0f ? 1.0f : 1.0f / (1.0f + s
 
 /// Backward of the Mamba-2 SSD scan of one batch row (mixers/ssd.h, either kernel): per head h
 /// (group g = h / (H/G))  S_t = exp(A dt_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t.
-/// The states are recomputed from checkpoints every `chunk` tokens (memory: T/chunk + chunk states
-/// per head, not T). Outputs are overwritten. dstates (optional) receives dL/dS_t in the served
-/// layout [T,H,N,P] (the adjoint of the state that y_t reads and later tokens continue from).
+/// Outputs are overwritten. dstates (optional) receives dL/dS_t in the served layout [T,H,N,P]
+/// (the adjoint of the state that y_t reads and later tokens continue from).
 struct SsdGradArgs {
   int64_t T = 0, H = 0, P = 0, G = 0, N = 0;
   const float* x = nullptr;   ///< [T,H,P]
@@ -57,9 +56,17 @@ struct SsdGradArgs {
   float* ddA = nullptr;       ///< [T,H] through exp(A dt) only (the decay, d/d(A dt))
   float* dS0 = nullptr;       ///< [H,P,N]
   float* dstates = nullptr;   ///< optional [T,H,N,P]
-  int64_t chunk = 64;
+  int64_t chunk = 64;         ///< recurrent: checkpoint interval; chunked: chunk length Q
 };
+/// The backward the mixers call: the chunked form, measured 5-10x faster than the recurrent one at
+/// every length from 1 token (decode) to 2,048 (bench/ssd_grad_bench.sh, bench/results/grad.md).
 void ssd_backward(const SsdGradArgs& a);
+/// Token recurrence; states recomputed from checkpoints every `chunk` tokens (memory per head:
+/// T/chunk + chunk states).
+void ssd_backward_recurrent(const SsdGradArgs& a);
+/// Matmul form, the transpose of ssd_chunked (BLAS products per chunk of `chunk` tokens; memory per
+/// head: T/chunk states and a few chunk x chunk matrices).
+void ssd_backward_chunked(const SsdGradArgs& a);
 
 /// Backward of detail::causal_attention (GQA, scale 1/sqrt(d), causal over the cache, key padding
 /// mask; a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw

@@ -2,6 +2,7 @@
 // listener that keeps each block's input and every write the call makes.
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "grad/tape.h"
 #include "mixlens/errors.h"
@@ -44,17 +45,26 @@ void Recorder::end_call() {
 bool Recorder::visit(int layer, Value v, Tensor& value, const Shape& shape) {
   bool written = false;
   if (inner_ && inner_->wants(layer, v)) {
-    const Tensor before = value.defined() ? value.clone() : Tensor();
+    // The value before the visit (to find what a write changed) goes into one reused buffer: most
+    // visits are saves. Read-only sites (a states stack: T states) are never copied.
+    const bool read_only = v == Value::states || v == Value::attn_probs;
+    const bool had = value.defined() && !read_only;
+    const Shape before_shape = had ? value.shape() : Shape{};
+    if (had) before_.assign(std::as_const(value).begin(), std::as_const(value).end());
     written = inner_->visit(layer, v, value, shape);
     if (written && value.defined()) {
       Written w;
       w.value = value.clone();
       w.changed.assign(static_cast<size_t>(value.numel()), 1);
-      if (before.defined() && before.shape() == value.shape())
+      if (had && before_shape == value.shape()) {
+        const float* now = std::as_const(value).data();
         for (int64_t k = 0; k < value.numel(); ++k)
-          w.changed[static_cast<size_t>(k)] = std::memcmp(before.data() + k, value.data() + k, sizeof(float)) != 0;
+          w.changed[static_cast<size_t>(k)] = std::memcmp(before_.data() + k, now + k, sizeof(float)) != 0;
+      }
       tape_.writes[{layer, static_cast<int>(v)}] = std::move(w);
     }
+    // The buffer is kept for the next visit unless it is large (a saved logits tensor).
+    if (before_.size() > (size_t{1} << 24)) std::vector<float>().swap(before_);
   }
   if (v == Value::layer_input && layer >= 0 && layer < layers_) tape_.layer_inputs[static_cast<size_t>(layer)] = value.clone();
   if (v == Value::layer_output && layer == layers_ - 1) tape_.final_hidden = value.clone();

@@ -1,6 +1,7 @@
 // Backward of the pure SSM LM skeleton (models/ssm_lm.cpp): LM head, final norm, residual blocks
 // recomputed one at a time from their recorded inputs, embeddings.
 #include <cstring>
+#include <utility>
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
@@ -12,17 +13,22 @@ void ssm_lm_backward(const SsmBackbone& bb, const Tape& tape, const Tensor& dlog
                      const MixerBackward& mixer) {
   const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, V = bb.V, BT = B * T;
   // Logits of the last position only (a generation's prompt): the other positions get no gradient.
-  Tensor dl({B, T, V});
-  if (dlogits.size(1) == T) {
-    std::memcpy(dl.data(), dlogits.data(), sizeof(float) * static_cast<size_t>(dl.numel()));
+  // Every position's: dlogits is read in place ([B,T,vocab] is the largest tensor of the backward),
+  // copied only when a logits write must zero part of it.
+  Tensor dl;
+  if (dlogits.size(1) == T && !tape.write(-1, Value::logits)) {
+    dl = dlogits;
+  } else if (dlogits.size(1) == T) {
+    dl = dlogits.clone();
   } else {
+    dl = Tensor({B, T, V});
     for (int64_t b = 0; b < B; ++b)
       std::memcpy(dl.data() + (b * T + T - 1) * V, dlogits.data() + b * V, sizeof(float) * static_cast<size_t>(V));
   }
   sink.put(-1, Value::logits, dl);
-  tape.block(-1, Value::logits, dl);
+  if (tape.write(-1, Value::logits)) tape.block(-1, Value::logits, dl);
   Tensor dhf({B, T, D});
-  linear_backward(dl.data(), BT, V, *bb.lm_head, dhf.data(), false);
+  linear_backward(std::as_const(dl).data(), BT, V, *bb.lm_head, dhf.data(), false);  // dl may borrow read-only memory
   sink.put(-1, Value::ln_final_output, dhf);
   tape.block(-1, Value::ln_final_output, dhf);
   Tensor dh({B, T, D});

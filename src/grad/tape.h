@@ -85,6 +85,7 @@ class Recorder final : public detail::Listener {
   detail::Listener* inner_;
   Tape& tape_;
   int layers_ = 0;
+  std::vector<float> before_;  ///< a visited value before the inner listener saw it (reused)
 };
 
 /// Runs the family's backward for `tape` and returns path -> gradient for `wanted`.

@@ -133,10 +133,9 @@ int64_t Tensor::size(int64_t i) const {
   return shape_[static_cast<size_t>(i)];
 }
 
-float* Tensor::data() {
+void Tensor::not_writable_f32() const {
   if (dtype_ != ScalarType::float32) not_f32();
-  if (!writable_) throw Error("tensor borrows read-only (memory-mapped) storage; clone() it first");
-  return static_cast<float*>(data_);
+  throw Error("tensor borrows read-only (memory-mapped) storage; clone() it first");
 }
 
 Tensor Tensor::clone() const {
