@@ -125,6 +125,8 @@ class LiveValues:
         self.check_released()
 
     def check_released(self) -> None:
+        if not self._released_torch:  # numpy output: nothing to check (the common, per-read case)
+            return
         keep, bad = [], None
         for ref, version, step, path in self._released_torch:
             v = ref()

@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "mixlens/errors.h"
+#include "ops/ops.h"
 #include "models/family.h"
 #include "runtime/fiber.h"
 #include "runtime/listener.h"
@@ -217,6 +218,7 @@ struct Session::Impl {
     if (aborted) throw Aborted{};
     while (!aborted && !finishing && !(target && pos < target->pos)) {
       paused = true;
+      ops::park_threads();  // the pool's threads would spin for the next op while the caller runs
       lk.unlock();  // the caller runs next on this very thread and takes the lock
       fiber->yield();
       lk.lock();
