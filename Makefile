@@ -32,10 +32,12 @@ $(VENV)/.setup-dev-done: scripts/setup.sh requirements-build.txt requirements-de
 	touch $(VENV)/.setup-done $@
 
 # One CMake build (build/py) serves the Python package, the native CLI and the C++ tests (wheel
-# builds use a temporary folder and no tests: pyproject.toml).
+# builds use a temporary folder and no tests: pyproject.toml). `make demo` builds it without the C++
+# tests (TESTS=OFF: the same library objects, so a later `make test` compiles only the tests).
+TESTS ?= ON
 build: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install -q --no-build-isolation --no-deps \
-	  -C build-dir=build/py -C cmake.define.MIXLENS_TESTS=ON .
+	  -C build-dir=build/py -C cmake.define.MIXLENS_TESTS=$(TESTS) .
 
 # A wheel that works on other Linux machines: built without tests or -march=native, its shared
 # libraries (OpenBLAS, PCRE2, utf8proc, ...) bundled by auditwheel; lands in wheelhouse/.
@@ -46,7 +48,8 @@ wheel: setup-dev
 stubs: build
 	$(PY) -m nanobind.stubgen -q -m mixlens._core -o python/mixlens/_core.pyi
 
-demo: build
+demo: setup
+	$(MAKE) --no-print-directory build TESTS=OFF
 	$(VENV)/bin/mixlens generate "$(PROMPT)" --max-new-tokens 60 --greedy
 
 # SKIP_SANITIZE=1 leaves out the sanitizer / fuzz part for quick local iterations (CI never sets it).
@@ -100,12 +103,11 @@ fuzz: build/asan/.configured
 bench: setup-dev build
 	$(PY) bench/harness.py $(if $(BENCH_QUICK),--quick)
 
-# The older per-family comparisons with transformers (kernel routes, per-token states).
+# Every family (the Mamba-2 hybrids too) against transformers, with each kernel route forced as extra
+# mixlens columns; bench/results/families.md. Per-token states: bench-state-after.
 bench-families: setup-dev build
-	$(PY) bench/bench_mamba2.py
-	$(PY) bench/bench_mamba.py
-	$(PY) bench/bench_qwen3_5.py
-	$(PY) bench/bench_hybrids.py
+	$(PY) bench/harness.py --models mamba2,mamba,qwen3_5,falcon_h1,nemotron_h,bamba --routes recurrent,chunked \
+	  --no-llama --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/families.md
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.

@@ -4,6 +4,7 @@ own and at most one large model is in memory): loads one model with one system, 
 and the decode once each after a warm-up, and prints one JSON line.
 
     python bench/_workers.py mixlens      --model DIR --threads 2 --prompts 128,1024 --decode 32 [--dtype float32]
+                                          [--route default|chunked|recurrent]
     python bench/_workers.py transformers --model DIR --threads 2 --prompts 128,1024 --decode 32 [--dtype float32]
 
 Prompts are token ids drawn with a fixed seed from the first 5,000 ids (every model's vocabulary
@@ -20,10 +21,13 @@ import sys
 import time
 
 
+VOCAB = 5000  # ids are drawn below this (and below the model's vocabulary: tiny test fixtures)
+
+
 def prompt_ids(n: int, seed: int = 0) -> list[int]:
     import numpy as np
 
-    return np.random.default_rng(seed + n).integers(3, 5000, size=n).tolist()
+    return np.random.default_rng(seed + n).integers(3, VOCAB, size=n).tolist()
 
 
 def run_mixlens(a) -> dict:
@@ -37,7 +41,11 @@ def run_mixlens(a) -> dict:
         m = mixlens.StandardizedTransformer(a.model, **kwargs)
     except TypeError as e:
         return {"error": f"mixlens has no dtype load option in this build ({e})"}
-    out = {"load_s": time.perf_counter() - t0}
+    # A forced kernel route (the recurrent or chunked scan on every call) for the model's family.
+    mixlens.route_kernels(m.info["family"], a.route)
+    global VOCAB
+    VOCAB = min(VOCAB, m.info["vocab_size"])
+    out = {"load_s": time.perf_counter() - t0, "route": mixlens.kernel_route(m.info["family"])}
     for n in a.prompts:
         ids = prompt_ids(n)
         m.run([ids], logits="last")  # warm-up: pages, pools, arena
@@ -112,6 +120,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="128,1024")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--route", default="default", choices=["default", "chunked", "recurrent"])
     a = ap.parse_args()
     a.prompts = [int(x) for x in a.prompts.split(",") if x]
     try:

@@ -28,6 +28,11 @@ each, at --tokens tokens, batch 1, it times:
     freed. Memory: the Qwen3.5-0.8B run at 1,024 tokens peaked at 5.4 GB resident (1.7 GB of float32
     weights, a 1 GB `states` stack, the [1,1024,248320] logits of 1 GB and their Python copy); use
     --tokens 512 where 4 GiB is the limit.
+Logits: by default (--logits last) every mixlens variant runs with `logits="last"` (the LM head on
+the last position only: the per-token states are what is measured, and nobody reads 1,024 rows of
+logits here) and the transformers loop calls the backbone without its LM head, so neither side pays
+for logits nobody reads. --logits all makes every mixlens variant build logits at every position
+and the transformers loop run the whole CausalLM (its LM head on each token), the earlier setting.
 Targets (issue 7): states of all layers <= 3x plain; one layer's states, set_state_after and
 state_after <= 1.3x plain; mixlens' all-layer states >= 20x faster than the transformers token loop.
 
@@ -74,6 +79,9 @@ def parse_args(argv=None):
                     help="run the transformers loop over the first N tokens only and scale its time to --tokens "
                          "(its cost per token is flat for Mamba; Qwen3.5's attention layers make later tokens "
                          "dearer, so the scaled time is a lower bound). Default: all --tokens")
+    ap.add_argument("--logits", choices=("last", "all"), default="last",
+                    help="mixlens' logits option for every variant, and whether the transformers loop runs its LM "
+                         "head (all) or the backbone alone (last). Default last: neither side builds unread logits")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers token loop (it takes minutes)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "state_after.md"),
                     help="markdown results file (default bench/results/state_after.md)")
@@ -121,9 +129,10 @@ def interleaved(fns: dict, repeats: int) -> dict:
     return out
 
 
-def hf_token_loop(family: str, path: Path, ids: list, threads: int) -> float:
+def hf_token_loop(family: str, path: Path, ids: list, threads: int, lm_head: bool) -> float:
     """transformers, one token per call over its cache, every layer's recurrent state read (and reduced
-    to its norm) after each token. (wall, CPU) seconds for the whole prompt."""
+    to its norm) after each token; with lm_head=False the backbone alone (no logits). (wall, CPU)
+    seconds for the whole prompt."""
     import torch
     import transformers
     from transformers import DynamicCache
@@ -135,12 +144,14 @@ def hf_token_loop(family: str, path: Path, ids: list, threads: int) -> float:
         cls = transformers.Mamba2ForCausalLM if family == "mamba2" else transformers.MambaForCausalLM
         model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
     x = torch.tensor([ids])
+    # The backbone (model.model / model.backbone) is the CausalLM without its LM head.
+    net = model if lm_head else model.get_decoder()
 
     def feed(cache, t):
         if family == "qwen3_5":
-            model(input_ids=x[:, t:t + 1], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[t]]))
+            net(input_ids=x[:, t:t + 1], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[t]]))
         else:
-            model(input_ids=x[:, t:t + 1], cache_params=cache, use_cache=True)
+            net(input_ids=x[:, t:t + 1], cache_params=cache, use_cache=True)
 
     with torch.no_grad():  # warm-up: the first calls pay one-time costs
         warm = DynamicCache(config=model.config.get_text_config())
@@ -181,9 +192,11 @@ def bench(family: str, args) -> list[dict]:
     mid = rec[len(rec) // 2]
     state_t = f"layers.{mid}.linear_attn.state@t{T // 2}"
 
+    lg = args.logits
+
     def read_states(layers):
         def fn():
-            with ml.trace([ids]):
+            with ml.trace([ids], logits=lg):
                 for i in layers:
                     s = ml.layers[i].linear_attn.states  # consumed and dropped: never two stacks held
                     float(s.norm()) if hasattr(s, "norm") else float(np.linalg.norm(s))
@@ -191,11 +204,11 @@ def bench(family: str, args) -> list[dict]:
         return fn
 
     fns = {
-        "plain": lambda: ml.run([ids]),
+        "plain": lambda: ml.run([ids], logits=lg),
         "states, all layers": read_states(rec),
         "states, one layer": read_states([mid]),
-        "set_state_after": lambda: ml.run([ids], edits={state_t: lambda v: v * 0.5}),
-        "state_after": lambda: ml.run([ids], saves=[state_t]),
+        "set_state_after": lambda: ml.run([ids], edits={state_t: lambda v: v * 0.5}, logits=lg),
+        "state_after": lambda: ml.run([ids], saves=[state_t], logits=lg),
     }
     times = interleaved(fns, args.repeats)
     rows = [dict(family=family, what=k, times=v) for k, v in times.items()]
@@ -210,9 +223,10 @@ def bench(family: str, args) -> list[dict]:
         n = args.hf_tokens
         hf = []
         for _ in range(args.hf_repeats):
-            wall, cpu = hf_token_loop(family, path, ids[:n], args.threads)
+            wall, cpu = hf_token_loop(family, path, ids[:n], args.threads, lm_head=args.logits == "all")
             hf.append((wall * T / n, cpu * T / n))
-        what = "transformers token loop (every layer's state after every token)"
+        what = "transformers token loop (every layer's state after every token" + (
+            ", no LM head)" if args.logits == "last" else ", LM head on every token)")
         if n < T:
             what += f", timed over {n} tokens and scaled to {T}"
         r = dict(family=family, what=what, times=hf)
@@ -272,7 +286,9 @@ def main(argv=None) -> int:
     lines = [
         "# Per-token states: cost against a plain forward and against transformers' token loop",
         "",
-        f"{args.tokens} tokens, batch 1, {args.threads} threads, random-weight published layouts (float32); "
+        f"{args.tokens} tokens, batch 1, {args.threads} threads, random-weight published layouts (float32), "
+        f"logits={args.logits!r} for every mixlens variant (transformers loop "
+        + ("without its LM head" if args.logits == "last" else "with its LM head on every token") + "); "
         f"{args.repeats} interleaved rounds after a warm-up (transformers: {args.hf_repeats} run(s)). "
         f"Load average {load[0]:.2f} at start, {end_load:.2f} at the end, {os.cpu_count()} cores"
         + (": a BUSY machine (other work running), so the seconds are inflated and the ratios only "
@@ -281,7 +297,8 @@ def main(argv=None) -> int:
         "`states, all layers` reads each recurrent layer's `states` in a `with` block, reduces it to its "
         "norm and deletes it before the next layer (never two stacks held). Command: "
         f"`.venv/bin/python bench/bench_state_after.py --tokens {args.tokens} --repeats {args.repeats}"
-        f" --hf-repeats {args.hf_repeats} --hf-tokens {args.hf_tokens}{' --no-hf' if args.no_hf else ''}"
+        f" --hf-repeats {args.hf_repeats} --hf-tokens {args.hf_tokens} --logits {args.logits}"
+        f"{' --no-hf' if args.no_hf else ''}"
         f" --families {args.families}`.",
         "",
         "Wall = elapsed seconds; CPU = this process's CPU seconds (all threads). On a busy machine the wall "

@@ -2,10 +2,16 @@
 """mixlens against llama.cpp and transformers, interleaved in one run (`make bench`; issue 9 item 6).
 
     .venv/bin/python bench/harness.py [--quick] [--threads 2] [--repeats R] [--models mamba2,mamba,qwen3_5]
+                                      [--routes recurrent,chunked] [--no-llama] [--no-long] [--out FILE]
 
 What runs
 - Checkpoints: the random-weight stand-ins at the published layouts (scripts/make_published_layout.py:
-  mamba2-130m, mamba-130m, Qwen3.5-0.8B), built once and cached under build/.
+  mamba2-130m, mamba-130m, Qwen3.5-0.8B), built once and cached under build/; --models may add the
+  Mamba-2 hybrids (scripts/make_published_hybrids.py: falcon_h1 = Falcon-H1-0.5B, nemotron_h =
+  Nemotron-H-8B's layer shapes in 8 blocks, bamba = Bamba-9B's in 2 layers).
+- --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
+  `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
+  `make bench-families` runs the six families with both routes against transformers (no llama.cpp).
 - llama.cpp: scripts/build_llama_cpp.sh builds its CPU backend from a pinned release (the
   llama-cpp-python 0.3.36 sdist, llama.cpp@0c1e57098) into a cache dir outside the tree; the GGUFs
   come from that release's own convert_hf_to_gguf.py (with its gguf-py) at F32 and BF16, cached
@@ -47,6 +53,9 @@ LLAMA_COMMIT = "0c1e57098"
 CACHE = Path(os.environ.get("LLAMA_CPP_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                             / "mixlens" / f"llama.cpp-{LLAMA_COMMIT}"))
 GGUF_DIR = CACHE / "gguf"
+HYBRID_LAYOUTS = {"falcon_h1": "falcon_h1_0_5b", "nemotron_h": "nemotron_h_8b_8blocks", "bamba": "bamba_9b_2layers"}
+MODELS = ("mamba2", "mamba", "qwen3_5", *HYBRID_LAYOUTS)
+ROUTES = ("chunked", "recurrent")
 
 
 def log(msg: str) -> None:
@@ -96,8 +105,12 @@ def checkpoints(names: list[str]) -> dict[str, Path]:
             out[n] = mpl.cached_mamba1_130m(REPO / "build" / "published")
         elif n == "qwen3_5":
             out[n] = mpl.cached_qwen3_5_0_8b(REPO / "build" / "published")
+        elif n in HYBRID_LAYOUTS:
+            import make_published_hybrids
+
+            out[n] = make_published_hybrids.cached(HYBRID_LAYOUTS[n])
         else:
-            raise SystemExit(f"unknown model {n} (mamba2, mamba, qwen3_5)")
+            raise SystemExit(f"unknown model {n} ({', '.join(MODELS)})")
     return out
 
 
@@ -195,11 +208,14 @@ def llama_bench(bench: Path, gguf: Path, threads: int, prompts: list[int], decod
 
 # ---- mixlens / transformers ------------------------------------------------------------------
 
-def worker(system: str, ckpt: Path, threads: int, prompts: list[int], decode: int, dtype: str) -> tuple[dict, int]:
+def worker(system: str, ckpt: Path, threads: int, prompts: list[int], decode: int, dtype: str,
+           route: str = "default") -> tuple[dict, int]:
     env = dict(os.environ, MIXLENS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads))
     cmd = [PY, str(REPO / "bench" / "_workers.py"), system, "--model", str(ckpt), "--threads", str(threads),
            "--prompts", ",".join(map(str, prompts)), "--decode", str(decode), "--dtype", dtype]
+    if system == "mixlens":
+        cmd += ["--route", route]
     rc, out, err, rss = run_measured(cmd, env=env)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if rc != 0 or not lines:
@@ -291,12 +307,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--models", default="mamba2,mamba,qwen3_5")
+    ap.add_argument("--models", default="mamba2,mamba,qwen3_5", help=f"comma-separated, of {','.join(MODELS)}")
+    ap.add_argument("--routes", default="", help=f"extra mixlens f32 columns with a forced kernel route: {','.join(ROUTES)}")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out (no build, no GGUFs)")
     ap.add_argument("--no-long", action="store_true", help="skip the 32k mamba2 prompt")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "harness.md"))
     a = ap.parse_args(argv)
+    routes = [r for r in a.routes.split(",") if r]
+    if set(routes) - set(ROUTES) or set(a.models.split(",")) - set(MODELS) - {""}:
+        ap.error(f"--routes takes {','.join(ROUTES)}; --models takes {','.join(MODELS)}")
     repeats = a.repeats or (2 if a.quick else 5)
     decode = 16 if a.quick else 32
     prompts = [128, 1024]
@@ -321,6 +341,7 @@ def main(argv=None) -> int:
     systems = ["mixlens f32"]
     if mixlens_has_dtype():  # issue 9 item 1 (weights kept in bf16), where this build has it
         systems += ["mixlens bf16"]
+    systems += [f"mixlens f32 {r}" for r in routes]
     if bench:
         systems += ["llama.cpp F32", "llama.cpp BF16"]
     if not a.no_transformers:
@@ -334,8 +355,9 @@ def main(argv=None) -> int:
             for s in systems:
                 log(f"round {r + 1}/{repeats}: {n} / {s}")
                 if s.startswith("mixlens"):
+                    route = s.split()[2] if len(s.split()) > 2 else "default"
                     res, m = worker("mixlens", ckpts[n], a.threads, prompts, decode,
-                                    "bfloat16" if s.endswith("bf16") else "float32")
+                                    "bfloat16" if s.endswith("bf16") else "float32", route)
                 elif s.startswith("transformers"):
                     res, m = worker("transformers", ckpts[n], a.threads, prompts, decode, "float32")
                 else:

@@ -333,8 +333,9 @@ int run_extract(const Args& a, const std::string& model_path) {
     if (end) std::fputc('\n', stderr);
   };
   const auto sum = mixlens::extract(m, plan, a.out, run);
-  std::fprintf(stderr, "mixlens: %lld shards written, %lld already complete (resumed); index: %s/index.json\n",
-               static_cast<long long>(sum.shards_written), static_cast<long long>(sum.shards_skipped), a.out.c_str());
+  std::fprintf(stderr, "mixlens: %lld shards written, %lld already complete (resumed); index: %s\n",
+               static_cast<long long>(sum.shards_written), static_cast<long long>(sum.shards_skipped),
+               (std::filesystem::path(a.out) / "index.json").lexically_normal().c_str());
   return 0;
 }
 

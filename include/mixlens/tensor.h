@@ -82,6 +82,8 @@ class Tensor {
 
  private:
   [[noreturn]] void not_f32() const;
+  /// borrow / narrow: a read-only view of `data` kept alive by `owner`.
+  static Tensor read_only_view(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner);
   Shape shape_;
   int64_t numel_ = 0;
   std::shared_ptr<const void> storage_;

@@ -39,10 +39,12 @@ def _torch():
 
 def resolve_output(output: Optional[str]) -> str:
     """'torch' or 'numpy' for a model's ``output=`` argument (None: ``$MIXLENS_OUTPUT``, else 'auto')."""
+    where = "output"
     if output is None:
         output = os.environ.get("MIXLENS_OUTPUT", "auto") or "auto"
+        where = "$MIXLENS_OUTPUT"
     if output not in OUTPUTS:
-        raise InputError(f"output must be one of {', '.join(OUTPUTS)}, got {output!r}")
+        raise InputError(f"{where} must be one of {', '.join(OUTPUTS)}, got {output!r}")
     if output == "auto":
         return "torch" if torch_available() else "numpy"
     if output == "torch" and not torch_available():

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core
+from ._convert import resolve_output
 from .errors import InputError
 
 __all__ = ["extract", "extract_ray", "open_extraction", "Extraction"]
@@ -270,9 +271,15 @@ def _read_safetensors(path: str) -> dict:
 class Extraction:
     """An extraction folder read back: ``index`` (index.json as a dict), ``prompt(i)`` (the values of
     prompt i: {name: [rows, ...] or [...]}, plus "positions" and "token_ids"), ``value(name)`` (every
-    shard's rows concatenated, prompt order), ``shard(k)`` (one shard's tensors)."""
+    shard's rows concatenated, prompt order), ``shard(k)`` (one shard's tensors, memory-mapped
+    read-only numpy arrays).
 
-    def __init__(self, out: Union[str, "os.PathLike[str]"]):
+    ``output``: the type ``prompt`` and ``value`` return, as for a model (``"torch"``, ``"numpy"``,
+    ``"auto"`` = torch when installed; None: ``$MIXLENS_OUTPUT``, else auto). Both are owned, writable
+    copies (float32 values, int64 positions / token ids); ``shard`` stays a zero-copy view."""
+
+    def __init__(self, out: Union[str, "os.PathLike[str]"], output: Optional[str] = None):
+        self.output = resolve_output(output)
         self.out = os.fspath(out)
         path = os.path.join(self.out, "index.json")
         if not os.path.isfile(path):
@@ -304,18 +311,27 @@ class Extraction:
         a, b = int(s["offsets"][j]), int(s["offsets"][j + 1])
         out = {}
         for v in self.index["values"]:
-            out[v["name"]] = np.asarray(s[v["name"]][a:b] if v["per_token"] else s[v["name"]][j])
-        out["positions"] = np.asarray(s["positions"][a:b])
-        out["token_ids"] = np.asarray(s["token_ids"][a:b])
+            out[v["name"]] = self._convert(s[v["name"]][a:b] if v["per_token"] else s[v["name"]][j])
+        out["positions"] = self._convert(s["positions"][a:b])
+        out["token_ids"] = self._convert(s["token_ids"][a:b])
         return out
+
+    def _convert(self, view):
+        arr = np.array(view)  # a copy: the memory map stays read-only and the shard file may be rewritten
+        if self.output == "torch":
+            import torch
+
+            return torch.from_numpy(arr)
+        return arr
 
     def value(self, name: str) -> np.ndarray:
         names = [v["name"] for v in self.index["values"]]
         if name not in names:
             raise InputError(f"{name!r} was not extracted (values: {names})")
-        return np.concatenate([self.shard(k)[name] for k in range(len(self.index["shards"]))])
+        return self._convert(np.concatenate([self.shard(k)[name] for k in range(len(self.index["shards"]))]))
 
 
-def open_extraction(out: Union[str, "os.PathLike[str]"]) -> Extraction:
-    """Reads an extraction folder (``mixlens extract`` / ``model.extract``) back: see :class:`Extraction`."""
-    return Extraction(out)
+def open_extraction(out: Union[str, "os.PathLike[str]"], output: Optional[str] = None) -> Extraction:
+    """Reads an extraction folder (``mixlens extract`` / ``model.extract``) back: see :class:`Extraction`
+    (``output``: torch / numpy / auto, as for a model)."""
+    return Extraction(out, output)

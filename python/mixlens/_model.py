@@ -17,7 +17,7 @@ from . import _core, hub
 from ._convert import ValueArray, as_float32, is_torch, resolve_output, to_output, to_plain
 from ._inplace import LiveValues, _Live
 from . import _invoke, _nnterp
-from .errors import InputError, UnknownAttributeError, UnknownValueError, WriteError
+from .errors import InputError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
 
@@ -259,6 +259,9 @@ class Cache:
 # ---- envoys: attribute access that reads / writes through the active tracer -------------------
 
 
+_STATE_METHODS = ("state", "state_after", "set_state_after")
+
+
 class _Envoy:
     """Reads and writes ``<prefix><name>`` through the model's open tracer."""
 
@@ -278,6 +281,8 @@ class _Envoy:
                 return self._set_state_after
             if name == "state":
                 return self._model._read(self._state_path(self._current_token("read")))
+        elif name in _STATE_METHODS and self._prefix.endswith("linear_attn."):
+            self._no_state(name)
         path = self._prefix + name
         if self._model._open_tracer() is None and not self._model._known(path):
             names = ", ".join(self._names()) or "none"
@@ -293,11 +298,22 @@ class _Envoy:
         if name.startswith("_"):
             raise AttributeError(f"cannot set {name!r} on {self._prefix.rstrip('.')}")
         if name == "state" and self._prefix.endswith("linear_attn."):
+            if not self._model._known(self._prefix + "states"):
+                self._no_state(name)
             self._model._write(self._state_path(self._current_token("write")), value)
             return
         self._model._write(self._prefix + name, value)
 
     # -- per-token state (docs/values.md "Per-token state") ------------------------------------
+    def _no_state(self, name: str) -> None:
+        """Raises for a per-token state name on a block without a recurrent state (a hybrid's attention or
+        MLP block), with support()'s reason for that block rather than an unknown-name guess."""
+        layer = self._prefix.split(".")[1]
+        reason = None
+        if layer.isdigit() and int(layer) < self._model.num_layers:
+            reason = self._model.support(layer=int(layer)).get("linear_attn." + name)
+        raise UnknownAttributeError(f"'{self._prefix}{name}': " + (reason or "this model has no per-token state here"))
+
     def _state_path(self, t: int) -> str:
         return f"{self._prefix}state@t{t}"
 
@@ -1214,14 +1230,19 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
     def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  eos_token_id: Optional[int] = None, forced_tokens=None, saves=None, edits=None,
-                 inputs_embeds=None, attention_mask=None) -> Tracer:
+                 inputs_embeds=None, attention_mask=None, grad: bool = False) -> Tracer:
         """Generation: step 0 runs the prompt, steps 1..max_new_tokens-1 one token each; greedy unless
         `do_sample` (temperature / top_k / top_p / seed as transformers). Stops a row at EOS
         (config.eos_token_id, or `eos_token_id`; -1 disables). `forced_tokens` (one row per prompt)
         teacher-forces the tokens fed after each step instead (``tracer.tokens`` then holds each step's
         greedy prediction and ``tracer.logits`` every step's logits). Use as ``with ... as tracer`` and
         ``tracer.iter``, or ``.run()``. ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace` feed step 0;
-        later steps feed the generated ids (as transformers: ``tracer.tokens`` holds only new tokens)."""
+        later steps feed the generated ids (as transformers: ``tracer.tokens`` holds only new tokens).
+        ``grad=True`` raises UnsupportedError: gradients are taken through one call (docs/gradients.md)."""
+        if grad:
+            raise UnsupportedError("generate(grad=True): gradients are taken through one forward call, not across "
+                                   "generation steps; use `with model.trace(prompt, grad=True)` (a continuation "
+                                   "`trace(ids, cache=cache, grad=True)` differentiates one decode step)")
         gen = dict(max_new_tokens=_check_int("max_new_tokens", max_new_tokens, 1, _INT32_MAX),
                    greedy=not do_sample, temperature=float(temperature),
                    top_k=_check_int("top_k", top_k, 0, _INT32_MAX), top_p=float(top_p),

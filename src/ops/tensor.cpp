@@ -66,17 +66,15 @@ Tensor Tensor::from(Shape shape, const std::vector<float>& values) {
 }
 
 Tensor Tensor::borrow(Shape shape, const float* data, std::shared_ptr<const void> owner) {
-  Tensor t;
-  t.shape_ = std::move(shape);
-  t.numel_ = shape_numel(t.shape_);
-  t.storage_ = std::move(owner);
-  t.data_ = const_cast<float*>(data);  // guarded by writable_ = false
-  t.writable_ = false;
-  return t;
+  return read_only_view(std::move(shape), ScalarType::float32, data, std::move(owner));
 }
 
 Tensor Tensor::narrow(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner) {
   if (dtype == ScalarType::float32) throw InputError("Tensor::narrow: dtype must be bfloat16 or float16");
+  return read_only_view(std::move(shape), dtype, data, std::move(owner));
+}
+
+Tensor Tensor::read_only_view(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner) {
   Tensor t;
   t.shape_ = std::move(shape);
   t.numel_ = shape_numel(t.shape_);

@@ -123,6 +123,30 @@ def test_dir_and_repr_follow_each_layer_of_a_hybrid(hybrid):
             assert getattr(hybrid.layers[attn].self_attn, name) is not None
 
 
+def test_per_token_state_on_an_attention_block_names_the_block_kind(hybrid):
+    attn = hybrid.info["layer_kinds"].index("attention")
+    lin = hybrid.layers[attn].linear_attn
+    want = rf"'layers\.{attn}\.linear_attn\.%s': block {attn} is an attention block .*no recurrent state"
+    with pytest.raises(mixlens.UnknownAttributeError, match=want % "state_after"):
+        lin.state_after(1)  # outside a trace too
+    with hybrid.trace("Once upon a time") as tr:
+        with pytest.raises(mixlens.UnknownAttributeError, match=want % "state_after"):
+            lin.state_after(1)
+        with pytest.raises(mixlens.UnknownAttributeError, match=want % "set_state_after"):
+            lin.set_state_after(1, np.zeros(1, np.float32))
+        for _ in tr.iter[:1]:
+            with pytest.raises(mixlens.UnknownAttributeError, match=want % "state"):
+                lin.state
+            with pytest.raises(mixlens.UnknownAttributeError, match=want % "state"):
+                lin.state = np.zeros(1, np.float32)
+    assert not hasattr(lin, "state_after") and hasattr(hybrid.layers[attn - 1].linear_attn, "state_after")
+
+
+def test_generate_with_grad_says_gradients_are_per_call(model):
+    with pytest.raises(mixlens.UnsupportedError, match=r"generate\(grad=True\).*model\.trace\(prompt, grad=True\)"):
+        model.generate(PROMPT, max_new_tokens=2, grad=True)
+
+
 def test_hasattr_is_false_for_unknown_names(model, hybrid):
     attn = hybrid.info["layer_kinds"].index("attention")
     assert not hasattr(model.layers[0].linear_attn, "nonexistent")

@@ -5,6 +5,7 @@ ratios compare equal weight dtypes."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 
@@ -46,3 +47,27 @@ def test_ratios_compare_equal_dtypes_and_the_table_formats():
     assert med == 11.0 and abs(spread - 2 / 11) < 1e-12
     assert h.fmt(float("nan")) == "-"
     assert h.fmt(1234.5, 0.1) == "1,234 ±5%"
+
+
+def test_unknown_models_and_routes_are_refused_before_any_work(capsys):
+    h = _harness()
+    for argv in (["--models", "mamba3"], ["--routes", "fast"]):
+        try:
+            h.main(argv + ["--no-llama"])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert "--models takes" in capsys.readouterr().err
+
+
+def test_a_forced_route_reaches_the_mixlens_worker():
+    # The worker of a route column forces that kernel route for the model's family (route_kernels).
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "bench" / "_workers.py"), "mixlens",
+                        "--model", str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"), "--prompts", "8",
+                        "--decode", "2", "--route", "recurrent"], capture_output=True, text=True, timeout=300)
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 0 and out["route"] == "recurrent" and out["prompt8"] > 0 and out["decode"] > 0, (r.stdout, r.stderr)
+    bad = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "bench" / "_workers.py"), "mixlens",
+                          "--model", "x", "--route", "fast"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'fast'" in bad.stderr

@@ -108,8 +108,9 @@ def test_cli_txt_jsonl_list_and_dataset_write_the_same_files(model, tmp_path):
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, "body": p}) + "\n" for i, p in enumerate(PROMPTS)))
     args = ["--values", ",".join(VALUES[:2]), "--batch-size", 3, "--shard-bytes", "100K"]
-    r = cli("extract", tmp_path / "p.txt", *args, "--out", tmp_path / "cli")
+    r = cli("extract", tmp_path / "p.txt", *args, "--out", f"{tmp_path / 'cli'}/")
     assert "about" in r.stderr and "prompts/s" in r.stderr and "ETA" in r.stderr  # estimate, progress line
+    assert f"index: {tmp_path / 'cli' / 'index.json'}\n" in r.stderr  # no doubled slash from "--out dir/"
     cli("extract", tmp_path / "p.jsonl", *args, "--text-field", "body", "--out", tmp_path / "cli_jsonl")
     kw = dict(values=VALUES[:2], batch_size=3, shard_bytes=100 << 10, progress=False)
     model.extract(PROMPTS, out=tmp_path / "py", **kw)
@@ -119,6 +120,28 @@ def test_cli_txt_jsonl_list_and_dataset_write_the_same_files(model, tmp_path):
     model.extract(ds, out=tmp_path / "py_ds", **kw)
     for other in ("cli_jsonl", "py", "py_jsonl", "py_ds"):
         assert_same_extraction(tmp_path / "cli", tmp_path / other)
+
+
+def test_read_back_as_torch_or_numpy_owned_copies(model, tmp_path, monkeypatch):
+    import torch
+
+    model.extract(PROMPTS[:2], values=VALUES[:2], out=tmp_path, progress=False)
+    monkeypatch.delenv("MIXLENS_OUTPUT", raising=False)
+    as_torch = mixlens.open_extraction(tmp_path)  # auto: torch is installed here
+    as_numpy = mixlens.open_extraction(tmp_path, output="numpy")
+    t, n = as_torch.prompt(1), as_numpy.prompt(1)
+    assert set(t) == set(n) and all(isinstance(v, torch.Tensor) for v in t.values())
+    assert all(isinstance(v, np.ndarray) and v.flags.writeable for v in n.values())
+    for k in n:
+        np.testing.assert_array_equal(t[k].numpy(), n[k])
+    assert t["token_ids"].dtype == torch.int64 and t[VALUES[1]].dtype == torch.float32
+    n[VALUES[1]][...] = 0  # an owned copy: the file and later reads are untouched
+    assert np.abs(as_numpy.prompt(1)[VALUES[1]]).sum() > 0
+    assert isinstance(as_torch.value(VALUES[1]), torch.Tensor)
+    monkeypatch.setenv("MIXLENS_OUTPUT", "numpy")
+    assert isinstance(mixlens.open_extraction(tmp_path).prompt(0)["positions"], np.ndarray)
+    with pytest.raises(mixlens.InputError, match="output must be one of"):
+        mixlens.open_extraction(tmp_path, output="jax")
 
 
 def test_mask_from_jsonl_and_dataset(model, tmp_path):

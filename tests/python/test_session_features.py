@@ -263,7 +263,7 @@ class _CtrlC:
 
     def _fire(self):
         if not self.done.wait(self.seconds):
-            self.sent = time.monotonic()
+            self.sent, self.sent_cpu = time.monotonic(), time.process_time()
             _thread.interrupt_main()
 
     def __enter__(self):
@@ -277,12 +277,17 @@ class _CtrlC:
     def latency(self) -> float:
         return time.monotonic() - self.sent
 
+    def prompt_enough(self) -> bool:
+        """Within a second of wall time, or, on a machine so loaded that a second of wall time buys this
+        process little CPU, within 0.75 CPU-seconds (all threads: well under the rest of the forward)."""
+        return self.latency() < 1.0 or time.process_time() - self.sent_cpu < 0.75
+
 
 def test_ctrl_c_interrupts_a_long_generation_within_a_second(model):
     with pytest.raises(KeyboardInterrupt):
         with _CtrlC(0.3) as c:
             model.generate(ids(4), max_new_tokens=10**9, eos_token_id=-1).run()
-    assert c.latency() < 1.0
+    assert c.prompt_enough(), f"interrupt took {c.latency():.2f} s"
     with model.trace(ids(4)):  # usable afterwards
         model.logits
 
@@ -297,7 +302,7 @@ def test_ctrl_c_interrupts_a_long_forward_within_a_second():
             with _CtrlC(0.15) as c:
                 run()
         except KeyboardInterrupt:
-            assert c.latency() < 1.0
+            assert c.prompt_enough(), f"interrupt took {c.latency():.2f} s"
         else:
             assert c.sent is None, "the interrupt arrived but the call did not raise"
             pytest.skip("the forward finished before the interrupt on this machine")

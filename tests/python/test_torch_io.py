@@ -35,6 +35,10 @@ def test_output_option(text_model_dir, monkeypatch):
     assert mixlens.StandardizedTransformer(str(text_model_dir)).output_format == "numpy"
     with pytest.raises(mixlens.InputError, match="output must be one of"):
         mixlens.StandardizedTransformer(str(text_model_dir), output="jax")
+    monkeypatch.setenv("MIXLENS_OUTPUT", "bogus")  # the error names the variable the bad value came from
+    with pytest.raises(mixlens.InputError, match=r"\$MIXLENS_OUTPUT must be one of .*'bogus'"):
+        mixlens.StandardizedTransformer(str(text_model_dir))
+    monkeypatch.setenv("MIXLENS_OUTPUT", "numpy")
     auto.output_format = "numpy"
     assert isinstance(auto.run(PROMPT)["logits"], np.ndarray)
     auto.output_format = "torch"
