@@ -31,6 +31,22 @@
 
 namespace mixlens::detail {
 
+namespace {
+
+// One finished fiber's stack kept per thread for the next fiber: a trace per prompt otherwise pays
+// an mmap, a munmap and a page fault per touched stack page every time. Not under ASan: a stack
+// left by a fiber keeps the poisoned redzones of the frames it abandoned.
+struct SpareStack {
+  void* p = nullptr;
+  size_t bytes = 0;
+  ~SpareStack() {
+    if (p != nullptr) munmap(p, bytes);
+  }
+};
+thread_local SpareStack tl_spare;
+
+}  // namespace
+
 struct Fiber::Ctx {
   ucontext_t self{}, caller{};
   // ASan: each side's fake stack and the stack it switches to (the caller's is learnt on arrival).
@@ -46,14 +62,19 @@ struct Fiber::Ctx {
 Fiber::Fiber(std::function<void()> body, size_t stack_bytes) : ctx_(new Ctx), body_(std::move(body)) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   stack_bytes_ = (stack_bytes + page - 1) / page * page + page;  // + a guard page below the stack
-  void* p = mmap(nullptr, stack_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK,
-                 -1, 0);
-  if (p == MAP_FAILED) {
-    delete ctx_;
-    throw std::bad_alloc();
+  if (tl_spare.p != nullptr && tl_spare.bytes == stack_bytes_) {
+    stack_ = tl_spare.p;
+    tl_spare.p = nullptr;
+  } else {
+    void* p = mmap(nullptr, stack_bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+    if (p == MAP_FAILED) {
+      delete ctx_;
+      throw std::bad_alloc();
+    }
+    stack_ = p;
+    mprotect(stack_, page, PROT_NONE);
   }
-  stack_ = p;
-  mprotect(stack_, page, PROT_NONE);
   if (getcontext(&ctx_->self) != 0) {
     munmap(stack_, stack_bytes_);
     delete ctx_;
@@ -74,7 +95,14 @@ Fiber::~Fiber() {
 #ifdef MIXLENS_FIBER_TSAN
   __tsan_destroy_fiber(ctx_->tsan_self);
 #endif
-  munmap(stack_, stack_bytes_);
+#ifndef MIXLENS_FIBER_ASAN
+  if (tl_spare.p == nullptr) {
+    tl_spare.p = stack_;
+    tl_spare.bytes = stack_bytes_;
+    stack_ = nullptr;
+  }
+#endif
+  if (stack_ != nullptr) munmap(stack_, stack_bytes_);
   delete ctx_;
 }
 
