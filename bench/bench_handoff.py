@@ -5,11 +5,11 @@
 
 For N in 0, 1, 10, 100 the block reads the first N small values of the model in forward order
 (layer_input, layer_output, betas, decays, ...: a few KiB each, so the copy is negligible and the
-time is the hand-off: Python attribute lookup, the binding, the worker pausing and resuming). The
-per-value cost is (t(N) - t(0)) / N with t the fastest of R alternating repeats (on a shared machine
-the minimum is the run least disturbed by other load); the forward itself is the same work in every
-block. A regression test was not added: on the loaded 2-core development machine the per-value
-time ranged from 26 to 290 us between runs, no bound would be both meaningful and reliable there. Default model: a tiny random 24-layer Mamba-2 (hidden 64, made once with
+time is the hand-off: Python attribute lookup, the binding, the forward pausing and resuming). The
+per-value cost is (t(N) - t(0)) / N, for wall time (fastest and median of R repeats, the counts
+interleaved block by block) and for process CPU time (least of the repeats; every thread counts: the
+block, the forward, the pool's threads). To compare two builds, run the script with each one's Python
+in turn and --label. Default model: a tiny random 24-layer Mamba-2 (hidden 64, made once with
 transformers under build/), whose 8-token forward takes well under a millisecond, so the forward's
 own jitter does not hide the hand-off; --model DIR measures another checkpoint.
 Not a test: numbers depend on the machine and its load (printed with the result).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,12 +65,13 @@ def envoy_reader(model, path: str):
     return lambda: model._read(path)
 
 
-def block_time(model, ids, readers) -> float:
-    t0 = time.perf_counter()
+def block_time(model, ids, readers) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one block; CPU time counts every thread (the forward's, a spinning wait)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     with model.trace([ids]):
         for r in readers:
             r()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv=None) -> int:
@@ -78,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--counts", default="0,1,10,100")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--label", default="mixlens", help="names this build in the table (to compare builds run in turn)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "handoff.md"))
     a = ap.parse_args(argv)
     os.environ.setdefault("MIXLENS_NUM_THREADS", str(a.threads))
@@ -89,28 +92,44 @@ def main(argv=None) -> int:
     model = mixlens.StandardizedTransformer(path)
     ids = [(i * 37 + 5) % 256 for i in range(8)]
     counts = [int(c) for c in a.counts.split(",")]
+    modes = [a.label]
     paths = small_paths(model, max(counts))
     if len(paths) < max(counts):
         raise SystemExit(f"the model has only {len(paths)} small values; need {max(counts)}")
     readers = {n: [envoy_reader(model, p) for p in paths[:n]] for n in counts}
-    for n in counts:  # warm-up
-        block_time(model, ids, readers[n])
-    times = {n: [] for n in counts}
-    for _ in range(a.repeats):
+    for mode in modes:  # warm-up
         for n in counts:
-            times[n].append(block_time(model, ids, readers[n]))
-    med = {n: min(times[n]) for n in counts}
+            block_time(model, ids, readers[n])
+    wall = {(m, n): [] for m in modes for n in counts}
+    cpu = {(m, n): [] for m in modes for n in counts}
+    for _ in range(a.repeats):
+        for mode in modes:
+            for n in counts:
+                w, c = block_time(model, ids, readers[n])
+                wall[(mode, n)].append(w)
+                cpu[(mode, n)].append(c)
     load_after = os.getloadavg()
-    rows = ["| values read | block time (ms, fastest) | per value (us) |", "|---|---|---|"]
-    for n in counts:
-        per = (med[n] - med[0]) / n * 1e6 if n else float("nan")
-        rows.append(f"| {n} | {med[n] * 1e3:.3f} | {'-' if n == 0 else f'{per:.1f}'} |")
+    rows = ["| hand-off | values read | block wall (ms, fastest) | per value wall (us) | per value wall, median (us) "
+            "| block CPU (ms, least) | per value CPU (us) |", "|---|---|---|---|---|---|---|"]
+    for mode in modes:
+        fast = {n: min(wall[(mode, n)]) for n in counts}
+        med = {n: statistics.median(wall[(mode, n)]) for n in counts}
+        least = {n: min(cpu[(mode, n)]) for n in counts}
+
+        def per(d, n):
+            return "-" if n == 0 else f"{(d[n] - d[0]) / n * 1e6:.1f}"
+
+        for n in counts:
+            rows.append(f"| {mode} | {n} | {fast[n] * 1e3:.3f} | {per(fast, n)} | {per(med, n)} | {least[n] * 1e3:.3f} "
+                        f"| {per(least, n)} |")
     text = "\n".join([
         "# Python hand-off: values read in one `with model.trace(...)` block",
         "",
-        f"Model: {Path(path).name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (fastest). "
-        f"Load average {load[0]:.2f} before, {load_after[0]:.2f} after, {os.cpu_count()} cores"
+        f"Model: {Path(path).name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (counts interleaved "
+        f"block by block), mixlens {mixlens.__file__}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, {os.cpu_count()} cores"
         + (" (busy machine: other work was running)" if load[0] > 1.0 else "") + ".",
+        "Per value = (t(N) - t(0)) / N. Wall: fastest and median of the repeats; CPU: process CPU time (every "
+        "thread: the Python block, the forward, any spinning wait), least of the repeats.",
         "",
         *rows,
         "",

@@ -1,5 +1,7 @@
-// Session: the interleaver. A forward (one call, a generation, or teacher-forced steps) runs on a
-// worker thread and pauses only where the caller asks, so the caller's code reads real values,
+// Session: the interleaver. A forward (one call, a generation, or teacher-forced steps) runs as a
+// fiber (its own stack) on the caller's thread, only while the caller is inside read / write /
+// reach_step / finish, and pauses only where the caller asks (a hand-off is a stack switch, not a
+// thread wake-up: issue 9 item 5), so the caller's code reads real values,
 // computes, and writes them back before the forward consumes them (DESIGN.md "Sites and
 // listeners"). It is what the Python `with model.trace(...)` block runs on; C++ can use it too.
 //
@@ -23,12 +25,12 @@
 // pre-registered edit and every write of this session.
 //
 // Threads. read / write / reach_step / finish belong to the thread that created the session
-// (another thread gets InputError, never this session's values); the worker runs only while the
-// caller is blocked in them, so no Python code (GIL) runs in C++ on the worker unless an edit
-// registered on the Trace calls it. Calling them from inside the forward (an edit function) would
+// (another thread gets InputError, never this session's values); the forward runs only inside
+// them, on that thread, so no Python code (GIL) runs in the forward unless an edit registered on
+// the Trace calls it. Calling them from inside the forward (an edit function) would
 // wait on itself: InputError. abort(), calls() and where() may be called from any thread. The Model, the Trace and, for
-// Session::forward, the Cache must outlive the session. Destroying a session mid-run aborts the
-// worker at its next value or call boundary (an aborted continuation leaves its Cache unspecified).
+// Session::forward, the Cache must outlive the session. Destroying a session mid-run unwinds the
+// paused forward (an aborted continuation leaves its Cache unspecified).
 #pragma once
 #include <climits>
 #include <cstdint>
@@ -75,7 +77,7 @@ class Session {
   static Session forward(const Model& model, Batch batch, Cache& cache, Trace* trace = nullptr,
                          bool all_logits = true);
 
-  /// Aborts a run in progress and joins the worker.
+  /// Aborts a run in progress (the paused forward unwinds).
   ~Session();
   Session(Session&&) noexcept;
   Session& operator=(Session&&) noexcept;
@@ -95,14 +97,15 @@ class Session {
   bool reach_step(int step);
   /// Runs to completion and returns the result; rethrows the forward's error if it failed.
   SessionResult finish();
-  /// Stops the worker at its next value, layer or call boundary (idempotent; the destructor calls
-  /// it). Any thread may call it. Later read / write / reach_step / finish raise InputError.
+  /// Stops the forward: a paused one unwinds now, a running one (on its owner's thread) at its next
+  /// value, layer or call boundary, after which this returns (idempotent; the destructor calls it).
+  /// Any thread may call it. Later read / write / reach_step / finish raise InputError.
   void abort();
-  /// `check` runs on the caller thread about every 50 ms while it blocks in read / write /
-  /// reach_step / finish. An exception it throws aborts the run (the forward stops at its next
-  /// layer) and propagates to the caller: the Python binding checks for signals (Ctrl-C) here.
+  /// `check` runs about every 50 ms while the forward runs (between its layers, on the caller's
+  /// thread, inside read / write / reach_step / finish). An exception it throws ends the run and
+  /// propagates to the caller: the Python binding checks for signals (Ctrl-C) here.
   void set_interrupt_check(std::function<void()> check);
-  /// True on the worker thread of this session (inside the forward, e.g. in a Trace edit function).
+  /// True inside this session's forward (e.g. in a Trace edit function).
   bool in_forward() const;
 
   int first_step() const;

@@ -493,7 +493,7 @@ class _StopTrace(Exception):
 class Tracer:
     """The object of ``with model.trace(...) as tracer`` / ``with model.generate(...) as tracer``.
 
-    Inside the block, ``model.<...>`` reads block until the forward (running on a C++ worker thread)
+    Inside the block, ``model.<...>`` reads run the forward (C++, on this thread)
     reaches the value, and assignments replace it before it is consumed. Reads and writes go in
     forward order (``model.values()``); going back raises :class:`mixlens.OutOfOrderError`.
 
@@ -616,7 +616,10 @@ class Tracer:
 
     def _opened_here(self) -> bool:
         """True in the thread / asyncio context that entered this tracer."""
-        return any(r() is self for r in _OPENED.get())
+        for r in _OPENED.get():  # a loop, not any(generator): this runs for every value read
+            if r() is self:
+                return True
+        return False
 
     def _release_model(self) -> None:
         """Forget this tracer as the model's open one and let another trace start (idempotent)."""
@@ -696,7 +699,7 @@ class Tracer:
             self._session = None
             self._live.close(check=False)
             try:
-                sess.close()  # aborts the worker when leaving early (an exception, KeyboardInterrupt, stop())
+                sess.close()  # aborts the forward when leaving early (an exception, KeyboardInterrupt, stop())
             finally:
                 self._release_model()
         return stopped
@@ -737,7 +740,13 @@ class Tracer:
         inv = _invoke.current()
         if inv is not None and inv.tracer is self:
             return inv.read(path)
-        sess = self._require_session()
+        return self._read_here(path)
+
+    def _read_here(self, path: str):
+        """_read on the thread that opened the trace (not an invoke body): the per-value hot path."""
+        sess = self._session
+        if sess is None:
+            self._require_session()
         self._live.settle()  # the block moves on: apply in-place edits of the previous value first
         value = to_output(sess.read(self._step, path), self._fmt)
         if self._grad and value is not None and "@t" not in path:
@@ -1171,7 +1180,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         inv = _invoke.current()
         if inv is not None:  # an invoke body's thread: its trace was opened by the caller's thread
             return inv.tracer._read(path)
-        return self._tracer_for(path)._read(path)
+        return self._tracer_for(path)._read_here(path)
 
     def _write(self, path: str, value) -> None:
         inv = _invoke.current()

@@ -1,5 +1,5 @@
-// Session: the interleaver behind `with model.trace(...)`. Every blocking call releases the GIL;
-// the worker thread takes it only to run a pre-registered Python edit.
+// Session: the interleaver behind `with model.trace(...)`. Every call that runs the forward releases
+// the GIL; the forward (a fiber on this thread) takes it only to run a pre-registered Python edit.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -18,7 +18,7 @@ namespace {
 using Rows = std::vector<std::vector<int32_t>>;
 
 // Owns the pre-registered trace and the session; the session is declared after the trace so it
-// is destroyed (its worker joined) first.
+// is destroyed (its paused forward unwound) first.
 struct PySession {
   std::unique_ptr<Trace> trace = std::make_unique<Trace>();
   std::optional<Session> session;
@@ -74,7 +74,7 @@ nb::list calls_list(const std::vector<CallRecord>& calls) {
 
 void init_session(nb::module_& m) {
   nb::class_<PySession>(m, "Session",
-                        "A forward running on a worker thread, paused where read()/write() ask (mixlens/session.h).")
+                        "A forward run as a fiber on the caller's thread, paused where read()/write() ask (mixlens/session.h).")
       .def("read",
            [](PySession& p, int step, const std::string& path) {
              Tensor t;
@@ -109,7 +109,7 @@ void init_session(nb::module_& m) {
            })
       .def("close", &PySession::close, "Abort the run if it is still going (idempotent).")
       .def_prop_ro("in_forward", [](PySession& p) { return p.session && p.session->in_forward(); },
-                   "True on this session's worker thread (inside the forward: a pre-registered edit function).")
+                   "True inside this session's forward (a pre-registered edit function).")
       .def_prop_ro("first_step", [](PySession& p) { return p.s().first_step(); })
       .def_prop_ro("last_step", [](PySession& p) { return p.s().last_step(); })
       .def_prop_ro("calls", [](PySession& p) { return calls_list(p.s().calls()); })

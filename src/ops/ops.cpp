@@ -184,6 +184,11 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
   int size() const { return n_; }
+  // Workers stop spinning once the job they finished is the last one before this call.
+  void park() {
+    if (workers_.empty()) return;
+    park_gen_.store(generation_.load(std::memory_order_acquire), std::memory_order_release);
+  }
 
   void run(int64_t n, const std::function<void(int64_t)>& f) {
     if (n_ <= 1 || n <= 1 || busy_.exchange(true)) {
@@ -234,7 +239,9 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       uint64_t g = generation_.load(std::memory_order_acquire);
-      for (int i = 0; i < kSpin && g == seen && !stop_.load(std::memory_order_relaxed); ++i) {
+      for (int i = 0; i < kSpin && g == seen && !stop_.load(std::memory_order_relaxed) &&
+                      park_gen_.load(std::memory_order_acquire) != seen;
+           ++i) {
         cpu_relax();
         g = generation_.load(std::memory_order_acquire);
       }
@@ -265,6 +272,7 @@ class Pool {
   std::atomic<int> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<uint64_t> generation_{0};
+  std::atomic<uint64_t> park_gen_{~uint64_t{0}};  // park(): the generation after which to sleep at once
   std::atomic<bool> stop_{false};
   std::atomic<bool> busy_{false};
   std::exception_ptr error_;
@@ -294,5 +302,6 @@ Pool& pool() {
 
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f) { pool().run(n, f); }
 int num_threads() { return pool().size(); }
+void park_threads() { pool().park(); }
 
 }  // namespace mixlens::ops

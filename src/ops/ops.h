@@ -54,6 +54,10 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n);
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f);
 /// Number of threads parallel_for uses (MIXLENS_NUM_THREADS, default hardware concurrency).
 int num_threads();
+/// The caller is about to stop using the pool for a while (a Session pausing for Python code): its
+/// idle threads go to sleep now instead of spinning for the next op, which would burn CPU time
+/// while the block runs (issue 9 item 5). The next parallel_for wakes them.
+void park_threads();
 
 }  // namespace mixlens::ops
 

@@ -13,6 +13,12 @@
 
 namespace mixlens::detail {
 
+/// Set (on its thread) by a Session whose forward runs on the caller's thread as a fiber: called
+/// by check_cancel, so a signal (Ctrl-C) is noticed between layers while nobody else waits.
+/// It may throw (the run stops with that error); it limits its own rate.
+inline thread_local void (*tl_poll)(void*) = nullptr;
+inline thread_local void* tl_poll_arg = nullptr;
+
 /// Facts about the forward call in progress.
 struct CallCtx {
   int step = 0;
@@ -24,6 +30,7 @@ struct CallCtx {
   const std::atomic<bool>* cancel = nullptr;
   /// Called by the forwards between layers: InterruptedError once `cancel` is set.
   void check_cancel() const {
+    if (tl_poll != nullptr) tl_poll(tl_poll_arg);
     if (cancel && cancel->load(std::memory_order_relaxed))
       throw InterruptedError("the run was interrupted (cancelled at step " + std::to_string(step) + ")");
   }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <exception>
 #include <functional>
 #include <map>
@@ -15,7 +14,9 @@
 #include <unordered_map>
 
 #include "mixlens/errors.h"
+#include "ops/ops.h"
 #include "models/family.h"
+#include "runtime/fiber.h"
 #include "runtime/listener.h"
 #include "runtime/model_access.h"
 #include "runtime/trace_listener.h"
@@ -24,10 +25,10 @@ namespace mixlens {
 
 namespace {
 
-// Thrown on the worker to unwind a forward the caller abandoned; never leaves the worker.
+// Thrown in the forward to unwind a run the caller abandoned; never leaves the fiber.
 struct Aborted {};
 
-// The session whose worker this thread is (null on other threads): a read from inside the forward
+// The session whose forward this thread is running (null otherwise): a read from inside the forward
 // (an edit function calling back into the session) would wait on itself forever.
 thread_local const void* tl_worker_of = nullptr;
 
@@ -217,16 +218,20 @@ struct Session::Impl {
     if (aborted) throw Aborted{};
     while (!aborted && !finishing && !(target && pos < target->pos)) {
       paused = true;
-      cv.notify_all();
-      cv.wait(lk);
+      ops::park_threads();  // the pool's threads would spin for the next op while the caller runs
+      lk.unlock();  // the caller runs next on this very thread and takes the lock
+      fiber->yield();
+      lk.lock();
     }
     paused = false;
     if (aborted) throw Aborted{};
   }
 
+  // The forward runs as a fiber on the caller's thread (issue 9 item 5): it starts at the first
+  // request and runs only inside run_forward(), so handing a value over is a stack switch, not a
+  // thread wake-up.
   void start_worker(std::function<SessionResult(detail::Listener*)> body) {
-    worker = std::thread([this, body = std::move(body)] {
-      tl_worker_of = this;
+    fiber = std::make_unique<detail::Fiber>([this, body = std::move(body)] {
       try {
         SessionResult r = body(&listener);
         std::lock_guard<std::mutex> lk(mu);
@@ -239,8 +244,41 @@ struct Session::Impl {
       std::lock_guard<std::mutex> lk(mu);
       done = true;
       paused = false;
-      cv.notify_all();
     });
+  }
+
+  // Runs the forward until it pauses or ends (mu not held). One thread at a time runs it: the
+  // owner, or abort() from another thread (run_mu).
+  void run_forward() {
+    std::lock_guard<std::mutex> run(run_mu);
+    if (fiber->finished()) return;
+    const void* prev_worker = tl_worker_of;
+    void (*prev_poll)(void*) = detail::tl_poll;
+    void* prev_arg = detail::tl_poll_arg;
+    tl_worker_of = this;
+    detail::tl_poll = interrupt_check ? &Impl::poll_interrupt : nullptr;
+    detail::tl_poll_arg = this;
+    fiber->resume();
+    tl_worker_of = prev_worker;
+    detail::tl_poll = prev_poll;
+    detail::tl_poll_arg = prev_arg;
+  }
+
+  // In the forward (check_cancel, between layers): interrupt_check about every 50 ms. An exception
+  // from it aborts the run: it ends the forward and reaches the caller as the forward's error.
+  static void poll_interrupt(void* self) {
+    Impl& s = *static_cast<Impl*>(self);
+    const auto now = std::chrono::steady_clock::now();
+    if (now - s.last_poll < std::chrono::milliseconds(50)) return;
+    s.last_poll = now;
+    try {
+      s.interrupt_check();
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(s.mu);
+      s.interrupted = true;
+      s.cancel.store(true);
+      throw;
+    }
   }
 
   // Caller side: the thread that created the session, never the worker (DESIGN: one caller).
@@ -260,26 +298,16 @@ struct Session::Impl {
                                    : "this session was aborted; start a new one");
   }
 
-  // Caller side: cv.wait, polling interrupt_check about every 50 ms when one is set. An exception
-  // from the check aborts the run (the worker stops at its next layer) and propagates.
+  // Caller side: runs the forward until `pred` holds (it pauses where asked, or ends). Signals are
+  // checked by the forward itself between layers (poll_interrupt): an interrupt ends it with the
+  // signal's error, which the caller rethrows; the session then counts as aborted.
   template <class Pred>
   void wait_caller(std::unique_lock<std::mutex>& lk, Pred pred) {
-    if (!interrupt_check) {
-      cv.wait(lk, pred);
-      return;
-    }
-    while (!cv.wait_for(lk, std::chrono::milliseconds(50), pred)) {
+    while (!pred()) {
       lk.unlock();
-      try {
-        interrupt_check();
-      } catch (...) {
-        lk.lock();
-        aborted = interrupted = true;
-        cancel.store(true);
-        cv.notify_all();
-        throw;
-      }
+      run_forward();
       lk.lock();
+      if (interrupted) aborted = true;
     }
   }
 
@@ -359,7 +387,6 @@ struct Session::Impl {
     if (started && t.pos < pos) return Arrival::passed;
     target = t;
     started = true;
-    cv.notify_all();
     wait_caller(lk, [&] { return done || (paused && !(pos < t.pos)); });
     rethrow_worker_error();
     if (done) return step_ran(t.pos.step) ? Arrival::skipped : Arrival::ended;
@@ -421,11 +448,12 @@ struct Session::Impl {
 
   std::thread::id owner = std::this_thread::get_id();  // the caller thread (created the session)
   std::function<void()> interrupt_check;
+  std::chrono::steady_clock::time_point last_poll = std::chrono::steady_clock::now();
   std::atomic<bool> cancel{false};  // stops the forward between layers (abort, interrupt)
   bool interrupted = false;
 
   mutable std::mutex mu;
-  std::condition_variable cv;
+  std::mutex run_mu;  // held while the forward runs (run_forward)
   // Caller -> worker.
   std::optional<Target> target;
   bool started = false, finishing = false, aborted = false;
@@ -450,7 +478,7 @@ struct Session::Impl {
   SessionResult result;
 
   Interleaver listener;
-  std::thread worker;
+  std::unique_ptr<detail::Fiber> fiber;  // the forward; last, so it goes first (it refers to the rest)
 };
 
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -470,9 +498,12 @@ void Session::abort() {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->aborted = true;
     impl_->cancel.store(true);
-    impl_->cv.notify_all();
   }
-  if (impl_->worker.joinable()) impl_->worker.join();
+  // From inside the forward (an edit function): it stops at its next value or layer on its own.
+  if (tl_worker_of == impl_.get() || !impl_->fiber) return;
+  // A forward paused half-way unwinds (Aborted at its pause point) so its frames free what they
+  // own; one never started is just dropped.
+  if (impl_->fiber->started()) impl_->run_forward();
 }
 
 Session Session::run(const Model& model, std::vector<std::vector<int32_t>> prompts, Trace* trace) {
@@ -647,12 +678,9 @@ SessionResult Session::finish() {
   if (!s.done) {
     s.started = true;
     s.finishing = true;
-    s.cv.notify_all();
     s.wait_caller(lk, [&] { return s.done; });
   }
   s.rethrow_worker_error();
-  lk.unlock();
-  if (s.worker.joinable()) s.worker.join();
   return s.result;
 }
 

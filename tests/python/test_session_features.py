@@ -254,6 +254,50 @@ def test_a_tracer_never_exited_is_released_when_collected(model):
     assert tr.logits.shape[1] == 5
 
 
+def test_the_forward_runs_on_the_blocks_own_thread(model):
+    # Issue 9 item 5: the forward is a fiber on the caller's thread (a read is a stack switch, not a
+    # thread wake-up); a pre-registered edit sees the thread that runs the block, in every thread.
+    seen = []
+
+    def edit(v):
+        seen.append(threading.get_ident())
+        return v
+
+    def block():
+        with model.trace(ids(5), edits={"layers.0.layer_input": edit}):
+            model.layers[0].layer_output
+        return threading.get_ident()
+
+    assert seen == [] and block() == seen[-1]
+    result = []
+    th = threading.Thread(target=lambda: result.append(block()))
+    th.start()
+    th.join(60)
+    assert result and result[0] == seen[-1] and result[0] != threading.get_ident()
+
+
+def test_a_paused_forward_dropped_in_another_thread_unwinds(model):
+    # The forward is paused on this thread's fiber; the tracer's last reference goes away in another
+    # thread, whose close() resumes the fiber there so it unwinds (no hang, the model is free again).
+    holder = [model.trace(ids(5))]
+    holder[0].__enter__()
+    model.layers[0].layer_input
+
+    def drop():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            holder.clear()
+            gc.collect()
+
+    th = threading.Thread(target=drop)
+    th.start()
+    th.join(60)
+    assert not th.is_alive() and not holder
+    with model.trace(ids(5)) as tr:
+        model.logits
+    assert tr.logits.shape[1] == 5
+
+
 class _CtrlC:
     """Simulates Ctrl-C (``_thread.interrupt_main``) `seconds` after entering, unless the block already ended
     (a signal arriving after the call returned would surface somewhere else in the test run)."""
@@ -294,7 +338,7 @@ def test_ctrl_c_interrupts_a_long_generation_within_a_second(model):
 
 def test_ctrl_c_interrupts_a_long_forward_within_a_second():
     # 60k tokens: each of the 3 layers takes ~0.25 s here, the forward ~0.8 s; the flag is checked
-    # between layers (and the Python caller polls for signals every 50 ms).
+    # between layers (where the forward, on the caller's thread, also polls for signals every 50 ms).
     model = mixlens.load(str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"))
     long_prompt = [i % 90 for i in range(60_000)]
     for run in (lambda: model.run(long_prompt), lambda: model.trace(long_prompt).run()):
