@@ -284,6 +284,8 @@ TEST(GradOps, SelectiveScanMatchesFiniteDifferences) {
       for (int64_t n = 0; n < N; ++n) fold[k] += A[(k % E) * N + n] * ref[off_a + k * N + n];
     EXPECT_LT(rel_rms(ddtA, fold), kTol) << "ddtA chunk " << chunk;
   }
+}
+
 namespace {
 
 double rel_rms_f(const std::vector<float>& got, const std::vector<float>& ref) {
