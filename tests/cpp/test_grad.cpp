@@ -11,39 +11,16 @@
 #include <string>
 
 #include "fixture_util.h"
+#include "grad_check.h"
 #include "mixlens/errors.h"
 #include "mixlens/grad.h"
 #include "mixlens/model.h"
 #include "mixlens/trace.h"
 
 using namespace mixlens;
+using namespace mixlens::grad_check;
 
 namespace {
-
-Tensor random_like(const Shape& s, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> n(0.0f, scale);
-  Tensor t(s);
-  for (int64_t i = 0; i < t.numel(); ++i) t[i] = n(g);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
-
-Tensor axpy(const Tensor& x, float h, const Tensor& v) {
-  Tensor o = x.clone();
-  for (int64_t i = 0; i < o.numel(); ++i) o[i] += h * v[i];
-  return o;
-}
-
-struct RouteGuard {
-  explicit RouteGuard(const char* r) { route_kernels("mamba2", r); }
-  ~RouteGuard() { route_kernels("mamba2", "default"); }
-};
 
 const std::vector<int32_t> kIds{5, 9, 3, 17, 2, 8, 11, 4, 6, 21, 13, 7};
 
@@ -57,7 +34,7 @@ TEST(Grad, Mamba2EmbeddingsMatchDirectionalFiniteDifferences) {
   m.run({kIds}, &probe);
   const Tensor E = probe.get("embed_tokens.output");
   for (const char* route : {"chunked", "recurrent"}) {
-    RouteGuard guard(route);
+    RouteGuard guard("mamba2", route);
     Trace tr;
     tr.save("embed_tokens.output").save("layers.*.linear_attn.betas").enable_grad();
     const Tensor logits = m.run(Batch::from_embeddings(E), &tr);

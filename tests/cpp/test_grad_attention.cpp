@@ -11,46 +11,12 @@
 #include <vector>
 
 #include "grad/ops_grad.h"
+#include "grad_check.h"
 #include "mixlens/errors.h"
 
 using namespace mixlens;
+using namespace mixlens::grad_check;
 
-namespace {
-
-std::vector<double> rnd(size_t n, uint32_t seed, double lo = -1.0, double hi = 1.0) {
-  std::mt19937 g(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(n);
-  for (auto& x : v) x = u(g);
-  return v;
-}
-std::vector<float> f32(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
-
-// Central differences of s(x) for every element of x.
-std::vector<double> fd(std::vector<double> x, const std::function<double(const std::vector<double>&)>& s) {
-  std::vector<double> g(x.size());
-  const double h = 1e-6;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double x0 = x[i];
-    x[i] = x0 + h;
-    const double p = s(x);
-    x[i] = x0 - h;
-    const double m = s(x);
-    x[i] = x0;
-    g[i] = (p - m) / (2 * h);
-  }
-  return g;
-}
-
-double rel_rms(const std::vector<float>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-constexpr double kTol = 1e-5;  // float32 backward vs double reference
-
-}  // namespace
 
 // Causal GQA attention over a cache: the past keys / values are constants, the call's q, k, v are
 // the inputs. Row 1's padding hides its whole cache and first new token: that query sees no key

@@ -11,28 +11,16 @@
 #include <string>
 #include <vector>
 
+#include "grad_check.h"
 #include "fixture_util.h"
 #include "mixlens/errors.h"
 #include "mixlens/model.h"
 #include "mixlens/trace.h"
 
 using namespace mixlens;
+using namespace mixlens::grad_check;
 
 namespace {
-
-Tensor random_like(const Shape& s, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  Tensor t(s);
-  for (int64_t i = 0; i < t.numel(); ++i) t[i] = n(g);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
 
 struct Fixture {
   const char* dir;
@@ -42,12 +30,6 @@ const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemot
                              {"nemotron_h/moe_latent", "nemotron_h"},    {"bamba/groups2_edits", "bamba"},
                              {"bamba/padded_batch", "bamba"},            {"falcon_h1/norm_gate_first_edits", "falcon_h1"},
                              {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"}};
-
-struct RouteGuard {
-  RouteGuard(std::string f, const char* r) : family(std::move(f)) { route_kernels(family, r); }
-  ~RouteGuard() { route_kernels(family, "default"); }
-  std::string family;
-};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
 std::vector<std::string> paths_of(const Model& m, bool decode) {

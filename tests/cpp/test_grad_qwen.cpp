@@ -11,40 +11,22 @@
 #include <string>
 
 #include "fixture_util.h"
+#include "grad_check.h"
 #include "grad/ops_grad.h"
 #include "mixlens/errors.h"
 #include "mixlens/model.h"
 #include "mixlens/trace.h"
 
 using namespace mixlens;
+using namespace mixlens::grad_check;
 
 namespace {
-
-Tensor randn(const Shape& s, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> n(0.0f, scale);
-  Tensor t(s);
-  for (int64_t i = 0; i < t.numel(); ++i) t[i] = n(g);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
 
 // A random direction with the RMS of `like` (a step relative to the value's own scale).
 Tensor direction(const Tensor& like, uint32_t seed) {
   double ss = 0;
   for (float x : like) ss += static_cast<double>(x) * x;
-  return randn(like.shape(), seed, static_cast<float>(std::sqrt(ss / static_cast<double>(like.numel()))));
-}
-
-Tensor axpy(const Tensor& x, float h, const Tensor& v) {
-  Tensor o = x.clone();
-  for (int64_t i = 0; i < o.numel(); ++i) o[i] += h * v[i];
-  return o;
+  return random_like(like.shape(), seed, static_cast<float>(std::sqrt(ss / static_cast<double>(like.numel()))));
 }
 
 // Central differences with one Richardson step (error O(h^4)): the tiny random fixtures are sharply
@@ -54,11 +36,7 @@ double richardson(const std::function<double(float)>& f, float h) {
   return (4.0 * d2 - d1) / 3.0;
 }
 
-struct Route {
-  std::string fam;
-  Route(std::string f, const char* r) : fam(std::move(f)) { route_kernels(fam, r); }
-  ~Route() { route_kernels(fam, "default"); }
-};
+using Route = grad_check::RouteGuard;
 
 std::vector<int32_t> ids(int n, uint32_t seed) {
   std::mt19937 g(seed);
@@ -80,7 +58,7 @@ void embeddings_fd(const std::string& fixture, const std::string& family, int n_
     tr.save("embed_tokens.output").enable_grad();
     const Tensor logits = m.run(Batch::from_embeddings(E), &tr);
     EXPECT_EQ(tr.calls().back().kernel, route);
-    const Tensor W = randn(logits.shape(), 3);
+    const Tensor W = random_like(logits.shape(), 3);
     tr.backward(W);
     const Tensor g = tr.grad("embed_tokens.output");
     const Tensor v = direction(E, 4);
@@ -115,7 +93,7 @@ TEST(GradQwen, GatedDeltaValuesMatchFiniteDifferencesOfAnEdit) {
       Trace tr;
       tr.save(path).enable_grad();
       const Tensor logits = m.run({x}, &tr);
-      const Tensor W = randn(logits.shape(), 5);
+      const Tensor W = random_like(logits.shape(), 5);
       tr.backward(W);
       const Tensor g = tr.grad(path);
       const Tensor v = direction(tr.get(path), 6);
@@ -141,7 +119,7 @@ TEST(GradQwen, ContinuationStateInputMatchesFiniteDifferences) {
   tr.save(path).enable_grad();
   const Tensor logits = m.forward(cont, c1, &tr);
   EXPECT_EQ(tr.calls().back().kernel, "chunked");
-  const Tensor W = randn(logits.shape(), 5);
+  const Tensor W = random_like(logits.shape(), 5);
   tr.backward(W);
   const Tensor g = tr.grad(path);
   const Tensor v = direction(tr.get(path, 1), 6);  // the cache's second call
