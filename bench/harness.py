@@ -370,7 +370,8 @@ def main(argv=None) -> int:
                     errors[(n, s)] = res["error"]
                     log(f"  error: {res['error']}")
                     continue
-                log("  " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()) + f"; peak RSS {m / 2**20:,.0f} MiB")
+                log("  " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items())
+                    + f"; peak RSS {m / 2**20:,.0f} MiB")
                 rss[(n, s)] = max(rss.get((n, s), 0), m)
                 for k, v in res.items():
                     if k.startswith("prompt") or k == "decode":
