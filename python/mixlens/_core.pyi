@@ -144,7 +144,7 @@ class Model:
 
 class Session:
     """
-    A forward running on a worker thread, paused where read()/write() ask (mixlens/session.h).
+    A forward run as a fiber on the caller's thread, paused where read()/write() ask (mixlens/session.h).
     """
 
     def read(self, step: int, path: str) -> object: ...
@@ -160,9 +160,7 @@ class Session:
 
     @property
     def in_forward(self) -> bool:
-        """
-        True on this session's worker thread (inside the forward: a pre-registered edit function).
-        """
+        """True inside this session's forward (a pre-registered edit function)."""
 
     @property
     def first_step(self) -> int: ...

@@ -154,7 +154,9 @@ def test_betas_zero_skips_token_exactly(g1):
     v2 = om.run(model, case["prompts"], 4, [e2])
     m = "layers.0.linear_attn."
     assert np.array_equal(v2[f"{m}state_output@step2"], v2[f"{m}state_input@step2"])
-    assert np.array_equal(v2[f"{m}state_input@step2"], golden[f"{m}state_output@step1"])
+    # The committed golden values were made on another CPU: torch's float32 rounding there may differ in
+    # the last bit, so the live run matches them to rounding, not bitwise (the bitwise claim is above).
+    np.testing.assert_allclose(v2[f"{m}state_input@step2"], golden[f"{m}state_output@step1"], rtol=1e-5, atol=1e-7)
 
 
 def _max_logit_diff(a, b, n_steps):
@@ -200,7 +202,10 @@ def test_state_input_write_changes_where_the_call_starts(g1):
     m = "layers.0.linear_attn."
     want = golden[f"{m}state_input@step2"].copy()
     want[:, 1] = 0.0  # axis 1 of [B,H,N,P] is the head
-    np.testing.assert_array_equal(v[f"{m}state_input@step2"], want)
+    got = v[f"{m}state_input@step2"]
+    assert np.all(got[:, 1] == 0.0)  # the written head exactly
+    # the rest matches golden values made on another CPU to float32 rounding (not bitwise: see above)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     # head 1 restarts from zero: its new state is just the write dt*x (x) B
     so = v[f"{m}state_output@step2"][:, 1]  # [B,N,P]
     dt = v[f"{m}betas@step2"][:, 0, 1]
