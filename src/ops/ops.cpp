@@ -163,6 +163,14 @@ namespace {
 // kept alive, and between the ops of one token they spin briefly (a few tens of microseconds)
 // on an atomic generation counter instead of sleeping on a condvar, which cost a futex wake per op
 // (3.6% of decode). Idle workers then sleep, so an idle process burns no CPU.
+//
+// The caller waits for the op's blocks, not for the workers: a worker that is descheduled (2 cores
+// shared) or still spinning when the caller has done every block itself is not waited for, and
+// workers never acknowledge an op (the old wait for every worker to check in was ~19% of a
+// mamba-130m decode step at 2 threads, bench/results/decode_profile.md). A late worker cannot take
+// a block of a later op by mistake: blocks are claimed by CAS on one word holding (generation,
+// next block), and each op's block count and function sit in a slot of their own (two slots,
+// alternating: an op's slot is rewritten only two ops later, after this one's word is gone).
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -196,42 +204,76 @@ class Pool {
       for (int64_t i = 0; i < n; ++i) f(i);
       return;
     }
-    job_ = &f;
-    total_ = n;
-    next_.store(0);
-    done_.store(0);
+    // The claim word holds 32 bits of block index: larger ops go in pieces.
+    for (int64_t off = 0; off < n; off += kMaxBlocks) {
+      const int64_t m = std::min(kMaxBlocks, n - off);
+      if (off == 0) {
+        run_blocks(m, f);
+      } else {
+        const std::function<void(int64_t)> g = [&](int64_t i) { f(off + i); };
+        run_blocks(m, g);
+      }
+    }
+    busy_.store(false);
+  }
+
+ private:
+  static constexpr int64_t kMaxBlocks = int64_t{1} << 31;
+
+  void run_blocks(int64_t n, const std::function<void(int64_t)>& f) {
+    const uint64_t g = generation_.load(std::memory_order_relaxed) + 1;  // only the caller changes it
+    Slot& slot = slots_[g & 1];
+    slot.job = &f;
+    slot.total.store(n, std::memory_order_relaxed);
+    finished_.store(0, std::memory_order_relaxed);
+    failed_.store(false, std::memory_order_relaxed);
+    claim_.store(static_cast<uint64_t>(static_cast<uint32_t>(g)) << 32, std::memory_order_release);
     generation_.fetch_add(1);  // seq_cst: pairs with sleepers_ (no lost wake-up)
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lk(mu_);
       cv_.notify_all();
     }
     work();
-    for (int i = 0; i < kSpin && done_.load(std::memory_order_acquire) != n_ - 1; ++i) cpu_relax();
-    if (done_.load(std::memory_order_acquire) != n_ - 1) {
+    for (int i = 0; i < kSpin && finished_.load(std::memory_order_acquire) != n; ++i) cpu_relax();
+    if (finished_.load(std::memory_order_acquire) != n) {
       std::unique_lock<std::mutex> lk(mu_);
-      done_cv_.wait(lk, [&] { return done_.load() == n_ - 1; });
+      caller_waiting_.store(true);  // seq_cst: pairs with the last block's finished_ increment
+      done_cv_.wait(lk, [&] { return finished_.load() == n; });
+      caller_waiting_.store(false);
     }
-    job_ = nullptr;
     std::exception_ptr e;
     {
       std::lock_guard<std::mutex> lk(mu_);
       std::swap(e, error_);
     }
-    busy_.store(false);
-    if (e) std::rethrow_exception(e);
+    if (e) {
+      busy_.store(false);
+      std::rethrow_exception(e);
+    }
   }
 
- private:
+  // Claims and runs blocks of the current op until none is left (caller and workers alike).
   void work() {
     for (;;) {
-      int64_t i = next_.fetch_add(1);
-      if (i >= total_) break;
-      try {
-        (*job_)(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!error_) error_ = std::current_exception();
-        next_.store(total_);
+      uint64_t w = claim_.load(std::memory_order_acquire);
+      const Slot& slot = slots_[(w >> 32) & 1];
+      const int64_t total = slot.total.load(std::memory_order_relaxed);
+      const int64_t i = static_cast<int64_t>(w & 0xffffffffu);
+      if (i >= total) return;
+      // Fails (and retries) if another thread took block i, or a new op replaced the word.
+      if (!claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      if (!failed_.load(std::memory_order_relaxed)) {
+        try {
+          (*slot.job)(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (!error_) error_ = std::current_exception();
+          failed_.store(true, std::memory_order_relaxed);  // the remaining blocks are skipped
+        }
+      }
+      if (finished_.fetch_add(1) + 1 == total && caller_waiting_.load()) {
+        std::lock_guard<std::mutex> lk(mu_);  // the caller may be between its check and its wait
+        done_cv_.notify_one();
       }
     }
   }
@@ -255,21 +297,23 @@ class Pool {
       if (stop_.load()) return;
       seen = g;
       work();
-      if (done_.fetch_add(1) + 1 == n_ - 1) {
-        std::lock_guard<std::mutex> lk(mu_);  // the caller may be between its check and its wait
-        done_cv_.notify_one();
-      }
     }
   }
+
+  struct Slot {
+    const std::function<void(int64_t)>* job = nullptr;
+    std::atomic<int64_t> total{0};
+  };
 
   int n_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* job_ = nullptr;
-  int64_t total_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::atomic<int> done_{0};
+  Slot slots_[2];
+  std::atomic<uint64_t> claim_{0};  // (low 32 bits of the op's generation) << 32 | next block
+  std::atomic<int64_t> finished_{0};  // blocks of the current op done (or skipped after an error)
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> caller_waiting_{false};
   std::atomic<int> sleepers_{0};
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint64_t> park_gen_{~uint64_t{0}};  // park(): the generation after which to sleep at once

@@ -270,6 +270,34 @@ TEST(Kernels, ParallelForManyCallsAndErrors) {
   EXPECT_EQ(sum, 4950);
 }
 
+TEST(Kernels, ParallelForOpsOfEverySizeNeverMix) {
+  // The caller returns once the blocks are done, without waiting for the workers to check in, so a
+  // late worker may arrive while the next op runs: every op of varying size (2 blocks: the decode
+  // case, where the caller often does both) must see each of its indices exactly once, and a later
+  // op's function never gets an earlier op's index. Also run under TSan (make test-tsan builds the
+  // session tests, whose forwards use the pool).
+  const int64_t sizes[] = {2, 3, 2, 7, 2, 64, 1, 5};
+  std::vector<std::atomic<int>> hits(64);
+  for (int rep = 0; rep < 4000; ++rep) {
+    const int64_t n = sizes[rep % 8];
+    std::atomic<int64_t> bad{0};
+    ops::parallel_for(n, [&, n](int64_t i) {
+      if (i < 0 || i >= n) bad.fetch_add(1);
+      else hits[static_cast<size_t>(i)].fetch_add(1);
+    });
+    ASSERT_EQ(bad.load(), 0);
+    for (int64_t i = 0; i < 64; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].exchange(0), i < n ? 1 : 0) << rep;
+    if (rep % 97 == 0) ops::park_threads();  // as a paused session does
+  }
+  // An error skips the remaining blocks, and the pool is usable after it.
+  for (int rep = 0; rep < 50; ++rep) {
+    EXPECT_THROW(ops::parallel_for(4, [](int64_t i) { if (i == 0) throw InputError("boom"); }), InputError);
+    std::atomic<int> count{0};
+    ops::parallel_for(3, [&](int64_t) { count.fetch_add(1); });
+    ASSERT_EQ(count.load(), 3);
+  }
+}
+
 // ---- whole models with narrow weights ------------------------------------------------------------
 
 namespace {
