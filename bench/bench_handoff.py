@@ -81,9 +81,13 @@ def main(argv=None) -> int:
     ap.add_argument("--counts", default="0,1,10,100")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--label", default="mixlens", help="names this build in the table (to compare builds run in turn)")
+    ap.add_argument("--output", choices=("auto", "torch", "numpy"), default=None,
+                    help="value type read (MIXLENS_OUTPUT; default: $MIXLENS_OUTPUT, else auto = torch when installed)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "handoff.md"))
     a = ap.parse_args(argv)
     os.environ.setdefault("MIXLENS_NUM_THREADS", str(a.threads))
+    if a.output:
+        os.environ["MIXLENS_OUTPUT"] = a.output
     import mixlens
 
     path = a.model or str(tiny_model(REPO / "build" / "bench-handoff-mamba2-24l"))
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
         "# Python hand-off: values read in one `with model.trace(...)` block",
         "",
         f"Model: {Path(path).name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (counts interleaved "
-        f"block by block), mixlens {mixlens.__file__}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, {os.cpu_count()} cores"
+        f"block by block), values as {model.output_format}, mixlens {mixlens.__file__}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, {os.cpu_count()} cores"
         + (" (busy machine: other work was running)" if load[0] > 1.0 else "") + ".",
         "Per value = (t(N) - t(0)) / N. Wall: fastest and median of the repeats; CPU: process CPU time (every "
         "thread: the Python block, the forward, any spinning wait), least of the repeats.",

@@ -88,6 +88,17 @@ class Session {
   /// valid name), OutOfOrderError (already passed; or the value was not produced at that step),
   /// InputError (a step this session never runs), and any error the forward raised.
   Tensor read(int step, std::string_view path);
+  /// read(), and the returned tensor is *live* (issue 10 item 2, issue 9 item 5): it shares its
+  /// storage with the session until the next read / read_live / write / reach_step / finish, which
+  /// first compares it bit for bit with the value as read and, if the caller changed it in place,
+  /// applies it as write(step, path) (errors as write's, same type, the message prefixed "in-place
+  /// edit of '<path>' (read at step k) could not be applied: "). A write of that same value
+  /// supersedes the in-place changes made so far (later ones still count). `states` (read-only) and
+  /// None values are never live. Costs one extra copy of the value per read.
+  Tensor read_live(int step, std::string_view path);
+  /// Applies pending in-place changes of the live value now (as the next request would) and ends
+  /// its tracking; a no-op when there is none. Errors as read_live describes.
+  void settle();
   /// Replaces the value at (step, path) before it is consumed: advances to it if needed, or applies
   /// at once when the forward is paused there. Checked like Trace::set (shape, NaN, betas >= 0,
   /// decays <= 0; `states` is read-only): WriteError, and nothing is applied then.

@@ -10,6 +10,13 @@ A value the forward has moved past is *released*: numpy values become read-only 
 :class:`mixlens.WriteError` at once, naming the value and saying to assign); torch values have no
 read-only mode, so their version counter is checked at every later move and at the end of the
 block, which raises the same WriteError. After the block ends every value is an ordinary array again.
+
+Where it runs: for reads in the ``with`` block itself these rules are applied by the session, once per
+value (issue 9 item 5: this bookkeeping was most of a read's cost in Python): the C++ session keeps the
+live value and a pristine copy and applies an in-place change as a write (``Session::read_live``), and
+the binding (``python/src/session.cpp``, ``Session.read_value``) releases the Python objects.
+:class:`LiveValues` below does the same for ``tracer.invoke`` bodies, whose values are row slices of
+the batch's value.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core, hub
-from ._convert import ValueArray, as_float32, is_torch, resolve_output, to_output, to_plain
-from ._inplace import LiveValues, _Live
+from ._convert import (ValueArray, as_float32, is_torch, released_error, resolve_output, to_output, to_plain,
+                       value_tensor_class)
+from ._inplace import _Live
 from . import _invoke, _nnterp
 from .errors import InputError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
@@ -107,6 +108,16 @@ def _check_rows(rows: list, what: str = "token id") -> list:
             ids.append(v)
         out.append(ids)
     return out
+
+
+def _released_error(step: int, path: str):
+    return released_error((step, path))
+
+
+def _torch_from_numpy():
+    import torch
+
+    return torch.from_numpy
 
 
 def _as_value(arr: Optional[np.ndarray], fmt: str = "numpy"):
@@ -274,15 +285,15 @@ class _Envoy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        if self._prefix.endswith("linear_attn.") and self._model._known(self._prefix + "states"):
+        # The per-value path (issue 9 item 5): state methods are the only names looked at first.
+        if name in _STATE_METHODS and self._prefix.endswith("linear_attn."):
+            if not self._model._known(self._prefix + "states"):
+                self._no_state(name)
             if name == "state_after":
                 return self._state_after
             if name == "set_state_after":
                 return self._set_state_after
-            if name == "state":
-                return self._model._read(self._state_path(self._current_token("read")))
-        elif name in _STATE_METHODS and self._prefix.endswith("linear_attn."):
-            self._no_state(name)
+            return self._model._read(self._state_path(self._current_token("read")))
         path = self._prefix + name
         if self._model._open_tracer() is None and not self._model._known(path):
             names = ", ".join(self._names()) or "none"
@@ -464,7 +475,7 @@ class _StepLoop:
         for step in steps:
             if step > last:
                 break
-            tr._live.settle()  # a new step: pending in-place edits go in first
+            # reach_step applies pending in-place edits first (a new step).
             if not sess.reach_step(step):  # the generation ended (EOS) before this step
                 break
             tr._step = step
@@ -555,7 +566,6 @@ class Tracer:
         self._deferred = inputs is None and inputs_embeds is None
         self._deferred_open = False
         self._invokes: list = []
-        self._live = LiveValues(self._apply_write)
         self._stopped = False
         self._shapes: dict = {}
 
@@ -587,6 +597,12 @@ class Tracer:
         self._holds_model = True
         try:
             self._start_session()
+            # In-place edit bookkeeping of the values read in the block lives in the session binding
+            # (python/src/session.cpp; rules in mixlens._inplace).
+            if self._fmt == "torch":
+                self._session.set_output(value_tensor_class(), _torch_from_numpy(), _released_error)
+            else:
+                self._session.set_output(ValueArray, None, _released_error)
         except BaseException:
             self._release_model()
             raise
@@ -679,7 +695,7 @@ class Tracer:
         sess = self._session
         try:
             if exc_type is None:
-                self._live.settle()  # in-place edits of the last value read reach the rest of the forward
+                sess.settle()  # in-place edits of the last value read reach the rest of the forward
                 self._session = None
                 # Step by step, so Ctrl-C (KeyboardInterrupt) is raised between forward calls rather
                 # than after the whole generation: each C++ wait blocks with the GIL released.
@@ -697,7 +713,7 @@ class Tracer:
                 self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
         finally:
             self._session = None
-            self._live.close(check=False)
+            sess.close_values(check=False)
             try:
                 sess.close()  # aborts the forward when leaving early (an exception, KeyboardInterrupt, stop())
             finally:
@@ -747,11 +763,11 @@ class Tracer:
         sess = self._session
         if sess is None:
             self._require_session()
-        self._live.settle()  # the block moves on: apply in-place edits of the previous value first
-        value = to_output(sess.read(self._step, path), self._fmt)
+        # One binding call: in-place edits of the previous value go in first, then this value is read
+        # and becomes the live one (mixlens._inplace describes the rules).
+        value = sess.read_value(self._step, path)
         if self._grad and value is not None and "@t" not in path:
             self._grad_reads.append((path, value))
-        self._live.track(self._step, path, value, read_only=path.endswith(".states"))
         return value
 
     def _refuse_foreign(self, path: str) -> None:
@@ -774,7 +790,6 @@ class Tracer:
         if inv is not None and inv.tracer is self:
             return inv.write(path, value)
         sess = self._require_session()
-        self._live.settle(keep=(self._step, path))
         arr = as_float32(value, path)
         shape = self._expected_shape(path)
         if shape is not None and arr.shape != shape:
@@ -782,11 +797,7 @@ class Tracer:
                 arr = np.ascontiguousarray(np.broadcast_to(arr, shape))
             except ValueError:
                 pass  # the core names the expected and given shapes
-        sess.write(self._step, path, arr)
-        self._live.wrote(self._step, path)
-
-    def _apply_write(self, step: int, path: str, arr: np.ndarray) -> None:
-        self._require_session().write(step, path, arr)
+        sess.write_value(self._step, path, arr)
 
     def _call_seq(self) -> int:
         """Tokens of the forward call at the current step."""
@@ -1180,6 +1191,10 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         inv = _invoke.current()
         if inv is not None:  # an invoke body's thread: its trace was opened by the caller's thread
             return inv.tracer._read(path)
+        ref = self._open
+        t = ref() if ref is not None else None
+        if t is not None and t._session is not None and t._opened_here():  # the common case, inlined
+            return t._read_here(path)
         return self._tracer_for(path)._read_here(path)
 
     def _write(self, path: str, value) -> None:

@@ -17,11 +17,137 @@ namespace {
 
 using Rows = std::vector<std::vector<int32_t>>;
 
+// The Python side of in-place edits (python/mixlens/_inplace.py describes the rules): the session
+// (Session::read_live) applies in-place changes of the value read last; this tracks the Python
+// objects. A value the forward has moved past is *released*: a numpy one becomes read-only (editing
+// raises at once), a torch one (no read-only mode) has its version counter checked at every later
+// move. Kept here rather than in Python: it runs for every value read (issue 9 item 5).
+struct HandedValues {
+  nb::object cls;         // ValueArray / ValueTensor
+  nb::object from_numpy;  // torch.from_numpy, or None for numpy output
+  nb::object error;       // (step, path) -> the WriteError to raise for an edit of a released value
+  nb::object last;        // the live value (None when there is none)
+  int last_step = 0;
+  std::string last_path;
+  std::vector<nb::object> released_np;  // weak references
+  struct Torch {
+    nb::object ref;  // weak reference
+    nb::object version;
+    int step;
+    std::string path;
+  };
+  std::vector<Torch> released_torch;
+
+  bool torch() const { return from_numpy.is_valid() && !from_numpy.is_none(); }
+
+  // Interned attribute names (method calls without a bound-method object: this runs per value).
+  static PyObject* name(const char* s) { return PyUnicode_InternFromString(s); }
+  static nb::object call_method(nb::handle obj, PyObject* method, nb::handle arg) {
+    PyObject* r = PyObject_CallMethodOneArg(obj.ptr(), method, arg.ptr());
+    if (!r) throw nb::python_error();
+    return nb::steal(r);
+  }
+
+  nb::object wrap(Tensor t) {
+    static PyObject* const view = name("view");
+    static PyObject* const as_subclass = name("as_subclass");
+    nb::object arr = to_numpy(std::move(t));
+    if (arr.is_none() || !cls.is_valid()) return arr;
+    return torch() ? call_method(from_numpy(arr), as_subclass, cls) : call_method(arr, view, cls);
+  }
+  void release(nb::object v, int step, const std::string& path) {
+    if (torch()) {
+      nb::object version;
+      try {
+        version = v.attr("_version");
+      } catch (nb::python_error&) {  // inference-mode tensors have no version counter
+        return;
+      }
+      released_torch.push_back({nb::weakref(v), version, step, path});
+    } else if (nb::isinstance(v, cls)) {
+      v.attr("__dict__")["_mixlens_released"] = nb::make_tuple(step, path);
+      v.attr("flags").attr("writeable") = false;
+      released_np.push_back(nb::weakref(v));
+    }
+  }
+  void release_last() {
+    if (!last.is_valid() || last.is_none()) return;
+    nb::object v = std::move(last);
+    last = nb::none();
+    release(std::move(v), last_step, last_path);
+  }
+  // A released torch value edited since: raise its WriteError (once).
+  void check_released() {
+    if (released_torch.empty()) return;
+    size_t keep = 0;
+    std::optional<std::pair<int, std::string>> bad;
+    for (size_t i = 0; i < released_torch.size(); ++i) {
+      Torch& r = released_torch[i];
+      nb::object v = r.ref();
+      if (v.is_none()) continue;
+      if (!bad) {
+        nb::object now;
+        try {
+          now = v.attr("_version");
+        } catch (nb::python_error&) {
+        }
+        if (now.is_valid() && !now.equal(r.version)) {
+          bad = {r.step, r.path};
+          continue;
+        }
+      }
+      if (keep != i) released_torch[keep] = std::move(r);
+      ++keep;
+    }
+    released_torch.resize(keep);
+    if (bad) {
+      nb::object e = error(bad->first, bad->second);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
+      throw nb::python_error();
+    }
+  }
+  // The block moves on (any request but a write of the live value itself).
+  void move_on() {
+    release_last();
+    check_released();
+  }
+  void keep(nb::object v, int step, const std::string& path, bool read_only) {
+    if (v.is_none()) return;
+    if (read_only) return release(std::move(v), step, path);
+    last = std::move(v);
+    last_step = step;
+    last_path = path;
+  }
+  // The block ends: optionally check the released torch values, then every value is ordinary again.
+  void close(bool check) {
+    last = nb::none();
+    struct Restore {
+      HandedValues& h;
+      ~Restore() {
+        for (nb::object& ref : h.released_np) {
+          nb::object v = ref();
+          if (v.is_none()) continue;
+          try {
+            nb::object d = v.attr("__dict__");
+            if (PyDict_DelItemString(d.ptr(), "_mixlens_released") != 0) PyErr_Clear();
+            v.attr("flags").attr("writeable") = true;
+          } catch (nb::python_error&) {  // e.g. a view of memory that was never writeable
+          }
+        }
+        h.released_np.clear();
+        h.released_torch.clear();
+      }
+    } restore{*this};
+    if (check) check_released();
+  }
+};
+
 // Owns the pre-registered trace and the session; the session is declared after the trace so it
 // is destroyed (its paused forward unwound) first.
 struct PySession {
   std::unique_ptr<Trace> trace = std::make_unique<Trace>();
   std::optional<Session> session;
+  HandedValues handed;
 
   PySession(const std::vector<SaveSpec>& saves, const std::vector<EditSpec>& edits) {
     register_saves(*trace, saves);
@@ -85,6 +211,52 @@ void init_session(nb::module_& m) {
              return to_numpy(std::move(t));
            },
            nb::arg("step"), nb::arg("path"))
+      // The per-value path of a `with` block (issue 9 item 5): the in-place edit bookkeeping of
+      // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
+      .def("set_output",
+           [](PySession& p, nb::object cls, nb::object from_numpy, nb::object error) {
+             p.handed.cls = std::move(cls);
+             p.handed.from_numpy = std::move(from_numpy);
+             p.handed.error = std::move(error);
+           },
+           nb::arg("cls"), nb::arg("from_numpy").none(), nb::arg("error"),
+           "Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, "
+           "error(step, path) -> the WriteError for an edit of a released value.")
+      .def("read_value",
+           [](PySession& p, int step, const std::string& path) {
+             p.handed.move_on();
+             Tensor t;
+             {
+               nb::gil_scoped_release r;
+               t = p.s().read_live(step, path);
+             }
+             nb::object v = p.handed.wrap(std::move(t));
+             const bool read_only = path.size() >= 7 && path.compare(path.size() - 7, 7, ".states") == 0;
+             p.handed.keep(v, step, path, read_only);
+             return v;
+           },
+           nb::arg("step"), nb::arg("path"),
+           "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
+           "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")
+      .def("write_value",
+           [](PySession& p, int step, const std::string& path, const FloatArray& value) {
+             // A write of the live value itself keeps it live (the write supersedes its edits so far).
+             if (!(step == p.handed.last_step && path == p.handed.last_path)) p.handed.release_last();
+             p.handed.check_released();
+             Tensor t = from_numpy(value);
+             nb::gil_scoped_release r;
+             p.s().write(step, path, t);
+           },
+           nb::arg("step"), nb::arg("path"), nb::arg("value"))
+      .def("settle",
+           [](PySession& p) {
+             p.handed.move_on();
+             nb::gil_scoped_release r;
+             p.s().settle();
+           },
+           "Apply in-place edits of the live value now and release it (the block moves on).")
+      .def("close_values", [](PySession& p, bool check) { p.handed.close(check); }, nb::arg("check") = false,
+           "The block ends: values read become ordinary arrays again (check: raise for released torch edits first).")
       .def("write",
            [](PySession& p, int step, const std::string& path, const FloatArray& value) {
              Tensor t = from_numpy(value);
@@ -94,12 +266,14 @@ void init_session(nb::module_& m) {
            nb::arg("step"), nb::arg("path"), nb::arg("value"))
       .def("reach_step",
            [](PySession& p, int step) {
+             p.handed.move_on();
              nb::gil_scoped_release r;
              return p.s().reach_step(step);
            },
            nb::arg("step"))
       .def("finish",
            [](PySession& p) {
+             p.handed.move_on();
              SessionResult res;
              {
                nb::gil_scoped_release r;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <map>
@@ -438,6 +439,10 @@ struct Session::Impl {
     }
   }
 
+  void settle_handed(const Target* keep);
+  Tensor read_at(const Target& t, std::string_view path);
+  void write_at(const Target& t, std::string_view path, const Tensor& value);
+
   const Model& model;
   const detail::FamilyModel& family;
   Trace* trace;
@@ -474,6 +479,13 @@ struct Session::Impl {
   std::map<Site, Tensor, SiteLess> stash;  // copies of the current moment's values already passed
   std::pair<int, int> stash_moment{-2, 0};  // (layer, moment) the stash holds
   std::vector<CallRecord> calls;
+  // read_live's value, shared with the caller, and a copy of it as read (pristine).
+  struct Handed {
+    Target target;
+    std::string path;
+    Tensor value, pristine;
+  };
+  std::optional<Handed> handed;
   std::exception_ptr error;
   SessionResult result;
 
@@ -598,42 +610,56 @@ Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* t
   return Session(std::move(impl));
 }
 
-Tensor Session::read(int step, std::string_view path) {
-  Impl& s = *impl_;
-  s.check_caller("read");
-  const Impl::Target t = s.resolve(step, path, "read");
-  std::unique_lock<std::mutex> lk(s.mu);
-  const Impl::Arrival a = s.advance_to(lk, t);
-  if (a == Impl::Arrival::at_target) {
+// Caller side, mu not held: the live value's in-place changes go in as a write, unless `keep` (a
+// write about to replace that very value) supersedes them.
+void Session::Impl::settle_handed(const Target* keep) {
+  if (!handed) return;
+  if (keep && keep->pos == handed->target.pos && keep->site == handed->target.site) return;
+  Handed h = std::move(*handed);
+  handed.reset();
+  const size_t bytes = sizeof(float) * static_cast<size_t>(h.value.numel());
+  if (h.value.shape() == h.pristine.shape() && std::memcmp(h.value.data(), h.pristine.data(), bytes) == 0) return;
+  const std::string what =
+      "in-place edit of '" + h.path + "' (read at step " + std::to_string(h.target.pos.step) + ") could not be applied: ";
+  try {
+    write_at(h.target, h.path, h.value);
+  } catch (const OutOfOrderError& e) {
+    throw OutOfOrderError(what + e.what());
+  } catch (const WriteError& e) {
+    throw WriteError(what + e.what());
+  }
+}
+
+Tensor Session::Impl::read_at(const Target& t, std::string_view path) {
+  std::unique_lock<std::mutex> lk(mu);
+  const Arrival a = advance_to(lk, t);
+  if (a == Arrival::at_target) {
     if (t.site.value == Value::states || t.site.value == Value::state)
-      s.touched.insert({t.pos.step, t.site.layer, static_cast<int>(t.site.value)});
-    if (!s.live->defined()) return Tensor();
+      touched.insert({t.pos.step, t.site.layer, static_cast<int>(t.site.value)});
+    if (!live->defined()) return Tensor();
     // `states` is read-only and the forward drops it after this visit: hand over the stack itself
     // rather than copying hundreds of MiB (the caller still owns an independent value).
-    if (t.site.value == Value::states) return *s.live;
-    return s.live->clone();
+    if (t.site.value == Value::states) return *live;
+    return live->clone();
   }
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
-  if (a == Impl::Arrival::passed && t.pos.step == s.pos.step) {
-    auto it = s.stash.find(t.site);
-    if (it != s.stash.end()) {
+  if (a == Arrival::passed && t.pos.step == pos.step) {
+    auto it = stash.find(t.site);
+    if (it != stash.end()) {
       // Mamba betas and decays are two views of one dt: after a decays write (the forward is
       // paused at it) betas is the dt the write implies, which the forward will use.
-      if (s.live_written && t.site.value == Value::betas && s.target && s.target->site.value == Value::decays &&
-          s.target->site.layer == t.site.layer && it->second.defined()) {
-        Tensor dt = s.family.betas_for_decays(t.site.layer, it->second, *s.live);
+      if (live_written && t.site.value == Value::betas && target && target->site.value == Value::decays &&
+          target->site.layer == t.site.layer && it->second.defined()) {
+        Tensor dt = family.betas_for_decays(t.site.layer, it->second, *live);
         if (dt.defined()) return dt;
       }
       return it->second.defined() ? it->second.clone() : Tensor();
     }
   }
-  s.not_served(t, std::string(path), "read", a);
+  not_served(t, std::string(path), "read", a);
 }
 
-void Session::write(int step, std::string_view path, const Tensor& value) {
-  Impl& s = *impl_;
-  s.check_caller("write");
-  const Impl::Target t = s.resolve(step, path, "write");
+void Session::Impl::write_at(const Target& t, std::string_view path, const Tensor& value) {
   if (t.site.value == Value::states)
     throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
                      site_path({t.site.layer, Value::state}) + "@t<t>') or state_input / state_output instead");
@@ -641,28 +667,62 @@ void Session::write(int step, std::string_view path, const Tensor& value) {
     throw WriteError("'" + site_path(t.site) +
                      "' is read-only (the softmax weights are recomputed from the queries and keys); write "
                      "self_attn.attention_queries / attention_keys instead");
-  std::unique_lock<std::mutex> lk(s.mu);
-  const Impl::Arrival a = s.advance_to(lk, t);
-  if (a != Impl::Arrival::at_target) {
-    if (a == Impl::Arrival::passed && t.pos.step == s.pos.step && s.stash.count(t.site))
-      throw OutOfOrderError("cannot write '" + std::string(path) + "' at step " + std::to_string(step) +
-                            ": the forward has moved on to " + s.where_locked() +
+  settle_handed(&t);
+  std::unique_lock<std::mutex> lk(mu);
+  const Arrival a = advance_to(lk, t);
+  if (a != Arrival::at_target) {
+    if (a == Arrival::passed && t.pos.step == pos.step && stash.count(t.site))
+      throw OutOfOrderError("cannot write '" + std::string(path) + "' at step " + std::to_string(t.pos.step) +
+                            ": the forward has moved on to " + where_locked() +
                             " (same moment): values of a moment can be read in any order, but write each one before "
                             "reading a later one");
-    s.not_served(t, std::string(path), "write", a);
+    not_served(t, std::string(path), "write", a);
   }
-  if (t.site.value == Value::state) s.touched.insert({t.pos.step, t.site.layer, static_cast<int>(Value::state)});
-  detail::check_write(site_path(t.site), t.site.value, value, s.live_shape);  // throws before any change
-  Tensor& live = *s.live;
-  if (live.defined() && live.shape() == s.live_shape) std::copy(value.begin(), value.end(), live.data());
-  else live = value.clone();
-  s.live_written = true;
+  if (t.site.value == Value::state) touched.insert({t.pos.step, t.site.layer, static_cast<int>(Value::state)});
+  detail::check_write(site_path(t.site), t.site.value, value, live_shape);  // throws before any change
+  Tensor& cur = *live;
+  if (cur.defined() && cur.shape() == live_shape) std::copy(value.begin(), value.end(), cur.data());
+  else cur = value.clone();
+  live_written = true;
+  // A write of the live value itself: what it holds now counts as unmodified (changes from here on
+  // are still applied).
+  if (handed && handed->target.pos == t.pos && handed->target.site == t.site) handed->pristine = handed->value.clone();
+}
+
+void Session::settle() {
+  impl_->check_caller("settle");
+  impl_->settle_handed(nullptr);
+}
+
+Tensor Session::read_live(int step, std::string_view path) {
+  Impl& s = *impl_;
+  s.check_caller("read");
+  const Impl::Target t = s.resolve(step, path, "read");
+  s.settle_handed(nullptr);
+  Tensor v = s.read_at(t, path);
+  if (v.defined() && t.site.value != Value::states) s.handed = Impl::Handed{t, std::string(path), v, v.clone()};
+  return v;
+}
+
+Tensor Session::read(int step, std::string_view path) {
+  Impl& s = *impl_;
+  s.check_caller("read");
+  const Impl::Target t = s.resolve(step, path, "read");
+  s.settle_handed(nullptr);
+  return s.read_at(t, path);
+}
+
+void Session::write(int step, std::string_view path, const Tensor& value) {
+  Impl& s = *impl_;
+  s.check_caller("write");
+  s.write_at(s.resolve(step, path, "write"), path, value);
 }
 
 bool Session::reach_step(int step) {
   Impl& s = *impl_;
   s.check_caller("reach_step");
   if (step < s.first_step) throw InputError("reach_step(" + std::to_string(step) + "): the first step is " + std::to_string(s.first_step));
+  s.settle_handed(nullptr);
   if (step > s.last_step) return false;
   std::unique_lock<std::mutex> lk(s.mu);
   const Impl::Target t{{step, kCallStart}, Site{}, false};
@@ -673,6 +733,7 @@ bool Session::reach_step(int step) {
 SessionResult Session::finish() {
   Impl& s = *impl_;
   s.check_caller("finish");
+  s.settle_handed(nullptr);
   std::unique_lock<std::mutex> lk(s.mu);
   s.rethrow_worker_error();
   if (!s.done) {

@@ -143,6 +143,73 @@ TEST(Session, BadWritesRaiseAndApplyNothing) {
   EXPECT_TRUE(same(s.finish().logits[0], base));
 }
 
+// read_live (issue 10 item 2 in C++, issue 9 item 5): the value read last shares its storage with
+// the session, and an in-place change of it is applied as a write when the caller moves on.
+TEST(Session, ReadLiveAppliesInPlaceEditsWhenTheCallerMovesOn) {
+  Fixture f("g1_chunks");
+  const Tensor base = f.model.run(f.prompts);
+  auto zero_token3 = [](Tensor& v) {
+    for (int64_t h = 0; h < v.size(2); ++h) v[3 * v.size(2) + h] = 0.0f;
+  };
+  Trace ref;
+  ref.save("layers.2.linear_attn.states");
+  ref.edit("layers.1.linear_attn.betas", [&](Tensor& v, const SiteContext&) { zero_token3(v); });
+  const Tensor ref_logits = f.model.run(f.prompts, &ref);
+
+  {  // Edited in place, consumed by the next read: same as the pre-registered edit.
+    Session s = Session::run(f.model, f.prompts);
+    Tensor b = s.read_live(0, "layers.1.linear_attn.betas");
+    zero_token3(b);
+    const Tensor states = s.read(0, "layers.2.linear_attn.states");
+    EXPECT_TRUE(same(states, ref.get("layers.2.linear_attn.states")));
+    EXPECT_TRUE(same(s.finish().logits[0], ref_logits));
+  }
+  {  // Consumed by finish() too; an unchanged live value writes nothing.
+    Session s = Session::run(f.model, f.prompts);
+    s.read_live(0, "layers.0.linear_attn.betas");
+    Tensor b = s.read_live(0, "layers.1.linear_attn.betas");
+    zero_token3(b);
+    EXPECT_TRUE(same(s.finish().logits[0], ref_logits));
+    Session plain = Session::run(f.model, f.prompts);
+    plain.read_live(0, "layers.1.linear_attn.betas");
+    EXPECT_TRUE(same(plain.finish().logits[0], base));
+  }
+  {  // A write of the live value supersedes the changes before it; later changes still count.
+    Session s = Session::run(f.model, f.prompts);
+    Tensor b = s.read_live(0, "layers.1.linear_attn.betas");
+    const Tensor orig = b.clone();
+    Tensor seven = b.clone();
+    for (int64_t i = 0; i < seven.numel(); ++i) seven[i] *= 7.0f;
+    b[0] = 123.0f;  // superseded by the write below
+    s.write(0, "layers.1.linear_attn.betas", seven);
+    std::copy(orig.begin(), orig.end(), b.data());
+    zero_token3(b);
+    EXPECT_TRUE(same(s.finish().logits[0], ref_logits));
+  }
+  {  // A change that cannot be applied raises the write's error type, naming the edit.
+    Session s = Session::run(f.model, f.prompts);
+    s.read_live(0, "layers.0.linear_attn.decays");
+    Tensor b = s.read_live(0, "layers.0.linear_attn.betas");  // served from the moment's copy
+    b[0] = 0.0f;
+    const std::string msg = message_of([&] { s.read(0, "logits"); });
+    EXPECT_NE(msg.find("in-place edit of 'layers.0.linear_attn.betas' (read at step 0) could not be applied: "),
+              std::string::npos) << msg;
+    EXPECT_THROW(
+        {
+          Session s2 = Session::run(f.model, f.prompts);
+          s2.read_live(0, "layers.0.linear_attn.decays");
+          Tensor b2 = s2.read_live(0, "layers.0.linear_attn.betas");
+          b2[0] = 0.0f;
+          s2.settle();
+        },
+        OutOfOrderError);
+    Session s3 = Session::run(f.model, f.prompts);
+    Tensor b3 = s3.read_live(0, "layers.0.linear_attn.betas");
+    b3[0] = -1.0f;  // betas must be >= 0
+    EXPECT_THROW(s3.reach_step(0), WriteError);
+  }
+}
+
 TEST(Session, StateInputOfAFreshPromptIsNoneAndWritingItStartsFromThatState) {
   Fixture f("g1_chunks");
   Session a = Session::run(f.model, f.prompts);
