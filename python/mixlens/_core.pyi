@@ -149,6 +149,28 @@ class Session:
 
     def read(self, step: int, path: str) -> object: ...
 
+    def set_output(self, cls: object, from_numpy: object | None, error: object) -> None:
+        """
+        Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, error(step, path) -> the WriteError for an edit of a released value.
+        """
+
+    def read_value(self, step: int, path: str) -> object:
+        """
+        read() whose value is live (Session::read_live): in-place edits reach the forward when the block moves on; values the forward has passed are released (numpy: read-only; torch: checked).
+        """
+
+    def write_value(self, step: int, path: str, value: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)]) -> None: ...
+
+    def settle(self) -> None:
+        """
+        Apply in-place edits of the live value now and release it (the block moves on).
+        """
+
+    def close_values(self, check: bool = False) -> None:
+        """
+        The block ends: values read become ordinary arrays again (check: raise for released torch edits first).
+        """
+
     def write(self, step: int, path: str, value: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)]) -> None: ...
 
     def reach_step(self, step: int) -> bool: ...
