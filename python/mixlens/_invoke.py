@@ -35,12 +35,18 @@ from ._convert import as_float32, to_output
 from ._inplace import LiveValues
 from .errors import InputError
 
-_local = threading.local()
+class _Local(threading.local):
+    # A class default: getattr(local, name, None) on a missing name raises and catches an
+    # AttributeError, ~1 us of every value read (issue 9 item 5).
+    invoke: Optional["_Invoke"] = None
+
+
+_local = _Local()
 
 
 def current() -> Optional["_Invoke"]:
     """The invoke whose body runs on this thread, if any."""
-    return getattr(_local, "invoke", None)
+    return _local.invoke
 
 
 class _SkipBody(Exception):

@@ -295,11 +295,14 @@ class _Envoy:
                 return self._set_state_after
             return self._model._read(self._state_path(self._current_token("read")))
         path = self._prefix + name
-        if self._model._open_tracer() is None and not self._model._known(path):
+        model = self._model
+        ref = model._open
+        t = ref() if ref is not None else None
+        if (t is None or t._session is None) and not model._known(path):
             names = ", ".join(self._names()) or "none"
             raise UnknownAttributeError(f"'{path}' is not a value of this model (values here: {names})")
         try:
-            return self._model._read(path)
+            return model._read(path)
         except UnknownAttributeError:
             raise
         except UnknownValueError as e:  # also an AttributeError, so hasattr() answers False
