@@ -26,12 +26,7 @@ import torch.nn.functional as F
 
 import oracle_hybrids as oh
 import oracle_mamba2 as om
-
-
-def _set_index(t: torch.Tensor, edit: dict) -> torch.Tensor:
-    out = t.clone()
-    out[:, int(edit["index"])] = float(edit["value"])
-    return out
+from grad_common import collect, set_index as _set_index
 
 
 class _Grad:
@@ -223,11 +218,4 @@ def run(model, prompts, metric, pad_id=0, scan="hf", edits=()) -> dict[str, np.n
     bad = [e["path"] for e in g.edits if g.applied[id(e)] != 1]
     if bad:
         raise RuntimeError(f"edits {bad} were not applied exactly once")
-    grads = {}
-    for path, sts in g.keep_states.items():
-        grads[path] = torch.stack([s.grad for s in sts], 1).transpose(-1, -2).contiguous().numpy().copy()
-    for path, t in g.keep.items():
-        gr = t.grad if t.grad is not None else torch.zeros_like(t)
-        grads[path] = gr.detach().float().contiguous().numpy().copy()
-    grads["metric"] = np.array(float(m.detach()))
-    return grads
+    return collect(g.keep, g.keep_states, m, transpose_states=True)
