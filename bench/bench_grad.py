@@ -4,7 +4,7 @@ transformers' autograd doing the same, with peak memory.
 
     .venv/bin/python bench/bench_grad.py --family mamba2 [qwen3_5 mamba qwen3_next nemotron_h bamba falcon_h1]
         [--layout NAME ...] [--tokens 1024] [--repeats 3] [--threads N] [--routes default recurrent chunked]
-        [--no-transformers] [--no-memory] [--quick] [--out bench/results/grad.md]
+        [--no-transformers] [--memory all|fb|none] [--quick] [--out bench/results/grad.md]
 
 --quick: 128 tokens, 1 repeat (a smoke run of the whole script). Each layout's section of --out is
 replaced (the other sections are kept), so families measured in separate runs share one file.
@@ -73,7 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--routes", nargs="+", choices=["default", "recurrent", "chunked"], default=["default"])
     ap.add_argument("--quick", action="store_true", help="128 tokens, 1 repeat")
     ap.add_argument("--no-transformers", action="store_true", help="mixlens only")
-    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--memory", choices=["all", "fb", "none"], default="all",
+                    help="peak-memory subprocesses for every call, the fwd+bwd calls only, or none")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "grad.md"))
     ap.add_argument("--child", nargs=4, metavar=("LAYOUT", "ROUTE", "WHAT", "TOKENS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -257,18 +258,20 @@ def child(layout: str, route: str, what: str, n: int) -> None:
 
 
 def peak_memory(layout: str, route: str, what: str, n: int) -> dict | None:
-    if ARGS.no_memory:
+    if ARGS.memory == "none" or (ARGS.memory == "fb" and not what.endswith("fb")):
         return None
     cmd = [sys.executable, __file__, "--threads", str(ARGS.threads), "--child", layout, route, what, str(n)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        return None
+        return {"failed": (r.stderr.strip().splitlines() or ["?"])[-1][:120]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------------- the report
 def fmt_mem(m: dict | None) -> str:
-    return "failed" if m is None else f"{m['peak']:.0f} (+{m['peak'] - m['loaded']:.0f})"
+    if m is not None and "failed" in m:
+        return f"failed ({m['failed']})"
+    return "not measured" if m is None else f"{m['peak']:.0f} (+{m['peak'] - m['loaded']:.0f})"
 
 
 def run_layout(layout: str) -> list[str]:
@@ -339,7 +342,7 @@ def run_layout(layout: str) -> list[str]:
                          f"({ratio(best, fb, f, 'wall')}) | {cell(best, 'hf_fwd')} | {cell(best, 'hf_fb')} | "
                          f"{ratio(best, 'hf_fb', fb, 'cpu')} ({ratio(best, 'hf_fb', fb, 'wall')}) | "
                          f"{min(loads):.1f}-{max(loads):.1f} |")
-    if not ARGS.no_memory:
+    if ARGS.memory != "none":
         lines += ["", "Peak RSS in MiB of one call in a fresh process (increase over the loaded model in brackets):", "",
                   "| tokens | route | mixlens fwd | mixlens fwd+bwd | transformers fwd | transformers fwd+bwd |",
                   "|---|---|---|---|---|---|"]

@@ -27,6 +27,27 @@ def set_index(t: torch.Tensor, edit: dict) -> torch.Tensor:
     return out
 
 
+def mixlens_edits(edits) -> dict:
+    """The same set_index edits as mixlens edit functions ({path: fn}, in place on the served value)."""
+    def setter(e):
+        def f(v):
+            v[:, e["index"]] = e["value"]
+            return v
+        return f
+
+    return {e["path"]: setter(e) for e in edits}
+
+
+def scan_dt(a: dict) -> torch.Tensor:
+    """The dt transformers' mamba2_chunk_scan uses, from its bound arguments: (+ dt_bias), softplus, clamp."""
+    dt = a["dt"]
+    if a["dt_bias"] is not None:
+        dt = dt + a["dt_bias"].to(dt.dtype)
+    if a["dt_softplus"]:
+        dt = torch.nn.functional.softplus(dt)
+    return torch.clamp(dt, min=a["dt_limit"][0], max=a["dt_limit"][1])
+
+
 def leaf(store: dict, out: torch.Tensor) -> torch.Tensor:
     """The embeddings as the graph's leaf (the weights are frozen): every value downstream requires grad."""
     return keep(store, "embed_tokens.output", out.detach().requires_grad_(True))

@@ -22,11 +22,10 @@ import inspect
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import oracle_hybrids as oh
 import oracle_mamba2 as om
-from grad_common import collect, set_index as _set_index
+from grad_common import collect, scan_dt, set_index as _set_index
 
 
 class _Grad:
@@ -67,12 +66,7 @@ class _Grad:
         if a["initial_states"] is not None:
             raise NotImplementedError("the gradient oracle runs fresh prompts")
         base = f"layers.{self.block}.linear_attn."
-        dt = a["dt"]
-        if a["dt_bias"] is not None:
-            dt = dt + a["dt_bias"].to(dt.dtype)
-        if a["dt_softplus"]:
-            dt = F.softplus(dt)
-        dt = torch.clamp(dt, min=a["dt_limit"][0], max=a["dt_limit"][1])
+        dt = scan_dt(a)
         ed = lambda n, t: self.edit("linear_attn", n, t)  # noqa: E731
         x = self.put(base + "attention_values", ed("attention_values", a["hidden_states"]))
         Bm = self.put(base + "attention_keys", ed("attention_keys", a["B"]))

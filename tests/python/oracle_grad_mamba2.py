@@ -23,11 +23,10 @@ import inspect
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers.models.mamba2.modeling_mamba2 as mm2
 
 import oracle_mamba2 as om
-from grad_common import collect, hook_ssm_backbone, keep as _keep, set_index as _set_index
+from grad_common import collect, scan_dt, hook_ssm_backbone, keep as _keep, set_index as _set_index
 
 
 def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndarray]:
@@ -59,12 +58,7 @@ def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndar
             raise NotImplementedError("the gradient oracle runs fresh prompts")
         li = cur["layer"]
         base = f"layers.{li}.linear_attn."
-        dt = a["dt"]
-        if a["dt_bias"] is not None:
-            dt = dt + a["dt_bias"].to(dt.dtype)
-        if a["dt_softplus"]:
-            dt = F.softplus(dt)
-        dt = torch.clamp(dt, min=a["dt_limit"][0], max=a["dt_limit"][1])
+        dt = scan_dt(a)
         x = _keep(keep, base + "attention_values", edit("attention_values", a["hidden_states"]))
         Bm = _keep(keep, base + "attention_keys", edit("attention_keys", a["B"]))
         Cm = _keep(keep, base + "attention_queries", edit("attention_queries", a["C"]))

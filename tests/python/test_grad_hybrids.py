@@ -19,7 +19,7 @@ import torch
 import mixlens
 import oracle_grad_hybrids as og
 from conftest import rel_rms
-from grad_common import TOL, compare, mixlens_grads as grads_of
+from grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
 
 PAD = 0
 
@@ -137,13 +137,7 @@ def edits_for(case):
 def test_gradients_through_edits_match_torch(case, route):
     edits = edits_for(case)
 
-    def setter(e):
-        def f(v):
-            v[:, e["index"]] = e["value"]
-            return v
-        return f
-
-    got, _ = mixlens_grads(case, {e["path"]: setter(e) for e in edits})
+    got, _ = mixlens_grads(case, mixlens_edits(edits))
     ref = case.ref("recurrence", edits)
     compare(got, ref, "edited")
     # The edits change the gradients (they are taken through the edited forward).

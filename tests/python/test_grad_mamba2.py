@@ -13,7 +13,7 @@ import torch
 import mixlens
 import oracle_grad_mamba2 as og
 from conftest import SHIPPED_MODEL, build_mamba2, rel_rms
-from grad_common import TOL, compare, mixlens_grads as grads_of
+from grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
 
 
 CASES = {
@@ -89,13 +89,7 @@ def test_gradients_through_edits_match_torch(case, route):
              dict(path="layers.0.linear_attn.attention_values", index=1, value=0.25),
              dict(path="layers.0.linear_attn.attention_output", index=3, value=0.0)]
 
-    def setter(e):
-        def f(v):
-            v[:, e["index"]] = e["value"]
-            return v
-        return f
-
-    got, _ = mixlens_grads(case, {e["path"]: setter(e) for e in edits})
+    got, _ = mixlens_grads(case, mixlens_edits(edits))
     ref = og.run(case.torch_model, case.prompts, case.metric, scan="recurrence", edits=edits)
     compare(got, ref, "edited")
     # Written elements are constants: nothing flows through them to what computed them.

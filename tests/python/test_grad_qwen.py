@@ -18,7 +18,7 @@ import transformers
 import mixlens
 import oracle_grad_qwen as og
 from conftest import REPO, rel_rms
-from grad_common import TOL, compare, mixlens_grads
+from grad_common import TOL, compare, mixlens_edits, mixlens_grads
 
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
@@ -114,13 +114,7 @@ def test_gradients_through_edits_match_torch(case, route):
     if case.cont:
         edits.append(dict(path=f"layers.{lin[-1]}.linear_attn.state_input", index=1, value=0.0))
 
-    def setter(e):
-        def f(v):
-            v[:, e["index"]] = e["value"]
-            return v
-        return f
-
-    got, _ = case.mixlens_grads({e["path"]: setter(e) for e in edits})
+    got, _ = case.mixlens_grads(mixlens_edits(edits))
     ref = case.torch_grads("explicit", edits)
     compare(got, ref, "edited")
     # A written element is a constant: its own gradient is served, nothing flows through it upstream.
