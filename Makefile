@@ -18,7 +18,7 @@ export ASAN_OPTIONS  ?= detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS  ?= halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-families bench-state-after clean docs wheel stubs
+.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-families bench-state-after bench-grad clean docs wheel stubs
 
 # `setup`: what building and `make demo` need (requirements-build.txt: no torch / transformers);
 # `setup-dev`: the test dependencies on top (requirements-dev.txt), for make test / docs / bench.
@@ -113,6 +113,12 @@ bench-families: setup-dev build
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.
 bench-state-after: setup-dev build
 	$(PY) bench/bench_state_after.py $(BENCH_ARGS)
+
+# Gradients (issue 12): forward + backward vs forward and vs transformers' autograd, per family;
+# bench/results/grad.md (one section a layout). GRAD_FAMILIES picks the families.
+GRAD_FAMILIES ?= mamba2 qwen3_5
+bench-grad: setup-dev build
+	$(PY) bench/bench_grad.py --family $(GRAD_FAMILIES) $(BENCH_ARGS)
 
 # API reference generated from the docstrings (pdoc), into build/docs.
 docs: setup-dev build

@@ -1,28 +1,37 @@
 #!/usr/bin/env python
-"""Native gradients (issue 12): forward + backward time against a forward, and against transformers'
-autograd doing the same, with peak memory, on the mamba2-130m and Qwen3.5-0.8B layouts.
+"""Native gradients (issue 12), every family: forward + backward time against a forward, and against
+transformers' autograd doing the same, with peak memory.
 
-    .venv/bin/python bench/bench_grad.py [--layout mamba2-130m qwen3.5-0.8b] [--tokens 1024] [--repeats 3]
-                                         [--threads N] [--quick] [--out bench/results/grad.md]
+    .venv/bin/python bench/bench_grad.py --family mamba2 [qwen3_5 mamba qwen3_next nemotron_h bamba falcon_h1]
+        [--layout NAME ...] [--tokens 1024] [--repeats 3] [--threads N] [--routes default recurrent chunked]
+        [--no-transformers] [--memory all|fb|none] [--quick] [--out bench/results/grad.md]
 
---quick: 128 tokens, 1 repeat (a smoke run of the whole script).
+--quick: 128 tokens, 1 repeat (a smoke run of the whole script). Each layout's section of --out is
+replaced (the other sections are kept), so families measured in separate runs share one file.
 
-Models: random weights in the published layouts (scripts/published_layout_cache.py for mamba2-130m;
-scripts/make_published_layout.py's cached_qwen3_5_0_8b for Qwen3.5-0.8B, bf16 on disk: both libraries
-compute in float32 from the same bf16-rounded weights). Metric: log p(token 7) at the last position;
-the gradients of every layer's layer_output are computed (attribution patching's need).
+Layouts (random weights; --family picks the first of its family's, --layout names any):
+- mamba2-130m, mamba-130m, qwen3.5-0.8b (24 layers, the published 248320-token LM head), and the
+  hybrids' published layouts (nemotron_h-published, bamba-published, falcon_h1-published): bench/harness.py
+  ``checkpoints()``, the same folders the speed harness measures (bf16 on disk where the release is:
+  both libraries compute in float32 from the same bf16-rounded weights).
+- qwen3.5-0.8b-x4: Qwen3.5-0.8B's per-layer layout cut to 4 blocks (3 GDN + 1 attention) and a
+  32768-token vocabulary; qwen3-next-moe-x4: the same with a Qwen3-Next MoE (8 experts, top 2, shared
+  expert); mamba-tiny: the shipped models/mamba-tinystories; nemotron_h-small, bamba-small,
+  falcon_h1-small: hidden 256, 6-8 blocks (scripts/make_fixtures_hybrids.py's builder).
+Metric: log p(token 7) at the last position; the gradients of every layer's layer_output are computed
+(attribution patching's need).
 - mixlens forward: ``model.trace(ids)`` (nothing saved); forward + backward: ``model.trace(ids,
-  grad=True)`` then ``tr.backward(LogProb(7), paths=every layer_output)``.
+  grad=True)`` then ``tr.backward(LogProb(7), paths=every layer_output)``; once per --routes entry
+  (``route_kernels(family, route)``).
 - transformers: its pure-torch forward with inputs_embeds as the leaf (weights frozen, so no weight
   gradients), retain_grad on every hidden state, then ``.backward()``; its no-grad forward for reference.
 Timing: the measured calls alternate within each round (mixlens fwd, mixlens fwd+bwd, transformers fwd,
 transformers fwd+bwd), after a warm-up (mixlens' calls, transformers' on 16 tokens); each call's process
-CPU time (every thread) and wall time are recorded with the 1-minute load average. Ratios use the best (least disturbed) of the rounds; CPU
-time is the better measure on a shared machine (wall time includes waiting for a core).
+CPU time (every thread) and wall time are recorded with the 1-minute load average. Ratios use the best
+(least disturbed) of the rounds; CPU time is the better measure on a shared machine (wall time includes
+waiting for a core).
 Peak memory: each configuration runs once more in a fresh subprocess, which reports its peak RSS after
 loading the model and at the end (the increase is what the call needs beyond the weights).
-A layout whose family has no backward yet reports "backward not implemented" (with the library's
-message) in place of its fwd+bwd numbers; its forward and transformers' numbers are still measured.
 Not a test: absolute times depend on the machine.
 """
 
@@ -34,30 +43,46 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = ("mamba2-130m", "qwen3.5-0.8b")
 TOKEN = 7  # the metric's target token
+# layout -> family (route_kernels name). The first layout of a family is its default.
+LAYOUTS = {
+    "mamba2-130m": "mamba2",
+    "qwen3.5-0.8b": "qwen3_5", "qwen3.5-0.8b-x4": "qwen3_5",
+    "mamba-130m": "mamba", "mamba-tiny": "mamba",
+    "qwen3-next-moe-x4": "qwen3_next",
+    "nemotron_h-small": "nemotron_h", "nemotron_h-published": "nemotron_h",
+    "bamba-small": "bamba", "bamba-published": "bamba",
+    "falcon_h1-small": "falcon_h1", "falcon_h1-published": "falcon_h1",
+}
+FAMILIES = tuple(dict.fromkeys(LAYOUTS.values()))
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["mamba2-130m"])
+    ap.add_argument("--family", nargs="+", choices=FAMILIES, default=[])
+    ap.add_argument("--layout", nargs="+", choices=list(LAYOUTS), default=[])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024])
+    ap.add_argument("--routes", nargs="+", choices=["default", "recurrent", "chunked"], default=["default"])
     ap.add_argument("--quick", action="store_true", help="128 tokens, 1 repeat")
     ap.add_argument("--no-transformers", action="store_true", help="mixlens only")
+    ap.add_argument("--memory", choices=["all", "fb", "none"], default="all",
+                    help="peak-memory subprocesses for every call, the fwd+bwd calls only, or none")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "grad.md"))
-    ap.add_argument("--child", nargs=3, metavar=("LAYOUT", "WHAT", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, metavar=("LAYOUT", "ROUTE", "WHAT", "TOKENS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
         a.tokens, a.repeats = [128], 1
+    a.layouts = list(dict.fromkeys(a.layout + [next(k for k, f in LAYOUTS.items() if f == fam) for fam in a.family]))
+    if not a.layouts and not a.child:
+        ap.error("name at least one --family or --layout")
     return a
 
 
@@ -85,31 +110,69 @@ def load_avg() -> float:
 
 
 # ----------------------------------------------------------------------------------- the layouts
+LIN, FULL = "linear_attention", "full_attention"
+QWEN_X4 = dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+               layer_types=[LIN, LIN, LIN, FULL], num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+               linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+QWEN_NEXT_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, decoder_sparse_step=1)
+SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+HYBRIDS_SMALL = {
+    "nemotron_h": dict(SMALL, hybrid_override_pattern="M-M*M-M-", mamba_num_heads=8, mamba_head_dim=32,
+                       ssm_state_size=64, n_groups=2, head_dim=32, chunk_size=64),
+    "bamba": dict(SMALL, num_hidden_layers=6, attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=64,
+                  mamba_n_groups=1, mamba_d_state=64, mamba_chunk_size=64),
+    "falcon_h1": dict(SMALL, num_hidden_layers=6, mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64,
+                      mamba_n_groups=1, mamba_d_state=64, mamba_chunk_size=64),
+}
+
+
+def built(name: str, make) -> Path:
+    """A random-weight folder made once by ``make(folder)`` under build/grad-bench (a marker is written last)."""
+    out = REPO / "build" / "grad-bench" / name
+    if not (out / ".complete").is_file():
+        make(out)
+        (out / ".complete").write_text("ok\n")
+    return out
+
+
 def layout_path(layout: str) -> Path:
-    if layout == "mamba2-130m":
-        import published_layout_cache
+    import harness
 
-        return published_layout_cache.cached_layout()
-    import make_published_layout
+    fam = LAYOUTS[layout]
+    if layout in ("mamba2-130m", "mamba-130m", "qwen3.5-0.8b") or layout.endswith("-published"):
+        return harness.checkpoints([fam])[fam]
+    if layout == "mamba-tiny":
+        return REPO / "models" / "mamba-tinystories"
+    if layout.endswith("-small"):
+        import make_fixtures_hybrids as mh
 
-    return make_published_layout.cached_qwen3_5_0_8b(REPO / "build" / "published")
+        return built(layout, lambda d: mh.build_model(fam, HYBRIDS_SMALL[fam], seed=1).save_pretrained(d))
+    import transformers
+
+    def make_qwen(d, cls, cfg_cls, extra):
+        torch.manual_seed(0)
+        getattr(transformers, cls)(getattr(transformers, cfg_cls)(**dict(QWEN_X4, **extra))).save_pretrained(d)
+
+    if layout == "qwen3.5-0.8b-x4":
+        return built(layout, lambda d: make_qwen(d, "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", {}))
+    return built(layout, lambda d: make_qwen(d, "Qwen3NextForCausalLM", "Qwen3NextConfig", QWEN_NEXT_MOE))
 
 
 def load_mixlens(path: Path):
     return mixlens.StandardizedTransformer(str(path), output="torch")
 
 
-def load_transformers(layout: str, path: Path):
-    if layout == "mamba2-130m":
-        from transformers import Mamba2ForCausalLM
+def load_transformers(path: Path):
+    """transformers' model in float32 from the folder's weights (bf16-rounded where stored in bf16)."""
+    import transformers
 
-        hf = Mamba2ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    else:
-        from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
-
-        cls = (Qwen3_5ForConditionalGeneration if AutoConfig.from_pretrained(path).model_type == "qwen3_5"
-               else Qwen3_5ForCausalLM)
-        hf = cls.from_pretrained(str(path), dtype=torch.bfloat16).float()  # the bf16-rounded weights, in float32
+    cfg = json.loads((path / "config.json").read_text())
+    cls = (transformers.Qwen3_5ForConditionalGeneration if cfg.get("model_type") == "qwen3_5"
+           else transformers.AutoModelForCausalLM)
+    hf = cls.from_pretrained(str(path), dtype="auto").float()
     hf.eval()
     for p in hf.parameters():
         p.requires_grad_(False)
@@ -177,50 +240,70 @@ def timed(fn) -> dict:
 
 
 # ----------------------------------------------------------------------------------- memory (child)
-def child(layout: str, what: str, n: int) -> None:
+def child(layout: str, route: str, what: str, n: int) -> None:
     """One call in a fresh process: prints {"loaded": MiB, "peak": MiB} (peak RSS after loading, at the end)."""
     path = layout_path(layout)
     ids = prompt(path, n)
     if what.startswith("ml"):
+        mixlens.route_kernels(LAYOUTS[layout], route)
         ml = load_mixlens(path)
         loaded = rss_mib()
         fwd, fb = ml_calls(ml, ids)
     else:
-        hf = load_transformers(layout, path)
+        hf = load_transformers(path)
         loaded = rss_mib()
         fwd, fb = hf_calls(hf, ids)
     (fb if what.endswith("fb") else fwd)()
     print(json.dumps({"loaded": loaded, "peak": rss_mib()}))
 
 
-def peak_memory(layout: str, what: str, n: int) -> dict | None:
-    cmd = [sys.executable, __file__, "--threads", str(ARGS.threads), "--child", layout, what, str(n)]
+def peak_memory(layout: str, route: str, what: str, n: int) -> dict | None:
+    if ARGS.memory == "none" or (ARGS.memory == "fb" and not what.endswith("fb")):
+        return None
+    cmd = [sys.executable, __file__, "--threads", str(ARGS.threads), "--child", layout, route, what, str(n)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        return None
+        return {"failed": (r.stderr.strip().splitlines() or ["?"])[-1][:120]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------------- the report
 def fmt_mem(m: dict | None) -> str:
-    return "failed" if m is None else f"{m['peak']:.0f} (+{m['peak'] - m['loaded']:.0f})"
+    if m is not None and "failed" in m:
+        return f"failed ({m['failed']})"
+    return "not measured" if m is None else f"{m['peak']:.0f} (+{m['peak'] - m['loaded']:.0f})"
 
 
 def run_layout(layout: str) -> list[str]:
+    fam = LAYOUTS[layout]
     path = layout_path(layout)
     ml = load_mixlens(path)
-    hf = None if ARGS.no_transformers else load_transformers(layout, path)
+    hf = None if ARGS.no_transformers else load_transformers(path)
     unsupported = backward_support(ml, prompt(path, 8))
-    lines = [f"## {layout} layout", ""]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"## {layout} ({fam})", "",
+             f"{when}, {platform.machine()}, {os.cpu_count()} cores, {ARGS.threads} threads for both libraries, "
+             f"best of {ARGS.repeats} interleaved rounds after a warm-up; load = 1-minute load average at each call. "
+             f"`.venv/bin/python bench/bench_grad.py {' '.join(sys.argv[1:])}`.", ""]
     if unsupported:
         lines += [f"mixlens: backward not implemented for this layout ({unsupported}).", ""]
     rows = []
     for n in ARGS.tokens:
         ids = prompt(path, n)
-        calls = {}
-        calls["ml_fwd"], ml_fb = ml_calls(ml, ids)
-        if not unsupported:
-            calls["ml_fb"] = ml_fb
+        calls = {}  # "ml_fwd@route" / "ml_fb@route" / "hf_fwd" / "hf_fb"
+        for route in ARGS.routes:
+            def routed(fn, route=route):
+                def call():
+                    mixlens.route_kernels(fam, route)
+                    try:
+                        fn()
+                    finally:
+                        mixlens.route_kernels(fam, "default")
+                return call
+            fwd, fb = ml_calls(ml, ids)
+            calls[f"ml_fwd@{route}"] = routed(fwd)
+            if not unsupported:
+                calls[f"ml_fb@{route}"] = routed(fb)
         if hf is not None:
             calls["hf_fwd"], calls["hf_fb"] = hf_calls(hf, ids)
         # Warm-up: mixlens' calls as measured (first touch of the mapped weights); transformers' on 16
@@ -237,31 +320,39 @@ def run_layout(layout: str) -> list[str]:
                 runs[k].append(timed(fn))
         best = {k: {m: min(r[m] for r in v) for m in ("cpu", "wall")} for k, v in runs.items()}
         loads = [r["load"] for v in runs.values() for r in v]
-        mem = {k: peak_memory(layout, k, n) for k in calls}
+        mem = {k: peak_memory(layout, k.partition("@")[2] or "default", k.partition("@")[0], n) for k in calls}
         rows.append((n, best, runs, loads, mem))
 
     def ratio(best, a, b, m):
         return f"{best[a][m] / best[b][m]:.2f}" if a in best and b in best else "n/a"
 
-    lines += ["| tokens | mixlens fwd s (cpu / wall) | mixlens fwd+bwd s (cpu / wall) | fwd+bwd / fwd, cpu (wall) "
-              "[target <= 3] | transformers fwd s (cpu / wall) | transformers fwd+bwd s (cpu / wall) | "
-              "transformers / mixlens fwd+bwd, cpu (wall) [target >= 2] | load (min-max) |",
-              "|---|---|---|---|---|---|---|---|"]
     na = "backward not implemented" if unsupported else "n/a"
+
+    def cell(best, k):
+        return f"{best[k]['cpu']:.3f} / {best[k]['wall']:.3f}" if k in best else (na if k.startswith("ml_fb") else "n/a")
+
+    lines += ["| tokens | route | mixlens fwd s (cpu / wall) | mixlens fwd+bwd s (cpu / wall) | fwd+bwd / fwd, cpu "
+              "(wall) [target <= 3] | transformers fwd s (cpu / wall) | transformers fwd+bwd s (cpu / wall) | "
+              "transformers / mixlens fwd+bwd, cpu (wall) [target >= 2] | load (min-max) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for n, best, runs, loads, mem in rows:
-        def cell(k):
-            return f"{best[k]['cpu']:.3f} / {best[k]['wall']:.3f}" if k in best else (na if k == "ml_fb" else "n/a")
-        lines.append(f"| {n} | {cell('ml_fwd')} | {cell('ml_fb')} | {ratio(best, 'ml_fb', 'ml_fwd', 'cpu')} "
-                     f"({ratio(best, 'ml_fb', 'ml_fwd', 'wall')}) | {cell('hf_fwd')} | {cell('hf_fb')} | "
-                     f"{ratio(best, 'hf_fb', 'ml_fb', 'cpu')} ({ratio(best, 'hf_fb', 'ml_fb', 'wall')}) | "
-                     f"{min(loads):.1f}-{max(loads):.1f} |")
-    lines += ["", "Peak RSS in MiB of one call in a fresh process (increase over the loaded model in brackets):", "",
-              "| tokens | mixlens fwd | mixlens fwd+bwd | transformers fwd | transformers fwd+bwd |", "|---|---|---|---|---|"]
-    for n, best, runs, loads, mem in rows:
-        lines.append(f"| {n} | {fmt_mem(mem.get('ml_fwd'))} | "
-                     f"{fmt_mem(mem['ml_fb']) if 'ml_fb' in mem else na} | "
-                     f"{fmt_mem(mem['hf_fwd']) if 'hf_fwd' in mem else 'n/a'} | "
-                     f"{fmt_mem(mem['hf_fb']) if 'hf_fb' in mem else 'n/a'} |")
+        for route in ARGS.routes:
+            f, fb = f"ml_fwd@{route}", f"ml_fb@{route}"
+            lines.append(f"| {n} | {route} | {cell(best, f)} | {cell(best, fb)} | {ratio(best, fb, f, 'cpu')} "
+                         f"({ratio(best, fb, f, 'wall')}) | {cell(best, 'hf_fwd')} | {cell(best, 'hf_fb')} | "
+                         f"{ratio(best, 'hf_fb', fb, 'cpu')} ({ratio(best, 'hf_fb', fb, 'wall')}) | "
+                         f"{min(loads):.1f}-{max(loads):.1f} |")
+    if ARGS.memory != "none":
+        lines += ["", "Peak RSS in MiB of one call in a fresh process (increase over the loaded model in brackets):", "",
+                  "| tokens | route | mixlens fwd | mixlens fwd+bwd | transformers fwd | transformers fwd+bwd |",
+                  "|---|---|---|---|---|---|"]
+        for n, best, runs, loads, mem in rows:
+            for route in ARGS.routes:
+                fb = f"ml_fb@{route}"
+                lines.append(f"| {n} | {route} | {fmt_mem(mem.get(f'ml_fwd@{route}'))} | "
+                             f"{fmt_mem(mem[fb]) if fb in mem else na} | "
+                             f"{fmt_mem(mem['hf_fwd']) if 'hf_fwd' in mem else 'n/a'} | "
+                             f"{fmt_mem(mem['hf_fb']) if 'hf_fb' in mem else 'n/a'} |")
     lines += ["", "Every round (s, cpu / wall, load):", ""]
     for n, best, runs, loads, mem in rows:
         for k, v in runs.items():
@@ -271,22 +362,39 @@ def run_layout(layout: str) -> list[str]:
     return lines + [""]
 
 
+HEADER = ["# Gradients: forward + backward vs forward, and vs transformers' autograd (bench/bench_grad.py)", "",
+          "One section a layout, each replaced when that layout is measured again (the machine is shared: the "
+          "CPU-time ratios measured interleaved are the figures to read; the load is recorded per call).", ""]
+
+
+def merge_sections(old: str, new: dict[str, list[str]]) -> str:
+    """--out's text with the sections of `new` (by their "## layout" heading) replaced or appended."""
+    sections: dict[str, list[str]] = {}
+    cur = None
+    for line in old.splitlines():
+        if line.startswith("## "):
+            cur = line[3:].split(" (")[0]
+            sections[cur] = []
+        if cur is not None:
+            sections[cur].append(line)
+    for k, v in new.items():
+        sections[k] = v
+    order = sorted(sections, key=lambda k: k.startswith("Earlier runs"))  # the historical section stays last
+    sections = {k: sections[k] for k in order}
+    return "\n".join(HEADER + [ln for v in sections.values() for ln in v]).rstrip() + "\n"
+
+
 def main():
     if ARGS.child:
-        layout, what, n = ARGS.child
-        child(layout, what, int(n))
+        layout, route, what, n = ARGS.child
+        child(layout, route, what, int(n))
         return
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# Gradients: forward + backward vs forward, and vs transformers' autograd", "",
-             f"{when}, {platform.machine()}, {os.cpu_count()} cores, {ARGS.threads} threads for both libraries, "
-             f"best of {ARGS.repeats} interleaved rounds after a warm-up; load = 1-minute load average at each call. "
-             f"`.venv/bin/python bench/bench_grad.py {' '.join(sys.argv[1:])}`.", ""]
-    for layout in ARGS.layout:
-        lines += run_layout(layout)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(ARGS.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ARGS.out).write_text(text)
+    new = {layout: run_layout(layout) for layout in ARGS.layouts}
+    out = Path(ARGS.out)
+    text = merge_sections(out.read_text() if out.exists() else "", new)
+    print("\n".join(ln for v in new.values() for ln in v))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 if __name__ == "__main__":

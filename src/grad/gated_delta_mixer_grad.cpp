@@ -31,17 +31,28 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
   Tensor window = before.conv[static_cast<size_t>(li)].clone();
   u_ = Tensor({B, T, cd});  // conv output before the SiLU
   ops::causal_conv1d(proj_.data(), pr, B, T, cd, w.K, w.conv_wT->data(), nullptr, window.data(), u_.data(), false);
+  // sigmoid(u) and sigmoid(z) once, vectorized: every SiLU and SiLU derivative below reads them.
+  su_ = Tensor({B, T, cd});
+  sz_ = Tensor({B, T, vd});
+  ops::sigmoid(u_.data(), su_.data(), BT * cd);
+  for (int64_t row = 0; row < BT; ++row) ops::sigmoid(proj_.data() + row * pr + cd, sz_.data() + row * vd, vd);
   q_ = Tensor({B, T, HV, Dk});
   k_ = Tensor({B, T, HV, Dk});
   v_ = Tensor({B, T, HV, Dv});
   for (int64_t row = 0; row < BT; ++row) {
     const float* src = u_.data() + row * cd;
-    for (int64_t j = 0; j < HV; ++j)
+    const float* sg = su_.data() + row * cd;
+    for (int64_t j = 0; j < HV; ++j) {
+      const int64_t qo = (j / r) * Dk, ko = kd + (j / r) * Dk;
+      float* qd = q_.data() + (row * HV + j) * Dk;
+      float* kdst = k_.data() + (row * HV + j) * Dk;
       for (int64_t d = 0; d < Dk; ++d) {
-        q_[(row * HV + j) * Dk + d] = ops::silu(src[(j / r) * Dk + d]);
-        k_[(row * HV + j) * Dk + d] = ops::silu(src[kd + (j / r) * Dk + d]);
+        qd[d] = silu_s(src[qo + d], sg[qo + d]);
+        kdst[d] = silu_s(src[ko + d], sg[ko + d]);
       }
-    for (int64_t c = 0; c < vd; ++c) v_[row * vd + c] = ops::silu(src[2 * kd + c]);
+    }
+    float* vrow = v_.data() + row * vd;
+    for (int64_t c = 0; c < vd; ++c) vrow[c] = silu_s(src[2 * kd + c], sg[2 * kd + c]);
   }
   tape.apply(li, Value::attention_queries, q_);
   tape.apply(li, Value::attention_keys, k_);
@@ -84,10 +95,13 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
     for (int64_t j = 0; j < HV; ++j) {
       const float* oj = o_.data() + (row * HV + j) * Dv;
       const float* z = proj_.data() + row * pr + cd + j * Dv;
+      const float* sg = sz_.data() + row * vd + j * Dv;
+      const float* gw = w.gnorm->data();
+      float* yj = y.data() + row * vd + j * Dv;
       float ss = 0.0f;
       for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w.eps);
-      for (int64_t e = 0; e < Dv; ++e) y[row * vd + j * Dv + e] = (*w.gnorm)[e] * (oj[e] * inv) * ops::silu(z[e]);
+      for (int64_t e = 0; e < Dv; ++e) yj[e] = gw[e] * (oj[e] * inv) * silu_s(z[e], sg[e]);
     }
   out_ = Tensor({B, T, w.D});
   ops::linear(y.data(), BT, vd, *w.out_proj, out_.data());
@@ -112,13 +126,17 @@ void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) c
     for (int64_t j = 0; j < HV; ++j) {
       const float* oj = o_.data() + (row * HV + j) * Dv;
       const float* z = proj_.data() + row * pr + cd + j * Dv;
+      const float* sg = sz_.data() + row * vd + j * Dv;
+      const float* gw = w_.gnorm->data();
+      const float* dyj = dy.data() + row * vd + j * Dv;
+      float* dynj = dyn.data() + row * vd + j * Dv;
+      float* dz = dproj.data() + row * pr + cd + j * Dv;
       float ss = 0.0f;
       for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w_.eps);
       for (int64_t e = 0; e < Dv; ++e) {
-        const int64_t c = row * vd + j * Dv + e;
-        dyn[c] = dy[c] * ops::silu(z[e]);
-        dproj[row * pr + cd + j * Dv + e] = dy[c] * (*w_.gnorm)[e] * (oj[e] * inv) * silu_grad(z[e]);
+        dynj[e] = dyj[e] * silu_s(z[e], sg[e]);
+        dz[e] = dyj[e] * gw[e] * (oj[e] * inv) * silu_grad_s(z[e], sg[e]);
       }
     }
   rmsnorm_backward(o_.data(), w_.gnorm->data(), dyn.data(), dO.data(), BT * HV, Dv, w_.eps, false, false);
@@ -165,7 +183,9 @@ void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) c
         d[kd + (j / r) * Dk + e] += dk[(row * HV + j) * Dk + e];
       }
     for (int64_t c = 0; c < vd; ++c) d[2 * kd + c] = dv[row * vd + c];
-    for (int64_t c = 0; c < cd; ++c) d[c] *= silu_grad(u_[row * cd + c]);
+    const float* uv = u_.data() + row * cd;
+    const float* sg = su_.data() + row * cd;
+    for (int64_t c = 0; c < cd; ++c) d[c] *= silu_grad_s(uv[c], sg[c]);
   }
   causal_conv1d_backward(du.data(), B, T, cd, w_.K, w_.conv_wT->data(), dproj.data(), pr);
   linear_backward(dproj.data(), BT, pr, *w_.in_proj, dn.data(), false);

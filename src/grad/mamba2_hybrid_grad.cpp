@@ -202,24 +202,7 @@ class HybridBackward {
     scale(dn, s_.attention_in_multiplier);
   }
 
-  // ---- MLPs --------------------------------------------------------------------------------------
-  // swiglu: down(up x * silu(gate x * gate_mult)) * down_mult; relu2: down(relu(up x)^2).
-  Tensor mlp_forward(const detail::HybridMlpWeights& m, const float* x, int64_t rows) const {
-    const int64_t I = s_.I, D = s_.D;
-    Tensor up({rows, I}), out({rows, D});
-    ops::linear(x, rows, D, m.up, up.data(), opt(m.up_b));
-    if (s_.mlp == detail::HybridMlp::swiglu) {
-      Tensor g({rows, I});
-      ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
-      for (int64_t k = 0; k < rows * I; ++k) up[k] *= ops::silu(g[k] * s_.mlp_gate_multiplier);
-    } else {
-      for (int64_t k = 0; k < rows * I; ++k) up[k] = std::max(up[k], 0.0f) * std::max(up[k], 0.0f);
-    }
-    ops::linear(up.data(), rows, I, m.down, out.data(), opt(m.down_b));
-    scale(out, s_.mlp_down_multiplier);
-    return out;
-  }
-
+  // ---- MLPs (forwards: models/mamba2_hybrid.cpp) -------------------------------------------------
   void mlp_backward(const detail::HybridMlpWeights& m, const Tensor& x, const Tensor& dout_in, Tensor& dx) const {
     const int64_t I = s_.I, D = s_.D;
     Tensor dout = dout_in.clone();
@@ -253,79 +236,17 @@ class HybridBackward {
     for (int64_t k = 0; k < rows * I; ++k) du[k] *= 2.0f * std::max(u[k], 0.0f);
     linear_backward(du.data(), rows, I, up_w, dx, accumulate);
   }
-  static Tensor relu2_forward(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in,
-                              int64_t I) {
-    Tensor u({rows, I}), out({rows, down_w.size(0)});
-    ops::linear(x, rows, in, up_w, u.data());
-    for (int64_t k = 0; k < rows * I; ++k) u[k] = std::max(u[k], 0.0f) * std::max(u[k], 0.0f);
-    ops::linear(u.data(), rows, I, down_w, out.data());
-    return out;
-  }
 
   // NemotronHMoE: the routing (which experts) is a constant; the chosen experts' weights
   // w_k = s_k / (sum_j s_j + 1e-20) * routed_scaling (s = sigmoid(router x)) and the experts are
   // differentiated, as torch autograd does through topk_weights.
-  Tensor moe_forward(const detail::HybridMoeWeights& m, const float* x, int64_t rows) const {
-    Tensor dummy;
-    return moe_impl(m, x, rows, nullptr, dummy);
-  }
-  void moe_backward(const detail::HybridMoeWeights& m, const Tensor& x, const Tensor& dout, Tensor& dx) const {
-    moe_impl(m, x.data(), BT_, dout.data(), dx);
-  }
-
-  // Forward (dout == nullptr: returns the output) or backward (writes dx [rows, D]).
-  Tensor moe_impl(const detail::HybridMoeWeights& m, const float* x, int64_t rows, const float* dout, Tensor& dx) const {
-    const int64_t E = s_.n_experts, D = s_.D, K = s_.topk, lat = s_.latent, in = lat > 0 ? lat : D;
-    Tensor logits({rows, E});
-    ops::linear(x, rows, D, m.router, logits.data());
-    std::vector<int64_t> chosen(static_cast<size_t>(rows * K));
-    std::vector<float> sc(static_cast<size_t>(rows * E)), tot(static_cast<size_t>(rows));
-    std::vector<std::vector<std::pair<int64_t, int64_t>>> routed(static_cast<size_t>(E));  // (row, k)
-    for (int64_t r = 0; r < rows; ++r) {
-      float* s = sc.data() + r * E;
-      for (int64_t e = 0; e < E; ++e) s[e] = ops::sigmoid(logits[r * E + e]);
-      const auto ei = detail::moe_choose(s_, m.bias, s);
-      float t = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        chosen[static_cast<size_t>(r * K + k)] = ei[static_cast<size_t>(k)];
-        t += s[ei[static_cast<size_t>(k)]];
-        routed[static_cast<size_t>(ei[static_cast<size_t>(k)])].push_back({r, k});
-      }
-      tot[static_cast<size_t>(r)] = t;
-    }
-    const auto weight = [&](int64_t r, int64_t k) {
-      const float s = sc[static_cast<size_t>(r * E + chosen[static_cast<size_t>(r * K + k)])];
-      return (s_.norm_topk ? s / (tot[static_cast<size_t>(r)] + 1e-20f) : s) * s_.routed_scaling;
-    };
-    Tensor xin;
-    const float* xe = x;
-    if (lat > 0) {
-      xin = Tensor({rows, in});
-      ops::linear(x, rows, D, m.fc1, xin.data(), opt(m.fc1_b));
-      xe = xin.data();
-    }
-    if (!dout) {  // forward
-      Tensor acc({rows, in});
-      for (int64_t e = 0; e < E; ++e) {
-        const auto& toks = routed[static_cast<size_t>(e)];
-        if (toks.empty()) continue;
-        const int64_t nt = static_cast<int64_t>(toks.size());
-        Tensor xs({nt, in});
-        for (int64_t j = 0; j < nt; ++j)
-          std::memcpy(xs.data() + j * in, xe + toks[static_cast<size_t>(j)].first * in, sizeof(float) * static_cast<size_t>(in));
-        Tensor y = relu2_forward(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in, s_.moe_I);
-        for (int64_t j = 0; j < nt; ++j) {
-          const auto [r, k] = toks[static_cast<size_t>(j)];
-          const float wg = weight(r, k);
-          for (int64_t c = 0; c < in; ++c) acc[r * in + c] += y[j * in + c] * wg;
-        }
-      }
-      Tensor out({rows, D});
-      if (lat > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
-      else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
-      add_into(out, relu2_forward(m.shared_up, m.shared_down, x, rows, D, s_.shared_I));
-      return out;
-    }
+  void moe_backward(const detail::HybridMoeWeights& m, const Tensor& x_in, const Tensor& dout_in, Tensor& dx) const {
+    const int64_t E = s_.n_experts, D = s_.D, K = s_.topk, lat = s_.latent, in = lat > 0 ? lat : D, rows = BT_;
+    const float* x = x_in.data();
+    const float* dout = dout_in.data();
+    const detail::HybridMoeRouting rt = detail::hybrid_moe_route(s_, m, x, rows);
+    const Tensor xin = detail::hybrid_moe_input(s_, m, x, rows);
+    const float* xe = xin.defined() ? xin.data() : x;
     // backward: dacc = d(fc2 input); per chosen (r, k): dw_k = dacc_r . y, dxe_r += w_k d relu2
     Tensor dacc({rows, in});
     if (lat > 0) linear_backward(dout, rows, D, m.fc2, dacc.data(), false);
@@ -333,16 +254,16 @@ class HybridBackward {
     std::vector<float> dw(static_cast<size_t>(rows * K), 0.0f);
     Tensor dxe({rows, in});
     for (int64_t e = 0; e < E; ++e) {
-      const auto& toks = routed[static_cast<size_t>(e)];
+      const auto& toks = rt.routed[static_cast<size_t>(e)];
       if (toks.empty()) continue;
       const int64_t nt = static_cast<int64_t>(toks.size());
-      Tensor xs({nt, in}), dys({nt, in}), dxs({nt, in});
-      for (int64_t j = 0; j < nt; ++j)
-        std::memcpy(xs.data() + j * in, xe + toks[static_cast<size_t>(j)].first * in, sizeof(float) * static_cast<size_t>(in));
-      Tensor y = relu2_forward(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in, s_.moe_I);
+      const Tensor xs = detail::gather_routed_rows(xe, in, toks);
+      Tensor dys({nt, in}), dxs({nt, in});
+      const Tensor y = detail::relu2_mlp(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in,
+                                         s_.moe_I);
       for (int64_t j = 0; j < nt; ++j) {
         const auto [r, k] = toks[static_cast<size_t>(j)];
-        const float wg = weight(r, k);
+        const float wg = rt.weight(s_, r, k);
         double dot = 0.0;
         for (int64_t c = 0; c < in; ++c) {
           dot += static_cast<double>(dacc[r * in + c]) * y[j * in + c];
@@ -360,13 +281,14 @@ class HybridBackward {
     // dw -> the sigmoid scores of the chosen experts -> router logits -> x.
     Tensor dlog({rows, E});
     for (int64_t r = 0; r < rows; ++r) {
-      const float S = tot[static_cast<size_t>(r)] + 1e-20f;
+      const float S = rt.total[static_cast<size_t>(r)] + 1e-20f;
       double sdw = 0.0;  // sum_k dw_k s_k
       for (int64_t k = 0; k < K; ++k)
-        sdw += static_cast<double>(dw[static_cast<size_t>(r * K + k)]) * sc[static_cast<size_t>(r * E + chosen[static_cast<size_t>(r * K + k)])];
+        sdw += static_cast<double>(dw[static_cast<size_t>(r * K + k)]) *
+               rt.scores[static_cast<size_t>(r * E + rt.chosen[static_cast<size_t>(r * K + k)])];
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = chosen[static_cast<size_t>(r * K + k)];
-        const float s = sc[static_cast<size_t>(r * E + e)];
+        const int64_t e = rt.chosen[static_cast<size_t>(r * K + k)];
+        const float s = rt.scores[static_cast<size_t>(r * E + e)];
         float ds = dw[static_cast<size_t>(r * K + k)];
         if (s_.norm_topk) ds = static_cast<float>(ds / S - sdw / (static_cast<double>(S) * S));
         dlog[r * E + e] += ds * s_.routed_scaling * sigmoid_d(s);
@@ -376,11 +298,10 @@ class HybridBackward {
     if (lat > 0) linear_backward(dxe.data(), rows, in, m.fc1, dx.data(), true);
     else add_into(dx, dxe);
     relu2_backward(m.shared_up, m.shared_down, x, dout, rows, D, s_.shared_I, dx.data(), true);
-    return Tensor();
   }
 
   Tensor branch_mlp_forward(int li, const HybridBlock& b, const HybridBlockWeights& w, const Tensor& n) const {
-    Tensor o = (b.moe ? moe_forward(w.moe, n.data(), BT_) : mlp_forward(w.mlp, n.data(), BT_)).reshape({B_, T_, s_.D});
+    Tensor o = (b.moe ? detail::hybrid_moe(s_, w.moe, n.data(), BT_) : detail::hybrid_mlp(s_, w.mlp, n.data(), BT_)).reshape({B_, T_, s_.D});
     tape_.apply(li, Value::mlp_output, o);
     return o;
   }

@@ -87,15 +87,25 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   Tensor u({B, T, cd});
   ops::causal_conv1d(zx.data() + E, proj, B, T, cd, K, lw.conv_wT.data(), lw.conv_bias.data(), window.data(), u.data(),
                      false);
+  // sigmoid(u) and sigmoid(z) once, vectorized: the SiLUs and their derivatives below use them.
+  // z is copied out of the projection rows so that the elementwise loops run over contiguous memory.
+  Tensor su({B, T, cd}), z({B, T, E}), sz({B, T, E});
+  ops::sigmoid(u.data(), su.data(), BT * cd);
+  for (int64_t r = 0; r < BT; ++r)
+    std::memcpy(z.data() + r * E, zx.data() + r * proj, sizeof(float) * static_cast<size_t>(E));
+  ops::sigmoid(z.data(), sz.data(), BT * E);
   Tensor x({B, T, H, P}), Bm({B, T, G, N}), Cm({B, T, G, N});
   for (int64_t r = 0; r < BT; ++r) {
     const bool keep = !masked || in.mask[static_cast<size_t>(r)];
     const float* src = u.data() + r * cd;
-    for (int64_t c = 0; c < cd; ++c) {
-      const float v = keep ? ops::silu(src[c]) : 0.0f;
-      if (c < E) x[r * E + c] = v;
-      else if (c < E + G * N) Bm[r * G * N + c - E] = v;
-      else Cm[r * G * N + c - E - G * N] = v;
+    const float* sg = su.data() + r * cd;
+    float* dst[3] = {x.data() + r * E, Bm.data() + r * G * N, Cm.data() + r * G * N};
+    const int64_t off[3] = {0, E, E + G * N}, len[3] = {E, G * N, G * N};
+    for (int s = 0; s < 3; ++s) {
+      const float* vs = src + off[s];
+      const float* ss = sg + off[s];
+      float* o = dst[s];
+      for (int64_t c = 0; c < len[s]; ++c) o[c] = keep ? silu_s(vs[c], ss[c]) : 0.0f;
     }
   }
   tape.apply(li, Value::attention_queries, Cm);
@@ -128,18 +138,22 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
     wsi->apply(served);
     mixer.store_served_state(served, S0);
   }
+  // Batch row b's scan inputs, shared by the forward's SsdArgs and the backward's SsdGradArgs.
+  const auto row_inputs = [&](auto& a, int64_t b) {
+    a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
+    a.x = x.data() + b * T * E;
+    a.B = Bm.data() + b * T * G * N;
+    a.C = Cm.data() + b * T * G * N;
+    a.dt = dt.data() + b * T * H;
+    a.A = lw.A.data();
+    a.D = lw.D.data();
+  };
   Tensor y({B, T, H, P});
   {
     Tensor S = S0.clone();
     for (int64_t b = 0; b < B; ++b) {
       detail::SsdArgs a;
-      a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
-      a.x = x.data() + b * T * E;
-      a.B = Bm.data() + b * T * G * N;
-      a.C = Cm.data() + b * T * G * N;
-      a.dt = dt.data() + b * T * H;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
+      row_inputs(a, b);
       a.S = S.data() + b * H * P * N;
       a.y = y.data() + b * T * E;
       a.chunk = d.chunk;
@@ -147,17 +161,17 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
     }
   }
   Tensor y_raw;  // the scan's output before the decode kernel's gate (gate_in_kernel only)
+  const auto zsilu = [&](int64_t k) { return silu_s(z[k], sz[k]); };
   if (gate_in_kernel) {
     y_raw = y.clone();
-    for (int64_t k = 0; k < BT * E; ++k) y[k] *= ops::silu(zx[(k / E) * proj + k % E]);
+    for (int64_t k = 0; k < BT * E; ++k) y[k] *= zsilu(k);
   }
   tape.apply(li, Value::attention_head_outputs, y);
   // g0: what the backward of the norm variant needs: the gated y the norm reads (gated_*), or
   // norm(y) which the gate multiplies (grouped_then_gate).
   Tensor g0({B, T, E});
-  const auto zval = [&](int64_t k) { return zx[(k / E) * proj + k % E]; };
   if (d.norm == detail::Mamba2Norm::gated_full || d.norm == detail::Mamba2Norm::gated_grouped)
-    for (int64_t k = 0; k < BT * E; ++k) g0[k] = y[k] * ops::silu(zval(k));
+    for (int64_t k = 0; k < BT * E; ++k) g0[k] = y[k] * zsilu(k);
   else if (d.norm == detail::Mamba2Norm::grouped_then_gate)
     norm_fwd(y, g0);
 
@@ -172,10 +186,10 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
         norm_fwd(g0, gn);
         break;
       case detail::Mamba2Norm::grouped_then_gate:
-        for (int64_t k = 0; k < BT * E; ++k) gn[k] = g0[k] * ops::silu(zval(k));
+        for (int64_t k = 0; k < BT * E; ++k) gn[k] = g0[k] * zsilu(k);
         break;
       case detail::Mamba2Norm::none:
-        for (int64_t k = 0; k < BT * E; ++k) gn[k] = gate_in_kernel ? y[k] : y[k] * ops::silu(zval(k));
+        for (int64_t k = 0; k < BT * E; ++k) gn[k] = gate_in_kernel ? y[k] : y[k] * zsilu(k);
         break;
     }
     Tensor out({B, T, D});
@@ -195,34 +209,31 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   Tensor dgn({B, T, E});
   linear_backward(dout.data(), BT, D, lw.out_proj, dgn.data(), false);
   Tensor dy({B, T, H, P});
-  Tensor dzx({B, T, proj});
+  Tensor dzx({B, T, proj}), dz({B, T, E});  // dz: the gate's gradient, into dzx's first E columns below
   switch (d.norm) {
     case detail::Mamba2Norm::gated_full:
     case detail::Mamba2Norm::gated_grouped: {
       Tensor dg0({B, T, E});
       norm_bwd(g0, dgn, dg0);
       for (int64_t k = 0; k < BT * E; ++k) {
-        const float z = zval(k);
-        dy[k] = dg0[k] * ops::silu(z);
-        dzx[(k / E) * proj + k % E] = dg0[k] * y[k] * silu_grad(z);
+        dy[k] = dg0[k] * zsilu(k);
+        dz[k] = dg0[k] * y[k] * silu_grad_s(z[k], sz[k]);
       }
       break;
     }
     case detail::Mamba2Norm::grouped_then_gate: {
       Tensor dg0({B, T, E});
       for (int64_t k = 0; k < BT * E; ++k) {
-        const float z = zval(k);
-        dg0[k] = dgn[k] * ops::silu(z);
-        dzx[(k / E) * proj + k % E] = dgn[k] * g0[k] * silu_grad(z);
+        dg0[k] = dgn[k] * zsilu(k);
+        dz[k] = dgn[k] * g0[k] * silu_grad_s(z[k], sz[k]);
       }
       norm_bwd(y, dg0, dy);
       break;
     }
     case detail::Mamba2Norm::none:
       for (int64_t k = 0; k < BT * E; ++k) {
-        const float z = zval(k);
-        dy[k] = gate_in_kernel ? dgn[k] : dgn[k] * ops::silu(z);
-        dzx[(k / E) * proj + k % E] = gate_in_kernel ? 0.0f : dgn[k] * y[k] * silu_grad(z);
+        dy[k] = gate_in_kernel ? dgn[k] : dgn[k] * zsilu(k);
+        dz[k] = gate_in_kernel ? 0.0f : dgn[k] * y[k] * silu_grad_s(z[k], sz[k]);
       }
       break;
   }
@@ -230,23 +241,19 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   tape.block(li, Value::attention_head_outputs, dy);
   if (gate_in_kernel)  // back through the decode kernel's gate y = y_raw * silu(z)
     for (int64_t k = 0; k < BT * E; ++k) {
-      const float z = zval(k);
-      dzx[(k / E) * proj + k % E] = dy[k] * y_raw[k] * silu_grad(z);
-      dy[k] *= ops::silu(z);
+      dz[k] = dy[k] * y_raw[k] * silu_grad_s(z[k], sz[k]);
+      dy[k] *= zsilu(k);
     }
+
+  for (int64_t r = 0; r < BT; ++r)
+    std::memcpy(dzx.data() + r * proj, dz.data() + r * E, sizeof(float) * static_cast<size_t>(E));
 
   Tensor dx({B, T, H, P}), dB({B, T, G, N}), dC({B, T, G, N}), ddt({B, T, H}), ddA({B, T, H}), dS0({B, H, P, N});
   Tensor dstates;
   if (sink.wants(li, Value::states)) dstates = Tensor({B, T, H, N, P});
   for (int64_t b = 0; b < B; ++b) {
     SsdGradArgs a;
-    a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
-    a.x = x.data() + b * T * E;
-    a.B = Bm.data() + b * T * G * N;
-    a.C = Cm.data() + b * T * G * N;
-    a.dt = dt.data() + b * T * H;
-    a.A = lw.A.data();
-    a.D = lw.D.data();
+    row_inputs(a, b);
     a.S0 = S0.data() + b * H * P * N;
     a.dy = dy.data() + b * T * E;
     a.dx = dx.data() + b * T * E;
@@ -289,14 +296,19 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   tape.block(li, Value::attention_queries, dC);
   Tensor du({B, T, cd});
   for (int64_t r = 0; r < BT; ++r) {
-    const bool keep = !masked || in.mask[static_cast<size_t>(r)];
-    for (int64_t c = 0; c < cd; ++c) {
-      float g = 0.0f;
-      if (keep) {
-        g = c < E ? dx[r * E + c] : c < E + G * N ? dB[r * G * N + c - E] : dC[r * G * N + c - E - G * N];
-        g *= silu_grad(u[r * cd + c]);
-      }
-      du[r * cd + c] = g;
+    float* o = du.data() + r * cd;
+    if (masked && !in.mask[static_cast<size_t>(r)]) {
+      std::fill(o, o + cd, 0.0f);
+      continue;
+    }
+    const float* src[3] = {dx.data() + r * E, dB.data() + r * G * N, dC.data() + r * G * N};
+    const int64_t off[3] = {0, E, E + G * N}, len[3] = {E, G * N, G * N};
+    for (int s = 0; s < 3; ++s) {
+      const float* g = src[s];
+      const float* uv = u.data() + r * cd + off[s];
+      const float* sg = su.data() + r * cd + off[s];
+      float* os = o + off[s];
+      for (int64_t c = 0; c < len[s]; ++c) os[c] = g[c] * silu_grad_s(uv[c], sg[c]);
     }
   }
   causal_conv1d_backward(du.data(), B, T, cd, K, lw.conv_wT.data(), dzx.data() + E, proj);

@@ -31,10 +31,17 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   Tensor c({B, T, E});  // conv output before its SiLU
   ops::causal_conv1d(xz.data(), 2 * E, B, T, E, K, w.conv_wT->data(), w.conv_bias->data(), window.data(), c.data(),
                      false);
+  // sigmoid(c) and sigmoid(z) once, vectorized (z copied out of the xz rows): every SiLU and SiLU
+  // derivative below reads them.
+  Tensor sc({B, T, E}), z({B, T, E}), sz({B, T, E});
+  ops::sigmoid(c.data(), sc.data(), BT * E);
+  for (int64_t r = 0; r < BT; ++r)
+    std::memcpy(z.data() + r * E, xz.data() + r * 2 * E + E, sizeof(float) * static_cast<size_t>(E));
+  ops::sigmoid(z.data(), sz.data(), BT * E);
   Tensor u({B, T, E});  // what x_proj reads (before any attention_values write)
   for (int64_t r = 0; r < BT; ++r) {
     const bool keep = !masked || in.mask[static_cast<size_t>(r)];
-    for (int64_t e = 0; e < E; ++e) u[r * E + e] = keep ? ops::silu(c[r * E + e]) : 0.0f;
+    for (int64_t e = 0; e < E; ++e) u[r * E + e] = keep ? silu_s(c[r * E + e], sc[r * E + e]) : 0.0f;
   }
   Tensor dbc({B, T, XR});
   ops::linear(u.data(), BT, E, *w.x_proj, dbc.data());
@@ -67,18 +74,22 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   Tensor S0 = call.has_state ? call.ssm->clone() : Tensor({B, E, N});
   const Written* wsi = tape.write(li, Value::state_input);
   if (wsi) wsi->apply(S0);
+  // Batch row b's scan inputs, shared by the forward's SelectiveScanArgs and the backward's args.
+  const auto row_inputs = [&](auto& a, int64_t b) {
+    a.T = T; a.E = E; a.N = N;
+    a.u = us.data() + b * T * E;
+    a.dt = dt.data() + b * T * E;
+    a.B = Bm.data() + b * T * N;
+    a.C = Cm.data() + b * T * N;
+    a.A = w.A->data();
+    a.D = w.Dskip->data();
+  };
   Tensor y({B, T, E});
   {
     Tensor S = S0.clone();
     for (int64_t b = 0; b < B; ++b) {
       detail::SelectiveScanArgs a;
-      a.T = T; a.E = E; a.N = N;
-      a.u = us.data() + b * T * E;
-      a.dt = dt.data() + b * T * E;
-      a.B = Bm.data() + b * T * N;
-      a.C = Cm.data() + b * T * N;
-      a.A = w.A->data();
-      a.D = w.Dskip->data();
+      row_inputs(a, b);
       a.S = S.data() + b * E * N;
       a.y = y.data() + b * T * E;
       a.chunk = w.chunk;
@@ -97,9 +108,9 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   Tensor dy({B, T, E});
   for (int64_t r = 0; r < BT; ++r)
     for (int64_t e = 0; e < E; ++e) {
-      const float z = xz[r * 2 * E + E + e], g = dg[r * E + e];
-      dy[r * E + e] = g * ops::silu(z);
-      dxz[r * 2 * E + E + e] = g * y[r * E + e] * silu_grad(z);
+      const int64_t k = r * E + e;
+      dy[k] = dg[k] * silu_s(z[k], sz[k]);
+      dxz[r * 2 * E + E + e] = dg[k] * y[k] * silu_grad_s(z[k], sz[k]);
     }
   sink.put(li, Value::attention_head_outputs, dy);
   tape.block(li, Value::attention_head_outputs, dy);
@@ -110,13 +121,7 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   Tensor dstates = sink.wants(li, Value::states) ? Tensor({B, T, E, N}) : Tensor();
   for (int64_t b = 0; b < B; ++b) {
     SelectiveScanGradArgs a;
-    a.T = T; a.E = E; a.N = N;
-    a.u = us.data() + b * T * E;
-    a.dt = dt.data() + b * T * E;
-    a.B = Bm.data() + b * T * N;
-    a.C = Cm.data() + b * T * N;
-    a.A = w.A->data();
-    a.D = w.Dskip->data();
+    row_inputs(a, b);
     a.S0 = S0.data() + b * E * N;
     a.dy = dy.data() + b * T * E;
     a.du = du.data() + b * T * E;
@@ -163,7 +168,9 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   // dt = softplus(dt_proj(dt_low) + bias); B, C, dt_low come from x_proj(u).
   Tensor ddbc({B, T, XR});
   Tensor ddt_pre({B, T, E});
-  for (int64_t k = 0; k < BT * E; ++k) ddt_pre[k] = dbet[k] * softplus_grad(dt_pre[k]);
+  // softplus' = sigmoid, vectorized (above 20, where torch's softplus is linear, sigmoid is 1.0f exactly).
+  ops::sigmoid(dt_pre.data(), ddt_pre.data(), BT * E);
+  for (int64_t k = 0; k < BT * E; ++k) ddt_pre[k] *= dbet[k];
   // ddt_low[BT,R] = ddt_pre[BT,E] @ dt_proj[E,R], written into ddbc's first R columns.
   ops::gemm(false, false, BT, R, E, 1.0f, ddt_pre.data(), E, w.dt_proj->data(), R, 0.0f, ddbc.data(), XR);
   sink.put(li, Value::attention_keys, dB);
@@ -181,7 +188,7 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   Tensor dc({B, T, E});
   for (int64_t r = 0; r < BT; ++r) {
     const bool keep = !masked || in.mask[static_cast<size_t>(r)];
-    for (int64_t e = 0; e < E; ++e) dc[r * E + e] = keep ? du[r * E + e] * silu_grad(c[r * E + e]) : 0.0f;
+    for (int64_t e = 0; e < E; ++e) dc[r * E + e] = keep ? du[r * E + e] * silu_grad_s(c[r * E + e], sc[r * E + e]) : 0.0f;
   }
   causal_conv1d_backward(dc.data(), B, T, E, K, w.conv_wT->data(), dxz.data(), 2 * E);
   linear_backward(dxz.data(), BT, 2 * E, *w.in_proj, dn.data(), false);

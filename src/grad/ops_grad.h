@@ -32,6 +32,10 @@ inline float silu_grad(float v) {
   const float s = 1.0f / (1.0f + std::exp(-v));
   return s * (1.0f + v * (1.0f - s));
 }
+/// silu(v) and d silu(v) / dv given s = sigmoid(v) (from ops::sigmoid over a whole array: the
+/// backward's elementwise loops then need no scalar exp).
+inline float silu_s(float v, float s) { return v * s; }
+inline float silu_grad_s(float v, float s) { return s * (1.0f + v * (1.0f - s)); }
 /// d softplus(v) / dv for torch's softplus (beta 1, threshold 20: linear above 20).
 inline float softplus_grad(float v) { return v > 20.0f ? 1.0f : 1.0f / (1.0f + std::exp(-v)); }
 

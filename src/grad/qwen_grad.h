@@ -80,6 +80,7 @@ class GdnMixerGrad {
   bool masked_ = false, has_state_ = false;
   static constexpr int64_t kChunk = 64;  ///< the forward kernel's chunk (GatedDeltaArgs' default)
   Tensor proj_, u_, q_, k_, v_, beta_, g_, S0_, o_, out_, ckpt_;
+  Tensor su_, sz_;  ///< sigmoid of the conv output u_ [B,T,cd] and of the gate z [B,T,HV*Dv] (vectorized once)
 };
 
 /// The gated softmax attention of one layer, recomputed for its backward.

@@ -18,6 +18,10 @@
 
 namespace mixlens::detail {
 
+namespace {
+const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
+}  // namespace
+
 void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d) {
   if (!cfg.has("time_step_limit") || cfg.is_null("time_step_limit")) return;
   auto lim = cfg.get<std::vector<double>>("time_step_limit");
@@ -74,14 +78,120 @@ std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, c
   return ei;
 }
 
+Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I) {
+  Tensor u({rows, I}), out({rows, down_w.size(0)});
+  ops::linear(x, rows, in, up_w, u.data());
+  for (int64_t k = 0; k < rows * I; ++k) {
+    const float r = std::max(u[k], 0.0f);
+    u[k] = r * r;
+  }
+  ops::linear(u.data(), rows, I, down_w, out.data());
+  return out;
+}
+
+Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const float* x, int64_t rows) {
+  const int64_t I = s.I, D = s.D;
+  Tensor up({rows, I}), out({rows, D});
+  ops::linear(x, rows, D, m.up, up.data(), opt(m.up_b));
+  if (s.mlp == HybridMlp::swiglu) {
+    Tensor g({rows, I});
+    ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
+    if (s.mlp_gate_multiplier != 1.0f)
+      for (int64_t k = 0; k < rows * I; ++k) g[k] *= s.mlp_gate_multiplier;
+    ops::mul_silu(up.data(), g.data(), up.data(), rows * I);  // up * silu(gate), vectorized
+  } else {
+    for (int64_t k = 0; k < rows * I; ++k) {
+      const float r = std::max(up[k], 0.0f);
+      up[k] = r * r;
+    }
+  }
+  ops::linear(up.data(), rows, I, m.down, out.data(), opt(m.down_b));
+  if (s.mlp_down_multiplier != 1.0f)
+    for (int64_t k = 0; k < out.numel(); ++k) out[k] *= s.mlp_down_multiplier;
+  return out;
+}
+
+float HybridMoeRouting::weight(const Mamba2HybridSpec& s, int64_t r, int64_t k) const {
+  const float sc = scores[static_cast<size_t>(r * s.n_experts + chosen[static_cast<size_t>(r * s.topk + k)])];
+  return (s.norm_topk ? sc / (total[static_cast<size_t>(r)] + 1e-20f) : sc) * s.routed_scaling;
+}
+
+// NemotronHMoE: fp32 sigmoid router; choice scores + e_score_correction_bias; the topk_group
+// groups with the largest sum of their top-2 choice scores stay eligible; top-k experts by choice
+// score, weighted by their plain sigmoid scores (renormalised when norm_topk_prob, + 1e-20),
+// times routed_scaling_factor.
+HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows) {
+  const int64_t E = s.n_experts, K = s.topk;
+  Tensor logits({rows, E});
+  ops::linear(x, rows, s.D, m.router, logits.data());
+  HybridMoeRouting rt;
+  rt.scores.resize(static_cast<size_t>(rows * E));
+  rt.chosen.resize(static_cast<size_t>(rows * K));
+  rt.total.resize(static_cast<size_t>(rows));
+  rt.routed.resize(static_cast<size_t>(E));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sc = rt.scores.data() + r * E;
+    for (int64_t e = 0; e < E; ++e) sc[e] = ops::sigmoid(logits[r * E + e]);
+    const std::vector<int64_t> ei = moe_choose(s, m.bias, sc);
+    float tot = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ei[static_cast<size_t>(k)];
+      rt.chosen[static_cast<size_t>(r * K + k)] = e;
+      tot += sc[e];
+      rt.routed[static_cast<size_t>(e)].push_back({r, k});
+    }
+    rt.total[static_cast<size_t>(r)] = tot;
+  }
+  return rt;
+}
+
+Tensor hybrid_moe_input(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows) {
+  if (s.latent <= 0) return Tensor();
+  Tensor xin({rows, s.latent});
+  ops::linear(x, rows, s.D, m.fc1, xin.data(), opt(m.fc1_b));
+  return xin;
+}
+
+Tensor gather_routed_rows(const float* x, int64_t in, const std::vector<std::pair<int64_t, int64_t>>& toks) {
+  const int64_t nt = static_cast<int64_t>(toks.size());
+  Tensor xs({nt, in});
+  for (int64_t j = 0; j < nt; ++j)
+    std::memcpy(xs.data() + j * in, x + toks[static_cast<size_t>(j)].first * in, sizeof(float) * static_cast<size_t>(in));
+  return xs;
+}
+
+// Experts summed in expert order (as index_add_), then fc2, plus the shared expert.
+Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows) {
+  const int64_t E = s.n_experts, D = s.D, in = s.latent > 0 ? s.latent : D;
+  const HybridMoeRouting rt = hybrid_moe_route(s, m, x, rows);
+  const Tensor xin = hybrid_moe_input(s, m, x, rows);
+  const float* xe = xin.defined() ? xin.data() : x;
+  Tensor acc({rows, in});
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& toks = rt.routed[static_cast<size_t>(e)];
+    if (toks.empty()) continue;
+    const Tensor xs = gather_routed_rows(xe, in, toks);
+    const Tensor y = relu2_mlp(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(),
+                               static_cast<int64_t>(toks.size()), in, s.moe_I);
+    for (size_t j = 0; j < toks.size(); ++j) {
+      const auto [r, k] = toks[j];
+      const float wgt = rt.weight(s, r, k);
+      for (int64_t d = 0; d < in; ++d) acc[r * in + d] += y[static_cast<int64_t>(j) * in + d] * wgt;
+    }
+  }
+  Tensor out({rows, D});
+  if (s.latent > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
+  else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
+  const Tensor sh = relu2_mlp(m.shared_up, m.shared_down, x, rows, D, s.shared_I);
+  for (int64_t k = 0; k < rows * D; ++k) out[k] += sh[k];
+  return out;
+}
+
 namespace {
 
-using MlpW = HybridMlpWeights;
-using MoeW = HybridMoeWeights;
 using AttnW = HybridAttnWeights;
 using BlockW = HybridBlockWeights;
 
-const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 
 void add_into(Tensor& h, const Tensor& x) {
   float* hp = h.data();
@@ -242,7 +352,7 @@ class Mamba2Hybrid final : public FamilyModel {
         add_into(branch, out);
       }
       if (b.branch_mlp) {
-        Tensor m = (b.moe ? moe(bw.moe, n.data(), BT) : mlp(bw.mlp, n.data(), BT)).reshape({B, T, D});
+        Tensor m = (b.moe ? hybrid_moe(s_, bw.moe, n.data(), BT) : hybrid_mlp(s_, bw.mlp, n.data(), BT)).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
         watch.check(li, Value::mlp_output, m);
         add_into(branch, m);
@@ -250,7 +360,7 @@ class Mamba2Hybrid final : public FamilyModel {
       add_into(h, branch);
       if (b.ff) {
         ops::rmsnorm(h.data(), bw.ff_norm.data(), n.data(), BT, D, s_.eps);
-        Tensor m = mlp(bw.mlp, n.data(), BT).reshape({B, T, D});
+        Tensor m = hybrid_mlp(s_, bw.mlp, n.data(), BT).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
         watch.check(li, Value::mlp_output, m);
         add_into(h, m);
@@ -342,92 +452,6 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
  private:
-  // swiglu: down(act(gate x * gate_mult) * up x) * down_mult; relu2: down(relu(up x)^2).
-  Tensor mlp(const MlpW& m, const float* x, int64_t rows) const {
-    const int64_t I = s_.I, D = s_.D;
-    Tensor up({rows, I}), out({rows, D});
-    ops::linear(x, rows, D, m.up, up.data(), opt(m.up_b));
-    if (s_.mlp == HybridMlp::swiglu) {
-      Tensor g({rows, I});
-      ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
-      if (s_.mlp_gate_multiplier != 1.0f)
-        for (int64_t k = 0; k < rows * I; ++k) g[k] *= s_.mlp_gate_multiplier;
-      ops::mul_silu(up.data(), g.data(), up.data(), rows * I);  // up * silu(gate), vectorized
-    } else {
-      for (int64_t k = 0; k < rows * I; ++k) {
-        const float r = std::max(up[k], 0.0f);
-        up[k] = r * r;
-      }
-    }
-    ops::linear(up.data(), rows, I, m.down, out.data(), opt(m.down_b));
-    if (s_.mlp_down_multiplier != 1.0f)
-      for (int64_t k = 0; k < out.numel(); ++k) out[k] *= s_.mlp_down_multiplier;
-    return out;
-  }
-
-  // relu2 MLP with explicit sizes: down(relu(up x)^2).
-  static Tensor relu2(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I) {
-    Tensor u({rows, I}), out({rows, down_w.size(0)});
-    ops::linear(x, rows, in, up_w, u.data());
-    for (int64_t k = 0; k < rows * I; ++k) {
-      const float r = std::max(u[k], 0.0f);
-      u[k] = r * r;
-    }
-    ops::linear(u.data(), rows, I, down_w, out.data());
-    return out;
-  }
-
-  // NemotronHMoE: fp32 sigmoid router; choice scores + e_score_correction_bias; the topk_group
-  // groups with the largest sum of their top-2 choice scores stay eligible; top-k experts by choice
-  // score, weighted by their plain sigmoid scores (renormalised when norm_topk_prob, + 1e-20),
-  // times routed_scaling_factor; experts summed in expert order (index_add_), then fc2, + shared.
-  Tensor moe(const MoeW& m, const float* x, int64_t rows) const {
-    const int64_t E = s_.n_experts, D = s_.D, in = s_.latent > 0 ? s_.latent : D;
-    Tensor logits({rows, E});
-    ops::linear(x, rows, D, m.router, logits.data());
-    std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
-    std::vector<float> sc(static_cast<size_t>(E));
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t e = 0; e < E; ++e) sc[static_cast<size_t>(e)] = ops::sigmoid(logits[r * E + e]);
-      const std::vector<int64_t> ei = moe_choose(s_, m.bias, sc.data());
-      float tot = 0.0f;
-      for (int64_t k = 0; k < s_.topk; ++k) tot += sc[static_cast<size_t>(ei[static_cast<size_t>(k)])];
-      for (int64_t k = 0; k < s_.topk; ++k) {
-        const int64_t e = ei[static_cast<size_t>(k)];
-        float wgt = sc[static_cast<size_t>(e)];
-        if (s_.norm_topk) wgt /= (tot + 1e-20f);
-        routed[static_cast<size_t>(e)].push_back({r, wgt * s_.routed_scaling});
-      }
-    }
-    Tensor xin;
-    const float* xe = x;
-    if (s_.latent > 0) {
-      xin = Tensor({rows, in});
-      ops::linear(x, rows, D, m.fc1, xin.data(), opt(m.fc1_b));
-      xe = xin.data();
-    }
-    Tensor acc({rows, in});
-    for (int64_t e = 0; e < E; ++e) {
-      const auto& toks = routed[static_cast<size_t>(e)];
-      if (toks.empty()) continue;
-      const int64_t nt = static_cast<int64_t>(toks.size());
-      Tensor xs({nt, in});
-      for (int64_t k = 0; k < nt; ++k)
-        std::memcpy(xs.data() + k * in, xe + toks[static_cast<size_t>(k)].first * in, sizeof(float) * static_cast<size_t>(in));
-      Tensor y = relu2(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in, s_.moe_I);
-      for (int64_t k = 0; k < nt; ++k) {
-        const auto& [r, wgt] = toks[static_cast<size_t>(k)];
-        for (int64_t d = 0; d < in; ++d) acc[r * in + d] += y[k * in + d] * wgt;
-      }
-    }
-    Tensor out({rows, D});
-    if (s_.latent > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
-    else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
-    Tensor sh = relu2(m.shared_up, m.shared_down, x, rows, D, s_.shared_I);
-    for (int64_t k = 0; k < rows * D; ++k) out[k] += sh[k];
-    return out;
-  }
-
   // Causal GQA attention over the KV cache (NemotronHAttention / BambaAttention / FalconH1Attention).
   Tensor attention(int li, const AttnW& a, const Tensor& n_in, const Batch& in, const std::vector<int64_t>& pos,
                    HybridCache& cache, Listener* ls) const {

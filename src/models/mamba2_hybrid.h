@@ -7,6 +7,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/json.h"
@@ -87,6 +88,29 @@ struct HybridBlockWeights {
 /// top-k expert ids (group-limited, by score + e_score_correction_bias), best first. Shared by the
 /// forward and the backward (src/grad/mamba2_hybrid_grad.cpp) so both route identically.
 std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc);
+
+/// NemotronHMoE's routing of `rows` tokens x [rows, D] (fp32 sigmoid router, moe_choose per token).
+/// The forward and the backward (src/grad/mamba2_hybrid_grad.cpp) share it: identical routing.
+struct HybridMoeRouting {
+  std::vector<float> scores;    ///< [rows, E] sigmoid(router x)
+  std::vector<int64_t> chosen;  ///< [rows, topk] expert ids, best first
+  std::vector<float> total;     ///< [rows] sum of the chosen experts' scores
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> routed;  ///< per expert: (row, k), rows ascending
+  /// Routing weight of row r's k-th expert: its score (/ (total + 1e-20) when norm_topk) * routed_scaling.
+  float weight(const Mamba2HybridSpec& s, int64_t r, int64_t k) const;
+};
+HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows);
+/// The experts' input [rows, latent] = fc1(x) with latent projections; undefined without (the experts read x).
+Tensor hybrid_moe_input(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows);
+/// Rows `toks[j].first` of x [*, in] gathered into [toks.size(), in] (one expert's tokens).
+Tensor gather_routed_rows(const float* x, int64_t in, const std::vector<std::pair<int64_t, int64_t>>& toks);
+/// NemotronHMoE forward: x [rows, D] -> [rows, D] (routed experts, fc2, + the shared expert).
+Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows);
+/// The block MLP: swiglu down(up x * silu(gate x * gate_mult)) * down_mult, or relu2 down(relu(up x)^2);
+/// x [rows, D] -> [rows, D].
+Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const float* x, int64_t rows);
+/// relu2 MLP with explicit weights (experts, shared expert): down(relu(up x)^2), x [rows, in].
+Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I);
 
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);

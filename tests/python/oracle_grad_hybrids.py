@@ -22,16 +22,10 @@ import inspect
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import oracle_hybrids as oh
 import oracle_mamba2 as om
-
-
-def _set_index(t: torch.Tensor, edit: dict) -> torch.Tensor:
-    out = t.clone()
-    out[:, int(edit["index"])] = float(edit["value"])
-    return out
+from grad_common import collect, scan_dt, set_index as _set_index
 
 
 class _Grad:
@@ -72,12 +66,7 @@ class _Grad:
         if a["initial_states"] is not None:
             raise NotImplementedError("the gradient oracle runs fresh prompts")
         base = f"layers.{self.block}.linear_attn."
-        dt = a["dt"]
-        if a["dt_bias"] is not None:
-            dt = dt + a["dt_bias"].to(dt.dtype)
-        if a["dt_softplus"]:
-            dt = F.softplus(dt)
-        dt = torch.clamp(dt, min=a["dt_limit"][0], max=a["dt_limit"][1])
+        dt = scan_dt(a)
         ed = lambda n, t: self.edit("linear_attn", n, t)  # noqa: E731
         x = self.put(base + "attention_values", ed("attention_values", a["hidden_states"]))
         Bm = self.put(base + "attention_keys", ed("attention_keys", a["B"]))
@@ -223,11 +212,4 @@ def run(model, prompts, metric, pad_id=0, scan="hf", edits=()) -> dict[str, np.n
     bad = [e["path"] for e in g.edits if g.applied[id(e)] != 1]
     if bad:
         raise RuntimeError(f"edits {bad} were not applied exactly once")
-    grads = {}
-    for path, sts in g.keep_states.items():
-        grads[path] = torch.stack([s.grad for s in sts], 1).transpose(-1, -2).contiguous().numpy().copy()
-    for path, t in g.keep.items():
-        gr = t.grad if t.grad is not None else torch.zeros_like(t)
-        grads[path] = gr.detach().float().contiguous().numpy().copy()
-    grads["metric"] = np.array(float(m.detach()))
-    return grads
+    return collect(g.keep, g.keep_states, m, transpose_states=True)

@@ -32,13 +32,7 @@ import torch.nn.functional as F
 import transformers.models.mamba.modeling_mamba as mm
 
 import oracle_mamba2 as om2
-
-
-def _keep(store: dict, path: str, t: torch.Tensor) -> torch.Tensor:
-    if t.requires_grad:
-        t.retain_grad()
-    store[path] = t
-    return t
+from grad_common import collect, hook_ssm_backbone, keep as _keep
 
 
 def _apply_edit(t: torch.Tensor, edit: dict) -> torch.Tensor:
@@ -146,34 +140,16 @@ def run(model, prompts, metric, edits=(), prefix=None) -> dict[str, np.ndarray]:
             state.copy_(S)
         return y[:, 0]
 
-    def emb_hook(mod, args, out):
-        # The graph's leaf (the weights are frozen): every value downstream requires grad.
-        return _keep(keep, "embed_tokens.output", out.detach().requires_grad_(True))
+    def mpre(mod, args, kwargs, i):
+        cur["layer"] = i
+        cur["cache"] = kwargs.get("cache_params")
 
-    bb = model.backbone
-    handles.append(bb.embeddings.register_forward_hook(emb_hook))
-    for i, block in enumerate(bb.layers):
-        def pre(mod, args, kwargs, i=i):
-            hs = args[0] if args else kwargs["hidden_states"]
-            _keep(keep, f"layers.{i}.layer_input", hs)
+    def mpost(mod, args, kwargs, out, i):
+        out = edit("attention_output", out)
+        cur["layer"] = None
+        return _keep(keep, f"layers.{i}.linear_attn.attention_output", out)
 
-        def post(mod, args, kwargs, out, i=i):
-            return _keep(keep, f"layers.{i}.layer_output", out)
-
-        def mpre(mod, args, kwargs, i=i):
-            cur["layer"] = i
-            cur["cache"] = kwargs.get("cache_params")
-
-        def mpost(mod, args, kwargs, out, i=i):
-            out = edit("attention_output", out)
-            cur["layer"] = None
-            return _keep(keep, f"layers.{i}.linear_attn.attention_output", out)
-
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(block.register_forward_hook(post, with_kwargs=True))
-        handles.append(block.mixer.register_forward_pre_hook(mpre, with_kwargs=True))
-        handles.append(block.mixer.register_forward_hook(mpost, with_kwargs=True))
-    handles.append(bb.norm_f.register_forward_hook(lambda mod, args, out: _keep(keep, "ln_final.output", out)))
+    hook_ssm_backbone(model.backbone, keep, handles, mpre, mpost)
     try:
         cache = None
         if prefix is not None:
@@ -199,11 +175,4 @@ def run(model, prompts, metric, edits=(), prefix=None) -> dict[str, np.ndarray]:
         mm.mamba_selective_scan, mm.mamba_selective_state_update = orig_scan, orig_update
         for h in handles:
             h.remove()
-    grads = {}
-    for path, sts in keep_states.items():
-        grads[path] = torch.stack([s.grad for s in sts], 1).contiguous().numpy().copy()
-    for path, t in keep.items():
-        g = t.grad if t.grad is not None else torch.zeros_like(t)
-        grads[path] = g.detach().float().contiguous().numpy().copy()
-    grads["metric"] = np.array(float(m.detach()))
-    return grads
+    return collect(keep, keep_states, m)

@@ -23,23 +23,10 @@ import inspect
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers.models.mamba2.modeling_mamba2 as mm2
 
 import oracle_mamba2 as om
-
-
-def _keep(store: dict, path: str, t: torch.Tensor) -> torch.Tensor:
-    if t.requires_grad:
-        t.retain_grad()
-    store[path] = t
-    return t
-
-
-def _set_index(t: torch.Tensor, edit: dict) -> torch.Tensor:
-    out = t.clone()
-    out[:, int(edit["index"])] = float(edit["value"])
-    return out
+from grad_common import collect, scan_dt, hook_ssm_backbone, keep as _keep, set_index as _set_index
 
 
 def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndarray]:
@@ -71,12 +58,7 @@ def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndar
             raise NotImplementedError("the gradient oracle runs fresh prompts")
         li = cur["layer"]
         base = f"layers.{li}.linear_attn."
-        dt = a["dt"]
-        if a["dt_bias"] is not None:
-            dt = dt + a["dt_bias"].to(dt.dtype)
-        if a["dt_softplus"]:
-            dt = F.softplus(dt)
-        dt = torch.clamp(dt, min=a["dt_limit"][0], max=a["dt_limit"][1])
+        dt = scan_dt(a)
         x = _keep(keep, base + "attention_values", edit("attention_values", a["hidden_states"]))
         Bm = _keep(keep, base + "attention_keys", edit("attention_keys", a["B"]))
         Cm = _keep(keep, base + "attention_queries", edit("attention_queries", a["C"]))
@@ -105,38 +87,16 @@ def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndar
         y = _keep(keep, base + "attention_head_outputs", edit("attention_head_outputs", y))
         return y, S
 
-    def emb_hook(mod, args, out):
-        # The graph's leaf (the weights are frozen): every value downstream requires grad.
-        return _keep(keep, "embed_tokens.output", out.detach().requires_grad_(True))
+    def mpre(mod, args, kwargs, i):
+        cur["layer"] = i
 
-    bb = model.backbone
-    handles.append(bb.embeddings.register_forward_hook(emb_hook))
-    for i, block in enumerate(bb.layers):
-        def pre(mod, args, kwargs, i=i):
-            hs = args[0] if args else kwargs["hidden_states"]
-            _keep(keep, f"layers.{i}.layer_input", hs)
+    def mpost(mod, args, kwargs, out, i):
+        cur["layer"] = i
+        out = edit("attention_output", out)
+        cur["layer"] = None
+        return _keep(keep, f"layers.{i}.linear_attn.attention_output", out)
 
-        def post(mod, args, kwargs, out, i=i):
-            return _keep(keep, f"layers.{i}.layer_output", out)
-
-        def mpre(mod, args, kwargs, i=i):
-            cur["layer"] = i
-
-        def mpost(mod, args, kwargs, out, i=i):
-            cur["layer"] = None
-            return _keep(keep, f"layers.{i}.linear_attn.attention_output", edit_out(i, out))
-
-        def edit_out(i, out):
-            cur["layer"] = i
-            out = edit("attention_output", out)
-            cur["layer"] = None
-            return out
-
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(block.register_forward_hook(post, with_kwargs=True))
-        handles.append(block.mixer.register_forward_pre_hook(mpre, with_kwargs=True))
-        handles.append(block.mixer.register_forward_hook(mpost, with_kwargs=True))
-    handles.append(bb.norm_f.register_forward_hook(lambda mod, args, out: _keep(keep, "ln_final.output", out)))
+    hook_ssm_backbone(model.backbone, keep, handles, mpre, mpost)
     mm2.mamba2_chunk_scan = chunk_scan
     try:
         with torch.enable_grad():
@@ -148,13 +108,4 @@ def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndar
         mm2.mamba2_chunk_scan = orig
         for h in handles:
             h.remove()
-    grads = {}
-    for path, sts in keep_states.items():
-        grads[path] = torch.stack([s.grad for s in sts], 1).transpose(-1, -2).contiguous().numpy().copy()
-    for path, t in keep.items():
-        g = t.grad if t.grad is not None else torch.zeros_like(t)
-        if path.endswith(".states"):
-            g = g.transpose(-1, -2)  # served key side first [B,T,H,N,P]
-        grads[path] = g.detach().float().contiguous().numpy().copy()
-    grads["metric"] = np.array(float(m.detach()))
-    return grads
+    return collect(keep, keep_states, m, transpose_states=True)

@@ -27,21 +27,9 @@ import numpy as np
 import torch
 
 import oracle_qwen as oq
+from grad_common import collect, keep as _keep, set_index as _set_index
 
 _PATH = re.compile(r"^layers\.(\d+)\.(linear_attn|mlp|self_attn)\.([a-z_]+)$")
-
-
-def _keep(store, path, t):
-    if t.requires_grad:
-        t.retain_grad()
-    store[path] = t
-    return t
-
-
-def _set_index(t, edit):
-    out = t.clone()
-    out[:, int(edit["index"])] = float(edit["value"])
-    return out
 
 
 def explicit_rule(q, k, v, g, beta, S0, keep_states):
@@ -196,22 +184,16 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             setattr(mod, n, f)
         for h in handles:
             h.remove()
-    grads = {}
-    for path, sts in states.items():
-        grads[path] = torch.stack([s.grad if s.grad is not None else torch.zeros_like(s) for s in sts], 1).numpy().copy()
-    for path, t in keep.items():
-        g = t.grad if t.grad is not None else torch.zeros_like(t)
-        g = g.detach().float()
-        mt = _PATH.match(path)
+    grads = collect(keep, states, m)
+    hd = text.config.head_dim
+    for path in [p for p in grads if p != "metric"]:
+        g, mt = grads[path], _PATH.match(path)
         if path.endswith("#q_proj"):  # per head [query | gate]: the gate half is the gate logits' gradient
             b, T, _ = g.shape
-            hd = text.config.head_dim
-            grads[path.replace("#q_proj", "gate")] = g.view(b, T, -1, 2 * hd)[..., hd:].reshape(b, T, -1).numpy().copy()
-            continue
-        if mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys"):
-            g = g.transpose(1, 2)  # [B,H,T,d] -> served [B,T,H,d]
-        if mt and mt.group(2) == "self_attn" and mt.group(3) == "attention_values":
-            g = g.view(g.shape[0], g.shape[1], -1, text.config.head_dim)
-        grads[path] = g.contiguous().numpy().copy()
-    grads["metric"] = np.array(float(m.detach()))
+            grads[path.replace("#q_proj", "gate")] = np.ascontiguousarray(g.reshape(b, T, -1, 2 * hd)[..., hd:].reshape(b, T, -1))
+            del grads[path]
+        elif mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys"):
+            grads[path] = np.ascontiguousarray(g.transpose(0, 2, 1, 3))  # [B,H,T,d] -> served [B,T,H,d]
+        elif mt and mt.group(2) == "self_attn" and mt.group(3) == "attention_values":
+            grads[path] = g.reshape(g.shape[0], g.shape[1], -1, hd)
     return grads

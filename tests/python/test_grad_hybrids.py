@@ -19,8 +19,8 @@ import torch
 import mixlens
 import oracle_grad_hybrids as og
 from conftest import rel_rms
+from grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
 
-TOL = 1e-4
 PAD = 0
 
 MIXER = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "states",
@@ -108,24 +108,7 @@ def route(request, case):
 
 
 def mixlens_grads(case, edits=None):
-    with case.model.trace(case.prompts, saves=case.paths(), edits=edits, grad=True) as tr:
-        pass
-    tr.backward(case.metric(tr.logits))
-    return {p: tr.grad(p).numpy() for p in case.paths()}, tr
-
-
-def compare(got, ref, label):
-    bad, n = [], 0
-    for path, r in ref.items():
-        if path == "metric":
-            continue
-        assert path in got, f"{label}: mixlens served no gradient for {path}"
-        err = rel_rms(got[path], r)
-        n += 1
-        if not err <= TOL:
-            bad.append(f"{path}: rel RMS {err:.2e}")
-    assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
-    return n
+    return grads_of(case.model, case.prompts, case.paths(), case.metric, edits)
 
 
 def test_every_gradient_matches_torch_autograd(case, route):
@@ -154,13 +137,7 @@ def edits_for(case):
 def test_gradients_through_edits_match_torch(case, route):
     edits = edits_for(case)
 
-    def setter(e):
-        def f(v):
-            v[:, e["index"]] = e["value"]
-            return v
-        return f
-
-    got, _ = mixlens_grads(case, {e["path"]: setter(e) for e in edits})
+    got, _ = mixlens_grads(case, mixlens_edits(edits))
     ref = case.ref("recurrence", edits)
     compare(got, ref, "edited")
     # The edits change the gradients (they are taken through the edited forward).

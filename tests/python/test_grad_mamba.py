@@ -13,9 +13,8 @@ import torch
 
 import mixlens
 import oracle_grad_mamba as og
-from conftest import rel_rms
+from grad_common import TOL, compare
 
-TOL = 1e-4
 
 
 def mix(layer: int, value: str) -> str:
@@ -79,15 +78,6 @@ def route(request, case):
     mixlens.chunk_per_token(case.model, False)
 
 
-def compare(got, ref, paths, label):
-    bad = []
-    for path in paths:
-        err = rel_rms(got[path], ref[path])
-        if not err <= TOL:
-            bad.append(f"{path}: rel RMS {err:.2e}")
-    assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
-
-
 def grads_of(tr, paths):
     return {p: tr.grad(p).numpy() for p in paths}
 
@@ -104,7 +94,7 @@ def test_every_gradient_matches_torch_autograd(case, route):
     ref = og.run(case.torch_model, case.prompts, metric)
     assert abs(float(metric(tr.logits)) - float(ref["metric"])) <= 1e-4 * max(1.0, abs(float(ref["metric"])))
     checked = [p for p in paths if not p.endswith("state_output")]
-    compare(got, ref, checked, route)
+    compare(got, ref, route, paths=checked)
     for p in checked:  # the metric's gradient is not vacuous anywhere
         assert np.abs(got[p]).max() > 0, p
     for i in range(case.n_layers):  # state_output feeds only the next call
@@ -133,7 +123,7 @@ def test_gradients_through_edits_match_torch(case, route):
     tr.backward(metric(tr.logits))
     got = grads_of(tr, paths)
     ref = og.run(case.torch_model, case.prompts, metric, edits=EDITS)
-    compare(got, ref, paths, f"edited ({route})")
+    compare(got, ref, f"edited ({route})", paths=paths)
     # Written elements are constants: nothing flows through them to what computed them ...
     assert np.any(got[mix(1, "betas")][:, 2])  # the written dt's own gradient is served
     assert not np.any(got[mix(0, "betas")][:, 2])  # dt replaced by the decays write
@@ -171,7 +161,7 @@ def test_partial_decays_write_passes_gradient_through_unchanged_elements(case):
         ref = og.run(case.torch_model, case.prompts, metric, edits=[dict(path=mix(0, "decays"), op="channels", index=1)])
     finally:
         og._apply_edit = orig
-    compare(got, ref, paths, "partial decays write")
+    compare(got, ref, "partial decays write", paths=paths)
     assert not np.any(got[mix(0, "betas")][:, 1, ::3]) and np.any(got[mix(0, "betas")][:, 1, 1::3])
 
 
@@ -200,7 +190,7 @@ def test_continuation_state_input_matches_torch(case, route, new_tokens):
         tr.backward(metric(tr.logits))
         got = grads_of(tr, paths)
         ref = og.run(case.torch_model, cont, metric, edits=ed, prefix=prefix)
-        compare(got, ref, paths, f"continuation of {new_tokens} ({route}, {len(ed)} edits)")
+        compare(got, ref, f"continuation of {new_tokens} ({route}, {len(ed)} edits)", paths=paths)
         assert np.abs(got[mix(0, "state_input")]).max() > 0
 
 

@@ -13,8 +13,8 @@ import torch
 import mixlens
 import oracle_grad_mamba2 as og
 from conftest import SHIPPED_MODEL, build_mamba2, rel_rms
+from grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
 
-TOL = 1e-4
 
 CASES = {
     "g1_chunk5": dict(seed=69, config=dict(num_hidden_layers=2, n_groups=1, chunk_size=5, tie_word_embeddings=True),
@@ -68,24 +68,7 @@ def route(request):
 
 
 def mixlens_grads(case, edits=None):
-    with case.model.trace(case.prompts, saves=case.paths(), edits=edits, grad=True) as tr:
-        pass
-    tr.backward(case.metric(tr.logits))
-    return {p: tr.grad(p).numpy() for p in case.paths()}, tr
-
-
-def compare(got, ref, label, skip=()):
-    bad = []
-    n = 0
-    for path, r in ref.items():
-        if path == "metric" or path in skip:
-            continue
-        err = rel_rms(got[path], r)
-        n += 1
-        if not err <= TOL:
-            bad.append(f"{path}: rel RMS {err:.2e}")
-    assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
-    return n
+    return grads_of(case.model, case.prompts, case.paths(), case.metric, edits)
 
 
 def test_every_gradient_matches_torch_autograd(case, route):
@@ -106,13 +89,7 @@ def test_gradients_through_edits_match_torch(case, route):
              dict(path="layers.0.linear_attn.attention_values", index=1, value=0.25),
              dict(path="layers.0.linear_attn.attention_output", index=3, value=0.0)]
 
-    def setter(e):
-        def f(v):
-            v[:, e["index"]] = e["value"]
-            return v
-        return f
-
-    got, _ = mixlens_grads(case, {e["path"]: setter(e) for e in edits})
+    got, _ = mixlens_grads(case, mixlens_edits(edits))
     ref = og.run(case.torch_model, case.prompts, case.metric, scan="recurrence", edits=edits)
     compare(got, ref, "edited")
     # Written elements are constants: nothing flows through them to what computed them.

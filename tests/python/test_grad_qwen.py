@@ -18,8 +18,8 @@ import transformers
 import mixlens
 import oracle_grad_qwen as og
 from conftest import REPO, rel_rms
+from grad_common import TOL, compare, mixlens_edits, mixlens_grads
 
-TOL = 1e-4
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
          "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch"]
@@ -68,17 +68,12 @@ class Case:
         return (lp * self.mask).sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
 
     def mixlens_grads(self, edits=None):
-        if self.cont:
-            cache = self.model.new_cache(len(self.prompts))
-            with self.model.trace(self.prompts, cache=cache):
-                pass
-            ctx = self.model.trace(self.cont, cache=cache, saves=self.paths(), edits=edits, grad=True)
-        else:
-            ctx = self.model.trace(self.prompts, saves=self.paths(), edits=edits, grad=True)
-        with ctx as tr:
+        if not self.cont:
+            return mixlens_grads(self.model, self.prompts, self.paths(), self.metric, edits)
+        cache = self.model.new_cache(len(self.prompts))
+        with self.model.trace(self.prompts, cache=cache):
             pass
-        tr.backward(self.metric(tr.logits))
-        return {p: tr.grad(p).numpy() for p in self.paths()}, tr
+        return mixlens_grads(self.model, self.cont, self.paths(), self.metric, edits, cache=cache)
 
     def torch_grads(self, scan, edits=()):
         return og.run(self.torch_model, self.prompts, self.metric, scan=scan, edits=edits, continuation=self.cont)
@@ -94,19 +89,6 @@ def route(request, case):
     mixlens.route_kernels(case.family, request.param)
     yield request.param
     mixlens.route_kernels(case.family, "default")
-
-
-def compare(got, ref, label, skip=()):
-    bad, n = [], 0
-    for path, r in ref.items():
-        if path == "metric" or path in skip:
-            continue
-        err = rel_rms(got[path], r)
-        n += 1
-        if not err <= TOL:
-            bad.append(f"{path}: rel RMS {err:.2e}")
-    assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
-    return n
 
 
 def test_every_gradient_matches_torch_autograd(case, route):
@@ -132,13 +114,7 @@ def test_gradients_through_edits_match_torch(case, route):
     if case.cont:
         edits.append(dict(path=f"layers.{lin[-1]}.linear_attn.state_input", index=1, value=0.0))
 
-    def setter(e):
-        def f(v):
-            v[:, e["index"]] = e["value"]
-            return v
-        return f
-
-    got, _ = case.mixlens_grads({e["path"]: setter(e) for e in edits})
+    got, _ = case.mixlens_grads(mixlens_edits(edits))
     ref = case.torch_grads("explicit", edits)
     compare(got, ref, "edited")
     # A written element is a constant: its own gradient is served, nothing flows through it upstream.
