@@ -187,32 +187,38 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   // selective_state_update), so the decode step's head outputs are served gated.
   const bool gate_in_kernel = d_.norm == Mamba2Norm::none && decode;
   // z of row r is zxbcdt[r * proj, + E): gates go row by row (no divide / modulo per element).
-  const auto gate_rows = [&](const float* src, float* dst) {
-    for (int64_t r = 0; r < BT; ++r) ops::mul_silu(src + r * E, zxbcdt.data() + r * proj, dst + r * E, E);
+  const auto gate_rows = [&](const float* src, float* dst, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) ops::mul_silu(src + r * E, zxbcdt.data() + r * proj, dst + r * E, E);
   };
-  if (gate_in_kernel) gate_rows(y.data(), y.data());
+  if (gate_in_kernel) gate_rows(y.data(), y.data(), 0, BT);
   visit_if(ls, li, Value::attention_head_outputs, y);
 
+  // The gate and the norm per block of rows on the pool (they were a serial pass per layer).
   Tensor g({B, T, E});
-  switch (d_.norm) {
-    case Mamba2Norm::gated_full:  // MambaRMSNormGated: gate before norm, over the full E width
-      gate_rows(y.data(), g.data());
-      ops::rmsnorm(g.data(), lw.gnorm.data(), g.data(), BT, E, d_.eps);
-      break;
-    case Mamba2Norm::gated_grouped:
-      gate_rows(y.data(), g.data());
-      group_rmsnorm(g, lw.gnorm, BT);
-      break;
-    case Mamba2Norm::grouped_then_gate:
-      std::copy(y.begin(), y.end(), g.data());
-      group_rmsnorm(g, lw.gnorm, BT);
-      gate_rows(g.data(), g.data());
-      break;
-    case Mamba2Norm::none:
-      if (gate_in_kernel) std::copy(y.begin(), y.end(), g.data());
-      else gate_rows(y.data(), g.data());
-      break;
-  }
+  const int64_t row_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 4 * ops::num_threads());
+  ops::parallel_for(row_blocks, [&](int64_t blk) {
+    const int64_t r0 = BT * blk / row_blocks, r1 = BT * (blk + 1) / row_blocks;
+    float* gr = g.data() + r0 * E;
+    switch (d_.norm) {
+      case Mamba2Norm::gated_full:  // MambaRMSNormGated: gate before norm, over the full E width
+        gate_rows(y.data(), g.data(), r0, r1);
+        ops::rmsnorm(gr, lw.gnorm.data(), gr, r1 - r0, E, d_.eps);
+        break;
+      case Mamba2Norm::gated_grouped:
+        gate_rows(y.data(), g.data(), r0, r1);
+        group_rmsnorm_rows(gr, lw.gnorm.data(), r1 - r0);
+        break;
+      case Mamba2Norm::grouped_then_gate:
+        std::copy(y.data() + r0 * E, y.data() + r1 * E, gr);
+        group_rmsnorm_rows(gr, lw.gnorm.data(), r1 - r0);
+        gate_rows(g.data(), g.data(), r0, r1);
+        break;
+      case Mamba2Norm::none:
+        if (gate_in_kernel) std::copy(y.data() + r0 * E, y.data() + r1 * E, gr);
+        else gate_rows(y.data(), g.data(), r0, r1);
+        break;
+    }
+  });
   Tensor out({B, T, D});
   ops::linear(g.data(), BT, E, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
   if (d_.out_multiplier != 1.0f)
@@ -221,14 +227,14 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   return out;
 }
 
-void Mamba2Mixer::group_rmsnorm(Tensor& g, const Tensor& w, int64_t rows) const {
+void Mamba2Mixer::group_rmsnorm_rows(float* g, const float* w, int64_t rows) const {
   // Per group of E/G channels, each with its slice of the weight (Zamba2RMSNormGated,
   // FalconH1RMSNormGated).
   const int64_t gs = d_.E / d_.G;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t gi = 0; gi < d_.G; ++gi) {
-      float* p = g.data() + r * d_.E + gi * gs;
-      ops::rmsnorm(p, w.data() + gi * gs, p, 1, gs, d_.eps);
+      float* p = g + r * d_.E + gi * gs;
+      ops::rmsnorm(p, w + gi * gs, p, 1, gs, d_.eps);
     }
 }
 

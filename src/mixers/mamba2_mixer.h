@@ -104,7 +104,7 @@ class Mamba2Mixer {
   Tensor betas_for_decays(const Mamba2MixerWeights& w, const Tensor& betas_before, const Tensor& decays) const;
 
  private:
-  void group_rmsnorm(Tensor& g, const Tensor& w, int64_t rows) const;
+  void group_rmsnorm_rows(float* g, const float* w, int64_t rows) const;  ///< rows of E floats
   Mamba2MixerDims d_;
 };
 

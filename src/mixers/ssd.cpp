@@ -1,8 +1,11 @@
 #include "mixers/ssd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "mixers/ssm_kernels.h"
+#include "ops/kernels.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
@@ -62,13 +65,18 @@ void ssd_chunked(const SsdArgs& a) {
               0.0f, CB.data() + gc * Q * Q, Q);
   });
 
+#if defined(__x86_64__)
+  const bool avx2 = ops::isa() != ops::Isa::scalar;
+#else
+  const bool avx2 = false;
+#endif
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / heads_per_group;
     const float A = a.A[h], D = a.D[h];
     float* S = a.S + h * P * N;
     std::vector<float> acum(static_cast<size_t>(Q)), da(static_cast<size_t>(Q)), segs(static_cast<size_t>(Q)), M(static_cast<size_t>(Q * Q)),
         xdt(static_cast<size_t>(Q * P)), tmp(static_cast<size_t>(Q * P)),
-        Sr(a.states ? static_cast<size_t>(P * N) : 0);
+        Sr(a.states ? static_cast<size_t>(P * N) : 0), decay(a.states ? static_cast<size_t>(Q) : 0);
     for (int64_t c = 0; c < nchunks; ++c) {
       const int64_t t0 = c * Q, L = std::min(Q, T - t0);
       const float* xc = a.x + t0 * ldx + h * P;
@@ -84,28 +92,35 @@ void ssd_chunked(const SsdArgs& a) {
         for (int64_t p = 0; p < P; ++p) xdt[l * P + p] = xc[l * ldx + p] * dt;
       }
       // M[l,s] = (C_l . B_s) exp(sum_{k=s+1..l} a_k) for s <= l; the segment sums are accumulated
-      // in increasing k as transformers' segment_sum does (no cumsum differences).
+      // in increasing k as transformers' segment_sum does (no cumsum differences). Built row by row:
+      // segs[s] (s < l) holds the sum up to row l, so each row is one contiguous add, exp and
+      // product (the column-wise build was a serial add chain and strided stores).
       const float* cb = CB.data() + (g * nchunks + c) * Q * Q;
-      for (int64_t s = 0; s < L; ++s) {
-        float seg = 0.0f;
-        M[s * Q + s] = cb[s * Q + s];
-        for (int64_t l = s + 1; l < L; ++l) {
-          seg += da[l];
-          segs[l] = seg;
-        }
-        ops::exp(segs.data() + s + 1, segs.data() + s + 1, L - s - 1);  // vectorized (was 8% of a prompt)
-        for (int64_t l = s + 1; l < L; ++l) M[l * Q + s] = cb[l * Q + s] * segs[l];
-        for (int64_t l = 0; l < s; ++l) M[l * Q + s] = 0.0f;
+      for (int64_t l = 0; l < L; ++l) {
+        float* Ml = M.data() + l * Q;
+        const float* cbl = cb + l * Q;
+        const float al = da[l];
+        for (int64_t s = 0; s < l; ++s) segs[s] += al;
+        ops::exp(segs.data(), Ml, l);
+        for (int64_t s = 0; s < l; ++s) Ml[s] *= cbl[s];
+        Ml[l] = cbl[l];
+        std::fill(Ml + l + 1, Ml + L, 0.0f);
+        segs[l] = 0.0f;
       }
       // Intra-chunk: y_c = M xdt.
       ops::gemm(false, false, L, P, L, 1.0f, M.data(), Q, xdt.data(), P, 0.0f, tmp.data(), P);
       for (int64_t l = 0; l < L; ++l)
         for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] = tmp[l * P + p];
-      // Inter-chunk: y_c += exp(Acum_l) C_l S_enter.
-      ops::gemm(false, true, L, P, N, 1.0f, Cc, ldbc, S, N, 0.0f, tmp.data(), P);
+      // Inter-chunk: y_c += exp(Acum_l) C_l S_enter (nothing to add from a zero state: a fresh
+      // prompt's first chunk skips the product).
+      const bool zero_state = std::all_of(S, S + P * N, [](float v) { return v == 0.0f; });
+      if (!zero_state) ops::gemm(false, true, L, P, N, 1.0f, Cc, ldbc, S, N, 0.0f, tmp.data(), P);
       for (int64_t l = 0; l < L; ++l) {
         const float e = std::exp(acum[l]);
-        for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] += e * tmp[l * P + p] + D * xc[l * ldx + p];
+        if (zero_state)
+          for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] += D * xc[l * ldx + p];
+        else
+          for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] += e * tmp[l * P + p] + D * xc[l * ldx + p];
       }
       if (a.states) {
         // Replay the recurrence inside the chunk straight in the served layout [N,P]: each token's
@@ -113,8 +128,17 @@ void ssd_chunked(const SsdArgs& a) {
         // so the per-token states cost one streaming write each and no transposes.
         for (int64_t p = 0; p < P; ++p)
           for (int64_t n = 0; n < N; ++n) Sr[n * P + p] = S[p * N + n];
+#if defined(__x86_64__)
+        if (avx2) {
+          // Sr is both the entering state and the running one; the stack is written with
+          // streaming stores (it is not read back here, so no read-for-ownership of its lines).
+          for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
+          ssd_states_replay_avx2(Sr.data(), decay.data(), Bc, ldbc, xdt.data(), L, N, P, Sr.data(),
+                                 a.states + (t0 * H + h) * N * P, H * N * P);
+        }
+#endif
         const float* prev = Sr.data();
-        for (int64_t l = 0; l < L; ++l) {
+        for (int64_t l = 0; l < L && !avx2; ++l) {
           const float e = std::exp(da[l]);
           const float* Bl = Bc + l * ldbc;
           const float* xl = xdt.data() + l * P;

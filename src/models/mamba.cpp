@@ -18,6 +18,7 @@
 
 #include "grad/families.h"
 #include "mixers/selective_scan.h"
+#include "mixers/ssm_kernels.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/family.h"
@@ -178,9 +179,13 @@ class MambaModel final : public SsmLm {
       std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));
       std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
     }
-    ops::gemm(false, true, BT, E_, R_, 1.0f, dbc.data(), XR, lw.dt_proj.data(), R_, 0.0f, dt.data(), E_);
-    for_rows(BT, [&](int64_t r) {
-      for (int64_t e = 0; e < E_; ++e) dt[r * E_ + e] = ops::softplus(dt[r * E_ + e] + lw.dt_proj_bias[e]);
+    // dt_proj and the softplus per block of rows on the pool (one sgemm call runs on one thread).
+    const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
+    ops::parallel_for(dt_blocks, [&](int64_t blk) {
+      const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;
+      ops::gemm(false, true, r1 - r0, E_, R_, 1.0f, dbc.data() + r0 * XR, XR, lw.dt_proj.data(), R_, 0.0f,
+                dt.data() + r0 * E_, E_);
+      for (int64_t r = r0; r < r1; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
     });
 
     visit_if(ls, li, Value::attention_queries, Cm);
@@ -221,9 +226,7 @@ class MambaModel final : public SsmLm {
     visit_if(ls, li, Value::attention_head_outputs, y);
 
     Tensor g({B, T, E_});
-    for_rows(BT, [&](int64_t r) {
-      for (int64_t e = 0; e < E_; ++e) g[r * E_ + e] = y[r * E_ + e] * ops::silu(xz[r * 2 * E_ + E_ + e]);
-    });
+    for_rows(BT, [&](int64_t r) { ops::mul_silu(y.data() + r * E_, xz.data() + r * 2 * E_ + E_, g.data() + r * E_, E_); });
     Tensor out({B, T, D_});
     ops::linear(g.data(), BT, E_, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
     visit_if(ls, li, Value::attention_output, out);

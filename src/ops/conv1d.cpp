@@ -8,24 +8,34 @@ namespace mixlens::ops {
 
 void causal_conv1d(const float* in, int64_t in_stride, int64_t B, int64_t T, int64_t C, int64_t K,
                    const float* wT, const float* bias, float* state, float* out, bool use_silu) {
-  // ext = [state (K rows) | input (T rows)], time-major so the channel loop vectorizes.
-  std::vector<float> ext(static_cast<size_t>((K + T) * C));
+  // Row r of ext = [state (K rows) | input (T rows)], read in place (no copy of the input).
+  // Channel blocks run on the pool: a prompt's conv was a serial pass between parallel GEMMs.
+  // Every element is computed as before (bias, then the K taps in order, then SiLU), so the
+  // blocking changes no value.
+  constexpr int64_t kBlockC = 256;
+  const int64_t blocks = T * C < (int64_t{1} << 14) ? 1 : (C + kBlockC - 1) / kBlockC;
   for (int64_t b = 0; b < B; ++b) {
     float* st = state + b * K * C;
-    std::memcpy(ext.data(), st, sizeof(float) * static_cast<size_t>(K * C));
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(ext.data() + (K + t) * C, in + (b * T + t) * in_stride, sizeof(float) * static_cast<size_t>(C));
-    for (int64_t t = 0; t < T; ++t) {
-      float* o = out + (b * T + t) * C;
-      for (int64_t c = 0; c < C; ++c) o[c] = bias ? bias[c] : 0.0f;
-      for (int64_t j = 0; j < K; ++j) {
-        const float* e = ext.data() + (t + 1 + j) * C;
-        const float* w = wT + j * C;
-        for (int64_t c = 0; c < C; ++c) o[c] += w[c] * e[c];
+    const auto row = [&](int64_t r) { return r < K ? st + r * C : in + (b * T + r - K) * in_stride; };
+    parallel_for(blocks, [&](int64_t blk) {
+      const int64_t c0 = blocks == 1 ? 0 : blk * kBlockC, c1 = blocks == 1 ? C : std::min(C, c0 + kBlockC);
+      for (int64_t t = 0; t < T; ++t) {
+        float* o = out + (b * T + t) * C;
+        for (int64_t c = c0; c < c1; ++c) o[c] = bias ? bias[c] : 0.0f;
+        for (int64_t j = 0; j < K; ++j) {
+          const float* e = row(t + 1 + j);
+          const float* w = wT + j * C;
+          for (int64_t c = c0; c < c1; ++c) o[c] += w[c] * e[c];
+        }
+        if (use_silu) silu(o + c0, o + c0, c1 - c0);  // vectorized
       }
-      if (use_silu) silu(o, o, C);  // vectorized
+    });
+    // The window keeps the last K rows of ext; row T + i >= i, so copying in increasing i reads
+    // each old state row before it is overwritten.
+    for (int64_t i = 0; i < K; ++i) {
+      const float* src = row(T + i);
+      if (src != st + i * C) std::memmove(st + i * C, src, sizeof(float) * static_cast<size_t>(C));
     }
-    std::memcpy(st, ext.data() + T * C, sizeof(float) * static_cast<size_t>(K * C));
   }
 }
 

@@ -1,0 +1,30 @@
+// Vector kernels of the SSM mixers (Mamba-1 scan, softplus, Mamba-2 per-token states), chosen at
+// run time like ops/kernels.h: the AVX2 + FMA versions live in ssm_kernels_avx2.cpp (compiled with
+// those flags only) and run when ops::isa() is avx2 or above; otherwise the portable loops run.
+#pragma once
+#include <cstdint>
+
+#include "mixers/selective_scan.h"
+
+namespace mixlens::detail {
+
+/// y[i] = softplus(x[i] + bias[i]) (torch softplus, beta 1, threshold 20: x + bias > 20 gives
+/// x + bias). In place allowed. Vector log1p within 3 ulp of std::log1p.
+void softplus_bias(const float* x, const float* bias, float* y, int64_t n);
+
+/// Whether the AVX2 Mamba-1 token loop can run `a` (the ISA level allows it and N % 8 == 0).
+bool selective_scan_avx2_ok(const SelectiveScanArgs& a);
+
+#if defined(__x86_64__)
+/// The token loop for channels [e0, e1) (selective_scan_recurrent's block), N % 8 == 0.
+void selective_scan_block_avx2(const SelectiveScanArgs& a, int64_t e0, int64_t e1);
+/// softplus_bias, AVX2.
+void softplus_bias_avx2(const float* x, const float* bias, float* y, int64_t n);
+/// One Mamba-2 head's per-token states within a chunk, in the served layout [N,P] per token:
+/// out_l = exp(da[l]) * out_{l-1} + B_l ⊗ xdt_l (out_{-1} = S0, [N,P]); `cur` [N*P] is scratch that
+/// ends holding out_{L-1}. The outputs go out with streaming stores (they are not read back here).
+void ssd_states_replay_avx2(const float* S0, const float* da, const float* B, int64_t ldb, const float* xdt,
+                            int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out);
+#endif
+
+}  // namespace mixlens::detail
