@@ -379,6 +379,18 @@ std::span<const uint8_t> SafetensorsFile::bytes(const std::string& name) const {
   return {state_->mapping->data() + t.offset, static_cast<size_t>(t.nbytes)};
 }
 
+void SafetensorsFile::release(const std::string& name, bool borrowed_too) const {
+  const TensorInfo& t = info(name);
+  const uint8_t* src = state_->mapping->data() + t.offset;
+  if (t.nbytes == 0) return;
+  if (!borrowed_too && t.dtype == DType::F32 && reinterpret_cast<uintptr_t>(src) % alignof(float) == 0) return;
+  // Whole pages around the tensor: a neighbour sharing an edge page just faults it in again.
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(src) & ~(page - 1);
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(src) + static_cast<uintptr_t>(t.nbytes);
+  madvise(reinterpret_cast<void*>(lo), static_cast<size_t>(hi - lo), MADV_DONTNEED);  // advice: failure is harmless
+}
+
 Tensor SafetensorsFile::get_f32(const std::string& name) const {
   const TensorInfo& t = info(name);
   const uint8_t* src = state_->mapping->data() + t.offset;

@@ -89,6 +89,11 @@ class SafetensorsFile {
   std::vector<int64_t> get_i64(const std::string& name) const;
   /// The raw little-endian bytes of a tensor, inside the mapping.
   std::span<const uint8_t> bytes(const std::string& name) const;
+  /// Gives the mapped pages of a tensor that was copied out back to the OS (madvise DONTNEED), so
+  /// a load never holds the file image and the converted copies at once (peak RSS). A no-op for
+  /// tensors get_f32 borrows (F32, 4-byte aligned) unless `borrowed_too` (the borrow was converted
+  /// and dropped); a later read faults the pages in again either way.
+  void release(const std::string& name, bool borrowed_too = false) const;
 
  private:
   struct State;

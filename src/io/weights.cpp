@@ -173,6 +173,7 @@ Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
                           shape_str(e.info->shape) + ", expected " + shape_str(expected) +
                           " from config.json");
   Tensor t = files_[e.file].get_f32(name);
+  files_[e.file].release(name);  // copied out (or borrowed: then a no-op)
   // One pass at load is cheap next to the matmuls.
   const float* p = t.begin();
   for (int64_t i = 0; i < t.numel(); ++i)
@@ -201,6 +202,7 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
   if (e.info->dtype == target) {
     const std::span<const uint8_t> src = files_[e.file].bytes(name);
     std::memcpy(dst, src.data(), static_cast<size_t>(n) * 2);
+    files_[e.file].release(name);
     for (int64_t i = 0; i < n; ++i) {
       const float x = target == DType::BF16 ? ops::bf16_to_f32(dst[i]) : ops::f16_to_f32(dst[i]);
       if (!(std::fabs(x) < kMaxWeight)) check_weight(name, folder_, i, x);
@@ -215,6 +217,7 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
           throw CheckpointError("tensor '" + name + "' in " + folder_.string() + " has a weight of " +
                                 std::to_string(p[i]) + " at flat index " + std::to_string(i) +
                                 ", beyond float16's range (load with dtype bfloat16 or float32)");
+    files_[e.file].release(name, true);  // the float32 view is not kept: its file pages need not stay
   }
   return Tensor::narrow(expected, out, dst, std::shared_ptr<const void>(buf, dst));
 }

@@ -6,6 +6,7 @@
 
 #include "ops/kernels.h"
 #include "ops/ops.h"
+#include "ops/tile_kernels.h"
 
 namespace mixlens::detail {
 
@@ -97,47 +98,54 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                             const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out) {
-  // Per query tile and head: key tiles of scores (one dispatched matvec per query: a query's result
-  // never depends on the tiling, so a prompt split into calls gives the same outputs), an online
-  // softmax (running max and sum, rescaling the partial output) and o += p V. A [kBq, d]
-  // accumulator and a kBk-key tile stay in cache; no [T, T] matrix.
+  // Per query tile and head: a [kBq, kBk] tile of scores (register-blocked dots, each in an order
+  // that does not depend on the tile, so a prompt split into calls gives the same outputs), an
+  // online softmax per query (running max and sum, rescaling the partial output) and O += P V for
+  // the whole tile (V loaded once for several queries). No [T, T] matrix.
   constexpr int64_t kBq = 32, kBk = 128;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t rep = H / Hkv, width = Hkv * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t qtiles = (T + kBq - 1) / kBq;
   const ops::KernelTable& kt = ops::kernels();
+  const ops::TileKernels& tk = ops::tile_kernels();
   ops::parallel_for(B * H * qtiles, [&](int64_t job) {
     const int64_t qt = job % qtiles, bh = job / qtiles;  // once per tile, not per element
     const int64_t b = bh / H, h = bh % H, g = h / rep;
     const int64_t t0 = qt * kBq, nq = std::min(kBq, T - t0);
     const float* K = kv.k[static_cast<size_t>(b)].data() + g * d;
     const float* V = kv.v[static_cast<size_t>(b)].data() + g * d;
+    const float* Q = q + ((b * T + t0) * H + h) * d;  // query i at Q + i * H * d
     const uint8_t* m = key_mask[static_cast<size_t>(b)].data();
     thread_local std::vector<float> S, O, mx, sum;
-    S.resize(static_cast<size_t>(kBk));
+    S.resize(static_cast<size_t>(kBq * kBk));
     O.assign(static_cast<size_t>(nq * d), 0.0f);
     mx.assign(static_cast<size_t>(nq), kNegInf);
     sum.assign(static_cast<size_t>(nq), 0.0f);
     const int64_t kend = past + t0 + nq;  // keys [0, kend) are visible to some query of the tile
     for (int64_t k0 = 0; k0 < kend; k0 += kBk) {
       const int64_t nk = std::min(kBk, kend - k0);
-      for (int64_t i = 0; i < nq; ++i) {
+      // Queries before i0 see no key of this tile (it lies in their future).
+      const int64_t i0 = std::max<int64_t>(0, k0 - past - t0);
+      tk.dots(Q + i0 * H * d, H * d, nq - i0, K + k0 * width, width, nk, d, S.data() + i0 * kBk, kBk);
+      for (int64_t i = i0; i < nq; ++i) {
         const int64_t limit = std::min(nk, past + t0 + i + 1 - k0);  // causal: keys j < limit
-        if (limit <= 0) continue;
-        float* s = S.data();
-        kt.matvec_f32(K + k0 * width, width, q + ((b * T + t0 + i) * H + h) * d, s, limit, d);
+        float* s = S.data() + i * kBk;
         float rmax = kNegInf;
         for (int64_t j = 0; j < limit; ++j) {
           s[j] = m[k0 + j] ? s[j] * scale : kNegInf;
           rmax = std::max(rmax, s[j]);
         }
-        if (rmax == kNegInf) continue;  // nothing visible in this tile
+        if (rmax == kNegInf) {  // nothing visible in this tile: the row adds nothing
+          std::fill(s, s + nk, 0.0f);
+          continue;
+        }
         float& mi = mx[static_cast<size_t>(i)];
         const float mnew = std::max(mi, rmax);
         const float alpha = std::exp(mi - mnew);  // exp(-inf) = 0 on the first visible tile
         for (int64_t j = 0; j < limit; ++j) s[j] -= mnew;
         kt.exp(s, s, limit);  // masked keys: exp(-inf) = 0
+        std::fill(s + limit, s + nk, 0.0f);  // future keys: adding 0 * v leaves the sums as they are
         float rs = 0.0f;
         for (int64_t j = 0; j < limit; ++j) rs += s[j];
         sum[static_cast<size_t>(i)] = sum[static_cast<size_t>(i)] * alpha + rs;
@@ -145,8 +153,8 @@ void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int
         float* o = O.data() + i * d;
         if (alpha != 1.0f)
           for (int64_t e = 0; e < d; ++e) o[e] *= alpha;
-        kt.acc_rows(s, V + k0 * width, width, limit, d, o);
       }
+      tk.acc_tile(S.data() + i0 * kBk, kBk, nq - i0, V + k0 * width, width, nk, d, O.data() + i0 * d, d);
     }
     for (int64_t i = 0; i < nq; ++i) {
       float* o = out + ((b * T + t0 + i) * H + h) * d;

@@ -37,7 +37,7 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
                       float* probs = nullptr);
 
 /// The attention output, tiled (flash-attention style): per query tile and head, key tiles of
-/// scores (dispatched matvec), an online softmax (running max and sum, rescaling the partial
+/// scores (register-blocked dots, ops/tile_kernels.h), an online softmax (running max and sum, rescaling the partial
 /// output) and o += p v; no [T, T] matrix, keys past the causal limit never touched. Each query's
 /// result depends only on its inputs (not on T, past or the tiling), so a prompt split into calls
 /// gives the same outputs. Same results as the explicit softmax to float32 rounding.

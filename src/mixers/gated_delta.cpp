@@ -5,6 +5,9 @@
 #include <cstring>
 #include <vector>
 
+#include <cblas.h>
+
+#include "ops/kernels.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
@@ -14,7 +17,7 @@ namespace {
 // x * rsqrt(sum(x^2) + 1e-6) * scale (transformers' l2norm; eps fixed, not the config's).
 inline void l2norm_row(const float* x, int64_t n, float scale, float* out) {
   float ss = 0.0f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  ops::kernels().matvec_f32(x, n, x, &ss, 1, n);  // sum of squares: x . x on the vector kernels
   const float inv = scale / std::sqrt(ss + 1e-6f);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }
@@ -68,14 +71,16 @@ void gated_delta_recurrent(const GatedDeltaArgs& a) {
 void gated_delta_chunked(const GatedDeltaArgs& a) {
   const int64_t H = a.H, Dk = a.Dk, Dv = a.Dv, T = a.T;
   const int64_t C = a.chunk < 1 ? 1 : a.chunk;
+  const int64_t R = Dv + Dk;  // right-hand sides of the UT solve: [Vb | Kb exp(G)]
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   ops::parallel_for(a.B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H;
     float* S = a.S + bh * Dk * Dv;
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C),
-                       P = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv), mem = buf(Dv), Sr;
-    std::vector<double> U(static_cast<size_t>(C * Dv)), W(static_cast<size_t>(C * Dk));
+                       P = buf(C * C), Dm = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv),
+                       mem = buf(Dv), Sr;
+    std::vector<double> Kd(static_cast<size_t>(C * Dk)), M(static_cast<size_t>(C * C)), Rd(static_cast<size_t>(C * R));
     const int64_t t_end = a.t_end < 0 ? T : a.t_end;
     for (int64_t t0 = a.t_begin; t0 < t_end; t0 += C) {
       const int64_t L = std::min(C, t_end - t0);
@@ -90,33 +95,41 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
         run += a.g[r];
         gam[i] = run;  // inclusive cumulative log-decay within the chunk
       }
-      // P = (Q K^T) * exp(Gi - Gj) on and below the diagonal (BLAS). Exponents of differences (never
-      // of a lone cumsum) keep long chunks finite.
+      // Decay matrix Dm[i,j] = exp(Gi - Gj) on and below the diagonal, 0 above, one vectorized exp
+      // per row. Exponents of differences (never of a lone cumsum) keep long chunks finite.
+      for (int64_t i = 0; i < L; ++i) {
+        float* row = Dm.data() + i * C;
+        for (int64_t j = 0; j <= i; ++j) row[j] = gam[i] - gam[j];
+        ops::exp(row, row, i + 1);
+        std::fill(row + i + 1, row + L, 0.0f);
+      }
+      // P = (Q K^T) * Dm (BLAS).
       ops::gemm(false, true, L, L, Dk, 1.0f, qn.data(), Dk, kn.data(), Dk, 0.0f, P.data(), C);
       for (int64_t i = 0; i < L; ++i)
-        for (int64_t j = 0; j < L; ++j) P[i * C + j] *= j <= i ? std::exp(gam[i] - gam[j]) : 0.0f;
-      // UT transform (I + A) U = Vb, (I + A) W = Kb exp(G), A[i,j] = (Kb_i . K_j) exp(Gi - Gj) for
-      // j < i, by forward substitution in double: with many similar keys in a chunk (I + A) is
-      // ill-conditioned, and float32 rounding here was the largest error against the reference.
+        for (int64_t j = 0; j < L; ++j) P[i * C + j] *= Dm[i * C + j];
+      // UT transform (I + A) [U | W] = [Vb | Kb exp(G)], A[i,j] = beta_i (K_i . K_j) exp(Gi - Gj) for
+      // j < i, solved in double: with many similar keys in a chunk (I + A) is ill-conditioned, and
+      // float32 rounding here was the largest error against the reference. K K^T is symmetric, so
+      // one dsyrk makes its lower half and one unit-lower dtrsm does the forward substitution.
+      for (int64_t i = 0; i < L * Dk; ++i) Kd[static_cast<size_t>(i)] = kn[static_cast<size_t>(i)];
+      cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, static_cast<blasint>(L), static_cast<blasint>(Dk), 1.0,
+                  Kd.data(), static_cast<blasint>(Dk), 0.0, M.data(), static_cast<blasint>(C));
       for (int64_t i = 0; i < L; ++i) {
-        double* Ui = U.data() + i * Dv;
-        double* Wi = W.data() + i * Dk;
+        const double be = a.beta[(b * T + t0 + i) * H + h];
+        double* Mi = M.data() + i * C;
+        for (int64_t j = 0; j < i; ++j) Mi[j] *= be * static_cast<double>(Dm[i * C + j]);
+        double* Ri = Rd.data() + i * R;
         const double eg = std::exp(static_cast<double>(gam[i]));
-        for (int64_t e = 0; e < Dv; ++e) Ui[e] = vb[i * Dv + e];
-        for (int64_t d = 0; d < Dk; ++d) Wi[d] = kb[i * Dk + d] * eg;
-        for (int64_t j = 0; j < i; ++j) {
-          double dot = 0.0;
-          for (int64_t d = 0; d < Dk; ++d) dot += static_cast<double>(kb[i * Dk + d]) * kn[j * Dk + d];
-          const double c = dot * std::exp(static_cast<double>(gam[i]) - gam[j]);
-          if (c == 0.0) continue;
-          const double* Uj = U.data() + j * Dv;
-          const double* Wj = W.data() + j * Dk;
-          for (int64_t e = 0; e < Dv; ++e) Ui[e] -= c * Uj[e];
-          for (int64_t d = 0; d < Dk; ++d) Wi[d] -= c * Wj[d];
-        }
+        for (int64_t e = 0; e < Dv; ++e) Ri[e] = vb[i * Dv + e];
+        for (int64_t d = 0; d < Dk; ++d) Ri[Dv + d] = kb[i * Dk + d] * eg;
       }
-      for (int64_t i = 0; i < L * Dv; ++i) Uf[i] = static_cast<float>(U[i]);
-      for (int64_t i = 0; i < L * Dk; ++i) Wf[i] = static_cast<float>(W[i]);
+      cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasUnit, static_cast<blasint>(L),
+                  static_cast<blasint>(R), 1.0, M.data(), static_cast<blasint>(C), Rd.data(), static_cast<blasint>(R));
+      for (int64_t i = 0; i < L; ++i) {
+        const double* Ri = Rd.data() + i * R;
+        for (int64_t e = 0; e < Dv; ++e) Uf[i * Dv + e] = static_cast<float>(Ri[e]);
+        for (int64_t d = 0; d < Dk; ++d) Wf[i * Dk + d] = static_cast<float>(Ri[Dv + d]);
+      }
       if (a.states) Sr.assign(S, S + Dk * Dv);  // chunk-entry state for the replay below
       // V_new = U - W S (in U);  O = (Q exp(G)) S + P V_new.
       ops::gemm(false, false, L, Dv, Dk, -1.0f, Wf.data(), Dk, S, Dv, 1.0f, Uf.data(), Dv);
@@ -131,7 +144,7 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       // S = exp(G_last) S + (K exp(G_last - G))^T V_new.
       const float last = gam[L - 1];
       for (int64_t i = 0; i < L; ++i) {
-        const float e = std::exp(last - gam[i]);
+        const float e = Dm[(L - 1) * C + i];  // exp(G_last - G_i)
         for (int64_t d = 0; d < Dk; ++d) Wf[i * Dk + d] = kn[i * Dk + d] * e;
       }
       ops::gemm(true, false, Dk, Dv, L, 1.0f, Wf.data(), Dk, Uf.data(), Dv, std::exp(last), S, Dv);

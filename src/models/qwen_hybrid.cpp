@@ -46,6 +46,22 @@ struct Layer {
   Mlp mlp;
 };
 
+// Runs f(r0, r1) over blocks of rows on the pool when there is enough work: the elementwise passes
+// between the matmuls (norms, gates, residual adds) would otherwise leave the other cores idle.
+template <class F>
+void for_rows(int64_t rows, int64_t row_elems, F&& f) {
+  const int64_t nt = ops::num_threads();
+  if (nt <= 1 || rows < 2 || rows * row_elems < (int64_t{1} << 15)) {
+    f(int64_t{0}, rows);
+    return;
+  }
+  const int64_t nb = std::min<int64_t>(rows, 2 * nt), per = (rows + nb - 1) / nb;
+  ops::parallel_for(nb, [&](int64_t i) {
+    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
+    if (r0 < r1) f(r0, r1);
+  });
+}
+
 // Concatenates row blocks of 2-D tensors with the same column count.
 Tensor cat_rows(std::initializer_list<Tensor> parts) {
   // Any dtype (narrow matmul weights stay narrow).
@@ -248,17 +264,17 @@ class QwenHybrid final : public FamilyModel {
     watch.check(-1, Value::embed_output, h);
     // create_recurrent_attention_mask: GDN input masked only for multi-token calls with padding.
     const bool masked = T > 1 && in.has_padding();
-    Tensor n({B, T, D_});
+    Tensor n = Tensor::uninitialized({B, T, D_});  // every buffer below is written whole: no zero-fill pass
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
       const Layer& l = layers_[static_cast<size_t>(i)];
       ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
-      ops::rmsnorm(h.data(), l.in_norm.data(), n.data(), BT, D_, eps_, true);
+      norm_rows(h, l.in_norm, n);
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
       watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
       add_into(h, out);
-      ops::rmsnorm(h.data(), l.post_norm.data(), n.data(), BT, D_, eps_, true);
+      norm_rows(h, l.post_norm, n);
       Tensor m = (l.mlp.moe ? moe(l.mlp, n) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT)).reshape({B, T, D_});
       visit_if(ls, li, Value::mlp_output, m);
       watch.check(li, Value::mlp_output, m);
@@ -267,7 +283,7 @@ class QwenHybrid final : public FamilyModel {
       watch.check(li, Value::layer_output, h);
     }
     cache.has_state = true;
-    ops::rmsnorm(h.data(), norm_.data(), h.data(), BT, D_, eps_, true);
+    norm_rows(h, norm_, h);
     visit_if(ls, -1, Value::ln_final_output, h);
     Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
     watch.finish(logits);
@@ -381,15 +397,29 @@ class QwenHybrid final : public FamilyModel {
   static void add_into(Tensor& h, const Tensor& x) {
     float* hp = h.data();
     const float* xp = x.data();
-    for (int64_t k = 0; k < h.numel(); ++k) hp[k] += xp[k];
+    const int64_t cols = h.size(-1);
+    for_rows(h.numel() / cols, cols, [&](int64_t r0, int64_t r1) {
+      for (int64_t k = r0 * cols; k < r1 * cols; ++k) hp[k] += xp[k];
+    });
+  }
+
+  // Zero-centred RMSNorm of every row of x [.., D] into y (in place allowed), rows spread on the pool.
+  void norm_rows(Tensor& x, const Tensor& w, Tensor& y) const {
+    const float* xp = x.data();
+    float* yp = y.data();
+    for_rows(x.numel() / D_, D_, [&](int64_t r0, int64_t r1) {
+      ops::rmsnorm(xp + r0 * D_, w.data(), yp + r0 * D_, r1 - r0, D_, eps_, true);
+    });
   }
 
   // SwiGLU with gate|up fused in one product: down(silu(gate x) * up x).
   Tensor dense(const Tensor& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows) const {
-    Tensor gu({rows, 2 * I}), act({rows, I}), out({rows, D_});
+    Tensor gu = Tensor::uninitialized({rows, 2 * I}), act = Tensor::uninitialized({rows, I}), out = Tensor::uninitialized({rows, D_});
     ops::linear(x, rows, D_, gate_up, gu.data());
-    for (int64_t r = 0; r < rows; ++r)  // up * silu(gate), vectorized
-      ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
+    for_rows(rows, I, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)  // up * silu(gate), vectorized
+        ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
+    });
     ops::linear(act.data(), rows, I, down, out.data());
     return out;
   }
@@ -457,25 +487,27 @@ class QwenHybrid final : public FamilyModel {
       apply_row_mask(nm, in);
       n = nm.data();
     }
-    Tensor proj({B, T, pr});
+    Tensor proj = Tensor::uninitialized({B, T, pr});
     ops::linear(n, BT, D_, l.in_proj, proj.data());
-    Tensor qkv({B, T, cd});
+    Tensor qkv = Tensor::uninitialized({B, T, cd});
     ops::causal_conv1d(proj.data(), pr, B, T, cd, K_, l.conv_wT.data(), nullptr,
                        cache.conv[static_cast<size_t>(li)].data(), qkv.data(), true);
     // Split, repeating q/k heads for value heads (value head j reads key head j / r).
-    Tensor q({B, T, HV, Dk}), k({B, T, HV, Dk}), v({B, T, HV, Dv});
-    for (int64_t row = 0; row < BT; ++row) {
-      const float* src = qkv.data() + row * cd;
-      for (int64_t j = 0; j < HV; ++j) {
-        std::memcpy(q.data() + (row * HV + j) * Dk, src + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
-        std::memcpy(k.data() + (row * HV + j) * Dk, src + g_.key_dim() + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+    Tensor q = Tensor::uninitialized({B, T, HV, Dk}), k = Tensor::uninitialized({B, T, HV, Dk}), v = Tensor::uninitialized({B, T, HV, Dv});
+    for_rows(BT, 2 * HV * Dk + vd, [&](int64_t row0, int64_t row1) {
+      for (int64_t row = row0; row < row1; ++row) {
+        const float* src = qkv.data() + row * cd;
+        for (int64_t j = 0; j < HV; ++j) {
+          std::memcpy(q.data() + (row * HV + j) * Dk, src + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+          std::memcpy(k.data() + (row * HV + j) * Dk, src + g_.key_dim() + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+        }
+        std::memcpy(v.data() + row * vd, src + 2 * g_.key_dim(), sizeof(float) * static_cast<size_t>(vd));
       }
-      std::memcpy(v.data() + row * vd, src + 2 * g_.key_dim(), sizeof(float) * static_cast<size_t>(vd));
-    }
+    });
     visit_if(ls, li, Value::attention_queries, q);
     visit_if(ls, li, Value::attention_keys, k);
     visit_if(ls, li, Value::attention_values, v);
-    Tensor beta({B, T, HV}), g({B, T, HV});
+    Tensor beta = Tensor::uninitialized({B, T, HV}), g = Tensor::uninitialized({B, T, HV});
     for (int64_t row = 0; row < BT; ++row)
       for (int64_t j = 0; j < HV; ++j) {
         const float* pb = proj.data() + row * pr + cd + vd;
@@ -492,7 +524,7 @@ class QwenHybrid final : public FamilyModel {
       if (ls->visit(li, Value::state_input, served, S.shape()) && served.defined())
         std::memcpy(S.data(), served.data(), sizeof(float) * static_cast<size_t>(S.numel()));
     }
-    Tensor o({B, T, HV, Dv}), states;
+    Tensor o = Tensor::uninitialized({B, T, HV, Dv}), states;
     if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, HV, Dk, Dv});
     GatedDeltaArgs a;
     a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
@@ -519,18 +551,21 @@ class QwenHybrid final : public FamilyModel {
     visit_if(ls, li, Value::attention_head_outputs, o);
 
     // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv.
-    Tensor y({B, T, vd});
-    for (int64_t row = 0; row < BT; ++row)
-      for (int64_t j = 0; j < HV; ++j) {
-        const float* oj = o.data() + (row * HV + j) * Dv;
-        const float* z = proj.data() + row * pr + cd + j * Dv;
-        float* yj = y.data() + row * vd + j * Dv;
-        float ss = 0.0f;
-        for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
-        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + eps_);
-        for (int64_t e = 0; e < Dv; ++e) yj[e] = l.gnorm[e] * (oj[e] * inv) * ops::silu(z[e]);
-      }
-    Tensor out({B, T, D_});
+    Tensor y = Tensor::uninitialized({B, T, vd});
+    for_rows(BT, vd, [&](int64_t row0, int64_t row1) {
+      for (int64_t row = row0; row < row1; ++row)
+        for (int64_t j = 0; j < HV; ++j) {
+          const float* oj = o.data() + (row * HV + j) * Dv;
+          const float* z = proj.data() + row * pr + cd + j * Dv;
+          float* yj = y.data() + row * vd + j * Dv;
+          float ss = 0.0f;
+          for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
+          const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + eps_);
+          for (int64_t e = 0; e < Dv; ++e) yj[e] = l.gnorm[e] * (oj[e] * inv);
+          ops::mul_silu(yj, z, yj, Dv);  // * silu(z), vectorized
+        }
+    });
+    Tensor out = Tensor::uninitialized({B, T, D_});
     ops::linear(y.data(), BT, vd, l.out_proj, out.data());
     visit_if(ls, li, Value::attention_output, out);
     return out;
@@ -540,9 +575,10 @@ class QwenHybrid final : public FamilyModel {
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
                    HybridCache& cache, Listener* ls) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
-    Tensor qg({BT, H_ * 2 * d});
+    Tensor qg = Tensor::uninitialized({BT, H_ * 2 * d});
     ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
-    Tensor q({B, T, H_, d}), gate({B, T, H_ * d}), k({B, T, Hkv_, d}), v({B, T, Hkv_, d});
+    Tensor q = Tensor::uninitialized({B, T, H_, d}), gate = Tensor::uninitialized({B, T, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
+           v = Tensor::uninitialized({B, T, Hkv_, d});
     for (int64_t row = 0; row < BT; ++row)
       for (int64_t h = 0; h < H_; ++h) {  // per head [query | gate]
         const float* src = qg.data() + (row * H_ + h) * 2 * d;
@@ -561,7 +597,7 @@ class QwenHybrid final : public FamilyModel {
     KvCache& kv = cache.kv[static_cast<size_t>(li)];
     const int64_t past = kv.len;
     kv.append(k.data(), v.data(), B, T, Hkv_ * d);
-    Tensor att({B, T, H_, d});
+    Tensor att = Tensor::uninitialized({B, T, H_, d});
     // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
     Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H_, T, past + T}) : Tensor();
     causal_attention(q.data(), B, T, H_, Hkv_, d, past, kv, cache.key_mask, att.data(),
@@ -573,7 +609,7 @@ class QwenHybrid final : public FamilyModel {
       ops::sigmoid(gate.data(), sg.data(), sg.numel());
       for (int64_t e = 0; e < att.numel(); ++e) att[e] *= sg[e];
     }
-    Tensor out({B, T, D_});
+    Tensor out = Tensor::uninitialized({B, T, D_});
     ops::linear(att.data(), BT, H_ * d, l.o_proj, out.data());
     visit_if(ls, li, Value::attn_output, out);
     return out;

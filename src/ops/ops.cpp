@@ -36,7 +36,10 @@ namespace {
 // and it rounds x to bf16. No library does 16-bit weights x float32 activations, and none reaches
 // 85% of the ceiling for f32 here, so decode runs our kernels for every dtype.
 constexpr int64_t kMatvecRows = 4;  // up to this many rows: one matvec per row (weights stream once per row)
-constexpr int64_t kTile = 256;      // output features widened per sgemm call for narrow weights
+constexpr int64_t kTile = 256;      // least output features widened per sgemm call for narrow weights
+// Floats widened per sgemm call for narrow weights: each call packs all of x again (rows x in), so
+// few wide calls beat many narrow ones; 1M floats (4 MiB) keeps the buffer well inside L3.
+constexpr int64_t kTileFloats = int64_t{1} << 20;
 
 void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
                  int64_t out, int64_t o0, int64_t n) {
@@ -85,7 +88,7 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
         return;
       }
       thread_local std::vector<float> buf;
-      const int64_t tile = std::min(kTile, n);
+      const int64_t tile = std::min(std::max(kTile, kTileFloats / in), n);
       if (buf.size() < static_cast<size_t>(tile * in)) buf.resize(static_cast<size_t>(tile * in));
       const auto* w16 = static_cast<const uint16_t*>(W.raw());
       for (int64_t t0 = 0; t0 < n; t0 += tile) {

@@ -3,6 +3,7 @@
 // delta-rule kernels agreeing, and load-time errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -164,6 +165,62 @@ TEST(GatedDelta, LongPromptStaysFinite) {
   EXPECT_FALSE(c.states.has_nan());
   EXPECT_LE(rel_rms(c.o, r.o), 1e-5);
   EXPECT_LE(rel_rms(c.S, r.S), 1e-5);
+}
+
+// Keys that are nearly the same within a chunk make (I + A) of the UT transform ill-conditioned: the
+// chunked kernel (double-precision solve) must still match a double-precision token recurrence.
+TEST(GatedDelta, NearlyEqualKeysMatchADoubleRecurrence) {
+  const int64_t T = 130, H = 2, Dk = 16, Dv = 8;
+  KernelInputs x = random_inputs(1, T, H, Dk, Dv, -0.05f, 0.0f, 5);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> common(static_cast<size_t>(Dk));
+  for (float& c : common) c = n(rng);
+  for (int64_t r = 0; r < T * H; ++r) {
+    for (int64_t d = 0; d < Dk; ++d) x.k[static_cast<size_t>(r * Dk + d)] = common[static_cast<size_t>(d)] + 1e-2f * n(rng);
+    x.beta[static_cast<size_t>(r)] = 0.9f + 0.1f * x.beta[static_cast<size_t>(r)];
+  }
+  KernelOut c = run_kernel(x, true, false);
+  // The reference: S = exp(g) (S - beta k (k^T S)) + beta k v^T, o = S^T q, all in double.
+  std::vector<double> ref_o(static_cast<size_t>(T * H * Dv));
+  for (int64_t h = 0; h < H; ++h) {
+    std::vector<double> S(x.S0.begin() + h * Dk * Dv, x.S0.begin() + (h + 1) * Dk * Dv);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = t * H + h;
+      std::vector<double> q(static_cast<size_t>(Dk)), k(static_cast<size_t>(Dk));
+      double qs = 0, ks = 0;
+      for (int64_t d = 0; d < Dk; ++d) {
+        q[static_cast<size_t>(d)] = x.q[static_cast<size_t>(r * Dk + d)];
+        k[static_cast<size_t>(d)] = x.k[static_cast<size_t>(r * Dk + d)];
+        qs += q[static_cast<size_t>(d)] * q[static_cast<size_t>(d)];
+        ks += k[static_cast<size_t>(d)] * k[static_cast<size_t>(d)];
+      }
+      for (int64_t d = 0; d < Dk; ++d) {
+        q[static_cast<size_t>(d)] /= std::sqrt(qs + 1e-6) * std::sqrt(static_cast<double>(Dk));
+        k[static_cast<size_t>(d)] /= std::sqrt(ks + 1e-6);
+      }
+      const double decay = std::exp(static_cast<double>(x.g[static_cast<size_t>(r)]));
+      const double be = x.beta[static_cast<size_t>(r)];
+      for (int64_t e = 0; e < Dv; ++e) {
+        double kS = 0;
+        for (int64_t d = 0; d < Dk; ++d) kS += k[static_cast<size_t>(d)] * S[static_cast<size_t>(d * Dv + e)] * decay;
+        const double delta = (x.v[static_cast<size_t>(r * Dv + e)] - kS) * be;
+        double o = 0;
+        for (int64_t d = 0; d < Dk; ++d) {
+          double& s = S[static_cast<size_t>(d * Dv + e)];
+          s = s * decay + k[static_cast<size_t>(d)] * delta;
+          o += s * q[static_cast<size_t>(d)];
+        }
+        ref_o[static_cast<size_t>(r * Dv + e)] = o;
+      }
+    }
+  }
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref_o.size(); ++i) {
+    num += (c.o[static_cast<int64_t>(i)] - ref_o[i]) * (c.o[static_cast<int64_t>(i)] - ref_o[i]);
+    den += ref_o[i] * ref_o[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), 1e-5);
 }
 
 TEST(Qwen, LongPromptThroughTheModelStaysFinite) {
