@@ -166,3 +166,14 @@ def test_hub_resolve_is_the_cpp_resolver(tmp_path, monkeypatch):
     assert mixlens.hub.default_cache_dir() == str(cache)
     assert os.path.samefile(mixlens.hub.resolve("someone/m"), snap)
     assert os.path.samefile(mixlens.load("someone/m").info["path"], snap)
+
+
+def test_error_quoting_invalid_utf8_bytes_is_still_a_mixlens_error(tmp_path):
+    # nlohmann's parse error quotes the bytes it read ("last read: '\xff'"): the message used to reach
+    # PyErr_SetString as-is and surface as UnicodeDecodeError instead of CheckpointError.
+    folder = _copy(MAMBA2, tmp_path / "m")
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[8:20] = b"\xff" * 12
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(mixlens.CheckpointError, match=r"not valid JSON.*\\xff"):
+        mixlens.load(str(folder))
