@@ -70,6 +70,11 @@ def _as_prompts(inputs: Inputs, *, masks: Optional[Sequence[Sequence[int]]], tex
         if isinstance(p, str):
             if not p:
                 raise InputError(f"extract: prompt {i} is an empty string")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:  # nanobind would raise a TypeError about argument types
+                raise InputError(f"extract: prompt {i} is not valid Unicode: {e.reason} at character {e.start} "
+                                 f"({p[e.start:e.end]!r})") from None
             out.append((p, [], mask))
         elif isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, (bytes, bytearray)):
             ids = [int(t) for t in p]

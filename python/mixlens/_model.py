@@ -190,7 +190,15 @@ class Tokenizer:
         self._core = core
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (HF ``Tokenizer.encode(text).ids``). TokenizerError without tokenizer.json."""
+        """Token ids of `text` (HF ``Tokenizer.encode(text).ids``). TokenizerError without tokenizer.json;
+        InputError for text that is not valid Unicode (a lone surrogate such as '\\ud800')."""
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                # nanobind cannot convert it and would raise a TypeError about the argument types.
+                raise InputError(f"text is not valid Unicode: {e.reason} at character {e.start} "
+                                 f"({text[e.start:e.end]!r}); it cannot be encoded as UTF-8") from None
         return self._core.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -177,3 +177,14 @@ def test_error_quoting_invalid_utf8_bytes_is_still_a_mixlens_error(tmp_path):
     (folder / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(mixlens.CheckpointError, match=r"not valid JSON.*\\xff"):
         mixlens.load(str(folder))
+
+
+def test_text_with_a_lone_surrogate_is_an_input_error(tmp_path):
+    # nanobind cannot convert such a str and raised TypeError "encode(): incompatible function arguments".
+    model = mixlens.load()
+    with pytest.raises(mixlens.InputError, match="not valid Unicode"):
+        model.tokenizer.encode("a\ud800")
+    with pytest.raises(mixlens.InputError, match="not valid Unicode"):
+        model.run(["fine", "x\udfff"])
+    with pytest.raises(mixlens.InputError, match="prompt 1 is not valid Unicode"):
+        model.extract(["fine", "a\ud800"], values=["logits"], out=str(tmp_path / "acts"))
