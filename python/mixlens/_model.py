@@ -17,7 +17,7 @@ from . import _core, hub
 from ._convert import ValueArray, as_float32, is_torch, resolve_output, to_output, to_plain
 from ._inplace import LiveValues, _Live
 from . import _invoke, _nnterp
-from .errors import InputError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
+from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
 
@@ -1046,7 +1046,13 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
-        self._core = _core.Model.load(path, dtype)
+        try:
+            self._core = _core.Model.load(path, dtype)
+        except MixlensError as e:
+            if path_or_hub_id is None and os.environ.get("MIXLENS_MODEL"):
+                # Otherwise a stale variable reads as if the shipped model were broken.
+                raise type(e)(f"{e} (the path came from $MIXLENS_MODEL; unset it for the shipped model)") from None
+            raise
         self._open: Optional[weakref.ref] = None  # the open tracer (any thread's)
         self._trace_lock = threading.Lock()       # held while a trace is open: one at a time per model
         self._value_paths: Optional[frozenset] = None

@@ -188,3 +188,9 @@ def test_text_with_a_lone_surrogate_is_an_input_error(tmp_path):
         model.run(["fine", "x\udfff"])
     with pytest.raises(mixlens.InputError, match="prompt 1 is not valid Unicode"):
         model.extract(["fine", "a\ud800"], values=["logits"], out=str(tmp_path / "acts"))
+
+
+def test_a_broken_mixlens_model_variable_is_named_in_the_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MIXLENS_MODEL", str(tmp_path / "gone"))
+    with pytest.raises(mixlens.CheckpointError, match=r"does not exist \(the path came from \$MIXLENS_MODEL"):
+        mixlens.load()
