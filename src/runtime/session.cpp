@@ -426,6 +426,12 @@ struct Session::Impl {
                                    ? std::string("; a layer's per-token states go in token order, and the forward runs "
                                                  "layer 0 over every token before layer 1: loop layers outside tokens, "
                                                  "save 'states', or pre-register the write (Trace::set / edits)")
+                               : t.site.value == Value::states
+                                   ? std::string("; a layer's `states` stack is computed only if asked for before its "
+                                                 "scan: read it before that layer's attention_head_outputs / "
+                                                 "state_output / attention_output, or pre-register it (Python "
+                                                 "saves=['" + path + "'] and tracer.saved after the block, C++ "
+                                                 "Trace::save)")
                                    : std::string()));
       case Arrival::skipped:
         throw InputError(asked + ": the forward did not produce it (" +
