@@ -194,3 +194,12 @@ def test_a_broken_mixlens_model_variable_is_named_in_the_error(monkeypatch, tmp_
     monkeypatch.setenv("MIXLENS_MODEL", str(tmp_path / "gone"))
     with pytest.raises(mixlens.CheckpointError, match=r"does not exist \(the path came from \$MIXLENS_MODEL"):
         mixlens.load()
+
+
+def test_assigning_a_head_weight_is_a_write_error():
+    # embed_tokens.weight = x used to say "'embed_tokens.weight' is read inside `with model.trace(...)`",
+    # and lm_head.weight = x raised a bare AttributeError.
+    model = mixlens.load()
+    for obj, role in ((model.embed_tokens, "embed_tokens"), (model.ln_final, "ln_final"), (model.lm_head, "lm_head")):
+        with pytest.raises(mixlens.WriteError, match=f"{role}.weight is read-only"):
+            obj.weight = np.zeros(3, dtype=np.float32)
