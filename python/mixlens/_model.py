@@ -222,6 +222,17 @@ class Cache:
     def __init__(self, core_cache: "_core.Cache"):
         self._core = core_cache
         self._busy = False
+        # Why this cache must not be continued (a call over it stopped midway), or None.
+        self._broken: Optional[str] = None
+
+    def _check_usable(self, verb: str) -> None:
+        if self._broken is not None:
+            raise InputError(f"cannot {verb} this cache: {self._broken}, so its layers disagree on what they have "
+                             "seen; cache.restore(snapshot) rolls it back (or start a new cache)")
+
+    def _mark_broken(self, why: str) -> None:
+        self._broken = (f"{why}, which left it partly updated (seen_tokens / steps still show the counts from "
+                        "before that call)")
 
     @property
     def batch(self) -> int:
@@ -243,6 +254,7 @@ class Cache:
         is running over this cache."""
         if self._busy:
             raise InputError("cannot copy this cache: an open trace is running over it (copy it before or after the block)")
+        self._check_usable("copy")
         return Cache(self._core.copy())
 
     __copy__ = copy
@@ -258,7 +270,9 @@ class Cache:
             raise InputError(f"restore takes a mixlens Cache (from cache.copy()), got {type(snapshot).__name__}")
         if self._busy:
             raise InputError("cannot restore this cache: an open trace is running over it")
+        snapshot._check_usable("restore from")
         self._core.restore(snapshot._core)
+        self._broken = None
 
     def __repr__(self) -> str:
         return f"mixlens.Cache(batch={self.batch}, seen_tokens={self.seen_tokens}, steps={self.steps})"
@@ -613,6 +627,7 @@ class Tracer:
         elif self._kind == "trace":
             if self._cache._busy:
                 raise InputError("this cache is in use by another open trace")
+            self._cache._check_usable("continue")
             self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits,
                                                   self._all_logits, e, grad=self._grad)
             self._cache._busy = True
@@ -703,7 +718,14 @@ class Tracer:
             else:
                 self._calls = sess.calls
                 self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
+        except BaseException:
+            if self._cache is not None and self._result is None:
+                self._cache._mark_broken("a trace over it raised before its forward finished")
+            raise
         finally:
+            if exc_type is not None and self._cache is not None and self._result is None:
+                self._cache._mark_broken("its trace ended early (tracer.stop()) before the forward finished" if stopped
+                                         else f"its trace's block raised {exc_type.__name__} before the forward finished")
             self._session = None
             self._live.close(check=False)
             try:
@@ -1321,10 +1343,17 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
             raise InputError("forward needs cache= (a mixlens Cache from model.new_cache)")
         if cache._busy:
             raise InputError("this cache is in use by an open trace")
+        cache._check_usable("continue")
         specs, step = _save_specs(saves), cache.steps
         rows, embeds, _ = self._input_args(inputs, inputs_embeds, None, continuation=True)
-        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), all_logits,
-                                           embeds)
+        try:
+            logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), all_logits,
+                                               embeds)
+        except InputError:
+            raise  # refused inputs: checked before the forward touches the cache
+        except BaseException as e:
+            cache._mark_broken(f"a forward over it raised {type(e).__name__} midway")
+            raise
         _check_saved_steps(specs, [step])
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})

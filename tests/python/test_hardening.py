@@ -203,3 +203,46 @@ def test_assigning_a_head_weight_is_a_write_error():
     for obj, role in ((model.embed_tokens, "embed_tokens"), (model.ln_final, "ln_final"), (model.lm_head, "lm_head")):
         with pytest.raises(mixlens.WriteError, match=f"{role}.weight is read-only"):
             obj.weight = np.zeros(3, dtype=np.float32)
+
+
+def test_a_cache_left_midway_by_a_failed_call_is_refused_until_restored():
+    # A trace over a cache that raised or stopped, or a forward that raised mid-way, used to leave the
+    # cache partly advanced (the next logits differed by ~8 from the snapshot's; NaN after a NumericError)
+    # while seen_tokens / steps showed the old counts, and nothing stopped a continuation from it.
+    model = mixlens.load()
+    ids = model.tokenizer.encode("Once upon a time")
+
+    def stop(c):
+        with model.trace([[42]], cache=c) as tr:
+            model.layers[2].layer_output
+            tr.stop()
+
+    def user_error(c):
+        with pytest.raises(RuntimeError):
+            with model.trace([[42]], cache=c):
+                model.layers[2].layer_output
+                raise RuntimeError("user code")
+
+    def numeric(c):
+        with pytest.raises(mixlens.NumericError):
+            model.forward([[42]], cache=c, edits={"layers.1.linear_attn.attention_values": 3e38})
+
+    for fail in (stop, user_error, numeric):
+        cache = model.new_cache(1)
+        model.forward([ids], cache=cache)
+        snap = cache.copy()
+        fail(cache)
+        with pytest.raises(mixlens.InputError, match="partly updated"):
+            model.forward([[42]], cache=cache)
+        with pytest.raises(mixlens.InputError, match="partly updated"):
+            cache.copy()
+        cache.restore(snap)
+        a = np.asarray(model.forward([[42]], cache=cache)["logits"])
+        b = np.asarray(model.forward([[42]], cache=snap)["logits"])
+        assert np.array_equal(a, b)
+    # Inputs refused before the forward starts leave the cache usable.
+    cache = model.new_cache(1)
+    model.forward([ids], cache=cache)
+    with pytest.raises(mixlens.InputError, match="outside the vocabulary"):
+        model.forward([[10**6]], cache=cache)
+    model.forward([[42]], cache=cache)
