@@ -700,6 +700,7 @@ class Tracer:
                     return True
                 raise
         sess = self._session
+        finished = False  # the forward ran to its end (the cache, if any, is consistent)
         try:
             if exc_type is None:
                 self._live.settle()  # in-place edits of the last value read reach the rest of the forward
@@ -710,6 +711,7 @@ class Tracer:
                     if not sess.reach_step(step):
                         break
                 result = sess.finish()
+                finished = True
                 self._calls = sess.calls
                 if self._grad:
                     self._grad_session = sess  # keeps the trace (and its record) for backward()
@@ -719,11 +721,11 @@ class Tracer:
                 self._calls = sess.calls
                 self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
         except BaseException:
-            if self._cache is not None and self._result is None:
+            if self._cache is not None and not finished:
                 self._cache._mark_broken("a trace over it raised before its forward finished")
             raise
         finally:
-            if exc_type is not None and self._cache is not None and self._result is None:
+            if exc_type is not None and self._cache is not None and not finished:
                 self._cache._mark_broken("its trace ended early (tracer.stop()) before the forward finished" if stopped
                                          else f"its trace's block raised {exc_type.__name__} before the forward finished")
             self._session = None
