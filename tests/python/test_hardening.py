@@ -246,3 +246,19 @@ def test_a_cache_left_midway_by_a_failed_call_is_refused_until_restored():
     with pytest.raises(mixlens.InputError, match="outside the vocabulary"):
         model.forward([[10**6]], cache=cache)
     model.forward([[42]], cache=cache)
+
+
+def test_torch_values_save_load_and_deepcopy_as_plain_tensors(tmp_path):
+    # torch.load (weights_only=True by default) refused a saved ValueTensor, and copy.deepcopy raised
+    # RuntimeError (torch's subclass deepcopy needs new_empty()).
+    import copy
+
+    torch = pytest.importorskip("torch")
+    model = mixlens.load(output="torch")
+    with model.trace("Once upon a time") as tr:
+        b = model.layers[1].linear_attn.betas
+    torch.save({"b": b}, tmp_path / "v.pt")
+    loaded = torch.load(tmp_path / "v.pt")["b"]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, b)
+    c = copy.deepcopy({"b": b, "same": b})
+    assert type(c["b"]) is torch.Tensor and torch.equal(c["b"], b) and c["b"] is c["same"]
