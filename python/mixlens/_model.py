@@ -222,17 +222,6 @@ class Cache:
     def __init__(self, core_cache: "_core.Cache"):
         self._core = core_cache
         self._busy = False
-        # Why this cache must not be continued (a call over it stopped midway), or None.
-        self._broken: Optional[str] = None
-
-    def _check_usable(self, verb: str) -> None:
-        if self._broken is not None:
-            raise InputError(f"cannot {verb} this cache: {self._broken}, so its layers disagree on what they have "
-                             "seen; cache.restore(snapshot) rolls it back (or start a new cache)")
-
-    def _mark_broken(self, why: str) -> None:
-        self._broken = (f"{why}, which left it partly updated (seen_tokens / steps still show the counts from "
-                        "before that call)")
 
     @property
     def batch(self) -> int:
@@ -247,14 +236,22 @@ class Cache:
         """Forward calls made with this cache: the step index of the next call."""
         return self._core.steps
 
+    @property
+    def broken(self) -> str:
+        """``''`` while the cache is consistent; otherwise why not: a call over it stopped midway (an exception
+        in its ``with`` block, ``tracer.stop()``, a WriteError / NumericError raised mid-forward, Ctrl-C), so
+        the layers it reached hold tokens that ``seen_tokens`` / ``steps`` do not count. Such a cache refuses
+        to be continued or copied (InputError) until ``restore(snapshot)``. Inputs refused before the
+        forward starts leave it consistent. (C++ ``Cache::broken``.)"""
+        return self._core.broken
+
     def copy(self) -> "Cache":
         """A snapshot: an independent deep copy of everything the next call reads (conv windows, recurrent
         states, attention KV entries, position and step counters), bitwise. ``copy.copy(cache)`` and
         ``copy.deepcopy(cache)`` do the same (a cache is never aliased). InputError while an open trace
-        is running over this cache."""
+        is running over this cache, or when it is :attr:`broken`."""
         if self._busy:
             raise InputError("cannot copy this cache: an open trace is running over it (copy it before or after the block)")
-        self._check_usable("copy")
         return Cache(self._core.copy())
 
     __copy__ = copy
@@ -265,14 +262,13 @@ class Cache:
     def restore(self, snapshot: "Cache") -> None:
         """Rollback: make this cache bitwise equal to `snapshot` (a :meth:`copy` of a cache of the same model
         and batch size); the snapshot is unchanged and can be restored again. Decoding a wrong tail,
-        restoring, then decoding the right tail equals never having seen the wrong tail."""
+        restoring, then decoding the right tail equals never having seen the wrong tail. Clears
+        :attr:`broken`; InputError when the snapshot is itself broken."""
         if not isinstance(snapshot, Cache):
             raise InputError(f"restore takes a mixlens Cache (from cache.copy()), got {type(snapshot).__name__}")
         if self._busy:
             raise InputError("cannot restore this cache: an open trace is running over it")
-        snapshot._check_usable("restore from")
         self._core.restore(snapshot._core)
-        self._broken = None
 
     def __repr__(self) -> str:
         return f"mixlens.Cache(batch={self.batch}, seen_tokens={self.seen_tokens}, steps={self.steps})"
@@ -627,7 +623,6 @@ class Tracer:
         elif self._kind == "trace":
             if self._cache._busy:
                 raise InputError("this cache is in use by another open trace")
-            self._cache._check_usable("continue")
             self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits,
                                                   self._all_logits, e, grad=self._grad)
             self._cache._busy = True
@@ -700,7 +695,6 @@ class Tracer:
                     return True
                 raise
         sess = self._session
-        finished = False  # the forward ran to its end (the cache, if any, is consistent)
         try:
             if exc_type is None:
                 self._live.settle()  # in-place edits of the last value read reach the rest of the forward
@@ -711,7 +705,6 @@ class Tracer:
                     if not sess.reach_step(step):
                         break
                 result = sess.finish()
-                finished = True
                 self._calls = sess.calls
                 if self._grad:
                     self._grad_session = sess  # keeps the trace (and its record) for backward()
@@ -720,14 +713,7 @@ class Tracer:
             else:
                 self._calls = sess.calls
                 self._stopped = stopped  # tracer.stop(): the rest of the forward is not run
-        except BaseException:
-            if self._cache is not None and not finished:
-                self._cache._mark_broken("a trace over it raised before its forward finished")
-            raise
         finally:
-            if exc_type is not None and self._cache is not None and not finished:
-                self._cache._mark_broken("its trace ended early (tracer.stop()) before the forward finished" if stopped
-                                         else f"its trace's block raised {exc_type.__name__} before the forward finished")
             self._session = None
             self._live.close(check=False)
             try:
@@ -953,7 +939,9 @@ class Tracer:
         metric (``LogProb``, ``LogitDiff``; no torch needed), or dMetric/dLogits itself as a ``[B,T,vocab]``
         array. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
         saved path and every value read in the block; each read value gets ``.grad``, and
-        :meth:`grad` returns any of them. Errors as ``Trace::backward`` (mixlens/trace.h)."""
+        :meth:`grad` returns any of them. A second ``backward`` replaces every ``.grad`` (unlike torch's
+        ``.backward``, gradients do not accumulate: add them yourself to combine metrics). Errors as
+        ``Trace::backward`` (mixlens/trace.h)."""
         sess = self._grad_session
         if sess is None:
             self._done()
@@ -1339,23 +1327,16 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         """One forward call continuing `cache` (updated in place): {"logits": [B,T,vocab], path: array}.
         Several new tokens over a cached state run the chunked kernel from that state. ``inputs_embeds``
         ``[B,T,hidden]`` instead of ids as in :meth:`trace`. Ctrl-C stops it between layers (the cache is
-        then unspecified: ``cache.restore(snapshot)`` rolls back). ``logits="last"`` as in :meth:`run`."""
+        then :attr:`Cache.broken` until ``cache.restore(snapshot)`` rolls it back). ``logits="last"`` as in :meth:`run`."""
         all_logits = _all_logits(logits)
         if not isinstance(cache, Cache):
             raise InputError("forward needs cache= (a mixlens Cache from model.new_cache)")
         if cache._busy:
             raise InputError("this cache is in use by an open trace")
-        cache._check_usable("continue")
         specs, step = _save_specs(saves), cache.steps
         rows, embeds, _ = self._input_args(inputs, inputs_embeds, None, continuation=True)
-        try:
-            logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), all_logits,
-                                               embeds)
-        except InputError:
-            raise  # refused inputs: checked before the forward touches the cache
-        except BaseException as e:
-            cache._mark_broken(f"a forward over it raised {type(e).__name__} midway")
-            raise
+        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), all_logits,
+                                           embeds)
         _check_saved_steps(specs, [step])
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})

@@ -590,6 +590,7 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
 }
 
 Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
+  detail::ModelAccess::check_cache(cache, "continue");  // now, not at the first read
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_step = impl->last_step = cache.steps();
   impl->pos = {cache.steps(), kCallStart, -1};

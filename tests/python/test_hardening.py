@@ -232,11 +232,13 @@ def test_a_cache_left_midway_by_a_failed_call_is_refused_until_restored():
         model.forward([ids], cache=cache)
         snap = cache.copy()
         fail(cache)
+        assert "stopped midway" in cache.broken
         with pytest.raises(mixlens.InputError, match="partly updated"):
             model.forward([[42]], cache=cache)
         with pytest.raises(mixlens.InputError, match="partly updated"):
             cache.copy()
         cache.restore(snap)
+        assert cache.broken == ""
         a = np.asarray(model.forward([[42]], cache=cache)["logits"])
         b = np.asarray(model.forward([[42]], cache=snap)["logits"])
         assert np.array_equal(a, b)
@@ -245,6 +247,7 @@ def test_a_cache_left_midway_by_a_failed_call_is_refused_until_restored():
     model.forward([ids], cache=cache)
     with pytest.raises(mixlens.InputError, match="outside the vocabulary"):
         model.forward([[10**6]], cache=cache)
+    assert cache.broken == ""
     model.forward([[42]], cache=cache)
 
 
