@@ -1,5 +1,6 @@
 // mixlens command-line tool: a thin front end over the library (flag parsing and printing only).
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -102,6 +103,7 @@ T parse_number(const std::string& flag, const std::string& v) {
     T out;
     if constexpr (std::is_same_v<T, float>) {
       out = std::stof(v, &used);
+      if (!std::isfinite(out)) throw std::out_of_range(v);  // "nan" / "inf" parse but are never a setting
     } else if constexpr (std::is_same_v<T, uint64_t>) {
       if (v.find('-') != std::string::npos) throw std::out_of_range(v);  // stoull wraps "-1"
       out = std::stoull(v, &used);
@@ -197,8 +199,11 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   std::vector<int32_t> ids;
   std::stringstream ss(s);
   std::string tok;
-  while (std::getline(ss, tok, ','))
-    if (!tok.empty()) ids.push_back(parse_number<int32_t>("--ids prompt", tok));
+  while (std::getline(ss, tok, ',')) {
+    // "1,,2" is a typo, not two ids: refuse rather than guess.
+    if (tok.empty()) usage_error("--ids prompt '" + s + "' has an empty entry (ids are separated by single commas)");
+    ids.push_back(parse_number<int32_t>("--ids prompt", tok));
+  }
   if (ids.empty()) usage_error("--ids prompt '" + s + "' has no token ids");
   return ids;
 }
@@ -297,6 +302,20 @@ std::string clock_str(double s) {
   return buf;
 }
 
+// Model::load, saying where the path came from when it was $MIXLENS_MODEL (a stale variable would
+// otherwise read as if the shipped model were broken).
+mixlens::Model load_model(const Args& a, const std::string& path) {
+  try {
+    return mixlens::Model::load(path, a.load);
+  } catch (const mixlens::Error& e) {
+    const char* env = std::getenv("MIXLENS_MODEL");
+    if (!a.model.empty() || env == nullptr || *env == '\0') throw;
+    std::fprintf(stderr, "mixlens: error: %s (the path came from $MIXLENS_MODEL; unset it for the shipped model)\n",
+                 e.what());
+    std::exit(1);
+  }
+}
+
 int run_extract(const Args& a, const std::string& model_path) {
   if (a.positional.size() != 1) usage_error("extract takes exactly one PROMPTS_FILE");
   if (a.values.empty()) usage_error("extract needs --values PATH ...");
@@ -305,7 +324,7 @@ int run_extract(const Args& a, const std::string& model_path) {
   const std::string mask_field = a.mask_field.empty() && a.positions == "mask" ? "mask" : a.mask_field;
   if (!mask_field.empty() && a.positions != "mask") usage_error("--mask-field needs --positions mask");
   const auto prompts = mixlens::read_prompts_file(a.positional[0], a.text_field, mask_field);
-  mixlens::Model m = mixlens::Model::load(model_path, a.load);
+  mixlens::Model m = load_model(a, model_path);
   mixlens::ExtractOptions o;
   o.values = a.values;
   o.batch_size = a.batch_size;
@@ -345,13 +364,13 @@ int run_command(const Args& a) {
   if (a.command == "inspect") {
     if (!a.positional.empty()) usage_error("inspect takes no positional arguments");
     if (a.prompt_length < 1) usage_error("--prompt-length must be >= 1");
-    mixlens::Model m = mixlens::Model::load(model_path, a.load);
+    mixlens::Model m = load_model(a, model_path);
     std::fputs(mixlens::describe_model(m, a.prompt_length).c_str(), stdout);
     return 0;
   }
   if (a.command == "tokenize") {
     if (a.positional.size() != 1) usage_error("tokenize takes exactly one TEXT");
-    mixlens::Model m = mixlens::Model::load(model_path, a.load);
+    mixlens::Model m = load_model(a, model_path);
     const auto ids = m.tokenizer().encode(a.positional[0]);
     std::printf("%s\n", join_ids(ids).c_str());
     for (int32_t id : ids) std::printf("%d\t%s\n", id, m.tokenizer().id_to_token(id).c_str());
@@ -365,8 +384,16 @@ int run_command(const Args& a) {
   if (a.command == "generate") {
     if (a.max_new_tokens < 1) usage_error("generate needs --max-new-tokens N (N >= 1)");
     if (a.greedy && a.sampling_flag) usage_error("--greedy cannot be combined with sampling flags");
+    mixlens::GenerateOptions o = a.gen;
+    o.max_new_tokens = a.max_new_tokens;
+    o.greedy = !a.sampling_flag;
+    try {
+      o.check();  // the library's own rule, reported as a usage error (exit 2) before loading
+    } catch (const mixlens::InputError& e) {
+      usage_error(e.what());
+    }
   }
-  mixlens::Model m = mixlens::Model::load(model_path, a.load);
+  mixlens::Model m = load_model(a, model_path);
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::string> texts;    // per prompt: as given (text, ids string or file name)
   std::vector<bool> is_text;         // echoed before the continuation

@@ -59,15 +59,22 @@ class Cache {
   int64_t seen_tokens() const;
   /// Number of forward calls made with this cache (the next call's step index).
   int steps() const;
+  /// Empty while the cache is consistent; otherwise why it is not: a forward over it stopped midway
+  /// (an exception from a write, NumericError, a stopped or aborted trace, cancellation), leaving
+  /// the layers it reached holding tokens that seen_tokens() / steps() do not count. Such a cache
+  /// refuses forward() and copy() with InputError until restore(snapshot). Inputs refused before the
+  /// forward starts (wrong batch, out-of-vocabulary ids, ...) leave it consistent.
+  const std::string& broken() const;
 
   /// A snapshot: an independent deep copy of everything the next call reads (conv windows,
   /// recurrent states, attention KV entries and key masks, position and step counters), bitwise.
   /// Continuing the copy and continuing this cache give identical results; neither affects the
   /// other. Not while a Session::forward over this cache is running (the worker writes it).
+  /// InputError when broken() is not empty.
   Cache copy() const;
   /// Rollback: makes this cache bitwise equal to `snapshot` (a copy() of a cache of the same model
   /// and batch size), which stays unchanged and can be restored again. InputError when the
-  /// snapshot belongs to another model or another batch size.
+  /// snapshot belongs to another model or another batch size, or is itself broken(). Clears broken().
   void restore(const Cache& snapshot);
 
  private:
@@ -87,6 +94,9 @@ struct GenerateOptions {
   uint64_t seed = 0;
   /// Stop a row at this id; default: config eos_token_id. -1 disables stopping on EOS.
   std::optional<int32_t> eos_token_id;
+  /// InputError naming the first setting out of range (max_new_tokens >= 1; when sampling:
+  /// temperature > 0 and finite, top_p in (0, 1], top_k >= 0). generate() calls it first.
+  void check() const;
 };
 
 struct GenerationResult {

@@ -159,6 +159,18 @@ def value_tensor_class():
             def value(self):
                 return self
 
+            # torch.save / pickle and copy.deepcopy as a plain tensor: torch.load's default weights_only=True
+            # refuses the subclass, and torch's deepcopy needs a new_empty() the subclass lacks.
+            def __reduce_ex__(self, proto):
+                return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+            def __deepcopy__(self, memo):
+                out = self.as_subclass(torch.Tensor).detach().clone()
+                if self.grad is not None:
+                    out.grad = self.grad.detach().clone()
+                memo[id(self)] = out
+                return out
+
         ValueTensor.__module__, ValueTensor.__qualname__ = "mixlens", "ValueTensor"
         _VALUE_TENSOR = ValueTensor
     return _VALUE_TENSOR

@@ -70,6 +70,11 @@ def _as_prompts(inputs: Inputs, *, masks: Optional[Sequence[Sequence[int]]], tex
         if isinstance(p, str):
             if not p:
                 raise InputError(f"extract: prompt {i} is an empty string")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:  # nanobind would raise a TypeError about argument types
+                raise InputError(f"extract: prompt {i} is not valid Unicode: {e.reason} at character {e.start} "
+                                 f"({p[e.start:e.end]!r})") from None
             out.append((p, [], mask))
         elif isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, (bytes, bytearray)):
             ids = [int(t) for t in p]
@@ -256,15 +261,40 @@ _ST_DTYPES = {"F32": np.float32, "I64": np.int64}
 
 def _read_safetensors(path: str) -> dict:
     """{name: array} of a safetensors file, memory-mapped (numpy only; no safetensors package needed)."""
+    def bad(why: str) -> InputError:
+        return InputError(f"extraction shard {path}: {why}; the file is truncated or corrupt "
+                          "(delete it and rerun the extraction to rewrite it)")
+
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"the file is only {size} bytes")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise bad(f"header length {n} runs past the end of the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise bad(f"the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
     header.pop("__metadata__", None)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
+    data = size - 8 - n
     out = {}
     for name, e in header.items():
-        a, b = e["data_offsets"]
-        out[name] = mm[8 + n + a:8 + n + b].view(_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
+        try:
+            a, b = (int(x) for x in e["data_offsets"])
+            dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+            shape = [int(x) for x in e["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has a malformed header entry") from None
+        if not 0 <= a <= b <= data:
+            raise bad(f"tensor {name!r} has data_offsets [{a}, {b}] outside the data section ({data} bytes)")
+        if b - a != int(np.prod(shape)) * dtype.itemsize:
+            raise bad(f"tensor {name!r} holds {b - a} bytes but shape {shape} needs {int(np.prod(shape)) * dtype.itemsize}")
+        out[name] = mm[8 + n + a:8 + n + b].view(dtype).reshape(shape)
     return out
 
 
@@ -284,9 +314,13 @@ class Extraction:
         path = os.path.join(self.out, "index.json")
         if not os.path.isfile(path):
             raise InputError(f"{self.out!r} has no index.json (not a mixlens extraction)")
-        with open(path) as f:
-            self.index = json.load(f)
-        if self.index.get("format") != "mixlens-extract":
+        try:
+            with open(path) as f:
+                self.index = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise InputError(f"{path} is not valid JSON ({e}): the extraction index is corrupt; rerun the "
+                             "extraction to rewrite it") from None
+        if not isinstance(self.index, dict) or self.index.get("format") != "mixlens-extract":
             raise InputError(f"{path} is not a mixlens extraction index")
         self._cache: dict = {}
 

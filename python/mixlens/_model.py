@@ -18,7 +18,7 @@ from ._convert import (ValueArray, as_float32, is_torch, released_error, resolve
                        value_tensor_class)
 from ._inplace import _Live
 from . import _invoke, _nnterp
-from .errors import InputError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
+from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
 
@@ -201,7 +201,15 @@ class Tokenizer:
         self._core = core
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (HF ``Tokenizer.encode(text).ids``). TokenizerError without tokenizer.json."""
+        """Token ids of `text` (HF ``Tokenizer.encode(text).ids``). TokenizerError without tokenizer.json;
+        InputError for text that is not valid Unicode (a lone surrogate such as '\\ud800')."""
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                # nanobind cannot convert it and would raise a TypeError about the argument types.
+                raise InputError(f"text is not valid Unicode: {e.reason} at character {e.start} "
+                                 f"({text[e.start:e.end]!r}); it cannot be encoded as UTF-8") from None
         return self._core.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -239,11 +247,20 @@ class Cache:
         """Forward calls made with this cache: the step index of the next call."""
         return self._core.steps
 
+    @property
+    def broken(self) -> str:
+        """``''`` while the cache is consistent; otherwise why not: a call over it stopped midway (an exception
+        in its ``with`` block, ``tracer.stop()``, a WriteError / NumericError raised mid-forward, Ctrl-C), so
+        the layers it reached hold tokens that ``seen_tokens`` / ``steps`` do not count. Such a cache refuses
+        to be continued or copied (InputError) until ``restore(snapshot)``. Inputs refused before the
+        forward starts leave it consistent. (C++ ``Cache::broken``.)"""
+        return self._core.broken
+
     def copy(self) -> "Cache":
         """A snapshot: an independent deep copy of everything the next call reads (conv windows, recurrent
         states, attention KV entries, position and step counters), bitwise. ``copy.copy(cache)`` and
         ``copy.deepcopy(cache)`` do the same (a cache is never aliased). InputError while an open trace
-        is running over this cache."""
+        is running over this cache, or when it is :attr:`broken`."""
         if self._busy:
             raise InputError("cannot copy this cache: an open trace is running over it (copy it before or after the block)")
         return Cache(self._core.copy())
@@ -256,7 +273,8 @@ class Cache:
     def restore(self, snapshot: "Cache") -> None:
         """Rollback: make this cache bitwise equal to `snapshot` (a :meth:`copy` of a cache of the same model
         and batch size); the snapshot is unchanged and can be restored again. Decoding a wrong tail,
-        restoring, then decoding the right tail equals never having seen the wrong tail."""
+        restoring, then decoding the right tail equals never having seen the wrong tail. Clears
+        :attr:`broken`; InputError when the snapshot is itself broken."""
         if not isinstance(snapshot, Cache):
             raise InputError(f"restore takes a mixlens Cache (from cache.copy()), got {type(snapshot).__name__}")
         if self._busy:
@@ -935,7 +953,9 @@ class Tracer:
         metric (``LogProb``, ``LogitDiff``; no torch needed), or dMetric/dLogits itself as a ``[B,T,vocab]``
         array. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
         saved path and every value read in the block; each read value gets ``.grad``, and
-        :meth:`grad` returns any of them. Errors as ``Trace::backward`` (mixlens/trace.h)."""
+        :meth:`grad` returns any of them. A second ``backward`` replaces every ``.grad`` (unlike torch's
+        ``.backward``, gradients do not accumulate: add them yourself to combine metrics). Errors as
+        ``Trace::backward`` (mixlens/trace.h)."""
         sess = self._grad_session
         if sess is None:
             self._done()
@@ -1052,7 +1072,13 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
-        self._core = _core.Model.load(path, dtype)
+        try:
+            self._core = _core.Model.load(path, dtype)
+        except MixlensError as e:
+            if path_or_hub_id is None and os.environ.get("MIXLENS_MODEL"):
+                # Otherwise a stale variable reads as if the shipped model were broken.
+                raise type(e)(f"{e} (the path came from $MIXLENS_MODEL; unset it for the shipped model)") from None
+            raise
         self._open: Optional[weakref.ref] = None  # the open tracer (any thread's)
         self._trace_lock = threading.Lock()       # held while a trace is open: one at a time per model
         self._value_paths: Optional[frozenset] = None
@@ -1319,7 +1345,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         """One forward call continuing `cache` (updated in place): {"logits": [B,T,vocab], path: array}.
         Several new tokens over a cached state run the chunked kernel from that state. ``inputs_embeds``
         ``[B,T,hidden]`` instead of ids as in :meth:`trace`. Ctrl-C stops it between layers (the cache is
-        then unspecified: ``cache.restore(snapshot)`` rolls back). ``logits="last"`` as in :meth:`run`."""
+        then :attr:`Cache.broken` until ``cache.restore(snapshot)`` rolls it back). ``logits="last"`` as in :meth:`run`."""
         all_logits = _all_logits(logits)
         if not isinstance(cache, Cache):
             raise InputError("forward needs cache= (a mixlens Cache from model.new_cache)")

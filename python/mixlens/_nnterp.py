@@ -38,6 +38,14 @@ class _Weighted:
         the stored RMSNorm weight: Qwen scales by ``1 + weight``)."""
         return to_plain(self._model._core.head_weight(self._role), self._model._output)
 
+    @weight.setter
+    def weight(self, value) -> None:
+        from .errors import WriteError
+
+        out = "logits" if self._role == "lm_head" else f"{self._role}.output"
+        raise WriteError(f"{self._role}.weight is read-only (mixlens does not change parameters, and the weight "
+                         f"it returns is a copy); write the value it produces ({out}) inside a trace instead")
+
     def __repr__(self) -> str:
         return f"<mixlens {self._role}: weight>"
 
@@ -68,6 +76,11 @@ def attach(model) -> None:
         @property
         def weight(self):
             return _Weighted(self._model, self._role).weight
+
+        def __setattr__(self, name: str, value) -> None:
+            if name == "weight":
+                _Weighted(self._model, self._role).weight = value  # raises: weights are read-only
+            super().__setattr__(name, value)
 
     model.embed_tokens = _HeadEnvoy(model, "embed_tokens.", "embed_tokens")
     model.ln_final = _HeadEnvoy(model, "ln_final.", "ln_final")

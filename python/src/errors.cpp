@@ -18,7 +18,15 @@ struct Classes {
 };
 Classes g_classes;
 
-void raise(nb::handle cls, const std::exception& e) { PyErr_SetString(cls.ptr(), e.what()); }
+// A message may quote bytes of a corrupt file (nlohmann's "last read: '\xff'"): decode it with
+// backslashreplace, since PyErr_SetString would raise UnicodeDecodeError instead of the mixlens error.
+void raise_text(nb::handle cls, const std::string& msg) {
+  PyObject* text = PyUnicode_DecodeUTF8(msg.data(), static_cast<Py_ssize_t>(msg.size()), "backslashreplace");
+  if (text == nullptr) return;  // the decode error is set (out of memory)
+  PyErr_SetObject(cls.ptr(), text);
+  Py_DECREF(text);
+}
+void raise(nb::handle cls, const std::exception& e) { raise_text(cls, e.what()); }
 
 }  // namespace
 
@@ -66,7 +74,7 @@ void init_errors(nb::module_& m) {
                       "out of memory: an allocation inside mixlens failed (std::bad_alloc); use a smaller batch, "
                       "prompt, or fewer saved values");
     } catch (const std::length_error& e) {
-      PyErr_SetString(g_classes.resource.ptr(), (std::string("size limit exceeded inside mixlens: ") + e.what()).c_str());
+      raise_text(g_classes.resource, std::string("size limit exceeded inside mixlens: ") + e.what());
     }
   });
 }

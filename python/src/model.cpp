@@ -112,6 +112,9 @@ void init_model(nb::module_& m) {
       .def_prop_ro("batch", &Cache::batch)
       .def_prop_ro("seen_tokens", &Cache::seen_tokens)
       .def_prop_ro("steps", &Cache::steps, "forward calls made with this cache (the next call's step index)")
+      .def_prop_ro("broken", &Cache::broken,
+                   "'' while consistent; else why not (a forward over it stopped midway). A broken cache "
+                   "refuses forward and copy (InputError) until restore(snapshot).")
       .def("copy", &Cache::copy, nb::keep_alive<0, 1>(),
            "An independent deep copy (conv windows, recurrent states, KV entries, counters), bitwise.")
       .def("restore", &Cache::restore, nb::arg("snapshot"),

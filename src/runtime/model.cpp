@@ -1,6 +1,7 @@
 #include "mixlens/model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <mutex>
 #include <random>
@@ -118,6 +119,15 @@ KernelRoute kernel_route(const std::string& family) {
 struct Cache::Impl {
   std::unique_ptr<detail::CacheState> state;
   const detail::FamilyModel* owner = nullptr;
+  // Why this cache must not be continued: a forward over it stopped midway, so the layers it
+  // reached hold tokens that seen_tokens / steps do not count. Empty while the cache is consistent.
+  std::string broken;
+  void check_usable(const char* verb) const {
+    if (!broken.empty())
+      throw InputError(std::string("cannot ") + verb + " this cache: " + broken +
+                       ", which left it partly updated (seen_tokens / steps still show the counts from before that "
+                       "call); restore(snapshot) from a copy() taken before the call rolls it back (or use a new cache)");
+  }
 };
 Cache::Cache() : impl_(std::make_unique<Impl>()) {}
 Cache::~Cache() = default;
@@ -126,6 +136,7 @@ Cache& Cache::operator=(Cache&&) noexcept = default;
 int64_t Cache::batch() const { return impl_->state->batch; }
 int64_t Cache::seen_tokens() const { return impl_->state->seen; }
 int Cache::steps() const { return impl_->state->steps; }
+const std::string& Cache::broken() const { return impl_->broken; }
 
 namespace {
 std::unique_ptr<detail::CacheState> checked_clone(const detail::CacheState& st) {
@@ -140,6 +151,7 @@ std::unique_ptr<detail::CacheState> checked_clone(const detail::CacheState& st) 
 }  // namespace
 
 Cache Cache::copy() const {
+  impl_->check_usable("copy");
   Cache c;
   c.impl_->state = checked_clone(*impl_->state);
   c.impl_->owner = impl_->owner;
@@ -153,7 +165,9 @@ void Cache::restore(const Cache& snapshot) {
   if (snapshot.impl_->state->batch != impl_->state->batch)
     throw InputError("Cache::restore: the snapshot has " + std::to_string(snapshot.impl_->state->batch) +
                      " rows but this cache has " + std::to_string(impl_->state->batch));
+  snapshot.impl_->check_usable("restore from");
   impl_->state = checked_clone(*snapshot.impl_->state);
+  impl_->broken.clear();
 }
 
 // ---- Model ----------------------------------------------------------------------------------
@@ -306,6 +320,7 @@ Tensor Model::forward(const Batch& in, Cache& cache, Trace* trace, bool all_logi
 }
 
 const detail::FamilyModel& detail::ModelAccess::family(const Model& m) { return *m.impl_->family; }
+void detail::ModelAccess::check_cache(const Cache& cache, const char* verb) { cache.impl_->check_usable(verb); }
 
 Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cache, Trace* trace, Listener* extra,
                                     bool all_logits, const std::atomic<bool>* cancel) {
@@ -321,6 +336,17 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
   if (in.embeds.defined() && in.embeds.shape() != Shape{in.batch, in.seq, m.info().hidden_size})
     throw InputError("forward: inputs_embeds has shape " + shape_str(in.embeds.shape()) + ", expected " +
                      shape_str({in.batch, in.seq, m.info().hidden_size}) + " [batch, seq, hidden_size]");
+  if (!in.embeds.defined()) {
+    // Checked here, before the cache is touched, so a refused id leaves the cache usable.
+    const int64_t V = m.info().vocab_size;
+    for (size_t i = 0; i < in.ids.size(); ++i)
+      if (in.ids[i] < 0 || in.ids[i] >= V)
+        throw InputError("forward: token id " + std::to_string(in.ids[i]) + " at row " +
+                         std::to_string(static_cast<int64_t>(i) / in.seq) + ", position " +
+                         std::to_string(static_cast<int64_t>(i) % in.seq) + " is outside the vocabulary [0, " +
+                         std::to_string(V) + ")");
+  }
+  cache.impl_->check_usable("continue");
   detail::CallCtx ctx;
   ctx.step = st.steps;
   ctx.batch = in.batch;
@@ -352,13 +378,23 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
                                                 [](uint32_t w) { return w != 0; });
   const int64_t C = impl.prefill_chunk;
   Tensor logits;
-  if (C > 0 && in.seq > C + 1 && !observed && !tape && !in.has_padding()) {
-    logits = chunked_prefill(m, in, st, listener, ctx, all_logits, C);
-  } else {
-    logits = impl.family->forward(in, st, listener, ctx, all_logits);
-    st.seen += in.seq;
+  // From here an exception (a write's error, NumericError, a stopped trace, Ctrl-C) can leave the
+  // layers already run holding this call's tokens: the cache is marked and refuses to continue.
+  try {
+    if (C > 0 && in.seq > C + 1 && !observed && !tape && !in.has_padding()) {
+      logits = chunked_prefill(m, in, st, listener, ctx, all_logits, C);
+    } else {
+      logits = impl.family->forward(in, st, listener, ctx, all_logits);
+      st.seen += in.seq;
+    }
+    if (listener) listener->end_call();
+  } catch (const std::exception& e) {
+    cache.impl_->broken = std::string("a forward over it stopped midway (") + e.what() + ")";
+    throw;
+  } catch (...) {
+    cache.impl_->broken = "a forward over it stopped midway (its trace ended early or was aborted)";
+    throw;
   }
-  if (listener) listener->end_call();
   if (tape) {
     tape->logits_shape = logits.shape();
     detail::GradAccess::store(*trace, std::move(tape));
@@ -407,6 +443,15 @@ Tensor detail::ModelAccess::chunked_prefill(const Model& m, const Batch& in, Cac
   return all_logits ? all : logits;
 }
 
+void GenerateOptions::check() const {
+  if (max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
+  if (greedy) return;
+  if (!(temperature > 0.0f) || !std::isfinite(temperature))
+    throw InputError("generate: temperature must be a finite number > 0, got " + std::to_string(temperature));
+  if (!(top_p > 0.0f && top_p <= 1.0f)) throw InputError("generate: top_p must be in (0, 1], got " + std::to_string(top_p));
+  if (top_k < 0) throw InputError("generate: top_k must be >= 0, got " + std::to_string(top_k));
+}
+
 Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace, bool all_logits) const {
   return run(Batch::left_padded(prompts, impl_->pad_id), trace, nullptr, all_logits);
 }
@@ -429,12 +474,7 @@ GenerationResult Model::generate(const Batch& prompt, const GenerateOptions& o, 
 GenerationResult detail::ModelAccess::generate(const Model& m, Batch b, const GenerateOptions& o, Trace* trace,
                                                Listener* extra, const std::atomic<bool>* cancel) {
   const Model::Impl& impl = *m.impl_;
-  if (o.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
-  if (!o.greedy) {
-    if (!(o.temperature > 0.0f)) throw InputError("generate: temperature must be > 0");
-    if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) throw InputError("generate: top_p must be in (0, 1]");
-    if (o.top_k < 0) throw InputError("generate: top_k must be >= 0");
-  }
+  o.check();
   Cache cache = m.new_cache(b.batch);
   std::optional<int32_t> eos = impl.eos_id;
   if (o.eos_token_id) eos = *o.eos_token_id < 0 ? std::nullopt : o.eos_token_id;

@@ -12,6 +12,8 @@ struct CacheState;
 
 struct ModelAccess {
   static const FamilyModel& family(const Model& m);
+  /// InputError when `cache` is broken (Cache::broken), worded for `verb` ("continue", "copy").
+  static void check_cache(const Cache& cache, const char* verb);
   /// Model::forward with `extra` (may be null) served after `trace`'s listener.
   static Tensor forward(const Model& m, const Batch& batch, Cache& cache, Trace* trace, Listener* extra,
                         bool all_logits, const std::atomic<bool>* cancel = nullptr);

@@ -427,6 +427,12 @@ struct Session::Impl {
                                    ? std::string("; a layer's per-token states go in token order, and the forward runs "
                                                  "layer 0 over every token before layer 1: loop layers outside tokens, "
                                                  "save 'states', or pre-register the write (Trace::set / edits)")
+                               : t.site.value == Value::states
+                                   ? std::string("; a layer's `states` stack is computed only if asked for before its "
+                                                 "scan: read it before that layer's attention_head_outputs / "
+                                                 "state_output / attention_output, or pre-register it (Python "
+                                                 "saves=['" + path + "'] and tracer.saved after the block, C++ "
+                                                 "Trace::save)")
                                    : std::string()));
       case Arrival::skipped:
         throw InputError(asked + ": the forward did not produce it (" +
@@ -596,6 +602,7 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
 }
 
 Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
+  detail::ModelAccess::check_cache(cache, "continue");  // now, not at the first read
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_step = impl->last_step = cache.steps();
   impl->pos = {cache.steps(), kCallStart, -1};

@@ -130,6 +130,36 @@ TEST_P(EveryFamily, CopyIsIndependentAndRestoreChecksTheSnapshot) {
   EXPECT_NE(message_of([&] { cache.restore(foreign); }).find("belongs to another model"), std::string::npos);
 }
 
+// A forward over a cache that stops midway (here an edit that throws in the last layer) leaves the
+// earlier layers holding the call's tokens while the counters do not: the cache says so and refuses
+// to continue or be copied until a restore; refused inputs (checked before the forward) do not mark it.
+TEST_P(EveryFamily, ACacheAForwardStoppedMidwayRefusesToContinueUntilRestored) {
+  Cache cache = model().new_cache(1);
+  model().forward(row(tokens(6)), cache);
+  const Cache snap = cache.copy();
+  const std::vector<int32_t> oov = {static_cast<int32_t>(model().info().vocab_size)};
+  EXPECT_NE(message_of([&] { model().forward(row(oov), cache); }).find("outside the vocabulary"), std::string::npos);
+  EXPECT_EQ(cache.broken(), "");
+  Trace trace;
+  const int last = model().info().num_layers - 1;
+  trace.edit("layers." + std::to_string(last) + ".layer_output",
+             [](Tensor&, const SiteContext&) { throw InputError("edit failed on purpose"); });
+  EXPECT_NE(message_of([&] { model().forward(row(tokens(3, 1)), cache, &trace); }).find("on purpose"),
+            std::string::npos);
+  EXPECT_NE(cache.broken().find("on purpose"), std::string::npos);
+  EXPECT_EQ(cache.steps(), 1);  // the counters did not move, the layers before the edit did
+  EXPECT_NE(message_of([&] { model().forward(row({3}), cache); }).find("cannot continue this cache"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { (void)cache.copy(); }).find("cannot copy this cache"), std::string::npos);
+  Cache other = model().new_cache(1);
+  EXPECT_NE(message_of([&] { other.restore(cache); }).find("cannot restore from this cache"), std::string::npos);
+  cache.restore(snap);
+  EXPECT_EQ(cache.broken(), "");
+  Cache fresh = model().new_cache(1);
+  model().forward(row(tokens(6)), fresh);
+  EXPECT_TRUE(same(model().forward(row({3}), cache), model().forward(row({3}), fresh)));
+}
+
 // Scoring a text cold (one call) and warm (a prefix, then the rest over the cached state: one
 // continuation call, or token by token) gives the same log-probs at every position.
 TEST_P(EveryFamily, ColdEqualsWarmScoringAtEveryPosition) {

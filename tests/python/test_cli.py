@@ -233,3 +233,27 @@ def test_a_bad_thread_count_is_refused_not_ignored(value):
     assert r.returncode == 1 and f"MIXLENS_NUM_THREADS='{value}'" in r.stderr
     ok = cli("generate", "hi", "--max-new-tokens", "1", env={**os.environ, "MIXLENS_NUM_THREADS": "1"})
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "nan"], "--temperature expects a number in range, got 'nan'"),
+    (["--temperature", "0"], "temperature must be a finite number > 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "-1"], "top_k must be >= 0"),
+    (["--seed", "-1"], "--seed expects a number in range"),
+])
+def test_bad_sampling_settings_are_usage_errors(args, needle):
+    """A new user found bad sampling settings exiting 1 after loading (the README says usage errors exit 2)."""
+    r = cli("generate", "hi", "--max-new-tokens", "1", *args)
+    assert r.returncode == 2 and needle in _one_line_error(r), r.stderr
+
+
+def test_an_empty_id_entry_is_refused():
+    """`--ids 1,,2` was read as two ids."""
+    r = cli("generate", "--ids", "1,,2", "--max-new-tokens", "1")
+    assert r.returncode == 2 and "has an empty entry" in _one_line_error(r), r.stderr
+
+
+def test_a_stale_model_variable_is_named(tmp_path):
+    r = cli("inspect", env={**os.environ, "MIXLENS_MODEL": str(tmp_path / "gone")})
+    assert r.returncode == 1 and "the path came from $MIXLENS_MODEL" in _one_line_error(r), r.stderr

@@ -335,3 +335,20 @@ def test_progress_without_tqdm_is_a_plain_line(model, tmp_path, monkeypatch, cap
     model.extract(PROMPTS, values="logits", out=tmp_path, shard_bytes=1)
     err = capsys.readouterr().err
     assert f"extract: {len(PROMPTS)}/{len(PROMPTS)} prompts" in err and "prompts/s" in err and "ETA" in err
+
+
+def test_reading_a_truncated_or_corrupt_extraction_is_an_input_error(tmp_path):
+    # open_extraction used to raise json.JSONDecodeError (or a numpy reshape error) on a damaged
+    # index.json / shard instead of a mixlens error naming the file.
+    model = mixlens.load(output="numpy")
+    out = tmp_path / "acts"
+    model.extract(["Once upon a time", "The dog"], values=["logits"], out=str(out))
+    shard = out / "shard-00000.safetensors"
+    size = shard.stat().st_size
+    for cut in (size - 10, 100, 3):  # shrinking only
+        os.truncate(shard, cut)
+        with pytest.raises(mixlens.InputError, match="truncated or corrupt"):
+            mixlens.open_extraction(str(out)).prompt(0)
+    (out / "index.json").write_text("{")
+    with pytest.raises(mixlens.InputError, match="index.json is not valid JSON"):
+        mixlens.open_extraction(str(out))

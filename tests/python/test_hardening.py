@@ -166,3 +166,102 @@ def test_hub_resolve_is_the_cpp_resolver(tmp_path, monkeypatch):
     assert mixlens.hub.default_cache_dir() == str(cache)
     assert os.path.samefile(mixlens.hub.resolve("someone/m"), snap)
     assert os.path.samefile(mixlens.load("someone/m").info["path"], snap)
+
+
+def test_error_quoting_invalid_utf8_bytes_is_still_a_mixlens_error(tmp_path):
+    # nlohmann's parse error quotes the bytes it read ("last read: '\xff'"): the message used to reach
+    # PyErr_SetString as-is and surface as UnicodeDecodeError instead of CheckpointError.
+    folder = _copy(MAMBA2, tmp_path / "m")
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[8:20] = b"\xff" * 12
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(mixlens.CheckpointError, match=r"not valid JSON.*\\xff"):
+        mixlens.load(str(folder))
+
+
+def test_text_with_a_lone_surrogate_is_an_input_error(tmp_path):
+    # nanobind cannot convert such a str and raised TypeError "encode(): incompatible function arguments".
+    model = mixlens.load()
+    with pytest.raises(mixlens.InputError, match="not valid Unicode"):
+        model.tokenizer.encode("a\ud800")
+    with pytest.raises(mixlens.InputError, match="not valid Unicode"):
+        model.run(["fine", "x\udfff"])
+    with pytest.raises(mixlens.InputError, match="prompt 1 is not valid Unicode"):
+        model.extract(["fine", "a\ud800"], values=["logits"], out=str(tmp_path / "acts"))
+
+
+def test_a_broken_mixlens_model_variable_is_named_in_the_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MIXLENS_MODEL", str(tmp_path / "gone"))
+    with pytest.raises(mixlens.CheckpointError, match=r"does not exist \(the path came from \$MIXLENS_MODEL"):
+        mixlens.load()
+
+
+def test_assigning_a_head_weight_is_a_write_error():
+    # embed_tokens.weight = x used to say "'embed_tokens.weight' is read inside `with model.trace(...)`",
+    # and lm_head.weight = x raised a bare AttributeError.
+    model = mixlens.load()
+    for obj, role in ((model.embed_tokens, "embed_tokens"), (model.ln_final, "ln_final"), (model.lm_head, "lm_head")):
+        with pytest.raises(mixlens.WriteError, match=f"{role}.weight is read-only"):
+            obj.weight = np.zeros(3, dtype=np.float32)
+
+
+def test_a_cache_left_midway_by_a_failed_call_is_refused_until_restored():
+    # A trace over a cache that raised or stopped, or a forward that raised mid-way, used to leave the
+    # cache partly advanced (the next logits differed by ~8 from the snapshot's; NaN after a NumericError)
+    # while seen_tokens / steps showed the old counts, and nothing stopped a continuation from it.
+    model = mixlens.load()
+    ids = model.tokenizer.encode("Once upon a time")
+
+    def stop(c):
+        with model.trace([[42]], cache=c) as tr:
+            model.layers[2].layer_output
+            tr.stop()
+
+    def user_error(c):
+        with pytest.raises(RuntimeError):
+            with model.trace([[42]], cache=c):
+                model.layers[2].layer_output
+                raise RuntimeError("user code")
+
+    def numeric(c):
+        with pytest.raises(mixlens.NumericError):
+            model.forward([[42]], cache=c, edits={"layers.1.linear_attn.attention_values": 3e38})
+
+    for fail in (stop, user_error, numeric):
+        cache = model.new_cache(1)
+        model.forward([ids], cache=cache)
+        snap = cache.copy()
+        fail(cache)
+        assert "stopped midway" in cache.broken
+        with pytest.raises(mixlens.InputError, match="partly updated"):
+            model.forward([[42]], cache=cache)
+        with pytest.raises(mixlens.InputError, match="partly updated"):
+            cache.copy()
+        cache.restore(snap)
+        assert cache.broken == ""
+        a = np.asarray(model.forward([[42]], cache=cache)["logits"])
+        b = np.asarray(model.forward([[42]], cache=snap)["logits"])
+        assert np.array_equal(a, b)
+    # Inputs refused before the forward starts leave the cache usable.
+    cache = model.new_cache(1)
+    model.forward([ids], cache=cache)
+    with pytest.raises(mixlens.InputError, match="outside the vocabulary"):
+        model.forward([[10**6]], cache=cache)
+    assert cache.broken == ""
+    model.forward([[42]], cache=cache)
+
+
+def test_torch_values_save_load_and_deepcopy_as_plain_tensors(tmp_path):
+    # torch.load (weights_only=True by default) refused a saved ValueTensor, and copy.deepcopy raised
+    # RuntimeError (torch's subclass deepcopy needs new_empty()).
+    import copy
+
+    torch = pytest.importorskip("torch")
+    model = mixlens.load(output="torch")
+    with model.trace("Once upon a time") as tr:
+        b = model.layers[1].linear_attn.betas
+    torch.save({"b": b}, tmp_path / "v.pt")
+    loaded = torch.load(tmp_path / "v.pt")["b"]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, b)
+    c = copy.deepcopy({"b": b, "same": b})
+    assert type(c["b"]) is torch.Tensor and torch.equal(c["b"], b) and c["b"] is c["same"]
