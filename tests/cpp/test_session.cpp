@@ -2,11 +2,13 @@
 // the same edits made through a pre-registered Trace and against the golden fixtures.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "fixture_util.h"
 #include "mixlens/errors.h"
 #include "mixlens/session.h"
+#include "ops/ops.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
@@ -208,6 +210,29 @@ TEST(Session, ReadLiveAppliesInPlaceEditsWhenTheCallerMovesOn) {
     b3[0] = -1.0f;  // betas must be >= 0
     EXPECT_THROW(s3.reach_step(0), WriteError);
   }
+}
+
+// The forward's thread pool as a session drives it (parked at every pause), here so that the TSan
+// build (make test-tsan: the session tests) checks it: the caller returns once an op's blocks are
+// done, so a late worker meets the next op; each op sees each of its indices exactly once.
+TEST(Session, PoolOpsOfEverySizeNeverMixUnderParking) {
+  const int64_t sizes[] = {2, 3, 2, 7, 2, 16, 1, 5};
+  std::vector<std::atomic<int>> hits(16);
+  for (int rep = 0; rep < 3000; ++rep) {
+    const int64_t n = sizes[rep % 8];
+    std::atomic<int> bad{0};
+    ops::parallel_for(n, [&, n](int64_t i) {
+      if (i < 0 || i >= n) bad.fetch_add(1);
+      else hits[static_cast<size_t>(i)].fetch_add(1);
+    });
+    ASSERT_EQ(bad.load(), 0);
+    for (int64_t i = 0; i < 16; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].exchange(0), i < n ? 1 : 0) << rep;
+    if (rep % 5 == 0) ops::park_threads();
+  }
+  EXPECT_THROW(ops::parallel_for(4, [](int64_t i) { if (i == 1) throw InputError("boom"); }), InputError);
+  std::atomic<int> count{0};
+  ops::parallel_for(3, [&](int64_t) { count.fetch_add(1); });
+  EXPECT_EQ(count.load(), 3);
 }
 
 TEST(Session, StateInputOfAFreshPromptIsNoneAndWritingItStartsFromThatState) {
