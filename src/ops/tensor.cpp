@@ -39,25 +39,13 @@ Tensor Tensor::uninitialized(Shape shape) {
   Tensor t;
   t.shape_ = std::move(shape);
   t.numel_ = shape_numel(t.shape_);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  // Large buffers (the `states` stacks, hundreds of MiB) in 2 MiB pages: one page fault per 2 MiB
-  // instead of per 4 KiB; the faults and their zeroing were most of what reading one Mamba-2
-  // layer's states cost on top of a forward. madvise is advice: without THP it changes nothing.
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = sizeof(float) * static_cast<size_t>(t.numel_);
-  if (bytes >= 16 * kHuge) {
-    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-    void* p = std::aligned_alloc(kHuge, rounded);
-    if (!p) throw std::bad_alloc();
-    (void)madvise(p, rounded, MADV_HUGEPAGE);
-    t.data_ = static_cast<float*>(p);
-    t.storage_ = std::shared_ptr<const void>(p, [](const void* q) { std::free(const_cast<void*>(q)); });
-    return t;
-  }
-#endif
-  auto buf = std::shared_ptr<float[]>(new float[static_cast<size_t>(t.numel_ > 0 ? t.numel_ : 1)]);
-  t.data_ = buf.get();
-  t.storage_ = std::shared_ptr<const void>(buf, buf.get());
+  // 64-byte aligned (whole cache lines): the scans write the `states` stacks with streaming stores,
+  // which need aligned addresses (new float[] gives 16).
+  const size_t bytes = (sizeof(float) * static_cast<size_t>(t.numel_ > 0 ? t.numel_ : 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, bytes);
+  if (!p) throw std::bad_alloc();
+  t.data_ = static_cast<float*>(p);
+  t.storage_ = std::shared_ptr<const void>(p, [](const void* q) { std::free(const_cast<void*>(q)); });
   return t;
 }
 
