@@ -12,27 +12,20 @@
 #include <cstdint>
 
 #include "mixers/ssm_kernels.h"
+#include "ops/avx2_inline.h"
 
 namespace mixlens::detail {
 
 namespace {
 
+using avx2::hsum;
+
 // exp(x) for the discretisation exp(A dt) (x <= 0 there): the Cephes polynomial of fast_exp
 // (selective_scan.h), 0 below -87.34 as fast_exp; NaN propagates (max/min keep x's NaN).
 inline __m256 exp_ssm(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654f);
-  const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256 n;
+  const __m256 p = avx2::exp_core(_mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x)), n);
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 v = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), v);
@@ -85,13 +78,6 @@ inline __m256 hsum8(const __m256* v) {
   const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One token of one channel (transformers' order: S = exp(A dt) S + (dt B) u); returns the vector
 // of the S . C partial sums.
 template <int NV>

@@ -10,16 +10,12 @@
 #include <cstdint>
 
 #include "ops/tile_kernels.h"
+#include "ops/avx2_inline.h"
 
 namespace mixlens::ops {
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using avx2::hsum;
 
 // NQ x NK dot products, one 8-lane accumulator per pair, then a fixed horizontal sum and a scalar
 // FMA tail: the same order for every block shape, so S does not depend on the blocking.
