@@ -1,6 +1,7 @@
 #include "mixlens/model.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <mutex>
@@ -186,6 +187,26 @@ Model::Model(Model&&) noexcept = default;
 Model& Model::operator=(Model&&) noexcept = default;
 
 namespace detail {
+// A config with fewer layers than its checkpoint would load as a silently truncated model (the
+// extra layers' tensors unread): refuse it. Multi-token-prediction heads (`mtp.`) are not layers.
+void check_no_extra_layers(const io::WeightStore& weights, int64_t num_layers, const io::Config& config) {
+  for (const std::string& name : weights.names()) {
+    if (name.rfind("mtp.", 0) == 0) continue;
+    for (size_t at = name.find("layers."); at != std::string::npos; at = name.find("layers.", at + 1)) {
+      if (at > 0 && name[at - 1] != '.') continue;
+      size_t i = at + 7, j = i;
+      while (j < name.size() && std::isdigit(static_cast<unsigned char>(name[j]))) ++j;
+      if (j == i || j >= name.size() || name[j] != '.' || j - i > 9) continue;
+      const int64_t layer = std::stoll(name.substr(i, j - i));
+      if (layer >= num_layers)
+        throw ConfigError(where(config) + ": the checkpoint has tensors of layer " + std::to_string(layer) + " ('" +
+                          name + "') but the config describes " + std::to_string(num_layers) +
+                          " layers; loading it would silently drop layers (fix num_hidden_layers / n_layer)");
+      break;
+    }
+  }
+}
+
 std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights) {
   const std::string type = config.get<std::string>("model_type");
   // Ranges first: no family computes with a wrapped, absurd or non-finite field.
@@ -225,6 +246,7 @@ Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options)
     // bare exception (exit 3 / RuntimeError).
     throw ConfigError(detail::where(config) + ": malformed field: " + e.what());
   }
+  detail::check_no_extra_layers(weights, m.impl_->family->info.num_layers, config);
   m.impl_->family->info.path = dir.string();
   m.impl_->family->info.dtype = options.dtype;
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());

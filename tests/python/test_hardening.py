@@ -265,3 +265,21 @@ def test_torch_values_save_load_and_deepcopy_as_plain_tensors(tmp_path):
     assert type(loaded) is torch.Tensor and torch.equal(loaded, b)
     c = copy.deepcopy({"b": b, "same": b})
     assert type(c["b"]) is torch.Tensor and torch.equal(c["b"], b) and c["b"] is c["same"]
+
+
+@pytest.mark.parametrize("name", ["mamba-tinystories", "mamba2-tinystories", "qwen3_5-tinystories"])
+def test_a_config_with_fewer_layers_than_its_checkpoint_is_refused(tmp_path, name):
+    # A new user set num_hidden_layers 5 on the 6-layer model: it loaded a silently truncated model.
+    src = Path(__file__).resolve().parents[2] / "models" / name
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = layers - 1
+    for key in ("layer_types", "layers_block_type"):  # per-layer lists follow the count
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][: layers - 1]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mixlens.ConfigError, match=rf"tensors of layer {layers - 1} .* describes {layers - 1} layers"):
+        mixlens.load(str(dst))
+    mixlens.load(str(src))  # the untouched folder loads
