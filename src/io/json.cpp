@@ -251,7 +251,7 @@ nlohmann::json read_json_file(const std::filesystem::path& path, const std::stri
   // Follows symlinks (HF cache snapshots are symlinks into blobs/); a FIFO would block the read
   // forever and a device such as /dev/zero would never end.
   if (!std::filesystem::is_regular_file(path, ec))
-    raise_error(kind, label + " is not a regular file (a FIFO, device or socket); refused");
+    raise_error(kind, label + " is not a regular file (a folder, FIFO, device or socket); refused");
   const uintmax_t size = std::filesystem::file_size(path, ec);
   if (ec) raise_error(kind, label + " cannot be read: " + ec.message());
   if (size > kMaxJsonFileBytes)

@@ -338,7 +338,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) {
   }
   if (!S_ISREG(sb.st_mode)) {
     ::close(fd);
-    fail(label, "is not a regular file (a FIFO, device or socket); refused");
+    fail(label, "is not a regular file (a folder, FIFO, device or socket); refused");
   }
   const size_t size = static_cast<size_t>(sb.st_size);
   auto mapping = std::make_shared<Mapping>();

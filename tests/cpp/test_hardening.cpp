@@ -437,7 +437,7 @@ TEST_F(Hostile, FifosAndDevicesInTheModelFolderAreRefused) {
   fs::remove(dir_ / "model.safetensors");
   ASSERT_EQ(::mkfifo((dir_ / "model.safetensors").c_str(), 0600), 0);
   std::string msg = load_error<CheckpointError>();
-  EXPECT_TRUE(has(msg, "is not a regular file (a FIFO, device or socket)")) << msg;
+  EXPECT_TRUE(has(msg, "is not a regular file (a folder, FIFO, device or socket)")) << msg;
   expect_cli_error("is not a regular file");
   fs::remove(dir_ / "model.safetensors");
   fs::copy_file(fixture("mamba2/short_prompt/model.safetensors"), dir_ / "model.safetensors");
