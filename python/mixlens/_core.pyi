@@ -64,6 +64,12 @@ class Cache:
     def steps(self) -> int:
         """forward calls made with this cache (the next call's step index)"""
 
+    @property
+    def broken(self) -> str:
+        """
+        '' while consistent; else why not (a forward over it stopped midway). A broken cache refuses forward and copy (InputError) until restore(snapshot).
+        """
+
     def copy(self) -> Cache:
         """
         An independent deep copy (conv windows, recurrent states, KV entries, counters), bitwise.
