@@ -302,6 +302,14 @@ std::string clock_str(double s) {
   return buf;
 }
 
+// What `generate` runs with: the sampling flags, or greedy when none was given.
+mixlens::GenerateOptions generate_options(const Args& a) {
+  mixlens::GenerateOptions o = a.gen;
+  o.max_new_tokens = a.max_new_tokens;
+  o.greedy = !a.sampling_flag;
+  return o;
+}
+
 // Model::load, saying where the path came from when it was $MIXLENS_MODEL (a stale variable would
 // otherwise read as if the shipped model were broken).
 mixlens::Model load_model(const Args& a, const std::string& path) {
@@ -384,11 +392,8 @@ int run_command(const Args& a) {
   if (a.command == "generate") {
     if (a.max_new_tokens < 1) usage_error("generate needs --max-new-tokens N (N >= 1)");
     if (a.greedy && a.sampling_flag) usage_error("--greedy cannot be combined with sampling flags");
-    mixlens::GenerateOptions o = a.gen;
-    o.max_new_tokens = a.max_new_tokens;
-    o.greedy = !a.sampling_flag;
     try {
-      o.check();  // the library's own rule, reported as a usage error (exit 2) before loading
+      generate_options(a).check();  // the library's own rule, reported as a usage error (exit 2) before loading
     } catch (const mixlens::InputError& e) {
       usage_error(e.what());
     }
@@ -438,10 +443,7 @@ int run_command(const Args& a) {
   if (a.command == "run") {
     m.run(prompts, &trace, /*all_logits=*/false);  // a saved `logits` still gets every position
   } else {
-    mixlens::GenerateOptions o = a.gen;
-    o.max_new_tokens = a.max_new_tokens;
-    o.greedy = !a.sampling_flag;
-    auto res = m.generate(prompts, o, &trace);
+    auto res = m.generate(prompts, generate_options(a), &trace);
     generated = res.new_tokens;
     for (size_t r = 0; r < prompts.size(); ++r) {
       if (m.has_tokenizer() && is_text[r])
