@@ -58,7 +58,7 @@ test: setup-dev build
 	$(PY) -m pytest -q tests/python
 	$(if $(SKIP_SANITIZE),@echo "test: sanitizer and fuzz checks skipped (SKIP_SANITIZE)",$(MAKE) --no-print-directory test-sanitize)
 
-# ASan+UBSan build of every C++ test (build/asan), TSan build of the session tests (build/tsan), and a
+# ASan+UBSan build of every C++ test (build/asan), TSan build of the session and allocator tests (build/tsan), and a
 # short run of each libFuzzer harness over its seed corpus (tests/fuzz/corpus).
 test-sanitize: test-asan test-tsan fuzz-smoke
 
@@ -72,7 +72,7 @@ test-asan: build/asan/.configured
 
 # OpenBLAS's own threads are not instrumented: one BLAS thread keeps TSan's reports to mixlens code.
 test-tsan: setup
-	$(SAN_CMAKE) -B build/tsan -DMIXLENS_SANITIZE=thread -DMIXLENS_TEST_GLOB="tests/cpp/test_session*.cpp"
+	$(SAN_CMAKE) -B build/tsan -DMIXLENS_SANITIZE=thread -DMIXLENS_TEST_GLOB="tests/cpp/test_session*.cpp;tests/cpp/test_arena.cpp"
 	cmake --build build/tsan -j $(JOBS) --target mixlens_tests mixlens_cli
 	OPENBLAS_NUM_THREADS=1 build/tsan/mixlens_tests
 

@@ -42,6 +42,12 @@ Tensor Tensor::uninitialized(Shape shape) {
   // 64-byte aligned (whole cache lines): the scans write the `states` stacks with streaming stores,
   // which need aligned addresses (new float[] gives 16).
   const size_t bytes = (sizeof(float) * static_cast<size_t>(t.numel_ > 0 ? t.numel_ : 1) + 63) / 64 * 64;
+  if (bytes >= detail::kBigMinBytes) {  // the `states` stacks: reuse freed blocks' pages (runtime/arena.h)
+    void* p = nullptr;
+    t.storage_ = detail::big_alloc(bytes, &p);
+    t.data_ = p;
+    return t;
+  }
   void* p = std::aligned_alloc(64, bytes);
   if (!p) throw std::bad_alloc();
   t.data_ = static_cast<float*>(p);
