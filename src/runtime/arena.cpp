@@ -25,7 +25,7 @@ namespace {
 
 // Size classes: 8 per power of two (a buffer is at most 12.5% larger than asked), so the same
 // activation shape lands in the same class layer after layer.
-size_t size_class(size_t bytes) {
+[[maybe_unused]] size_t size_class(size_t bytes) {
   size_t p = 1;
   while (p < bytes / 8) p <<= 1;
   const size_t step = p;  // bytes/16 < step <= bytes/8
@@ -92,7 +92,7 @@ struct Pool {
 };
 
 // Never destroyed: tensors with static storage may be released after every other static.
-Pool& pool() {
+[[maybe_unused]] Pool& pool() {
   static Pool* p = new Pool();
   return *p;
 }
@@ -207,7 +207,7 @@ struct BigCache {
   }
 };
 
-BigCache& big_cache() {
+[[maybe_unused]] BigCache& big_cache() {
   static BigCache* c = new BigCache();
   return *c;
 }
