@@ -7,6 +7,7 @@
 
 #include <cblas.h>
 
+#include "mixers/ssm_kernels.h"
 #include "ops/kernels.h"
 #include "ops/ops.h"
 
@@ -73,13 +74,18 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
   const int64_t C = a.chunk < 1 ? 1 : a.chunk;
   const int64_t R = Dv + Dk;  // right-hand sides of the UT solve: [Vb | Kb exp(G)]
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+#if defined(__x86_64__)
+  const bool avx2 = ops::isa() != ops::Isa::scalar;
+#else
+  const bool avx2 = false;
+#endif
   ops::parallel_for(a.B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H;
     float* S = a.S + bh * Dk * Dv;
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C),
                        P = buf(C * C), Dm = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv),
-                       mem = buf(Dv), Sr;
+                       mem = buf(Dv), dec = buf(C), Sr;
     std::vector<double> Kd(static_cast<size_t>(C * Dk)), M(static_cast<size_t>(C * C)), Rd(static_cast<size_t>(C * R));
     const int64_t t_end = a.t_end < 0 ? T : a.t_end;
     for (int64_t t0 = a.t_begin; t0 < t_end; t0 += C) {
@@ -149,8 +155,18 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       }
       ops::gemm(true, false, Dk, Dv, L, 1.0f, Wf.data(), Dk, Uf.data(), Dv, std::exp(last), S, Dv);
       if (a.states) {
-        for (int64_t i = 0; i + 1 < L; ++i) {
-          const int64_t r = (b * T + t0 + i) * H + h;
+        const int64_t r0 = (b * T + t0) * H + h;  // row of the chunk's first token
+#if defined(__x86_64__)
+        if (avx2 && L > 1) {
+          // One fused pass per token (S update, served row written with streaming stores) instead
+          // of two read-modify-write passes and a copy: the replay wrote 1 GiB a layer that way.
+          for (int64_t i = 0; i + 1 < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
+          gated_delta_states_replay_avx2(Sr.data(), kn.data(), a.v + r0 * Dv, H * Dv, dec.data(), a.beta + r0, H, L - 1,
+                                         Dk, Dv, a.states + r0 * Dk * Dv, H * Dk * Dv);
+        }
+#endif
+        for (int64_t i = 0; i + 1 < L && !avx2; ++i) {
+          const int64_t r = r0 + i * H;
           step(Sr.data(), nullptr, kn.data() + i * Dk, a.v + r * Dv, a.g[r], a.beta[r], Dk, Dv, mem.data(), nullptr);
           std::memcpy(a.states + r * Dk * Dv, Sr.data(), sizeof(float) * static_cast<size_t>(Dk * Dv));
         }

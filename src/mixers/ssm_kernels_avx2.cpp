@@ -178,5 +178,70 @@ void ssd_states_replay_avx2(const float* S0, const float* decay, const float* B,
   _mm_sfence();
 }
 
+void gated_delta_states_replay_avx2(float* cur, const float* k, const float* v, int64_t ldv, const float* decays,
+                                    const float* beta, int64_t ldb, int64_t L, int64_t Dk, int64_t Dv, float* out,
+                                    int64_t ld_out) {
+  constexpr int64_t W = 32;  // columns per block: [Dk=128, 32] floats = 16 KiB, in L1 for pass 2
+  for (int64_t l = 0; l < L; ++l) {
+    const float decay = decays[l], be = beta[l * ldb];
+    const __m256 ev = _mm256_set1_ps(decay), bv = _mm256_set1_ps(be);
+    const float* kl = k + l * Dk;
+    const float* vl = v + l * ldv;
+    float* o = out + l * ld_out;
+    const bool aligned = (reinterpret_cast<uintptr_t>(o) & 31u) == 0 && Dv % 8 == 0;
+    int64_t e0 = 0;
+    for (; e0 + W <= Dv; e0 += W) {
+      // Pass 1: mem = (e S)^T k over the block's columns (the products rounded as the scalar step's).
+      __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float* Sd = cur + d * Dv + e0;
+        const __m256 kd = _mm256_set1_ps(kl[d]);
+        m0 = _mm256_add_ps(m0, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd), ev), kd));
+        m1 = _mm256_add_ps(m1, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd + 8), ev), kd));
+        m2 = _mm256_add_ps(m2, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd + 16), ev), kd));
+        m3 = _mm256_add_ps(m3, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd + 24), ev), kd));
+      }
+      // delta = (v - mem) beta
+      m0 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vl + e0), m0), bv);
+      m1 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vl + e0 + 8), m1), bv);
+      m2 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vl + e0 + 16), m2), bv);
+      m3 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vl + e0 + 24), m3), bv);
+      // Pass 2: S = e S + k delta, into cur and (streamed) the served row.
+      for (int64_t d = 0; d < Dk; ++d) {
+        float* Sd = cur + d * Dv + e0;
+        float* od = o + d * Dv + e0;
+        const __m256 kd = _mm256_set1_ps(kl[d]);
+        const __m256 s0 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd), ev), _mm256_mul_ps(kd, m0));
+        const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd + 8), ev), _mm256_mul_ps(kd, m1));
+        const __m256 s2 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd + 16), ev), _mm256_mul_ps(kd, m2));
+        const __m256 s3 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sd + 24), ev), _mm256_mul_ps(kd, m3));
+        _mm256_storeu_ps(Sd, s0);
+        _mm256_storeu_ps(Sd + 8, s1);
+        _mm256_storeu_ps(Sd + 16, s2);
+        _mm256_storeu_ps(Sd + 24, s3);
+        if (aligned) {
+          _mm256_stream_ps(od, s0);
+          _mm256_stream_ps(od + 8, s1);
+          _mm256_stream_ps(od + 16, s2);
+          _mm256_stream_ps(od + 24, s3);
+        } else {
+          _mm256_storeu_ps(od, s0);
+          _mm256_storeu_ps(od + 8, s1);
+          _mm256_storeu_ps(od + 16, s2);
+          _mm256_storeu_ps(od + 24, s3);
+        }
+      }
+    }
+    // Columns past the last whole block (head sizes that are not multiples of 32): the same steps.
+    for (int64_t e = e0; e < Dv; ++e) {
+      float mem = 0.0f;
+      for (int64_t d = 0; d < Dk; ++d) mem += cur[d * Dv + e] * decay * kl[d];
+      const float delta = (vl[e] - mem) * be;
+      for (int64_t d = 0; d < Dk; ++d) o[d * Dv + e] = cur[d * Dv + e] = cur[d * Dv + e] * decay + kl[d] * delta;
+    }
+  }
+  _mm_sfence();
+}
+
 }  // namespace mixlens::detail
 #endif  // __x86_64__

@@ -12,6 +12,7 @@
 #include "io/json.h"
 #include "mixers/gated_delta.h"
 #include "mixlens/errors.h"
+#include "ops/kernels.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
@@ -153,6 +154,38 @@ TEST(GatedDelta, ChunkedAndRecurrentAgreeOnEveryValue) {
     KernelOut quiet = run_kernel(x, true, false);  // asking for states changes nothing else
     EXPECT_EQ(0, std::memcmp(quiet.o.data(), c.o.data(), sizeof(float) * c.o.numel()));
     EXPECT_EQ(0, std::memcmp(quiet.S.data(), c.S.data(), sizeof(float) * c.S.numel()));
+  }
+}
+
+// The per-token states replay at the published head size (128 x 128: the AVX2 replay's 32-column
+// blocks) and at sizes with a ragged column tail, on every ISA level this CPU has: each token's
+// state equals the token recurrence's, and the last token's is the final state exactly.
+TEST(GatedDelta, StatesReplayMatchesTheRecurrenceOnEveryIsa) {
+  struct Restore {
+    ops::Isa isa = ops::isa();
+    ~Restore() { ops::set_isa(isa); }
+  } restore;
+  struct Size {
+    int64_t H, Dk, Dv;
+  };
+  for (ops::Isa isa : {ops::Isa::scalar, ops::best_isa()}) {
+    ops::set_isa(isa);
+    for (const Size z : {Size{2, 128, 128}, Size{3, 24, 40}, Size{1, 8, 70}}) {
+      KernelInputs x = random_inputs(1, 130, z.H, z.Dk, z.Dv, -1.0f, 0.0f, 11);
+      KernelOut c = run_kernel(x, true, true), r = run_kernel(x, false, true);
+      const std::string what = std::string(ops::isa_name(isa)) + " H=" + std::to_string(z.H) +
+                               " Dk=" + std::to_string(z.Dk) + " Dv=" + std::to_string(z.Dv);
+      EXPECT_LE(rel_rms(c.states, r.states), 1e-5) << what;
+      const int64_t per = z.H * z.Dk * z.Dv;
+      // Token by token (a wrong stride or column block shows in one token only).
+      for (int64_t t = 0; t < x.T; ++t) {
+        Tensor ct({per}), rt({per});
+        std::memcpy(ct.data(), c.states.data() + t * per, sizeof(float) * per);
+        std::memcpy(rt.data(), r.states.data() + t * per, sizeof(float) * per);
+        ASSERT_LE(rel_rms(ct, rt), 1e-5) << what << " token " << t;
+      }
+      EXPECT_EQ(0, std::memcmp(c.states.data() + (x.T - 1) * per, c.S.data(), sizeof(float) * per)) << what;
+    }
   }
 }
 
