@@ -15,6 +15,7 @@
 
 #include "mixlens/errors.h"
 #include "ops/dtype.h"
+#include "ops/gemm16.h"
 #include "ops/kernels.h"
 
 namespace mixlens::ops {
@@ -74,17 +75,23 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
       if (n > 0) matvec_rows(kt, W, x, rows, in, y, out, o0, n);
     });
   } else {
-    // Prompt: compute-bound, OpenBLAS sgemm (AVX-512 kernels on this CPU) per block of output
-    // features, each block a single-threaded BLAS call: mixing OpenBLAS's own threads with ours
-    // oversubscribes the cores (measured 10x slower on 2 cores). Narrow weights are widened
-    // (exactly) a tile at a time into a per-thread buffer first.
+    // Prompt: compute-bound, OpenBLAS sgemm per block of output features, each block a
+    // single-threaded BLAS call: mixing OpenBLAS's own threads with ours oversubscribes the cores
+    // (measured 10x slower on 2 cores). Narrow weights: our gemm16 where it measured better
+    // (bench/results/gemm16.md), else widened (exactly) a tile at a time for sgemm.
     const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
     const int64_t per = (out + nblocks - 1) / nblocks;
+    const Gemm16Fn g16 = W.dtype() == ScalarType::float32 ? nullptr : gemm16();
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t o0 = blk * per, n = std::min(per, out - o0);
       if (n <= 0) return;
       if (W.dtype() == ScalarType::float32) {
         gemm(false, true, rows, n, in, 1.0f, x, in, static_cast<const float*>(W.raw()) + o0 * in, in, 0.0f, y + o0, out);
+        return;
+      }
+      if (g16) {  // widened while packed (ops/gemm16.h): one pass over the 16-bit weights
+        g16(x, in, rows, static_cast<const uint16_t*>(W.raw()) + o0 * in, in, W.dtype() == ScalarType::float16, n, in,
+            y + o0, out);
         return;
       }
       thread_local std::vector<float> buf;
