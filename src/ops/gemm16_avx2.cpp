@@ -75,19 +75,23 @@ inline void transpose8(__m256 r[8]) {
   r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// x rows [0, rows) -> panels of 6 rows, each [K][6] (rows past the end zero).
+// x rows [0, rows) -> panels of 6 rows, each [K][6] (rows past the end zero). 8 k at a time by an
+// 8 x 8 transpose whose columns are stored 6 floats apart, each store's last 2 floats overwritten
+// by the next (so Ap needs 2 floats of slack past its end).
 void pack_x(const float* X, int64_t ldx, int64_t rows, int64_t K, float* Ap) {
+  const __m256 zero = _mm256_setzero_ps();
   for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
     float* dst = Ap + r0 * K;  // panel r0 / 6 starts at (r0 / 6) * 6 * K
     const int64_t mr = rows - r0 < kMR ? rows - r0 : kMR;
-    for (int64_t i = 0; i < kMR; ++i) {
-      if (i < mr) {
-        const float* src = X + (r0 + i) * ldx;
-        for (int64_t k = 0; k < K; ++k) dst[k * kMR + i] = src[k];
-      } else {
-        for (int64_t k = 0; k < K; ++k) dst[k * kMR + i] = 0.0f;
-      }
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i) r[i] = i < mr ? _mm256_loadu_ps(X + (r0 + i) * ldx + k) : zero;
+      transpose8(r);
+      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (k + j) * kMR, r[j]);
     }
+    for (; k < K; ++k)
+      for (int64_t i = 0; i < kMR; ++i) dst[k * kMR + i] = i < mr ? X[(r0 + i) * ldx + k] : 0.0f;
   }
 }
 
@@ -169,21 +173,35 @@ void gemm16_avx2(const float* X, int64_t ldx, int64_t rows, const uint16_t* W, i
   }
   thread_local Buf abuf, bbuf;
   const int64_t panels = (rows + kMR - 1) / kMR;
-  float* Ap = abuf.get(panels * kMR * K);
+  float* Ap = abuf.get(panels * kMR * K + 2);
   float* Bp = bbuf.get(kKC * kNC);
   pack_x(X, ldx, rows, K, Ap);
-  // Equal k blocks of at most kKC (K = 1536: two of 768, not 768 + 768 by luck only).
+  // Equal k blocks of at most kKC (K = 1536: two of 768).
   const int64_t nk = (K + kKC - 1) / kKC, kb = (K + nk - 1) / nk;
+  const int64_t tiles = panels * ((kNC + kNR - 1) / kNR);  // tile calls per block (at most)
   for (int64_t jc = 0; jc < n; jc += kNC) {
     const int64_t nc = n - jc < kNC ? n - jc : kNC;
     for (int64_t pc = 0; pc < K; pc += kb) {
       const int64_t kc = K - pc < kb ? K - pc : kb;
       pack_w(W + jc * ldw + pc, ldw, f16, nc, kc, Bp);
+      // The next block's weights come from memory: prefetch them into L2 a few lines per tile
+      // call while this block computes, so that its packing does not wait on DRAM.
+      int64_t njc = jc, npc = pc + kb;
+      if (npc >= K) njc += kNC, npc = 0;
+      const int64_t nnc = njc < n ? (n - njc < kNC ? n - njc : kNC) : 0;
+      const int64_t nkc = K - npc < kb ? K - npc : kb;
+      const int64_t row_lines = (nkc * 2 + 63) / 64, lines = nnc * row_lines;
+      const int64_t per = (lines + tiles - 1) / tiles;
+      const char* next = reinterpret_cast<const char*>(W + njc * ldw + npc);
+      int64_t line = 0;
       for (int64_t ir = 0; ir < rows; ir += kMR) {
         const int64_t mr = rows - ir < kMR ? rows - ir : kMR;
-        for (int64_t jr = 0; jr < nc; jr += kNR)
+        for (int64_t jr = 0; jr < nc; jr += kNR) {
+          for (int64_t e = line + per < lines ? line + per : lines; line < e; ++line)
+            _mm_prefetch(next + (line / row_lines) * ldw * 2 + (line % row_lines) * 64, _MM_HINT_T1);
           tile(kc, Ap + ir * K + pc * kMR, Bp + (jr / kNR) * kc * kNR, C + ir * ldc + jc + jr, ldc, pc > 0, mr,
                nc - jr < kNR ? nc - jr : kNR);
+        }
       }
     }
   }
