@@ -1,9 +1,10 @@
 """mamba2-130m prompt cost per weight dtype, A/B against a base build and llama.cpp, interleaved.
 
 For a shared machine: every cell is the process CPU time (all threads; our pool spins briefly
-between ops, which counts) and the wall time of one prompt call, median over calls, and the cells
-alternate build by build and dtype by dtype within each round, with llama-bench (F32 and BF16
-GGUFs, CPU time of the child from getrusage) in the same rounds. The load average is printed at
+between ops, which counts, as do ggml's spinning barriers) and the wall time of one prompt call,
+median over calls, and the cells alternate build by build and dtype by dtype within each round,
+with llama-bench (F32 and BF16 GGUFs, CPU time of the child from getrusage) in the same rounds.
+With --threads 1 neither side spins: the CPU times compare the work done, whatever the load. The load average is printed at
 the start and end.
 
     python bench/bf16_prompt_ab.py --model build/mamba2-130m-layout-4fcda331eb61 \
@@ -66,19 +67,21 @@ def run_worker(pp: str, model: str, dtype: str, prompts: list[int], calls: int, 
 
 
 def run_llama(bench: Path, gguf: Path, prompts: list[int], calls: int, threads: int) -> dict:
+    """CPU time per prompt: a run of 1 + `calls` prompts minus a run of 1 (cancels the model load
+    and the warm-up); wall time: llama-bench's own average of the longer run."""
     out = {}
     for n in prompts:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        r = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(calls), "-o", "json",
-                            "-p", str(n), "-n", "0"], capture_output=True, text=True)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if r.returncode != 0:
-            raise SystemExit(r.stderr[-2000:])
-        row = json.loads(r.stdout)[0]
-        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-        # llama-bench runs one warm-up plus `calls` prompts (and loads the model): CPU per prompt
-        # is an upper bound; its own avg_ts gives the wall time per prompt.
-        out[n] = {"cpu": cpu / (calls + 1), "wall": n / row["avg_ts"]}
+        cpu, rows = [], None
+        for reps in (1, 1 + calls):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            r = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
+                                "-p", str(n), "-n", "0"], capture_output=True, text=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if r.returncode != 0:
+                raise SystemExit(r.stderr[-2000:])
+            rows = json.loads(r.stdout)
+            cpu.append((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime))
+        out[n] = {"cpu": max(cpu[1] - cpu[0], 0.0) / calls, "wall": n / rows[0]["avg_ts"]}
     return out
 
 
