@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <functional>
@@ -88,7 +89,16 @@ int main(int argc, char** argv) {
     int64_t M, N, K;
   };
   // Per thread with 2 threads: in_proj [3352, 768] split in 2, out_proj [768, 1536] split in 2.
-  for (Shape s : {Shape{128, 1676, 768}, Shape{128, 384, 1536}, Shape{1024, 1676, 768}, Shape{1024, 384, 1536}}) {
+  // Rows (prompt tokens) to measure: argv[2], comma-separated (default 128,1024).
+  std::vector<Shape> shapes;
+  for (const char* p = argc > 2 ? argv[2] : "128,1024"; *p;) {
+    char* end = nullptr;
+    const int64_t m = std::strtol(p, &end, 10);
+    shapes.push_back({m, 1676, 768});
+    shapes.push_back({m, 384, 1536});
+    p = *end ? end + 1 : end;
+  }
+  for (Shape s : shapes) {
     const int64_t M = s.M, N = s.N, K = s.K;
     std::mt19937 rng(1);
     std::normal_distribution<float> nd(0.0f, 0.05f);

@@ -216,12 +216,13 @@ TEST(Kernels, ExpSiluSigmoidError) {
 }
 
 // ops::linear with narrow weights equals ops::linear with the same weights widened, on the
-// matvec path (rows <= 4) and the widen-then-sgemm path, at every level.
+// matvec path (rows <= 4), gemm16 (AVX2 level, 5..511 rows) and the widen-then-sgemm path (other
+// levels; 512+ rows), at every level.
 TEST(Kernels, LinearNarrowEqualsWidened) {
   IsaGuard guard;
   for (ops::Isa isa : levels()) {
     ops::set_isa(isa);
-    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{37}})
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{37}, int64_t{520}})
       for (auto [out, in] : {std::pair<int64_t, int64_t>{1, 5}, {300, 129}, {1029, 257}}) {
         const std::vector<float> w = randn(static_cast<size_t>(out * in), 3);
         const std::vector<float> x = randn(static_cast<size_t>(rows * in), 4);
