@@ -100,6 +100,32 @@ void pack_x(const float* X, int64_t ldx, int64_t rows, int64_t K, float* Ap) {
   }
 }
 
+// Rows 0..7 (stride ldw) x k 0..7 of bf16 -> dst[k*16 + row], float32: rows i and i+4 share a
+// register (one per 128-bit lane), the interleave with zeros widens bf16 to float32 exactly, and a
+// 4 x 4 transpose per lane finishes: 28 shuffles for 64 values against 40 for widen + 8 x 8
+// transpose (the packing is ~8% of a 128-token prompt).
+inline void pack8x8_bf16(const uint16_t* w, int64_t ldw, float* dst) {
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 lo[4], hi[4];
+  for (int64_t i = 0; i < 4; ++i) {
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * ldw))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (i + 4) * ldw)), 1);
+    lo[i] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));  // k 0..3 of rows i | i + 4
+    hi[i] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));  // k 4..7
+  }
+  for (int64_t h = 0; h < 2; ++h) {
+    const __m256* q = h ? hi : lo;
+    const __m256 t0 = _mm256_unpacklo_ps(q[0], q[1]), t1 = _mm256_unpackhi_ps(q[0], q[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(q[2], q[3]), t3 = _mm256_unpackhi_ps(q[2], q[3]);
+    float* d = dst + h * 4 * kNR;
+    _mm256_store_ps(d, _mm256_shuffle_ps(t0, t2, 0x44));
+    _mm256_store_ps(d + kNR, _mm256_shuffle_ps(t0, t2, 0xEE));
+    _mm256_store_ps(d + 2 * kNR, _mm256_shuffle_ps(t1, t3, 0x44));
+    _mm256_store_ps(d + 3 * kNR, _mm256_shuffle_ps(t1, t3, 0xEE));
+  }
+}
+
 // Weights [nc outputs][kc] (row stride ldw) -> panels of 16 outputs, each [kc][16], widened.
 void pack_w(const uint16_t* W, int64_t ldw, bool f16, int64_t nc, int64_t kc, float* Bp) {
   for (int64_t j0 = 0; j0 < nc; j0 += kNR) {
@@ -107,6 +133,9 @@ void pack_w(const uint16_t* W, int64_t ldw, bool f16, int64_t nc, int64_t kc, fl
     const int64_t nr = nc - j0 < kNR ? nc - j0 : kNR;
     int64_t k = 0;
     if (nr == kNR) {
+      if (!f16)
+        for (; k + 8 <= kc; k += 8)
+          for (int64_t h = 0; h < 2; ++h) pack8x8_bf16(W + (j0 + h * 8) * ldw + k, ldw, dst + k * kNR + h * 8);
       for (; k + 8 <= kc; k += 8)
         for (int64_t h = 0; h < 2; ++h) {
           __m256 r[8];
