@@ -16,6 +16,10 @@ namespace mixlens::ops {
 using Gemm16Fn = void (*)(const float* X, int64_t ldx, int64_t rows, const uint16_t* W, int64_t ldw, bool f16,
                           int64_t n, int64_t K, float* C, int64_t ldc);
 
+/// K up to this runs as one k block (each output written once); a larger K re-reads and re-writes
+/// the output once per block, which costs at many rows (bench/results/gemm16.md).
+constexpr int64_t kGemm16KBlock = 768;
+
 /// The kernel for the ISA level in use, or nullptr where widen + sgemm is the better choice (the
 /// scalar level; the AVX-512 levels, where OpenBLAS's sgemm runs AVX-512 code and ours does not).
 Gemm16Fn gemm16();

@@ -25,7 +25,7 @@ constexpr int64_t kMR = 6, kNR = 16;
 // tile is written once (k blocks of 256 / 384 re-read and re-write C per block; measured no faster).
 // Both overridable together (-DMIXLENS_G16_KC=.. -DMIXLENS_G16_NC=..) for block-size experiments.
 #ifndef MIXLENS_G16_KC
-#define MIXLENS_G16_KC 768
+#define MIXLENS_G16_KC kGemm16KBlock
 #define MIXLENS_G16_NC 128
 #endif
 constexpr int64_t kKC = MIXLENS_G16_KC, kNC = MIXLENS_G16_NC;

@@ -41,9 +41,10 @@ constexpr int64_t kTile = 256;      // least output features widened per sgemm c
 // Floats widened per sgemm call for narrow weights: each call packs all of x again (rows x in), so
 // few wide calls beat many narrow ones; 1M floats (4 MiB) keeps the buffer well inside L3.
 constexpr int64_t kTileFloats = int64_t{1} << 20;
-// Narrow weights with fewer rows than this go to gemm16 (one pass over the 16-bit weights; 5-13%
-// faster than widen + sgemm at 128-256 rows); from here on OpenBLAS's kernel amortizes its second
-// packing pass and measured equal or up to 10% faster (bench/results/gemm16.md).
+// Narrow weights go to gemm16 (one pass over the 16-bit weights) with fewer rows than this, or
+// with one k block at any row count: there it measured 5-13% faster than widen + sgemm at 128-256
+// rows and equal or faster at 512-1024; with 2+ k blocks (out_proj, K = 1536) at 512+ rows widen +
+// sgemm measured up to 15% faster (bench/results/gemm16.md).
 constexpr int64_t kGemm16MaxRows = 512;
 
 void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
@@ -85,7 +86,8 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
     // (bench/results/gemm16.md), else widened (exactly) a tile at a time for sgemm.
     const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
     const int64_t per = (out + nblocks - 1) / nblocks;
-    const Gemm16Fn g16 = W.dtype() == ScalarType::float32 || rows >= kGemm16MaxRows ? nullptr : gemm16();
+    const Gemm16Fn g16 =
+        W.dtype() == ScalarType::float32 || (rows >= kGemm16MaxRows && in > kGemm16KBlock) ? nullptr : gemm16();
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t o0 = blk * per, n = std::min(per, out - o0);
       if (n <= 0) return;
