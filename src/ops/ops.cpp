@@ -44,7 +44,7 @@ constexpr int64_t kTileFloats = int64_t{1} << 20;
 // Narrow weights go to gemm16 (one pass over the 16-bit weights) with fewer rows than this, or
 // with one k block at any row count: there it measured 5-13% faster than widen + sgemm at 128-256
 // rows and equal or faster at 512-1024; with 2+ k blocks (out_proj, K = 1536) at 512+ rows widen +
-// sgemm measured up to 15% faster (bench/results/gemm16.md).
+// sgemm measured 8-17% faster (bench/results/gemm16.md).
 constexpr int64_t kGemm16MaxRows = 512;
 
 void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
