@@ -15,6 +15,7 @@
 
 #include "mixlens/errors.h"
 #include "ops/dtype.h"
+#include "ops/gemm16.h"
 #include "ops/kernels.h"
 
 namespace mixlens::ops {
@@ -40,6 +41,11 @@ constexpr int64_t kTile = 256;      // least output features widened per sgemm c
 // Floats widened per sgemm call for narrow weights: each call packs all of x again (rows x in), so
 // few wide calls beat many narrow ones; 1M floats (4 MiB) keeps the buffer well inside L3.
 constexpr int64_t kTileFloats = int64_t{1} << 20;
+// Narrow weights go to gemm16 (one pass over the 16-bit weights) with fewer rows than this, or
+// with one k block at any row count: there it measured 5-13% faster than widen + sgemm at 128-256
+// rows and equal or faster at 512-1024; with 2+ k blocks (out_proj, K = 1536) at 512+ rows widen +
+// sgemm measured 8-17% faster (bench/results/gemm16.md).
+constexpr int64_t kGemm16MaxRows = 512;
 
 void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
                  int64_t out, int64_t o0, int64_t n) {
@@ -74,17 +80,24 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
       if (n > 0) matvec_rows(kt, W, x, rows, in, y, out, o0, n);
     });
   } else {
-    // Prompt: compute-bound, OpenBLAS sgemm (AVX-512 kernels on this CPU) per block of output
-    // features, each block a single-threaded BLAS call: mixing OpenBLAS's own threads with ours
-    // oversubscribes the cores (measured 10x slower on 2 cores). Narrow weights are widened
-    // (exactly) a tile at a time into a per-thread buffer first.
+    // Prompt: compute-bound, OpenBLAS sgemm per block of output features, each block a
+    // single-threaded BLAS call: mixing OpenBLAS's own threads with ours oversubscribes the cores
+    // (measured 10x slower on 2 cores). Narrow weights: our gemm16 where it measured better
+    // (bench/results/gemm16.md), else widened (exactly) a tile at a time for sgemm.
     const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
     const int64_t per = (out + nblocks - 1) / nblocks;
+    const Gemm16Fn g16 =
+        W.dtype() == ScalarType::float32 || (rows >= kGemm16MaxRows && in > kGemm16KBlock) ? nullptr : gemm16();
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t o0 = blk * per, n = std::min(per, out - o0);
       if (n <= 0) return;
       if (W.dtype() == ScalarType::float32) {
         gemm(false, true, rows, n, in, 1.0f, x, in, static_cast<const float*>(W.raw()) + o0 * in, in, 0.0f, y + o0, out);
+        return;
+      }
+      if (g16) {  // widened while packed (ops/gemm16.h): one pass over the 16-bit weights
+        g16(x, in, rows, static_cast<const uint16_t*>(W.raw()) + o0 * in, in, W.dtype() == ScalarType::float16, n, in,
+            y + o0, out);
         return;
       }
       thread_local std::vector<float> buf;
