@@ -985,7 +985,9 @@ class Tracer:
         if declared is not None:
             # The metric reads a few positions: their logits only, and the LM head's backward on those rows.
             positions = [int(t) for t in declared]
-            dl = metric.dlogits(self._grad_session.logits_at(positions), positions=positions, seq=seq)
+            # The last position's are the forward's own (returned [B,1,V]); others are formed here.
+            rows = raw if positions == [seq - 1] else self._grad_session.logits_at(positions)
+            dl = metric.dlogits(rows, positions=positions, seq=seq)
         elif hasattr(metric, "dlogits") and callable(metric.dlogits):
             dl = metric.dlogits(self._grad_logits())
         elif is_torch(metric) and metric.dim() == 3 and not metric.requires_grad:
