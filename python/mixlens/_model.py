@@ -978,7 +978,9 @@ class Tracer:
 
         `metric`: a torch scalar computed from ``tracer.logits`` (torch output), a :mod:`mixlens.metrics`
         metric (``LogProb``, ``LogitDiff``; no torch needed), or dMetric/dLogits itself as a ``[B,T,vocab]``
-        array. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
+        array. A metric that declares its positions (``Metric.positions``) gets the logits of those
+        positions only, and the LM head's backward runs on those rows (docs/gradients.md); reading
+        ``tracer.logits`` forms every position's. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
         saved path and every value read in the block; each read value gets ``.grad``, and
         :meth:`grad` returns any of them. A second ``backward`` replaces every ``.grad`` (unlike torch's
         ``.backward``, gradients do not accumulate: add them yourself to combine metrics). Errors as
