@@ -30,8 +30,10 @@ transformers fwd+bwd), after a warm-up (mixlens' calls, transformers' on 16 toke
 CPU time (every thread) and wall time are recorded with the 1-minute load average. Ratios use the best
 (least disturbed) of the rounds; CPU time is the better measure on a shared machine (wall time includes
 waiting for a core).
-Peak memory: each configuration runs once more in a fresh subprocess, which reports its peak RSS after
-loading the model and at the end (the increase is what the call needs beyond the weights).
+Peak memory: each configuration runs once more in a fresh subprocess, which reports its RSS once the model
+is loaded and the peak RSS during the call (VmHWM reset through /proc/self/clear_refs after loading, so the
+load's own peak (bf16 -> float32 widening) is not counted); the increase is what the call needs beyond the
+loaded model.
 Not a test: absolute times depend on the machine.
 """
 
@@ -103,6 +105,24 @@ torch.set_num_threads(ARGS.threads)
 
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def status_mib(key: str) -> float:
+    """VmRSS / VmHWM of this process from /proc/self/status, MiB."""
+    import re
+
+    m = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return int(m.group(1)) / 1024.0
+
+
+def reset_peak() -> bool:
+    """Resets VmHWM (the peak RSS) to the current RSS (Linux: clear_refs 5), so the peak measured after a
+    call is the call's own, not the load's (bf16 -> float32 widening peaks above the loaded size)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def load_avg() -> float:
@@ -241,20 +261,24 @@ def timed(fn) -> dict:
 
 # ----------------------------------------------------------------------------------- memory (child)
 def child(layout: str, route: str, what: str, n: int) -> None:
-    """One call in a fresh process: prints {"loaded": MiB, "peak": MiB} (peak RSS after loading, at the end)."""
+    """One call in a fresh process: prints {"loaded": MiB, "peak": MiB}: the RSS once loaded, and the peak RSS
+    during the call (VmHWM reset after loading; where the kernel refuses the reset, the process's peak)."""
     path = layout_path(layout)
     ids = prompt(path, n)
     if what.startswith("ml"):
         mixlens.route_kernels(LAYOUTS[layout], route)
         ml = load_mixlens(path)
-        loaded = rss_mib()
         fwd, fb = ml_calls(ml, ids)
     else:
         hf = load_transformers(path)
-        loaded = rss_mib()
         fwd, fb = hf_calls(hf, ids)
+    import gc
+
+    gc.collect()
+    loaded = status_mib("VmRSS")
+    exact = reset_peak()
     (fb if what.endswith("fb") else fwd)()
-    print(json.dumps({"loaded": loaded, "peak": rss_mib()}))
+    print(json.dumps({"loaded": loaded, "peak": status_mib("VmHWM") if exact else rss_mib(), "exact": exact}))
 
 
 def peak_memory(layout: str, route: str, what: str, n: int) -> dict | None:
@@ -343,7 +367,8 @@ def run_layout(layout: str) -> list[str]:
                          f"{ratio(best, 'hf_fb', fb, 'cpu')} ({ratio(best, 'hf_fb', fb, 'wall')}) | "
                          f"{min(loads):.1f}-{max(loads):.1f} |")
     if ARGS.memory != "none":
-        lines += ["", "Peak RSS in MiB of one call in a fresh process (increase over the loaded model in brackets):", "",
+        lines += ["", "Peak RSS in MiB during one call in a fresh process (increase over the loaded model's RSS in "
+                  "brackets; the peak is reset after loading):", "",
                   "| tokens | route | mixlens fwd | mixlens fwd+bwd | transformers fwd | transformers fwd+bwd |",
                   "|---|---|---|---|---|---|"]
         for n, best, runs, loads, mem in rows:

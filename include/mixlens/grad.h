@@ -4,6 +4,11 @@
 //   Trace tr;  tr.save("layers.*.layer_output").enable_grad();
 //   Tensor logits = model.run({ids}, &tr);
 //   tr.backward(metrics::log_prob(logits, target).dlogits);
+//
+// A metric of a few positions need not form every position's logits: run with all_logits false and
+// pass the positions it reads (Trace::logits_at, Trace::backward(dlogits, paths, positions)):
+//   model.run(batch, &tr, nullptr, false);
+//   tr.backward(metrics::log_prob(tr.logits_at({t}), target, 0).dlogits, {}, {t});
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -113,6 +113,15 @@ class Trace {
   /// UnknownValueError (bad path; 'state@t' paths have no gradient), UnsupportedError (a family
   /// without a backward yet, a call that wrote a per-token state). The Model must still be alive.
   void backward(const Tensor& dlogits, const std::vector<std::string>& paths = {});
+  /// As backward(dlogits, paths), with `dlogits` [B,P,vocab] covering only `positions` (ascending,
+  /// distinct call positions; the others' dMetric/dLogits is zero): the LM head's backward runs on
+  /// those rows only (a metric of the last position: 1 row instead of T). InputError on bad positions.
+  void backward(const Tensor& dlogits, const std::vector<std::string>& paths, const std::vector<int64_t>& positions);
+  /// The logits [B,P,vocab] of the recorded call at `positions` (call positions), formed from its
+  /// recorded LM-head input: a call recorded with enable_grad returns every position's logits only
+  /// when all_logits (or someone saves them), so a metric reads its rows from here. InputError
+  /// (no recorded call, a position outside it).
+  Tensor logits_at(const std::vector<int64_t>& positions) const;
   /// True when the last backward() computed the gradient of `path` (canonical, no "*").
   bool has_grad(std::string_view path) const;
   /// dMetric/d(value) from the last backward(), shaped as the value; UnknownValueError when it was

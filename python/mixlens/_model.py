@@ -557,6 +557,7 @@ class Tracer:
         self._grad_session = None  # the finished session whose trace holds the gradient record
         self._grad_reads: list = []  # (path, value) read in the block, given .grad by backward()
         self._logits_leaf = None
+        self._full_logits = None  # grad trace: every position's logits once formed (_grad_logits)
         self._all_logits = _all_logits(logits)
         if self._grad and not self._all_logits:
             raise InputError("grad=True needs logits='all': backward takes dMetric/dLogits at every position")
@@ -647,13 +648,15 @@ class Tracer:
         core = self._model._core
         e, mask = self._embeds, self._mask
         if self._kind == "trace" and self._cache is None:
-            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask, self._all_logits,
-                                              grad=self._grad)
+            # grad: the forward forms the last position's logits only; a metric's rows (or, when read, every
+            # position's) come from the recorded LM-head input (_grad_logits).
+            self._session = _core.session_run(core, self._rows, self._saves, self._edits, e, mask,
+                                              self._all_logits and not self._grad, grad=self._grad)
         elif self._kind == "trace":
             if self._cache._busy:
                 raise InputError("this cache is in use by another open trace")
             self._session = _core.session_forward(core, self._rows, self._cache._core, self._saves, self._edits,
-                                                  self._all_logits, e, grad=self._grad)
+                                                  self._all_logits and not self._grad, e, grad=self._grad)
             self._cache._busy = True
         elif self._forced is not None:
             self._session = _core.session_teacher_forced(core, self._rows, self._forced, self._saves, self._edits)
@@ -905,10 +908,12 @@ class Tracer:
     @property
     def logits(self):
         """trace: logits ``[B,T,vocab]`` float32; teacher-forced generate: a list, one array per step."""
-        if self._grad and self._fmt == "torch" and self._kind == "trace":
+        if self._grad and self._kind == "trace":
+            if self._fmt != "torch":
+                return to_plain(self._grad_logits(), self._fmt)
             # One leaf tensor, so a metric built from it can be differentiated (backward()).
             if self._logits_leaf is None:
-                self._logits_leaf = to_plain(self._done()["logits"][0], self._fmt).requires_grad_(True)
+                self._logits_leaf = to_plain(self._grad_logits(), self._fmt).requires_grad_(True)
             return self._logits_leaf
         logits = [to_plain(x, self._fmt) for x in self._done()["logits"]]
         if self._kind == "trace":
@@ -956,13 +961,26 @@ class Tracer:
         return out
 
     # -- gradients (issue 12, docs/gradients.md) ------------------------------------------------
+    def _grad_logits(self):
+        """Every position's logits of a grad trace: the forward returned them when they were saved, else
+        they are formed once from the recorded LM-head input."""
+        raw = self._done()["logits"][0]
+        T = self._calls[-1]["seq"] if self._calls else raw.shape[1]
+        if raw.shape[1] == T or self._grad_session is None:
+            return raw
+        if self._full_logits is None:
+            self._full_logits = self._grad_session.logits_at(list(range(T)))
+        return self._full_logits
+
     def backward(self, metric, paths: Optional[Iterable[str]] = None) -> None:
         """Gradients of a scalar `metric` of this trace's logits with respect to its values, computed natively
         (C++ reverse pass through the edited forward). Needs ``model.trace(..., grad=True)``.
 
         `metric`: a torch scalar computed from ``tracer.logits`` (torch output), a :mod:`mixlens.metrics`
         metric (``LogProb``, ``LogitDiff``; no torch needed), or dMetric/dLogits itself as a ``[B,T,vocab]``
-        array. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
+        array. A metric that declares its positions (``Metric.positions``) gets the logits of those
+        positions only, and the LM head's backward runs on those rows (docs/gradients.md); reading
+        ``tracer.logits`` forms every position's. Gradients are computed for `paths` (value paths, ``*`` for every layer), by default every
         saved path and every value read in the block; each read value gets ``.grad``, and
         :meth:`grad` returns any of them. A second ``backward`` replaces every ``.grad`` (unlike torch's
         ``.backward``, gradients do not accumulate: add them yourself to combine metrics). Errors as
@@ -972,9 +990,19 @@ class Tracer:
             self._done()
             raise InputError("tracer.backward: open the trace with grad=True (model.trace(..., grad=True)) so the "
                              "forward keeps what the backward needs")
-        logits = self._done()["logits"][0]
-        if hasattr(metric, "dlogits") and callable(metric.dlogits):
-            dl = metric.dlogits(logits)
+        raw = self._done()["logits"][0]
+        seq = self._calls[-1]["seq"] if self._calls else raw.shape[1]
+        positions: list = []  # the call positions dl covers; [] = every one
+        pos_of = getattr(metric, "positions", None)
+        declared = pos_of(seq) if callable(pos_of) and self._full_logits is None and raw.shape[1] != seq else None
+        if declared is not None:
+            # The metric reads a few positions: their logits only, and the LM head's backward on those rows.
+            positions = [int(t) for t in declared]
+            # The last position's are the forward's own (returned [B,1,V]); others are formed here.
+            rows = raw if positions == [seq - 1] else self._grad_session.logits_at(positions)
+            dl = metric.dlogits(rows, positions=positions, seq=seq)
+        elif hasattr(metric, "dlogits") and callable(metric.dlogits):
+            dl = metric.dlogits(self._grad_logits())
         elif is_torch(metric) and metric.dim() == 3 and not metric.requires_grad:
             dl = metric.detach().float().cpu().numpy()  # dMetric/dLogits itself, given as a torch tensor
         elif is_torch(metric):
@@ -998,7 +1026,7 @@ class Tracer:
         else:
             wanted = [paths] if isinstance(paths, str) else list(paths)
         wanted = list(dict.fromkeys(wanted))
-        sess.backward(dl, wanted)
+        sess.backward(dl, wanted, positions)
         have = set(sess.grad_paths())
         for path, value in self._grad_reads:
             if path in have:

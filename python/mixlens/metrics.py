@@ -20,13 +20,25 @@ import numpy as np
 
 
 class Metric:
-    """Base: ``value(logits) -> float`` and ``dlogits(logits) -> float32 [B,T,V]``."""
+    """Base: ``value(logits) -> float`` and ``dlogits(logits) -> float32 [B,T,V]``.
+
+    A metric may also declare the call positions it reads (:meth:`positions`); then
+    :meth:`mixlens.Tracer.backward` forms the logits of those positions only and passes them as
+    ``logits [B,P,V]`` with ``positions=`` (the call positions of axis 1) and ``seq=`` (the call's
+    length): at a 248k-token vocabulary every position's logits cost as much as the blocks. A subclass
+    that does not override :meth:`positions` gets every position's logits."""
 
     def __init__(self, position: Optional[int] = -1, row: Optional[int] = None):
         self.position, self.row = position, row
 
-    def _cells(self, shape) -> tuple[list, list]:
-        B, T = shape[0], shape[1]
+    def positions(self, seq: int) -> Optional[list[int]]:
+        """The call positions (ascending) this metric reads in a call of `seq` tokens; None: every one."""
+        return None
+
+    def _cells(self, shape, positions=None, seq=None) -> tuple[list, list]:
+        """Rows and (call position, index into logits' axis 1) pairs the metric covers."""
+        B = shape[0]
+        T = shape[1] if positions is None else int(seq)
         rows = list(range(B)) if self.row is None else [self.row]
         pos = list(range(T)) if self.position is None else [self.position % T if -T <= self.position < T else None]
         if None in pos:
@@ -34,7 +46,21 @@ class Metric:
         for r in rows:
             if not -B <= r < B:
                 raise IndexError(f"metric row {r} is out of range for a batch of {B}")
-        return rows, pos
+        if positions is None:
+            return rows, [(t, t) for t in pos]
+        at = {int(t): i for i, t in enumerate(positions)}
+        missing = [t for t in pos if t not in at]
+        if missing:
+            raise IndexError(f"metric position {missing[0]} is not among the logits' positions")
+        return rows, [(t, at[t]) for t in pos]
+
+    def _own_positions(self, seq: int) -> Optional[list[int]]:
+        # The positions of ``position`` (None: every one), checked as _cells does.
+        if self.position is None:
+            return None
+        if not -seq <= self.position < seq:
+            raise IndexError(f"metric position {self.position} is out of range for a call of {seq} tokens")
+        return [self.position % seq]
 
     def value(self, logits) -> float:
         raise NotImplementedError
@@ -71,19 +97,22 @@ class LogProb(Metric):
         i = int(tok) if tok.ndim == 0 else int(tok[r, t])
         return _token_id(i, vocab, "LogProb token")
 
-    def value(self, logits) -> float:
-        z = np.asarray(logits)
-        rows, pos = self._cells(z.shape)
-        return float(sum(_log_softmax(z[r, t])[self._target(r, t, z.shape[-1])] for r in rows for t in pos))
+    def positions(self, seq: int) -> Optional[list[int]]:
+        return self._own_positions(seq)
 
-    def dlogits(self, logits) -> np.ndarray:
+    def value(self, logits, positions=None, seq=None) -> float:
+        z = np.asarray(logits)
+        rows, cells = self._cells(z.shape, positions, seq)
+        return float(sum(_log_softmax(z[r, i])[self._target(r, t, z.shape[-1])] for r in rows for t, i in cells))
+
+    def dlogits(self, logits, positions=None, seq=None) -> np.ndarray:
         z = np.asarray(logits)
         out = np.zeros(z.shape, np.float64)
-        rows, pos = self._cells(z.shape)
+        rows, cells = self._cells(z.shape, positions, seq)
         for r in rows:
-            for t in pos:
-                out[r, t] -= np.exp(_log_softmax(z[r, t]))
-                out[r, t, self._target(r, t, z.shape[-1])] += 1.0
+            for t, i in cells:
+                out[r, i] -= np.exp(_log_softmax(z[r, i]))
+                out[r, i, self._target(r, t, z.shape[-1])] += 1.0
         return out.astype(np.float32)
 
 
@@ -94,19 +123,22 @@ class LogitDiff(Metric):
         super().__init__(position, row)
         self.a, self.b = int(a), int(b)
 
-    def value(self, logits) -> float:
-        z = np.asarray(logits)
-        rows, pos = self._cells(z.shape)
-        _token_id(self.a, z.shape[-1], "LogitDiff token a"), _token_id(self.b, z.shape[-1], "LogitDiff token b")
-        return float(sum(float(z[r, t, self.a]) - float(z[r, t, self.b]) for r in rows for t in pos))
+    def positions(self, seq: int) -> Optional[list[int]]:
+        return self._own_positions(seq)
 
-    def dlogits(self, logits) -> np.ndarray:
+    def value(self, logits, positions=None, seq=None) -> float:
+        z = np.asarray(logits)
+        rows, cells = self._cells(z.shape, positions, seq)
+        _token_id(self.a, z.shape[-1], "LogitDiff token a"), _token_id(self.b, z.shape[-1], "LogitDiff token b")
+        return float(sum(float(z[r, i, self.a]) - float(z[r, i, self.b]) for r in rows for _, i in cells))
+
+    def dlogits(self, logits, positions=None, seq=None) -> np.ndarray:
         z = np.asarray(logits)
         out = np.zeros(z.shape, np.float32)
-        rows, pos = self._cells(z.shape)
+        rows, cells = self._cells(z.shape, positions, seq)
         _token_id(self.a, z.shape[-1], "LogitDiff token a"), _token_id(self.b, z.shape[-1], "LogitDiff token b")
         for r in rows:
-            for t in pos:
-                out[r, t, self.a] += 1.0
-                out[r, t, self.b] -= 1.0
+            for _, i in cells:
+                out[r, i, self.a] += 1.0
+                out[r, i, self.b] -= 1.0
         return out

@@ -290,12 +290,24 @@ void init_session(nb::module_& m) {
       .def_prop_ro("where", [](PySession& p) { return p.s().where(); })
       // Gradients (issue 12, docs/gradients.md): after the run, through the trace's record.
       .def("backward",
-           [](PySession& p, const FloatArray& dlogits, const std::vector<std::string>& paths) {
+           [](PySession& p, const FloatArray& dlogits, const std::vector<std::string>& paths,
+              const std::vector<int64_t>& positions) {
              Tensor d = from_numpy(dlogits);
              nb::gil_scoped_release r;
-             p.trace->backward(d, paths);
+             p.trace->backward(d, paths, positions);
            },
-           nb::arg("dlogits"), nb::arg("paths") = std::vector<std::string>{})
+           nb::arg("dlogits"), nb::arg("paths") = std::vector<std::string>{},
+           nb::arg("positions") = std::vector<int64_t>{})
+      .def("logits_at",
+           [](PySession& p, const std::vector<int64_t>& positions) {
+             Tensor out;
+             {
+               nb::gil_scoped_release r;
+               out = p.trace->logits_at(positions);
+             }
+             return to_numpy(out);
+           },
+           nb::arg("positions"))
       .def("grad", [](PySession& p, const std::string& path) { return to_numpy(p.trace->grad(path).clone()); },
            nb::arg("path"))
       .def("grad_paths",

@@ -1,8 +1,8 @@
 // Backward of the softmax attention pieces (mixers/attention.h): the causal GQA attention core
 // (detail::causal_attention / flash_causal_attention) and rotate-half RoPE (detail::apply_rope).
-// The attention backward recomputes each query's softmax row from q and the cached keys (one row
-// of past + t + 1 scores at a time; no [T, T] matrix) and accumulates dk / dv of the call's new
-// tokens; cached keys and values (positions < past) are constants of the call.
+// The attention backward recomputes the softmax rows of a block of 64 queries from q and the cached
+// keys (a 64 x (past + T) score matrix at a time, never [T, T]) and accumulates dk / dv of the call's
+// new tokens with BLAS products; cached keys and values (positions < past) are constants of the call.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,62 +23,61 @@ void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, 
     throw InputError("causal_attention_backward: the KV cache must hold past + T tokens for every row (the call's "
                      "keys appended), got len " + std::to_string(kv.len) + " for past " + std::to_string(past) +
                      " + T " + std::to_string(T));
-  const int64_t rep = H / Hkv, width = Hkv * d, Tk = past + T;
+  const int64_t rep = H / Hkv, width = Hkv * d, ldq = H * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const ops::KernelTable& kt = ops::kernels();
+  constexpr int64_t QB = 64;  // queries per block: the score matrices are QB x (past + T)
   std::fill(dk, dk + B * T * width, 0.0f);
   std::fill(dv, dv + B * T * width, 0.0f);
   // One job per (row, kv head): it owns that kv head's dk / dv (the rep query heads reading it are
-  // summed inside the job), so no two jobs write the same element.
+  // summed inside the job), so no two jobs write the same element. Per block of queries, with
+  // P = softmax(scale Q K^T) (causal, key mask) recomputed: dP = dO V^T, dS = P (dP - rowsum(P dP)),
+  // dQ = scale dS K, dK += scale dS^T Q, dV += P^T dO (BLAS products; rows of cached keys dropped).
   ops::parallel_for(B * Hkv, [&](int64_t job) {
     const int64_t b = job / Hkv, g = job % Hkv;
     const float* K = kv.k[static_cast<size_t>(b)].data() + g * d;
     const float* V = kv.v[static_cast<size_t>(b)].data() + g * d;
     const uint8_t* m = key_mask[static_cast<size_t>(b)].data();
-    std::vector<float> p(static_cast<size_t>(Tk)), dp(static_cast<size_t>(Tk)), o(static_cast<size_t>(d));
+    std::vector<float> P(static_cast<size_t>(QB * (past + T))), dP(P.size());
     for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t row = (b * T + t) * H + h;
-        const float* qt = q + row * d;
-        const float* go = dout + row * d;
-        float* gq = dq + row * d;
-        std::fill(gq, gq + d, 0.0f);
-        const int64_t n = past + t + 1;  // causal: keys j < n
-        kt.matvec_f32(K, width, qt, p.data(), n, d);
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) {
-          p[static_cast<size_t>(j)] = m[j] ? p[static_cast<size_t>(j)] * scale : -std::numeric_limits<float>::infinity();
-          mx = std::max(mx, p[static_cast<size_t>(j)]);
-        }
-        if (mx == -std::numeric_limits<float>::infinity()) continue;  // no visible key: output 0, constant
-        double sum = 0.0;
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = m[j] ? std::exp(p[static_cast<size_t>(j)] - mx) : 0.0f;
-          p[static_cast<size_t>(j)] = e;
-          sum += e;
-        }
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t j = 0; j < n; ++j) p[static_cast<size_t>(j)] *= inv;
-        // o = sum_j p_j v_j; dp_j = dout . v_j; ds_j = p_j (dp_j - dout . o)
-        std::fill(o.begin(), o.end(), 0.0f);
-        kt.acc_rows(p.data(), V, width, n, d, o.data());
-        kt.matvec_f32(V, width, go, dp.data(), n, d);
-        double Dt = 0.0;
-        for (int64_t e = 0; e < d; ++e) Dt += static_cast<double>(go[e]) * o[static_cast<size_t>(e)];
-        for (int64_t j = 0; j < n; ++j) {
-          const float pj = p[static_cast<size_t>(j)];
-          if (pj == 0.0f) continue;
-          const float ds = pj * (dp[static_cast<size_t>(j)] - static_cast<float>(Dt)) * scale;
-          const float* kj = K + j * width;
-          for (int64_t e = 0; e < d; ++e) gq[e] += ds * kj[e];
-          if (j < past) continue;  // cached keys / values are constants of this call
-          float* gk = dk + (b * T + j - past) * width + g * d;
-          float* gv = dv + (b * T + j - past) * width + g * d;
-          for (int64_t e = 0; e < d; ++e) {
-            gk[e] += ds * qt[e];
-            gv[e] += pj * go[e];
+      for (int64_t t0 = 0; t0 < T; t0 += QB) {
+        const int64_t L = std::min(QB, T - t0), n = past + t0 + L;  // keys j < n are visible to some query
+        const float* Qb = q + ((b * T + t0) * H + h) * d;
+        const float* dOb = dout + ((b * T + t0) * H + h) * d;
+        ops::gemm(false, true, L, n, d, scale, Qb, ldq, K, width, 0.0f, P.data(), n);
+        ops::gemm(false, true, L, n, d, 1.0f, dOb, ldq, V, width, 0.0f, dP.data(), n);
+        for (int64_t i = 0; i < L; ++i) {
+          float* p = P.data() + i * n;
+          float* dp = dP.data() + i * n;
+          const int64_t lim = past + t0 + i + 1;  // causal: keys j < lim
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < lim; ++j)
+            if (m[j]) mx = std::max(mx, p[j]);
+          if (mx == -std::numeric_limits<float>::infinity()) {  // no visible key: output 0, a constant
+            std::fill(p, p + n, 0.0f);
+            std::fill(dp, dp + n, 0.0f);
+            continue;
           }
+          double sum = 0.0;
+          for (int64_t j = 0; j < n; ++j) {
+            const float e = (j < lim && m[j]) ? std::exp(p[j] - mx) : 0.0f;
+            p[j] = e;
+            sum += e;
+          }
+          const float inv = static_cast<float>(1.0 / sum);
+          double Dt = 0.0;  // dout . o = sum_j p_j dp_j
+          for (int64_t j = 0; j < n; ++j) {
+            p[j] *= inv;
+            Dt += static_cast<double>(p[j]) * dp[j];
+          }
+          for (int64_t j = 0; j < n; ++j) dp[j] = p[j] * (dp[j] - static_cast<float>(Dt)) * scale;  // dS
         }
+        float* dQb = dq + ((b * T + t0) * H + h) * d;
+        ops::gemm(false, false, L, d, n, 1.0f, dP.data(), n, K, width, 0.0f, dQb, ldq);
+        // Cached keys / values (j < past) are constants of this call: the call's keys 0..n-past-1 only.
+        ops::gemm(true, false, n - past, d, L, 1.0f, dP.data() + past, n, Qb, ldq, 1.0f, dk + b * T * width + g * d,
+                  width);
+        ops::gemm(true, false, n - past, d, L, 1.0f, P.data() + past, n, dOb, ldq, 1.0f, dv + b * T * width + g * d,
+                  width);
       }
   });
 }

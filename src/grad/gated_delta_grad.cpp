@@ -4,6 +4,8 @@
 //   Lam += q^ do^T;  dk^ = Lam (beta u) + S' dmem;  dmem = -beta Lam^T k^;  dv = beta Lam^T k^;
 //   dbeta = (Lam^T k^) . u;  dS' = Lam + k^ dmem^T;  dg = <dS', S'>;  Lam_{t-1} = exp(g) dS'.
 // The states S_{t-1} are recomputed chunk by chunk from checkpoints (memory T/chunk + chunk states).
+// The chunked form (gated_delta_backward_chunked, the default) differentiates the chunk's matrix form
+// (the WY / UT representation transformers' torch_chunk_gated_delta_rule runs forward) with BLAS products.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -38,7 +40,7 @@ inline void l2n(const float* x, int64_t n, float scale, float* out) {
 
 }  // namespace
 
-void gated_delta_backward(const GatedDeltaGradArgs& a) {
+void gated_delta_backward_recurrent(const GatedDeltaGradArgs& a) {
   const int64_t T = a.T, H = a.H, Dk = a.Dk, Dv = a.Dv, SN = Dk * Dv;
   const int64_t Q = std::max<int64_t>(1, a.chunk);
   const int64_t nchunks = (T + Q - 1) / Q;
@@ -140,6 +142,212 @@ void gated_delta_backward(const GatedDeltaGradArgs& a) {
     }
     std::copy(lam.begin(), lam.end(), a.dS0 + bh * SN);
   });
+}
+
+namespace {
+
+// Row-major [n, m] helpers for the chunk matrices.
+inline void scale_rows(float* x, int64_t n, int64_t m, int64_t ld, const float* s) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < m; ++j) x[i * ld + j] *= s[i];
+}
+inline float dot_n(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+// Per chunk of L tokens (0-based t, entry state S0, G_t = g_0 + ... + g_t, gam_t = exp(G_t),
+// Gam_tj = exp(G_t - G_j), r_j = exp(G_{L-1} - G_j)), with u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k^_t):
+//   (I + A) U = R,  A_tj = beta_t Gam_tj k^_t.k^_j (j < t),  R_t = beta_t (v_t - gam_t S0^T k^_t),
+//   O = diag(gam) Q^ S0 + M U,  M_tj = Gam_tj q^_t.k^_j (j <= t),  S_L = gam_{L-1} S0 + K^T diag(r) U.
+// Reverse: dU = M^T dO + diag(r) K Lam; dR = (I + A)^-T dU; dA = -dR U^T; the rest are products.
+void gated_delta_backward_chunked(const GatedDeltaGradArgs& a) {
+  const int64_t T = a.T, H = a.H, Dk = a.Dk, Dv = a.Dv, SN = Dk * Dv;
+  const int64_t Q = std::max<int64_t>(1, a.chunk);
+  const int64_t nchunks = (T + Q - 1) / Q;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+  const int64_t ldv = H * Dv;  // row stride of v / dout / dv over tokens
+  ops::parallel_for(a.B * H, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H;
+    auto row = [&](int64_t t) { return (b * T + t) * H + h; };  // row of [B,T,H]
+    auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
+    std::vector<float> qn = buf(T * Dk), kn = buf(T * Dk);
+    for (int64_t t = 0; t < T; ++t) {
+      l2n(a.q + row(t) * Dk, Dk, scale, qn.data() + t * Dk);
+      l2n(a.k + row(t) * Dk, Dk, 1.0f, kn.data() + t * Dk);
+    }
+    std::vector<float> G = buf(Q), gam = buf(Q), rr = buf(Q), be = buf(Q), Gm = buf(Q * Q), KK = buf(Q * Q),
+                       QK = buf(Q * Q), A = buf(Q * Q), M = buf(Q * Q), dM = buf(Q * Q), dA = buf(Q * Q),
+                       R = buf(Q * Dv), U = buf(Q * Dv), dU = buf(Q * Dv), dR = buf(Q * Dv), KL = buf(Q * Dv),
+                       X = buf(Q * Dk), dQn = buf(Q * Dk), dKn = buf(Q * Dk), lam(static_cast<size_t>(SN), 0.0f),
+                       dS = buf(SN), dG = buf(Q), dgam = buf(Q), dr = buf(Q), dbe = buf(Q), ckpt;
+    // The chunk's forward quantities (G, gam, r, beta, Gam, KK, A, R, U) from its entry state S0.
+    auto chunk_forward = [&](int64_t t0, int64_t L, const float* S0) {
+      const float* K = kn.data() + t0 * Dk;
+      float acc = 0.0f;
+      for (int64_t i = 0; i < L; ++i) {
+        acc += a.g[row(t0 + i)];
+        G[i] = acc;
+        gam[i] = std::exp(acc);
+        be[i] = a.beta[row(t0 + i)];
+      }
+      for (int64_t i = 0; i < L; ++i) rr[i] = std::exp(G[L - 1] - G[i]);
+      ops::gemm(false, true, L, L, Dk, 1.0f, K, Dk, K, Dk, 0.0f, KK.data(), Q);
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t j = 0; j < L; ++j) {
+          Gm[t * Q + j] = j <= t ? std::exp(G[t] - G[j]) : 0.0f;
+          A[t * Q + j] = j < t ? be[t] * Gm[t * Q + j] * KK[t * Q + j] : 0.0f;
+        }
+      // R = beta (v - gam K S0), then forward substitution (I + A) U = R.
+      ops::gemm(false, false, L, Dv, Dk, 1.0f, K, Dk, S0, Dv, 0.0f, R.data(), Dv);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* v = a.v + row(t0 + t) * Dv;
+        float* rt = R.data() + t * Dv;
+        for (int64_t e = 0; e < Dv; ++e) rt[e] = be[t] * (v[e] - gam[t] * rt[e]);
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        float* ut = U.data() + t * Dv;
+        std::copy(R.data() + t * Dv, R.data() + (t + 1) * Dv, ut);
+        for (int64_t j = 0; j < t; ++j) {
+          const float c = A[t * Q + j];
+          const float* uj = U.data() + j * Dv;
+          for (int64_t e = 0; e < Dv; ++e) ut[e] -= c * uj[e];
+        }
+      }
+    };
+    const float* entry = nullptr;  // chunk-entry states [nchunks, Dk, Dv]
+    if (a.ckpt) {
+      entry = a.ckpt + bh * nchunks * SN;
+    } else {  // S_L = gam_{L-1} S0 + K^T diag(r) U, chunk by chunk
+      ckpt = buf(nchunks * SN);
+      std::copy(a.S0 + bh * SN, a.S0 + (bh + 1) * SN, ckpt.begin());
+      for (int64_t c = 0; c + 1 < nchunks; ++c) {
+        const int64_t t0 = c * Q, L = std::min(Q, T - t0);
+        const float* S0 = ckpt.data() + c * SN;
+        chunk_forward(t0, L, S0);
+        float* S1 = ckpt.data() + (c + 1) * SN;
+        for (int64_t k = 0; k < SN; ++k) S1[k] = gam[L - 1] * S0[k];
+        scale_rows(U.data(), L, Dv, Dv, rr.data());
+        ops::gemm(true, false, Dk, Dv, L, 1.0f, kn.data() + t0 * Dk, Dk, U.data(), Dv, 1.0f, S1, Dv);
+      }
+      entry = ckpt.data();
+    }
+    for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
+      const int64_t t0 = ci * Q, L = std::min(Q, T - t0);
+      const float* S0 = entry + ci * SN;
+      const float* K = kn.data() + t0 * Dk;
+      const float* Qh = qn.data() + t0 * Dk;
+      const float* dO = a.dout + row(t0) * Dv;
+      chunk_forward(t0, L, S0);
+      ops::gemm(false, true, L, L, Dk, 1.0f, Qh, Dk, K, Dk, 0.0f, QK.data(), Q);
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t j = 0; j < L; ++j) M[t * Q + j] = Gm[t * Q + j] * QK[t * Q + j];
+      std::fill(dG.begin(), dG.end(), 0.0f);
+      // dU = M^T dO + diag(r) K Lam; dr_j = (K Lam)_j . u_j.
+      ops::gemm(false, false, L, Dv, Dk, 1.0f, K, Dk, lam.data(), Dv, 0.0f, KL.data(), Dv);
+      ops::gemm(true, false, L, Dv, L, 1.0f, M.data(), Q, dO, ldv, 0.0f, dU.data(), Dv);
+      for (int64_t j = 0; j < L; ++j) {
+        dr[j] = dot_n(KL.data() + j * Dv, U.data() + j * Dv, Dv);
+        for (int64_t e = 0; e < Dv; ++e) dU[j * Dv + e] += rr[j] * KL[j * Dv + e];
+      }
+      // dM = dO U^T (j <= t): dQ^ = (dM Gam) K, dK^ = (dM Gam)^T Q^, dGam = dM QK.
+      ops::gemm(false, true, L, L, Dv, 1.0f, dO, ldv, U.data(), Dv, 0.0f, dM.data(), Q);
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t j = 0; j < L; ++j) {
+          const float d = j <= t ? dM[t * Q + j] : 0.0f;
+          dM[t * Q + j] = d * Gm[t * Q + j];  // now d(QK) over the causal part
+          dA[t * Q + j] = d * QK[t * Q + j];  // dGam (from M) for now
+        }
+      ops::gemm(false, false, L, Dk, L, 1.0f, dM.data(), Q, K, Dk, 0.0f, dQn.data(), Dk);
+      ops::gemm(true, false, L, Dk, L, 1.0f, dM.data(), Q, Qh, Dk, 0.0f, dKn.data(), Dk);
+      // O's S0 term: dQ^ += gam dO S0^T, dgam = q^ . (S0 dO); dS0 = Q^T diag(gam) dO + gam_{L-1} Lam.
+      ops::gemm(false, true, L, Dk, Dv, 1.0f, dO, ldv, S0, Dv, 0.0f, X.data(), Dk);
+      for (int64_t t = 0; t < L; ++t) {
+        dgam[t] = dot_n(Qh + t * Dk, X.data() + t * Dk, Dk);
+        for (int64_t d = 0; d < Dk; ++d) dQn[t * Dk + d] += gam[t] * X[t * Dk + d];
+      }
+      for (int64_t t = 0; t < L; ++t)  // KL is free now: gam dO
+        for (int64_t e = 0; e < Dv; ++e) KL[t * Dv + e] = gam[t] * dO[t * ldv + e];
+      ops::gemm(true, false, Dk, Dv, L, 1.0f, Qh, Dk, KL.data(), Dv, 0.0f, dS.data(), Dv);
+      const float dlast = gam[L - 1] * dot_n(S0, lam.data(), SN);  // d G_{L-1} through gam_{L-1} S0
+      for (int64_t k = 0; k < SN; ++k) dS[k] += gam[L - 1] * lam[k];
+      // S_L's K term: dK^ += diag(r) U Lam^T.
+      ops::gemm(false, true, L, Dk, Dv, 1.0f, U.data(), Dv, lam.data(), Dv, 0.0f, X.data(), Dk);
+      for (int64_t t = 0; t < L; ++t)
+        for (int64_t d = 0; d < Dk; ++d) dKn[t * Dk + d] += rr[t] * X[t * Dk + d];
+      // dR = (I + A)^-T dU (back substitution).
+      for (int64_t j = L - 1; j >= 0; --j) {
+        float* dj = dR.data() + j * Dv;
+        std::copy(dU.data() + j * Dv, dU.data() + (j + 1) * Dv, dj);
+        for (int64_t t = j + 1; t < L; ++t) {
+          const float c = A[t * Q + j];
+          const float* dt = dR.data() + t * Dv;
+          for (int64_t e = 0; e < Dv; ++e) dj[e] -= c * dt[e];
+        }
+      }
+      // R_t = beta_t (v_t - gam_t S0^T k^_t): dv, dbeta, dgam, dK^, dS0 (X = dR S0^T = -dKb / ...).
+      ops::gemm(false, true, L, Dk, Dv, 1.0f, dR.data(), Dv, S0, Dv, 0.0f, X.data(), Dk);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* v = a.v + row(t0 + t) * Dv;
+        const float* drt = dR.data() + t * Dv;
+        float* dv = a.dv + row(t0 + t) * Dv;
+        for (int64_t e = 0; e < Dv; ++e) dv[e] = be[t] * drt[e];
+        const float c = dot_n(X.data() + t * Dk, K + t * Dk, Dk);  // dR_t . (S0^T k^_t)
+        dbe[t] = dot_n(drt, v, Dv) - gam[t] * c;
+        dgam[t] -= be[t] * c;
+        for (int64_t d = 0; d < Dk; ++d) dKn[t * Dk + d] -= be[t] * gam[t] * X[t * Dk + d];
+        float* bg = KL.data() + t * Dv;  // beta gam dR, for dS0
+        for (int64_t e = 0; e < Dv; ++e) bg[e] = be[t] * gam[t] * drt[e];
+      }
+      ops::gemm(true, false, Dk, Dv, L, -1.0f, K, Dk, KL.data(), Dv, 1.0f, dS.data(), Dv);
+      // dA = -dR U^T (j < t): dKK = dA Gam beta_t, dbeta_t += sum_j dA Gam KK, dGam += dA beta_t KK.
+      ops::gemm(false, true, L, L, Dv, -1.0f, dR.data(), Dv, U.data(), Dv, 0.0f, dM.data(), Q);
+      for (int64_t t = 0; t < L; ++t) {
+        float sb = 0.0f;
+        for (int64_t j = 0; j < L; ++j) {
+          const float d = j < t ? dM[t * Q + j] : 0.0f;
+          sb += d * Gm[t * Q + j] * KK[t * Q + j];
+          dA[t * Q + j] += d * be[t] * KK[t * Q + j];
+          dM[t * Q + j] = d * Gm[t * Q + j] * be[t];  // dKK
+        }
+        dbe[t] += sb;
+      }
+      ops::gemm(false, false, L, Dk, L, 1.0f, dM.data(), Q, K, Dk, 1.0f, dKn.data(), Dk);
+      ops::gemm(true, false, L, Dk, L, 1.0f, dM.data(), Q, K, Dk, 1.0f, dKn.data(), Dk);
+      // G: through Gam (dA holds dGam), gam and r; dg = reverse cumulative sum of dG.
+      for (int64_t t = 0; t < L; ++t) {
+        dG[t] += dgam[t] * gam[t] - dr[t] * rr[t];
+        for (int64_t j = 0; j <= t; ++j) {
+          const float w = dA[t * Q + j] * Gm[t * Q + j];
+          dG[t] += w;
+          dG[j] -= w;
+        }
+      }
+      float sr = dlast;
+      for (int64_t j = 0; j < L; ++j) sr += dr[j] * rr[j];
+      dG[L - 1] += sr;
+      float run = 0.0f;
+      for (int64_t t = L - 1; t >= 0; --t) {
+        run += dG[t];
+        const int64_t r = row(t0 + t);
+        a.dg[r] = run;
+        a.dbeta[r] = dbe[t];
+        l2norm_backward(a.q + r * Dk, dQn.data() + t * Dk, a.dq + r * Dk, Dk, scale);
+        l2norm_backward(a.k + r * Dk, dKn.data() + t * Dk, a.dk + r * Dk, Dk, 1.0f);
+      }
+      lam.swap(dS);
+    }
+    std::copy(lam.begin(), lam.end(), a.dS0 + bh * SN);
+  });
+}
+
+void gated_delta_backward(const GatedDeltaGradArgs& a) {
+  // The per-token adjoints (dstates) are the recurrence's own quantities.
+  if (a.dstates) gated_delta_backward_recurrent(a);
+  else gated_delta_backward_chunked(a);
 }
 
 }  // namespace mixlens::grad

@@ -24,10 +24,14 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
   const int64_t cd = 2 * kd + vd, pr = cd + vd + 2 * HV;
   masked_ = T > 1 && in.has_padding();
   has_state_ = before.has_state;
-  Tensor nm = n_in.clone();
-  if (masked_) detail::apply_row_mask(nm, in);
-  proj_ = Tensor({B, T, pr});
-  ops::linear(nm.data(), BT, w.D, *w.in_proj, proj_.data());
+  if (const Tensor* kept = tape.kept_of(li, Kept::in_proj)) {
+    proj_ = *kept;  // the forward's own in_proj output (read only)
+  } else {
+    Tensor nm = n_in.clone();
+    if (masked_) detail::apply_row_mask(nm, in);
+    proj_ = Tensor({B, T, pr});
+    ops::linear(nm.data(), BT, w.D, *w.in_proj, proj_.data());
+  }
   Tensor window = before.conv[static_cast<size_t>(li)].clone();
   u_ = Tensor({B, T, cd});  // conv output before the SiLU
   ops::causal_conv1d(proj_.data(), pr, B, T, cd, w.K, w.conv_wT->data(), nullptr, window.data(), u_.data(), false);
@@ -90,6 +94,10 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
     }
   }
   tape.apply(li, Value::attention_head_outputs, o_);
+  if (const Tensor* kept = tape.kept_of(li, Kept::mixer_output)) {
+    out_ = *kept;  // as the forward added it (writes applied): no gated norm / out_proj recompute
+    return;
+  }
   Tensor y({B, T, vd});
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t j = 0; j < HV; ++j) {

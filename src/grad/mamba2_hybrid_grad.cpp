@@ -50,21 +50,8 @@ class HybridBackward {
   }
 
   void run(const Tensor& dlogits) {
-    const int64_t D = s_.D, V = s_.V, L = static_cast<int64_t>(s_.blocks.size());
-    Tensor dl({B_, T_, V});
-    if (dlogits.size(1) == T_) {
-      std::memcpy(dl.data(), dlogits.data(), sizeof(float) * static_cast<size_t>(dl.numel()));
-    } else {  // the last position's logits only (a generation's prompt)
-      for (int64_t b = 0; b < B_; ++b)
-        std::memcpy(dl.data() + (b * T_ + T_ - 1) * V, dlogits.data() + b * V, sizeof(float) * static_cast<size_t>(V));
-    }
-    sink_.put(-1, Value::logits, dl);
-    tape_.block(-1, Value::logits, dl);
-    scale(dl, s_.lm_head_multiplier);  // logits are served after lm_head_multiplier
-    Tensor dhf({B_, T_, D});
-    linear_backward(dl.data(), BT_, V, *m_.lm_head, dhf.data(), false);
-    sink_.put(-1, Value::ln_final_output, dhf);
-    tape_.block(-1, Value::ln_final_output, dhf);
+    const int64_t D = s_.D, L = static_cast<int64_t>(s_.blocks.size());
+    const Tensor dhf = head_backward(tape_, dlogits, *m_.lm_head, s_.lm_head_multiplier, sink_);
     Tensor dh({B_, T_, D});
     rmsnorm_backward(tape_.final_hidden.data(), m_.norm_f->data(), dhf.data(), dh.data(), BT_, D, s_.eps, false, false);
     for (int64_t i = L - 1; i >= 0; --i) block(static_cast<int>(i), dh);

@@ -121,7 +121,14 @@ struct GatedDeltaGradArgs {
   /// the caller recomputed the forward chunk by chunk); nullptr: a forward pass here keeps them.
   const float* ckpt = nullptr;
 };
+/// The backward the mixer calls: the chunked form, or the token recurrence when dstates is asked for.
 void gated_delta_backward(const GatedDeltaGradArgs& a);
+/// Token recurrence (the reference; serves dstates).
+void gated_delta_backward_recurrent(const GatedDeltaGradArgs& a);
+/// Matmul form per chunk of `chunk` tokens (the WY / UT representation): BLAS products and two
+/// triangular solves per chunk; needs only the chunk-entry states (ckpt, or computed here). dstates
+/// is not formed (nullptr required).
+void gated_delta_backward_chunked(const GatedDeltaGradArgs& a);
 
 /// y = scale * x / sqrt(sum(x^2) + 1e-6) (transformers' l2norm, then the query scale): dx from dy.
 void l2norm_backward(const float* x, const float* dy, float* dx, int64_t n, float scale);

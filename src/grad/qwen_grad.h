@@ -104,6 +104,7 @@ class AttnMixerGrad {
 };
 
 /// Backward of one layer's MLP at x [B,T,D] (recomputed): dx (overwritten) from dL/d(output).
-void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx);
+/// `gu_kept` (dense MLP): the forward's gate|up product [rows, 2I]; x is then not read.
+void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx, const Tensor* gu_kept = nullptr);
 
 }  // namespace mixlens::grad

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <utility>
 
 #include "grad/ops_grad.h"
 #include "grad/qwen_grad.h"
@@ -18,10 +19,17 @@ namespace mixlens::grad {
 namespace {
 
 // SwiGLU down(silu(gate x) * up x) with gate | up fused: dx (+)= from dy [rows, D].
+// `gu_kept`: the forward's gate|up product (x is then not read).
 void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64_t D, const float* x, int64_t rows,
-                     const float* dy, float* dx, bool accumulate, float* y_out = nullptr) {
-  Tensor gu({rows, 2 * I}), dact({rows, I}), dgu({rows, 2 * I});
-  ops::linear(x, rows, D, gate_up, gu.data());
+                     const float* dy, float* dx, bool accumulate, float* y_out = nullptr,
+                     const Tensor* gu_kept = nullptr) {
+  Tensor gu, dact({rows, I}), dgu({rows, 2 * I});
+  if (gu_kept) {
+    gu = *gu_kept;
+  } else {
+    gu = Tensor({rows, 2 * I});
+    ops::linear(x, rows, D, gate_up, gu.data());
+  }
   if (y_out) {  // the forward output too (the MoE needs it for the routing weights' gradient)
     Tensor act({rows, I});
     for (int64_t r = 0; r < rows; ++r)
@@ -31,7 +39,7 @@ void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64
   linear_backward(dy, rows, D, down, dact.data(), false);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < I; ++i) {
-      const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i], da = dact[r * I + i];
+      const float g = std::as_const(gu)[r * 2 * I + i], u = std::as_const(gu)[r * 2 * I + I + i], da = dact[r * I + i];
       dgu[r * 2 * I + i] = da * u * silu_grad(g);
       dgu[r * 2 * I + I + i] = da * ops::silu(g);
     }
@@ -133,26 +141,15 @@ void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
 
 }  // namespace
 
-void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
+void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx, const Tensor* gu_kept) {
   if (m.moe) return moe_backward(m, x, dout, dx);
-  swiglu_backward(*m.gate_up, *m.down, m.I, m.D, x.data(), x.numel() / m.D, dout.data(), dx.data(), false);
+  swiglu_backward(*m.gate_up, *m.down, m.I, m.D, x.data(), x.numel() / m.D, dout.data(), dx.data(), false, nullptr,
+                  gu_kept);
 }
 
 void qwen_hybrid_backward(const QwenBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
-  const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, V = bb.V, BT = B * T;
-  Tensor dl({B, T, V});
-  if (dlogits.size(1) == T) {
-    std::memcpy(dl.data(), dlogits.data(), sizeof(float) * static_cast<size_t>(dl.numel()));
-  } else {  // logits of the last position only: the other positions get no gradient
-    for (int64_t b = 0; b < B; ++b)
-      std::memcpy(dl.data() + (b * T + T - 1) * V, dlogits.data() + b * V, sizeof(float) * static_cast<size_t>(V));
-  }
-  sink.put(-1, Value::logits, dl);
-  tape.block(-1, Value::logits, dl);
-  Tensor dhf({B, T, D});
-  linear_backward(dl.data(), BT, V, *bb.lm_head, dhf.data(), false);
-  sink.put(-1, Value::ln_final_output, dhf);
-  tape.block(-1, Value::ln_final_output, dhf);
+  const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, BT = B * T;
+  const Tensor dhf = head_backward(tape, dlogits, *bb.lm_head, 1.0f, sink);
   Tensor dh({B, T, D});
   rmsnorm_backward(tape.final_hidden.data(), bb.norm->data(), dhf.data(), dh.data(), BT, D, bb.eps, true, false);
   // Positions and key masks as the call computed them, from a copy of the cache it started from.
@@ -177,8 +174,9 @@ void qwen_hybrid_backward(const QwenBackbone& bb, const Tape& tape, const Tensor
     std::memcpy(dm.data(), dh.data(), sizeof(float) * static_cast<size_t>(dh.numel()));
     sink.put(li, Value::mlp_output, dm);
     tape.block(li, Value::mlp_output, dm);
-    ops::rmsnorm(h1.data(), l.post_norm->data(), n2.data(), BT, D, bb.eps, true);
-    mlp_backward(l.mlp, n2, dm, dn);
+    const Tensor* gu = l.mlp.moe ? nullptr : tape.kept_of(li, Kept::mlp_gate_up);
+    if (!gu) ops::rmsnorm(h1.data(), l.post_norm->data(), n2.data(), BT, D, bb.eps, true);  // the MLP's input
+    mlp_backward(l.mlp, n2, dm, dn, gu);
     rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, true, true);
     // Mixer: h1 = h0 + mixer(norm1(h0)).
     if (l.linear) gdn->backward(dh, dn, sink); else att->backward(dh, dn, sink);

@@ -11,26 +11,8 @@ namespace mixlens::grad {
 
 void ssm_lm_backward(const SsmBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink,
                      const MixerBackward& mixer) {
-  const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, V = bb.V, BT = B * T;
-  // Logits of the last position only (a generation's prompt): the other positions get no gradient.
-  // Every position's: dlogits is read in place ([B,T,vocab] is the largest tensor of the backward),
-  // copied only when a logits write must zero part of it.
-  Tensor dl;
-  if (dlogits.size(1) == T && !tape.write(-1, Value::logits)) {
-    dl = dlogits;
-  } else if (dlogits.size(1) == T) {
-    dl = dlogits.clone();
-  } else {
-    dl = Tensor({B, T, V});
-    for (int64_t b = 0; b < B; ++b)
-      std::memcpy(dl.data() + (b * T + T - 1) * V, dlogits.data() + b * V, sizeof(float) * static_cast<size_t>(V));
-  }
-  sink.put(-1, Value::logits, dl);
-  if (tape.write(-1, Value::logits)) tape.block(-1, Value::logits, dl);
-  Tensor dhf({B, T, D});
-  linear_backward(std::as_const(dl).data(), BT, V, *bb.lm_head, dhf.data(), false);  // dl may borrow read-only memory
-  sink.put(-1, Value::ln_final_output, dhf);
-  tape.block(-1, Value::ln_final_output, dhf);
+  const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, BT = B * T;
+  const Tensor dhf = head_backward(tape, dlogits, *bb.lm_head, 1.0f, sink);
   Tensor dh({B, T, D});
   rmsnorm_backward(tape.final_hidden.data(), bb.norm_f->data(), dhf.data(), dh.data(), BT, D, bb.eps, false, false);
   Tensor n({B, T, D}), dn({B, T, D});

@@ -30,6 +30,10 @@ struct Written {
   bool any() const;
 };
 
+/// Forward intermediates a family may keep for its backward (Tape::keep): the large products the
+/// backward would otherwise recompute from the block's input.
+enum class Kept { in_proj, mlp_gate_up, mixer_output };
+
 struct Tape {
   const detail::FamilyModel* family = nullptr;
   Batch batch;
@@ -38,9 +42,16 @@ struct Tape {
   int step = 0;
   std::vector<Tensor> layer_inputs;  ///< per block, as consumed (after writes)
   Tensor final_hidden;               ///< the last block's layer_output as consumed (before ln_final)
+  /// ln_final_output as the LM head read it (after writes): the logits of any position are
+  /// recomputed from it (logits_at), so the forward need not form every position's logits.
+  Tensor final_normed;
+  detail::FamilyModel::Head head;    ///< the family's LM head (lm_head, logit scale); lm_head null: none declared
   std::map<std::pair<int, int>, Written> writes;
+  /// (layer, Kept) -> the forward's own tensor (shared, not copied). What is kept, and why, is the
+  /// family's choice (docs/gradients.md "Memory"); a missing entry is recomputed.
+  std::map<std::pair<int, int>, Tensor> kept;
   std::string unsupported;           ///< non-empty: why backward cannot run for this call
-  Shape logits_shape;
+  Shape logits_shape;                ///< the call's returned logits: [B,T,V], or [B,1,V] (last position)
 
   const Written* write(int layer, Value v) const {
     auto it = writes.find({layer, static_cast<int>(v)});
@@ -53,6 +64,12 @@ struct Tape {
   void block(int layer, Value v, Tensor& g) const {
     if (const Written* w = write(layer, v)) w->block(g);
   }
+  void keep(int layer, Kept what, const Tensor& t) { kept[{layer, static_cast<int>(what)}] = t; }
+  /// The kept tensor, or nullptr.
+  const Tensor* kept_of(int layer, Kept what) const {
+    auto it = kept.find({layer, static_cast<int>(what)});
+    return it == kept.end() ? nullptr : &it->second;
+  }
 };
 
 /// Where a family's backward puts the gradients asked for.
@@ -60,6 +77,9 @@ class GradSink {
  public:
   GradSink(std::vector<Site> wanted);
   bool wants(int layer, Value v) const;
+  /// The call positions dlogits covers (ascending, distinct): every position of the call, or the
+  /// few a metric reads (the LM head's backward then runs on those rows only).
+  std::vector<int64_t> positions;
   /// Stores a copy of `g` as the gradient of (layer, v) if it was asked for.
   void put(int layer, Value v, const Tensor& g);
   std::map<std::string, Tensor>& grads() { return grads_; }
@@ -88,8 +108,17 @@ class Recorder final : public detail::Listener {
   std::vector<float> before_;  ///< a visited value before the inner listener saw it (reused)
 };
 
-/// Runs the family's backward for `tape` and returns path -> gradient for `wanted`.
-std::map<std::string, Tensor> run_backward(const Tape& tape, const Tensor& dlogits, const std::vector<Site>& wanted);
+/// Runs the family's backward for `tape` and returns path -> gradient for `wanted`. `dlogits` is
+/// [B,P,V] for `positions` (empty: every position of the call, or the call's own logits shape).
+std::map<std::string, Tensor> run_backward(const Tape& tape, const Tensor& dlogits, const std::vector<Site>& wanted,
+                                           const std::vector<int64_t>& positions = {});
+/// The call's logits [B,P,V] at `positions` (call positions, ascending), from tape.final_normed.
+Tensor logits_at(const Tape& tape, const std::vector<int64_t>& positions);
+/// The LM head's backward, shared by the families: dL/d(ln_final_output) [B,T,D] from dlogits
+/// [B,P,V] at sink.positions (rows elsewhere get 0). Puts the logits' and ln_final_output's
+/// gradients into the sink (a full [B,T,V] only when the logits gradient is asked for or a write
+/// changed logits) and blocks written elements. `scale`: the served logits' multiplier.
+Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_head, float scale, GradSink& sink);
 
 }  // namespace mixlens::grad
 

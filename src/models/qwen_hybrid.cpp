@@ -273,9 +273,16 @@ class QwenHybrid final : public FamilyModel {
       norm_rows(h, l.in_norm, n);
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
       watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
+      // A gradient call keeps the GDN output as added (after writes) and the dense MLP's gate|up product
+      // (with the GDN in_proj above, the products its backward would otherwise recompute).
+      if (ctx.tape && l.linear) ctx.tape->keep(li, grad::Kept::mixer_output, out);
       add_into(h, out);
       norm_rows(h, l.post_norm, n);
-      Tensor m = (l.mlp.moe ? moe(l.mlp, n) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT)).reshape({B, T, D_});
+      Tensor gu_kept;
+      Tensor m = (l.mlp.moe ? moe(l.mlp, n)
+                            : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT, ctx.tape ? &gu_kept : nullptr))
+                     .reshape({B, T, D_});
+      if (gu_kept.defined()) ctx.tape->keep(li, grad::Kept::mlp_gate_up, gu_kept);
       visit_if(ls, li, Value::mlp_output, m);
       watch.check(li, Value::mlp_output, m);
       add_into(h, m);
@@ -413,8 +420,11 @@ class QwenHybrid final : public FamilyModel {
   }
 
   // SwiGLU with gate|up fused in one product: down(silu(gate x) * up x).
-  Tensor dense(const Tensor& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows) const {
+  // `gu_out`: receives the gate|up product (kept for a backward).
+  Tensor dense(const Tensor& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows,
+               Tensor* gu_out = nullptr) const {
     Tensor gu = Tensor::uninitialized({rows, 2 * I}), act = Tensor::uninitialized({rows, I}), out = Tensor::uninitialized({rows, D_});
+    if (gu_out) *gu_out = gu;
     ops::linear(x, rows, D_, gate_up, gu.data());
     for_rows(rows, I, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)  // up * silu(gate), vectorized
@@ -489,6 +499,7 @@ class QwenHybrid final : public FamilyModel {
     }
     Tensor proj = Tensor::uninitialized({B, T, pr});
     ops::linear(n, BT, D_, l.in_proj, proj.data());
+    if (ctx.tape) ctx.tape->keep(li, grad::Kept::in_proj, proj);  // read-only from here on
     Tensor qkv = Tensor::uninitialized({B, T, cd});
     ops::causal_conv1d(proj.data(), pr, B, T, cd, K_, l.conv_wT.data(), nullptr,
                        cache.conv[static_cast<size_t>(li)].data(), qkv.data(), true);

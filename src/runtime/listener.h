@@ -11,6 +11,10 @@
 #include "mixlens/tensor.h"
 #include "mixlens/values.h"
 
+namespace mixlens::grad {
+struct Tape;
+}
+
 namespace mixlens::detail {
 
 /// Set (on its thread) by a Session whose forward runs on the caller's thread as a fiber: called
@@ -28,6 +32,9 @@ struct CallCtx {
   std::string kernel;          ///< "chunked" or "recurrent"
   /// Set by another thread to stop the run (Ctrl-C, Session::abort); may be null.
   const std::atomic<bool>* cancel = nullptr;
+  /// A call recorded for gradients (src/grad): the forward may keep there intermediates its backward
+  /// would otherwise recompute (grad::Tape::keep); null otherwise.
+  grad::Tape* tape = nullptr;
   /// Called by the forwards between layers: InterruptedError once `cancel` is set.
   void check_cancel() const {
     if (tl_poll != nullptr) tl_poll(tl_poll_arg);

@@ -390,8 +390,15 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
   if (trace && detail::GradAccess::enabled(*trace)) {
     tape = grad::begin_tape(*impl.family, in, st, ctx);
     recorder.emplace(listener, *tape);
+    ctx.tape = tape.get();
     listener = &*recorder;
-    all_logits = true;  // the metric may read any position; backward takes dMetric/dLogits [B,T,vocab]
+    // The LM head's input is recorded (Tape::final_normed): logits_at forms the logits a metric reads,
+    // so the call returns every position's only when asked (at 248k vocab they cost as much as the blocks).
+    try {
+      tape->head = impl.family->head();
+    } catch (const UnsupportedError&) {
+      all_logits = true;  // no declared head: backward takes dMetric/dLogits of every position
+    }
   }
   if (listener) listener->begin_call(ctx, m.info().num_layers);
   // Nobody observes this call: the mask is settled at begin_call and only changes inside a visit,

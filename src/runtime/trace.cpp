@@ -102,7 +102,17 @@ Trace& Trace::enable_grad(bool on) {
 }
 bool Trace::grad_enabled() const { return impl_->grad_on; }
 
-void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& paths) {
+void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& paths) { backward(dlogits, paths, {}); }
+
+Tensor Trace::logits_at(const std::vector<int64_t>& positions) const {
+  if (!impl_->tape)
+    throw InputError("logits_at: no forward call of this trace was recorded for gradients (call enable_grad() "
+                     "before the run)");
+  return grad::logits_at(*impl_->tape, positions);
+}
+
+void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& paths,
+                     const std::vector<int64_t>& positions) {
   auto& impl = *impl_;
   if (!impl.tape)
     throw InputError("backward: no forward call of this trace was recorded for gradients (call enable_grad() "
@@ -118,7 +128,7 @@ void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& path
                               "the layer's 'states' instead)");
     for (const Site& s : detail::resolve_path(*impl.tape->family, p)) wanted.push_back(s);
   }
-  impl.grads = grad::run_backward(*impl.tape, dlogits, wanted);
+  impl.grads = grad::run_backward(*impl.tape, dlogits, wanted, positions);
 }
 
 bool Trace::has_grad(std::string_view path) const { return impl_->grads.count(std::string(path)) > 0; }

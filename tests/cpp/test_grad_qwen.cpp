@@ -203,7 +203,8 @@ TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
     ref[i] = (fp - objective(p)) / 2e-6;
   }
   const std::vector<float> xf(x.begin(), x.end()), df(dout.begin(), dout.end());
-  for (int64_t chunk : {1, 3, 64}) {
+  for (int64_t chunk : {1, 3, 64})
+   for (auto bwd : {grad::gated_delta_backward_recurrent, grad::gated_delta_backward_chunked}) {
     std::vector<float> grad(x.size());
     grad::GatedDeltaGradArgs a;
     a.B = 1; a.T = T; a.H = H; a.Dk = Dk; a.Dv = Dv;
@@ -211,7 +212,102 @@ TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
     a.dout = df.data();
     a.dq = grad.data(); a.dk = a.dq + nq; a.dv = a.dk + nq; a.dg = a.dv + nv; a.dbeta = a.dg + nh; a.dS0 = a.dbeta + nh;
     a.chunk = chunk;
-    grad::gated_delta_backward(a);
-    for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(grad[i], ref[i], 2e-4 + 2e-4 * std::abs(ref[i])) << "element " << i << " chunk " << chunk;
+    bwd(a);
+    for (size_t i = 0; i < x.size(); ++i)
+      EXPECT_NEAR(grad[i], ref[i], 2e-4 + 2e-4 * std::abs(ref[i]))
+          << "element " << i << " chunk " << chunk << (bwd == grad::gated_delta_backward_chunked ? " chunked" : " recurrent");
   }
+}
+
+// The chunked (matmul) backward against the token recurrence (the reference) on random inputs of
+// realistic size: chunk edges (T = 1, 63, 64, 65, 130), 2 batch rows, Dk != Dv, a non-zero S0.
+TEST(GradQwen, ChunkedGatedDeltaBackwardMatchesTheRecurrence) {
+  const int64_t B = 2, H = 3, Dk = 32, Dv = 24;
+  for (int64_t T : {1, 63, 64, 65, 130}) {
+    std::mt19937 gen(static_cast<uint32_t>(T));
+    std::normal_distribution<float> nrm(0.0f, 1.0f);
+    std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+    auto vec = [&](int64_t n, const std::function<float()>& f) {
+      std::vector<float> v(static_cast<size_t>(n));
+      for (auto& e : v) e = f();
+      return v;
+    };
+    const auto q = vec(B * T * H * Dk, [&] { return nrm(gen); }), k = vec(B * T * H * Dk, [&] { return nrm(gen); }),
+               v = vec(B * T * H * Dv, [&] { return nrm(gen); }), dout = vec(B * T * H * Dv, [&] { return nrm(gen); }),
+               g = vec(B * T * H, [&] { return -0.01f - 1.5f * uni(gen); }), be = vec(B * T * H, [&] { return uni(gen); }),
+               S0 = vec(B * H * Dk * Dv, [&] { return 0.3f * nrm(gen); });
+    struct Out {
+      std::vector<float> dq, dk, dv, dg, db, dS0;
+    };
+    auto run = [&](void (*bwd)(const grad::GatedDeltaGradArgs&)) {
+      Out o{std::vector<float>(q.size()), std::vector<float>(k.size()), std::vector<float>(v.size()),
+            std::vector<float>(g.size()), std::vector<float>(be.size()), std::vector<float>(S0.size())};
+      grad::GatedDeltaGradArgs a;
+      a.B = B; a.T = T; a.H = H; a.Dk = Dk; a.Dv = Dv;
+      a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = be.data(); a.S0 = S0.data();
+      a.dout = dout.data();
+      a.dq = o.dq.data(); a.dk = o.dk.data(); a.dv = o.dv.data(); a.dg = o.dg.data(); a.dbeta = o.db.data();
+      a.dS0 = o.dS0.data();
+      bwd(a);
+      return o;
+    };
+    const Out ref = run(grad::gated_delta_backward_recurrent), got = run(grad::gated_delta_backward_chunked);
+    auto rel = [](const std::vector<float>& a, const std::vector<float>& r) {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < r.size(); ++i) num += (a[i] - r[i]) * (a[i] - r[i]), den += static_cast<double>(r[i]) * r[i];
+      return std::sqrt(num / std::max(den, 1e-300));
+    };
+    EXPECT_LE(rel(got.dq, ref.dq), 1e-5) << "dq T=" << T;
+    EXPECT_LE(rel(got.dk, ref.dk), 1e-5) << "dk T=" << T;
+    EXPECT_LE(rel(got.dv, ref.dv), 1e-5) << "dv T=" << T;
+    EXPECT_LE(rel(got.dg, ref.dg), 1e-5) << "dg T=" << T;
+    EXPECT_LE(rel(got.db, ref.db), 1e-5) << "dbeta T=" << T;
+    EXPECT_LE(rel(got.dS0, ref.dS0), 1e-5) << "dS0 T=" << T;
+  }
+}
+
+// A metric of a few positions (issue 12 speed): with all_logits false the recorded call returns the
+// last position's logits only; logits_at forms any position's from the recorded LM-head input, and
+// backward over those rows equals backward over every position with the other rows zero.
+TEST(GradQwen, BackwardOverAFewPositionsEqualsTheFullBackward) {
+  Model m = Model::load(test::fixture("qwen3_5/padded_batch").string());
+  const std::vector<std::vector<int32_t>> x = {ids(9, 3), ids(6, 4)};
+  const std::vector<std::string> paths = {"embed_tokens.output", "layers.0.layer_output", "ln_final.output",
+                                          "layers.1.self_attn.attention_queries"};
+  Trace full;
+  full.enable_grad();
+  const Tensor all = m.run(x, &full);  // every position's logits
+  const int64_t B = all.size(0), T = all.size(1), V = all.size(2);
+  Trace few;
+  few.enable_grad();
+  const Tensor last = m.run(Batch::left_padded(x, 0), &few, nullptr, false);
+  ASSERT_EQ(last.shape(), (Shape{B, 1, V}));
+  const std::vector<int64_t> pos = {2, T - 1};
+  const Tensor z = few.logits_at(pos);
+  ASSERT_EQ(z.shape(), (Shape{B, 2, V}));
+  for (int64_t b = 0; b < B; ++b)
+    for (size_t i = 0; i < pos.size(); ++i)
+      for (int64_t v = 0; v < V; ++v)
+        EXPECT_NEAR(z[(b * 2 + static_cast<int64_t>(i)) * V + v], all[(b * T + pos[i]) * V + v], 1e-4f);
+  const Tensor W = random_like(z.shape(), 11);
+  Tensor Wfull(all.shape());
+  for (int64_t b = 0; b < B; ++b)
+    for (size_t i = 0; i < pos.size(); ++i)
+      for (int64_t v = 0; v < V; ++v) Wfull[(b * T + pos[i]) * V + v] = W[(b * 2 + static_cast<int64_t>(i)) * V + v];
+  few.backward(W, paths, pos);
+  full.backward(Wfull, paths);
+  for (const std::string& p : paths) {
+    const Tensor a = few.grad(p), r = full.grad(p);
+    double num = 0, den = 0;
+    for (int64_t k = 0; k < r.numel(); ++k) num += (a[k] - r[k]) * (a[k] - r[k]), den += static_cast<double>(r[k]) * r[k];
+    EXPECT_GT(den, 0.0) << p;
+    EXPECT_LE(std::sqrt(num / den), 1e-5) << p;
+  }
+  // The last position's dlogits alone, in the call's own logits shape.
+  few.backward(random_like(last.shape(), 12), {"embed_tokens.output"});
+  EXPECT_GT(dot(few.grad("embed_tokens.output"), few.grad("embed_tokens.output")), 0.0);
+  EXPECT_THROW(few.backward(W, paths, {T - 1, 2}), InputError);  // not ascending
+  EXPECT_THROW(few.backward(W, paths, {0, T}), InputError);      // outside the call
+  EXPECT_THROW(few.logits_at({T}), InputError);
+  EXPECT_THROW(few.backward(random_like({B, 3, V}, 1), paths, pos), InputError);  // rows != positions
 }

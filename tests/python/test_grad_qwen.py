@@ -147,3 +147,28 @@ def test_decode_step_gradients_match_torch(name):
     assert tr.calls[-1]["kernel"] == "recurrent"
     assert any(p.endswith("state_input") for p in c.paths())
     assert compare(got, c.torch_grads("explicit"), "decode step") == len(c.paths())
+
+
+@pytest.mark.parametrize("name", ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/padded_batch"])
+def test_metric_of_a_few_positions_forms_only_their_logits(name):
+    """LogProb / LogitDiff declare the positions they read: without `logits` saved the grad forward forms the
+    last position's logits only and backward runs the LM head on the metric's rows; the gradients still equal
+    torch autograd's of the same metric, and tracer.logits still gives every position's."""
+    c = Case(name)
+    paths = [p for p in c.paths() if p != "logits"]
+    for metric, ref_metric in [
+        (mixlens.metrics.LogProb(5), lambda z: torch.log_softmax(z[:, -1], -1)[:, 5].sum()),
+        (mixlens.metrics.LogitDiff(3, 7, position=2), lambda z: (z[:, 2, 3] - z[:, 2, 7]).sum()),
+    ]:
+        with c.model.trace(c.prompts, grad=True) as tr:
+            pass
+        tr.backward(metric, paths=paths)
+        B, V = len(c.prompts), c.model.vocab_size
+        assert tr._done()["logits"][0].shape == (B, 1, V) and tr._full_logits is None  # no [B,T,vocab] formed
+        got = {p: tr.grad(p).numpy() for p in paths}
+        ref = og.run(c.torch_model, c.prompts, ref_metric, scan="explicit")
+        compare(got, ref, f"{name} one position", paths=paths)
+        assert abs(metric.value(tr.logits.detach().numpy()) - float(ref["metric"])) < 1e-4
+        with c.model.trace(c.prompts) as plain:
+            pass
+        assert rel_rms(tr.logits.detach().numpy(), plain.logits.numpy()) < 1e-6  # formed on demand, every position
