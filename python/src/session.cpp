@@ -2,6 +2,7 @@
 // the GIL; the forward (a fiber on this thread) takes it only to run a pre-registered Python edit.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
@@ -26,6 +27,10 @@ struct HandedValues {
   nb::object cls;         // ValueArray / ValueTensor
   nb::object from_numpy;  // torch.from_numpy, or None for numpy output
   nb::object error;       // (step, path) -> the WriteError to raise for an edit of a released value
+  // torch: a plain tensor from from_numpy takes cls by __class__ assignment (cls adds methods, no
+  // state, and disables __torch_function__), ~0.1 us where as_subclass builds a second tensor and
+  // Python object (~3 us a value); as_subclass when the assignment is refused.
+  bool assign_class = true;
   nb::object last;        // the live value (None when there is none)
   int last_step = 0;
   std::string last_path;
@@ -49,11 +54,19 @@ struct HandedValues {
   }
 
   nb::object wrap(Tensor t) {
-    static PyObject* const view = name("view");
     static PyObject* const as_subclass = name("as_subclass");
+    static PyObject* const klass = name("__class__");
+    if (!cls.is_valid()) return to_numpy(std::move(t));
+    if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()));
     nb::object arr = to_numpy(std::move(t));
-    if (arr.is_none() || !cls.is_valid()) return arr;
-    return torch() ? call_method(from_numpy(arr), as_subclass, cls) : call_method(arr, view, cls);
+    if (arr.is_none()) return arr;
+    nb::object v = from_numpy(arr);
+    if (assign_class) {
+      if (PyObject_SetAttr(v.ptr(), klass, cls.ptr()) == 0) return v;
+      PyErr_Clear();
+      assign_class = false;
+    }
+    return call_method(v, as_subclass, cls);
   }
   void release(nb::object v, int step, const std::string& path) {
     if (torch()) {
@@ -111,12 +124,12 @@ struct HandedValues {
     release_last();
     check_released();
   }
-  void keep(nb::object v, int step, const std::string& path, bool read_only) {
+  void keep(nb::object v, int step, std::string_view path, bool read_only) {
     if (v.is_none()) return;
-    if (read_only) return release(std::move(v), step, path);
+    if (read_only) return release(std::move(v), step, std::string(path));
     last = std::move(v);
     last_step = step;
-    last_path = path;
+    last_path.assign(path);  // reuses the buffer: no allocation per read
   }
   // The block ends: optionally check the released torch values, then every value is ordinary again.
   void close(bool check) {
@@ -215,7 +228,13 @@ void init_session(nb::module_& m) {
       // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
       .def("set_output",
            [](PySession& p, nb::object cls, nb::object from_numpy, nb::object error) {
+             if (from_numpy.is_none()) {
+               nb::object ndarray = nb::module_::import_("numpy").attr("ndarray");
+               if (!PyType_Check(cls.ptr()) || PyObject_IsSubclass(cls.ptr(), ndarray.ptr()) != 1)
+                 throw nb::type_error("set_output: cls must be a numpy.ndarray subclass for numpy output");
+             }
              p.handed.cls = std::move(cls);
+             p.handed.assign_class = true;
              p.handed.from_numpy = std::move(from_numpy);
              p.handed.error = std::move(error);
            },
@@ -223,7 +242,7 @@ void init_session(nb::module_& m) {
            "Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, "
            "error(step, path) -> the WriteError for an edit of a released value.")
       .def("read_value",
-           [](PySession& p, int step, const std::string& path) {
+           [](PySession& p, int step, std::string_view path) {
              p.handed.move_on();
              Tensor t;
              {
@@ -231,7 +250,7 @@ void init_session(nb::module_& m) {
                t = p.s().read_live(step, path);
              }
              nb::object v = p.handed.wrap(std::move(t));
-             const bool read_only = path.size() >= 7 && path.compare(path.size() - 7, 7, ".states") == 0;
+             const bool read_only = path.ends_with(".states");
              p.handed.keep(v, step, path, read_only);
              return v;
            },
