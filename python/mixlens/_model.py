@@ -298,8 +298,9 @@ def _value_getter(name: str):
     tracers (Tracer._ctx), then one binding call. Anything else takes ``__getattr__``'s full path."""
 
     def get(self):
-        t = self._model._fast_tracer()
-        if t is not None:
+        ref = self._model._open  # StandardizedTransformer._fast_tracer, inlined (one call less per read)
+        t = ref() if ref is not None else None
+        if t is not None and t._session is not None and t._ctx is _OPENED.get():
             path = self._paths[name]
             try:
                 value = t._session.read_value(t._step, path)
@@ -1240,8 +1241,14 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 
     def _paths_under(self, prefix: str) -> dict:
         """{name: path} of the values named ``<prefix><name>`` (no further dot): an envoy's value properties."""
-        n = len(prefix)
-        return {p[n:]: p for p in self._paths() if p.startswith(prefix) and "." not in p[n:]}
+        groups = getattr(self, "_path_groups", None)
+        if groups is None:  # one pass over every path, not one per envoy
+            groups = {}
+            for p in self._paths():
+                head, _, name = p.rpartition(".")
+                groups.setdefault(head + "." if head else "", {})[name] = p
+            self._path_groups = groups
+        return dict(groups.get(prefix, {}))
 
     def _order(self) -> dict:
         """Value path -> its index in forward order (``model.values()``)."""
