@@ -28,6 +28,10 @@ using FloatArray = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 /// undefined tensor. Needs the GIL. numpy's C API, in one step (numpy_array.cpp).
 nb::object numpy_over(Tensor t, PyTypeObject* subtype = nullptr);
 
+/// Sets or clears an array's WRITEABLE flag directly (no flags object; setting it skips numpy's
+/// check of the base, so only for arrays numpy_over made). False when `arr` is not an array.
+bool set_writeable(PyObject* arr, bool on);
+
 /// numpy_over(t) as a plain numpy.ndarray.
 inline nb::object to_numpy(Tensor t) { return numpy_over(std::move(t)); }
 

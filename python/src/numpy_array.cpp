@@ -79,4 +79,14 @@ nb::object numpy_over(Tensor t, PyTypeObject* subtype) {
   return out;
 }
 
+bool set_writeable(PyObject* arr, bool on) {
+  if (PyArray_API == nullptr || !PyArray_Check(arr)) return false;  // no array made yet: not one of ours
+  auto* a = reinterpret_cast<PyArrayObject*>(arr);
+  if (on)
+    PyArray_ENABLEFLAGS(a, NPY_ARRAY_WRITEABLE);
+  else
+    PyArray_CLEARFLAGS(a, NPY_ARRAY_WRITEABLE);
+  return true;
+}
+
 }  // namespace mixlens::py

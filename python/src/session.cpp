@@ -78,8 +78,9 @@ struct HandedValues {
       }
       released_torch.push_back({nb::weakref(v), version, step, path});
     } else if (nb::isinstance(v, cls)) {
-      v.attr("__dict__")["_mixlens_released"] = nb::make_tuple(step, path);
-      v.attr("flags").attr("writeable") = false;
+      static PyObject* const marker = name("_mixlens_released");  // read by mixlens._convert._frozen_path
+      if (PyObject_SetAttr(v.ptr(), marker, nb::make_tuple(step, path).ptr()) != 0) throw nb::python_error();
+      set_writeable(v.ptr(), false);
       released_np.push_back(nb::weakref(v));
     }
   }
@@ -140,12 +141,9 @@ struct HandedValues {
         for (nb::object& ref : h.released_np) {
           nb::object v = ref();
           if (v.is_none()) continue;
-          try {
-            nb::object d = v.attr("__dict__");
-            if (PyDict_DelItemString(d.ptr(), "_mixlens_released") != 0) PyErr_Clear();
-            v.attr("flags").attr("writeable") = true;
-          } catch (nb::python_error&) {  // e.g. a view of memory that was never writeable
-          }
+          static PyObject* const marker = name("_mixlens_released");
+          if (PyObject_DelAttr(v.ptr(), marker) != 0) PyErr_Clear();
+          set_writeable(v.ptr(), true);  // made by numpy_over over a Tensor of its own: writable memory
         }
         h.released_np.clear();
         h.released_torch.clear();
