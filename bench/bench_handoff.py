@@ -8,8 +8,9 @@ For N in 0, 1, 10, 100 the block reads the first N small values of the model in 
 (layer_input, layer_output, betas, decays, states, ...: a few KiB each, so the copy is small and the
 time is the hand-off: Python attribute lookup, the binding, the forward pausing and resuming). Two
 ways of reading: ``full`` spells each read as a user does, ``model.layers[i].linear_attn.betas``
-(every attribute looked up in the block), ``envoy`` reads through a ``model.layers[i].linear_attn``
-object made before the block. The per-value cost is (t(N) - t(0)) / N, for wall time (fastest and
+(every attribute looked up in the block) and drops each value, ``kept`` reads the same way and holds
+every value until the block ends (each is then released read-only as the forward moves on: the in-place
+edit bookkeeping), ``envoy`` reads through a ``model.layers[i].linear_attn`` object made before the block. The per-value cost is (t(N) - t(0)) / N, for wall time (fastest and
 median of R repeats, the counts interleaved block by block) and for process CPU time (least of the
 repeats; every thread counts: the block, the forward, the pool's threads).
 
@@ -36,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 COUNTS = (0, 1, 10, 100)
-ACCESS = ("full", "envoy")
+ACCESS = ("full", "kept", "envoy")
 
 
 def tiny_model(out: Path) -> Path:
@@ -90,12 +91,18 @@ def full_reader(model, path: str):
     return eval(f"lambda: {expr}", {"model": model})
 
 
-def block_time(model, ids, readers) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one block; CPU time counts every thread (the forward's, a spinning wait)."""
+def block_time(model, ids, readers, keep: bool = False) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one block; CPU time counts every thread (the forward's, a spinning wait).
+    keep: every value is held until the block ends (as `h = ...` does), so each is released read-only when
+    the forward moves on; otherwise each is dropped at once."""
     c0, t0 = time.process_time(), time.perf_counter()
     with model.trace([ids]):
-        for r in readers:
-            r()
+        if keep:
+            held = [r() for r in readers]
+            del held
+        else:
+            for r in readers:
+                r()
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -105,13 +112,13 @@ def measure(model, repeats: int, counts=COUNTS) -> dict:
     paths = small_paths(model, max(counts))
     if len(paths) < max(counts):
         raise SystemExit(f"the model has only {len(paths)} small values; need {max(counts)}")
-    make = {"full": full_reader, "envoy": envoy_reader}
+    make = {"full": full_reader, "kept": full_reader, "envoy": envoy_reader}
     readers = {(a, n): [make[a](model, p) for p in paths[:n]] for a in ACCESS for n in counts}
     out = {a: {"wall": {n: [] for n in counts}, "cpu": {n: [] for n in counts}} for a in ACCESS}
     for k in range(repeats + 2):  # two warm-up rounds
         for a in ACCESS:
             for n in counts:
-                w, c = block_time(model, ids, readers[(a, n)])
+                w, c = block_time(model, ids, readers[(a, n)], keep=a == "kept")
                 if k >= 2:
                     out[a]["wall"][n].append(w)
                     out[a]["cpu"][n].append(c)
@@ -242,8 +249,9 @@ def main(argv=None) -> int:
         f"block). base = {where.get('base')}, this = {where.get('this')}. Load average {load[0]:.2f} before, "
         f"{load_after[0]:.2f} after, {os.cpu_count()} cores.",
         "Per value = (t(N) - t(0)) / N of process CPU time (every thread), least of the repeats; the median over "
-        "the rounds. `full`: `model.layers[i].linear_attn.x` looked up in the block; `envoy`: through an object "
-        "made before it.",
+        "the rounds. `full`: `model.layers[i].linear_attn.x` looked up in the block, each value dropped; `kept`: "
+        "the same, every value held to the end of the block (released read-only as the forward moves on); "
+        "`envoy`: through a `model.layers[i].linear_attn` made before the block.",
         "",
         *lines,
         "",
