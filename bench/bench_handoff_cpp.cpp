@@ -2,7 +2,7 @@
 // Session adds to one forward, without Python. Prints, for read and read_live, the least process
 // CPU time (every thread: the caller, the pool's workers) and the least caller-thread CPU time of
 // R blocks, and per value = (t(N) - t(0)) / N. Blocks of each kind alternate (interleaved).
-//   g++ -std=c++20 -O2 -g -Iinclude bench/bench_handoff_cpp.cpp build/py/libmixlens_core.a \
+//   g++ -std=c++20 -O2 -g -Iinclude bench/bench_handoff_cpp.cpp build/py/libmixlens_core.a
 //       $(pkg-config --libs openblas libpcre2-8 libutf8proc) -lpthread -o build/bench_handoff_cpp
 //   build/bench_handoff_cpp MODEL_DIR [N=100] [R=200] [only: none | read | read_live, for a profiler]
 // MODEL_DIR: bench/bench_handoff.py's tiny model (build/bench-handoff-mamba2-24l). Link an older
