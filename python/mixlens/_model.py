@@ -438,32 +438,19 @@ class _Envoy:
         return f"<mixlens {self._prefix.rstrip('.')}: {', '.join(self._names())}>"
 
 
-def _component(name: str):
-    """``layer.linear_attn`` / ``self_attn`` / ``mlp``: one envoy per layer and component, made once."""
-
-    def get(self):
-        sub = self._subs.get(name)
-        if sub is None:
-            sub = self._subs[name] = _Envoy(self._model, f"{self._prefix}{name}.")
-        return sub
-
-    get.__name__ = name
-    return property(get)
-
-
 class _Layer(_Envoy):
     """``model.layers[i]``: ``layer_input``, ``layer_output`` (residual stream, ``[B,T,hidden]``) and the
     components ``linear_attn`` (recurrent mixer), ``self_attn`` (attention of a hybrid), ``mlp``."""
 
-    __slots__ = ("_subs",)
+    # The components are made with the layer and sit in its __dict__: ``layer.linear_attn`` is a plain
+    # attribute lookup, no Python call (issue 9 item 5).
+    __slots__ = ("__dict__",)
 
     def __init__(self, model: "StandardizedTransformer", prefix: str):
         super().__init__(model, prefix)
-        object.__setattr__(self, "_subs", {})
-
-    linear_attn = _component("linear_attn")
-    self_attn = _component("self_attn")
-    mlp = _component("mlp")
+        d = self.__dict__
+        for name in ("linear_attn", "self_attn", "mlp"):
+            d[name] = _Envoy(model, f"{prefix}{name}.")
 
     def _names(self) -> list[str]:
         return sorted({n.split(".")[0] for n in super()._names()})
