@@ -214,6 +214,8 @@ def as_float32(value: Any, path: str) -> np.ndarray:
         t = value.detach()
         if t.is_complex() or t.dtype == torch.bool:
             raise WriteError(f"write to '{path}': dtype {t.dtype} cannot be written (values are float32)")
+        if t.dtype == torch.float64:
+            _check_float32_range(t.to("cpu").numpy(), path)
         t = t.to(device="cpu", dtype=torch.float32)
         if t.is_inference() or type(t) is not torch.Tensor:
             t = t.as_subclass(torch.Tensor)
@@ -222,9 +224,29 @@ def as_float32(value: Any, path: str) -> np.ndarray:
         arr = np.asarray(value)
     except ValueError as e:  # a ragged nested list
         raise WriteError(f"write to '{path}': the new value is not a rectangular array ({e})") from None
+    if arr.dtype == object:  # Python ints past int64 (10**40): numbers, but numpy keeps them as objects
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError, OverflowError):
+            pass
     if arr.dtype.kind not in "fiu":
         raise WriteError(f"write to '{path}': dtype {arr.dtype} cannot be written (values are float32)")
+    _check_float32_range(arr, path)
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_float32_range(arr: np.ndarray, path: str) -> None:
+    """WriteError for finite numbers float32 cannot hold (they would become inf and be reported as such)."""
+    if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:  # integers up to int64 fit float32's range
+        with np.errstate(invalid="ignore"):
+            big = np.isfinite(arr) & (np.abs(arr) > _FLOAT32_MAX)
+        if big.any():
+            x = arr.reshape(-1)[int(np.flatnonzero(big.reshape(-1))[0])]
+            raise WriteError(f"write to '{path}': {float(x):g} is outside float32's range (|x| <= {_FLOAT32_MAX:.4g}); "
+                             "values are float32")
 
 
 def as_numpy(value: Any) -> np.ndarray:

@@ -300,7 +300,7 @@ def _read_safetensors(path: str) -> dict:
 
 class Extraction:
     """An extraction folder read back: ``index`` (index.json as a dict), ``prompt(i)`` (the values of
-    prompt i: {name: [rows, ...] or [...]}, plus "positions" and "token_ids"), ``value(name)`` (every
+    prompt i, negative i counting from the end: {name: [rows, ...] or [...]}, plus "positions" and "token_ids"), ``value(name)`` (every
     shard's rows concatenated, prompt order), ``shard(k)`` (one shard's tensors, memory-mapped
     read-only numpy arrays).
 
@@ -337,8 +337,10 @@ class Extraction:
         return self._cache[k]
 
     def prompt(self, i: int) -> dict:
-        if not 0 <= i < len(self):
-            raise InputError(f"prompt {i} is out of range (the extraction has {len(self)} prompts)")
+        n = len(self)
+        if not -n <= i < n:
+            raise InputError(f"prompt {i} is out of range (the extraction has {n} prompts)")
+        i %= n  # negative counts from the end, as a Python sequence does
         k = self.index["prompts"][i]["shard"]
         s = self.shard(k)
         j = i - self.index["shards"][k]["prompts"][0]

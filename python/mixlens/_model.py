@@ -144,10 +144,11 @@ def _save_specs(saves: Optional[Iterable[str]]) -> list:
     return [_steps_of(s) for s in saves]
 
 
-def _check_saved_steps(specs: list, ran: Iterable[int]) -> None:
-    """InputError for a save of one step (``path@stepK``) the run never made (it would silently be absent)."""
+def _check_saved_steps(specs: list, ran: Iterable[int], what: str = "save") -> None:
+    """InputError for a save or edit of one step (``path@stepK``) the run never made: the save would
+    silently be absent, the edit silently not applied. `specs`: (path, first, last, ...) tuples."""
     ran = sorted(set(ran))
-    for path, first, last in specs:
+    for path, first, last, *_ in specs:
         if (first, last) != _ALL_STEPS and first not in ran:
             if not ran:
                 made = "no step"
@@ -155,7 +156,16 @@ def _check_saved_steps(specs: list, ran: Iterable[int]) -> None:
                 made = f"steps {ran[0]}..{ran[-1]}"
             else:
                 made = ("steps " if len(ran) > 1 else "step ") + ", ".join(map(str, ran))
-            raise InputError(f"save '{path}@step{first}': the run never made step {first} (it ran {made})")
+            raise InputError(f"{what} '{path}@step{first}': the run never made step {first} (it ran {made})")
+
+
+def _check_steps_reachable(specs: list, max_new_tokens: int, what: str) -> None:
+    """Before generating: a save or edit at a step past the last one max_new_tokens allows is refused now
+    rather than after the whole generation."""
+    for path, first, last, *_ in specs:
+        if (first, last) != _ALL_STEPS and first >= max_new_tokens:
+            raise InputError(f"{what} '{path}@step{first}': generate(max_new_tokens={max_new_tokens}) never makes step "
+                             f"{first} (it runs steps 0..{max_new_tokens - 1}; step 0 is the prompt)")
 
 
 def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]], fmt: str = "numpy") -> list:
@@ -805,6 +815,7 @@ class Tracer:
                 if self._grad:
                     self._grad_session = sess  # keeps the trace (and its record) for backward()
                 _check_saved_steps(self._saves, (c["step"] for c in self._calls))
+                _check_saved_steps(self._edits, (c["step"] for c in self._calls), "edit")
                 self._result = result
             else:
                 self._calls = sess.calls
@@ -1404,8 +1415,12 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
             forced = np.asarray(forced_tokens, dtype=object)
             rows = forced.tolist() if forced.ndim == 2 else [list(forced_tokens)]
             forced_tokens = _check_rows(rows, "forced token id")
-        return Tracer(self, "generate", inputs, saves=saves, edits=edits, forced_tokens=forced_tokens,
-                      inputs_embeds=inputs_embeds, attention_mask=attention_mask, **gen)
+        tracer = Tracer(self, "generate", inputs, saves=saves, edits=edits, forced_tokens=forced_tokens,
+                        inputs_embeds=inputs_embeds, attention_mask=attention_mask, **gen)
+        if forced_tokens is None:  # teacher forcing runs as many steps as there are forced tokens
+            _check_steps_reachable(tracer._saves, gen["max_new_tokens"], "save")
+            _check_steps_reachable(tracer._edits, gen["max_new_tokens"], "edit")
+        return tracer
 
     def _input_args(self, inputs, inputs_embeds, attention_mask, continuation: bool = False) -> tuple:
         """(token rows, embeds or None, mask list) for the core's run / forward."""
@@ -1431,8 +1446,10 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         specs = _save_specs(saves)
         all_logits = _all_logits(logits)
         rows, embeds, mask = self._input_args(inputs, inputs_embeds, attention_mask)
-        logits, saved = self._core.run(rows, specs, _edit_specs(edits, self._output), embeds, mask, all_logits)
+        edit_specs = _edit_specs(edits, self._output)
+        logits, saved = self._core.run(rows, specs, edit_specs, embeds, mask, all_logits)
         _check_saved_steps(specs, [0])
+        _check_saved_steps(edit_specs, [0], "edit")
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
@@ -1461,9 +1478,10 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
             raise InputError("this cache is in use by an open trace")
         specs, step = _save_specs(saves), cache.steps
         rows, embeds, _ = self._input_args(inputs, inputs_embeds, None, continuation=True)
-        logits, saved = self._core.forward(rows, cache._core, specs, _edit_specs(edits, self._output), all_logits,
-                                           embeds)
+        edit_specs = _edit_specs(edits, self._output)
+        logits, saved = self._core.forward(rows, cache._core, specs, edit_specs, all_logits, embeds)
         _check_saved_steps(specs, [step])
+        _check_saved_steps(edit_specs, [step], "edit")
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out

@@ -97,6 +97,13 @@ def test_bad_writes_raise_write_error_and_apply_nothing(model):
             model.layers[0].linear_attn.betas = b.astype(np.complex64)
         with pytest.raises(mixlens.WriteError, match="None"):
             model.layers[0].linear_attn.betas = None
+        # Finite numbers float32 cannot hold are named as such, not reported as NaN / inf after the cast.
+        for big in (10**40, 1e300, b.astype(np.float64) * 1e300):
+            with pytest.raises(mixlens.WriteError, match=r"e\+\d+ is outside float32's range"):
+                model.layers[0].linear_attn.betas = big
+        torch = pytest.importorskip("torch")
+        with pytest.raises(mixlens.WriteError, match="outside float32's range"):
+            model.layers[0].linear_attn.betas = torch.full(b.shape, 1e39, dtype=torch.float64)
         with pytest.raises(mixlens.WriteError, match="decays must be <= 0"):
             model.layers[0].linear_attn.decays = np.ones_like(b)
         with pytest.raises(mixlens.WriteError, match="read-only"):

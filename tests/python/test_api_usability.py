@@ -207,6 +207,36 @@ def test_saving_a_step_the_run_never_made_raises(model):
     assert tr.saved[path][2] is not None
 
 
+def test_a_step_past_max_new_tokens_is_refused_before_generating(model):
+    path = "layers.0.linear_attn.betas"
+    # Refused by generate() itself, before any forward runs (the tracer is never entered).
+    with pytest.raises(mixlens.InputError, match=r"save 'layers.0.linear_attn.betas@step150'.*steps 0\.\.9"):
+        model.generate(PROMPT, max_new_tokens=10, saves=[f"{path}@step150"])
+    with pytest.raises(mixlens.InputError, match=r"edit 'layers.0.linear_attn.betas@step10'.*steps 0\.\.9"):
+        model.generate(PROMPT, max_new_tokens=10, edits={f"{path}@step10": lambda v: v * 0})
+
+
+def test_an_edit_of_a_step_the_run_never_made_raises_not_a_silent_no_op(model):
+    path = "layers.0.linear_attn.betas"
+    with pytest.raises(mixlens.InputError, match=r"edit 'layers.0.linear_attn.betas@step3'.*step 0"):
+        model.run(PROMPT, edits={f"{path}@step3": lambda v: v * 0})
+    with pytest.raises(mixlens.InputError, match=r"edit .*@step1'.*step 0"):
+        with model.trace(PROMPT, edits={f"{path}@step1": lambda v: v * 0}):
+            pass
+    cache = model.new_cache()
+    model.forward(PROMPT, cache=cache)
+    with pytest.raises(mixlens.InputError, match=r"edit .*@step0'.*step 1"):
+        model.forward([[5]], cache=cache, edits={f"{path}@step0": lambda v: v * 0})
+    # A row stopping at EOS before the edited step: raised once the generation is over.
+    eos = model.generate(PROMPT, max_new_tokens=2).run().tokens[0]
+    with pytest.raises(mixlens.InputError, match=r"edit .*@step5'.*step 0"):
+        model.generate(PROMPT, max_new_tokens=8, eos_token_id=eos, edits={f"{path}@step5": lambda v: v * 0}).run()
+    # Edits of steps that ran apply (the logits move).
+    base = model.run(PROMPT)["logits"]
+    edited = model.run(PROMPT, edits={f"{path}@step0": lambda v: v * 0})["logits"]
+    assert not np.allclose(np.asarray(base), np.asarray(edited))
+
+
 # ---- 5. the default model ---------------------------------------------------------------------------
 
 

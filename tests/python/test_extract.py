@@ -137,6 +137,12 @@ def test_read_back_as_torch_or_numpy_owned_copies(model, tmp_path, monkeypatch):
     assert t["token_ids"].dtype == torch.int64 and t[VALUES[1]].dtype == torch.float32
     n[VALUES[1]][...] = 0  # an owned copy: the file and later reads are untouched
     assert np.abs(as_numpy.prompt(1)[VALUES[1]]).sum() > 0
+    # Negative indices count from the end, as on a Python sequence; past either end is refused.
+    np.testing.assert_array_equal(as_numpy.prompt(-1)["token_ids"], as_numpy.prompt(1)["token_ids"])
+    np.testing.assert_array_equal(as_numpy.prompt(-2)["token_ids"], as_numpy.prompt(0)["token_ids"])
+    for bad in (2, -3):
+        with pytest.raises(mixlens.InputError, match=f"prompt {bad} is out of range"):
+            as_numpy.prompt(bad)
     assert isinstance(as_torch.value(VALUES[1]), torch.Tensor)
     monkeypatch.setenv("MIXLENS_OUTPUT", "numpy")
     assert isinstance(mixlens.open_extraction(tmp_path).prompt(0)["positions"], np.ndarray)
