@@ -350,7 +350,9 @@ class _Envoy:
 
     __slots__ = ("_model", "_prefix", "_paths")
 
-    def __new__(cls, model: "StandardizedTransformer", prefix: str, *args, **kwargs):
+    def __new__(cls, model: Optional["StandardizedTransformer"] = None, prefix: str = "", *args, **kwargs):
+        if model is None:  # copy / pickle protocols make the object first, then set its slots
+            return object.__new__(cls)
         paths = model._paths_under(prefix)
         obj = object.__new__(_envoy_class(cls, tuple(sorted(paths))))
         object.__setattr__(obj, "_paths", paths)
