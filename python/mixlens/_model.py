@@ -32,6 +32,7 @@ Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], np.nd
 # The tracers this thread / asyncio context opened (weak references): a read goes to the model's open
 # trace only from the context that opened it. New threads start with an empty context.
 _OPENED: contextvars.ContextVar[tuple] = contextvars.ContextVar("mixlens_opened_tracers", default=())
+_core.value_attr_env(_OPENED, UnknownValueError, UnknownAttributeError)  # what envoy reads check in C
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -301,30 +302,18 @@ class Cache:
 _STATE_METHODS = ("state", "state_after", "set_state_after")
 
 
-def _value_getter(name: str):
-    """The property behind ``envoy.<name>`` for a value of the envoy's prefix: the per-value path of a `with`
-    block (issue 9 item 5). A class attribute rather than ``__getattr__``, whose failed lookup first builds
-    an AttributeError (~1.5 us a read); the open tracer is checked by identity of this context's opened
-    tracers (Tracer._ctx), then one binding call. Anything else takes ``__getattr__``'s full path."""
+def _envoy_fallback(envoy, name: str):
+    return _Envoy.__getattr__(envoy, name)
 
-    def get(self):
-        ref = self._model._open  # StandardizedTransformer._fast_tracer, inlined (one call less per read)
-        t = ref() if ref is not None else None
-        if t is not None and t._session is not None and t._ctx is _OPENED.get():
-            path = self._paths[name]
-            try:
-                value = t._session.read_value(t._step, path)
-            except UnknownAttributeError:
-                raise
-            except UnknownValueError as e:  # also an AttributeError, so hasattr() answers False
-                raise UnknownAttributeError(str(e)) from None
-            if t._grad:
-                t._note_read(path, value)
-            return value
-        return _Envoy.__getattr__(self, name)
 
-    get.__name__ = name
-    return get
+def _value_attr(name: str):
+    """``envoy.<name>`` for a value of the envoy's prefix: the per-value path of a `with` block (issue 9
+    item 5). A class attribute rather than ``__getattr__``, whose failed lookup first builds an
+    AttributeError (~1.5 us a read), and a descriptor in C (``_core.value_attr``, no Python frame): when
+    the model's open tracer was entered in this very context, is running and keeps no grad record, it
+    calls the session's read_value with the envoy's ``_paths[name]``; anything else goes to
+    ``_Envoy.__getattr__``'s full path (which raises or routes it)."""
+    return _core.value_attr(name, _envoy_fallback)
 
 
 # (envoy class, value names) -> its subclass with one property per value name.
@@ -338,15 +327,15 @@ def _envoy_class(cls: type, names: tuple) -> type:
         attrs: dict = {"__slots__": (), "__module__": cls.__module__, "__doc__": cls.__doc__}
         for n in names:
             if not hasattr(cls, n):  # never shadow a method or property of the envoy itself
-                attrs[n] = property(_value_getter(n))
+                attrs[n] = _value_attr(n)
         sub = _ENVOY_CLASSES[key] = type(cls.__name__, (cls,), attrs)
     return sub
 
 
 class _Envoy:
     """Reads and writes ``<prefix><name>`` through the model's open tracer. An instance's class is a
-    subclass (``_envoy_class``) with a property per value name of its prefix, and ``_paths`` holds each
-    name's full path, so a read does no string work."""
+    subclass (``_envoy_class``) with a descriptor per value name of its prefix (``_value_attr``), and
+    ``_paths`` holds each name's full path, so a read does no string work."""
 
     __slots__ = ("_model", "_prefix", "_paths")
 

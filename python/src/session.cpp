@@ -5,6 +5,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <memory>
 #include <optional>
 
@@ -220,6 +221,140 @@ nb::dict result_dict(const SessionResult& r, const Trace& trace) {
   return d;
 }
 
+// Session.read_value: the per-value path of a `with` block (issue 9 item 5): the in-place edit
+// bookkeeping of python/mixlens/_inplace.py, then Session::read_live, returning the output type.
+nb::object read_value(PySession& p, int step, std::string_view path) {
+  p.handed.move_on();
+  Tensor t;
+  {
+    nb::gil_scoped_release r;
+    t = p.s().read_live(step, path);
+  }
+  nb::object v = p.handed.wrap(std::move(t));
+  const bool read_only = path.ends_with(".states");
+  p.handed.keep(v, step, path, read_only);
+  return v;
+}
+
+// ValueAttr: `envoy.<value>` (python/mixlens/_model.py _envoy_class) as a descriptor in C, so a read
+// in a `with` block runs no Python frame: it checks what _Envoy's property did (the model's open
+// tracer, entered in this very context, running, no grad record to keep) and calls read_value; any
+// other case calls `fallback(envoy, name)`, the Python path (which raises or routes it).
+struct ValueAttr {
+  PyObject_HEAD
+  PyObject* name;      // the value's name under the envoy's prefix
+  PyObject* fallback;  // (envoy, name) -> value
+};
+
+struct ValueAttrEnv {
+  PyObject* opened = nullptr;         // mixlens._model._OPENED (ContextVar)
+  PyObject* unknown_value = nullptr;  // UnknownValueError
+  PyObject* unknown_attr = nullptr;   // UnknownAttributeError
+} g_attr_env;
+
+PyObject* interned(const char* s) { return PyUnicode_InternFromString(s); }
+
+// A new reference to obj.<name>, or null (error cleared) when it is missing.
+PyObject* get_attr(PyObject* obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+// The fast read; `handled` false: not the fast case (nothing done, no error set).
+PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
+  static PyObject* const s_model = interned("_model");
+  static PyObject* const s_open = interned("_open");
+  static PyObject* const s_session = interned("_session");
+  static PyObject* const s_ctx = interned("_ctx");
+  static PyObject* const s_grad = interned("_grad");
+  static PyObject* const s_step = interned("_step");
+  static PyObject* const s_paths = interned("_paths");
+  handled = false;
+  if (g_attr_env.opened == nullptr) return nullptr;
+  nb::object model = nb::steal(get_attr(envoy, s_model));
+  if (!model.is_valid()) return nullptr;
+  nb::object ref = nb::steal(get_attr(model.ptr(), s_open));
+  if (!ref.is_valid() || ref.is_none() || !PyWeakref_Check(ref.ptr())) return nullptr;
+  nb::object tracer = nb::steal(HandedValues::referent(ref.ptr()));
+  if (!tracer.is_valid()) return nullptr;
+  nb::object sess = nb::steal(get_attr(tracer.ptr(), s_session));
+  if (!sess.is_valid() || sess.is_none()) return nullptr;
+  nb::object ctx = nb::steal(get_attr(tracer.ptr(), s_ctx));
+  PyObject* cur = nullptr;
+  if (PyContextVar_Get(g_attr_env.opened, nullptr, &cur) < 0) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object current = nb::steal(cur);
+  if (!ctx.is_valid() || ctx.ptr() != current.ptr()) return nullptr;
+  nb::object grad = nb::steal(get_attr(tracer.ptr(), s_grad));
+  if (!grad.is_valid() || grad.ptr() != Py_False) return nullptr;  // grad=True: the Python path notes the read
+  nb::object paths = nb::steal(get_attr(envoy, s_paths));
+  if (!paths.is_valid() || !PyDict_Check(paths.ptr())) return nullptr;
+  PyObject* path = PyDict_GetItemWithError(paths.ptr(), self->name);  // borrowed
+  if (path == nullptr || !PyUnicode_Check(path)) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object step = nb::steal(get_attr(tracer.ptr(), s_step));
+  if (!step.is_valid()) return nullptr;
+  handled = true;
+  // Through the bound method: nanobind turns the library's C++ exceptions into mixlens' Python ones.
+  static PyObject* const s_read_value = interned("read_value");
+  PyObject* stack[] = {nullptr, sess.ptr(), step.ptr(), path};
+  PyObject* r = PyObject_VectorcallMethod(s_read_value, stack + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (r != nullptr) return r;
+  // UnknownValueError is also an AttributeError: as the property did, it reaches the user as
+  // UnknownAttributeError so hasattr() answers False.
+  if (PyErr_ExceptionMatches(g_attr_env.unknown_value) && !PyErr_ExceptionMatches(g_attr_env.unknown_attr)) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject* msg = value ? PyObject_Str(value) : nullptr;
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (msg != nullptr) {
+      PyErr_SetObject(g_attr_env.unknown_attr, msg);
+      Py_DECREF(msg);
+    }
+  }
+  return nullptr;
+}
+
+PyObject* value_attr_get(PyObject* self, PyObject* obj, PyObject* /*type*/) {
+  if (obj == nullptr || obj == Py_None) return Py_NewRef(self);
+  auto* a = reinterpret_cast<ValueAttr*>(self);
+  bool handled = false;
+  PyObject* r = value_attr_fast(a, obj, handled);
+  if (handled) return r;
+  return PyObject_CallFunctionObjArgs(a->fallback, obj, a->name, nullptr);
+}
+
+void value_attr_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  auto* a = reinterpret_cast<ValueAttr*>(self);
+  Py_XDECREF(a->name);
+  Py_XDECREF(a->fallback);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyTypeObject* value_attr_type() {
+  static PyTypeObject* type = [] {
+    PyType_Slot slots[] = {{Py_tp_descr_get, reinterpret_cast<void*>(&value_attr_get)},
+                           {Py_tp_dealloc, reinterpret_cast<void*>(&value_attr_dealloc)},
+                           {0, nullptr}};
+    PyType_Spec spec = {"mixlens._core.ValueAttr", static_cast<int>(sizeof(ValueAttr)), 0, Py_TPFLAGS_DEFAULT,
+                        slots};
+    PyObject* t = PyType_FromSpec(&spec);
+    if (t == nullptr) throw nb::python_error();
+    return reinterpret_cast<PyTypeObject*>(t);
+  }();
+  return type;
+}
+
 nb::list calls_list(const std::vector<CallRecord>& calls) {
   nb::list out;
   for (const CallRecord& c : calls) {
@@ -266,20 +401,7 @@ void init_session(nb::module_& m) {
            nb::arg("cls"), nb::arg("from_numpy").none(), nb::arg("error"),
            "Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, "
            "error(step, path) -> the WriteError for an edit of a released value.")
-      .def("read_value",
-           [](PySession& p, int step, std::string_view path) {
-             p.handed.move_on();
-             Tensor t;
-             {
-               nb::gil_scoped_release r;
-               t = p.s().read_live(step, path);
-             }
-             nb::object v = p.handed.wrap(std::move(t));
-             const bool read_only = path.ends_with(".states");
-             p.handed.keep(v, step, path, read_only);
-             return v;
-           },
-           nb::arg("step"), nb::arg("path"),
+      .def("read_value", &read_value, nb::arg("step"), nb::arg("path"),
            "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
            "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")
       .def("write_value",
@@ -348,6 +470,26 @@ void init_session(nb::module_& m) {
              for (const auto& [k, v] : p.trace->grads()) out.push_back(k);
              return out;
            });
+
+  m.def(
+      "value_attr",
+      [](nb::str name, nb::object fallback) {
+        auto* a = PyObject_New(ValueAttr, value_attr_type());
+        if (a == nullptr) throw nb::python_error();
+        a->name = Py_NewRef(name.ptr());
+        a->fallback = Py_NewRef(fallback.ptr());
+        return nb::steal(reinterpret_cast<PyObject*>(a));
+      },
+      nb::arg("name"), nb::arg("fallback"),
+      "A descriptor reading envoy.<name> through the open tracer's session in C (issue 9 item 5); other cases "
+      "call fallback(envoy, name). Needs value_attr_env first.");
+  m.def(
+      "value_attr_env",
+      [](nb::object opened, nb::object unknown_value, nb::object unknown_attr) {
+        g_attr_env = {Py_NewRef(opened.ptr()), Py_NewRef(unknown_value.ptr()), Py_NewRef(unknown_attr.ptr())};
+      },
+      nb::arg("opened"), nb::arg("unknown_value"), nb::arg("unknown_attr"),
+      "value_attr's context: the ContextVar of the tracers a context opened, UnknownValueError, UnknownAttributeError.");
 
   // Factories: the session keeps the model (and a continued cache) alive.
   m.def(
