@@ -183,7 +183,7 @@ def write_section(path: Path, text: str) -> None:
     old = path.read_text() if path.exists() else ""
     if BEGIN in old and END in old:
         head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1].lstrip("\n")
+        new = head + block + "\n" + rest.split(END, 1)[1].lstrip("\n")
     else:
         new = block + ("\n" + old if old else "")
     path.parent.mkdir(parents=True, exist_ok=True)
