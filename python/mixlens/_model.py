@@ -316,7 +316,7 @@ def _value_attr(name: str):
     return _core.value_attr(name, _envoy_fallback)
 
 
-# (envoy class, value names) -> its subclass with one property per value name.
+# (envoy class, value names) -> its subclass with one descriptor per value name.
 _ENVOY_CLASSES: dict = {}
 
 
