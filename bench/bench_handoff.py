@@ -2,30 +2,42 @@
 """Python hand-off cost: what reading N values inside one ``with model.trace(...)`` block adds.
 
     .venv/bin/python bench/bench_handoff.py [--model DIR] [--repeats R] [--out bench/results/handoff.md]
+    .venv/bin/python bench/bench_handoff.py --ab DIR [--rounds K]   # A/B against another build
 
 For N in 0, 1, 10, 100 the block reads the first N small values of the model in forward order
-(layer_input, layer_output, betas, decays, ...: a few KiB each, so the copy is negligible and the
-time is the hand-off: Python attribute lookup, the binding, the forward pausing and resuming). The
-per-value cost is (t(N) - t(0)) / N, for wall time (fastest and median of R repeats, the counts
-interleaved block by block) and for process CPU time (least of the repeats; every thread counts: the
-block, the forward, the pool's threads). To compare two builds, run the script with each one's Python
-in turn and --label. Default model: a tiny random 24-layer Mamba-2 (hidden 64, made once with
-transformers under build/), whose 8-token forward takes well under a millisecond, so the forward's
-own jitter does not hide the hand-off; --model DIR measures another checkpoint.
-Not a test: numbers depend on the machine and its load (printed with the result).
+(layer_input, layer_output, betas, decays, states, ...: a few KiB each, so the copy is small and the
+time is the hand-off: Python attribute lookup, the binding, the forward pausing and resuming). Two
+ways of reading: ``full`` spells each read as a user does, ``model.layers[i].linear_attn.betas``
+(every attribute looked up in the block) and drops each value, ``kept`` reads the same way and holds
+every value until the block ends (each is then released read-only as the forward moves on: the in-place
+edit bookkeeping), ``envoy`` reads through a ``model.layers[i].linear_attn`` object made before the block. The per-value cost is (t(N) - t(0)) / N, for wall time (fastest and
+median of R repeats, the counts interleaved block by block) and for process CPU time (least of the
+repeats; every thread counts: the block, the forward, the pool's threads).
+
+``--ab DIR``: DIR holds another build's ``mixlens`` package (e.g. a copy of main's installed one,
+``cp -a .venv/lib/python3.11/site-packages/mixlens DIR/mixlens``); the script runs itself K rounds,
+each round that build (``base``, via PYTHONPATH) and this one (``this``) in turn, numpy then torch
+output, and writes every round's per-value CPU time and the medians. Default model: a tiny random
+24-layer Mamba-2 (hidden 64, made once with transformers under build/), whose 8-token forward takes
+about a millisecond, so the forward's own jitter does not hide the hand-off; --model DIR measures
+another checkpoint. Not a test: numbers depend on the machine and its load (printed with the result).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
+COUNTS = (0, 1, 10, 100)
+ACCESS = ("full", "kept", "envoy")
 
 
 def tiny_model(out: Path) -> Path:
@@ -54,93 +66,198 @@ def small_paths(model, limit: int, max_numel: int = 1 << 16) -> list[str]:
 
 
 def envoy_reader(model, path: str):
-    """model.layers[i].linear_attn.betas style access, as a user writes it."""
+    """Through a model.layers[i].linear_attn object made beforehand (the attribute read alone)."""
     parts = path.split(".")
     if parts[0] == "layers":
         obj = model.layers[int(parts[1])]
         for p in parts[2:-1]:
             obj = getattr(obj, p)
-        last = parts[-1]
-        return lambda: getattr(obj, last)
-    return lambda: model._read(path)
+    else:
+        obj = getattr(model, parts[0])
+    last = parts[-1]
+    return lambda: getattr(obj, last)
 
 
-def block_time(model, ids, readers) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one block; CPU time counts every thread (the forward's, a spinning wait)."""
+def full_reader(model, path: str):
+    """``model.layers[i].linear_attn.betas`` compiled as the user's own source line (attribute syntax, not
+    getattr()): every lookup happens in the block."""
+    parts = path.split(".")
+    if not all(p.isidentifier() or p.isdigit() for p in parts):
+        raise ValueError(f"unexpected value path {path!r}")
+    if parts[0] == "layers":
+        expr = f"model.layers[{int(parts[1])}]." + ".".join(parts[2:])
+    else:
+        expr = "model." + path
+    return eval(f"lambda: {expr}", {"model": model})
+
+
+def block_time(model, ids, readers, keep: bool = False) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one block; CPU time counts every thread (the forward's, a spinning wait).
+    keep: every value is held until the block ends (as `h = ...` does), so each is released read-only when
+    the forward moves on; otherwise each is dropped at once."""
     c0, t0 = time.process_time(), time.perf_counter()
     with model.trace([ids]):
-        for r in readers:
-            r()
+        if keep:
+            held = [r() for r in readers]
+            del held
+        else:
+            for r in readers:
+                r()
     return time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure(model, repeats: int, counts=COUNTS) -> dict:
+    """{access: {"wall": {n: [...]}, "cpu": {n: [...]}}}, blocks of every (access, count) interleaved."""
+    ids = [(i * 37 + 5) % 256 for i in range(8)]
+    paths = small_paths(model, max(counts))
+    if len(paths) < max(counts):
+        raise SystemExit(f"the model has only {len(paths)} small values; need {max(counts)}")
+    make = {"full": full_reader, "kept": full_reader, "envoy": envoy_reader}
+    readers = {(a, n): [make[a](model, p) for p in paths[:n]] for a in ACCESS for n in counts}
+    out = {a: {"wall": {n: [] for n in counts}, "cpu": {n: [] for n in counts}} for a in ACCESS}
+    for k in range(repeats + 2):  # two warm-up rounds
+        for a in ACCESS:
+            for n in counts:
+                w, c = block_time(model, ids, readers[(a, n)], keep=a == "kept")
+                if k >= 2:
+                    out[a]["wall"][n].append(w)
+                    out[a]["cpu"][n].append(c)
+    return out
+
+
+def per_value(series: dict, n: int, pick=min) -> float:
+    """(pick(t(N)) - pick(t(0))) / N in microseconds."""
+    return (pick(series[n]) - pick(series[0])) / n * 1e6
+
+
+def child(a) -> int:
+    """One measurement in this process (the build on sys.path), printed as JSON."""
+    os.environ["MIXLENS_OUTPUT"] = a.output
+    import mixlens
+
+    model = mixlens.StandardizedTransformer(a.model_path)
+    res = measure(model, a.repeats)
+    json.dump({"mixlens": mixlens.__file__, "output": model.output_format, "res": res}, sys.stdout)
+    return 0
+
+
+def run_child(a, output: str, pythonpath: str | None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, __file__, "--child", "--output", output, "--repeats", str(a.repeats),
+           "--model-path", a.model_path, "--threads", str(a.threads)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    r = json.loads(p.stdout)
+    # JSON keys are strings
+    r["res"] = {acc: {k: {int(n): v for n, v in d.items()} for k, d in x.items()} for acc, x in r["res"].items()}
+    return r
+
+
+def single_table(a, model_name: str, res: dict, fmt: str, where: str, load, load_after) -> str:
+    rows = ["| access | values read | block wall (ms, fastest) | per value wall (us) | per value wall, median (us) "
+            "| block CPU (ms, least) | per value CPU (us) |", "|---|---|---|---|---|---|---|"]
+    for acc in ACCESS:
+        wall, cpu = res[acc]["wall"], res[acc]["cpu"]
+        for n in COUNTS:
+            pw = "-" if n == 0 else f"{per_value(wall, n):.1f}"
+            pm = "-" if n == 0 else f"{per_value(wall, n, statistics.median):.1f}"
+            pc = "-" if n == 0 else f"{per_value(cpu, n):.1f}"
+            rows.append(f"| {acc} | {n} | {min(wall[n]) * 1e3:.3f} | {pw} | {pm} | {min(cpu[n]) * 1e3:.3f} | {pc} |")
+    return "\n".join([
+        f"Model: {model_name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (counts interleaved block by "
+        f"block), values as {fmt}, mixlens {where}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, "
+        f"{os.cpu_count()} cores.",
+        "",
+        *rows,
+    ])
+
+
+BEGIN, END = "<!-- bench_handoff.py: latest run (rewritten by the script) -->", "<!-- end of the latest run -->"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Puts `text` between the BEGIN / END markers of `path` (at its top when they are absent), keeping the
+    rest: the file also holds each round's hand-written notes."""
+    block = f"{BEGIN}\n{text.rstrip()}\n{END}\n"
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + block + "\n" + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        new = block + ("\n" + old if old else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: a tiny 24-layer Mamba-2 built under build/")
     ap.add_argument("--repeats", type=int, default=31)
-    ap.add_argument("--counts", default="0,1,10,100")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--label", default="mixlens", help="names this build in the table (to compare builds run in turn)")
     ap.add_argument("--output", choices=("auto", "torch", "numpy"), default=None,
                     help="value type read (MIXLENS_OUTPUT; default: $MIXLENS_OUTPUT, else auto = torch when installed)")
+    ap.add_argument("--ab", default=None, metavar="DIR", help="A/B: DIR holds the other build's mixlens package")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds (each: base and this, numpy and torch)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "handoff.md"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    os.environ.setdefault("MIXLENS_NUM_THREADS", str(a.threads))
-    if a.output:
-        os.environ["MIXLENS_OUTPUT"] = a.output
-    import mixlens
-
-    path = a.model or str(tiny_model(REPO / "build" / "bench-handoff-mamba2-24l"))
+    os.environ["MIXLENS_NUM_THREADS"] = str(a.threads)
+    a.model_path = a.model_path or a.model or str(tiny_model(REPO / "build" / "bench-handoff-mamba2-24l"))
+    if a.child:
+        return child(a)
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores", flush=True)
-    model = mixlens.StandardizedTransformer(path)
-    ids = [(i * 37 + 5) % 256 for i in range(8)]
-    counts = [int(c) for c in a.counts.split(",")]
-    modes = [a.label]
-    paths = small_paths(model, max(counts))
-    if len(paths) < max(counts):
-        raise SystemExit(f"the model has only {len(paths)} small values; need {max(counts)}")
-    readers = {n: [envoy_reader(model, p) for p in paths[:n]] for n in counts}
-    for mode in modes:  # warm-up
-        for n in counts:
-            block_time(model, ids, readers[n])
-    wall = {(m, n): [] for m in modes for n in counts}
-    cpu = {(m, n): [] for m in modes for n in counts}
-    for _ in range(a.repeats):
-        for mode in modes:
-            for n in counts:
-                w, c = block_time(model, ids, readers[n])
-                wall[(mode, n)].append(w)
-                cpu[(mode, n)].append(c)
+    name = Path(a.model_path).name
+    if not a.ab:
+        a.output = a.output or os.environ.get("MIXLENS_OUTPUT", "auto")
+        r = run_child(a, a.output, None)
+        text = "\n".join(["## Python hand-off: values read in one `with model.trace(...)` block", "",
+                          single_table(a, name, r["res"], r["output"], r["mixlens"], load, os.getloadavg()), ""])
+        print(text)
+        write_section(Path(a.out), text)
+        return 0
+    outputs = [a.output] if a.output else ["numpy", "torch"]
+    runs = []  # (round, output, label, result)
+    for k in range(a.rounds):
+        for output in outputs:
+            for label, pp in (("base", a.ab), ("this", None)):
+                r = run_child(a, output, pp)
+                runs.append((k, output, label, r))
+                c = r["res"]["full"]["cpu"]
+                print(f"round {k} {output:5s} {label}: full per value CPU "
+                      + ", ".join(f"N={n} {per_value(c, n):.2f}" for n in COUNTS[1:]) + " us", flush=True)
     load_after = os.getloadavg()
-    rows = ["| hand-off | values read | block wall (ms, fastest) | per value wall (us) | per value wall, median (us) "
-            "| block CPU (ms, least) | per value CPU (us) |", "|---|---|---|---|---|---|---|"]
-    for mode in modes:
-        fast = {n: min(wall[(mode, n)]) for n in counts}
-        med = {n: statistics.median(wall[(mode, n)]) for n in counts}
-        least = {n: min(cpu[(mode, n)]) for n in counts}
-
-        def per(d, n):
-            return "-" if n == 0 else f"{(d[n] - d[0]) / n * 1e6:.1f}"
-
-        for n in counts:
-            rows.append(f"| {mode} | {n} | {fast[n] * 1e3:.3f} | {per(fast, n)} | {per(med, n)} | {least[n] * 1e3:.3f} "
-                        f"| {per(least, n)} |")
+    lines = ["| output | access | build | per value CPU, N=1 (us) | N=10 | N=100 | N=100, each round | block CPU N=0 (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for output in outputs:
+        for acc in ACCESS:
+            for label in ("base", "this"):
+                rs = [r for (_, o, lab, r) in runs if o == output and lab == label]
+                per = {n: statistics.median(per_value(r["res"][acc]["cpu"], n) for r in rs) for n in COUNTS[1:]}
+                each = ", ".join(f"{per_value(r['res'][acc]['cpu'], 100):.2f}" for r in rs)
+                zero = statistics.median(min(r["res"][acc]["cpu"][0]) for r in rs) * 1e3
+                lines.append(f"| {output} | {acc} | {label} | {per[1]:.2f} | {per[10]:.2f} | {per[100]:.2f} | {each} "
+                             f"| {zero:.3f} |")
+    where = {lab: r["mixlens"] for (_, _, lab, r) in runs}
     text = "\n".join([
-        "# Python hand-off: values read in one `with model.trace(...)` block",
+        "## Python hand-off: values read in one `with model.trace(...)` block (A/B)",
         "",
-        f"Model: {Path(path).name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (counts interleaved "
-        f"block by block), values as {model.output_format}, mixlens {mixlens.__file__}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, {os.cpu_count()} cores"
-        + (" (busy machine: other work was running)" if load[0] > 1.0 else "") + ".",
-        "Per value = (t(N) - t(0)) / N. Wall: fastest and median of the repeats; CPU: process CPU time (every "
-        "thread: the Python block, the forward, any spinning wait), least of the repeats.",
+        f"A/B, {a.rounds} rounds, each round base then this build, numpy then torch output; model {name}, 8-token "
+        f"prompt, {a.threads} threads, {a.repeats} repeats per run (access kinds and counts interleaved block by "
+        f"block). base = {where.get('base')}, this = {where.get('this')}. Load average {load[0]:.2f} before, "
+        f"{load_after[0]:.2f} after, {os.cpu_count()} cores.",
+        "Per value = (t(N) - t(0)) / N of process CPU time (every thread), least of the repeats; the median over "
+        "the rounds. `full`: `model.layers[i].linear_attn.x` looked up in the block, each value dropped; `kept`: "
+        "the same, every value held to the end of the block (released read-only as the forward moves on); "
+        "`envoy`: through a `model.layers[i].linear_attn` made before the block.",
         "",
-        *rows,
+        *lines,
         "",
     ])
     print(text)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text)
+    write_section(Path(a.out), text)
     return 0
 
 

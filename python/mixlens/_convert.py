@@ -144,6 +144,9 @@ def value_tensor_class():
     if _VALUE_TENSOR is None:
         torch = _torch()
 
+        # No state or __slots__ of its own: the session binding (python/src/session.cpp) gives each value
+        # read in a `with` block this class by __class__ assignment, which needs torch.Tensor's layout
+        # (as_subclass, the fallback, costs a second tensor and Python object per value: issue 9 item 5).
         class ValueTensor(torch.Tensor):
             """A value read inside a trace as a float32 CPU ``torch.Tensor`` (``output="torch"``). In place edits
             of the value read last reach the forward when the block moves on; editing a value the

@@ -210,6 +210,16 @@ class Session:
 
     def grad_paths(self) -> list[str]: ...
 
+def value_attr(name: str, fallback: object) -> object:
+    """
+    A descriptor reading envoy.<name> through the open tracer's session in C (issue 9 item 5); other cases call fallback(envoy, name). Needs value_attr_env first.
+    """
+
+def value_attr_env(opened: object, unknown_value: object, unknown_attr: object) -> None:
+    """
+    value_attr's context: the ContextVar of the tracers a context opened, UnknownValueError, UnknownAttributeError.
+    """
+
 def session_run(model: Model, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], all_logits: bool = True, grad: bool = False) -> Session: ...
 
 def session_generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> Session: ...

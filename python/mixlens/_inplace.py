@@ -13,8 +13,10 @@ block, which raises the same WriteError. After the block ends every value is an 
 
 Where it runs: for reads in the ``with`` block itself these rules are applied by the session, once per
 value (issue 9 item 5: this bookkeeping was most of a read's cost in Python): the C++ session keeps the
-live value and a pristine copy and applies an in-place change as a write (``Session::read_live``), and
-the binding (``python/src/session.cpp``, ``Session.read_value``) releases the Python objects.
+live value and compares it with the forward's own copy (or a pristine copy after an assignment) and
+applies an in-place change as a write (``Session::read_live``), and the binding
+(``python/src/session.cpp``, ``Session.read_value``) releases the Python objects. A value nobody holds
+any more when the block moves on is not released (nothing can edit it).
 :class:`LiveValues` below does the same for ``tracer.invoke`` bodies, whose values are row slices of
 the batch's value.
 """

@@ -32,6 +32,7 @@ Prompt = Union[str, Sequence[int], Sequence[str], Sequence[Sequence[int]], np.nd
 # The tracers this thread / asyncio context opened (weak references): a read goes to the model's open
 # trace only from the context that opened it. New threads start with an empty context.
 _OPENED: contextvars.ContextVar[tuple] = contextvars.ContextVar("mixlens_opened_tracers", default=())
+_core.value_attr_env(_OPENED, UnknownValueError, UnknownAttributeError)  # what envoy reads check in C
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -301,10 +302,50 @@ class Cache:
 _STATE_METHODS = ("state", "state_after", "set_state_after")
 
 
-class _Envoy:
-    """Reads and writes ``<prefix><name>`` through the model's open tracer."""
+def _envoy_fallback(envoy, name: str):
+    return _Envoy.__getattr__(envoy, name)
 
-    __slots__ = ("_model", "_prefix")
+
+def _value_attr(name: str):
+    """``envoy.<name>`` for a value of the envoy's prefix: the per-value path of a `with` block (issue 9
+    item 5). A class attribute rather than ``__getattr__``, whose failed lookup first builds an
+    AttributeError (~1.5 us a read), and a descriptor in C (``_core.value_attr``, no Python frame): when
+    the model's open tracer was entered in this very context, is running and keeps no grad record, it
+    calls the session's read_value with the envoy's ``_paths[name]``; anything else goes to
+    ``_Envoy.__getattr__``'s full path (which raises or routes it)."""
+    return _core.value_attr(name, _envoy_fallback)
+
+
+# (envoy class, value names) -> its subclass with one descriptor per value name.
+_ENVOY_CLASSES: dict = {}
+
+
+def _envoy_class(cls: type, names: tuple) -> type:
+    key = (cls, names)
+    sub = _ENVOY_CLASSES.get(key)
+    if sub is None:
+        attrs: dict = {"__slots__": (), "__module__": cls.__module__, "__doc__": cls.__doc__}
+        for n in names:
+            if not hasattr(cls, n):  # never shadow a method or property of the envoy itself
+                attrs[n] = _value_attr(n)
+        sub = _ENVOY_CLASSES[key] = type(cls.__name__, (cls,), attrs)
+    return sub
+
+
+class _Envoy:
+    """Reads and writes ``<prefix><name>`` through the model's open tracer. An instance's class is a
+    subclass (``_envoy_class``) with a descriptor per value name of its prefix (``_value_attr``), and
+    ``_paths`` holds each name's full path, so a read does no string work."""
+
+    __slots__ = ("_model", "_prefix", "_paths")
+
+    def __new__(cls, model: Optional["StandardizedTransformer"] = None, prefix: str = "", *args, **kwargs):
+        if model is None:  # copy / pickle protocols make the object first, then set its slots
+            return object.__new__(cls)
+        paths = model._paths_under(prefix)
+        obj = object.__new__(_envoy_class(cls, tuple(sorted(paths))))
+        object.__setattr__(obj, "_paths", paths)
+        return obj
 
     def __init__(self, model: "StandardizedTransformer", prefix: str):
         object.__setattr__(self, "_model", model)
@@ -402,12 +443,15 @@ class _Layer(_Envoy):
     """``model.layers[i]``: ``layer_input``, ``layer_output`` (residual stream, ``[B,T,hidden]``) and the
     components ``linear_attn`` (recurrent mixer), ``self_attn`` (attention of a hybrid), ``mlp``."""
 
-    __slots__ = ()
+    # The components are made with the layer and sit in its __dict__: ``layer.linear_attn`` is a plain
+    # attribute lookup, no Python call (issue 9 item 5).
+    __slots__ = ("__dict__",)
 
-    def __getattr__(self, name: str):
-        if name in ("linear_attn", "self_attn", "mlp"):
-            return _Envoy(self._model, f"{self._prefix}{name}.")
-        return super().__getattr__(name)
+    def __init__(self, model: "StandardizedTransformer", prefix: str):
+        super().__init__(model, prefix)
+        d = self.__dict__
+        for name in ("linear_attn", "self_attn", "mlp"):
+            d[name] = _Envoy(model, f"{prefix}{name}.")
 
     def _names(self) -> list[str]:
         return sorted({n.split(".")[0] for n in super()._names()})
@@ -416,18 +460,30 @@ class _Layer(_Envoy):
 class _Layers(Sequence):
     def __init__(self, model: "StandardizedTransformer"):
         self._model = model
+        self._items: list = [None] * model.num_layers  # the _Layer of each index, made on first use
 
     def __len__(self) -> int:
-        return self._model.num_layers
+        return len(self._items)
 
     def __getitem__(self, i):
+        if type(i) is int:  # the per-value path (issue 9 item 5): a cached envoy, negatives as lists do
+            try:
+                layer = self._items[i]
+            except IndexError:
+                raise IndexError(f"layer {i} out of range (the model has {len(self._items)} layers)") from None
+            if layer is not None:
+                return layer
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self)
         j = i + n if i < 0 else i
         if not 0 <= j < n:
             raise IndexError(f"layer {i} out of range (the model has {n} layers)")
-        return _Layer(self._model, f"layers.{j}.")
+        j = int(j)
+        layer = self._items[j]
+        if layer is None:
+            layer = self._items[j] = _Layer(self._model, f"layers.{j}.")
+        return layer
 
 
 class _LayerValue:
@@ -437,16 +493,25 @@ class _LayerValue:
 
     def __init__(self, model: "StandardizedTransformer", name):
         self._model, self._name = model, name
+        self._paths: list = [None] * model.num_layers  # each layer's path, made on first use
 
     def __len__(self) -> int:
-        return self._model.num_layers
+        return len(self._paths)
 
     def _path(self, i: int) -> str:
-        n = self._model.num_layers
+        if type(i) is int:  # the per-value path: no string work for a layer read before
+            try:
+                path = self._paths[i]
+            except IndexError:
+                path = None
+            if path is not None:
+                return path
+        n = len(self._paths)
         i = _check_int("layer", i, -n, n - 1)
         i = i + n if i < 0 else i
         name = self._name(i) if callable(self._name) else self._name
-        return f"layers.{i}.{name}"
+        path = self._paths[i] = f"layers.{i}.{name}"
+        return path
 
     def __getitem__(self, i: int):
         return self._model._read(self._path(i))
@@ -595,6 +660,7 @@ class Tracer:
         self._calls: list = []
         self._owner_thread = None
         self._opened_token = None
+        self._ctx: Optional[tuple] = None  # _OPENED's value in the context that entered (while open)
         self._deferred = inputs is None and inputs_embeds is None
         self._deferred_open = False
         self._invokes: list = []
@@ -641,6 +707,7 @@ class Tracer:
         self._step = self._session.first_step
         self._owner_thread = threading.current_thread()
         self._opened_token = _OPENED.set(_OPENED.get() + (weakref.ref(self),))
+        self._ctx = _OPENED.get()  # the reads' fast check: this very tuple in the reader's context
         m._open = weakref.ref(self)
         return self
 
@@ -674,6 +741,7 @@ class Tracer:
     def _release_model(self) -> None:
         """Forget this tracer as the model's open one and let another trace start (idempotent)."""
         m = self._model
+        self._ctx = None
         if m._open is not None and m._open() in (self, None):
             m._open = None
         token, self._opened_token = self._opened_token, None
@@ -801,9 +869,14 @@ class Tracer:
         # One binding call: in-place edits of the previous value go in first, then this value is read
         # and becomes the live one (mixlens._inplace describes the rules).
         value = sess.read_value(self._step, path)
-        if self._grad and value is not None and "@t" not in path:
-            self._grad_reads.append((path, value))
+        if self._grad:
+            self._note_read(path, value)
         return value
+
+    def _note_read(self, path: str, value) -> None:
+        """grad=True: a value read in the block gets .grad from backward()."""
+        if value is not None and "@t" not in path:
+            self._grad_reads.append((path, value))
 
     def _refuse_foreign(self, path: str) -> None:
         """Raises for a read / write of `path` from outside the thread and context that opened this tracer:
@@ -1121,6 +1194,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         self._open: Optional[weakref.ref] = None  # the open tracer (any thread's)
         self._trace_lock = threading.Lock()       # held while a trace is open: one at a time per model
         self._value_paths: Optional[frozenset] = None
+        self._num_layers: int = self._core.info["num_layers"]  # info builds a dict: not per read
         self.layers = _Layers(self)
         self.embed_tokens = _Envoy(self, "embed_tokens.")
         self.ln_final = _Envoy(self, "ln_final.")
@@ -1137,7 +1211,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
 
     @property
     def num_layers(self) -> int:
-        return self._core.info["num_layers"]
+        return self._num_layers
 
     @property
     def hidden_size(self) -> int:
@@ -1181,6 +1255,17 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         if self._value_paths is None:
             self._value_paths = frozenset(v["path"] for v in self._core.values())
         return self._value_paths
+
+    def _paths_under(self, prefix: str) -> dict:
+        """{name: path} of the values named ``<prefix><name>`` (no further dot): an envoy's value properties."""
+        groups = getattr(self, "_path_groups", None)
+        if groups is None:  # one pass over every path, not one per envoy
+            groups = {}
+            for p in self._paths():
+                head, _, name = p.rpartition(".")
+                groups.setdefault(head + "." if head else "", {})[name] = p
+            self._path_groups = groups
+        return dict(groups.get(prefix, {}))
 
     def _order(self) -> dict:
         """Value path -> its index in forward order (``model.values()``)."""
@@ -1255,13 +1340,27 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
             t._refuse_foreign(path)
         return t
 
+    def _fast_tracer(self) -> Optional[Tracer]:
+        """The open tracer when this thread / context entered it and it is running (the per-value path's
+        one check), else None: other cases (an invoke body's thread, whose context is a fresh one; another
+        thread; a closed trace) take _read's full path, which raises or routes them."""
+        ref = self._open
+        if ref is not None:
+            t = ref()
+            if t is not None and t._session is not None and t._ctx is _OPENED.get():
+                return t
+        return None
+
     def _read(self, path: str):
+        t = self._fast_tracer()
+        if t is not None:  # the common case, inlined
+            return t._read_here(path)
         inv = _invoke.current()
         if inv is not None:  # an invoke body's thread: its trace was opened by the caller's thread
             return inv.tracer._read(path)
         ref = self._open
         t = ref() if ref is not None else None
-        if t is not None and t._session is not None and t._opened_here():  # the common case, inlined
+        if t is not None and t._session is not None and t._opened_here():
             return t._read_here(path)
         return self._tracer_for(path)._read_here(path)
 

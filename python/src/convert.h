@@ -23,15 +23,17 @@ namespace nb = nanobind;
 
 using FloatArray = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
-/// A numpy float32 array over `t`'s storage, which it keeps alive: pass a tensor nobody else
-/// holds (a clone). None for an undefined tensor. Needs the GIL.
-inline nb::object to_numpy(Tensor t) {
-  if (!t.defined()) return nb::none();
-  auto* keep = new Tensor(std::move(t));
-  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
-  std::vector<size_t> shape(keep->shape().begin(), keep->shape().end());
-  return nb::ndarray<nb::numpy, float>(keep->data(), shape.size(), shape.data(), owner).cast();
-}
+/// A numpy float32 array of type `subtype` (a subclass of numpy.ndarray; null: ndarray itself)
+/// over `t`'s storage, which it keeps alive: pass a tensor nobody else holds (a clone). None for an
+/// undefined tensor. Needs the GIL. numpy's C API, in one step (numpy_array.cpp).
+nb::object numpy_over(Tensor t, PyTypeObject* subtype = nullptr);
+
+/// Sets or clears an array's WRITEABLE flag directly (no flags object; setting it skips numpy's
+/// check of the base, so only for arrays numpy_over made). False when `arr` is not an array.
+bool set_writeable(PyObject* arr, bool on);
+
+/// numpy_over(t) as a plain numpy.ndarray.
+inline nb::object to_numpy(Tensor t) { return numpy_over(std::move(t)); }
 
 /// A Tensor copy of a C-contiguous float32 array (the Python layer casts and checks dtypes first).
 inline Tensor from_numpy(const FloatArray& a) {

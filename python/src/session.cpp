@@ -2,8 +2,10 @@
 // the GIL; the forward (a fiber on this thread) takes it only to run a pre-registered Python edit.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <memory>
 #include <optional>
 
@@ -26,13 +28,17 @@ struct HandedValues {
   nb::object cls;         // ValueArray / ValueTensor
   nb::object from_numpy;  // torch.from_numpy, or None for numpy output
   nb::object error;       // (step, path) -> the WriteError to raise for an edit of a released value
+  // torch: a plain tensor from from_numpy takes cls by __class__ assignment (cls adds methods, no
+  // state, and disables __torch_function__), ~0.1 us where as_subclass builds a second tensor and
+  // Python object (~3 us a value); as_subclass when the assignment is refused.
+  bool assign_class = true;
   nb::object last;        // the live value (None when there is none)
   int last_step = 0;
   std::string last_path;
   std::vector<nb::object> released_np;  // weak references
   struct Torch {
     nb::object ref;  // weak reference
-    nb::object version;
+    long long version;
     int step;
     std::string path;
   };
@@ -42,6 +48,34 @@ struct HandedValues {
 
   // Interned attribute names (method calls without a bound-method object: this runs per value).
   static PyObject* name(const char* s) { return PyUnicode_InternFromString(s); }
+  // obj._version (torch's in-place counter), or nullopt (inference-mode tensors have none).
+  static std::optional<long long> version_of(PyObject* obj) {
+    static PyObject* const version = name("_version");
+    PyObject* v = PyObject_GetAttr(obj, version);
+    if (v == nullptr) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    const long long n = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (n == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    return n;
+  }
+  // The object behind a weak reference (a new reference), or null once it is gone.
+  static PyObject* referent(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* obj = nullptr;
+    if (PyWeakref_GetRef(ref, &obj) < 0) PyErr_Clear();
+    return obj;
+#else
+    PyObject* obj = PyWeakref_GetObject(ref);  // borrowed; None once gone
+    if (obj == nullptr) PyErr_Clear();
+    return obj == nullptr || obj == Py_None ? nullptr : Py_NewRef(obj);
+#endif
+  }
   static nb::object call_method(nb::handle obj, PyObject* method, nb::handle arg) {
     PyObject* r = PyObject_CallMethodOneArg(obj.ptr(), method, arg.ptr());
     if (!r) throw nb::python_error();
@@ -49,24 +83,29 @@ struct HandedValues {
   }
 
   nb::object wrap(Tensor t) {
-    static PyObject* const view = name("view");
     static PyObject* const as_subclass = name("as_subclass");
+    static PyObject* const klass = name("__class__");
+    if (!cls.is_valid()) return to_numpy(std::move(t));
+    if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()));
     nb::object arr = to_numpy(std::move(t));
-    if (arr.is_none() || !cls.is_valid()) return arr;
-    return torch() ? call_method(from_numpy(arr), as_subclass, cls) : call_method(arr, view, cls);
+    if (arr.is_none()) return arr;
+    nb::object v = from_numpy(arr);
+    if (assign_class) {
+      if (PyObject_SetAttr(v.ptr(), klass, cls.ptr()) == 0) return v;
+      PyErr_Clear();
+      assign_class = false;
+    }
+    return call_method(v, as_subclass, cls);
   }
   void release(nb::object v, int step, const std::string& path) {
     if (torch()) {
-      nb::object version;
-      try {
-        version = v.attr("_version");
-      } catch (nb::python_error&) {  // inference-mode tensors have no version counter
-        return;
-      }
-      released_torch.push_back({nb::weakref(v), version, step, path});
+      const std::optional<long long> version = version_of(v.ptr());
+      if (!version) return;  // inference-mode tensors have no version counter
+      released_torch.push_back({nb::weakref(v), *version, step, path});
     } else if (nb::isinstance(v, cls)) {
-      v.attr("__dict__")["_mixlens_released"] = nb::make_tuple(step, path);
-      v.attr("flags").attr("writeable") = false;
+      static PyObject* const marker = name("_mixlens_released");  // read by mixlens._convert._frozen_path
+      if (PyObject_SetAttr(v.ptr(), marker, nb::make_tuple(step, path).ptr()) != 0) throw nb::python_error();
+      set_writeable(v.ptr(), false);
       released_np.push_back(nb::weakref(v));
     }
   }
@@ -74,27 +113,30 @@ struct HandedValues {
     if (!last.is_valid() || last.is_none()) return;
     nb::object v = std::move(last);
     last = nb::none();
+    // Nobody else holds it (a value read and dropped, as `model.layers[i].x.shape` does): nothing can
+    // edit it any more, so no marker, flag or weak reference (~0.3-0.5 us a read).
+    if (Py_REFCNT(v.ptr()) == 1) return;
     release(std::move(v), last_step, last_path);
   }
-  // A released torch value edited since: raise its WriteError (once).
+  // A released torch value edited since: raise its WriteError (once). Runs at every move over every
+  // released torch value still alive (torch has no read-only mode): plain C calls, ~50 ns a value.
   void check_released() {
     if (released_torch.empty()) return;
     size_t keep = 0;
     std::optional<std::pair<int, std::string>> bad;
     for (size_t i = 0; i < released_torch.size(); ++i) {
       Torch& r = released_torch[i];
-      nb::object v = r.ref();
-      if (v.is_none()) continue;
+      PyObject* v = referent(r.ref.ptr());
+      if (v == nullptr) continue;
       if (!bad) {
-        nb::object now;
-        try {
-          now = v.attr("_version");
-        } catch (nb::python_error&) {
-        }
-        if (now.is_valid() && !now.equal(r.version)) {
+        const std::optional<long long> now = version_of(v);
+        Py_DECREF(v);
+        if (now && *now != r.version) {
           bad = {r.step, r.path};
           continue;
         }
+      } else {
+        Py_DECREF(v);
       }
       if (keep != i) released_torch[keep] = std::move(r);
       ++keep;
@@ -111,12 +153,12 @@ struct HandedValues {
     release_last();
     check_released();
   }
-  void keep(nb::object v, int step, const std::string& path, bool read_only) {
+  void keep(nb::object v, int step, std::string_view path, bool read_only) {
     if (v.is_none()) return;
-    if (read_only) return release(std::move(v), step, path);
+    if (read_only) return release(std::move(v), step, std::string(path));
     last = std::move(v);
     last_step = step;
-    last_path = path;
+    last_path.assign(path);  // reuses the buffer: no allocation per read
   }
   // The block ends: optionally check the released torch values, then every value is ordinary again.
   void close(bool check) {
@@ -127,12 +169,9 @@ struct HandedValues {
         for (nb::object& ref : h.released_np) {
           nb::object v = ref();
           if (v.is_none()) continue;
-          try {
-            nb::object d = v.attr("__dict__");
-            if (PyDict_DelItemString(d.ptr(), "_mixlens_released") != 0) PyErr_Clear();
-            v.attr("flags").attr("writeable") = true;
-          } catch (nb::python_error&) {  // e.g. a view of memory that was never writeable
-          }
+          static PyObject* const marker = name("_mixlens_released");
+          if (PyObject_DelAttr(v.ptr(), marker) != 0) PyErr_Clear();
+          set_writeable(v.ptr(), true);  // made by numpy_over over a Tensor of its own: writable memory
         }
         h.released_np.clear();
         h.released_torch.clear();
@@ -182,6 +221,140 @@ nb::dict result_dict(const SessionResult& r, const Trace& trace) {
   return d;
 }
 
+// Session.read_value: the per-value path of a `with` block (issue 9 item 5): the in-place edit
+// bookkeeping of python/mixlens/_inplace.py, then Session::read_live, returning the output type.
+nb::object read_value(PySession& p, int step, std::string_view path) {
+  p.handed.move_on();
+  Tensor t;
+  {
+    nb::gil_scoped_release r;
+    t = p.s().read_live(step, path);
+  }
+  nb::object v = p.handed.wrap(std::move(t));
+  const bool read_only = path.ends_with(".states");
+  p.handed.keep(v, step, path, read_only);
+  return v;
+}
+
+// ValueAttr: `envoy.<value>` (python/mixlens/_model.py _envoy_class) as a descriptor in C, so a read
+// in a `with` block runs no Python frame: it checks what _Envoy's property did (the model's open
+// tracer, entered in this very context, running, no grad record to keep) and calls read_value; any
+// other case calls `fallback(envoy, name)`, the Python path (which raises or routes it).
+struct ValueAttr {
+  PyObject_HEAD
+  PyObject* name;      // the value's name under the envoy's prefix
+  PyObject* fallback;  // (envoy, name) -> value
+};
+
+struct ValueAttrEnv {
+  PyObject* opened = nullptr;         // mixlens._model._OPENED (ContextVar)
+  PyObject* unknown_value = nullptr;  // UnknownValueError
+  PyObject* unknown_attr = nullptr;   // UnknownAttributeError
+} g_attr_env;
+
+PyObject* interned(const char* s) { return PyUnicode_InternFromString(s); }
+
+// A new reference to obj.<name>, or null (error cleared) when it is missing.
+PyObject* get_attr(PyObject* obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+// The fast read; `handled` false: not the fast case (nothing done, no error set).
+PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
+  static PyObject* const s_model = interned("_model");
+  static PyObject* const s_open = interned("_open");
+  static PyObject* const s_session = interned("_session");
+  static PyObject* const s_ctx = interned("_ctx");
+  static PyObject* const s_grad = interned("_grad");
+  static PyObject* const s_step = interned("_step");
+  static PyObject* const s_paths = interned("_paths");
+  handled = false;
+  if (g_attr_env.opened == nullptr) return nullptr;
+  nb::object model = nb::steal(get_attr(envoy, s_model));
+  if (!model.is_valid()) return nullptr;
+  nb::object ref = nb::steal(get_attr(model.ptr(), s_open));
+  if (!ref.is_valid() || ref.is_none() || !PyWeakref_Check(ref.ptr())) return nullptr;
+  nb::object tracer = nb::steal(HandedValues::referent(ref.ptr()));
+  if (!tracer.is_valid()) return nullptr;
+  nb::object sess = nb::steal(get_attr(tracer.ptr(), s_session));
+  if (!sess.is_valid() || sess.is_none()) return nullptr;
+  nb::object ctx = nb::steal(get_attr(tracer.ptr(), s_ctx));
+  PyObject* cur = nullptr;
+  if (PyContextVar_Get(g_attr_env.opened, nullptr, &cur) < 0) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object current = nb::steal(cur);
+  if (!ctx.is_valid() || ctx.ptr() != current.ptr()) return nullptr;
+  nb::object grad = nb::steal(get_attr(tracer.ptr(), s_grad));
+  if (!grad.is_valid() || grad.ptr() != Py_False) return nullptr;  // grad=True: the Python path notes the read
+  nb::object paths = nb::steal(get_attr(envoy, s_paths));
+  if (!paths.is_valid() || !PyDict_Check(paths.ptr())) return nullptr;
+  PyObject* path = PyDict_GetItemWithError(paths.ptr(), self->name);  // borrowed
+  if (path == nullptr || !PyUnicode_Check(path)) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object step = nb::steal(get_attr(tracer.ptr(), s_step));
+  if (!step.is_valid()) return nullptr;
+  handled = true;
+  // Through the bound method: nanobind turns the library's C++ exceptions into mixlens' Python ones.
+  static PyObject* const s_read_value = interned("read_value");
+  PyObject* stack[] = {nullptr, sess.ptr(), step.ptr(), path};
+  PyObject* r = PyObject_VectorcallMethod(s_read_value, stack + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (r != nullptr) return r;
+  // UnknownValueError is also an AttributeError: as the property did, it reaches the user as
+  // UnknownAttributeError so hasattr() answers False.
+  if (PyErr_ExceptionMatches(g_attr_env.unknown_value) && !PyErr_ExceptionMatches(g_attr_env.unknown_attr)) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject* msg = value ? PyObject_Str(value) : nullptr;
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (msg != nullptr) {
+      PyErr_SetObject(g_attr_env.unknown_attr, msg);
+      Py_DECREF(msg);
+    }
+  }
+  return nullptr;
+}
+
+PyObject* value_attr_get(PyObject* self, PyObject* obj, PyObject* /*type*/) {
+  if (obj == nullptr || obj == Py_None) return Py_NewRef(self);
+  auto* a = reinterpret_cast<ValueAttr*>(self);
+  bool handled = false;
+  PyObject* r = value_attr_fast(a, obj, handled);
+  if (handled) return r;
+  return PyObject_CallFunctionObjArgs(a->fallback, obj, a->name, nullptr);
+}
+
+void value_attr_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  auto* a = reinterpret_cast<ValueAttr*>(self);
+  Py_XDECREF(a->name);
+  Py_XDECREF(a->fallback);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyTypeObject* value_attr_type() {
+  static PyTypeObject* type = [] {
+    PyType_Slot slots[] = {{Py_tp_descr_get, reinterpret_cast<void*>(&value_attr_get)},
+                           {Py_tp_dealloc, reinterpret_cast<void*>(&value_attr_dealloc)},
+                           {0, nullptr}};
+    PyType_Spec spec = {"mixlens._core.ValueAttr", static_cast<int>(sizeof(ValueAttr)), 0, Py_TPFLAGS_DEFAULT,
+                        slots};
+    PyObject* t = PyType_FromSpec(&spec);
+    if (t == nullptr) throw nb::python_error();
+    return reinterpret_cast<PyTypeObject*>(t);
+  }();
+  return type;
+}
+
 nb::list calls_list(const std::vector<CallRecord>& calls) {
   nb::list out;
   for (const CallRecord& c : calls) {
@@ -215,27 +388,20 @@ void init_session(nb::module_& m) {
       // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
       .def("set_output",
            [](PySession& p, nb::object cls, nb::object from_numpy, nb::object error) {
+             if (from_numpy.is_none()) {
+               nb::object ndarray = nb::module_::import_("numpy").attr("ndarray");
+               if (!PyType_Check(cls.ptr()) || PyObject_IsSubclass(cls.ptr(), ndarray.ptr()) != 1)
+                 throw nb::type_error("set_output: cls must be a numpy.ndarray subclass for numpy output");
+             }
              p.handed.cls = std::move(cls);
+             p.handed.assign_class = true;
              p.handed.from_numpy = std::move(from_numpy);
              p.handed.error = std::move(error);
            },
            nb::arg("cls"), nb::arg("from_numpy").none(), nb::arg("error"),
            "Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, "
            "error(step, path) -> the WriteError for an edit of a released value.")
-      .def("read_value",
-           [](PySession& p, int step, const std::string& path) {
-             p.handed.move_on();
-             Tensor t;
-             {
-               nb::gil_scoped_release r;
-               t = p.s().read_live(step, path);
-             }
-             nb::object v = p.handed.wrap(std::move(t));
-             const bool read_only = path.size() >= 7 && path.compare(path.size() - 7, 7, ".states") == 0;
-             p.handed.keep(v, step, path, read_only);
-             return v;
-           },
-           nb::arg("step"), nb::arg("path"),
+      .def("read_value", &read_value, nb::arg("step"), nb::arg("path"),
            "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
            "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")
       .def("write_value",
@@ -316,6 +482,26 @@ void init_session(nb::module_& m) {
              for (const auto& [k, v] : p.trace->grads()) out.push_back(k);
              return out;
            });
+
+  m.def(
+      "value_attr",
+      [](nb::str name, nb::object fallback) {
+        auto* a = PyObject_New(ValueAttr, value_attr_type());
+        if (a == nullptr) throw nb::python_error();
+        a->name = Py_NewRef(name.ptr());
+        a->fallback = Py_NewRef(fallback.ptr());
+        return nb::steal(reinterpret_cast<PyObject*>(a));
+      },
+      nb::arg("name"), nb::arg("fallback"),
+      "A descriptor reading envoy.<name> through the open tracer's session in C (issue 9 item 5); other cases "
+      "call fallback(envoy, name). Needs value_attr_env first.");
+  m.def(
+      "value_attr_env",
+      [](nb::object opened, nb::object unknown_value, nb::object unknown_attr) {
+        g_attr_env = {Py_NewRef(opened.ptr()), Py_NewRef(unknown_value.ptr()), Py_NewRef(unknown_attr.ptr())};
+      },
+      nb::arg("opened"), nb::arg("unknown_value"), nb::arg("unknown_attr"),
+      "value_attr's context: the ContextVar of the tracers a context opened, UnknownValueError, UnknownAttributeError.");
 
   // Factories: the session keeps the model (and a continued cache) alive.
   m.def(

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -17,6 +18,7 @@
 #include "mixlens/errors.h"
 #include "ops/ops.h"
 #include "models/family.h"
+#include "runtime/arena.h"
 #include "runtime/fiber.h"
 #include "runtime/listener.h"
 #include "runtime/model_access.h"
@@ -28,6 +30,24 @@ namespace {
 
 // Thrown in the forward to unwind a run the caller abandoned; never leaves the fiber.
 struct Aborted {};
+
+// An independent copy of a value. A small float32 one is written once (Tensor::clone zero-fills
+// its new buffer first; the session copies every value it hands out or stashes: issue 9 item 5);
+// large ones keep clone's recycled arena pages (fresh pages would fault in instead).
+Tensor copy_of(const Tensor& v) {
+  if (!v.defined() || v.dtype() != ScalarType::float32 ||
+      sizeof(float) * static_cast<size_t>(v.numel()) >= detail::kArenaMinBytes)
+    return v.clone();
+  Tensor t = Tensor::uninitialized(v.shape());
+  if (v.numel() > 0) std::memcpy(t.data(), v.data(), sizeof(float) * static_cast<size_t>(v.numel()));
+  return t;
+}
+
+// Hashes a std::string and a std::string_view alike, so a path is looked up without a copy.
+struct PathHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+};
 
 // The session whose forward this thread is running (null otherwise): a read from inside the forward
 // (an edit function calling back into the session) would wait on itself forever.
@@ -99,7 +119,7 @@ struct Session::Impl {
     void revised(int layer, Value v, const Tensor& value) override {
       std::lock_guard<std::mutex> lk(s_.mu);
       auto it = s_.stash.find(Site{layer, v});
-      if (it != s_.stash.end()) it->second = value.clone();
+      if (it != s_.stash.end()) it->second = copy_of(value);
     }
     bool visit(int layer, Value v, Tensor& value, const Shape& shape) override {
       std::unique_lock<std::mutex> lk(s_.mu);
@@ -210,7 +230,7 @@ struct Session::Impl {
       stash.clear();
       stash_moment = key;
     }
-    stash[site] = value.defined() ? value.clone() : Tensor();
+    stash[site] = value.defined() ? copy_of(value) : Tensor();
   }
 
   // Worker side, lock held: stay paused while there is nowhere further to go (no target beyond the
@@ -341,6 +361,14 @@ struct Session::Impl {
   }
 
   Target resolve(int step, std::string_view path_view, const char* verb) const {
+    // The per-value path: a canonical path (no '@t' token, no '*') at a step of this run, from the
+    // table without building a string.
+    // (A loop, not find_first_of: libstdc++ calls memchr once per character for that.)
+    if (step >= first_step && step <= last_step &&
+        std::none_of(path_view.begin(), path_view.end(), [](char c) { return c == '@' || c == '*'; })) {
+      if (auto it = path_sites.find(path_view); it != path_sites.end() && it->second.value != Value::state)
+        return {{step, order_of(it->second), -1}, it->second, true};
+    }
     const std::string path(path_view);
     if (path.find('*') != std::string::npos)
       throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
@@ -453,7 +481,7 @@ struct Session::Impl {
   const detail::FamilyModel& family;
   Trace* trace;
   std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
-  std::unordered_map<std::string, Site> path_sites;  // canonical path -> site (Model::values())
+  std::unordered_map<std::string, Site, PathHash, std::equal_to<>> path_sites;  // canonical path -> site (Model::values())
   int first_step = 0, last_step = 0;
   int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
 
@@ -485,11 +513,13 @@ struct Session::Impl {
   std::map<Site, Tensor, SiteLess> stash;  // copies of the current moment's values already passed
   std::pair<int, int> stash_moment{-2, 0};  // (layer, moment) the stash holds
   std::vector<CallRecord> calls;
-  // read_live's value, shared with the caller, and a copy of it as read (pristine).
+  // read_live's value, shared with the caller, and what it held when handed out: the forward's own
+  // value while it stays paused there (`at_live`: no second copy per read), else a copy (pristine).
   struct Handed {
     Target target;
     std::string path;
     Tensor value, pristine;
+    bool at_live = false;
   };
   std::optional<Handed> handed;
   std::exception_ptr error;
@@ -624,8 +654,17 @@ void Session::Impl::settle_handed(const Target* keep) {
   if (keep && keep->pos == handed->target.pos && keep->site == handed->target.site) return;
   Handed h = std::move(*handed);
   handed.reset();
+  const Tensor* as_read = &h.pristine;
+  if (h.at_live) {
+    // Nothing moved the forward since the read (every request settles first) and only a write of
+    // this value changes it there (which takes a pristine copy instead): `live` is what was read.
+    std::lock_guard<std::mutex> lk(mu);
+    if (!(paused && live != nullptr && pos == h.target.pos))
+      throw Error("internal: the live value's forward moved before its in-place edits were checked");
+    as_read = live;
+  }
   const size_t bytes = sizeof(float) * static_cast<size_t>(h.value.numel());
-  if (h.value.shape() == h.pristine.shape() && std::memcmp(h.value.data(), h.pristine.data(), bytes) == 0) return;
+  if (h.value.shape() == as_read->shape() && std::memcmp(h.value.data(), as_read->data(), bytes) == 0) return;
   const std::string what =
       "in-place edit of '" + h.path + "' (read at step " + std::to_string(h.target.pos.step) + ") could not be applied: ";
   try {
@@ -647,7 +686,7 @@ Tensor Session::Impl::read_at(const Target& t, std::string_view path) {
     // `states` is read-only and the forward drops it after this visit: hand over the stack itself
     // rather than copying hundreds of MiB (the caller still owns an independent value).
     if (t.site.value == Value::states) return *live;
-    return live->clone();
+    return copy_of(*live);
   }
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
   if (a == Arrival::passed && t.pos.step == pos.step) {
@@ -660,7 +699,7 @@ Tensor Session::Impl::read_at(const Target& t, std::string_view path) {
         Tensor dt = family.betas_for_decays(t.site.layer, it->second, *live);
         if (dt.defined()) return dt;
       }
-      return it->second.defined() ? it->second.clone() : Tensor();
+      return it->second.defined() ? copy_of(it->second) : Tensor();
     }
   }
   not_served(t, std::string(path), "read", a);
@@ -693,7 +732,10 @@ void Session::Impl::write_at(const Target& t, std::string_view path, const Tenso
   live_written = true;
   // A write of the live value itself: what it holds now counts as unmodified (changes from here on
   // are still applied).
-  if (handed && handed->target.pos == t.pos && handed->target.site == t.site) handed->pristine = handed->value.clone();
+  if (handed && handed->target.pos == t.pos && handed->target.site == t.site) {
+    handed->pristine = copy_of(handed->value);
+    handed->at_live = false;
+  }
 }
 
 void Session::settle() {
@@ -707,7 +749,14 @@ Tensor Session::read_live(int step, std::string_view path) {
   const Impl::Target t = s.resolve(step, path, "read");
   s.settle_handed(nullptr);
   Tensor v = s.read_at(t, path);
-  if (v.defined() && t.site.value != Value::states) s.handed = Impl::Handed{t, std::string(path), v, v.clone()};
+  if (v.defined() && t.site.value != Value::states) {
+    bool at_live;
+    {
+      std::lock_guard<std::mutex> lk(s.mu);
+      at_live = s.paused && s.live != nullptr && s.pos == t.pos;  // served from the forward's value
+    }
+    s.handed = Impl::Handed{t, std::string(path), v, at_live ? Tensor() : copy_of(v), at_live};
+  }
   return v;
 }
 

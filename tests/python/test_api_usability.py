@@ -166,6 +166,31 @@ def test_hasattr_is_false_for_unknown_names(model, hybrid):
         model.layers[0].linear_attn.betas
 
 
+def test_envoys_are_made_once_and_reads_check_the_context(model):
+    # Issue 9 item 5: model.layers[i].linear_attn.x does no string work and no failed attribute
+    # lookup per read (cached envoys, a property per value name), and still only reads the trace
+    # this thread / context opened.
+    n = model.num_layers
+    assert model.layers[1] is model.layers[1] is model.layers[np.int64(1)] is model.layers[1 - n]
+    assert model.layers[1].linear_attn is model.layers[1].linear_attn
+    assert model.layers[:2] == [model.layers[0], model.layers[1]]
+    with pytest.raises(IndexError, match=f"layer {n} out of range \\(the model has {n} layers\\)"):
+        model.layers[n]
+    # A descriptor on the envoy's class, not __getattr__ (whose miss builds an AttributeError per read).
+    assert type(type(model.layers[0].linear_attn).__dict__.get("betas")).__name__ == "ValueAttr"
+    assert type(type(model.layers[0]).__dict__.get("layer_output")).__name__ == "ValueAttr"
+    import contextvars
+
+    with model.trace(PROMPT):
+        other = contextvars.Context()  # empty, as another asyncio task's or thread's
+        with pytest.raises(mixlens.InputError, match="belongs to another asyncio task"):
+            other.run(lambda: model.layers[0].linear_attn.betas)
+        with pytest.raises(mixlens.InputError, match="belongs to another asyncio task"):
+            other.run(lambda: model.layers_output[0])
+        b = model.layers[0].linear_attn.betas  # the block's own context reads on
+        assert b.shape[:2] == (1, len(model.tokenizer.encode(PROMPT)))
+
+
 # ---- 4. saves of steps that never ran -------------------------------------------------------------
 
 
