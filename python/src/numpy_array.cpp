@@ -9,6 +9,7 @@
 #include <numpy/arrayobject.h>
 
 #include "convert.h"
+#include "capi.h"
 
 namespace mixlens::py {
 
@@ -23,10 +24,8 @@ struct TensorOwner {
 };
 
 void owner_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
   delete reinterpret_cast<TensorOwner*>(self)->tensor;
-  type->tp_free(self);
-  Py_DECREF(type);  // a heap type's instances hold a reference to it
+  free_heap_object(self);
 }
 
 int owner_getbuffer(PyObject* self, Py_buffer* view, int flags) {
@@ -40,11 +39,7 @@ PyTypeObject* owner_type() {
     PyType_Slot slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(&owner_dealloc)},
                            {Py_bf_getbuffer, reinterpret_cast<void*>(&owner_getbuffer)},
                            {0, nullptr}};
-    PyType_Spec spec = {"mixlens._core.TensorOwner", static_cast<int>(sizeof(TensorOwner)), 0, Py_TPFLAGS_DEFAULT,
-                        slots};
-    PyObject* t = PyType_FromSpec(&spec);
-    if (t == nullptr) throw nb::python_error();
-    return reinterpret_cast<PyTypeObject*>(t);  // kept for the life of the process
+    return new_heap_type("mixlens._core.TensorOwner", static_cast<int>(sizeof(TensorOwner)), slots);
   }();
   return type;
 }
