@@ -145,13 +145,14 @@ def value_tensor_class():
         torch = _torch()
 
         # No state or __slots__ of its own: the session binding (python/src/session.cpp) gives each value
-        # read in a `with` block this class by __class__ assignment, which needs torch.Tensor's layout
+        # read in a `with` block this class (and a released one its subclass) by __class__ assignment, which needs torch.Tensor's layout
         # (as_subclass, the fallback, costs a second tensor and Python object per value: issue 9 item 5).
         class ValueTensor(torch.Tensor):
             """A value read inside a trace as a float32 CPU ``torch.Tensor`` (``output="torch"``). In place edits
             of the value read last reach the forward when the block moves on; editing a value the
-            forward has passed raises :class:`mixlens.WriteError` at the next read / write / step / end
-            of the block. ``.save()`` returns the tensor itself (nnsight compatibility)."""
+            forward has passed raises :class:`mixlens.WriteError` at the next generation step or the end of
+            the block (at the next read / write when the value is dropped after the edit; see
+            :mod:`mixlens._inplace`). ``.save()`` returns the tensor itself (nnsight compatibility)."""
 
             __torch_function__ = torch._C._disabled_torch_function_impl
 

@@ -155,9 +155,9 @@ class Session:
 
     def read(self, step: int, path: str) -> object: ...
 
-    def set_output(self, cls: object, from_numpy: object | None, error: object) -> None:
+    def set_output(self, cls: object, from_dlpack: object | None, error: object, released_cls: object | None = None) -> None:
         """
-        Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, error(step, path) -> the WriteError for an edit of a released value.
+        Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function (torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released value, released_cls: the class a released torch value takes (mixlens._inplace; None: checked at every move instead).
         """
 
     def read_value(self, step: int, path: str) -> object:

@@ -8,8 +8,12 @@ bit-for-bit against a pristine copy.
 
 A value the forward has moved past is *released*: numpy values become read-only (editing raises
 :class:`mixlens.WriteError` at once, naming the value and saying to assign); torch values have no
-read-only mode, so their version counter is checked at every later move and at the end of the
-block, which raises the same WriteError. After the block ends every value is an ordinary array again.
+read-only mode, so their version counter is compared with its value at the release, which raises the
+same WriteError: for a value edited and then dropped, at the next read / write / step (its class,
+:func:`released_value_tensor_class`, notes the edit when it is collected); for one still held, at
+the next step of a generation and at the end of the block. (Checking every held value at every read
+made a read cost ~0.2 us per value held: issue 9 item 5.) After the block ends every value is an
+ordinary array again.
 
 Where it runs: for reads in the ``with`` block itself these rules are applied by the session, once per
 value (issue 9 item 5: this bookkeeping was most of a read's cost in Python): the C++ session keeps the
@@ -35,6 +39,34 @@ from .errors import MixlensError, OutOfOrderError, WriteError
 # Values up to this size keep their pristine copy as bytes (see _Live.rebase); larger ones (a `states`
 # stack can be hundreds of MiB) as an array, so a comparison does not make another full-size copy.
 _BYTES_LIMIT = 1 << 20
+
+
+_RELEASED_TENSOR = None
+
+
+def released_value_tensor_class():
+    """The class a released torch value of a `with` block takes until the block ends (by ``__class__``
+    assignment in python/src/session.cpp, which sets ``_mixlens_released`` = (version at the release, step,
+    path, pending list) on it): a :class:`ValueTensor` whose ``__del__`` appends (step, path) to the pending
+    list when the value was edited in place after its release, so that the session raises the WriteError at
+    its next move even though the value is gone."""
+    global _RELEASED_TENSOR
+    if _RELEASED_TENSOR is None:
+        from ._convert import value_tensor_class
+
+        def __del__(self):
+            try:
+                info = self.__dict__.get("_mixlens_released")
+                if info is not None and self._version != info[0]:
+                    info[3].append((info[1], info[2]))
+            except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter shutdown, inference mode)
+                pass
+
+        base = value_tensor_class()
+        # No state of its own (the session swaps classes both ways); the name users see is ValueTensor's.
+        _RELEASED_TENSOR = type(base)("ValueTensor", (base,), {"__del__": __del__, "__module__": "mixlens",
+                                                               "__qualname__": "ValueTensor", "__doc__": base.__doc__})
+    return _RELEASED_TENSOR
 
 
 def _version(v) -> Optional[int]:

@@ -16,7 +16,7 @@ import numpy as np
 from . import _core, hub
 from ._convert import (ValueArray, as_float32, is_torch, released_error, resolve_output, to_output, to_plain,
                        value_tensor_class)
-from ._inplace import _Live
+from ._inplace import _Live, released_value_tensor_class
 from . import _invoke, _nnterp
 from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
@@ -115,10 +115,15 @@ def _released_error(step: int, path: str):
     return released_error((step, path))
 
 
-def _torch_from_numpy():
+def _torch_from_dlpack():
+    """DLPack capsule -> torch tensor: torch's C entry point (no Python frame per value), else its public
+    wrapper (which takes capsules too)."""
     import torch
 
-    return torch.from_numpy
+    fn = getattr(torch._C, "_from_dlpack", None)
+    if fn is None:
+        from torch.utils.dlpack import from_dlpack as fn
+    return fn
 
 
 def _as_value(arr: Optional[np.ndarray], fmt: str = "numpy"):
@@ -698,7 +703,8 @@ class Tracer:
             # In-place edit bookkeeping of the values read in the block lives in the session binding
             # (python/src/session.cpp; rules in mixlens._inplace).
             if self._fmt == "torch":
-                self._session.set_output(value_tensor_class(), _torch_from_numpy(), _released_error)
+                self._session.set_output(value_tensor_class(), _torch_from_dlpack(), _released_error,
+                                         released_value_tensor_class())
             else:
                 self._session.set_output(ValueArray, None, _released_error)
         except BaseException:

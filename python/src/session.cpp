@@ -5,11 +5,14 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "bindings.h"
+#include "capi.h"
 #include "interrupt.h"
 #include "mixlens/session.h"
 
@@ -22,15 +25,21 @@ using Rows = std::vector<std::vector<int32_t>>;
 // The Python side of in-place edits (python/mixlens/_inplace.py describes the rules): the session
 // (Session::read_live) applies in-place changes of the value read last; this tracks the Python
 // objects. A value the forward has moved past is *released*: a numpy one becomes read-only (editing
-// raises at once), a torch one (no read-only mode) has its version counter checked at every later
-// move. Kept here rather than in Python: it runs for every value read (issue 9 item 5).
+// raises at once). A torch one has no read-only mode: it takes the class `released_cls`, whose
+// __del__ notes an edit made since (its version counter moved) in `pending`, raised at the next move,
+// and the values still alive are checked at the next step and at the end of the block. That keeps
+// a read O(1) however many values the block holds (checking every held value at every read cost
+// ~0.2 us per held value per read). Kept here rather than in Python: it runs for every value read
+// (issue 9 item 5).
 struct HandedValues {
-  nb::object cls;         // ValueArray / ValueTensor
-  nb::object from_numpy;  // torch.from_numpy, or None for numpy output
-  nb::object error;       // (step, path) -> the WriteError to raise for an edit of a released value
-  // torch: a plain tensor from from_numpy takes cls by __class__ assignment (cls adds methods, no
-  // state, and disables __torch_function__), ~0.1 us where as_subclass builds a second tensor and
-  // Python object (~3 us a value); as_subclass when the assignment is refused.
+  nb::object cls;           // ValueArray / ValueTensor
+  nb::object from_dlpack;   // torch: DLPack capsule -> tensor (torch._C._from_dlpack); None for numpy
+  nb::object released_cls;  // torch: ValueTensor's subclass with the __del__ above (or None)
+  nb::object error;         // (step, path) -> the WriteError to raise for an edit of a released value
+  nb::object pending;       // torch: list of (step, path) the released values' __del__ appends to
+  // torch: a tensor from from_dlpack takes cls by __class__ assignment (cls adds methods, no state,
+  // and disables __torch_function__), ~0.1 us where as_subclass builds a second tensor and Python
+  // object (~3 us a value); as_subclass when the assignment is refused.
   bool assign_class = true;
   nb::object last;        // the live value (None when there is none)
   int last_step = 0;
@@ -41,13 +50,24 @@ struct HandedValues {
     long long version;
     int step;
     std::string path;
+    bool swapped;  // took released_cls (else: checked at every move, as before it existed)
   };
   std::vector<Torch> released_torch;
+  size_t unswapped = 0;  // entries of released_torch without released_cls
+  size_t prune_at = 64;  // drop the entries of collected values when the lists reach this size
 
-  bool torch() const { return from_numpy.is_valid() && !from_numpy.is_none(); }
+  bool torch() const { return from_dlpack.is_valid() && !from_dlpack.is_none(); }
 
   // Interned attribute names (method calls without a bound-method object: this runs per value).
   static PyObject* name(const char* s) { return PyUnicode_InternFromString(s); }
+  static PyObject* marker() {
+    static PyObject* const m = name("_mixlens_released");  // read by mixlens._convert._frozen_path / _inplace
+    return m;
+  }
+  static PyObject* klass() {
+    static PyObject* const k = name("__class__");
+    return k;
+  }
   // obj._version (torch's in-place counter), or nullopt (inference-mode tensors have none).
   static std::optional<long long> version_of(PyObject* obj) {
     static PyObject* const version = name("_version");
@@ -81,30 +101,69 @@ struct HandedValues {
     if (!r) throw nb::python_error();
     return nb::steal(r);
   }
+  [[noreturn]] void raise_released(int step, const std::string& path) {
+    nb::object e = error(step, path);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
+    throw nb::python_error();
+  }
 
   nb::object wrap(Tensor t) {
     static PyObject* const as_subclass = name("as_subclass");
-    static PyObject* const klass = name("__class__");
     if (!cls.is_valid()) return to_numpy(std::move(t));
     if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()));
-    nb::object arr = to_numpy(std::move(t));
-    if (arr.is_none()) return arr;
-    nb::object v = from_numpy(arr);
+    nb::object cap = dlpack_over(std::move(t));
+    if (cap.is_none()) return cap;
+    PyObject* r = PyObject_CallOneArg(from_dlpack.ptr(), cap.ptr());
+    if (r == nullptr) throw nb::python_error();
+    nb::object v = nb::steal(r);
     if (assign_class) {
-      if (PyObject_SetAttr(v.ptr(), klass, cls.ptr()) == 0) return v;
+      if (PyObject_SetAttr(v.ptr(), klass(), cls.ptr()) == 0) return v;
       PyErr_Clear();
       assign_class = false;
     }
     return call_method(v, as_subclass, cls);
   }
+  // torch: v takes released_cls and notes (version, step, path, pending) for its __del__.
+  bool swap_released(PyObject* v, long long version, int step, const std::string& path) {
+    if (!released_cls.is_valid() || released_cls.is_none()) return false;
+    if (PyObject_SetAttr(v, klass(), released_cls.ptr()) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    nb::object info = nb::make_tuple(version, step, path, pending);
+    if (PyObject_SetAttr(v, marker(), info.ptr()) != 0) {
+      PyErr_Clear();
+      if (PyObject_SetAttr(v, klass(), cls.ptr()) != 0) PyErr_Clear();
+      return false;
+    }
+    return true;
+  }
+  // Entries of values collected since: dropped when the lists double (O(1) a release amortized).
+  void prune() {
+    if (released_torch.size() + released_np.size() < prune_at) return;
+    std::erase_if(released_np, [](const nb::object& ref) { return !alive(ref.ptr()); });
+    std::erase_if(released_torch, [this](const Torch& r) {
+      if (alive(r.ref.ptr())) return false;
+      if (!r.swapped) --unswapped;
+      return true;
+    });
+    prune_at = std::max<size_t>(64, 2 * (released_torch.size() + released_np.size()));
+  }
+  static bool alive(PyObject* ref) {
+    PyObject* v = referent(ref);
+    Py_XDECREF(v);
+    return v != nullptr;
+  }
   void release(nb::object v, int step, const std::string& path) {
+    prune();
     if (torch()) {
       const std::optional<long long> version = version_of(v.ptr());
       if (!version) return;  // inference-mode tensors have no version counter
-      released_torch.push_back({nb::weakref(v), *version, step, path});
+      const bool swapped = swap_released(v.ptr(), *version, step, path);
+      released_torch.push_back({nb::weakref(v), *version, step, path, swapped});
+      if (!swapped) ++unswapped;
     } else if (nb::isinstance(v, cls)) {
-      static PyObject* const marker = name("_mixlens_released");  // read by mixlens._convert._frozen_path
-      if (PyObject_SetAttr(v.ptr(), marker, nb::make_tuple(step, path).ptr()) != 0) throw nb::python_error();
+      if (PyObject_SetAttr(v.ptr(), marker(), nb::make_tuple(step, path).ptr()) != 0) throw nb::python_error();
       set_writeable(v.ptr(), false);
       released_np.push_back(nb::weakref(v));
     }
@@ -118,40 +177,62 @@ struct HandedValues {
     if (Py_REFCNT(v.ptr()) == 1) return;
     release(std::move(v), last_step, last_path);
   }
-  // A released torch value edited since: raise its WriteError (once). Runs at every move over every
-  // released torch value still alive (torch has no read-only mode): plain C calls, ~50 ns a value.
-  void check_released() {
-    if (released_torch.empty()) return;
+  // A released torch value edited and then collected (its __del__ noted it): raise its WriteError.
+  void raise_pending() {
+    if (!pending.is_valid() || pending.is_none() || PyList_GET_SIZE(pending.ptr()) == 0) return;
+    nb::object first = nb::borrow(PyList_GET_ITEM(pending.ptr(), 0));
+    if (PyList_SetSlice(pending.ptr(), 0, PyList_GET_SIZE(pending.ptr()), nullptr) != 0) throw nb::python_error();
+    raise_released(nb::cast<int>(first[0]), nb::cast<std::string>(first[1]));
+  }
+  // Released torch values still alive edited since their release: raise the first one's WriteError.
+  // all = false: only those without released_cls (then it runs at every move: ~0.2 us a value).
+  void check_released(bool all) {
+    if (released_torch.empty() || (!all && unswapped == 0)) return;
     size_t keep = 0;
     std::optional<std::pair<int, std::string>> bad;
     for (size_t i = 0; i < released_torch.size(); ++i) {
       Torch& r = released_torch[i];
-      PyObject* v = referent(r.ref.ptr());
-      if (v == nullptr) continue;
-      if (!bad) {
-        const std::optional<long long> now = version_of(v);
+      if (all || !r.swapped) {
+        PyObject* v = referent(r.ref.ptr());
+        if (v == nullptr) {
+          if (!r.swapped) --unswapped;
+          continue;
+        }
+        const std::optional<long long> now = bad ? std::nullopt : version_of(v);
         Py_DECREF(v);
         if (now && *now != r.version) {
           bad = {r.step, r.path};
+          if (!r.swapped) --unswapped;
+          else restore(r);  // reported once: an ordinary value again
           continue;
         }
-      } else {
-        Py_DECREF(v);
       }
       if (keep != i) released_torch[keep] = std::move(r);
       ++keep;
     }
     released_torch.resize(keep);
-    if (bad) {
-      nb::object e = error(bad->first, bad->second);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
-      throw nb::python_error();
-    }
+    if (bad) raise_released(bad->first, bad->second);
+  }
+  // A released torch value alive again as cls, without its note (errors cleared: this also runs in
+  // destructors).
+  void restore(const Torch& r) {
+    if (!r.swapped) return;
+    PyObject* v = referent(r.ref.ptr());
+    if (v == nullptr) return;
+    if (PyObject_SetAttr(v, klass(), cls.ptr()) != 0) PyErr_Clear();
+    if (PyObject_DelAttr(v, marker()) != 0) PyErr_Clear();
+    Py_DECREF(v);
   }
   // The block moves on (any request but a write of the live value itself).
   void move_on() {
     release_last();
-    check_released();
+    raise_pending();
+    check_released(false);
+  }
+  // The block moves to another step of the forward (or its end): held torch values are checked too.
+  void move_to_step() {
+    move_on();
+    check_released(true);
   }
   void keep(nb::object v, int step, std::string_view path, bool read_only) {
     if (v.is_none()) return;
@@ -167,17 +248,24 @@ struct HandedValues {
       HandedValues& h;
       ~Restore() {
         for (nb::object& ref : h.released_np) {
-          nb::object v = ref();
-          if (v.is_none()) continue;
-          static PyObject* const marker = name("_mixlens_released");
-          if (PyObject_DelAttr(v.ptr(), marker) != 0) PyErr_Clear();
-          set_writeable(v.ptr(), true);  // made by numpy_over over a Tensor of its own: writable memory
+          PyObject* v = referent(ref.ptr());
+          if (v == nullptr) continue;
+          if (PyObject_DelAttr(v, marker()) != 0) PyErr_Clear();
+          set_writeable(v, true);  // made by numpy_over over a Tensor of its own: writable memory
+          Py_DECREF(v);
         }
         h.released_np.clear();
+        for (const Torch& r : h.released_torch) h.restore(r);
         h.released_torch.clear();
+        h.unswapped = 0;
+        if (h.pending.is_valid() && !h.pending.is_none() && PyList_SetSlice(h.pending.ptr(), 0, PY_SSIZE_T_MAX, nullptr) != 0)
+          PyErr_Clear();
       }
     } restore{*this};
-    if (check) check_released();
+    if (check) {
+      raise_pending();
+      check_released(true);
+    }
   }
 };
 
@@ -192,7 +280,13 @@ struct PySession {
     register_saves(*trace, saves);
     register_edits(*trace, edits);
   }
-  ~PySession() { close(); }
+  ~PySession() {
+    try {
+      handed.close(false);  // no value keeps released_cls or read-only past its session
+    } catch (...) {
+    }
+    close();
+  }
   void close() {
     if (!session) return;
     nb::gil_scoped_release r;
@@ -333,12 +427,10 @@ PyObject* value_attr_get(PyObject* self, PyObject* obj, PyObject* /*type*/) {
 }
 
 void value_attr_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
   auto* a = reinterpret_cast<ValueAttr*>(self);
   Py_XDECREF(a->name);
   Py_XDECREF(a->fallback);
-  type->tp_free(self);
-  Py_DECREF(type);
+  free_heap_object(self);
 }
 
 PyTypeObject* value_attr_type() {
@@ -346,11 +438,7 @@ PyTypeObject* value_attr_type() {
     PyType_Slot slots[] = {{Py_tp_descr_get, reinterpret_cast<void*>(&value_attr_get)},
                            {Py_tp_dealloc, reinterpret_cast<void*>(&value_attr_dealloc)},
                            {0, nullptr}};
-    PyType_Spec spec = {"mixlens._core.ValueAttr", static_cast<int>(sizeof(ValueAttr)), 0, Py_TPFLAGS_DEFAULT,
-                        slots};
-    PyObject* t = PyType_FromSpec(&spec);
-    if (t == nullptr) throw nb::python_error();
-    return reinterpret_cast<PyTypeObject*>(t);
+    return new_heap_type("mixlens._core.ValueAttr", static_cast<int>(sizeof(ValueAttr)), slots);
   }();
   return type;
 }
@@ -387,20 +475,26 @@ void init_session(nb::module_& m) {
       // The per-value path of a `with` block (issue 9 item 5): the in-place edit bookkeeping of
       // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
       .def("set_output",
-           [](PySession& p, nb::object cls, nb::object from_numpy, nb::object error) {
-             if (from_numpy.is_none()) {
+           [](PySession& p, nb::object cls, nb::object from_dlpack, nb::object error, nb::object released_cls) {
+             if (from_dlpack.is_none()) {
                nb::object ndarray = nb::module_::import_("numpy").attr("ndarray");
                if (!PyType_Check(cls.ptr()) || PyObject_IsSubclass(cls.ptr(), ndarray.ptr()) != 1)
                  throw nb::type_error("set_output: cls must be a numpy.ndarray subclass for numpy output");
              }
-             p.handed.cls = std::move(cls);
-             p.handed.assign_class = true;
-             p.handed.from_numpy = std::move(from_numpy);
-             p.handed.error = std::move(error);
+             HandedValues& h = p.handed;
+             h.close(false);
+             h.cls = std::move(cls);
+             h.assign_class = true;
+             h.from_dlpack = std::move(from_dlpack);
+             h.released_cls = std::move(released_cls);
+             h.error = std::move(error);
+             h.pending = nb::list();
            },
-           nb::arg("cls"), nb::arg("from_numpy").none(), nb::arg("error"),
-           "Output type for read_value: cls (ValueArray / ValueTensor), torch.from_numpy or None for numpy, "
-           "error(step, path) -> the WriteError for an edit of a released value.")
+           nb::arg("cls"), nb::arg("from_dlpack").none(), nb::arg("error"), nb::arg("released_cls").none() = nb::none(),
+           "Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function "
+           "(torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released "
+           "value, released_cls: the class a released torch value takes (mixlens._inplace; None: checked at every "
+           "move instead).")
       .def("read_value", &read_value, nb::arg("step"), nb::arg("path"),
            "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
            "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")
@@ -408,7 +502,8 @@ void init_session(nb::module_& m) {
            [](PySession& p, int step, const std::string& path, const FloatArray& value) {
              // A write of the live value itself keeps it live (the write supersedes its edits so far).
              if (!(step == p.handed.last_step && path == p.handed.last_path)) p.handed.release_last();
-             p.handed.check_released();
+             p.handed.raise_pending();
+             p.handed.check_released(false);
              Tensor t = from_numpy(value);
              nb::gil_scoped_release r;
              p.s().write(step, path, t);
@@ -432,14 +527,14 @@ void init_session(nb::module_& m) {
            nb::arg("step"), nb::arg("path"), nb::arg("value"))
       .def("reach_step",
            [](PySession& p, int step) {
-             p.handed.move_on();
+             p.handed.move_to_step();
              nb::gil_scoped_release r;
              return p.s().reach_step(step);
            },
            nb::arg("step"))
       .def("finish",
            [](PySession& p) {
-             p.handed.move_on();
+             p.handed.move_to_step();
              SessionResult res;
              {
                nb::gil_scoped_release r;

@@ -201,6 +201,64 @@ def test_editing_a_value_the_forward_has_passed_raises(model):
                 np.add(h, 1, out=h)  # numpy's own message, but never silent
 
 
+def test_torch_values_held_in_a_block_are_checked_at_the_end_and_released_ones_when_dropped(tmodel):
+    # Issue 9 item 5: a read does not recheck every held torch value (that made a read cost grow with the
+    # number held); an edit after the release is still never silent.
+    VT = mixlens.ValueTensor
+    n = tmodel.num_layers
+    # Held to the end of the block: raised when it ends, naming the edited value.
+    reads = 0
+    with pytest.raises(mixlens.WriteError, match=r"in-place edit of 'layers.0.linear_attn.betas' \(read at step 0\)"):
+        with tmodel.trace(PROMPT):
+            held = [tmodel.layers[0].linear_attn.betas, tmodel.layers_output[0]]
+            held[0][:, 0] = 0  # betas was released by the second read
+            for i in range(1, n):
+                held.append(tmodel.layers_output[i])
+                reads += 1
+            tmodel.logits
+            reads += 1
+    assert reads == n  # the reads themselves do not check held values
+    # Edited, then dropped (collected): raised at the next read.
+    reached = []
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with tmodel.trace(PROMPT):
+            h = tmodel.layers_output[0]
+            tmodel.layers_output[1]
+            h.add_(1)
+            del h
+            reached.append(1)
+            tmodel.logits
+            reached.append(2)
+    assert reached == [1]
+    # Edited through a view that outlives it: raised at the end of the block.
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with tmodel.trace(PROMPT):
+            h = tmodel.layers_output[0]
+            tmodel.layers_output[1]
+            view = h[:, 1:]
+            del h
+            view.mul_(2)
+            tmodel.logits
+    # Unedited held values: no error, and after the block they are ordinary ValueTensors again.
+    with tmodel.trace(PROMPT):
+        held = [tmodel.layers_output[i] for i in range(n)]
+        tmodel.logits
+    for v in held:
+        assert type(v) is VT and "_mixlens_released" not in v.__dict__
+        v[:, 0] = 1  # no error after the block
+    # In a generation, a held value edited after its release raises when the block moves to the next step.
+    steps = []
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with tmodel.generate(PROMPT, max_new_tokens=3) as g:
+            for step in g.iter[:]:
+                steps.append(step)
+                if step == 0:
+                    h = tmodel.layers_output[0]
+                    tmodel.layers_output[1]
+                    h[:, 0] = 0
+    assert steps == [0]
+
+
 def test_editing_states_in_place_raises(model):
     with pytest.raises(mixlens.WriteError):
         with model.trace(PROMPT):
