@@ -123,20 +123,29 @@ struct HandedValues {
     }
     return call_method(v, as_subclass, cls);
   }
-  // torch: v takes released_cls and notes (version, step, path, pending) for its __del__.
-  bool swap_released(PyObject* v, long long version, int step, const std::string& path) {
-    if (!released_cls.is_valid() || released_cls.is_none()) return false;
-    if (PyObject_SetAttr(v, klass(), released_cls.ptr()) != 0) {
+  // torch: v._version read as a plain torch.Tensor (cls's base), then v's class is `then`: torch's
+  // getter on a subclass first looks its __torch_function__ up by name (~0.2 us of the ~0.3), which a
+  // released value paid twice (at its release and at the end of the block).
+  std::optional<long long> version_as_plain(PyObject* v, PyObject* then) {
+    nb::object own = nb::borrow(reinterpret_cast<PyObject*>(Py_TYPE(v)));
+    auto* plain = reinterpret_cast<PyObject*>(reinterpret_cast<PyTypeObject*>(cls.ptr())->tp_base);
+    const bool as_plain = plain != nullptr && PyObject_SetAttr(v, klass(), plain) == 0;
+    if (!as_plain) PyErr_Clear();
+    const std::optional<long long> n = version_of(v);
+    if (PyObject_SetAttr(v, klass(), then) != 0) {
       PyErr_Clear();
-      return false;
+      if (as_plain && PyObject_SetAttr(v, klass(), own.ptr()) != 0) PyErr_Clear();
     }
+    return n;
+  }
+  // torch: v (already of class released_cls) notes (version, step, path, pending) for its __del__;
+  // false (v back to cls) when it cannot.
+  bool note_released(PyObject* v, long long version, int step, const std::string& path) {
     nb::object info = nb::make_tuple(version, step, path, pending);
-    if (PyObject_SetAttr(v, marker(), info.ptr()) != 0) {
-      PyErr_Clear();
-      if (PyObject_SetAttr(v, klass(), cls.ptr()) != 0) PyErr_Clear();
-      return false;
-    }
-    return true;
+    if (PyObject_SetAttr(v, marker(), info.ptr()) == 0) return true;
+    PyErr_Clear();
+    if (PyObject_SetAttr(v, klass(), cls.ptr()) != 0) PyErr_Clear();
+    return false;
   }
   // Entries of values collected since: dropped when the lists double (O(1) a release amortized).
   void prune() {
@@ -157,9 +166,15 @@ struct HandedValues {
   void release(nb::object v, int step, const std::string& path) {
     prune();
     if (torch()) {
-      const std::optional<long long> version = version_of(v.ptr());
-      if (!version) return;  // inference-mode tensors have no version counter
-      const bool swapped = swap_released(v.ptr(), *version, step, path);
+      nb::object own = nb::borrow(reinterpret_cast<PyObject*>(Py_TYPE(v.ptr())));
+      const bool swap = released_cls.is_valid() && !released_cls.is_none();
+      const std::optional<long long> version = version_as_plain(v.ptr(), swap ? released_cls.ptr() : own.ptr());
+      const bool took = swap && reinterpret_cast<PyObject*>(Py_TYPE(v.ptr())) == released_cls.ptr();
+      if (!version) {  // inference-mode tensors have no version counter
+        if (took && PyObject_SetAttr(v.ptr(), klass(), own.ptr()) != 0) PyErr_Clear();
+        return;
+      }
+      const bool swapped = took && note_released(v.ptr(), *version, step, path);
       released_torch.push_back({nb::weakref(v), *version, step, path, swapped});
       if (!swapped) ++unswapped;
     } else if (nb::isinstance(v, cls)) {
@@ -198,7 +213,8 @@ struct HandedValues {
           if (!r.swapped) --unswapped;
           continue;
         }
-        const std::optional<long long> now = bad ? std::nullopt : version_of(v);
+        const std::optional<long long> now =
+            bad ? std::nullopt : r.swapped ? version_as_plain(v, released_cls.ptr()) : version_of(v);
         Py_DECREF(v);
         if (now && *now != r.version) {
           bad = {r.step, r.path};
