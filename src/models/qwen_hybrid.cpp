@@ -640,21 +640,30 @@ class QwenHybrid final : public FamilyModel {
     }
     Tensor q = Tensor::uninitialized({B, Tq, H_, d}), gate = Tensor::uninitialized({B, Tq, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
            v = Tensor::uninitialized({B, T, Hkv_, d});
-    for (int64_t row = 0; row < BTq; ++row)
-      for (int64_t h = 0; h < H_; ++h) {  // per head [query | gate]
-        const float* src = qg.data() + (row * H_ + h) * 2 * d;
-        std::memcpy(q.data() + (row * H_ + h) * d, src, sizeof(float) * static_cast<size_t>(d));
-        std::memcpy(gate.data() + (row * H_ + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
-      }
     ops::linear(n.data(), BT, D_, l.k_proj, k.data());
     ops::linear(n.data(), BT, D_, l.v_proj, v.data());
-    ops::rmsnorm(q.data(), l.q_norm.data(), q.data(), BTq * H_, d, eps_, true);
-    ops::rmsnorm(k.data(), l.k_norm.data(), k.data(), BT * Hkv_, d, eps_, true);
     std::vector<int64_t> qpos;
     if (last_only)
       for (int64_t b = 0; b < B; ++b) qpos.push_back(pos[static_cast<size_t>(b * T + T - 1)]);
-    apply_rope(q.data(), BTq, H_, d, rot_, last_only ? qpos.data() : pos.data(), inv_freq_);
-    apply_rope(k.data(), BT, Hkv_, d, rot_, pos.data(), inv_freq_);
+    const int64_t* qp = last_only ? qpos.data() : pos.data();
+    // Per head [query | gate] split, q_norm and RoPE, then k_norm and RoPE: row blocks on the pool
+    // (these were serial passes between the projections); every row computed as before.
+    for_rows(BTq, 3 * H_ * d, [&](int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row)
+        for (int64_t h = 0; h < H_; ++h) {
+          const float* src = qg.data() + (row * H_ + h) * 2 * d;
+          std::memcpy(q.data() + (row * H_ + h) * d, src, sizeof(float) * static_cast<size_t>(d));
+          std::memcpy(gate.data() + (row * H_ + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
+        }
+      float* qr = q.data() + r0 * H_ * d;
+      ops::rmsnorm(qr, l.q_norm.data(), qr, (r1 - r0) * H_, d, eps_, true);
+      apply_rope(qr, r1 - r0, H_, d, rot_, qp + r0, inv_freq_);
+    });
+    for_rows(BT, 2 * Hkv_ * d, [&](int64_t r0, int64_t r1) {
+      float* kr = k.data() + r0 * Hkv_ * d;
+      ops::rmsnorm(kr, l.k_norm.data(), kr, (r1 - r0) * Hkv_, d, eps_, true);
+      apply_rope(kr, r1 - r0, Hkv_, d, rot_, pos.data() + r0, inv_freq_);
+    });
     visit_if(ls, li, Value::attn_queries, q);
     visit_if(ls, li, Value::attn_keys, k);
     visit_if(ls, li, Value::attn_values, v);
@@ -669,9 +678,12 @@ class QwenHybrid final : public FamilyModel {
     if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
     visit_if(ls, li, Value::attn_gate, gate);
     {
-      Tensor sg(gate.shape());  // gate is served: sigmoid into a copy, vectorized
-      ops::sigmoid(gate.data(), sg.data(), sg.numel());
-      for (int64_t e = 0; e < att.numel(); ++e) att[e] *= sg[e];
+      Tensor sg = Tensor::uninitialized(gate.shape());  // gate is served: sigmoid into a copy, vectorized
+      const int64_t w = H_ * d;
+      for_rows(BTq, w, [&](int64_t r0, int64_t r1) {
+        ops::sigmoid(gate.data() + r0 * w, sg.data() + r0 * w, (r1 - r0) * w);
+        for (int64_t e = r0 * w; e < r1 * w; ++e) att[e] *= sg[e];
+      });
     }
     Tensor out = Tensor::uninitialized({B, Tq, D_});
     ops::linear(att.data(), BTq, H_ * d, l.o_proj, out.data());
