@@ -85,7 +85,7 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C),
                        P = buf(C * C), Dm = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv),
-                       mem = buf(Dv), dec = buf(C), Sr;
+                       dec = buf(C), Sr;
     std::vector<double> Kd(static_cast<size_t>(C * Dk)), M(static_cast<size_t>(C * C)), Rd(static_cast<size_t>(C * R));
     const int64_t t_end = a.t_end < 0 ? T : a.t_end;
     for (int64_t t0 = a.t_begin; t0 < t_end; t0 += C) {
@@ -155,20 +155,25 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       }
       ops::gemm(true, false, Dk, Dv, L, 1.0f, Wf.data(), Dk, Uf.data(), Dv, std::exp(last), S, Dv);
       if (a.states) {
+        // S_i = exp(g_i) S_{i-1} + k_i delta_i^T, delta = V_new (the rows of U above): the chunk's own
+        // deltas make the replay one rank-1 pass per token (no second pass for (e S)^T k), so it runs
+        // at about the speed of its streamed writes.
         const int64_t r0 = (b * T + t0) * H + h;  // row of the chunk's first token
+        for (int64_t i = 0; i + 1 < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
 #if defined(__x86_64__)
-        if (avx2 && L > 1) {
-          // One fused pass per token (S update, served row written with streaming stores) instead
-          // of two read-modify-write passes and a copy: the replay wrote 1 GiB a layer that way.
-          for (int64_t i = 0; i + 1 < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
-          gated_delta_states_replay_avx2(Sr.data(), kn.data(), a.v + r0 * Dv, H * Dv, dec.data(), a.beta + r0, H, L - 1,
-                                         Dk, Dv, a.states + r0 * Dk * Dv, H * Dk * Dv);
-        }
+        if (avx2 && L > 1)
+          ssd_states_replay_avx2(Sr.data(), dec.data(), kn.data(), Dk, Uf.data(), L - 1, Dk, Dv, Sr.data(),
+                                 a.states + r0 * Dk * Dv, H * Dk * Dv);
 #endif
         for (int64_t i = 0; i + 1 < L && !avx2; ++i) {
-          const int64_t r = r0 + i * H;
-          step(Sr.data(), nullptr, kn.data() + i * Dk, a.v + r * Dv, a.g[r], a.beta[r], Dk, Dv, mem.data(), nullptr);
-          std::memcpy(a.states + r * Dk * Dv, Sr.data(), sizeof(float) * static_cast<size_t>(Dk * Dv));
+          const float e = dec[static_cast<size_t>(i)];
+          for (int64_t d = 0; d < Dk; ++d) {
+            float* Sd = Sr.data() + d * Dv;
+            const float kd = kn[i * Dk + d];
+            const float* di = Uf.data() + i * Dv;
+            for (int64_t c = 0; c < Dv; ++c) Sd[c] = Sd[c] * e + kd * di[c];  // the AVX2 kernel's order
+          }
+          std::memcpy(a.states + (r0 + i * H) * Dk * Dv, Sr.data(), sizeof(float) * static_cast<size_t>(Dk * Dv));
         }
         const int64_t r = (b * T + t0 + L - 1) * H + h;
         std::memcpy(a.states + r * Dk * Dv, S, sizeof(float) * static_cast<size_t>(Dk * Dv));

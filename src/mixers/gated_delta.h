@@ -29,8 +29,9 @@ struct GatedDeltaArgs {
 /// Token-by-token recurrence (the decode kernel; also usable for whole prompts).
 void gated_delta_recurrent(const GatedDeltaArgs& a);
 /// Chunked (UT transform) algorithm; BLAS for the chunk products, parallel over (batch, head).
-/// `states`, when asked for, are replayed token by token from each chunk's entering state; the
-/// last token of each chunk gets the chunk's own end state, so states[:, -1] == final state exactly.
+/// `states`, when asked for, are replayed token by token from each chunk's entering state with the
+/// chunk's deltas (S_t = exp(g_t) S_{t-1} + k_t delta_t^T, one rank-1 update each); the last token
+/// of each chunk gets the chunk's own end state, so states[:, -1] == final state exactly.
 void gated_delta_chunked(const GatedDeltaArgs& a);
 
 }  // namespace mixlens::detail

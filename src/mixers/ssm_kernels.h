@@ -23,15 +23,7 @@ void softplus_bias_avx2(const float* x, const float* bias, float* y, int64_t n);
 /// One Mamba-2 head's per-token states within a chunk, in the served layout [N,P] per token:
 /// out_l = exp(da[l]) * out_{l-1} + B_l ⊗ xdt_l (out_{-1} = S0, [N,P]); `cur` [N*P] is scratch that
 /// ends holding out_{L-1}. The outputs go out with streaming stores (they are not read back here).
-/// One gated-delta head's per-token states within a chunk (mixers/gated_delta.h), layout [Dk,Dv]:
-/// with e_l = decays[l] (exp(g)) and S_{-1} = `cur` on entry,
-///   S_l = e_l S_{l-1} + k_l ⊗ ((v_l - (e_l S_{l-1})^T k_l) beta[l * ldb]),
-/// the scalar token step's operation order, in 32-column blocks that stay in L1 between its two
-/// passes. k_l = k + l * Dk (normalised keys), v_l = v + l * ldv. S_l goes to out + l * ld_out with
-/// streaming stores (not read back here); `cur` [Dk*Dv] ends holding S_{L-1}.
-void gated_delta_states_replay_avx2(float* cur, const float* k, const float* v, int64_t ldv, const float* decays,
-                                    const float* beta, int64_t ldb, int64_t L, int64_t Dk, int64_t Dv, float* out,
-                                    int64_t ld_out);
+/// Also a gated-delta head's states (mixers/gated_delta.cpp): N = Dk, P = Dv, B = keys, xdt = deltas.
 void ssd_states_replay_avx2(const float* S0, const float* da, const float* B, int64_t ldb, const float* xdt,
                             int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out);
 #endif

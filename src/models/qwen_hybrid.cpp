@@ -271,6 +271,10 @@ class QwenHybrid final : public FamilyModel {
       ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       norm_rows(h, l.in_norm, n);
+      if (i == L_ - 1 && last_rows_only(ls, ctx, all_logits, T)) {
+        h = last_block_on_last_rows(li, l, h, n, in, masked, pos, cache, ls, ctx, watch);
+        break;
+      }
       Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
       watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
       // A gradient call keeps the GDN output as added (after writes) and the dense MLP's gate|up product
@@ -401,6 +405,42 @@ class QwenHybrid final : public FamilyModel {
   }
 
  private:
+  // The last block feeds only the LM head: when only the last position's logits are returned and
+  // nothing of the call is observed (no listener wants any value now: the mask only changes inside
+  // a visit, and none is left), its rows at earlier positions feed nothing (llama.cpp prunes them
+  // too). Checked after the block's layer_input visit.
+  static bool last_rows_only(Listener* ls, const CallCtx& ctx, bool all_logits, int64_t T) {
+    if (all_logits || ctx.tape || T < 2) return false;
+    return !ls || std::all_of(ls->mask().begin(), ls->mask().end(), [](uint32_t w) { return w == 0; });
+  }
+
+  // The last block for the last row of each sequence ([B,1,D] out): the mixer still runs on every
+  // row where later calls need it (an attention block's keys and values go to the cache, a GDN's
+  // scan makes the state), but the queries, attention, o_proj (attention blocks) and the MLP run on
+  // B rows instead of B*T. Each kept row is computed by the same per-row operations as in the full
+  // block, up to the matmul kernel chosen for B rows.
+  Tensor last_block_on_last_rows(int li, const Layer& l, const Tensor& h, const Tensor& n, const Batch& in,
+                                 bool masked, const std::vector<int64_t>& pos, HybridCache& cache, Listener* ls,
+                                 const CallCtx& ctx, FiniteWatch& watch) const {
+    const int64_t B = in.batch, T = in.seq;
+    Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls, true);
+    const int64_t ot = out.size(1);  // T (GDN) or 1 (attention on the last rows)
+    Tensor hl = Tensor::uninitialized({B, 1, D_}), nl = Tensor::uninitialized({B, 1, D_});
+    for (int64_t b = 0; b < B; ++b) {
+      const float* hr = h.data() + (b * T + T - 1) * D_;
+      const float* orow = out.data() + (b * ot + ot - 1) * D_;
+      float* y = hl.data() + b * D_;
+      for (int64_t e = 0; e < D_; ++e) y[e] = hr[e] + orow[e];  // add_into's operation
+    }
+    watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
+    norm_rows(hl, l.post_norm, nl);
+    Tensor m = l.mlp.moe ? moe(l.mlp, nl) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, nl.data(), B);
+    watch.check(li, Value::mlp_output, m);
+    add_into(hl, m);
+    watch.check(li, Value::layer_output, hl);
+    return hl;
+  }
+
   static void add_into(Tensor& h, const Tensor& x) {
     float* hp = h.data();
     const float* xp = x.data();
@@ -583,45 +623,70 @@ class QwenHybrid final : public FamilyModel {
   }
 
   // Gated softmax attention (Qwen3_5Attention).
+  // `last_only` (last_block_on_last_rows): queries, attention and o_proj for the last row of each
+  // sequence only ([B,1,D] out, nothing visited); keys and values for every row, into the cache.
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
-                   HybridCache& cache, Listener* ls) const {
+                   HybridCache& cache, Listener* ls, bool last_only = false) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
-    Tensor qg = Tensor::uninitialized({BT, H_ * 2 * d});
-    ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
-    Tensor q = Tensor::uninitialized({B, T, H_, d}), gate = Tensor::uninitialized({B, T, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
+    const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
+    Tensor qg = Tensor::uninitialized({BTq, H_ * 2 * d});
+    if (last_only) {
+      Tensor xl = Tensor::uninitialized({B, D_});
+      for (int64_t b = 0; b < B; ++b)
+        std::memcpy(xl.data() + b * D_, n.data() + (b * T + T - 1) * D_, sizeof(float) * static_cast<size_t>(D_));
+      ops::linear(xl.data(), B, D_, l.q_proj, qg.data());
+    } else {
+      ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
+    }
+    Tensor q = Tensor::uninitialized({B, Tq, H_, d}), gate = Tensor::uninitialized({B, Tq, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
            v = Tensor::uninitialized({B, T, Hkv_, d});
-    for (int64_t row = 0; row < BT; ++row)
-      for (int64_t h = 0; h < H_; ++h) {  // per head [query | gate]
-        const float* src = qg.data() + (row * H_ + h) * 2 * d;
-        std::memcpy(q.data() + (row * H_ + h) * d, src, sizeof(float) * static_cast<size_t>(d));
-        std::memcpy(gate.data() + (row * H_ + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
-      }
     ops::linear(n.data(), BT, D_, l.k_proj, k.data());
     ops::linear(n.data(), BT, D_, l.v_proj, v.data());
-    ops::rmsnorm(q.data(), l.q_norm.data(), q.data(), BT * H_, d, eps_, true);
-    ops::rmsnorm(k.data(), l.k_norm.data(), k.data(), BT * Hkv_, d, eps_, true);
-    apply_rope(q.data(), BT, H_, d, rot_, pos.data(), inv_freq_);
-    apply_rope(k.data(), BT, Hkv_, d, rot_, pos.data(), inv_freq_);
+    std::vector<int64_t> qpos;
+    if (last_only)
+      for (int64_t b = 0; b < B; ++b) qpos.push_back(pos[static_cast<size_t>(b * T + T - 1)]);
+    const int64_t* qp = last_only ? qpos.data() : pos.data();
+    // Per head [query | gate] split, q_norm and RoPE, then k_norm and RoPE: row blocks on the pool
+    // (these were serial passes between the projections); every row computed as before.
+    for_rows(BTq, 3 * H_ * d, [&](int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row)
+        for (int64_t h = 0; h < H_; ++h) {
+          const float* src = qg.data() + (row * H_ + h) * 2 * d;
+          std::memcpy(q.data() + (row * H_ + h) * d, src, sizeof(float) * static_cast<size_t>(d));
+          std::memcpy(gate.data() + (row * H_ + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
+        }
+      float* qr = q.data() + r0 * H_ * d;
+      ops::rmsnorm(qr, l.q_norm.data(), qr, (r1 - r0) * H_, d, eps_, true);
+      apply_rope(qr, r1 - r0, H_, d, rot_, qp + r0, inv_freq_);
+    });
+    for_rows(BT, 2 * Hkv_ * d, [&](int64_t r0, int64_t r1) {
+      float* kr = k.data() + r0 * Hkv_ * d;
+      ops::rmsnorm(kr, l.k_norm.data(), kr, (r1 - r0) * Hkv_, d, eps_, true);
+      apply_rope(kr, r1 - r0, Hkv_, d, rot_, pos.data() + r0, inv_freq_);
+    });
     visit_if(ls, li, Value::attn_queries, q);
     visit_if(ls, li, Value::attn_keys, k);
     visit_if(ls, li, Value::attn_values, v);
     KvCache& kv = cache.kv[static_cast<size_t>(li)];
     const int64_t past = kv.len;
     kv.append(k.data(), v.data(), B, T, Hkv_ * d);
-    Tensor att = Tensor::uninitialized({B, T, H_, d});
+    Tensor att = Tensor::uninitialized({B, Tq, H_, d});
     // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
     Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H_, T, past + T}) : Tensor();
-    causal_attention(q.data(), B, T, H_, Hkv_, d, past, kv, cache.key_mask, att.data(),
+    causal_attention(q.data(), B, Tq, H_, Hkv_, d, past + T - Tq, kv, cache.key_mask, att.data(),
                      probs.defined() ? probs.data() : nullptr);
     if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
     visit_if(ls, li, Value::attn_gate, gate);
     {
-      Tensor sg(gate.shape());  // gate is served: sigmoid into a copy, vectorized
-      ops::sigmoid(gate.data(), sg.data(), sg.numel());
-      for (int64_t e = 0; e < att.numel(); ++e) att[e] *= sg[e];
+      Tensor sg = Tensor::uninitialized(gate.shape());  // gate is served: sigmoid into a copy, vectorized
+      const int64_t w = H_ * d;
+      for_rows(BTq, w, [&](int64_t r0, int64_t r1) {
+        ops::sigmoid(gate.data() + r0 * w, sg.data() + r0 * w, (r1 - r0) * w);
+        for (int64_t e = r0 * w; e < r1 * w; ++e) att[e] *= sg[e];
+      });
     }
-    Tensor out = Tensor::uninitialized({B, T, D_});
-    ops::linear(att.data(), BT, H_ * d, l.o_proj, out.data());
+    Tensor out = Tensor::uninitialized({B, Tq, D_});
+    ops::linear(att.data(), BTq, H_ * d, l.o_proj, out.data());
     visit_if(ls, li, Value::attn_output, out);
     return out;
   }

@@ -301,6 +301,44 @@ TEST(Qwen, PrefixThenContinuationEqualsWholePrompt) {
   }
 }
 
+// With only the last position's logits returned and nothing observed, the last block runs its
+// queries / attention / o_proj (attention block) and its MLP on the last row of each sequence only.
+// Its logits equal the last row of the full forward's, and the cache it leaves is the same: the next
+// decode step gives bitwise the same logits. Cases: the last block a GDN (qwen3_5 padded_batch,
+// qwen3_next moe_hv_2hk) or softmax attention (qwen3_5 short_prompt, qwen3_next padded_batch).
+TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
+  struct Case {
+    const char *family, *name;
+  };
+  for (const Case k : {Case{"qwen3_5", "padded_batch"}, Case{"qwen3_5", "short_prompt"},
+                       Case{"qwen3_next", "padded_batch"}, Case{"qwen3_next", "moe_hv_2hk"}}) {
+    const std::string what = std::string(k.family) + "/" + k.name;
+    GoldenCase c(k.family, k.name);
+    const Batch in = Batch::left_padded(c.prompts, 0);
+    const int64_t B = in.batch, T = in.seq;
+    Cache full_cache = c.model.new_cache(B), last_cache = c.model.new_cache(B);
+    const Tensor full = c.model.forward(in, full_cache, nullptr, /*all_logits=*/true);
+    const Tensor last = c.model.forward(in, last_cache, nullptr, /*all_logits=*/false);
+    const int64_t V = full.size(2);
+    ASSERT_EQ(last.shape(), (Shape{B, 1, V})) << what;
+    Tensor full_last({B, 1, V});
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(full_last.data() + b * V, full.data() + (b * T + T - 1) * V, sizeof(float) * V);
+    EXPECT_LE(rel_rms(last, full_last), 1e-6) << what;
+    // An observed call runs every row (here: the last block's output is saved) and agrees too.
+    Trace t;
+    t.save("layers." + std::to_string(c.model.info().num_layers - 1) + ".layer_output");
+    Cache seen_cache = c.model.new_cache(B);
+    const Tensor seen = c.model.forward(in, seen_cache, &t, /*all_logits=*/false);
+    EXPECT_EQ(t.get("layers." + std::to_string(c.model.info().num_layers - 1) + ".layer_output").size(1), T) << what;
+    EXPECT_LE(rel_rms(seen, full_last), 1e-6) << what;
+    const Batch step = Batch::left_padded(std::vector<std::vector<int32_t>>(static_cast<size_t>(B), {5}), 0);
+    const Tensor a = c.model.forward(step, full_cache), b = c.model.forward(step, last_cache);
+    ASSERT_EQ(a.shape(), b.shape()) << what;
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<size_t>(a.numel()))) << what;
+  }
+}
+
 TEST(Qwen, BatchedEqualsUnbatchedUnderLeftPadding) {
   for (const char* family : {"qwen3_5", "qwen3_next"}) {
     GoldenCase c(family, "padded_batch");

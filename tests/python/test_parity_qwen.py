@@ -17,7 +17,7 @@ import pytest
 
 import mixlens
 import oracle_qwen as oq
-from conftest import rel_rms
+from conftest import REPO, rel_rms
 from test_parity_mamba2 import apply_op, compare, read_every_value
 
 N_STEPS = 8
@@ -154,3 +154,24 @@ def test_edits_match_transformers_with_the_same_modification(case, how):
         diffs = [rel_rms(tracer.logits[k], case.ref[oq.key("logits", k)]) for k in range(N_STEPS)]
         assert all(d <= 1e-4 for d in diffs[: edit["step"]]) and any(d > 1e-4 for d in diffs[edit["step"]:]), \
             (label, diffs)
+
+
+@pytest.mark.parametrize("name", ["short_prompt", "padded_batch"])  # last block: softmax attention / GDN
+def test_last_position_logits_after_a_block_that_read_states(name):
+    """With logits="last", once a `with` block has read what it wanted (a layer's `states`) the rest of
+    the call is unobserved and the last block runs on the last row only (queries, attention, o_proj and
+    the MLP): the logits equal the full forward's last row, and a decode step from the cache it left
+    equals one from the full forward's cache, bitwise."""
+    m = mixlens.StandardizedTransformer(str(REPO / "tests" / "fixtures" / "qwen3_5" / name))
+    ids = [[(i * 37 + 5) % 90 + 1 for i in range(40)]]
+    full = np.asarray(m.run(ids)["logits"])
+    with m.trace(ids, logits="last") as tr:
+        assert m.layers[0].linear_attn.states.shape[1] == 40
+    last = np.asarray(tr.logits)
+    assert last.shape == (1, 1, full.shape[-1])
+    assert rel_rms(last[:, 0], full[:, -1]) <= 1e-6
+    c_full, c_last = m.new_cache(1), m.new_cache(1)
+    m.forward(ids, cache=c_full)
+    m.forward(ids, cache=c_last, logits="last")
+    np.testing.assert_array_equal(np.asarray(m.forward([[5]], cache=c_full)["logits"]),
+                                  np.asarray(m.forward([[5]], cache=c_last)["logits"]))
