@@ -148,3 +148,34 @@ TEST(SsmKernels, Mamba2ChunkedStatesEqualPortableReplayAndTokenLoop) {
   const auto portable = run(true, ops::Isa::scalar), vec = run(true, ops::best_isa());
   EXPECT_LE(rel_rms(vec[2], portable[2]), 1e-6);
 }
+
+TEST(SsdChunked, ShortPromptsMatchTokenLoopWithEveryOutputWritten) {
+  // A fresh prompt shorter than the chunk (one chunk, CB in row blocks, scratch sized by T not Q)
+  // and one of two uneven chunks, one group, y and S poisoned with NaN where the scan must write
+  // them: every output entry is written (mamba2_mixer.cpp hands ssd_chunked uninitialised y).
+  std::mt19937 g(11);
+  const int64_t H = 6, P = 16, G = 1, N = 32;
+  for (const auto& [T, Q] : {std::pair<int64_t, int64_t>{150, 128}, {100, 256}, {70, 256}, {5, 256}}) {
+    const auto x = randn(static_cast<size_t>(T * H * P), g), B = randn(static_cast<size_t>(T * G * N), g),
+               C = randn(static_cast<size_t>(T * G * N), g), D = randn(static_cast<size_t>(H), g);
+    std::vector<float> dt(static_cast<size_t>(T * H)), A(static_cast<size_t>(H));
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (float& v : dt) v = 0.2f * ud(g);
+    for (float& v : A) v = -std::exp(2.0f * ud(g) - 1.0f);
+    auto run = [&](bool chunked) {
+      std::vector<float> S(static_cast<size_t>(H * P * N), 0.0f);
+      std::vector<float> y(static_cast<size_t>(T * H * P), std::numeric_limits<float>::quiet_NaN());
+      detail::SsdArgs a;
+      a.T = T; a.H = H; a.P = P; a.G = G; a.N = N;
+      a.x = x.data(); a.B = B.data(); a.C = C.data(); a.dt = dt.data(); a.A = A.data(); a.D = D.data();
+      a.S = S.data(); a.y = y.data(); a.chunk = Q;
+      if (chunked) detail::ssd_chunked(a); else detail::ssd_recurrent(a);
+      return std::vector<std::vector<float>>{y, S};
+    };
+    const auto ref = run(false), got = run(true);
+    for (size_t i = 0; i < 2; ++i) {
+      for (float v : got[i]) ASSERT_TRUE(std::isfinite(v)) << "T " << T << " output " << i;
+      EXPECT_LE(rel_rms(got[i], ref[i]), 2e-6) << "T " << T << " Q " << Q << " output " << i;
+    }
+  }
+}
