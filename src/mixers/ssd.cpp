@@ -12,6 +12,8 @@ namespace mixlens::detail {
 
 namespace {
 
+constexpr int64_t kTriRows = 64;  // row block of the intra-chunk product (ssd_chunked)
+
 // Writes S [P,N] transposed into the served layout [N,P].
 void store_state(const float* S, int64_t P, int64_t N, float* out) {
   for (int64_t p = 0; p < P; ++p)
@@ -124,8 +126,13 @@ void ssd_chunked(const SsdArgs& a) {
         std::fill(Ml + l + 1, Ml + L, 0.0f);
         segs[l] = 0.0f;
       }
-      // Intra-chunk: y_c = M xdt, written straight into the head's columns of y.
-      ops::gemm(false, false, L, P, L, 1.0f, M, Qe, xdt, P, 0.0f, yc, ldx);
+      // Intra-chunk: y_c = M xdt, written straight into the head's columns of y. M is lower
+      // triangular: rows [r0, r1) take columns [0, r1) only (a 128-token chunk: 3/4 of the
+      // products, 256 tokens: 5/8; the columns left out hold zeros).
+      for (int64_t r0 = 0; r0 < L; r0 += kTriRows) {
+        const int64_t r1 = std::min(L, r0 + kTriRows);
+        ops::gemm(false, false, r1 - r0, P, r1, 1.0f, M + r0 * Qe, Qe, xdt, P, 0.0f, yc + r0 * ldx, ldx);
+      }
       // Inter-chunk: y_c += exp(Acum_l) C_l S_enter (nothing to add from a zero state: a fresh
       // prompt's first chunk skips the product).
       const bool zero_state = std::all_of(S, S + P * N, [](float v) { return v == 0.0f; });

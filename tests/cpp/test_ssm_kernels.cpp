@@ -11,6 +11,7 @@
 #include "mixers/ssd.h"
 #include "mixers/ssm_kernels.h"
 #include "ops/kernels.h"
+#include "ops/ops.h"
 
 using namespace mixlens;
 
@@ -176,6 +177,39 @@ TEST(SsdChunked, ShortPromptsMatchTokenLoopWithEveryOutputWritten) {
     for (size_t i = 0; i < 2; ++i) {
       for (float v : got[i]) ASSERT_TRUE(std::isfinite(v)) << "T " << T << " output " << i;
       EXPECT_LE(rel_rms(got[i], ref[i]), 2e-6) << "T " << T << " Q " << Q << " output " << i;
+    }
+  }
+}
+
+TEST(CausalConv1d, EveryKernelSizeMatchesDoubleReferenceAndKeepsTheWindow) {
+  // K = 4 runs a one-pass loop, other sizes the general one: both against a double reference, with
+  // a cached window, bias, SiLU, an input stride past C, and C x T large enough for channel blocks.
+  std::mt19937 g(5);
+  const int64_t B = 2, T = 40, C = 600, stride = C + 9;
+  for (int64_t K : {2, 3, 4, 5}) {
+    for (bool bias_on : {true, false}) {
+      const auto in = randn(static_cast<size_t>(B * T * stride), g), wT = randn(static_cast<size_t>(K * C), g),
+                 bias = randn(static_cast<size_t>(C), g), st0 = randn(static_cast<size_t>(B * K * C), g);
+      std::vector<float> st = st0, out(static_cast<size_t>(B * T * C));
+      ops::causal_conv1d(in.data(), stride, B, T, C, K, wT.data(), bias_on ? bias.data() : nullptr, st.data(),
+                         out.data(), true);
+      for (int64_t b = 0; b < B; ++b) {
+        // ext row r: the window's K rows, then the T inputs.
+        const auto ext = [&](int64_t r, int64_t c) {
+          return r < K ? st0[static_cast<size_t>((b * K + r) * C + c)] : in[static_cast<size_t>((b * T + r - K) * stride + c)];
+        };
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = 0; c < C; ++c) {
+            double v = bias_on ? bias[static_cast<size_t>(c)] : 0.0;
+            for (int64_t j = 0; j < K; ++j) v += static_cast<double>(wT[static_cast<size_t>(j * C + c)]) * ext(t + 1 + j, c);
+            const double ref = v / (1.0 + std::exp(-v));
+            ASSERT_NEAR(out[static_cast<size_t>((b * T + t) * C + c)], ref, 1e-5 * (1.0 + std::fabs(ref)))
+                << "K " << K << " b " << b << " t " << t << " c " << c;
+          }
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t c = 0; c < C; ++c)
+            ASSERT_EQ(st[static_cast<size_t>((b * K + i) * C + c)], ext(T + i, c)) << "window row " << i;
+      }
     }
   }
 }
