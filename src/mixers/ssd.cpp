@@ -83,10 +83,14 @@ void ssd_chunked(const SsdArgs& a) {
     const float A = a.A[h], D = a.D[h];
     float* S = a.S + h * P * N;
     // Per-thread scratch sized by the longest chunk this call has (Qe, not Q: a 128-token prompt
-    // with Q = 256 zeroed and touched 4x the M it uses), kept across heads and calls, never zeroed:
-    // every entry is written before it is read.
-    thread_local std::vector<float> scratch;
+    // with Q = 256 zeroed and touched 4x the M it uses), kept across heads and calls up to 4 MiB (a
+    // huge configured chunk gets a buffer of its own, freed after the head), never zeroed: every
+    // entry is written before it is read.
+    constexpr size_t kKeepFloats = size_t{1} << 20;
+    thread_local std::vector<float> kept;
+    std::vector<float> own;
     const size_t need = static_cast<size_t>(3 * Qe + Qe * Qe + 2 * Qe * P + (a.states ? P * N + Qe : 0));
+    std::vector<float>& scratch = need <= kKeepFloats ? kept : own;
     if (scratch.size() < need) scratch.resize(need);
     float* const acum = scratch.data();
     float* const da = acum + Qe;

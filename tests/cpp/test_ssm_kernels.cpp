@@ -151,12 +151,14 @@ TEST(SsmKernels, Mamba2ChunkedStatesEqualPortableReplayAndTokenLoop) {
 }
 
 TEST(SsdChunked, ShortPromptsMatchTokenLoopWithEveryOutputWritten) {
-  // A fresh prompt shorter than the chunk (one chunk, CB in row blocks, scratch sized by T not Q)
+  // A fresh prompt shorter than the chunk (one chunk, CB in row blocks, scratch sized by T not Q,
+  // the intra-chunk product in triangular row blocks)
   // and one of two uneven chunks, one group, y and S poisoned with NaN where the scan must write
   // them: every output entry is written (mamba2_mixer.cpp hands ssd_chunked uninitialised y).
   std::mt19937 g(11);
   const int64_t H = 6, P = 16, G = 1, N = 32;
-  for (const auto& [T, Q] : {std::pair<int64_t, int64_t>{150, 128}, {100, 256}, {70, 256}, {5, 256}}) {
+  // (1100, 2048): a chunk whose scratch (> 1M floats) is not kept per thread.
+  for (const auto& [T, Q] : {std::pair<int64_t, int64_t>{150, 128}, {100, 256}, {70, 256}, {5, 256}, {1100, 2048}}) {
     const auto x = randn(static_cast<size_t>(T * H * P), g), B = randn(static_cast<size_t>(T * G * N), g),
                C = randn(static_cast<size_t>(T * G * N), g), D = randn(static_cast<size_t>(H), g);
     std::vector<float> dt(static_cast<size_t>(T * H)), A(static_cast<size_t>(H));
@@ -176,7 +178,9 @@ TEST(SsdChunked, ShortPromptsMatchTokenLoopWithEveryOutputWritten) {
     const auto ref = run(false), got = run(true);
     for (size_t i = 0; i < 2; ++i) {
       for (float v : got[i]) ASSERT_TRUE(std::isfinite(v)) << "T " << T << " output " << i;
-      EXPECT_LE(rel_rms(got[i], ref[i]), 2e-6) << "T " << T << " Q " << Q << " output " << i;
+      // The final state sums T products in another order than the token loop: float32 rounding
+      // grows with the chunk (6.8e-6 measured at 1,100 tokens); a wrong term would be O(1).
+      EXPECT_LE(rel_rms(got[i], ref[i]), T > 512 ? 1e-5 : 2e-6) << "T " << T << " Q " << Q << " output " << i;
     }
   }
 }
