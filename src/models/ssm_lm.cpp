@@ -59,8 +59,14 @@ std::unique_ptr<CacheState> SsmLm::new_cache(int64_t batch) const {
   for (int64_t d : ssm_state_shape()) s.push_back(d);
   for (int64_t i = 0; i < L_; ++i) {
     c->conv.emplace_back(Shape{batch, K_, conv_channels()});
-    c->ssm.emplace_back(s);
+    c->ssm.push_back(Tensor::uninitialized(s));
   }
+  // The states (0.75 MiB a layer on mamba2-130m, a new cache every run()) zeroed per layer on the
+  // pool rather than by one serial memset each before the prompt starts.
+  ops::parallel_for(L_, [&](int64_t i) {
+    Tensor& t = c->ssm[static_cast<size_t>(i)];
+    std::memset(t.data(), 0, sizeof(float) * static_cast<size_t>(t.numel()));
+  });
   return c;
 }
 
