@@ -12,6 +12,8 @@ namespace mixlens::detail {
 
 namespace {
 
+constexpr int64_t kTriRows = 64;  // row block of the intra-chunk product (ssd_chunked)
+
 // Writes S [P,N] transposed into the served layout [N,P].
 void store_state(const float* S, int64_t P, int64_t N, float* out) {
   for (int64_t p = 0; p < P; ++p)
@@ -56,13 +58,19 @@ void ssd_chunked(const SsdArgs& a) {
   const int64_t heads_per_group = H / G;
   const int64_t ldx = H * P, ldbc = G * N;
 
-  // CB[g][c] = C_c B_c^T (Q x Q): shared by every head of a group, so computed once per group.
-  std::vector<float> CB(static_cast<size_t>(G * nchunks * Q * Q), 0.0f);
-  ops::parallel_for(G * nchunks, [&](int64_t gc) {
+  // CB[g][c] = C_c B_c^T (Qe x Qe, Qe = min(Q, T)): shared by every head of a group, so computed
+  // once per group. A short prompt has one group and one chunk: split into row blocks (rows l of a
+  // block need columns s <= l only) so the product does not run on one thread while the rest wait.
+  const int64_t Qe = std::min(Q, T);
+  const int64_t rb = G * nchunks >= 2 * ops::num_threads() || Qe < 64 ? 1 : std::min<int64_t>(4, Qe / 32);
+  std::vector<float> CB(static_cast<size_t>(G * nchunks * Qe * Qe));
+  ops::parallel_for(G * nchunks * rb, [&](int64_t job) {
+    const int64_t gc = job / rb, blk = job % rb;
     const int64_t g = gc / nchunks, c = gc % nchunks;
     const int64_t t0 = c * Q, L = std::min(Q, T - t0);
-    ops::gemm(false, true, L, L, N, 1.0f, a.C + t0 * ldbc + g * N, ldbc, a.B + t0 * ldbc + g * N, ldbc,
-              0.0f, CB.data() + gc * Q * Q, Q);
+    const int64_t r0 = L * blk / rb, r1 = L * (blk + 1) / rb;
+    ops::gemm(false, true, r1 - r0, r1, N, 1.0f, a.C + (t0 + r0) * ldbc + g * N, ldbc, a.B + t0 * ldbc + g * N, ldbc,
+              0.0f, CB.data() + gc * Qe * Qe + r0 * Qe, Qe);
   });
 
 #if defined(__x86_64__)
@@ -74,9 +82,24 @@ void ssd_chunked(const SsdArgs& a) {
     const int64_t g = h / heads_per_group;
     const float A = a.A[h], D = a.D[h];
     float* S = a.S + h * P * N;
-    std::vector<float> acum(static_cast<size_t>(Q)), da(static_cast<size_t>(Q)), segs(static_cast<size_t>(Q)), M(static_cast<size_t>(Q * Q)),
-        xdt(static_cast<size_t>(Q * P)), tmp(static_cast<size_t>(Q * P)),
-        Sr(a.states ? static_cast<size_t>(P * N) : 0), decay(a.states ? static_cast<size_t>(Q) : 0);
+    // Per-thread scratch sized by the longest chunk this call has (Qe, not Q: a 128-token prompt
+    // with Q = 256 zeroed and touched 4x the M it uses), kept across heads and calls up to 4 MiB (a
+    // huge configured chunk gets a buffer of its own, freed after the head), never zeroed: every
+    // entry is written before it is read.
+    constexpr size_t kKeepFloats = size_t{1} << 20;
+    thread_local std::vector<float> kept;
+    std::vector<float> own;
+    const size_t need = static_cast<size_t>(3 * Qe + Qe * Qe + 2 * Qe * P + (a.states ? P * N + Qe : 0));
+    std::vector<float>& scratch = need <= kKeepFloats ? kept : own;
+    if (scratch.size() < need) scratch.resize(need);
+    float* const acum = scratch.data();
+    float* const da = acum + Qe;
+    float* const segs = da + Qe;
+    float* const M = segs + Qe;
+    float* const xdt = M + Qe * Qe;
+    float* const tmp = xdt + Qe * P;
+    float* const Sr = tmp + Qe * P;
+    float* const decay = Sr + P * N;
     for (int64_t c = 0; c < nchunks; ++c) {
       const int64_t t0 = c * Q, L = std::min(Q, T - t0);
       const float* xc = a.x + t0 * ldx + h * P;
@@ -95,26 +118,29 @@ void ssd_chunked(const SsdArgs& a) {
       // in increasing k as transformers' segment_sum does (no cumsum differences). Built row by row:
       // segs[s] (s < l) holds the sum up to row l, so each row is one contiguous add, exp and
       // product (the column-wise build was a serial add chain and strided stores).
-      const float* cb = CB.data() + (g * nchunks + c) * Q * Q;
+      const float* cb = CB.data() + (g * nchunks + c) * Qe * Qe;
       for (int64_t l = 0; l < L; ++l) {
-        float* Ml = M.data() + l * Q;
-        const float* cbl = cb + l * Q;
+        float* Ml = M + l * Qe;
+        const float* cbl = cb + l * Qe;
         const float al = da[l];
         for (int64_t s = 0; s < l; ++s) segs[s] += al;
-        ops::exp(segs.data(), Ml, l);
+        ops::exp(segs, Ml, l);
         for (int64_t s = 0; s < l; ++s) Ml[s] *= cbl[s];
         Ml[l] = cbl[l];
         std::fill(Ml + l + 1, Ml + L, 0.0f);
         segs[l] = 0.0f;
       }
-      // Intra-chunk: y_c = M xdt.
-      ops::gemm(false, false, L, P, L, 1.0f, M.data(), Q, xdt.data(), P, 0.0f, tmp.data(), P);
-      for (int64_t l = 0; l < L; ++l)
-        for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] = tmp[l * P + p];
+      // Intra-chunk: y_c = M xdt, written straight into the head's columns of y. M is lower
+      // triangular: rows [r0, r1) take columns [0, r1) only (a 128-token chunk: 3/4 of the
+      // products, 256 tokens: 5/8; the columns left out hold zeros).
+      for (int64_t r0 = 0; r0 < L; r0 += kTriRows) {
+        const int64_t r1 = std::min(L, r0 + kTriRows);
+        ops::gemm(false, false, r1 - r0, P, r1, 1.0f, M + r0 * Qe, Qe, xdt, P, 0.0f, yc + r0 * ldx, ldx);
+      }
       // Inter-chunk: y_c += exp(Acum_l) C_l S_enter (nothing to add from a zero state: a fresh
       // prompt's first chunk skips the product).
       const bool zero_state = std::all_of(S, S + P * N, [](float v) { return v == 0.0f; });
-      if (!zero_state) ops::gemm(false, true, L, P, N, 1.0f, Cc, ldbc, S, N, 0.0f, tmp.data(), P);
+      if (!zero_state) ops::gemm(false, true, L, P, N, 1.0f, Cc, ldbc, S, N, 0.0f, tmp, P);
       for (int64_t l = 0; l < L; ++l) {
         const float e = std::exp(acum[l]);
         if (zero_state)
@@ -133,15 +159,15 @@ void ssd_chunked(const SsdArgs& a) {
           // Sr is both the entering state and the running one; the stack is written with
           // streaming stores (it is not read back here, so no read-for-ownership of its lines).
           for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
-          ssd_states_replay_avx2(Sr.data(), decay.data(), Bc, ldbc, xdt.data(), L, N, P, Sr.data(),
+          ssd_states_replay_avx2(Sr, decay, Bc, ldbc, xdt, L, N, P, Sr,
                                  a.states + (t0 * H + h) * N * P, H * N * P);
         }
 #endif
-        const float* prev = Sr.data();
+        const float* prev = Sr;
         for (int64_t l = 0; l < L && !avx2; ++l) {
           const float e = std::exp(da[l]);
           const float* Bl = Bc + l * ldbc;
-          const float* xl = xdt.data() + l * P;
+          const float* xl = xdt + l * P;
           float* out = a.states + ((t0 + l) * H + h) * N * P;
           for (int64_t n = 0; n < N; ++n) {
             const float bn = Bl[n];
@@ -158,7 +184,7 @@ void ssd_chunked(const SsdArgs& a) {
         const float e = std::exp(last - acum[l]);
         for (int64_t p = 0; p < P; ++p) tmp[l * P + p] = xdt[l * P + p] * e;
       }
-      ops::gemm(true, false, P, N, L, 1.0f, tmp.data(), P, Bc, ldbc, std::exp(last), S, N);
+      ops::gemm(true, false, P, N, L, 1.0f, tmp, P, Bc, ldbc, std::exp(last), S, N);
     }
   });
 }

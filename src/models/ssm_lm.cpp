@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -39,6 +40,18 @@ void SsmLm::load_backbone(const io::Config& cfg, const io::WeightStore& w, const
   info.vocab_size = V_;
 }
 
+namespace {
+
+// f(r0, r1) over blocks of rows on the pool: the block's RMSNorm and residual add were serial
+// passes between parallel ops (on a 128-token prompt the other thread idled through them). Rows
+// are independent, so the blocking changes no value.
+void over_row_blocks(int64_t rows, const std::function<void(int64_t, int64_t)>& f) {
+  const int64_t blocks = rows < 16 ? 1 : std::min<int64_t>(rows / 8, 4 * ops::num_threads());
+  ops::parallel_for(blocks, [&](int64_t b) { f(rows * b / blocks, rows * (b + 1) / blocks); });
+}
+
+}  // namespace
+
 std::unique_ptr<CacheState> SsmLm::new_cache(int64_t batch) const {
   auto c = std::make_unique<SsmCache>();
   c->batch = batch;
@@ -46,8 +59,14 @@ std::unique_ptr<CacheState> SsmLm::new_cache(int64_t batch) const {
   for (int64_t d : ssm_state_shape()) s.push_back(d);
   for (int64_t i = 0; i < L_; ++i) {
     c->conv.emplace_back(Shape{batch, K_, conv_channels()});
-    c->ssm.emplace_back(s);
+    c->ssm.push_back(Tensor::uninitialized(s));
   }
+  // The states (0.75 MiB a layer on mamba2-130m, a new cache every run()) zeroed per layer on the
+  // pool rather than by one serial memset each before the prompt starts.
+  ops::parallel_for(L_, [&](int64_t i) {
+    Tensor& t = c->ssm[static_cast<size_t>(i)];
+    std::memset(t.data(), 0, sizeof(float) * static_cast<size_t>(t.numel()));
+  });
   return c;
 }
 
@@ -71,23 +90,30 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
   visit_if(ls, -1, Value::embed_output, h);
   FiniteWatch watch(family_);
   watch.check(-1, Value::embed_output, h);
-  Tensor n({B, T, D_});
+  Tensor n = Tensor::uninitialized({B, T, D_});  // written whole by every layer's norm
   for (int64_t i = 0; i < L_; ++i) {
     const int li = static_cast<int>(i);
     ctx.check_cancel();
     visit_if(ls, li, Value::layer_input, h);
     // MambaRMSNorm / Mamba2RMSNorm; with float32 weights residual_in_fp32 changes nothing.
-    ops::rmsnorm(h.data(), norms_[static_cast<size_t>(i)].data(), n.data(), B * T, D_, eps_);
+    const float* w = norms_[static_cast<size_t>(i)].data();
+    over_row_blocks(B * T, [&](int64_t r0, int64_t r1) {
+      ops::rmsnorm(h.data() + r0 * D_, w, n.data() + r0 * D_, r1 - r0, D_, eps_);
+    });
     Tensor out = mixer(li, n, in, cache, ls, ctx);
     watch.check(li, Value::attention_output, out);
     float* hp = h.data();
     const float* op = out.data();
-    for (int64_t k = 0; k < h.numel(); ++k) hp[k] += op[k];
+    over_row_blocks(B * T, [&](int64_t r0, int64_t r1) {
+      for (int64_t k = r0 * D_; k < r1 * D_; ++k) hp[k] += op[k];
+    });
     visit_if(ls, li, Value::layer_output, h);
     watch.check(li, Value::layer_output, h);
   }
   cache.has_state = true;
-  ops::rmsnorm(h.data(), norm_f_.data(), h.data(), B * T, D_, eps_);
+  over_row_blocks(B * T, [&](int64_t r0, int64_t r1) {
+    ops::rmsnorm(h.data() + r0 * D_, norm_f_.data(), h.data() + r0 * D_, r1 - r0, D_, eps_);
+  });
   visit_if(ls, -1, Value::ln_final_output, h);
   Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
   watch.finish(logits);

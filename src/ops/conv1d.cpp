@@ -21,11 +21,28 @@ void causal_conv1d(const float* in, int64_t in_stride, int64_t B, int64_t T, int
       const int64_t c0 = blocks == 1 ? 0 : blk * kBlockC, c1 = blocks == 1 ? C : std::min(C, c0 + kBlockC);
       for (int64_t t = 0; t < T; ++t) {
         float* o = out + (b * T + t) * C;
-        for (int64_t c = c0; c < c1; ++c) o[c] = bias ? bias[c] : 0.0f;
-        for (int64_t j = 0; j < K; ++j) {
-          const float* e = row(t + 1 + j);
-          const float* w = wT + j * C;
-          for (int64_t c = c0; c < c1; ++c) o[c] += w[c] * e[c];
+        if (K == 4) {
+          // The usual window in one pass over o (the general loop below makes five), same order of
+          // operations: bias, then the taps oldest first.
+          const float *__restrict e0 = row(t + 1), *__restrict e1 = row(t + 2), *__restrict e2 = row(t + 3),
+                                  *__restrict e3 = row(t + 4);
+          const float *__restrict w0 = wT, *__restrict w1 = wT + C, *__restrict w2 = wT + 2 * C, *__restrict w3 = wT + 3 * C;
+          float* __restrict oc = o;
+          for (int64_t c = c0; c < c1; ++c) {
+            float v = bias ? bias[c] : 0.0f;
+            v += w0[c] * e0[c];
+            v += w1[c] * e1[c];
+            v += w2[c] * e2[c];
+            v += w3[c] * e3[c];
+            oc[c] = v;
+          }
+        } else {
+          for (int64_t c = c0; c < c1; ++c) o[c] = bias ? bias[c] : 0.0f;
+          for (int64_t j = 0; j < K; ++j) {
+            const float* e = row(t + 1 + j);
+            const float* w = wT + j * C;
+            for (int64_t c = c0; c < c1; ++c) o[c] += w[c] * e[c];
+          }
         }
         if (use_silu) silu(o + c0, o + c0, c1 - c0);  // vectorized
       }

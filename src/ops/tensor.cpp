@@ -48,6 +48,16 @@ Tensor Tensor::uninitialized(Shape shape) {
     t.data_ = p;
     return t;
   }
+#ifndef MIXLENS_ARENA_OFF
+  if (bytes >= detail::kArenaMinBytes) {
+    // The activation pool (64-byte aligned there too): a forward's buffers reuse the pages of the
+    // previous layer / call, where malloc mapped and faulted fresh ones.
+    float* p = nullptr;
+    t.storage_ = detail::arena_alloc(t.numel_, &p);
+    t.data_ = p;
+    return t;
+  }
+#endif
   void* p = std::aligned_alloc(64, bytes);
   if (!p) throw std::bad_alloc();
   t.data_ = static_cast<float*>(p);

@@ -12,14 +12,6 @@
 #include "mixlens/errors.h"
 #include "runtime/env.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define MIXLENS_ARENA_OFF 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MIXLENS_ARENA_OFF 1
-#endif
-#endif
-
 namespace mixlens::detail {
 
 namespace {

@@ -7,6 +7,16 @@
 #include <cstdint>
 #include <memory>
 
+// ASan builds run without the pools (plain allocations keep its bounds checks); code that picks
+// an arena path itself (Tensor::uninitialized) tests this too.
+#if defined(__SANITIZE_ADDRESS__)
+#define MIXLENS_ARENA_OFF 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MIXLENS_ARENA_OFF 1
+#endif
+#endif
+
 namespace mixlens::detail {
 
 /// Buffers below this size come from malloc's own heap (reused without page faults there).
