@@ -31,8 +31,9 @@ struct Written {
 };
 
 /// Forward intermediates a family may keep for its backward (Tape::keep): the large products the
-/// backward would otherwise recompute from the block's input.
-enum class Kept { in_proj, mlp_gate_up, mixer_output };
+/// backward would otherwise recompute from the block's input. head_outputs: the Mamba-2 scan's
+/// output y as the norm read it (after writes), so the backward need not rerun the scan forward.
+enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs };
 
 struct Tape {
   const detail::FamilyModel* family = nullptr;
