@@ -271,11 +271,11 @@ class QwenHybrid final : public FamilyModel {
       ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       norm_rows(h, l.in_norm, n);
-      Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
+      Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls, ctx.tape);
       watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
-      // A gradient call keeps the GDN output as added (after writes) and the dense MLP's gate|up product
-      // (with the GDN in_proj above, the products its backward would otherwise recompute).
-      if (ctx.tape && l.linear) ctx.tape->keep(li, grad::Kept::mixer_output, out);
+      // A gradient call keeps the mixer output as added (after writes) and the dense MLP's gate|up product
+      // (with the GDN in_proj and the attention projections, the products its backward would otherwise recompute).
+      if (ctx.tape) ctx.tape->keep(li, grad::Kept::mixer_output, out);
       add_into(h, out);
       norm_rows(h, l.post_norm, n);
       Tensor gu_kept;
@@ -584,10 +584,13 @@ class QwenHybrid final : public FamilyModel {
 
   // Gated softmax attention (Qwen3_5Attention).
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
-                   HybridCache& cache, Listener* ls) const {
+                   HybridCache& cache, Listener* ls, grad::Tape* tape) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
     Tensor qg = Tensor::uninitialized({BT, H_ * 2 * d});
     ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
+    // A gradient call keeps the projections and the attention output (grad::Kept::attn_*): the
+    // backward then runs no product of its forward again.
+    if (tape) tape->keep(li, grad::Kept::attn_q_gate, qg);  // read-only from here on
     Tensor q = Tensor::uninitialized({B, T, H_, d}), gate = Tensor::uninitialized({B, T, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
            v = Tensor::uninitialized({B, T, Hkv_, d});
     for (int64_t row = 0; row < BT; ++row)
@@ -598,6 +601,7 @@ class QwenHybrid final : public FamilyModel {
       }
     ops::linear(n.data(), BT, D_, l.k_proj, k.data());
     ops::linear(n.data(), BT, D_, l.v_proj, v.data());
+    if (tape) tape->keep(li, grad::Kept::attn_k, k.clone());  // k_norm below works in place
     ops::rmsnorm(q.data(), l.q_norm.data(), q.data(), BT * H_, d, eps_, true);
     ops::rmsnorm(k.data(), l.k_norm.data(), k.data(), BT * Hkv_, d, eps_, true);
     apply_rope(q.data(), BT, H_, d, rot_, pos.data(), inv_freq_);
@@ -605,6 +609,7 @@ class QwenHybrid final : public FamilyModel {
     visit_if(ls, li, Value::attn_queries, q);
     visit_if(ls, li, Value::attn_keys, k);
     visit_if(ls, li, Value::attn_values, v);
+    if (tape) tape->keep(li, grad::Kept::attn_v, v);
     KvCache& kv = cache.kv[static_cast<size_t>(li)];
     const int64_t past = kv.len;
     kv.append(k.data(), v.data(), B, T, Hkv_ * d);
@@ -614,6 +619,7 @@ class QwenHybrid final : public FamilyModel {
     causal_attention(q.data(), B, T, H_, Hkv_, d, past, kv, cache.key_mask, att.data(),
                      probs.defined() ? probs.data() : nullptr);
     if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
+    if (tape) tape->keep(li, grad::Kept::attn_core, att.clone());  // gated in place below
     visit_if(ls, li, Value::attn_gate, gate);
     {
       Tensor sg(gate.shape());  // gate is served: sigmoid into a copy, vectorized
