@@ -16,7 +16,11 @@
 namespace mixlens {
 
 /// Which forward calls (generation steps) a save or edit applies to: step 0 is the prompt,
-/// step k >= 1 the k-th single-token decode step. A plain run is step 0.
+/// step k >= 1 the k-th single-token decode step. A plain run is step 0. A save or write whose first
+/// step a call never makes raises InputError rather than being absent or silently not applied:
+/// Model::run() and the Session factories before running, Model::generate() before generating (a step
+/// >= max_new_tokens) and after (every row stopped at EOS first). A Trace passed to several
+/// Model::forward() calls is not checked (the steps still to come are unknown).
 struct Steps {
   int first = 0;
   int last = INT_MAX;  ///< inclusive

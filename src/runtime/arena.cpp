@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mixlens/errors.h"
+#include "runtime/env.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define MIXLENS_ARENA_OFF 1
@@ -32,25 +33,13 @@ namespace {
   return (bytes + step - 1) / step * step;
 }
 
-// A cap in MiB from the environment (`name`), else `default_mib`; bytes. InputError for anything
-// but a whole number of MiB.
-[[maybe_unused]] uint64_t mib_from_env(const char* name, uint64_t default_mib) {
-  const char* env = std::getenv(name);
-  if (env == nullptr) return default_mib << 20;
-  char* end = nullptr;
-  const unsigned long long mb = std::strtoull(env, &end, 10);
-  if (end == env || *end != '\0' || mb > (uint64_t{1} << 30))
-    throw InputError(std::string(name) + "='" + env + "' must be a whole number of MiB");
-  return static_cast<uint64_t>(mb) << 20;
-}
-
 struct Pool {
   std::mutex mu;
   std::unordered_map<size_t, std::vector<void*>> free;  // class bytes -> buffers
   uint64_t pooled = 0, reused = 0, fresh = 0;
   uint64_t limit = 0;
 
-  Pool() : limit(mib_from_env("MIXLENS_ARENA_MB", 256)) {}
+  Pool() : limit(env_mib("MIXLENS_ARENA_MB", 256, true)) {}
 
   void* get(size_t bytes) {
     {
@@ -114,7 +103,7 @@ struct BigCache {
 
   BigCache() {
     free.reserve(kBigMaxBlocks + 1);  // put() runs in deleters: it must not allocate
-    limit = mib_from_env("MIXLENS_ARENA_BIG_MB", 2048);
+    limit = env_mib("MIXLENS_ARENA_BIG_MB", 2048, true);
   }
 
   static size_t pages(size_t bytes) { return (bytes + 4095) / 4096 * 4096; }

@@ -486,6 +486,7 @@ Tensor Model::run(const std::vector<std::vector<int32_t>>& prompts, Trace* trace
 }
 
 Tensor Model::run(const Batch& b, Trace* trace, const std::atomic<bool>* cancel, bool all_logits) const {
+  if (trace) detail::TraceListener::check_steps_made(*trace, 0, 0);  // a fresh run makes step 0 only
   Cache c = new_cache(b.batch);
   return forward(b, c, trace, all_logits, cancel);
 }
@@ -504,6 +505,7 @@ GenerationResult detail::ModelAccess::generate(const Model& m, Batch b, const Ge
                                                Listener* extra, const std::atomic<bool>* cancel) {
   const Model::Impl& impl = *m.impl_;
   o.check();
+  if (trace) detail::TraceListener::check_steps_reachable(*trace, o.max_new_tokens);
   Cache cache = m.new_cache(b.batch);
   std::optional<int32_t> eos = impl.eos_id;
   if (o.eos_token_id) eos = *o.eos_token_id < 0 ? std::nullopt : o.eos_token_id;
@@ -531,6 +533,8 @@ GenerationResult detail::ModelAccess::generate(const Model& m, Batch b, const Ge
     b.mask.assign(static_cast<size_t>(b.batch), 1);
     b.embeds = Tensor();  // from step 1 the generated ids are fed
   }
+  // Every row stopped (EOS) before a step something was registered at: not a silent no-op.
+  if (trace) detail::TraceListener::check_steps_made(*trace, 0, res.steps - 1);
   return res;
 }
 

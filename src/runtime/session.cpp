@@ -559,6 +559,7 @@ Session Session::run(const Model& model, std::vector<std::vector<int32_t>> promp
 }
 
 Session Session::run(const Model& model, Batch batch, Trace* trace, bool all_logits) {
+  if (trace) detail::TraceListener::check_steps_made(*trace, 0, 0);
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_seq = batch.seq;
   const std::atomic<bool>* cancel = &impl->cancel;
@@ -579,6 +580,7 @@ Session Session::generate(const Model& model, std::vector<std::vector<int32_t>> 
 
 Session Session::generate(const Model& model, Batch prompt, GenerateOptions options, Trace* trace) {
   if (options.max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
+  if (trace) detail::TraceListener::check_steps_reachable(*trace, options.max_new_tokens);
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_seq = prompt.seq;
   impl->last_step = options.max_new_tokens - 1;
@@ -602,6 +604,7 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
   for (const auto& row : forced)
     if (row.size() != forced[0].size()) throw InputError("teacher_forced: every row needs the same number of forced tokens");
   const int n_steps = static_cast<int>(forced[0].size()) + 1;
+  if (trace) detail::TraceListener::check_steps_made(*trace, 0, n_steps - 1);
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_seq = batch.seq;
   impl->last_step = n_steps - 1;
@@ -633,6 +636,7 @@ Session Session::teacher_forced(const Model& model, std::vector<std::vector<int3
 
 Session Session::forward(const Model& model, Batch batch, Cache& cache, Trace* trace, bool all_logits) {
   detail::ModelAccess::check_cache(cache, "continue");  // now, not at the first read
+  if (trace) detail::TraceListener::check_steps_made(*trace, cache.steps(), cache.steps());
   auto impl = std::make_unique<Impl>(model, trace);
   impl->first_step = impl->last_step = cache.steps();
   impl->pos = {cache.steps(), kCallStart, -1};

@@ -9,6 +9,7 @@
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
 #include "models/family.h"
+#include "runtime/env.h"
 #include "runtime/trace_listener.h"
 
 namespace mixlens {
@@ -63,13 +64,32 @@ Trace& Trace::set(std::string_view path, Tensor value, Steps steps) {
 
 uint64_t save_budget_bytes() {
   // Read per call (cheap): tests and long-running processes may change it.
-  if (const char* v = std::getenv("MIXLENS_SAVE_BUDGET_MB"); v && *v) {
-    char* end = nullptr;
-    const unsigned long long mb = std::strtoull(v, &end, 10);
-    if (end && *end == '\0' && mb > 0 && mb < (uint64_t{1} << 43)) return static_cast<uint64_t>(mb) << 20;
-    throw InputError(std::string("MIXLENS_SAVE_BUDGET_MB='") + v + "' is not a positive whole number of MiB");
+  return detail::env_mib("MIXLENS_SAVE_BUDGET_MB", kDefaultSaveBudgetBytes >> 20, false);
+}
+
+namespace {
+bool restricted(const Steps& s) { return s.first != Steps::all().first || s.last != Steps::all().last; }
+}  // namespace
+
+void detail::TraceListener::check_steps_made(const Trace& trace, int made_first, int made_last) {
+  for (const auto& r : trace.impl_->regs) {
+    if (!restricted(r.steps) || (r.steps.first >= made_first && r.steps.first <= made_last)) continue;
+    const std::string made = made_last < made_first ? "no step"
+                             : made_last == made_first ? "step " + std::to_string(made_first)
+                                                       : "steps " + std::to_string(made_first) + ".." + std::to_string(made_last);
+    throw InputError(std::string(r.kind == Trace::Impl::Kind::save ? "save" : "edit") + " '" + r.path + "@step" +
+                     std::to_string(r.steps.first) + "': the run never made step " + std::to_string(r.steps.first) +
+                     " (it ran " + made + ")");
   }
-  return kDefaultSaveBudgetBytes;
+}
+
+void detail::TraceListener::check_steps_reachable(const Trace& trace, int max_new_tokens) {
+  for (const auto& r : trace.impl_->regs)
+    if (restricted(r.steps) && r.steps.first >= max_new_tokens)
+      throw InputError(std::string(r.kind == Trace::Impl::Kind::save ? "save" : "edit") + " '" + r.path + "@step" +
+                       std::to_string(r.steps.first) + "': generate(max_new_tokens=" + std::to_string(max_new_tokens) +
+                       ") never makes step " + std::to_string(r.steps.first) + " (it runs steps 0.." +
+                       std::to_string(max_new_tokens - 1) + "; step 0 is the prompt)");
 }
 
 static std::string key_of(std::string_view path, int step) {

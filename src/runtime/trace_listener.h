@@ -29,6 +29,13 @@ class TraceListener final : public Listener {
   void settled(int layer, Value v, const Tensor& value) override;
   void settled_state(int layer, int64_t t, const Tensor& value) override;
 
+  /// InputError for a save or write registered at one step or a range (Steps::only / range) whose
+  /// first step is not in made_first..made_last, the steps a run made: the save would be absent,
+  /// the write silently not applied. Same message as the Python package.
+  static void check_steps_made(const Trace& trace, int made_first, int made_last);
+  /// Before generating: InputError for a registration whose first step is >= max_new_tokens.
+  static void check_steps_reachable(const Trace& trace, int max_new_tokens);
+
  private:
   /// Edits of (layer, v) at this step (for Value::state, those whose token is `token`), then saves.
   bool serve(int layer, Value v, int64_t token, Tensor& value, const Shape& shape);

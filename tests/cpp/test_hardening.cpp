@@ -17,6 +17,7 @@
 #include "io/safetensors.h"
 #include "mixlens/errors.h"
 #include "mixlens/model.h"
+#include "mixlens/session.h"
 #include "mixlens/tokenizer.h"
 #include "mixlens/trace.h"
 #include "runtime/sampling.h"
@@ -178,8 +179,8 @@ TEST(HostileSafetensors, DeeplyNestedHeaderIsRefused) {
 
 std::string many_entries(size_t n) {
   std::string h = "{";
-  for (size_t i = 0; i < n; ++i)
-    h += (i ? "," : "") + std::string("\"t") + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  for (size_t i = 0; i < n; ++i)  // appended piece by piece: operator+ chains trip GCC 12's -Wrestrict
+    h.append(i ? ",\"t" : "\"t").append(std::to_string(i)).append("\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}");
   h += "}";
   std::string file(8, '\0');
   const uint64_t len = h.size();
@@ -487,6 +488,79 @@ TEST_F(Hostile, SavedValuesStopAtTheBudget) {
   EXPECT_EQ(rc, 1) << err;
   EXPECT_TRUE(has(err, "mixlens: error: trace: saving")) << err;
   EXPECT_TRUE(has(err, "1 MiB budget")) << err;
+}
+
+TEST(HostileEnv, MiBSettingsRefuseWhatIsNotAWholeNumber) {
+  // One parser for every MIXLENS_*_MB: digits only; empty means unset; the save budget must be >= 1.
+  for (const char* bad : {"-1", " 5", "+5", "5MB", "1e3", "0", "99999999999999999999"}) {
+    ::setenv("MIXLENS_SAVE_BUDGET_MB", bad, 1);
+    try {
+      (void)save_budget_bytes();
+      ADD_FAILURE() << "'" << bad << "' taken";
+    } catch (const InputError& e) {
+      EXPECT_TRUE(has(e.what(), std::string("MIXLENS_SAVE_BUDGET_MB='") + bad + "' must be a whole number of MiB"))
+          << e.what();
+    }
+  }
+  ::setenv("MIXLENS_SAVE_BUDGET_MB", "", 1);
+  EXPECT_EQ(save_budget_bytes(), kDefaultSaveBudgetBytes);
+  ::setenv("MIXLENS_SAVE_BUDGET_MB", "3", 1);
+  EXPECT_EQ(save_budget_bytes(), uint64_t{3} << 20);
+  ::unsetenv("MIXLENS_SAVE_BUDGET_MB");
+}
+
+// A save or write at a step the run never makes would be absent / silently not applied: refused.
+TEST(HostileSteps, RegistrationsAtStepsTheRunNeverMakesRaise) {
+  const Model m = Model::load(fixture("mamba2/short_prompt").string());
+  const std::string path = "layers.0.linear_attn.betas";
+  const std::vector<std::vector<int32_t>> prompt = {{5, 6, 7, 8}};
+  auto message = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const EditFn zero = [](Tensor& v, const SiteContext&) {
+    for (int64_t i = 0; i < v.numel(); ++i) v.data()[i] = 0.0f;
+  };
+  // run() makes step 0 only: refused before any forward (the trace records no call).
+  Trace t;
+  t.edit(path, zero, Steps::only(3));
+  EXPECT_EQ(message([&] { (void)m.run(prompt, &t); }),
+            "edit '" + path + "@step3': the run never made step 3 (it ran step 0)");
+  EXPECT_TRUE(t.calls().empty());
+  // generate() refuses a step past max_new_tokens before generating.
+  GenerateOptions o;
+  o.max_new_tokens = 3;
+  o.greedy = true;
+  Trace t2;
+  t2.save(path, Steps::only(3));
+  EXPECT_EQ(message([&] { (void)m.generate(prompt, o, &t2); }),
+            "save '" + path + "@step3': generate(max_new_tokens=3) never makes step 3 (it runs steps 0..2; step 0 "
+            "is the prompt)");
+  EXPECT_TRUE(t2.calls().empty());
+  // Every row stopping at EOS before the edited step: raised once the generation is over.
+  const int32_t first = m.generate(prompt, o).new_tokens[0][0];
+  o.max_new_tokens = 8;
+  o.eos_token_id = first;
+  Trace t3;
+  t3.edit(path, zero, Steps::range(5, 6));
+  EXPECT_EQ(message([&] { (void)m.generate(prompt, o, &t3); }),
+            "edit '" + path + "@step5': the run never made step 5 (it ran step 0)");
+  // A continuation forward (the Session API) makes step cache.steps() only.
+  Cache c = m.new_cache(1);
+  (void)m.forward(Batch::left_padded(prompt, m.pad_token_id()), c);
+  Trace t4;
+  t4.save(path, Steps::only(0));
+  EXPECT_EQ(message([&] { (void)Session::forward(m, Batch::left_padded({{9}}, m.pad_token_id()), c, &t4); }),
+            "save '" + path + "@step0': the run never made step 0 (it ran step 1)");
+  // Steps that are made still save and apply.
+  Trace t5;
+  t5.save(path, Steps::only(0));
+  (void)m.run(prompt, &t5);
+  EXPECT_TRUE(t5.has(path, 0));
 }
 
 // ---- item 7: the hub resolver stays inside the cache -----------------------------------------
