@@ -54,19 +54,24 @@ class Metric:
             raise IndexError(f"metric position {missing[0]} is not among the logits' positions")
         return rows, [(t, at[t]) for t in pos]
 
-    def _own_positions(self, seq: int) -> Optional[list[int]]:
+    def value(self, logits) -> float:
+        raise NotImplementedError
+
+    def dlogits(self, logits) -> np.ndarray:
+        raise NotImplementedError
+
+
+class CellMetric(Metric):
+    """Base of metrics that read only the cells of their ``position`` and ``row``: declares that
+    position (:meth:`Metric.positions`), so :meth:`mixlens.Tracer.backward` forms its logits only."""
+
+    def positions(self, seq: int) -> Optional[list[int]]:
         # The positions of ``position`` (None: every one), checked as _cells does.
         if self.position is None:
             return None
         if not -seq <= self.position < seq:
             raise IndexError(f"metric position {self.position} is out of range for a call of {seq} tokens")
         return [self.position % seq]
-
-    def value(self, logits) -> float:
-        raise NotImplementedError
-
-    def dlogits(self, logits) -> np.ndarray:
-        raise NotImplementedError
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -84,7 +89,7 @@ def _token_id(i: int, vocab: int, what: str) -> int:
     return i
 
 
-class LogProb(Metric):
+class LogProb(CellMetric):
     """Sum of ``log_softmax(logits)[row, position, token]``. ``token``: an id, or an int array ``[B, T]``
     of targets (with ``position=None``: the sum of every position's target log-prob)."""
 
@@ -96,9 +101,6 @@ class LogProb(Metric):
         tok = np.asarray(self.token)
         i = int(tok) if tok.ndim == 0 else int(tok[r, t])
         return _token_id(i, vocab, "LogProb token")
-
-    def positions(self, seq: int) -> Optional[list[int]]:
-        return self._own_positions(seq)
 
     def value(self, logits, positions=None, seq=None) -> float:
         z = np.asarray(logits)
@@ -116,15 +118,12 @@ class LogProb(Metric):
         return out.astype(np.float32)
 
 
-class LogitDiff(Metric):
+class LogitDiff(CellMetric):
     """Sum of ``logits[row, position, a] - logits[row, position, b]``."""
 
     def __init__(self, a: int, b: int, position: Optional[int] = -1, row: Optional[int] = None):
         super().__init__(position, row)
         self.a, self.b = int(a), int(b)
-
-    def positions(self, seq: int) -> Optional[list[int]]:
-        return self._own_positions(seq)
 
     def value(self, logits, positions=None, seq=None) -> float:
         z = np.asarray(logits)

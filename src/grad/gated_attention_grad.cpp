@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "grad/ops_grad.h"
 #include "grad/qwen_grad.h"
@@ -18,39 +19,62 @@ AttnMixerGrad::AttnMixerGrad(const AttnView& w, int li, const Tensor& n, const d
                              const std::vector<int64_t>& pos, const Tape& tape)
     : w_(w), li_(li), tape_(tape), before_(before), pos_(pos) {
   const int64_t B = tape.batch.batch, T = tape.batch.seq, BT = B * T, d = w.hd, H = w.H, Hkv = w.Hkv;
-  n_ = n.clone();
-  Tensor qg({BT, H * 2 * d});
-  ops::linear(n_.data(), BT, w.D, *w.q_proj, qg.data());
-  qpre_ = Tensor({B, T, H, d});
-  gate_ = Tensor({B, T, H * d});
+  // A recorded call kept the projections, the attention output and the mixer output (Kept::attn_*,
+  // mixer_output): then no product is run again; otherwise everything is recomputed from n.
+  const Tensor* kqg = tape.kept_of(li, Kept::attn_q_gate);
+  const Tensor* kk = tape.kept_of(li, Kept::attn_k);
+  const Tensor* kv = tape.kept_of(li, Kept::attn_v);
+  const Tensor* katt = tape.kept_of(li, Kept::attn_core);
+  const Tensor* kout = tape.kept_of(li, Kept::mixer_output);
+  const bool kept = kqg && kk && kv && katt && kout;
+  Tensor qg;
+  if (kept) {
+    qg = *kqg;
+  } else {
+    n_ = n.clone();
+    qg = Tensor::uninitialized({BT, H * 2 * d});
+    ops::linear(n_.data(), BT, w.D, *w.q_proj, qg.data());
+  }
+  qpre_ = Tensor::uninitialized({B, T, H, d});
+  gate_ = Tensor::uninitialized({B, T, H * d});
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t h = 0; h < H; ++h) {  // per head [query | gate]
-      const float* src = qg.data() + (row * H + h) * 2 * d;
+      const float* src = std::as_const(qg).data() + (row * H + h) * 2 * d;
       std::memcpy(qpre_.data() + (row * H + h) * d, src, sizeof(float) * static_cast<size_t>(d));
       std::memcpy(gate_.data() + (row * H + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
     }
-  kpre_ = Tensor({B, T, Hkv, d});
-  v_ = Tensor({B, T, Hkv, d});
-  ops::linear(n_.data(), BT, w.D, *w.k_proj, kpre_.data());
-  ops::linear(n_.data(), BT, w.D, *w.v_proj, v_.data());
-  q_ = Tensor({B, T, H, d});
-  k_ = Tensor({B, T, Hkv, d});
+  if (kept) {
+    kpre_ = *kk;
+    v_ = *kv;  // as the forward used it (after writes)
+  } else {
+    kpre_ = Tensor::uninitialized({B, T, Hkv, d});
+    v_ = Tensor::uninitialized({B, T, Hkv, d});
+    ops::linear(n_.data(), BT, w.D, *w.k_proj, kpre_.data());
+    ops::linear(n_.data(), BT, w.D, *w.v_proj, v_.data());
+    tape.apply(li, Value::attn_values, v_);
+  }
+  q_ = Tensor::uninitialized({B, T, H, d});
+  k_ = Tensor::uninitialized({B, T, Hkv, d});
   ops::rmsnorm(qpre_.data(), w.q_norm->data(), q_.data(), BT * H, d, w.eps, true);
-  ops::rmsnorm(kpre_.data(), w.k_norm->data(), k_.data(), BT * Hkv, d, w.eps, true);
+  ops::rmsnorm(std::as_const(kpre_).data(), w.k_norm->data(), k_.data(), BT * Hkv, d, w.eps, true);
   detail::apply_rope(q_.data(), BT, H, d, w.rot, pos.data(), *w.inv_freq);
   detail::apply_rope(k_.data(), BT, Hkv, d, w.rot, pos.data(), *w.inv_freq);
   tape.apply(li, Value::attn_queries, q_);
   tape.apply(li, Value::attn_keys, k_);
-  tape.apply(li, Value::attn_values, v_);
   kv_ = before.kv[static_cast<size_t>(li)];
   past_ = kv_.len;
-  kv_.append(k_.data(), v_.data(), B, T, Hkv * d);
-  att_ = Tensor({B, T, H, d});
-  detail::causal_attention(q_.data(), B, T, H, Hkv, d, past_, kv_, before.key_mask, att_.data());
+  kv_.append(k_.data(), std::as_const(v_).data(), B, T, Hkv * d);
   tape.apply(li, Value::attn_gate, gate_);
-  Tensor ag({BT, H * d});
+  if (kept) {
+    att_ = *katt;
+    out_ = *kout;
+    return;
+  }
+  att_ = Tensor::uninitialized({B, T, H, d});
+  detail::causal_attention(q_.data(), B, T, H, Hkv, d, past_, kv_, before.key_mask, att_.data());
+  Tensor ag = Tensor::uninitialized({BT, H * d});
   for (int64_t e = 0; e < ag.numel(); ++e) ag[e] = att_[e] * ops::sigmoid(gate_[e]);
-  out_ = Tensor({B, T, w.D});
+  out_ = Tensor::uninitialized({B, T, w.D});
   ops::linear(ag.data(), BT, H * d, *w.o_proj, out_.data());
   tape.apply(li, Value::attn_output, out_);
 }

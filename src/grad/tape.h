@@ -31,8 +31,11 @@ struct Written {
 };
 
 /// Forward intermediates a family may keep for its backward (Tape::keep): the large products the
-/// backward would otherwise recompute from the block's input.
-enum class Kept { in_proj, mlp_gate_up, mixer_output };
+/// backward would otherwise recompute from the block's input. head_outputs: the Mamba-2 scan's
+/// output y as the norm read it (after writes), so the backward need not rerun the scan forward.
+/// attn_*: a softmax attention layer's q_proj output (per head [query | gate]), k_proj's output
+/// before k_norm, the values (after writes) and the attention output before the sigmoid gate.
+enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core };
 
 struct Tape {
   const detail::FamilyModel* family = nullptr;
@@ -127,6 +130,8 @@ namespace mixlens::detail {
 struct GradAccess {
   static bool enabled(const Trace& t);
   static void store(Trace& t, std::shared_ptr<grad::Tape> tape);
+  /// The tape of the trace's last recorded call, or nullptr (tests: drop what the forward kept).
+  static grad::Tape* tape(Trace& t);
 };
 }  // namespace mixlens::detail
 

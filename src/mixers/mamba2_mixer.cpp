@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "grad/tape.h"
 #include "mixers/ssd.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -107,6 +108,7 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
         for (; c < ends[s]; ++c) row[c] *= m[static_cast<size_t>(s)];
     }
   }
+  if (call.tape) call.tape->keep(li, grad::Kept::in_proj, zxbcdt);  // read-only from here on
 
   // Causal depthwise conv over xBC with the cached K inputs as left context, then SiLU.
   Tensor xbc = Tensor::uninitialized({B, T, conv_dim});
@@ -197,6 +199,7 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   };
   if (gate_in_kernel) gate_rows(y.data(), y.data(), 0, BT);
   visit_if(ls, li, Value::attention_head_outputs, y);
+  if (call.tape && !gate_in_kernel) call.tape->keep(li, grad::Kept::head_outputs, y);  // as written; read-only
 
   // The gate and the norm per block of rows on the pool (they were a serial pass per layer).
   Tensor g = Tensor::uninitialized({B, T, E});

@@ -72,6 +72,9 @@ struct Mamba2MixerCall {
   bool has_state = false;  ///< conv/ssm hold a previous call's state (else zeroed first)
   bool chunked = true;     ///< the chunked kernel (else the token recurrence)
   Listener* ls = nullptr;
+  /// A call recorded for gradients: the forward keeps in_proj's output and the scan's output on it
+  /// (grad::Kept::in_proj / head_outputs), which the backward would otherwise recompute.
+  grad::Tape* tape = nullptr;
 };
 
 class Mamba2Mixer {

@@ -87,6 +87,7 @@ class Mamba2Model final : public SsmLm {
     call.has_state = cache.has_state;
     call.chunked = ctx.kernel == "chunked";
     call.ls = ls;
+    call.tape = ctx.tape;
     return mixer_.forward(layers_[static_cast<size_t>(li)], n, in, call);
   }
 

@@ -342,6 +342,7 @@ class Mamba2Hybrid final : public FamilyModel {
         call.has_state = cache.has_state;
         call.chunked = ctx.kernel == "chunked";
         call.ls = ls;
+        call.tape = ctx.tape;  // a gradient call keeps in_proj's output and y for the backward
         Tensor out = mixer_.forward(bw.mamba, n, in, call);
         watch.check(li, Value::attention_output, out);
         add_into(branch, out);

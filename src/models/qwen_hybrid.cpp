@@ -275,11 +275,11 @@ class QwenHybrid final : public FamilyModel {
         h = last_block_on_last_rows(li, l, h, n, in, masked, pos, cache, ls, ctx, watch);
         break;
       }
-      Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls);
+      Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls, ctx.tape);
       watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
-      // A gradient call keeps the GDN output as added (after writes) and the dense MLP's gate|up product
-      // (with the GDN in_proj above, the products its backward would otherwise recompute).
-      if (ctx.tape && l.linear) ctx.tape->keep(li, grad::Kept::mixer_output, out);
+      // A gradient call keeps the mixer output as added (after writes) and the dense MLP's gate|up product
+      // (with the GDN in_proj and the attention projections, the products its backward would otherwise recompute).
+      if (ctx.tape) ctx.tape->keep(li, grad::Kept::mixer_output, out);
       add_into(h, out);
       norm_rows(h, l.post_norm, n);
       Tensor gu_kept;
@@ -423,7 +423,7 @@ class QwenHybrid final : public FamilyModel {
                                  bool masked, const std::vector<int64_t>& pos, HybridCache& cache, Listener* ls,
                                  const CallCtx& ctx, FiniteWatch& watch) const {
     const int64_t B = in.batch, T = in.seq;
-    Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls, true);
+    Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls, nullptr, true);
     const int64_t ot = out.size(1);  // T (GDN) or 1 (attention on the last rows)
     Tensor hl = Tensor::uninitialized({B, 1, D_}), nl = Tensor::uninitialized({B, 1, D_});
     for (int64_t b = 0; b < B; ++b) {
@@ -626,7 +626,7 @@ class QwenHybrid final : public FamilyModel {
   // `last_only` (last_block_on_last_rows): queries, attention and o_proj for the last row of each
   // sequence only ([B,1,D] out, nothing visited); keys and values for every row, into the cache.
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
-                   HybridCache& cache, Listener* ls, bool last_only = false) const {
+                   HybridCache& cache, Listener* ls, grad::Tape* tape, bool last_only = false) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
     const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
     Tensor qg = Tensor::uninitialized({BTq, H_ * 2 * d});
@@ -638,10 +638,14 @@ class QwenHybrid final : public FamilyModel {
     } else {
       ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
     }
+    // A gradient call (never last_only) keeps the projections and the attention output
+    // (grad::Kept::attn_*): the backward then runs no product of its forward again.
+    if (tape) tape->keep(li, grad::Kept::attn_q_gate, qg);  // read-only from here on
     Tensor q = Tensor::uninitialized({B, Tq, H_, d}), gate = Tensor::uninitialized({B, Tq, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
            v = Tensor::uninitialized({B, T, Hkv_, d});
     ops::linear(n.data(), BT, D_, l.k_proj, k.data());
     ops::linear(n.data(), BT, D_, l.v_proj, v.data());
+    if (tape) tape->keep(li, grad::Kept::attn_k, k.clone());  // k_norm below works in place
     std::vector<int64_t> qpos;
     if (last_only)
       for (int64_t b = 0; b < B; ++b) qpos.push_back(pos[static_cast<size_t>(b * T + T - 1)]);
@@ -667,6 +671,7 @@ class QwenHybrid final : public FamilyModel {
     visit_if(ls, li, Value::attn_queries, q);
     visit_if(ls, li, Value::attn_keys, k);
     visit_if(ls, li, Value::attn_values, v);
+    if (tape) tape->keep(li, grad::Kept::attn_v, v);
     KvCache& kv = cache.kv[static_cast<size_t>(li)];
     const int64_t past = kv.len;
     kv.append(k.data(), v.data(), B, T, Hkv_ * d);
@@ -676,6 +681,7 @@ class QwenHybrid final : public FamilyModel {
     causal_attention(q.data(), B, Tq, H_, Hkv_, d, past + T - Tq, kv, cache.key_mask, att.data(),
                      probs.defined() ? probs.data() : nullptr);
     if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
+    if (tape) tape->keep(li, grad::Kept::attn_core, att.clone());  // gated in place below
     visit_if(ls, li, Value::attn_gate, gate);
     {
       Tensor sg = Tensor::uninitialized(gate.shape());  // gate is served: sigmoid into a copy, vectorized

@@ -175,6 +175,7 @@ void GradAccess::store(Trace& t, std::shared_ptr<grad::Tape> tape) {
   t.impl_->tape = std::move(tape);
   t.impl_->grads.clear();
 }
+grad::Tape* GradAccess::tape(Trace& t) { return t.impl_->tape.get(); }
 
 namespace {
 

@@ -5,12 +5,17 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "grad/tape.h"
 #include "mixlens/model.h"
 #include "mixlens/tensor.h"
+#include "mixlens/trace.h"
 
 namespace mixlens::grad_check {
 
@@ -77,5 +82,38 @@ struct RouteGuard {
   RouteGuard(std::string f, const char* route) : family(std::move(f)) { route_kernels(family, route); }
   ~RouteGuard() { route_kernels(family, "default"); }
 };
+
+/// The backward of one recorded call twice: with the products the forward kept on the tape
+/// (grad::Kept), then with them dropped (recomputed from the block inputs). Both must give the same
+/// gradient of every path (`tol`: float32 rounding of the recomputation). `prepare` adds saves /
+/// edits to the trace.
+inline void expect_kept_equals_recomputed(Model& m, const Batch& batch, const std::vector<std::string>& paths,
+                                          const std::function<void(Trace&)>& prepare, double tol = 1e-5) {
+  Trace tr;
+  prepare(tr);
+  tr.enable_grad();
+  const Tensor logits = m.run(batch, &tr);
+  const Tensor W = random_like(logits.shape(), 11);
+  tr.backward(W, paths);
+  std::map<std::string, Tensor> kept;
+  for (const auto& [k, g] : tr.grads()) kept[k] = g.clone();
+  grad::Tape* tape = detail::GradAccess::tape(tr);
+  ASSERT_NE(tape, nullptr);
+  ASSERT_FALSE(tape->kept.empty()) << "the forward kept nothing";
+  tape->kept.clear();
+  tr.backward(W, paths);
+  ASSERT_EQ(tr.grads().size(), kept.size());
+  for (const auto& [k, g] : kept) {
+    const Tensor& r = tr.grad(k);
+    ASSERT_EQ(r.shape(), g.shape()) << k;
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < g.numel(); ++i) {
+      const double e = static_cast<double>(g[i]) - r[i];
+      num += e * e;
+      den += static_cast<double>(r[i]) * r[i];
+    }
+    EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), tol) << k;
+  }
+}
 
 }  // namespace mixlens::grad_check

@@ -53,6 +53,22 @@ TEST(Grad, Mamba2EmbeddingsMatchDirectionalFiniteDifferences) {
   }
 }
 
+// The forward keeps in_proj's output and the scan's y (after writes) for the backward; dropping them
+// (the backward then recomputes both) changes no gradient, on both kernels and through an edit of y.
+TEST(Grad, Mamba2KeptForwardProductsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("mamba2/g1_chunks").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input", "layers.*.linear_attn.betas",
+                                       "layers.*.linear_attn.attention_values", "layers.*.linear_attn.attention_head_outputs"};
+  for (const char* route : {"chunked", "recurrent"}) {
+    RouteGuard guard("mamba2", route);
+    expect_kept_equals_recomputed(m, Batch::left_padded({kIds}, 0), paths, [](Trace& tr) {
+      tr.edit("layers.1.linear_attn.attention_head_outputs", [](Tensor& y, const SiteContext&) {
+        for (int64_t i = 0; i < y.numel(); i += 7) y[i] = 0.25f;
+      });
+    });
+  }
+}
+
 // A continuation: the conv window and the state come from the cache (constants); the gradient of
 // state_input against finite differences of a written state_input.
 TEST(Grad, Mamba2ContinuationStateInputMatchesFiniteDifferences) {

@@ -113,6 +113,28 @@ TEST(GradOps, CausalConvWithWindowMatchesFiniteDifferences) {
   EXPECT_NEAR(lhs, rhs, 1e-4 * std::abs(lhs) + 1e-5);
 }
 
+// Large enough for the channel blocks on the pool (C > 256, T * C >= 2^14), written with a row
+// stride wider than C (the mixers write into their projection's gradient rows).
+TEST(GradOps, CausalConvBackwardOverChannelBlocksMatchesItsSum) {
+  const int64_t B = 2, T = 40, C = 600, K = 4, stride = C + 37;
+  const auto du = rnd(B * T * C, 21), wT = rnd(K * C, 22);
+  std::vector<float> din(B * T * stride, -7.0f);
+  grad::causal_conv1d_backward(f32(du).data(), B, T, C, K, f32(wT).data(), din.data(), stride);
+  std::vector<float> got;
+  std::vector<double> ref;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < T; ++s)
+      for (int64_t c = 0; c < C; ++c) {
+        double r = 0;  // input row s feeds u[s + K - 1 - j] through tap j
+        for (int64_t j = 0; j < K; ++j)
+          if (s + K - 1 - j < T) r += wT[j * C + c] * du[(b * T + s + K - 1 - j) * C + c];
+        ref.push_back(r);
+        got.push_back(din[(b * T + s) * stride + c]);
+      }
+  EXPECT_LT(rel_rms(got, ref), kTol);
+  for (int64_t r = 0; r < B * T; ++r) EXPECT_EQ(din[r * stride + C], -7.0f);  // the gap is not written
+}
+
 TEST(GradOps, ActivationsMatchFiniteDifferences) {
   for (double v : {-25.0, -3.0, -0.4, 0.0, 0.7, 4.0, 19.9, 21.0}) {
     const double h = 1e-6;

@@ -80,6 +80,27 @@ TEST(GradQwen, Qwen3NextMoeEmbeddingsMatchFiniteDifferences) {
   embeddings_fd("qwen3_next/moe_hv_2hk", "qwen3_next", 30, 1e-2);
 }
 
+// The forward keeps the attention layers' projections, attention output and mixer output (and the
+// GDN in_proj / output, the MLP gate|up); dropping them (everything recomputed from the block inputs)
+// changes no gradient, on both kernels and through edits of the attention values, gate and output.
+TEST(GradQwen, KeptForwardProductsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("qwen3_5/hv_2hk").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input",
+                                       "layers.1.self_attn.attention_queries", "layers.1.self_attn.attention_keys",
+                                       "layers.1.self_attn.attention_values", "layers.1.self_attn.gate",
+                                       "layers.1.self_attn.attention_output"};
+  for (const char* route : {"chunked", "recurrent"}) {
+    Route guard("qwen3_5", route);
+    expect_kept_equals_recomputed(m, Batch::left_padded({ids(20, 9)}, 0), paths, [](Trace& tr) {
+      for (const char* p : {"layers.1.self_attn.attention_values", "layers.1.self_attn.gate",
+                            "layers.1.self_attn.attention_output"})
+        tr.edit(p, [](Tensor& v, const SiteContext&) {
+          for (int64_t i = 0; i < v.numel(); i += 5) v[i] *= 0.5f;
+        });
+    });
+  }
+}
+
 // The gradient of a GDN value through an additive edit of it (betas, decays, keys, head outputs).
 TEST(GradQwen, GatedDeltaValuesMatchFiniteDifferencesOfAnEdit) {
   Model m = Model::load(test::fixture("qwen3_5/hv_2hk").string());
