@@ -16,26 +16,6 @@
 
 namespace mixlens::grad {
 
-namespace {
-
-// f(r0, r1) over blocks of rows on the pool when there is enough work (row_elems elements a row):
-// the elementwise passes between the matmuls would otherwise leave the other cores idle.
-template <class F>
-void rows_on_pool(int64_t rows, int64_t row_elems, F&& f) {
-  const int64_t nt = ops::num_threads();
-  if (nt <= 1 || rows < 2 || rows * row_elems < (int64_t{1} << 15)) {
-    f(int64_t{0}, rows);
-    return;
-  }
-  const int64_t nb = std::min<int64_t>(rows, 2 * nt), per = (rows + nb - 1) / nb;
-  ops::parallel_for(nb, [&](int64_t i) {
-    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
-    if (r0 < r1) f(r0, r1);
-  });
-}
-
-}  // namespace
-
 static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& lw, int li,
                                   const Tensor& n_in, const Mamba2CallState& call, const Tape& tape,
                                   const MixerDout& dout_of, Tensor& dn, GradSink& sink, const Tensor* dout_given);
@@ -130,7 +110,7 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
          Cm = Tensor::uninitialized({B, T, G, N});
   Tensor dt_pre = Tensor::uninitialized({B, T, H}), dt = Tensor::uninitialized({B, T, H});
   std::vector<uint8_t> pass(static_cast<size_t>(BT * H), 1);  // the clamp passes the gradient
-  rows_on_pool(BT, cd + E, [&](int64_t r0, int64_t r1) {
+  ops::parallel_rows(BT, cd + E, [&](int64_t r0, int64_t r1) {
     ops::sigmoid(u.data() + r0 * cd, su.data() + r0 * cd, (r1 - r0) * cd);
     for (int64_t r = r0; r < r1; ++r)
       std::memcpy(z.data() + r * E, zx.data() + r * proj, sizeof(float) * static_cast<size_t>(E));
@@ -212,7 +192,7 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   // norm(y) which the gate multiplies (grouped_then_gate).
   Tensor g0 = Tensor::uninitialized({B, T, E});
   if (d.norm != detail::Mamba2Norm::none)
-    rows_on_pool(BT, E, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(BT, E, [&](int64_t r0, int64_t r1) {
       if (d.norm == detail::Mamba2Norm::grouped_then_gate) {
         norm_fwd(y, g0, r0, r1);
         return;
@@ -228,7 +208,7 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
     switch (d.norm) {
       case detail::Mamba2Norm::gated_full:
       case detail::Mamba2Norm::gated_grouped:
-        rows_on_pool(BT, E, [&](int64_t r0, int64_t r1) { norm_fwd(g0, gn, r0, r1); });
+        ops::parallel_rows(BT, E, [&](int64_t r0, int64_t r1) { norm_fwd(g0, gn, r0, r1); });
         break;
       case detail::Mamba2Norm::grouped_then_gate:
         for (int64_t k = 0; k < BT * E; ++k) gn[k] = g0[k] * zsilu(k);
@@ -258,7 +238,7 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   Tensor dy = Tensor::uninitialized({B, T, H, P}), dzx = Tensor::uninitialized({B, T, proj});
   Tensor dg0;
   if (d.norm != detail::Mamba2Norm::none) dg0 = Tensor::uninitialized({B, T, E});
-  rows_on_pool(BT, 2 * E, [&](int64_t r0, int64_t r1) {
+  ops::parallel_rows(BT, 2 * E, [&](int64_t r0, int64_t r1) {
     switch (d.norm) {
       case detail::Mamba2Norm::gated_full:
       case detail::Mamba2Norm::gated_grouped:
@@ -354,7 +334,7 @@ static void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail
   tape.block(li, Value::attention_keys, dB);
   tape.block(li, Value::attention_queries, dC);
   Tensor du = Tensor::uninitialized({B, T, cd});
-  rows_on_pool(BT, cd, [&](int64_t r0, int64_t r1) {
+  ops::parallel_rows(BT, cd, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* o = du.data() + r * cd;
       if (masked && !in.mask[static_cast<size_t>(r)]) {

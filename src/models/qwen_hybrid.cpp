@@ -46,22 +46,6 @@ struct Layer {
   Mlp mlp;
 };
 
-// Runs f(r0, r1) over blocks of rows on the pool when there is enough work: the elementwise passes
-// between the matmuls (norms, gates, residual adds) would otherwise leave the other cores idle.
-template <class F>
-void for_rows(int64_t rows, int64_t row_elems, F&& f) {
-  const int64_t nt = ops::num_threads();
-  if (nt <= 1 || rows < 2 || rows * row_elems < (int64_t{1} << 15)) {
-    f(int64_t{0}, rows);
-    return;
-  }
-  const int64_t nb = std::min<int64_t>(rows, 2 * nt), per = (rows + nb - 1) / nb;
-  ops::parallel_for(nb, [&](int64_t i) {
-    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
-    if (r0 < r1) f(r0, r1);
-  });
-}
-
 // Concatenates row blocks of 2-D tensors with the same column count.
 Tensor cat_rows(std::initializer_list<Tensor> parts) {
   // Any dtype (narrow matmul weights stay narrow).
@@ -445,7 +429,7 @@ class QwenHybrid final : public FamilyModel {
     float* hp = h.data();
     const float* xp = x.data();
     const int64_t cols = h.size(-1);
-    for_rows(h.numel() / cols, cols, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(h.numel() / cols, cols, [&](int64_t r0, int64_t r1) {
       for (int64_t k = r0 * cols; k < r1 * cols; ++k) hp[k] += xp[k];
     });
   }
@@ -454,7 +438,7 @@ class QwenHybrid final : public FamilyModel {
   void norm_rows(Tensor& x, const Tensor& w, Tensor& y) const {
     const float* xp = x.data();
     float* yp = y.data();
-    for_rows(x.numel() / D_, D_, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(x.numel() / D_, D_, [&](int64_t r0, int64_t r1) {
       ops::rmsnorm(xp + r0 * D_, w.data(), yp + r0 * D_, r1 - r0, D_, eps_, true);
     });
   }
@@ -466,7 +450,7 @@ class QwenHybrid final : public FamilyModel {
     Tensor gu = Tensor::uninitialized({rows, 2 * I}), act = Tensor::uninitialized({rows, I}), out = Tensor::uninitialized({rows, D_});
     if (gu_out) *gu_out = gu;
     ops::linear(x, rows, D_, gate_up, gu.data());
-    for_rows(rows, I, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(rows, I, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)  // up * silu(gate), vectorized
         ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
     });
@@ -545,7 +529,7 @@ class QwenHybrid final : public FamilyModel {
                        cache.conv[static_cast<size_t>(li)].data(), qkv.data(), true);
     // Split, repeating q/k heads for value heads (value head j reads key head j / r).
     Tensor q = Tensor::uninitialized({B, T, HV, Dk}), k = Tensor::uninitialized({B, T, HV, Dk}), v = Tensor::uninitialized({B, T, HV, Dv});
-    for_rows(BT, 2 * HV * Dk + vd, [&](int64_t row0, int64_t row1) {
+    ops::parallel_rows(BT, 2 * HV * Dk + vd, [&](int64_t row0, int64_t row1) {
       for (int64_t row = row0; row < row1; ++row) {
         const float* src = qkv.data() + row * cd;
         for (int64_t j = 0; j < HV; ++j) {
@@ -603,7 +587,7 @@ class QwenHybrid final : public FamilyModel {
 
     // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv.
     Tensor y = Tensor::uninitialized({B, T, vd});
-    for_rows(BT, vd, [&](int64_t row0, int64_t row1) {
+    ops::parallel_rows(BT, vd, [&](int64_t row0, int64_t row1) {
       for (int64_t row = row0; row < row1; ++row)
         for (int64_t j = 0; j < HV; ++j) {
           const float* oj = o.data() + (row * HV + j) * Dv;
@@ -652,7 +636,7 @@ class QwenHybrid final : public FamilyModel {
     const int64_t* qp = last_only ? qpos.data() : pos.data();
     // Per head [query | gate] split, q_norm and RoPE, then k_norm and RoPE: row blocks on the pool
     // (these were serial passes between the projections); every row computed as before.
-    for_rows(BTq, 3 * H_ * d, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(BTq, 3 * H_ * d, [&](int64_t r0, int64_t r1) {
       for (int64_t row = r0; row < r1; ++row)
         for (int64_t h = 0; h < H_; ++h) {
           const float* src = qg.data() + (row * H_ + h) * 2 * d;
@@ -663,7 +647,7 @@ class QwenHybrid final : public FamilyModel {
       ops::rmsnorm(qr, l.q_norm.data(), qr, (r1 - r0) * H_, d, eps_, true);
       apply_rope(qr, r1 - r0, H_, d, rot_, qp + r0, inv_freq_);
     });
-    for_rows(BT, 2 * Hkv_ * d, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(BT, 2 * Hkv_ * d, [&](int64_t r0, int64_t r1) {
       float* kr = k.data() + r0 * Hkv_ * d;
       ops::rmsnorm(kr, l.k_norm.data(), kr, (r1 - r0) * Hkv_, d, eps_, true);
       apply_rope(kr, r1 - r0, Hkv_, d, rot_, pos.data() + r0, inv_freq_);
@@ -686,7 +670,7 @@ class QwenHybrid final : public FamilyModel {
     {
       Tensor sg = Tensor::uninitialized(gate.shape());  // gate is served: sigmoid into a copy, vectorized
       const int64_t w = H_ * d;
-      for_rows(BTq, w, [&](int64_t r0, int64_t r1) {
+      ops::parallel_rows(BTq, w, [&](int64_t r0, int64_t r1) {
         ops::sigmoid(gate.data() + r0 * w, sg.data() + r0 * w, (r1 - r0) * w);
         for (int64_t e = r0 * w; e < r1 * w; ++e) att[e] *= sg[e];
       });

@@ -366,6 +366,19 @@ Pool& pool() {
 }  // namespace
 
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f) { pool().run(n, f); }
+
+void parallel_rows(int64_t rows, int64_t row_elems, const std::function<void(int64_t, int64_t)>& f) {
+  const int64_t nt = num_threads();
+  if (nt <= 1 || rows < 2 || rows * row_elems < (int64_t{1} << 15)) {
+    f(0, rows);
+    return;
+  }
+  const int64_t nb = std::min<int64_t>(rows, 2 * nt), per = (rows + nb - 1) / nb;
+  parallel_for(nb, [&](int64_t i) {
+    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
+    if (r0 < r1) f(r0, r1);
+  });
+}
 int num_threads() { return pool().size(); }
 void park_threads() { pool().park(); }
 

@@ -54,6 +54,11 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n);
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f);
 /// Number of threads parallel_for uses (MIXLENS_NUM_THREADS, default hardware concurrency).
 int num_threads();
+/// Runs f(r0, r1) over consecutive blocks of rows [0, rows) on the pool when there is enough work
+/// (rows * row_elems >= 32k elements, more than one thread), else f(0, rows) on the caller: the
+/// elementwise passes between matmuls (norms, gates, residual adds) would otherwise leave the other
+/// threads idle. Rows must be independent, so the blocking changes no value.
+void parallel_rows(int64_t rows, int64_t row_elems, const std::function<void(int64_t, int64_t)>& f);
 /// The caller is about to stop using the pool for a while (a Session pausing for Python code): its
 /// idle threads go to sleep now instead of spinning for the next op, which would burn CPU time
 /// while the block runs (issue 9 item 5). The next parallel_for wakes them.
