@@ -1064,6 +1064,9 @@ class Tracer:
         :meth:`grad` returns any of them. A second ``backward`` replaces every ``.grad`` (unlike torch's
         ``.backward``, gradients do not accumulate: add them yourself to combine metrics). Errors as
         ``Trace::backward`` (mixlens/trace.h)."""
+        if self._session is not None:  # still inside the `with` block
+            raise InputError("tracer.backward: call it after the `with` block has ended (the reverse pass needs the "
+                             "whole forward); values read in the block get .grad then")
         sess = self._grad_session
         if sess is None:
             self._done()

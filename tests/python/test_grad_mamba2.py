@@ -123,6 +123,13 @@ def test_backward_errors(case):
     with pytest.raises(mixlens.UnknownValueError):
         tr.backward(mixlens.metrics.LogProb(1), paths=["layers.0.linear_attn.betaz"])
     tr.backward(mixlens.metrics.LogProb(1), paths=["layers.0.linear_attn.betas"])
+    # Inside the block the forward has not finished: the error says when to call it.
+    with case.model.trace(case.prompts, grad=True) as tr_open:
+        b = case.model.layers[0].linear_attn.betas
+        with pytest.raises(mixlens.InputError, match="after the `with` block has ended"):
+            tr_open.backward(mixlens.metrics.LogProb(1))
+    tr_open.backward(mixlens.metrics.LogProb(1))
+    assert b.grad is not None and b.grad.shape == b.shape
     with pytest.raises(mixlens.UnknownValueError, match="no gradient"):
         tr.grad("layers.1.linear_attn.betas")
 
