@@ -158,7 +158,8 @@ TEST(SsdChunked, ShortPromptsMatchTokenLoopWithEveryOutputWritten) {
   std::mt19937 g(11);
   const int64_t H = 6, P = 16, G = 1, N = 32;
   // (1100, 2048): a chunk whose scratch (> 1M floats) is not kept per thread.
-  for (const auto& [T, Q] : {std::pair<int64_t, int64_t>{150, 128}, {100, 256}, {70, 256}, {5, 256}, {1100, 2048}}) {
+  for (const auto& tq : {std::pair<int64_t, int64_t>{150, 128}, {100, 256}, {70, 256}, {5, 256}, {1100, 2048}}) {
+    const int64_t T = tq.first, Q = tq.second;  // not a structured binding: clang < 16 cannot capture one
     const auto x = randn(static_cast<size_t>(T * H * P), g), B = randn(static_cast<size_t>(T * G * N), g),
                C = randn(static_cast<size_t>(T * G * N), g), D = randn(static_cast<size_t>(H), g);
     std::vector<float> dt(static_cast<size_t>(T * H)), A(static_cast<size_t>(H));
