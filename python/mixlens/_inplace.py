@@ -41,6 +41,12 @@ from .errors import MixlensError, OutOfOrderError, WriteError
 _BYTES_LIMIT = 1 << 20
 
 
+# Released torch values of a `with` block up to this many bytes are checked by a checksum of their bytes
+# (python/src/dlpack.cpp EditWatch: every write counts, through torch, numpy views, `.data` or DLPack
+# re-exports); larger ones (a `states` stack, where a pass over the bytes costs more than the read) by
+# torch's version counter (in-place torch ops on them or their views). Read when a tracer opens.
+WATCH_LIMIT = 16 << 20
+
 _RELEASED_TENSOR = None
 
 

@@ -3,15 +3,57 @@
 #pragma once
 #include <nanobind/nanobind.h>
 
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
 #include "mixlens/tensor.h"
 
 namespace mixlens::py {
 
+/// The storage behind one tensor made from a dlpack_over capsule (opaque): alive while that tensor,
+/// or any view or re-export of its memory, is.
+struct DlpackOwner;
+
 /// A DLPack capsule ("dltensor", the protocol's unversioned form that torch._C._from_dlpack takes)
 /// over `t`'s float32 CPU storage, which it keeps alive until the consumer's deleter runs (from any
-/// thread, GIL or not: it only drops the Tensor). Pass a tensor nobody else writes (a clone). None
-/// for an undefined tensor. Needs the GIL.
-nanobind::object dlpack_over(Tensor t);
+/// thread, GIL or not: it never touches Python). Pass a tensor nobody else writes (a clone). None
+/// for an undefined tensor. `owner`: set to the storage's owner (for EditWatch). Needs the GIL.
+nanobind::object dlpack_over(Tensor t, DlpackOwner** owner = nullptr);
+
+/// In-place edits of released torch values of one `with` block (issue 10 item 2, issue 9 item 5),
+/// caught by the bytes rather than torch's version counter, so writes through numpy views, `.data`
+/// or DLPack re-exports count too: a 64-bit checksum of the value at its release, compared at
+/// check_alive() (the next step, the end of the block) and, for a value freed before that, by the
+/// storage's deleter (any thread, no GIL). The checksum always changes when the edit stays within
+/// one 8-byte word or one of its four 8-byte-interleaved lanes (every single-element edit); any other
+/// edit is missed with probability ~2^-64. O(1) per value read; O(bytes) per released value.
+class EditWatch {
+ public:
+  EditWatch();
+  ~EditWatch();
+  EditWatch(const EditWatch&) = delete;
+  EditWatch& operator=(const EditWatch&) = delete;
+  /// `o` (just made, its tensor held) is the live value's storage: released by release_held().
+  /// Its deleter forgets it (an in-place `set_` or `.data =` may free it while the tensor lives).
+  void hold(DlpackOwner* o);
+  /// The live value is released: drops `v` (its tensor) first when `sole` (nobody else references
+  /// it from Python), then watches the held storage from its bytes now if it is still alive (held
+  /// by `v`, a view, a numpy view or a re-export of its memory); (step, path) name it in errors.
+  void release_held(nanobind::object& v, bool sole, int step, std::string_view path);
+  /// The (step, path) of a watched value edited and then freed since the last call (first one).
+  std::optional<std::pair<int, std::string>> take_freed_edit();
+  /// Compares every watched value still alive with its checksum: the first edited one, unwatched.
+  std::optional<std::pair<int, std::string>> check_alive();
+  /// Stops watching every value (the block ends); forgets freed edits not taken.
+  void clear();
+
+ private:
+  std::shared_ptr<struct WatchState> s_;
+};
 
 /// A heap type made once from `slots` (Py_TPFLAGS_DEFAULT); throws the Python error if it cannot be
 /// made. Callers keep it for the life of the process (a function-local static).

@@ -25,12 +25,16 @@ using Rows = std::vector<std::vector<int32_t>>;
 // The Python side of in-place edits (python/mixlens/_inplace.py describes the rules): the session
 // (Session::read_live) applies in-place changes of the value read last; this tracks the Python
 // objects. A value the forward has moved past is *released*: a numpy one becomes read-only (editing
-// raises at once). A torch one has no read-only mode: it takes the class `released_cls`, whose
-// __del__ notes an edit made since (its version counter moved) in `pending`, raised at the next move,
-// and the values still alive are checked at the next step and at the end of the block. That keeps
-// a read O(1) however many values the block holds (checking every held value at every read cost
-// ~0.2 us per held value per read). Kept here rather than in Python: it runs for every value read
-// (issue 9 item 5).
+// raises at once). A torch one has no read-only mode: up to `watch_limit` bytes, EditWatch
+// (dlpack.cpp) takes a checksum of its bytes, compared at the next step and at the end of the block,
+// or when its storage is freed (raised at the next move), which catches writes that bypass torch's
+// version counter (numpy views, `.data`, DLPack re-exports) and costs no Python call per value
+// (swapping classes and reading version counters cost ~5 us a held value: issue 9 item 5). A larger
+// one (a `states` stack of hundreds of MiB, where a pass over its bytes costs more than its read)
+// keeps the version-counter check: it takes the class `released_cls`, whose __del__ notes an edit
+// made since (its version counter moved) in `pending`, raised at the next move, and the values still
+// alive are checked at the next step and at the end of the block. Either way a read is O(1) however
+// many values the block holds. Kept here rather than in Python: it runs for every value read.
 struct HandedValues {
   nb::object cls;           // ValueArray / ValueTensor
   nb::object from_dlpack;   // torch: DLPack capsule -> tensor (torch._C._from_dlpack); None for numpy
@@ -53,6 +57,11 @@ struct HandedValues {
     bool swapped;  // took released_cls (else: checked at every move, as before it existed)
   };
   std::vector<Torch> released_torch;
+  EditWatch watch;                 // torch values up to watch_limit bytes (the rest: released_torch)
+  size_t watch_limit = 16u << 20;
+  DlpackOwner* fresh = nullptr;    // wrap(): the storage of the torch value it made last
+  bool fresh_watched = false;      // wrap(): that value is small enough for `watch`
+  bool last_watched = false;       // `last` is held by `watch` (torch, up to watch_limit bytes)
   size_t unswapped = 0;  // entries of released_torch without released_cls
   size_t prune_at = 64;  // drop the entries of collected values when the lists reach this size
 
@@ -111,7 +120,8 @@ struct HandedValues {
     static PyObject* const as_subclass = name("as_subclass");
     if (!cls.is_valid()) return to_numpy(std::move(t));
     if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()));
-    nb::object cap = dlpack_over(std::move(t));
+    fresh_watched = t.defined() && sizeof(float) * static_cast<size_t>(t.numel()) <= watch_limit;
+    nb::object cap = dlpack_over(std::move(t), &fresh);
     if (cap.is_none()) return cap;
     PyObject* r = PyObject_CallOneArg(from_dlpack.ptr(), cap.ptr());
     if (r == nullptr) throw nb::python_error();
@@ -187,13 +197,22 @@ struct HandedValues {
     if (!last.is_valid() || last.is_none()) return;
     nb::object v = std::move(last);
     last = nb::none();
+    if (last_watched) {
+      last_watched = false;
+      // Dropped first when nobody else holds the tensor: a view or a re-export of its memory may
+      // still hold the storage, which is then watched (nothing else could edit it).
+      watch.release_held(v, Py_REFCNT(v.ptr()) == 1, last_step, last_path);
+      return;
+    }
     // Nobody else holds it (a value read and dropped, as `model.layers[i].x.shape` does): nothing can
     // edit it any more, so no marker, flag or weak reference (~0.3-0.5 us a read).
     if (Py_REFCNT(v.ptr()) == 1) return;
     release(std::move(v), last_step, last_path);
   }
-  // A released torch value edited and then collected (its __del__ noted it): raise its WriteError.
+  // A released torch value edited and then collected (its storage's deleter or its __del__ noted it):
+  // raise its WriteError.
   void raise_pending() {
+    if (std::optional<std::pair<int, std::string>> e = watch.take_freed_edit()) raise_released(e->first, e->second);
     if (!pending.is_valid() || pending.is_none() || PyList_GET_SIZE(pending.ptr()) == 0) return;
     nb::object first = nb::borrow(PyList_GET_ITEM(pending.ptr(), 0));
     if (PyList_SetSlice(pending.ptr(), 0, PyList_GET_SIZE(pending.ptr()), nullptr) != 0) throw nb::python_error();
@@ -202,6 +221,9 @@ struct HandedValues {
   // Released torch values still alive edited since their release: raise the first one's WriteError.
   // all = false: only those without released_cls (then it runs at every move: ~0.2 us a value).
   void check_released(bool all) {
+    if (all) {
+      if (std::optional<std::pair<int, std::string>> e = watch.check_alive()) raise_released(e->first, e->second);
+    }
     if (released_torch.empty() || (!all && unswapped == 0)) return;
     size_t keep = 0;
     std::optional<std::pair<int, std::string>> bad;
@@ -252,7 +274,14 @@ struct HandedValues {
   }
   void keep(nb::object v, int step, std::string_view path, bool read_only) {
     if (v.is_none()) return;
-    if (read_only) return release(std::move(v), step, std::string(path));
+    const bool watched = torch() && fresh != nullptr && fresh_watched;
+    if (watched) watch.hold(fresh);
+    fresh = nullptr;
+    if (read_only) {
+      if (watched) return watch.release_held(v, false, step, path);
+      return release(std::move(v), step, std::string(path));
+    }
+    last_watched = watched;
     last = std::move(v);
     last_step = step;
     last_path.assign(path);  // reuses the buffer: no allocation per read
@@ -260,9 +289,11 @@ struct HandedValues {
   // The block ends: optionally check the released torch values, then every value is ordinary again.
   void close(bool check) {
     last = nb::none();
+    last_watched = false;
     struct Restore {
       HandedValues& h;
       ~Restore() {
+        h.watch.clear();
         for (nb::object& ref : h.released_np) {
           PyObject* v = referent(ref.ptr());
           if (v == nullptr) continue;
@@ -491,7 +522,8 @@ void init_session(nb::module_& m) {
       // The per-value path of a `with` block (issue 9 item 5): the in-place edit bookkeeping of
       // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
       .def("set_output",
-           [](PySession& p, nb::object cls, nb::object from_dlpack, nb::object error, nb::object released_cls) {
+           [](PySession& p, nb::object cls, nb::object from_dlpack, nb::object error, nb::object released_cls,
+              size_t watch_limit) {
              if (from_dlpack.is_none()) {
                nb::object ndarray = nb::module_::import_("numpy").attr("ndarray");
                if (!PyType_Check(cls.ptr()) || PyObject_IsSubclass(cls.ptr(), ndarray.ptr()) != 1)
@@ -503,14 +535,17 @@ void init_session(nb::module_& m) {
              h.assign_class = true;
              h.from_dlpack = std::move(from_dlpack);
              h.released_cls = std::move(released_cls);
+             h.watch_limit = watch_limit;
              h.error = std::move(error);
              h.pending = nb::list();
            },
            nb::arg("cls"), nb::arg("from_dlpack").none(), nb::arg("error"), nb::arg("released_cls").none() = nb::none(),
+           nb::arg("watch_limit") = size_t{16} << 20,
            "Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function "
            "(torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released "
-           "value, released_cls: the class a released torch value takes (mixlens._inplace; None: checked at every "
-           "move instead).")
+           "value, released_cls: the class a released torch value over watch_limit bytes takes (mixlens._inplace; "
+           "None: checked at every move instead); torch values up to watch_limit bytes are checked by a checksum of "
+           "their bytes instead.")
       .def("read_value", &read_value, nb::arg("step"), nb::arg("path"),
            "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
            "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")
