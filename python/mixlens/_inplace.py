@@ -8,19 +8,27 @@ bit-for-bit against a pristine copy.
 
 A value the forward has moved past is *released*: numpy values become read-only (editing raises
 :class:`mixlens.WriteError` at once, naming the value and saying to assign); torch values have no
-read-only mode, so their version counter is compared with its value at the release, which raises the
-same WriteError: for a value edited and then dropped, at the next read / write / step (its class,
-:func:`released_value_tensor_class`, notes the edit when it is collected); for one still held, at
-the next step of a generation and at the end of the block. (Checking every held value at every read
-made a read cost ~0.2 us per value held: issue 9 item 5.) After the block ends every value is an
-ordinary array again.
+read-only mode, so they are checked instead, raising the same WriteError: for a value edited and then
+dropped, at the next read / write / step; for one still held (or a view of it, or a re-export of its
+memory), at the next step of a generation and at the end of the block. Up to :data:`WATCH_LIMIT`
+bytes the check compares the value's bytes with those at the release (a copy, or a 64-bit checksum
+above :data:`WATCH_COPY_LIMIT`; python/src/dlpack.cpp ``EditWatch``; compared again when the value's
+storage is freed, so dropped values need no Python finalizer): it sees every write, through torch,
+``.numpy()``, ``.data`` or a DLPack re-export. A
+larger value (a long prompt's ``states`` stack, where a pass over its bytes costs more than reading it)
+is checked by torch's version counter, compared with its value at the release (its class,
+:func:`released_value_tensor_class`, notes the edit when it is collected), which sees torch's in-place
+ops on it and its views, not writes that bypass torch. (Checking every held value at every read made
+a read cost ~0.2 us per value held, and swapping classes to read version counters ~5 us a held value:
+issue 9 item 5.) After the block ends every value is an ordinary array again.
 
 Where it runs: for reads in the ``with`` block itself these rules are applied by the session, once per
 value (issue 9 item 5: this bookkeeping was most of a read's cost in Python): the C++ session keeps the
 live value and compares it with the forward's own copy (or a pristine copy after an assignment) and
 applies an in-place change as a write (``Session::read_live``), and the binding
 (``python/src/session.cpp``, ``Session.read_value``) releases the Python objects. A value nobody holds
-any more when the block moves on is not released (nothing can edit it).
+any more when the block moves on is not released (nothing can edit it), unless a view or a re-export of
+its memory still holds its storage (torch: then its bytes are watched).
 :class:`LiveValues` below does the same for ``tracer.invoke`` bodies, whose values are row slices of
 the batch's value.
 """
@@ -41,11 +49,14 @@ from .errors import MixlensError, OutOfOrderError, WriteError
 _BYTES_LIMIT = 1 << 20
 
 
-# Released torch values of a `with` block up to this many bytes are checked by a checksum of their bytes
+# Released torch values of a `with` block up to WATCH_LIMIT bytes are checked by their bytes
 # (python/src/dlpack.cpp EditWatch: every write counts, through torch, numpy views, `.data` or DLPack
-# re-exports); larger ones (a `states` stack, where a pass over the bytes costs more than the read) by
-# torch's version counter (in-place torch ops on them or their views). Read when a tracer opens.
+# re-exports): compared with a copy up to WATCH_COPY_LIMIT bytes, with a 64-bit checksum above (no
+# second copy of a big value). Larger ones (a `states` stack, where a pass over the bytes costs more
+# than the read) by torch's version counter (in-place torch ops on them or their views). Read when a
+# tracer opens.
 WATCH_LIMIT = 16 << 20
+WATCH_COPY_LIMIT = 256 << 10
 
 _RELEASED_TENSOR = None
 

@@ -705,7 +705,8 @@ class Tracer:
             # (python/src/session.cpp; rules in mixlens._inplace).
             if self._fmt == "torch":
                 self._session.set_output(value_tensor_class(), _torch_from_dlpack(), _released_error,
-                                         released_value_tensor_class(), _inplace.WATCH_LIMIT)
+                                         released_value_tensor_class(), _inplace.WATCH_LIMIT,
+                                         _inplace.WATCH_COPY_LIMIT)
             else:
                 self._session.set_output(ValueArray, None, _released_error)
         except BaseException:

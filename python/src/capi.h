@@ -26,17 +26,20 @@ nanobind::object dlpack_over(Tensor t, DlpackOwner** owner = nullptr);
 
 /// In-place edits of released torch values of one `with` block (issue 10 item 2, issue 9 item 5),
 /// caught by the bytes rather than torch's version counter, so writes through numpy views, `.data`
-/// or DLPack re-exports count too: a 64-bit checksum of the value at its release, compared at
-/// check_alive() (the next step, the end of the block) and, for a value freed before that, by the
-/// storage's deleter (any thread, no GIL). The checksum always changes when the edit stays within
-/// one 8-byte word or one of its four 8-byte-interleaved lanes (every single-element edit); any other
-/// edit is missed with probability ~2^-64. O(1) per value read; O(bytes) per released value.
+/// or DLPack re-exports count too: the value's bytes at its release (a copy up to 256 KiB by default, exact;
+/// above, a 64-bit checksum, which always changes when the edit stays within one 8-byte word, e.g.
+/// any single-element edit, and misses any other edit with probability ~2^-64), compared at check_alive() (the next step, the end of the block) and, for a value freed
+/// before that, by the storage's deleter (any thread, no GIL). O(1) per value read; O(bytes) per
+/// released value.
 class EditWatch {
  public:
   EditWatch();
   ~EditWatch();
   EditWatch(const EditWatch&) = delete;
   EditWatch& operator=(const EditWatch&) = delete;
+  /// Values up to `bytes` keep a copy (default 256 KiB), larger ones a checksum; for values watched
+  /// from now on.
+  void set_copy_limit(size_t bytes);
   /// `o` (just made, its tensor held) is the live value's storage: released by release_held().
   /// Its deleter forgets it (an in-place `set_` or `.data =` may free it while the tensor lives).
   void hold(DlpackOwner* o);

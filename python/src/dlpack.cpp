@@ -36,6 +36,9 @@ struct WatchState {
   std::vector<DlpackOwner*> watched;  // owners watched, each at its `slot`
   std::vector<std::pair<int, std::string>> freed_edits;
   DlpackOwner* held = nullptr;  // the live value's storage (hold()); cleared by its deleter
+  // Released values up to this size keep a copy of their bytes (memcpy and memcmp: several times
+  // faster than the checksum, and exact); larger ones a checksum (no second copy of a big value).
+  size_t copy_bytes = size_t{256} << 10;
 };
 
 // One allocation per value: the struct, the Tensor it points into, its shape and strides, and
@@ -47,6 +50,7 @@ struct DlpackOwner {
   // Set once, while the tensor is held (no deleter can run then); the rest under watch->mu.
   std::shared_ptr<WatchState> watch;
   size_t slot = kUnwatched;
+  std::unique_ptr<unsigned char[]> copy;  // the bytes at the release (up to copy_bytes), else `sum`
   uint64_t sum = 0;
   int step = 0;
   std::string path;
@@ -55,8 +59,8 @@ struct DlpackOwner {
 namespace {
 
 // 64-bit checksum of the value's bytes: four lanes of 8-byte words, each word through bijective
-// steps (odd multiply, rotate) and the lanes summed, so an edit within one lane or word always
-// changes it; then a bijective finalizer. Written for speed (~1 pass at memory bandwidth).
+// steps (odd multiply, rotate) and the lanes summed, so an edit within one word always changes it;
+// then a bijective finalizer. Written for speed (~1 pass at memory bandwidth).
 uint64_t checksum(const DlpackOwner& o) {
   constexpr uint64_t P1 = 0x9E3779B185EBCA87ULL, P2 = 0xC2B2AE3D27D4EB4FULL;
   const auto* b = reinterpret_cast<const unsigned char*>(o.tensor.data());
@@ -87,6 +91,14 @@ uint64_t checksum(const DlpackOwner& o) {
   return h;
 }
 
+size_t bytes_of(const DlpackOwner& o) { return sizeof(float) * static_cast<size_t>(o.tensor.numel()); }
+
+// Its bytes differ from those at the release.
+bool edited(const DlpackOwner& o) {
+  if (o.copy) return std::memcmp(o.copy.get(), o.tensor.data(), bytes_of(o)) != 0;
+  return checksum(o) != o.sum;
+}
+
 // Under w.mu.
 void unwatch(WatchState& w, DlpackOwner* o) {
   DlpackOwner* last = w.watched.back();
@@ -94,10 +106,17 @@ void unwatch(WatchState& w, DlpackOwner* o) {
   last->slot = o->slot;
   w.watched.pop_back();
   o->slot = kUnwatched;
+  o->copy.reset();
 }
 
 void watch_locked(WatchState& w, DlpackOwner* o, int step, std::string_view path) {
-  o->sum = checksum(*o);
+  const size_t bytes = bytes_of(*o);
+  if (bytes <= w.copy_bytes) {
+    o->copy.reset(new unsigned char[bytes]);  // uninitialized: written next
+    std::memcpy(o->copy.get(), o->tensor.data(), bytes);
+  } else {
+    o->sum = checksum(*o);
+  }
   o->step = step;
   o->path.assign(path);
   o->slot = w.watched.size();
@@ -111,7 +130,7 @@ void delete_owner(Managed* m) {
     std::lock_guard<std::mutex> lk(w.mu);
     if (w.held == o) w.held = nullptr;
     if (o->slot != kUnwatched) {
-      if (checksum(*o) != o->sum) w.freed_edits.emplace_back(o->step, std::move(o->path));
+      if (edited(*o)) w.freed_edits.emplace_back(o->step, std::move(o->path));
       unwatch(w, o);
     }
   }
@@ -163,6 +182,11 @@ EditWatch::EditWatch() : s_(std::make_shared<WatchState>()) {}
 
 EditWatch::~EditWatch() { clear(); }
 
+void EditWatch::set_copy_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lk(s_->mu);
+  s_->copy_bytes = bytes;
+}
+
 void EditWatch::hold(DlpackOwner* o) {
   o->watch = s_;
   std::lock_guard<std::mutex> lk(s_->mu);
@@ -189,7 +213,7 @@ std::optional<std::pair<int, std::string>> EditWatch::take_freed_edit() {
 std::optional<std::pair<int, std::string>> EditWatch::check_alive() {
   std::lock_guard<std::mutex> lk(s_->mu);
   for (DlpackOwner* o : s_->watched) {
-    if (checksum(*o) == o->sum) continue;
+    if (!edited(*o)) continue;
     std::pair<int, std::string> bad{o->step, o->path};
     unwatch(*s_, o);  // reported once
     return bad;
@@ -199,7 +223,10 @@ std::optional<std::pair<int, std::string>> EditWatch::check_alive() {
 
 void EditWatch::clear() {
   std::lock_guard<std::mutex> lk(s_->mu);
-  for (DlpackOwner* o : s_->watched) o->slot = kUnwatched;
+  for (DlpackOwner* o : s_->watched) {
+    o->slot = kUnwatched;
+    o->copy.reset();
+  }
   s_->watched.clear();
   s_->freed_edits.clear();
   s_->held = nullptr;

@@ -26,7 +26,7 @@ using Rows = std::vector<std::vector<int32_t>>;
 // (Session::read_live) applies in-place changes of the value read last; this tracks the Python
 // objects. A value the forward has moved past is *released*: a numpy one becomes read-only (editing
 // raises at once). A torch one has no read-only mode: up to `watch_limit` bytes, EditWatch
-// (dlpack.cpp) takes a checksum of its bytes, compared at the next step and at the end of the block,
+// (dlpack.cpp) keeps its bytes (a copy, or a checksum of a large one), compared at the next step and at the end of the block,
 // or when its storage is freed (raised at the next move), which catches writes that bypass torch's
 // version counter (numpy views, `.data`, DLPack re-exports) and costs no Python call per value
 // (swapping classes and reading version counters cost ~5 us a held value: issue 9 item 5). A larger
@@ -523,7 +523,7 @@ void init_session(nb::module_& m) {
       // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
       .def("set_output",
            [](PySession& p, nb::object cls, nb::object from_dlpack, nb::object error, nb::object released_cls,
-              size_t watch_limit) {
+              size_t watch_limit, size_t watch_copy_limit) {
              if (from_dlpack.is_none()) {
                nb::object ndarray = nb::module_::import_("numpy").attr("ndarray");
                if (!PyType_Check(cls.ptr()) || PyObject_IsSubclass(cls.ptr(), ndarray.ptr()) != 1)
@@ -536,16 +536,17 @@ void init_session(nb::module_& m) {
              h.from_dlpack = std::move(from_dlpack);
              h.released_cls = std::move(released_cls);
              h.watch_limit = watch_limit;
+             h.watch.set_copy_limit(watch_copy_limit);
              h.error = std::move(error);
              h.pending = nb::list();
            },
            nb::arg("cls"), nb::arg("from_dlpack").none(), nb::arg("error"), nb::arg("released_cls").none() = nb::none(),
-           nb::arg("watch_limit") = size_t{16} << 20,
+           nb::arg("watch_limit") = size_t{16} << 20, nb::arg("watch_copy_limit") = size_t{256} << 10,
            "Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function "
            "(torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released "
            "value, released_cls: the class a released torch value over watch_limit bytes takes (mixlens._inplace; "
-           "None: checked at every move instead); torch values up to watch_limit bytes are checked by a checksum of "
-           "their bytes instead.")
+           "None: checked at every move instead); torch values up to watch_limit bytes are checked by their bytes "
+           "instead (a copy up to watch_copy_limit bytes, a checksum above).")
       .def("read_value", &read_value, nb::arg("step"), nb::arg("path"),
            "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
            "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")

@@ -201,10 +201,13 @@ def test_editing_a_value_the_forward_has_passed_raises(model):
                 np.add(h, 1, out=h)  # numpy's own message, but never silent
 
 
-@pytest.fixture(params=["checksum", "version"])
+@pytest.fixture(params=["copy", "checksum", "version"])
 def watch(request, monkeypatch):
-    """Both ways a released torch value is checked: a checksum of its bytes (values up to
-    mixlens._inplace.WATCH_LIMIT bytes: all of this model's) and torch's version counter (larger ones)."""
+    """Every way a released torch value is checked: its bytes against a copy (up to
+    mixlens._inplace.WATCH_COPY_LIMIT bytes: all of this model's values), against a checksum (up to
+    WATCH_LIMIT) and torch's version counter (larger ones)."""
+    if request.param == "checksum":
+        monkeypatch.setattr(mixlens._inplace, "WATCH_COPY_LIMIT", 0)
     if request.param == "version":
         monkeypatch.setattr(mixlens._inplace, "WATCH_LIMIT", 0)
     return request.param
@@ -278,8 +281,16 @@ BYPASS = {
 }
 
 
+@pytest.fixture(params=["copy", "checksum"])
+def watch_bytes(request, monkeypatch):
+    """The two byte checks (values are compared with a copy up to WATCH_COPY_LIMIT, a checksum above)."""
+    if request.param == "checksum":
+        monkeypatch.setattr(mixlens._inplace, "WATCH_COPY_LIMIT", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("how", list(BYPASS))
-def test_released_torch_values_edited_around_the_version_counter_raise(tmodel, how):
+def test_released_torch_values_edited_around_the_version_counter_raise(tmodel, how, watch_bytes):
     edit = BYPASS[how]
     # Held to the end of the block.
     with pytest.raises(mixlens.WriteError, match=r"in-place edit of 'layers.0.layer_output' \(read at step 0\)"):
@@ -304,7 +315,7 @@ def test_released_torch_values_edited_around_the_version_counter_raise(tmodel, h
     assert reached == [1]
 
 
-def test_a_view_outliving_its_dropped_value_is_watched(tmodel):
+def test_a_view_outliving_its_dropped_value_is_watched(tmodel, watch_bytes):
     # Only a view of the value is kept (the value itself is dropped at once): its storage is watched.
     with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
         with tmodel.trace(PROMPT):
@@ -332,9 +343,10 @@ def test_a_view_outliving_its_dropped_value_is_watched(tmodel):
 
 
 @pytest.mark.parametrize("flat", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 31, -2, -1])
-def test_one_bit_edit_of_a_released_torch_value_anywhere_raises(tmodel, flat):
-    # The checksum changes for any single-element edit (its lanes are bijective): the lowest mantissa bit
-    # of one element at the start, in each of the four lanes, past the first 32-byte block, at the end.
+def test_one_bit_edit_of_a_released_torch_value_anywhere_raises(tmodel, flat, watch_bytes):
+    # The copy is exact; the checksum changes for any edit within one 8-byte word (its steps are bijective):
+    # the lowest mantissa bit of one element at the start, in each of its four lanes, past the first
+    # 32-byte block, at the end (the 4-byte tail when the size is not a multiple of 8).
     with pytest.raises(mixlens.WriteError, match="'layers.0.linear_attn.betas'"):
         with tmodel.trace(PROMPT):
             b = tmodel.layers[0].linear_attn.betas
