@@ -7,7 +7,8 @@ value's version counter (bumped by every in-place op on it or its views), a nump
 bit-for-bit against a pristine copy.
 
 A value the forward has moved past is *released*: numpy values become read-only (editing raises
-:class:`mixlens.WriteError` at once, naming the value and saying to assign); torch values have no
+:class:`mixlens.WriteError` at once, naming the value and saying to assign; a view made before the
+release stays writable, so their bytes are checked as a torch value's are); torch values have no
 read-only mode, so they are checked instead, raising the same WriteError: for a value edited and then
 dropped, at the next read / write / step; for one still held (or a view of it, or a re-export of its
 memory), at the next step of a generation and at the end of the block. Up to :data:`WATCH_LIMIT`

@@ -708,7 +708,8 @@ class Tracer:
                                          released_value_tensor_class(), _inplace.WATCH_LIMIT,
                                          _inplace.WATCH_COPY_LIMIT)
             else:
-                self._session.set_output(ValueArray, None, _released_error)
+                self._session.set_output(ValueArray, None, _released_error, None, _inplace.WATCH_LIMIT,
+                                         _inplace.WATCH_COPY_LIMIT)
         except BaseException:
             self._release_model()
             raise

@@ -25,8 +25,9 @@ using Rows = std::vector<std::vector<int32_t>>;
 // The Python side of in-place edits (python/mixlens/_inplace.py describes the rules): the session
 // (Session::read_live) applies in-place changes of the value read last; this tracks the Python
 // objects. A value the forward has moved past is *released*: a numpy one becomes read-only (editing
-// raises at once). A torch one has no read-only mode: up to `watch_limit` bytes, EditWatch
-// (dlpack.cpp) keeps its bytes (a copy, or a checksum of a large one), compared at the next step and at the end of the block,
+// raises at once; its bytes are watched as below too, since a view made before the release stays
+// writable). A torch one has no read-only mode: up to `watch_limit` bytes, EditWatch
+// (edit_watch.cpp) keeps its bytes (a copy, or a checksum of a large one), compared at the next step and at the end of the block,
 // or when its storage is freed (raised at the next move), which catches writes that bypass torch's
 // version counter (numpy views, `.data`, DLPack re-exports) and costs no Python call per value
 // (swapping classes and reading version counters cost ~5 us a held value: issue 9 item 5). A larger
@@ -57,11 +58,11 @@ struct HandedValues {
     bool swapped;  // took released_cls (else: checked at every move, as before it existed)
   };
   std::vector<Torch> released_torch;
-  EditWatch watch;                 // torch values up to watch_limit bytes (the rest: released_torch)
+  EditWatch watch;                 // values up to watch_limit bytes (larger torch ones: released_torch)
   size_t watch_limit = 16u << 20;
-  DlpackOwner* fresh = nullptr;    // wrap(): the storage of the torch value it made last
+  WatchRecord* fresh = nullptr;    // wrap(): the storage of the value it made last
   bool fresh_watched = false;      // wrap(): that value is small enough for `watch`
-  bool last_watched = false;       // `last` is held by `watch` (torch, up to watch_limit bytes)
+  bool last_watched = false;       // `last` is held by `watch` (up to watch_limit bytes)
   size_t unswapped = 0;  // entries of released_torch without released_cls
   size_t prune_at = 64;  // drop the entries of collected values when the lists reach this size
 
@@ -118,9 +119,10 @@ struct HandedValues {
 
   nb::object wrap(Tensor t) {
     static PyObject* const as_subclass = name("as_subclass");
-    if (!cls.is_valid()) return to_numpy(std::move(t));
-    if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()));
+    fresh = nullptr;
     fresh_watched = t.defined() && sizeof(float) * static_cast<size_t>(t.numel()) <= watch_limit;
+    if (!cls.is_valid()) return to_numpy(std::move(t));
+    if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()), &fresh);
     nb::object cap = dlpack_over(std::move(t), &fresh);
     if (cap.is_none()) return cap;
     PyObject* r = PyObject_CallOneArg(from_dlpack.ptr(), cap.ptr());
@@ -199,9 +201,13 @@ struct HandedValues {
     last = nb::none();
     if (last_watched) {
       last_watched = false;
-      // Dropped first when nobody else holds the tensor: a view or a re-export of its memory may
-      // still hold the storage, which is then watched (nothing else could edit it).
-      watch.release_held(v, Py_REFCNT(v.ptr()) == 1, last_step, last_path);
+      // Dropped first when nobody else holds it: a view or a re-export of its memory may still hold
+      // the storage, which is then watched (nothing else could edit it). A numpy value still held
+      // also becomes read-only (an edit raises at once); its bytes are watched all the same, since a
+      // view made before the release stays writable.
+      const bool sole = Py_REFCNT(v.ptr()) == 1;
+      if (!sole && !torch()) release(v, last_step, last_path);
+      watch.release_held(v, sole, last_step, last_path);
       return;
     }
     // Nobody else holds it (a value read and dropped, as `model.layers[i].x.shape` does): nothing can
@@ -274,12 +280,13 @@ struct HandedValues {
   }
   void keep(nb::object v, int step, std::string_view path, bool read_only) {
     if (v.is_none()) return;
-    const bool watched = torch() && fresh != nullptr && fresh_watched;
+    const bool watched = fresh != nullptr && fresh_watched;
     if (watched) watch.hold(fresh);
     fresh = nullptr;
     if (read_only) {
-      if (watched) return watch.release_held(v, false, step, path);
-      return release(std::move(v), step, std::string(path));
+      if (!watched || !torch()) release(v, step, std::string(path));
+      if (watched) watch.release_held(v, false, step, path);
+      return;
     }
     last_watched = watched;
     last = std::move(v);

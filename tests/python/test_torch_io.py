@@ -342,6 +342,42 @@ def test_a_view_outliving_its_dropped_value_is_watched(tmodel, watch_bytes):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_view_made_before_the_release_is_watched(model, watch_bytes):
+    # numpy: only the value itself becomes read-only at its release; a view made while it was live stays
+    # writable, so its bytes are watched too (torch: every released value is).
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with model.trace(PROMPT):
+            h = model.layers_output[0]
+            view = h[:, 1:]
+            model.layers_output[1]
+            view[0, 0, 0] += 1
+            model.logits
+    # Only the view kept, edited and dropped: raised at the next read.
+    reached = []
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with model.trace(PROMPT):
+            view = model.layers_output[0][:, 1:]
+            model.layers_output[1]
+            view[0, 0, 0] += 1
+            del view
+            reached.append(1)
+            model.logits
+            reached.append(2)
+    assert reached == [1]
+    # A view edited while the value is live: a write, as the assignment.
+    with model.trace(PROMPT):
+        view = model.layers_output[0][:, 1:]
+        view[0, 0, 0] += 1
+        got = np32(model.logits).copy()
+    with model.trace(PROMPT):
+        h = model.layers_output[0]
+        h2 = np32(h).copy()
+        h2[0, 1, 0] += 1
+        model.layers_output[0] = h2
+        want = np32(model.logits).copy()
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("flat", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 31, -2, -1])
 def test_one_bit_edit_of_a_released_torch_value_anywhere_raises(tmodel, flat, watch_bytes):
     # The copy is exact; the checksum changes for any edit within one 8-byte word (its steps are bijective):
