@@ -133,13 +133,22 @@ class _Live:
 
 
 class LiveValues:
-    """Per-tracer bookkeeping; `write(step, path, float32 array)` applies a write through the session."""
+    """Per-invoke bookkeeping; `write(step, path, float32 array)` applies a write through the session.
+
+    Invoke values are row copies made in Python, so the version counter (torch) and the read-only flag
+    (numpy) check them: a released torch value takes :func:`released_value_tensor_class` (its ``__del__``
+    notes an edit when it is collected, raised at the next move); the values still held are checked at
+    the end of the body (:meth:`check_released`), not at every read. :meth:`close` makes them ordinary
+    again when the trace ends."""
 
     def __init__(self, write: Callable[[int, str, np.ndarray], None]):
         self._write = write
         self._live: Optional[_Live] = None
         self._released_np: list = []  # weakrefs to numpy values made read-only
         self._released_torch: list = []  # (weakref, version, step, path)
+        # (step, path) of released torch values edited and then collected: noted by the released class's
+        # __del__, so a move checks this list rather than every held value (O(1) a read, issue 9 item 5).
+        self._pending: list = []
 
     def track(self, step: int, path: str, value: Any, read_only: bool = False) -> None:
         """`value` (just read at `step`, `path`) becomes the live value. A read-only value (``states``) is
@@ -168,7 +177,7 @@ class LiveValues:
         replace the live value itself: it stays live (the assignment supersedes its edits so far)."""
         live = self._live
         if live is not None and keep == (live.step, live.path):
-            self.check_released()
+            self._raise_pending()
             return
         self._live = None
         try:
@@ -181,10 +190,19 @@ class LiveValues:
         finally:
             if live is not None:
                 self._release(live)
-        self.check_released()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._pending:
+            bad = self._pending[0]
+            self._pending.clear()
+            raise released_error(bad)
 
     def check_released(self) -> None:
-        if not self._released_torch:  # numpy output: nothing to check (the common, per-read case)
+        """Released torch values edited since their release (collected ones first): raise the first one's
+        WriteError. O(values held): at the end of a body and of the trace, not per read."""
+        self._raise_pending()
+        if not self._released_torch:  # numpy output: nothing to check
             return
         keep, bad = [], None
         for ref, version, step, path in self._released_torch:
@@ -215,14 +233,33 @@ class LiveValues:
                     except ValueError:
                         pass
             self._released_np.clear()
+            from ._convert import value_tensor_class
+
+            plain = value_tensor_class()
+            for ref, *_ in self._released_torch:
+                v = ref()
+                if v is not None:
+                    v.__dict__.pop("_mixlens_released", None)
+                    try:
+                        v.__class__ = plain
+                    except TypeError:
+                        pass
             self._released_torch.clear()
+            self._pending.clear()
 
     # -- internals -------------------------------------------------------------------------
     def _release(self, live: _Live) -> None:
         if live.is_torch:
-            version = _version(live.ref)
+            v = live.ref
+            version = _version(v)
             if version is not None:
-                self._released_torch.append((weakref.ref(live.ref), version, live.step, live.path))
+                self._released_torch.append((weakref.ref(v), version, live.step, live.path))
+                # Its __del__ notes an edit made after the release when it is collected before the next check.
+                try:
+                    v.__class__ = released_value_tensor_class()
+                    v.__dict__["_mixlens_released"] = (version, live.step, live.path, self._pending)
+                except (TypeError, AttributeError):
+                    pass
         else:
             self._release_np(live.ref, live.step, live.path)
 
