@@ -918,7 +918,7 @@ class Tracer:
 
     def _note_read(self, path: str, value) -> None:
         """grad=True: a value read in the block gets .grad from backward()."""
-        if value is not None and "@t" not in path:
+        if value is not None:
             self._grad_reads.append((path, value))
 
     def _refuse_foreign(self, path: str) -> None:
@@ -1144,7 +1144,7 @@ class Tracer:
             dl = as_float32(metric, "dlogits")
         dl = np.ascontiguousarray(dl, dtype=np.float32)
         if paths is None:
-            wanted = [p for p, _, _ in self._saves if "@t" not in p] + [p for p, _ in self._grad_reads]
+            wanted = [p for p, _, _ in self._saves] + [p for p, _ in self._grad_reads]
         else:
             wanted = [paths] if isinstance(paths, str) else list(paths)
         wanted = list(dict.fromkeys(wanted))
