@@ -155,9 +155,9 @@ class Session:
 
     def read(self, step: int, path: str) -> object: ...
 
-    def set_output(self, cls: object, from_dlpack: object | None, error: object, released_cls: object | None = None) -> None:
+    def set_output(self, cls: object, from_dlpack: object | None, error: object, released_cls: object | None = None, watch_limit: int = 16777216, watch_copy_limit: int = 262144) -> None:
         """
-        Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function (torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released value, released_cls: the class a released torch value takes (mixlens._inplace; None: checked at every move instead).
+        Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function (torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released value, released_cls: the class a released torch value over watch_limit bytes takes (mixlens._inplace; None: checked at every move instead); torch values up to watch_limit bytes are checked by their bytes instead (a copy up to watch_copy_limit bytes, a checksum above).
         """
 
     def read_value(self, step: int, path: str) -> object:

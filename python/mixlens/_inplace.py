@@ -7,20 +7,29 @@ value's version counter (bumped by every in-place op on it or its views), a nump
 bit-for-bit against a pristine copy.
 
 A value the forward has moved past is *released*: numpy values become read-only (editing raises
-:class:`mixlens.WriteError` at once, naming the value and saying to assign); torch values have no
-read-only mode, so their version counter is compared with its value at the release, which raises the
-same WriteError: for a value edited and then dropped, at the next read / write / step (its class,
-:func:`released_value_tensor_class`, notes the edit when it is collected); for one still held, at
-the next step of a generation and at the end of the block. (Checking every held value at every read
-made a read cost ~0.2 us per value held: issue 9 item 5.) After the block ends every value is an
-ordinary array again.
+:class:`mixlens.WriteError` at once, naming the value and saying to assign; a view made before the
+release stays writable, so their bytes are checked as a torch value's are); torch values have no
+read-only mode, so they are checked instead, raising the same WriteError: for a value edited and then
+dropped, at the next read / write / step; for one still held (or a view of it, or a re-export of its
+memory), at the next step of a generation and at the end of the block. Up to :data:`WATCH_LIMIT`
+bytes the check compares the value's bytes with those at the release (a copy, or a 64-bit checksum
+above :data:`WATCH_COPY_LIMIT`; python/src/dlpack.cpp ``EditWatch``; compared again when the value's
+storage is freed, so dropped values need no Python finalizer): it sees every write, through torch,
+``.numpy()``, ``.data`` or a DLPack re-export. A
+larger value (a long prompt's ``states`` stack, where a pass over its bytes costs more than reading it)
+is checked by torch's version counter, compared with its value at the release (its class,
+:func:`released_value_tensor_class`, notes the edit when it is collected), which sees torch's in-place
+ops on it and its views, not writes that bypass torch. (Checking every held value at every read made
+a read cost ~0.2 us per value held, and swapping classes to read version counters ~5 us a held value:
+issue 9 item 5.) After the block ends every value is an ordinary array again.
 
 Where it runs: for reads in the ``with`` block itself these rules are applied by the session, once per
 value (issue 9 item 5: this bookkeeping was most of a read's cost in Python): the C++ session keeps the
 live value and compares it with the forward's own copy (or a pristine copy after an assignment) and
 applies an in-place change as a write (``Session::read_live``), and the binding
 (``python/src/session.cpp``, ``Session.read_value``) releases the Python objects. A value nobody holds
-any more when the block moves on is not released (nothing can edit it).
+any more when the block moves on is not released (nothing can edit it), unless a view or a re-export of
+its memory still holds its storage (torch: then its bytes are watched).
 :class:`LiveValues` below does the same for ``tracer.invoke`` bodies, whose values are row slices of
 the batch's value.
 """
@@ -40,6 +49,15 @@ from .errors import MixlensError, OutOfOrderError, WriteError
 # stack can be hundreds of MiB) as an array, so a comparison does not make another full-size copy.
 _BYTES_LIMIT = 1 << 20
 
+
+# Released torch values of a `with` block up to WATCH_LIMIT bytes are checked by their bytes
+# (python/src/dlpack.cpp EditWatch: every write counts, through torch, numpy views, `.data` or DLPack
+# re-exports): compared with a copy up to WATCH_COPY_LIMIT bytes, with a 64-bit checksum above (no
+# second copy of a big value). Larger ones (a `states` stack, where a pass over the bytes costs more
+# than the read) by torch's version counter (in-place torch ops on them or their views). Read when a
+# tracer opens.
+WATCH_LIMIT = 16 << 20
+WATCH_COPY_LIMIT = 256 << 10
 
 _RELEASED_TENSOR = None
 
@@ -115,13 +133,22 @@ class _Live:
 
 
 class LiveValues:
-    """Per-tracer bookkeeping; `write(step, path, float32 array)` applies a write through the session."""
+    """Per-invoke bookkeeping; `write(step, path, float32 array)` applies a write through the session.
+
+    Invoke values are row copies made in Python, so the version counter (torch) and the read-only flag
+    (numpy) check them: a released torch value takes :func:`released_value_tensor_class` (its ``__del__``
+    notes an edit when it is collected, raised at the next move); the values still held are checked at
+    the end of the body (:meth:`check_released`), not at every read. :meth:`close` makes them ordinary
+    again when the trace ends."""
 
     def __init__(self, write: Callable[[int, str, np.ndarray], None]):
         self._write = write
         self._live: Optional[_Live] = None
         self._released_np: list = []  # weakrefs to numpy values made read-only
         self._released_torch: list = []  # (weakref, version, step, path)
+        # (step, path) of released torch values edited and then collected: noted by the released class's
+        # __del__, so a move checks this list rather than every held value (O(1) a read, issue 9 item 5).
+        self._pending: list = []
 
     def track(self, step: int, path: str, value: Any, read_only: bool = False) -> None:
         """`value` (just read at `step`, `path`) becomes the live value. A read-only value (``states``) is
@@ -150,7 +177,7 @@ class LiveValues:
         replace the live value itself: it stays live (the assignment supersedes its edits so far)."""
         live = self._live
         if live is not None and keep == (live.step, live.path):
-            self.check_released()
+            self._raise_pending()
             return
         self._live = None
         try:
@@ -163,10 +190,19 @@ class LiveValues:
         finally:
             if live is not None:
                 self._release(live)
-        self.check_released()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._pending:
+            bad = self._pending[0]
+            self._pending.clear()
+            raise released_error(bad)
 
     def check_released(self) -> None:
-        if not self._released_torch:  # numpy output: nothing to check (the common, per-read case)
+        """Released torch values edited since their release (collected ones first): raise the first one's
+        WriteError. O(values held): at the end of a body and of the trace, not per read."""
+        self._raise_pending()
+        if not self._released_torch:  # numpy output: nothing to check
             return
         keep, bad = [], None
         for ref, version, step, path in self._released_torch:
@@ -197,14 +233,33 @@ class LiveValues:
                     except ValueError:
                         pass
             self._released_np.clear()
+            from ._convert import value_tensor_class
+
+            plain = value_tensor_class()
+            for ref, *_ in self._released_torch:
+                v = ref()
+                if v is not None:
+                    v.__dict__.pop("_mixlens_released", None)
+                    try:
+                        v.__class__ = plain
+                    except TypeError:
+                        pass
             self._released_torch.clear()
+            self._pending.clear()
 
     # -- internals -------------------------------------------------------------------------
     def _release(self, live: _Live) -> None:
         if live.is_torch:
-            version = _version(live.ref)
+            v = live.ref
+            version = _version(v)
             if version is not None:
-                self._released_torch.append((weakref.ref(live.ref), version, live.step, live.path))
+                self._released_torch.append((weakref.ref(v), version, live.step, live.path))
+                # Its __del__ notes an edit made after the release when it is collected before the next check.
+                try:
+                    v.__class__ = released_value_tensor_class()
+                    v.__dict__["_mixlens_released"] = (version, live.step, live.path, self._pending)
+                except (TypeError, AttributeError):
+                    pass
         else:
             self._release_np(live.ref, live.step, live.path)
 

@@ -136,6 +136,7 @@ class _Invoke:
             try:
                 exec(self.code, namespace)
                 self.live.settle()
+                self.live.check_released()  # what the body still holds (settle checks only dropped values)
                 self.request = ("done",)
             except NameError as e:
                 # Before its first request a body may need a name an earlier invoke has yet to assign
@@ -242,6 +243,9 @@ def run_invokes(tracer, invokes: list, frame_locals_target) -> None:
                     inv.resume()
             raise error
     finally:
+        # Every value of the bodies is an ordinary array again (numpy ones were read-only once released).
+        for inv in invokes:
+            inv.live.close(check=False)
         # Names the bodies assigned go back to the `with` block's frame (also after tracer.stop()).
         for inv in invokes:
             f = inv.frame

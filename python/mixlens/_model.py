@@ -16,6 +16,7 @@ import numpy as np
 from . import _core, hub
 from ._convert import (ValueArray, as_float32, is_torch, released_error, resolve_output, to_output, to_plain,
                        value_tensor_class)
+from . import _inplace
 from ._inplace import _Live, released_value_tensor_class
 from . import _invoke, _nnterp
 from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
@@ -738,9 +739,11 @@ class Tracer:
             # (python/src/session.cpp; rules in mixlens._inplace).
             if self._fmt == "torch":
                 self._session.set_output(value_tensor_class(), _torch_from_dlpack(), _released_error,
-                                         released_value_tensor_class())
+                                         released_value_tensor_class(), _inplace.WATCH_LIMIT,
+                                         _inplace.WATCH_COPY_LIMIT)
             else:
-                self._session.set_output(ValueArray, None, _released_error)
+                self._session.set_output(ValueArray, None, _released_error, None, _inplace.WATCH_LIMIT,
+                                         _inplace.WATCH_COPY_LIMIT)
         except BaseException:
             self._release_model()
             raise

@@ -1,5 +1,6 @@
 // The nanobind module mixlens._core: one init_* per area (DESIGN.md layout).
 #pragma once
+#include <exception>
 #include <optional>
 
 #include "convert.h"
@@ -8,6 +9,9 @@
 namespace mixlens::py {
 
 void init_errors(nb::module_& m);
+/// Sets the Python error for a mixlens C++ exception (its class in mixlens.errors); rethrows any
+/// other exception. What nanobind's translator does, for calls made outside nanobind (errors.cpp).
+void set_python_error(const std::exception_ptr& p);
 void init_model(nb::module_& m);
 void init_session(nb::module_& m);
 void init_extract(nb::module_& m);

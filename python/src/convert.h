@@ -23,10 +23,13 @@ namespace nb = nanobind;
 
 using FloatArray = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
+struct WatchRecord;
+
 /// A numpy float32 array of type `subtype` (a subclass of numpy.ndarray; null: ndarray itself)
 /// over `t`'s storage, which it keeps alive: pass a tensor nobody else holds (a clone). None for an
-/// undefined tensor. Needs the GIL. numpy's C API, in one step (numpy_array.cpp).
-nb::object numpy_over(Tensor t, PyTypeObject* subtype = nullptr);
+/// undefined tensor. `record`: set to the storage's WatchRecord (capi.h). Needs the GIL. numpy's C
+/// API, in one step (numpy_array.cpp).
+nb::object numpy_over(Tensor t, PyTypeObject* subtype = nullptr, WatchRecord** record = nullptr);
 
 /// Sets or clears an array's WRITEABLE flag directly (no flags object; setting it skips numpy's
 /// check of the base, so only for arrays numpy_over made). False when `arr` is not an array.

@@ -1,6 +1,8 @@
 // Torch values of a `with` block straight from a DLPack capsule (issue 9 item 5): torch._C._from_dlpack
 // over a capsule made here, where torch.from_numpy needed a numpy array (and its owner object) made
-// first and, when the tensor dies, a deleter that takes the GIL to drop that array.
+// first and, when the tensor dies, a deleter that takes the GIL to drop that array. The capsule's
+// owner also keeps the value's WatchRecord: its deleter is where a released value freed after an
+// in-place edit is caught (edit_watch.cpp).
 #include <memory>
 #include <vector>
 
@@ -22,14 +24,20 @@ struct Managed {
   void (*deleter)(Managed*);
 };
 
-// One allocation per value: the struct, the Tensor it points into, its shape and strides.
+// One allocation per value: the struct, the Tensor it points into, its shape and strides, and
+// EditWatch's record of it.
 struct Owner {
   Managed managed{};
   Tensor tensor;
   std::vector<int64_t> dims;  // shape, then strides (elements)
+  WatchRecord record;
 };
 
-void delete_owner(Managed* m) { delete static_cast<Owner*>(m->manager_ctx); }
+void delete_owner(Managed* m) {
+  auto* o = static_cast<Owner*>(m->manager_ctx);
+  watch_record_freed(o->record);
+  delete o;
+}
 
 // The capsule dies: a consumer renames it ("used_dltensor") and owns the tensor from then on; one
 // never consumed still owns it here.
@@ -41,7 +49,8 @@ void capsule_destructor(PyObject* cap) {
 
 }  // namespace
 
-nb::object dlpack_over(Tensor t) {
+nb::object dlpack_over(Tensor t, WatchRecord** record) {
+  if (record != nullptr) *record = nullptr;
   if (!t.defined()) return nb::none();
   auto owner = std::make_unique<Owner>();
   const Shape& s = t.shape();
@@ -54,6 +63,7 @@ nb::object dlpack_over(Tensor t) {
     stride *= s[i];
   }
   owner->tensor = std::move(t);
+  owner->record.tensor = &owner->tensor;
   Managed& m = owner->managed;
   m.tensor.data = owner->tensor.data();
   m.tensor.device = {1, 0};  // kDLCPU
@@ -66,6 +76,7 @@ nb::object dlpack_over(Tensor t) {
   m.deleter = &delete_owner;
   PyObject* cap = PyCapsule_New(&m, "dltensor", &capsule_destructor);
   if (cap == nullptr) throw nb::python_error();
+  if (record != nullptr) *record = &owner->record;
   owner.release();  // the capsule (then its consumer) owns it
   return nb::steal(cap);
 }

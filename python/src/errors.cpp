@@ -41,42 +41,44 @@ void init_errors(nb::module_& m) {
                get("UnknownValueError"), get("WriteError"), get("UnsupportedError"), get("InputError"),
                get("OutOfOrderError"), get("ResourceError"), get("NumericError"), get("InterruptedRunError")};
   // Most derived first; anything else propagates to nanobind's own translators.
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const OutOfOrderError& e) {
-      raise(g_classes.out_of_order, e);
-    } catch (const InputError& e) {
-      raise(g_classes.input, e);
-    } catch (const CheckpointError& e) {
-      raise(g_classes.checkpoint, e);
-    } catch (const ConfigError& e) {
-      raise(g_classes.config, e);
-    } catch (const TokenizerError& e) {
-      raise(g_classes.tokenizer, e);
-    } catch (const UnknownValueError& e) {
-      raise(g_classes.unknown_value, e);
-    } catch (const WriteError& e) {
-      raise(g_classes.write, e);
-    } catch (const UnsupportedError& e) {
-      raise(g_classes.unsupported, e);
-    } catch (const ResourceError& e) {
-      raise(g_classes.resource, e);
-    } catch (const NumericError& e) {
-      raise(g_classes.numeric, e);
-    } catch (const InterruptedError& e) {
-      raise(g_classes.interrupted, e);
-    } catch (const Error& e) {
-      raise(g_classes.base, e);
-    } catch (const std::bad_alloc&) {
-      // Out of memory inside the library: a mixlens error (a MemoryError too), never a bare one.
-      PyErr_SetString(g_classes.resource.ptr(),
-                      "out of memory: an allocation inside mixlens failed (std::bad_alloc); use a smaller batch, "
-                      "prompt, or fewer saved values");
-    } catch (const std::length_error& e) {
-      raise_text(g_classes.resource, std::string("size limit exceeded inside mixlens: ") + e.what());
-    }
-  });
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) { set_python_error(p); });
+}
+
+void set_python_error(const std::exception_ptr& p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const OutOfOrderError& e) {
+    raise(g_classes.out_of_order, e);
+  } catch (const InputError& e) {
+    raise(g_classes.input, e);
+  } catch (const CheckpointError& e) {
+    raise(g_classes.checkpoint, e);
+  } catch (const ConfigError& e) {
+    raise(g_classes.config, e);
+  } catch (const TokenizerError& e) {
+    raise(g_classes.tokenizer, e);
+  } catch (const UnknownValueError& e) {
+    raise(g_classes.unknown_value, e);
+  } catch (const WriteError& e) {
+    raise(g_classes.write, e);
+  } catch (const UnsupportedError& e) {
+    raise(g_classes.unsupported, e);
+  } catch (const ResourceError& e) {
+    raise(g_classes.resource, e);
+  } catch (const NumericError& e) {
+    raise(g_classes.numeric, e);
+  } catch (const InterruptedError& e) {
+    raise(g_classes.interrupted, e);
+  } catch (const Error& e) {
+    raise(g_classes.base, e);
+  } catch (const std::bad_alloc&) {
+    // Out of memory inside the library: a mixlens error (a MemoryError too), never a bare one.
+    PyErr_SetString(g_classes.resource.ptr(),
+                    "out of memory: an allocation inside mixlens failed (std::bad_alloc); use a smaller batch, "
+                    "prompt, or fewer saved values");
+  } catch (const std::length_error& e) {
+    raise_text(g_classes.resource, std::string("size limit exceeded inside mixlens: ") + e.what());
+  }
 }
 
 }  // namespace mixlens::py

@@ -18,18 +18,26 @@ namespace {
 // The arrays' base object: owns the Tensor and exposes its memory as a writable buffer. numpy lets
 // a released value (made read-only in its `with` block) be made writeable again only when its base
 // has a writable buffer, which a capsule has not.
+// Its deleter reports the WatchRecord (edit_watch.cpp): released values are watched by their bytes
+// too, since a view made before the release stays writable.
+struct Held {
+  Tensor tensor;
+  WatchRecord record;
+};
 struct TensorOwner {
   PyObject_HEAD
-  Tensor* tensor;
+  Held* held;
 };
 
 void owner_dealloc(PyObject* self) {
-  delete reinterpret_cast<TensorOwner*>(self)->tensor;
+  Held* h = reinterpret_cast<TensorOwner*>(self)->held;
+  if (h != nullptr) watch_record_freed(h->record);
+  delete h;
   free_heap_object(self);
 }
 
 int owner_getbuffer(PyObject* self, Py_buffer* view, int flags) {
-  Tensor& t = *reinterpret_cast<TensorOwner*>(self)->tensor;
+  Tensor& t = reinterpret_cast<TensorOwner*>(self)->held->tensor;
   return PyBuffer_FillInfo(view, self, t.data(), static_cast<Py_ssize_t>(sizeof(float) * static_cast<size_t>(t.numel())),
                            0, flags);
 }
@@ -51,7 +59,8 @@ void ensure_numpy() {
 
 }  // namespace
 
-nb::object numpy_over(Tensor t, PyTypeObject* subtype) {
+nb::object numpy_over(Tensor t, PyTypeObject* subtype, WatchRecord** record) {
+  if (record != nullptr) *record = nullptr;
   if (!t.defined()) return nb::none();
   ensure_numpy();
   const Shape& s = t.shape();
@@ -61,16 +70,19 @@ nb::object numpy_over(Tensor t, PyTypeObject* subtype) {
   for (int i = 0; i < nd; ++i) dims[i] = static_cast<npy_intp>(s[static_cast<size_t>(i)]);
   TensorOwner* raw = PyObject_New(TensorOwner, owner_type());
   if (raw == nullptr) throw nb::python_error();
-  raw->tensor = nullptr;
+  raw->held = nullptr;
   nb::object owner = nb::steal(reinterpret_cast<PyObject*>(raw));
-  raw->tensor = new Tensor(std::move(t));  // `s` is gone from here on
-  Tensor* keep = raw->tensor;
+  raw->held = new Held{std::move(t), {}};  // `s` is gone from here on
+  raw->held->record.tensor = &raw->held->tensor;
+  Tensor* keep = &raw->held->tensor;
   PyArray_Descr* f32 = PyArray_DescrFromType(NPY_FLOAT32);  // a new reference, stolen by NewFromDescr
   PyObject* arr = PyArray_NewFromDescr(subtype != nullptr ? subtype : &PyArray_Type, f32, nd, dims, nullptr,
                                        keep->data(), NPY_ARRAY_CARRAY, nullptr);
   if (arr == nullptr) throw nb::python_error();
   nb::object out = nb::steal(arr);
+  Held* held = raw->held;
   if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(arr), owner.release().ptr()) < 0) throw nb::python_error();
+  if (record != nullptr) *record = &held->record;
   return out;
 }
 

@@ -25,12 +25,17 @@ using Rows = std::vector<std::vector<int32_t>>;
 // The Python side of in-place edits (python/mixlens/_inplace.py describes the rules): the session
 // (Session::read_live) applies in-place changes of the value read last; this tracks the Python
 // objects. A value the forward has moved past is *released*: a numpy one becomes read-only (editing
-// raises at once). A torch one has no read-only mode: it takes the class `released_cls`, whose
-// __del__ notes an edit made since (its version counter moved) in `pending`, raised at the next move,
-// and the values still alive are checked at the next step and at the end of the block. That keeps
-// a read O(1) however many values the block holds (checking every held value at every read cost
-// ~0.2 us per held value per read). Kept here rather than in Python: it runs for every value read
-// (issue 9 item 5).
+// raises at once; its bytes are watched as below too, since a view made before the release stays
+// writable). A torch one has no read-only mode: up to `watch_limit` bytes, EditWatch
+// (edit_watch.cpp) keeps its bytes (a copy, or a checksum of a large one), compared at the next step and at the end of the block,
+// or when its storage is freed (raised at the next move), which catches writes that bypass torch's
+// version counter (numpy views, `.data`, DLPack re-exports) and costs no Python call per value
+// (swapping classes and reading version counters cost ~5 us a held value: issue 9 item 5). A larger
+// one (a `states` stack of hundreds of MiB, where a pass over its bytes costs more than its read)
+// keeps the version-counter check: it takes the class `released_cls`, whose __del__ notes an edit
+// made since (its version counter moved) in `pending`, raised at the next move, and the values still
+// alive are checked at the next step and at the end of the block. Either way a read is O(1) however
+// many values the block holds. Kept here rather than in Python: it runs for every value read.
 struct HandedValues {
   nb::object cls;           // ValueArray / ValueTensor
   nb::object from_dlpack;   // torch: DLPack capsule -> tensor (torch._C._from_dlpack); None for numpy
@@ -53,6 +58,11 @@ struct HandedValues {
     bool swapped;  // took released_cls (else: checked at every move, as before it existed)
   };
   std::vector<Torch> released_torch;
+  EditWatch watch;                 // values up to watch_limit bytes (larger torch ones: released_torch)
+  size_t watch_limit = 16u << 20;
+  WatchRecord* fresh = nullptr;    // wrap(): the storage of the value it made last
+  bool fresh_watched = false;      // wrap(): that value is small enough for `watch`
+  bool last_watched = false;       // `last` is held by `watch` (up to watch_limit bytes)
   size_t unswapped = 0;  // entries of released_torch without released_cls
   size_t prune_at = 64;  // drop the entries of collected values when the lists reach this size
 
@@ -109,9 +119,11 @@ struct HandedValues {
 
   nb::object wrap(Tensor t) {
     static PyObject* const as_subclass = name("as_subclass");
+    fresh = nullptr;
+    fresh_watched = t.defined() && sizeof(float) * static_cast<size_t>(t.numel()) <= watch_limit;
     if (!cls.is_valid()) return to_numpy(std::move(t));
-    if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()));
-    nb::object cap = dlpack_over(std::move(t));
+    if (!torch()) return numpy_over(std::move(t), reinterpret_cast<PyTypeObject*>(cls.ptr()), &fresh);
+    nb::object cap = dlpack_over(std::move(t), &fresh);
     if (cap.is_none()) return cap;
     PyObject* r = PyObject_CallOneArg(from_dlpack.ptr(), cap.ptr());
     if (r == nullptr) throw nb::python_error();
@@ -187,13 +199,26 @@ struct HandedValues {
     if (!last.is_valid() || last.is_none()) return;
     nb::object v = std::move(last);
     last = nb::none();
+    if (last_watched) {
+      last_watched = false;
+      // Dropped first when nobody else holds it: a view or a re-export of its memory may still hold
+      // the storage, which is then watched (nothing else could edit it). A numpy value still held
+      // also becomes read-only (an edit raises at once); its bytes are watched all the same, since a
+      // view made before the release stays writable.
+      const bool sole = Py_REFCNT(v.ptr()) == 1;
+      if (!sole && !torch()) release(v, last_step, last_path);
+      watch.release_held(v, sole, last_step, last_path);
+      return;
+    }
     // Nobody else holds it (a value read and dropped, as `model.layers[i].x.shape` does): nothing can
     // edit it any more, so no marker, flag or weak reference (~0.3-0.5 us a read).
     if (Py_REFCNT(v.ptr()) == 1) return;
     release(std::move(v), last_step, last_path);
   }
-  // A released torch value edited and then collected (its __del__ noted it): raise its WriteError.
+  // A released torch value edited and then collected (its storage's deleter or its __del__ noted it):
+  // raise its WriteError.
   void raise_pending() {
+    if (std::optional<std::pair<int, std::string>> e = watch.take_freed_edit()) raise_released(e->first, e->second);
     if (!pending.is_valid() || pending.is_none() || PyList_GET_SIZE(pending.ptr()) == 0) return;
     nb::object first = nb::borrow(PyList_GET_ITEM(pending.ptr(), 0));
     if (PyList_SetSlice(pending.ptr(), 0, PyList_GET_SIZE(pending.ptr()), nullptr) != 0) throw nb::python_error();
@@ -202,6 +227,9 @@ struct HandedValues {
   // Released torch values still alive edited since their release: raise the first one's WriteError.
   // all = false: only those without released_cls (then it runs at every move: ~0.2 us a value).
   void check_released(bool all) {
+    if (all) {
+      if (std::optional<std::pair<int, std::string>> e = watch.check_alive()) raise_released(e->first, e->second);
+    }
     if (released_torch.empty() || (!all && unswapped == 0)) return;
     size_t keep = 0;
     std::optional<std::pair<int, std::string>> bad;
@@ -252,7 +280,15 @@ struct HandedValues {
   }
   void keep(nb::object v, int step, std::string_view path, bool read_only) {
     if (v.is_none()) return;
-    if (read_only) return release(std::move(v), step, std::string(path));
+    const bool watched = fresh != nullptr && fresh_watched;
+    if (watched) watch.hold(fresh);
+    fresh = nullptr;
+    if (read_only) {
+      if (!watched || !torch()) release(v, step, std::string(path));
+      if (watched) watch.release_held(v, false, step, path);
+      return;
+    }
+    last_watched = watched;
     last = std::move(v);
     last_step = step;
     last_path.assign(path);  // reuses the buffer: no allocation per read
@@ -260,9 +296,11 @@ struct HandedValues {
   // The block ends: optionally check the released torch values, then every value is ordinary again.
   void close(bool check) {
     last = nb::none();
+    last_watched = false;
     struct Restore {
       HandedValues& h;
       ~Restore() {
+        h.watch.clear();
         for (nb::object& ref : h.released_np) {
           PyObject* v = referent(ref.ptr());
           if (v == nullptr) continue;
@@ -408,12 +446,34 @@ PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
     return nullptr;
   }
   nb::object step = nb::steal(get_attr(tracer.ptr(), s_step));
-  if (!step.is_valid()) return nullptr;
+  if (!step.is_valid() || !PyLong_CheckExact(step.ptr()) || !nb::isinstance<PySession>(sess)) return nullptr;
+  const long step_v = PyLong_AsLong(step.ptr());
+  Py_ssize_t len = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(path, &len);
+  if (utf8 == nullptr || (step_v == -1 && PyErr_Occurred()) || step_v < INT_MIN || step_v > INT_MAX) {
+    PyErr_Clear();
+    return nullptr;
+  }
   handled = true;
-  // Through the bound method: nanobind turns the library's C++ exceptions into mixlens' Python ones.
-  static PyObject* const s_read_value = interned("read_value");
-  PyObject* stack[] = {nullptr, sess.ptr(), step.ptr(), path};
-  PyObject* r = PyObject_VectorcallMethod(s_read_value, stack + 1, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  // read_value called here rather than through the bound method (nanobind's dispatch: ~0.2 us a
+  // read); C++ exceptions become mixlens' Python ones as nanobind's translator makes them.
+  PyObject* r = nullptr;
+  try {
+    r = read_value(*nb::inst_ptr<PySession>(sess), static_cast<int>(step_v),
+                   std::string_view(utf8, static_cast<size_t>(len)))
+            .release()
+            .ptr();
+  } catch (nb::python_error& e) {
+    e.restore();
+  } catch (...) {
+    try {
+      set_python_error(std::current_exception());
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (...) {
+      PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception in a value read");
+    }
+  }
   if (r != nullptr) return r;
   // UnknownValueError is also an AttributeError: as the property did, it reaches the user as
   // UnknownAttributeError so hasattr() answers False.
@@ -491,7 +551,8 @@ void init_session(nb::module_& m) {
       // The per-value path of a `with` block (issue 9 item 5): the in-place edit bookkeeping of
       // python/mixlens/_inplace.py, then Session::read_live, returning the output type.
       .def("set_output",
-           [](PySession& p, nb::object cls, nb::object from_dlpack, nb::object error, nb::object released_cls) {
+           [](PySession& p, nb::object cls, nb::object from_dlpack, nb::object error, nb::object released_cls,
+              size_t watch_limit, size_t watch_copy_limit) {
              if (from_dlpack.is_none()) {
                nb::object ndarray = nb::module_::import_("numpy").attr("ndarray");
                if (!PyType_Check(cls.ptr()) || PyObject_IsSubclass(cls.ptr(), ndarray.ptr()) != 1)
@@ -503,14 +564,18 @@ void init_session(nb::module_& m) {
              h.assign_class = true;
              h.from_dlpack = std::move(from_dlpack);
              h.released_cls = std::move(released_cls);
+             h.watch_limit = watch_limit;
+             h.watch.set_copy_limit(watch_copy_limit);
              h.error = std::move(error);
              h.pending = nb::list();
            },
            nb::arg("cls"), nb::arg("from_dlpack").none(), nb::arg("error"), nb::arg("released_cls").none() = nb::none(),
+           nb::arg("watch_limit") = size_t{16} << 20, nb::arg("watch_copy_limit") = size_t{256} << 10,
            "Output type for read_value: cls (ValueArray / ValueTensor), a DLPack capsule -> torch tensor function "
            "(torch._C._from_dlpack) or None for numpy, error(step, path) -> the WriteError for an edit of a released "
-           "value, released_cls: the class a released torch value takes (mixlens._inplace; None: checked at every "
-           "move instead).")
+           "value, released_cls: the class a released torch value over watch_limit bytes takes (mixlens._inplace; "
+           "None: checked at every move instead); torch values up to watch_limit bytes are checked by their bytes "
+           "instead (a copy up to watch_copy_limit bytes, a checksum above).")
       .def("read_value", &read_value, nb::arg("step"), nb::arg("path"),
            "read() whose value is live (Session::read_live): in-place edits reach the forward when the block "
            "moves on; values the forward has passed are released (numpy: read-only; torch: checked).")

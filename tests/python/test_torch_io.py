@@ -201,7 +201,19 @@ def test_editing_a_value_the_forward_has_passed_raises(model):
                 np.add(h, 1, out=h)  # numpy's own message, but never silent
 
 
-def test_torch_values_held_in_a_block_are_checked_at_the_end_and_released_ones_when_dropped(tmodel):
+@pytest.fixture(params=["copy", "checksum", "version"])
+def watch(request, monkeypatch):
+    """Every way a released torch value is checked: its bytes against a copy (up to
+    mixlens._inplace.WATCH_COPY_LIMIT bytes: all of this model's values), against a checksum (up to
+    WATCH_LIMIT) and torch's version counter (larger ones)."""
+    if request.param == "checksum":
+        monkeypatch.setattr(mixlens._inplace, "WATCH_COPY_LIMIT", 0)
+    if request.param == "version":
+        monkeypatch.setattr(mixlens._inplace, "WATCH_LIMIT", 0)
+    return request.param
+
+
+def test_torch_values_held_in_a_block_are_checked_at_the_end_and_released_ones_when_dropped(tmodel, watch):
     # Issue 9 item 5: a read does not recheck every held torch value (that made a read cost grow with the
     # number held); an edit after the release is still never silent.
     VT = mixlens.ValueTensor
@@ -257,6 +269,134 @@ def test_torch_values_held_in_a_block_are_checked_at_the_end_and_released_ones_w
                     tmodel.layers_output[1]
                     h[:, 0] = 0
     assert steps == [0]
+
+
+# Writes that bypass torch's in-place ops (no version counter moves): the checksum of a released value's
+# bytes still sees them, for a value held to the end of the block and for one dropped after the edit.
+BYPASS = {
+    "numpy view": lambda h: h.numpy().__setitem__((0, 0), 7.0),
+    "data": lambda h: h.data.__setitem__((0, 0), 7.0),
+    "dlpack re-export": lambda h: np.from_dlpack(h.detach()).__setitem__((0, 0), 7.0),
+    "torch dlpack re-export": lambda h: torch.from_dlpack(h.detach()).__setitem__((0, 0), 7.0),
+}
+
+
+@pytest.fixture(params=["copy", "checksum"])
+def watch_bytes(request, monkeypatch):
+    """The two byte checks (values are compared with a copy up to WATCH_COPY_LIMIT, a checksum above)."""
+    if request.param == "checksum":
+        monkeypatch.setattr(mixlens._inplace, "WATCH_COPY_LIMIT", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("how", list(BYPASS))
+def test_released_torch_values_edited_around_the_version_counter_raise(tmodel, how, watch_bytes):
+    edit = BYPASS[how]
+    # Held to the end of the block.
+    with pytest.raises(mixlens.WriteError, match=r"in-place edit of 'layers.0.layer_output' \(read at step 0\)"):
+        with tmodel.trace(PROMPT):
+            h = tmodel.layers_output[0]
+            tmodel.layers_output[1]
+            v0 = h._version
+            edit(h)
+            assert h._version == v0  # what the version counter cannot see
+            tmodel.logits
+    # Edited, then dropped: raised at the next read.
+    reached = []
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with tmodel.trace(PROMPT):
+            h = tmodel.layers_output[0]
+            tmodel.layers_output[1]
+            edit(h)
+            del h
+            reached.append(1)
+            tmodel.logits
+            reached.append(2)
+    assert reached == [1]
+
+
+def test_a_view_outliving_its_dropped_value_is_watched(tmodel, watch_bytes):
+    # Only a view of the value is kept (the value itself is dropped at once): its storage is watched.
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with tmodel.trace(PROMPT):
+            view = tmodel.layers_output[0][:, 1:]
+            tmodel.layers_output[1]
+            view.mul_(2)
+            tmodel.logits
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with tmodel.trace(PROMPT):
+            arr = tmodel.layers_output[0].numpy()
+            tmodel.layers_output[1]
+            arr[0, 0, 0] += 1
+            tmodel.logits
+    # Edited while live through the view: a write, as the assignment.
+    with tmodel.trace(PROMPT):
+        view = tmodel.layers_output[0][:, 1:]
+        view.zero_()
+        got = tmodel.logits.clone()
+    with tmodel.trace(PROMPT):
+        h = tmodel.layers_output[0]
+        h[:, 1:] = 0
+        tmodel.layers_output[0] = h
+        want = tmodel.logits.clone()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_view_made_before_the_release_is_watched(model, watch_bytes):
+    # numpy: only the value itself becomes read-only at its release; a view made while it was live stays
+    # writable, so its bytes are watched too (torch: every released value is).
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with model.trace(PROMPT):
+            h = model.layers_output[0]
+            view = h[:, 1:]
+            model.layers_output[1]
+            view[0, 0, 0] += 1
+            model.logits
+    # Only the view kept, edited and dropped: raised at the next read.
+    reached = []
+    with pytest.raises(mixlens.WriteError, match="'layers.0.layer_output'"):
+        with model.trace(PROMPT):
+            view = model.layers_output[0][:, 1:]
+            model.layers_output[1]
+            view[0, 0, 0] += 1
+            del view
+            reached.append(1)
+            model.logits
+            reached.append(2)
+    assert reached == [1]
+    # A view edited while the value is live: a write, as the assignment.
+    with model.trace(PROMPT):
+        view = model.layers_output[0][:, 1:]
+        view[0, 0, 0] += 1
+        got = np32(model.logits).copy()
+    with model.trace(PROMPT):
+        h = model.layers_output[0]
+        h2 = np32(h).copy()
+        h2[0, 1, 0] += 1
+        model.layers_output[0] = h2
+        want = np32(model.logits).copy()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("flat", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 31, -2, -1])
+def test_one_bit_edit_of_a_released_torch_value_anywhere_raises(tmodel, flat, watch_bytes):
+    # The copy is exact; the checksum changes for any edit within one 8-byte word (its steps are bijective):
+    # the lowest mantissa bit of one element at the start, in each of its four lanes, past the first
+    # 32-byte block, at the end (the 4-byte tail when the size is not a multiple of 8).
+    with pytest.raises(mixlens.WriteError, match="'layers.0.linear_attn.betas'"):
+        with tmodel.trace(PROMPT):
+            b = tmodel.layers[0].linear_attn.betas
+            tmodel.layers_output[0]
+            bits = b.numpy().reshape(-1).view(np.uint32)
+            bits[flat] ^= 1
+            tmodel.logits
+    with pytest.raises(mixlens.WriteError, match="'layers.0.linear_attn.betas'"):
+        with tmodel.trace(PROMPT):
+            b = tmodel.layers[0].linear_attn.betas
+            tmodel.layers_output[0]
+            b.numpy().reshape(-1).view(np.uint32)[flat] ^= 1 << 31  # sign bit: -0.0 counts
+            del b
+            tmodel.logits
 
 
 def test_editing_states_in_place_raises(model):
