@@ -137,6 +137,12 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
 _VALUE_TENSOR = None
 
 
+def _save_self(self):
+    """nnsight's ``.save()`` on any torch tensor inside or outside a trace (mixlens mounts it on
+    ``torch.Tensor`` when torch output is first used): the tensor is real already, so it returns itself."""
+    return self
+
+
 def value_tensor_class():
     """:class:`ValueTensor`, a ``torch.Tensor`` subclass with nnsight's ``.save()`` (defined on first use,
     so importing mixlens does not import torch). Operations on it return plain tensors."""
@@ -176,6 +182,11 @@ def value_tensor_class():
                 return out
 
         ValueTensor.__module__, ValueTensor.__qualname__ = "mixlens", "ValueTensor"
+        # nnsight code saves what it computes from values too (`h = model.layers_output[3][:, -1].save()`,
+        # `model.next_token_probs.save()`): nnsight mounts .save on every object while tracing; torch
+        # tensors get the same identity method here, unless torch defines a `save` method of its own.
+        if not hasattr(torch.Tensor, "save"):
+            torch.Tensor.save = _save_self
         _VALUE_TENSOR = ValueTensor
     return _VALUE_TENSOR
 

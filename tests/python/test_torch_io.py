@@ -473,3 +473,15 @@ def test_a_tokenizer_output_with_left_padding_matches_transformers(tmodel, text_
         pass
     assert rel_rms(tracer.logits.numpy(), ref) <= 1e-4
     assert rel_rms(tracer.logits.numpy()[1, :2], ref[1, :2]) <= 1e-4  # padded positions too
+
+
+def test_save_works_on_what_is_computed_from_values_as_in_nnsight(tmodel):
+    """nnsight idioms port unchanged: `.save()` on a slice, a reduction or a helper's result of a value."""
+    with tmodel.trace(PROMPT) as tracer:
+        h = tmodel.layers_output[1]
+        last = h[:, -1].save()
+        mean = h.mean(1).save()
+        probs = tmodel.next_token_probs.save()
+    assert torch.equal(last, h[:, -1]) and torch.equal(mean, h.mean(1))
+    assert torch.allclose(probs, tracer.logits[:, -1].softmax(-1))
+
