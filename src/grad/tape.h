@@ -80,6 +80,10 @@ class GradSink {
  public:
   GradSink(std::vector<Site> wanted);
   bool wants(int layer, Value v) const;
+  /// Whether a wanted gradient lies below block `layer`'s output: a value of that block other than
+  /// its layer_output, of an earlier block, or embed_output. False: the backward stops there (the
+  /// blocks below would compute gradients nobody asked for).
+  bool needs_below(int layer) const;
   /// The call positions dlogits covers (ascending, distinct): every position of the call, or the
   /// few a metric reads (the LM head's backward then runs on those rows only).
   std::vector<int64_t> positions;
