@@ -76,11 +76,18 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
   tape.apply(li, Value::decays, g_);
   S0_ = has_state_ ? before.ssm[static_cast<size_t>(li)].clone() : Tensor({B, HV, Dk, Dv});
   tape.apply(li, Value::state_input, S0_);
-  o_ = Tensor::uninitialized({B, T, HV, Dv});
-  {
+  const int64_t nch = (T + kChunk - 1) / kChunk;
+  const Tensor* kept_entry = tape.kept_of(li, Kept::chunk_states);
+  const Tensor* kept_o = tape.kept_of(li, Kept::head_outputs);
+  if (kept_entry && kept_o && kept_entry->shape() == Shape{B, HV, nch, Dk, Dv}) {
+    // The forward's chunk-entry states and o (after writes): no scan here.
+    ckpt_ = *kept_entry;
+    o_ = *kept_o;
+  } else {
+    o_ = Tensor::uninitialized({B, T, HV, Dv});
     // Run chunk by chunk (the forward kernel's own chunks: the same results) and keep the state
     // entering every chunk as the backward's checkpoints.
-    const int64_t nch = (T + kChunk - 1) / kChunk, SN = Dk * Dv;
+    const int64_t SN = Dk * Dv;
     ckpt_ = Tensor::uninitialized({B, HV, nch, Dk, Dv});
     Tensor S = S0_.clone();
     detail::GatedDeltaArgs a;
@@ -95,8 +102,8 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
       a.t_end = std::min(T, (c + 1) * kChunk);
       if (tape.kernel == "chunked") detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
     }
+    tape.apply(li, Value::attention_head_outputs, o_);
   }
-  tape.apply(li, Value::attention_head_outputs, o_);
   if (const Tensor* kept = tape.kept_of(li, Kept::mixer_output)) {
     out_ = *kept;  // as the forward added it (writes applied): no gated norm / out_proj recompute
     return;
