@@ -20,14 +20,15 @@
 namespace mixlens::grad {
 
 void l2norm_backward(const float* x, const float* dy, float* dx, int64_t n, float scale) {
-  double ss = 0.0, dot = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    ss += static_cast<double>(x[i]) * x[i];
-    dot += static_cast<double>(x[i]) * dy[i];
-  }
+  // The two sums on the vector kernels in float32 (as the forward's l2norm_row): the double scalar
+  // loops they replace were ~2% of the Qwen3.5 backward.
+  const ops::KernelTable& kt = ops::kernels();
+  float ss = 0.0f, dot = 0.0f;
+  kt.matvec_f32(x, n, x, &ss, 1, n);
+  kt.matvec_f32(x, n, dy, &dot, 1, n);
   // y = s x / r, r = sqrt(ss + eps): dx = (s / r) (dy - x (x . dy) / r^2).
-  const double r2 = ss + 1e-6, inv = 1.0 / std::sqrt(r2);
-  for (int64_t i = 0; i < n; ++i) dx[i] = static_cast<float>(scale * inv * (dy[i] - x[i] * dot / r2));
+  const float r2 = ss + 1e-6f, inv = scale / std::sqrt(r2), c = dot / r2;
+  for (int64_t i = 0; i < n; ++i) dx[i] = inv * (dy[i] - x[i] * c);
 }
 
 namespace {
@@ -35,7 +36,7 @@ namespace {
 // As the forward's l2norm_row (float32, eps inside the sqrt).
 inline void l2n(const float* x, int64_t n, float scale, float* out) {
   float ss = 0.0f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  ops::kernels().matvec_f32(x, n, x, &ss, 1, n);  // x . x on the vector kernels, as l2norm_row
   const float inv = scale / std::sqrt(ss + 1e-6f);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }

@@ -163,13 +163,16 @@ void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
 void qwen_hybrid_backward(const QwenBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
   const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, BT = B * T;
   const Tensor dhf = head_backward(tape, dlogits, *bb.lm_head, 1.0f, sink);
-  Tensor dh({B, T, D});
+  // Written whole before read (norms, row passes, the backwards): uninitialized.
+  Tensor dh = Tensor::uninitialized({B, T, D});
   rmsnorm_backward(tape.final_hidden.data(), bb.norm->data(), dhf.data(), dh.data(), BT, D, bb.eps, true, false);
   // Positions and key masks as the call computed them, from a copy of the cache it started from.
   auto before_ptr = tape.cache_before->clone();
   auto& before = static_cast<detail::HybridCache&>(*before_ptr);
   const std::vector<int64_t> pos = before.advance_positions(tape.batch);
-  Tensor n1({B, T, D}), n2({B, T, D}), h1({B, T, D}), dn({B, T, D}), dm({B, T, D});
+  Tensor n1 = Tensor::uninitialized({B, T, D}), n2 = Tensor::uninitialized({B, T, D}),
+         h1 = Tensor::uninitialized({B, T, D}), dn = Tensor::uninitialized({B, T, D}),
+         dm = Tensor::uninitialized({B, T, D});
   for (int64_t i = bb.L - 1; i >= 0; --i) {
     const int li = static_cast<int>(i);
     const QwenLayerView& l = bb.layers[static_cast<size_t>(i)];
