@@ -29,6 +29,12 @@ struct Batch {
   Tensor embeds;
   /// Left-pads `rows` (each non-empty) to the longest with `pad_id`. InputError on an empty row.
   static Batch left_padded(const std::vector<std::vector<int32_t>>& rows, int32_t pad_id);
+  /// A batch the caller already padded (transformers' `input_ids` with its `attention_mask`): rows of
+  /// equal length, `mask` (B*T, 1 = real, 0 = left padding; every row's zeros before its ones, at
+  /// least one 1; empty = all ones). The ids at padded positions are kept: their embeddings are what
+  /// the padded positions' values show, as in transformers. InputError on ragged rows, a mask of the
+  /// wrong size, or one that is not left padding (right padding: tokenize with padding_side="left").
+  static Batch padded(const std::vector<std::vector<int32_t>>& rows, std::vector<uint8_t> mask);
   /// A batch of embeddings [B, T, hidden] (copied). `mask` (B*T, 1 = real, 0 = left padding; every
   /// row's zeros before its ones, at least one 1) defaults to all ones. InputError on a bad shape,
   /// a non-finite entry or a mask that is not left padding.

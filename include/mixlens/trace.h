@@ -112,9 +112,11 @@ class Trace {
   /// every layer; default: every path registered with save()), through the edited forward: an
   /// element a write changed is a constant (no gradient flows to what computed it), as a tensor
   /// assignment in torch. The cache the call started from is a constant (its gradient is
-  /// state_input's); state_output feeds only the next call, so its gradient is zero.
-  /// Errors: InputError (no recorded call, wrong dlogits shape, non-finite dlogits),
-  /// UnknownValueError (bad path; 'state@t' paths have no gradient), UnsupportedError (a family
+  /// state_input's); state_output feeds only the next call, so its gradient is zero. A per-token
+  /// state 'layers.i.linear_attn.state@t5' gets dL/dS_5, token 5 of that layer's `states` gradient
+  /// (computed for the layer, kept only if asked for too), [B, ...state] as the value.
+  /// Errors: InputError (no recorded call, wrong dlogits shape, non-finite dlogits, a token outside
+  /// the call), UnknownValueError (bad path, '@t' on a value other than 'state'), UnsupportedError (a family
   /// without a backward yet, a call that wrote a per-token state). The Model must still be alive.
   void backward(const Tensor& dlogits, const std::vector<std::string>& paths = {});
   /// As backward(dlogits, paths), with `dlogits` [B,P,vocab] covering only `positions` (ascending,

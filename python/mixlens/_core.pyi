@@ -135,7 +135,7 @@ class Model:
 
     def run(self, prompts: Sequence[Sequence[int]], saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], all_logits: bool = True) -> tuple:
         """
-        One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): (logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.
+        One forward of token rows (left-padded here, or already padded with a 0/1 left-padding mask) or of inputs_embeds [B,T,hidden] with an optional 0/1 mask: (logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.
         """
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> tuple:

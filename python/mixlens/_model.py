@@ -73,6 +73,37 @@ def _embeds_input(inputs_embeds: Any, attention_mask: Any) -> tuple[np.ndarray, 
     return arr, mask, single
 
 
+def _ids_input(model: "StandardizedTransformer", inputs: Any, attention_mask: Any) -> tuple[list, list, bool]:
+    """Token rows, the flattened 0/1 attention mask ([] = the rows are padded here) and whether the input was
+    a single prompt. `inputs` may be a tokenizer's output (a dict / BatchEncoding with ``input_ids`` and
+    optionally ``attention_mask``); an `attention_mask` marks a batch the caller already left-padded, whose ids
+    at padded positions are kept (transformers' ``input_ids`` + ``attention_mask``)."""
+    if isinstance(inputs, Mapping):
+        extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
+        if "input_ids" not in inputs or extra:
+            raise InputError("a dict input takes a tokenizer's input_ids and optionally attention_mask; got keys "
+                             f"{sorted(inputs)}")
+        if attention_mask is not None and "attention_mask" in inputs:
+            raise InputError("attention_mask given twice: in the input dict and as an argument")
+        if attention_mask is None:
+            attention_mask = inputs.get("attention_mask")
+        inputs = inputs["input_ids"]
+    rows, single = model._rows(inputs)
+    if attention_mask is None:
+        return rows, [], single
+    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
+        raise InputError("attention_mask goes with token ids: text is tokenized and left-padded for you")
+    m = _to_numpy(attention_mask)
+    if single and m.ndim == 1:
+        m = m[None]
+    if len({len(r) for r in rows}) != 1 or m.shape != (len(rows), len(rows[0])):
+        raise InputError(f"attention_mask has shape {m.shape}; token ids of a padded batch need one [B,T] mask of the "
+                         f"ids' shape (rows of lengths {sorted({len(r) for r in rows})})")
+    if not np.isin(m, (0, 1)).all():
+        raise InputError("attention_mask entries must be 0 or 1")
+    return rows, m.astype(np.uint8).ravel().tolist(), single
+
+
 def _all_logits(logits: Any) -> bool:
     """``logits="all"`` (every position, [B,T,vocab]: the default) or ``"last"`` ([B,1,vocab]: the LM head runs
     on the last position only, unless ``logits`` is saved or read, which still get every position)."""
@@ -647,12 +678,15 @@ class Tracer:
         elif inputs is None:
             # No inputs: the prompts come from tracer.invoke(...) blocks, batched when the block ends.
             if attention_mask is not None:
-                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
+                raise InputError("attention_mask goes with the inputs of trace(...) / generate(...): the prompts of "
+                                 "tracer.invoke(...) are left-padded for you")
             self._rows, self._single = [], False
         else:
-            if attention_mask is not None:
-                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
-            self._rows, self._single = model._rows(inputs)
+            self._rows, self._mask, self._single = _ids_input(model, inputs, attention_mask)
+            if self._mask and cache is not None:
+                raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+            if self._mask and forced_tokens is not None:
+                raise InputError("forced_tokens takes unpadded token-id prompts, not an attention_mask")
         self._cache = cache
         self._saves = _save_specs(saves)
         self._fmt = model._output
@@ -881,7 +915,7 @@ class Tracer:
 
     def _note_read(self, path: str, value) -> None:
         """grad=True: a value read in the block gets .grad from backward()."""
-        if value is not None and "@t" not in path:
+        if value is not None:
             self._grad_reads.append((path, value))
 
     def _refuse_foreign(self, path: str) -> None:
@@ -946,7 +980,8 @@ class Tracer:
     @property
     def input_ids(self):
         """The prompt batch as the forward receives it: ``[B, T]`` token ids, left-padded with the model's
-        pad_token_id (int64; a torch tensor or numpy array by the model's output format)."""
+        pad_token_id (a batch given with an attention_mask: the ids as given); int64, a torch tensor or numpy
+        array by the model's output format."""
         pad = self._model._core.pad_token_id
         T = max(len(r) for r in self._rows)
         ids = np.array([[pad] * (T - len(r)) + list(r) for r in self._rows], dtype=np.int64)
@@ -957,6 +992,8 @@ class Tracer:
         """``[B, T]`` int64, 1 for real tokens and 0 for left padding (transformers' attention_mask of the
         same left-padded batch); a torch tensor or numpy array by the model's output format."""
         T = max(len(r) for r in self._rows)
+        if self._mask:  # a batch the caller padded: its own mask
+            return to_plain(np.array(self._mask, dtype=np.int64).reshape(len(self._rows), T), self._fmt)
         mask = np.array([[0] * (T - len(r)) + [1] * len(r) for r in self._rows], dtype=np.int64)
         return to_plain(mask, self._fmt)
 
@@ -1104,7 +1141,7 @@ class Tracer:
             dl = as_float32(metric, "dlogits")
         dl = np.ascontiguousarray(dl, dtype=np.float32)
         if paths is None:
-            wanted = [p for p, _, _ in self._saves if "@t" not in p] + [p for p, _ in self._grad_reads]
+            wanted = [p for p, _, _ in self._saves] + [p for p, _ in self._grad_reads]
         else:
             wanted = [paths] if isinstance(paths, str) else list(paths)
         wanted = list(dict.fromkeys(wanted))
@@ -1392,7 +1429,9 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
     def trace(self, inputs: Optional[Prompt] = None, *, cache: Optional[Cache] = None, saves=None, edits=None,
               inputs_embeds=None, attention_mask=None, grad: bool = False, logits: str = "all") -> Tracer:
         """One forward call over `inputs` (a prompt, a list of prompts as one left-padded batch, or token
-        ids); with `cache`, a continuation of it (rows of equal length). `saves`: value paths (``*`` for
+        ids); with `cache`, a continuation of it (rows of equal length). Token ids ``[B,T]`` the caller padded
+        take their 0/1 ``attention_mask`` (left padding only: right padding raises InputError, tokenize with
+        ``padding_side="left"``); a tokenizer's output dict (``input_ids``, ``attention_mask``) is taken whole. `saves`: value paths (``*`` for
         every layer, ``@stepK`` suffix for one step) collected into ``tracer.saved``; `edits`:
         ``{path: array | fn(array) -> array}`` applied before the block sees the value.
 
@@ -1455,9 +1494,10 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         if inputs_embeds is None:
             if inputs is None:
                 raise InputError("give inputs (a prompt, prompts or token ids) or inputs_embeds")
-            if attention_mask is not None:
-                raise InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)")
-            return self._rows(inputs)[0], None, []
+            rows, mask, _ = _ids_input(self, inputs, attention_mask)
+            if continuation and mask:
+                raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+            return rows, None, mask
         if inputs is not None:
             raise InputError("give inputs (text / token ids) or inputs_embeds, not both")
         arr, mask, _ = _embeds_input(inputs_embeds, attention_mask)

@@ -28,10 +28,7 @@ GenerateOptions make_options(int max_new_tokens, bool greedy, float temperature,
 
 Batch prompt_batch(const Model& mo, const Rows& prompts, const std::optional<FloatArray>& embeds,
                    const std::vector<uint8_t>& mask) {
-  if (!embeds) {
-    if (!mask.empty()) throw InputError("attention_mask is only taken with inputs_embeds (token rows are padded for you)");
-    return Batch::left_padded(prompts, mo.pad_token_id());
-  }
+  if (!embeds) return mask.empty() ? Batch::left_padded(prompts, mo.pad_token_id()) : Batch::padded(prompts, mask);
   if (!prompts.empty()) throw InputError("give token ids / text or inputs_embeds, not both");
   return Batch::from_embeddings(from_numpy(*embeds), mask);
 }
@@ -181,7 +178,8 @@ void init_model(nb::module_& m) {
           },
           nb::arg("prompts"), nb::arg("saves") = std::vector<SaveSpec>{}, nb::arg("edits") = std::vector<EditSpec>{},
           nb::arg("embeds") = nb::none(), nb::arg("mask") = std::vector<uint8_t>{}, nb::arg("all_logits") = true,
-          "One forward of left-padded prompts (or inputs_embeds [B,T,hidden] with an optional 0/1 mask): "
+          "One forward of token rows (left-padded here, or already padded with a 0/1 left-padding mask) or of "
+          "inputs_embeds [B,T,hidden] with an optional 0/1 mask: "
           "(logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.")
       .def(
           "generate",

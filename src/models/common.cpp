@@ -354,16 +354,6 @@ void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
 void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,
                        const std::function<Tensor(const Tensor&)>& serve,
                        const std::function<void(const Tensor&, Tensor&)>& store) {
-  if (!has_state) {
-    // Zeroed in blocks on the pool: a Mamba-2 layer's state is 0.75 MiB, a serial memset per
-    // layer of a fresh prompt while the other threads waited.
-    const int64_t n = S.numel(), blocks = n < (int64_t{1} << 16) ? 1 : 2 * ops::num_threads();
-    float* p = S.data();
-    ops::parallel_for(blocks, [&](int64_t b) {
-      const int64_t i0 = n * b / blocks, i1 = n * (b + 1) / blocks;
-      std::memset(p + i0, 0, sizeof(float) * static_cast<size_t>(i1 - i0));
-    });
-  }
   if (ls && ls->wants(li, Value::state_input)) {
     Tensor served = has_state ? serve(S) : Tensor();
     Shape shape{S.size(0)};

@@ -85,9 +85,10 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
 void copy_state_into(const Tensor& state, Tensor& states, int64_t t);
 /// support() entries for the per-token state methods (state_after, set_state_after): as "state".
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
-/// The state_input site of a recurrent layer: zeroes the kernel-layout state S [B,...] on a fresh
-/// call, serves it (None when fresh) as serve(S) with row shape `served_row`, and lays a write back
-/// with store(served, S). Shared by every family so the semantics cannot drift apart.
+/// The state_input site of a recurrent layer: serves the kernel-layout state S [B,...] as serve(S)
+/// with row shape `served_row` (None on a fresh call: S is the cache's zeros, every cache starts
+/// zeroed and one whose call stopped midway refuses further calls), and lays a write back with
+/// store(served, S). Shared by every family so the semantics cannot drift apart.
 void visit_state_input(int layer, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,
                        const std::function<Tensor(const Tensor&)>& serve,
                        const std::function<void(const Tensor&, Tensor&)>& store);

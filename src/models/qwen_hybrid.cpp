@@ -553,12 +553,10 @@ class QwenHybrid final : public FamilyModel {
     visit_if(ls, li, Value::decays, g);
 
     Tensor& S = cache.ssm[static_cast<size_t>(li)];
-    if (!cache.has_state) std::memset(S.data(), 0, sizeof(float) * static_cast<size_t>(S.numel()));
-    if (ls && ls->wants(li, Value::state_input)) {
-      Tensor served = cache.has_state ? S.clone() : Tensor();
-      if (ls->visit(li, Value::state_input, served, S.shape()) && served.defined())
-        std::memcpy(S.data(), served.data(), sizeof(float) * static_cast<size_t>(S.numel()));
-    }
+    visit_state_input(li, S, cache.has_state, ls, Shape{HV, Dk, Dv}, [](const Tensor& s) { return s.clone(); },
+                      [](const Tensor& o, Tensor& s) {
+                        std::memcpy(s.data(), o.data(), sizeof(float) * static_cast<size_t>(s.numel()));
+                      });
     Tensor o = Tensor::uninitialized({B, T, HV, Dv}), states;
     if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, HV, Dk, Dv});
     GatedDeltaArgs a;

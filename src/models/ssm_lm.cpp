@@ -40,18 +40,6 @@ void SsmLm::load_backbone(const io::Config& cfg, const io::WeightStore& w, const
   info.vocab_size = V_;
 }
 
-namespace {
-
-// f(r0, r1) over blocks of rows on the pool: the block's RMSNorm and residual add were serial
-// passes between parallel ops (on a 128-token prompt the other thread idled through them). Rows
-// are independent, so the blocking changes no value.
-void over_row_blocks(int64_t rows, const std::function<void(int64_t, int64_t)>& f) {
-  const int64_t blocks = rows < 16 ? 1 : std::min<int64_t>(rows / 8, 4 * ops::num_threads());
-  ops::parallel_for(blocks, [&](int64_t b) { f(rows * b / blocks, rows * (b + 1) / blocks); });
-}
-
-}  // namespace
-
 std::unique_ptr<CacheState> SsmLm::new_cache(int64_t batch) const {
   auto c = std::make_unique<SsmCache>();
   c->batch = batch;
@@ -97,21 +85,21 @@ Tensor SsmLm::forward(const Batch& in, CacheState& cache_base, Listener* ls, con
     visit_if(ls, li, Value::layer_input, h);
     // MambaRMSNorm / Mamba2RMSNorm; with float32 weights residual_in_fp32 changes nothing.
     const float* w = norms_[static_cast<size_t>(i)].data();
-    over_row_blocks(B * T, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(B * T, D_, [&](int64_t r0, int64_t r1) {
       ops::rmsnorm(h.data() + r0 * D_, w, n.data() + r0 * D_, r1 - r0, D_, eps_);
     });
     Tensor out = mixer(li, n, in, cache, ls, ctx);
     watch.check(li, Value::attention_output, out);
     float* hp = h.data();
     const float* op = out.data();
-    over_row_blocks(B * T, [&](int64_t r0, int64_t r1) {
+    ops::parallel_rows(B * T, D_, [&](int64_t r0, int64_t r1) {
       for (int64_t k = r0 * D_; k < r1 * D_; ++k) hp[k] += op[k];
     });
     visit_if(ls, li, Value::layer_output, h);
     watch.check(li, Value::layer_output, h);
   }
   cache.has_state = true;
-  over_row_blocks(B * T, [&](int64_t r0, int64_t r1) {
+  ops::parallel_rows(B * T, D_, [&](int64_t r0, int64_t r1) {
     ops::rmsnorm(h.data() + r0 * D_, norm_f_.data(), h.data() + r0 * D_, r1 - r0, D_, eps_);
   });
   visit_if(ls, -1, Value::ln_final_output, h);

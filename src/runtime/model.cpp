@@ -46,6 +46,48 @@ Batch Batch::left_padded(const std::vector<std::vector<int32_t>>& rows, int32_t 
   return b;
 }
 
+namespace {
+// The mask rule shared by every caller-padded batch: a 0/1 entry per position, each row's padding
+// before its first real token (left padding, as the forward's position and state handling assume).
+void check_left_padding(std::vector<uint8_t>& mask, int64_t B, int64_t T, const std::string& what) {
+  const size_t n = static_cast<size_t>(B * T);
+  if (mask.empty()) mask.assign(n, 1);
+  if (mask.size() != n)
+    throw InputError("attention_mask has " + std::to_string(mask.size()) + " entries for " + what +
+                     " (needs batch*seq = " + std::to_string(n) + ")");
+  for (int64_t r = 0; r < B; ++r) {
+    bool seen_real = false;
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t m = mask[static_cast<size_t>(r * T + t)];
+      if (m > 1) throw InputError("attention_mask entries must be 0 or 1");
+      if (!m && seen_real)
+        throw InputError("attention_mask row " + std::to_string(r) +
+                         " is not left padding (a 0 after a 1): pad on the left (a tokenizer's padding_side=\"left\") "
+                         "or pass the rows unpadded");
+      seen_real = seen_real || m;
+    }
+    if (!seen_real) throw InputError("attention_mask row " + std::to_string(r) + " has no real token");
+  }
+}
+}  // namespace
+
+Batch Batch::padded(const std::vector<std::vector<int32_t>>& rows, std::vector<uint8_t> mask) {
+  if (rows.empty()) throw InputError("empty batch: give at least one prompt");
+  Batch b;
+  b.batch = static_cast<int64_t>(rows.size());
+  b.seq = static_cast<int64_t>(rows[0].size());
+  if (b.seq == 0) throw InputError("prompt 0 has no tokens");
+  for (size_t r = 1; r < rows.size(); ++r)
+    if (static_cast<int64_t>(rows[r].size()) != b.seq)
+      throw InputError("padded input_ids row " + std::to_string(r) + " has " + std::to_string(rows[r].size()) +
+                       " tokens, row 0 has " + std::to_string(b.seq) + ": a padded batch is rectangular");
+  check_left_padding(mask, b.batch, b.seq, "input_ids [" + std::to_string(b.batch) + ", " + std::to_string(b.seq) + "]");
+  b.ids.reserve(static_cast<size_t>(b.batch * b.seq));
+  for (const auto& r : rows) b.ids.insert(b.ids.end(), r.begin(), r.end());
+  b.mask = std::move(mask);
+  return b;
+}
+
 Batch Batch::from_embeddings(const Tensor& embeds, std::vector<uint8_t> mask) {
   if (!embeds.defined() || embeds.dim() != 3)
     throw InputError("inputs_embeds must be a [batch, seq, hidden] array, got " +
@@ -57,21 +99,7 @@ Batch Batch::from_embeddings(const Tensor& embeds, std::vector<uint8_t> mask) {
     throw InputError("inputs_embeds " + shape_str(embeds.shape()) + " is empty: give at least one row and one token");
   if (embeds.has_non_finite()) throw InputError("inputs_embeds contains NaN or inf");
   const size_t n = static_cast<size_t>(b.batch * b.seq);
-  if (mask.empty()) mask.assign(n, 1);
-  if (mask.size() != n)
-    throw InputError("attention_mask has " + std::to_string(mask.size()) + " entries for inputs_embeds " +
-                     shape_str(embeds.shape()) + " (needs batch*seq = " + std::to_string(n) + ")");
-  for (int64_t r = 0; r < b.batch; ++r) {
-    bool seen_real = false;
-    for (int64_t t = 0; t < b.seq; ++t) {
-      const uint8_t m = mask[static_cast<size_t>(r * b.seq + t)];
-      if (m > 1) throw InputError("attention_mask entries must be 0 or 1");
-      if (!m && seen_real)
-        throw InputError("attention_mask row " + std::to_string(r) + " is not left padding (a 0 after a 1)");
-      seen_real = seen_real || m;
-    }
-    if (!seen_real) throw InputError("attention_mask row " + std::to_string(r) + " has no real token");
-  }
+  check_left_padding(mask, b.batch, b.seq, "inputs_embeds " + shape_str(embeds.shape()));
   b.ids.assign(n, 0);
   b.mask = std::move(mask);
   b.embeds = embeds.clone();

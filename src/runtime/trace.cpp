@@ -140,24 +140,55 @@ void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& path
   std::vector<std::string> patterns = paths;
   if (patterns.empty())
     for (const auto& r : impl.regs)
-      if (r.kind == Impl::Kind::save && r.path.find("@t") == std::string::npos) patterns.push_back(r.path);
+      if (r.kind == Impl::Kind::save) patterns.push_back(r.path);
+  // A per-token state's gradient is dL/dS_t: token t of its layer's `states` gradient (docs/gradients.md).
+  struct TokenGrad {
+    std::string path, states_path;
+    int64_t t;
+  };
+  std::vector<TokenGrad> per_token;
+  std::vector<std::string> asked;  // paths whose gradient was asked for as such
   std::vector<Site> wanted;
+  const int64_t T = impl.tape->batch.seq;
   for (const std::string& p : patterns) {
-    if (p.find("@t") != std::string::npos)
-      throw UnknownValueError("backward: '" + p + "' is a per-token state; its gradient is not served (ask for "
-                              "the layer's 'states' instead)");
-    for (const Site& s : detail::resolve_path(*impl.tape->family, p)) wanted.push_back(s);
+    std::string base = p;
+    const std::optional<int64_t> token = split_token(base);
+    for (const Site& s : detail::resolve_path(*impl.tape->family, base)) {
+      if (!token) {
+        wanted.push_back(s);
+        asked.push_back(site_path(s));
+        continue;
+      }
+      if (s.value != Value::state)
+        throw UnknownValueError("backward: '" + p + "': only 'linear_attn.state' takes a token suffix '@t<t>'");
+      const int64_t t = *token < 0 ? *token + T : *token;
+      if (t < 0 || t >= T)
+        throw InputError("backward: '" + p + "': token " + std::to_string(*token) + " is outside the recorded call's " +
+                         std::to_string(T) + " tokens");
+      const Site states{s.layer, Value::states};
+      wanted.push_back(states);
+      per_token.push_back({site_path(s) + "@t" + std::to_string(*token), site_path(states), t});
+    }
   }
   impl.grads = grad::run_backward(*impl.tape, dlogits, wanted, positions);
+  for (const TokenGrad& g : per_token) {
+    const Tensor& S = impl.grads.at(g.states_path);
+    const int64_t B = S.size(0), per = S.numel() / (B * T);
+    Shape shape{B};
+    shape.insert(shape.end(), S.shape().begin() + 2, S.shape().end());
+    Tensor out = Tensor::uninitialized(shape);
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(S.data() + (b * T + g.t) * per, per, out.data() + b * per);
+    impl.grads[g.path] = std::move(out);
+  }
+  for (const TokenGrad& g : per_token)  // a stack nobody asked for: [B,T,...] would stay held
+    if (std::find(asked.begin(), asked.end(), g.states_path) == asked.end()) impl.grads.erase(g.states_path);
 }
 
 bool Trace::has_grad(std::string_view path) const { return impl_->grads.count(std::string(path)) > 0; }
 
 Tensor Trace::grad(std::string_view path) const {
   auto it = impl_->grads.find(std::string(path));
-  if (it == impl_->grads.end() && path.find("@t") != std::string_view::npos)
-    throw UnknownValueError("no gradient of '" + std::string(path) + "': per-token states have none; ask for the "
-                            "layer's 'states' and index token t");
   if (it == impl_->grads.end())
     throw UnknownValueError("no gradient of '" + std::string(path) + "'" +
                             (impl_->grads.empty() ? std::string(" (run backward() first, naming it in paths or saving it)")

@@ -99,6 +99,35 @@ TEST(Grad, Mamba2ContinuationStateInputMatchesFiniteDifferences) {
   for (float x : tr.grad("layers.1.linear_attn.state_output")) EXPECT_EQ(x, 0.0f);
 }
 
+// A per-token state's gradient is dL/dS_t: token t of the layer's `states` gradient (both kernel
+// paths), the stack itself kept only when it was asked for too.
+TEST(Grad, PerTokenStateGradientIsThatTokenOfTheStatesGradient) {
+  Model m = Model::load(test::fixture("mamba2/g1_chunks").string());
+  for (const char* route : {"chunked", "recurrent"}) {
+    route_kernels("mamba2", route);
+    Trace tr;
+    tr.enable_grad();
+    const Tensor logits = m.run({kIds}, &tr);
+    const int64_t T = logits.size(1);
+    tr.backward(logits, {"layers.1.linear_attn.states"});
+    const Tensor S = tr.grad("layers.1.linear_attn.states");
+    tr.backward(logits, {"layers.1.linear_attn.state@t2", "layers.1.linear_attn.state@t-1"});
+    EXPECT_FALSE(tr.has_grad("layers.1.linear_attn.states"));
+    const Tensor g2 = tr.grad("layers.1.linear_attn.state@t2"), gl = tr.grad("layers.1.linear_attn.state@t-1");
+    const int64_t per = S.numel() / T;  // batch 1
+    ASSERT_EQ(g2.numel(), per);
+    ASSERT_EQ(g2.size(0), 1);
+    double norm = 0;
+    for (int64_t i = 0; i < per; ++i) {
+      EXPECT_EQ(g2[i], S[2 * per + i]) << route << " " << i;
+      EXPECT_EQ(gl[i], S[(T - 1) * per + i]) << route << " " << i;
+      norm += std::abs(g2[i]);
+    }
+    EXPECT_GT(norm, 0.0) << route;
+  }
+  route_kernels("mamba2", "default");
+}
+
 TEST(Grad, ErrorsNameTheProblem) {
   Model m = Model::load(test::fixture("mamba2/g1_chunks").string());
   Trace plain;
@@ -109,7 +138,8 @@ TEST(Grad, ErrorsNameTheProblem) {
   m.run({kIds}, &tr);
   EXPECT_THROW(tr.backward(Tensor({1, 2, 3})), InputError);
   EXPECT_THROW(tr.backward(logits, {"layers.0.linear_attn.betaz"}), UnknownValueError);
-  EXPECT_THROW(tr.backward(logits, {"layers.0.linear_attn.state@t1"}), UnknownValueError);
+  EXPECT_THROW(tr.backward(logits, {"layers.0.linear_attn.betas@t1"}), UnknownValueError);  // '@t' is state's only
+  EXPECT_THROW(tr.backward(logits, {"layers.0.linear_attn.state@t99"}), InputError);        // outside the call
   tr.backward(logits, {"layers.0.linear_attn.betas"});
   EXPECT_THROW(tr.grad("layers.1.linear_attn.betas"), UnknownValueError);
   // A call backward cannot differentiate (a per-token state write) says so instead of returning

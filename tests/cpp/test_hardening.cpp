@@ -563,6 +563,38 @@ TEST(HostileSteps, RegistrationsAtStepsTheRunNeverMakesRaise) {
   EXPECT_TRUE(t5.has(path, 0));
 }
 
+TEST(HostileBatch, APaddedBatchIsRectangularLeftPaddedAndKeepsItsIds) {
+  auto message = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Batch b = Batch::padded({{1, 2, 3}, {7, 4, 5}}, {1, 1, 1, 0, 1, 1});
+  EXPECT_EQ(b.ids, (std::vector<int32_t>{1, 2, 3, 7, 4, 5}));  // the pad id the caller chose is kept
+  EXPECT_TRUE(b.has_padding());
+  EXPECT_FALSE(Batch::padded({{1, 2}}, {}).has_padding());  // no mask: every token real
+  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2, 3}, {4, 5}}, {}); }),
+            "padded input_ids row 1 has 2 tokens, row 0 has 3: a padded batch is rectangular");
+  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}, {4, 5}}, {1, 1, 1, 0}); }),
+            "attention_mask row 1 is not left padding (a 0 after a 1): pad on the left (a tokenizer's "
+            "padding_side=\"left\") or pass the rows unpadded");
+  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}}, {0, 0}); }), "attention_mask row 0 has no real token");
+  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}}, {1}); }),
+            "attention_mask has 1 entries for input_ids [1, 2] (needs batch*seq = 2)");
+  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}}, {1, 2}); }), "attention_mask entries must be 0 or 1");
+  EXPECT_EQ(message([] { (void)Batch::padded({}, {}); }), "empty batch: give at least one prompt");
+  // The same batch as one the model pads itself, with its pad id: the same logits, bitwise.
+  const Model m = Model::load(fixture("mamba2/short_prompt").string());
+  const int32_t pad = m.pad_token_id();
+  const Tensor ours = m.run(Batch::left_padded({{5, 6, 7}, {8, 9}}, pad));
+  const Tensor theirs = m.run(Batch::padded({{5, 6, 7}, {pad, 8, 9}}, {1, 1, 1, 0, 1, 1}));
+  ASSERT_EQ(ours.shape(), theirs.shape());
+  for (int64_t i = 0; i < ours.numel(); ++i) ASSERT_EQ(ours[i], theirs[i]) << i;
+}
+
 // ---- item 7: the hub resolver stays inside the cache -----------------------------------------
 
 TEST_F(Hostile, HubRefsCannotLeaveTheCache) {

@@ -111,6 +111,23 @@ def test_metric_helpers_and_read_values_get_grad(case):
     assert abs(lp.value(tr.logits.detach().numpy()) - float(ref["metric"])) < 1e-4
 
 
+def test_a_per_token_state_read_gets_its_gradient_against_autograd(case):
+    """state_after(t) read in a grad trace gets dL/dS_t: autograd's gradient of the explicit recurrence's
+    state after token t (the states oracle), and token t of the layer's `states` gradient."""
+    tok = 5
+    with case.model.trace(case.prompts, grad=True) as tr:
+        st = case.model.layers[1].linear_attn.state_after(2)
+        last = case.model.layers[1].linear_attn.state_after(-1)
+    tr.backward(mixlens.metrics.LogProb(tok))
+    ref = og.run(case.torch_model, case.prompts,
+                 lambda z: torch.log_softmax(z[:, -1], -1)[:, tok].sum(), scan="recurrence")
+    states = ref["layers.1.linear_attn.states"]
+    assert float(np.abs(states[:, 2]).sum()) > 0
+    assert rel_rms(st.grad.numpy(), states[:, 2]) <= TOL
+    assert rel_rms(last.grad.numpy(), states[:, -1]) <= TOL
+    np.testing.assert_array_equal(tr.grad("layers.1.linear_attn.state@t2").numpy(), st.grad.numpy())
+
+
 def test_backward_errors(case):
     with case.model.trace(case.prompts) as tr:
         pass
@@ -179,6 +196,6 @@ def test_metric_token_ids_are_checked_and_torch_dlogits_are_accepted():
         d[0, -1, 7] = 1.0
         tr.backward(torch.from_numpy(d) if as_torch else d)
         grads.append(h.grad)
-        with pytest.raises(mixlens.UnknownValueError, match="per-token states have none"):
-            tr.grad("layers.1.linear_attn.state@t2")
+        with pytest.raises(mixlens.UnknownValueError, match="no gradient of 'layers.1.linear_attn.state@t2'"):
+            tr.grad("layers.1.linear_attn.state@t2")  # neither read nor saved nor named
     assert torch.equal(grads[0], grads[1]) and float(grads[0].abs().sum()) > 0

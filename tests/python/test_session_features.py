@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO
+from conftest import REPO, rel_rms
 
 FAMILIES = ["mamba/basic", "mamba2/g1_chunks", "qwen3_5/hv_2hk", "qwen3_next/moe_hv_2hk", "nemotron_h/groups2_edits",
             "bamba/groups2_edits", "falcon_h1/norm_before_gate"]
@@ -115,6 +115,45 @@ def test_embeddings_equal_ids_in_run_trace_and_generate(model):
                                   model.forward(inputs_embeds=single["embed_tokens.output"][:, 4:], cache=c2)["logits"])
 
 
+def test_ids_padded_by_the_caller_with_their_attention_mask_equal_ragged_rows(model):
+    """transformers' input_ids + attention_mask (a batch the caller left-padded, e.g. a tokenizer's output):
+    with the model's pad id at padded positions it is the same batch mixlens pads itself (bitwise); another
+    id there changes only the padded positions' values (the mask keeps them out of every real token's)."""
+    torch = pytest.importorskip("torch")
+    prompts = [ids(9, 5), ids(5, 6)]
+    T, pad = 9, model._core.pad_token_id
+    mask = np.array([[1] * 9, [0] * 4 + [1] * 5])
+    saves = ["layers.*.layer_output"]
+    ref = model.run(prompts, saves=saves)
+    ours = model.run([prompts[0], [pad] * 4 + prompts[1]], attention_mask=mask, saves=saves)
+    for k in ref:
+        np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(ref[k]), err_msg=k)
+    odd = torch.tensor([prompts[0], [3, 1, 4, 1] + prompts[1]])
+    with model.trace({"input_ids": odd, "attention_mask": torch.from_numpy(mask)}) as tr:
+        h = model.layers_output[0].save()
+    np.testing.assert_array_equal(np.asarray(tr.attention_mask), mask)
+    np.testing.assert_array_equal(np.asarray(tr.input_ids), odd.numpy())
+    real = mask.astype(bool)
+    # Float rounding only (an MoE groups other tokens per expert); the pad id's own rows do differ.
+    assert rel_rms(np.asarray(tr.logits)[real], np.asarray(ref["logits"])[real]) <= 1e-5
+    assert not np.array_equal(np.asarray(h)[1, :4], np.asarray(ref["layers.0.layer_output"])[1, :4])
+    gen = dict(max_new_tokens=4, eos_token_id=-1)
+    assert model.generate(odd, attention_mask=mask, **gen).run().tokens == model.generate(prompts, **gen).run().tokens
+    # What cannot be a left-padded batch is refused, naming the problem.
+    with pytest.raises(mixlens.InputError, match="row 1 is not left padding"):
+        model.run(odd, attention_mask=mask[:, ::-1].copy())  # right padding
+    with pytest.raises(mixlens.InputError, match="attention_mask has shape"):
+        model.run(odd, attention_mask=mask[:, 1:])
+    with pytest.raises(mixlens.InputError, match="has no real token"):
+        model.run(odd, attention_mask=np.array([[1] * 9, [0] * 9]))
+    with pytest.raises(mixlens.InputError, match="attention_mask has shape"):
+        model.run(prompts, attention_mask=mask)  # ragged rows are not a padded batch
+    with pytest.raises(mixlens.InputError, match="dict input"):
+        model.run({"input_ids": odd, "token_type_ids": odd})
+    with pytest.raises(mixlens.InputError, match="continuation"):
+        model.trace(odd, attention_mask=mask, cache=model.new_cache(2))
+
+
 def test_generated_tokens_have_one_shape_for_one_prompt_given_as_ids_or_as_embeddings(model):
     """`tracer.tokens` (and `text`) follow the input's batch dimension, the same for ids and embeddings: a
     prompt without one (flat ids, a [T] array, [T,hidden] embeddings) gives a flat list; with one ([ids],
@@ -147,8 +186,8 @@ def test_bad_embedding_inputs_are_clear_errors(model):
         model.run(inputs_embeds=np.zeros((1, 2, D + 1)))
     with pytest.raises(mixlens.InputError, match="attention_mask has shape"):
         model.run(inputs_embeds=np.zeros((1, 2, D)), attention_mask=[[1, 1, 1]])
-    with pytest.raises(mixlens.InputError, match="only taken with inputs_embeds"):
-        model.run([1, 2], attention_mask=[[1, 1]])
+    with pytest.raises(mixlens.InputError, match="attention_mask has shape"):  # ids take a mask of their shape
+        model.run([1, 2], attention_mask=[[1, 1, 1]])
 
 
 # ---- read-after-write ------------------------------------------------------------------------

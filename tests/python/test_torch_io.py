@@ -315,3 +315,21 @@ def test_attention_mask_of_a_left_padded_batch(model):
     np.testing.assert_array_equal(np32(mask), expect)
     np.testing.assert_array_equal(np32(tracer.attention_mask), expect)
     assert list(np32(ids)[1, T - n[1]:]) == model.tokenizer.encode("Hi")
+
+
+def test_a_tokenizer_output_with_left_padding_matches_transformers(tmodel, text_model_dir):
+    """The HF habit: tokenize a batch with padding_side="left" and pass the whole output; every position
+    (padded ones included) matches transformers run on the same input_ids and attention_mask."""
+    import transformers
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(text_model_dir / "tokenizer.json"),
+                                               pad_token="<|padding|>", padding_side="left")
+    enc = tok([PROMPT, "Hi there"], return_tensors="pt", padding=True)
+    assert enc["attention_mask"][1, 0] == 0
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(str(text_model_dir)).eval()
+    with torch.no_grad():
+        out = hf(**enc, output_hidden_states=True)
+    with tmodel.trace(enc) as tracer:
+        h = tmodel.layers_output[0].save()
+    assert rel_rms(h.numpy(), out.hidden_states[1].numpy()) <= 3e-5
+    assert rel_rms(tracer.logits.numpy(), out.logits.numpy()) <= 1e-4
