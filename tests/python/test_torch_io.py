@@ -328,8 +328,8 @@ def test_a_tokenizer_output_with_left_padding_matches_transformers(tmodel, text_
     assert enc["attention_mask"][1, 0] == 0
     hf = transformers.Mamba2ForCausalLM.from_pretrained(str(text_model_dir)).eval()
     with torch.no_grad():
-        out = hf(**enc, output_hidden_states=True)
+        ref = hf(**enc).logits.numpy()
     with tmodel.trace(enc) as tracer:
-        h = tmodel.layers_output[0].save()
-    assert rel_rms(h.numpy(), out.hidden_states[1].numpy()) <= 3e-5
-    assert rel_rms(tracer.logits.numpy(), out.logits.numpy()) <= 1e-4
+        pass
+    assert rel_rms(tracer.logits.numpy(), ref) <= 1e-4
+    assert rel_rms(tracer.logits.numpy()[1, :2], ref[1, :2]) <= 1e-4  # padded positions too
