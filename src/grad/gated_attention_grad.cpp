@@ -85,17 +85,23 @@ void AttnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) 
   Tensor dout = dout_in.clone();
   sink.put(li, Value::attn_output, dout);
   tape_.block(li, Value::attn_output, dout);
-  Tensor dag({B, T, H * d});
+  // Every buffer below is written whole (products, row passes, the attention backward): uninitialized.
+  Tensor dag = Tensor::uninitialized({B, T, H * d});
   linear_backward(dout.data(), BT, w_.D, *w_.o_proj, dag.data(), false);
-  Tensor dgate({B, T, H * d}), datt({B, T, H, d});
-  for (int64_t e = 0; e < dag.numel(); ++e) {
-    const float s = ops::sigmoid(gate_[e]);
-    dgate[e] = dag[e] * att_[e] * sigmoid_d(s);
-    datt[e] = dag[e] * s;
-  }
+  Tensor dgate = Tensor::uninitialized({B, T, H * d}), datt = Tensor::uninitialized({B, T, H, d});
+  ops::parallel_rows(BT, H * d, [&](int64_t r0, int64_t r1) {  // vectorized sigmoid, rows on the pool
+    const int64_t e0 = r0 * H * d, e1 = r1 * H * d;
+    ops::sigmoid(gate_.data() + e0, datt.data() + e0, e1 - e0);
+    for (int64_t e = e0; e < e1; ++e) {
+      const float s = datt[e];
+      dgate[e] = dag[e] * att_[e] * sigmoid_d(s);
+      datt[e] = dag[e] * s;
+    }
+  });
   sink.put(li, Value::attn_gate, dgate);
   tape_.block(li, Value::attn_gate, dgate);
-  Tensor dq({B, T, H, d}), dk({B, T, Hkv, d}), dv({B, T, Hkv, d});
+  Tensor dq = Tensor::uninitialized({B, T, H, d}), dk = Tensor::uninitialized({B, T, Hkv, d}),
+         dv = Tensor::uninitialized({B, T, Hkv, d});
   causal_attention_backward(q_.data(), B, T, H, Hkv, d, past_, kv_, before_.key_mask, datt.data(), dq.data(),
                             dk.data(), dv.data());
   sink.put(li, Value::attn_queries, dq);
@@ -106,10 +112,10 @@ void AttnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) 
   tape_.block(li, Value::attn_values, dv);
   apply_rope_backward(dq.data(), BT, H, d, w_.rot, pos_.data(), *w_.inv_freq);
   apply_rope_backward(dk.data(), BT, Hkv, d, w_.rot, pos_.data(), *w_.inv_freq);
-  Tensor dqpre({B, T, H, d}), dkpre({B, T, Hkv, d});
+  Tensor dqpre = Tensor::uninitialized({B, T, H, d}), dkpre = Tensor::uninitialized({B, T, Hkv, d});
   rmsnorm_backward(qpre_.data(), w_.q_norm->data(), dq.data(), dqpre.data(), BT * H, d, w_.eps, true, false);
   rmsnorm_backward(kpre_.data(), w_.k_norm->data(), dk.data(), dkpre.data(), BT * Hkv, d, w_.eps, true, false);
-  Tensor dqg({BT, H * 2 * d});
+  Tensor dqg = Tensor::uninitialized({BT, H * 2 * d});
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t h = 0; h < H; ++h) {
       float* dst = dqg.data() + (row * H + h) * 2 * d;

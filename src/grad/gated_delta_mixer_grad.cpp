@@ -32,37 +32,40 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
     proj_ = Tensor({B, T, pr});
     ops::linear(nm.data(), BT, w.D, *w.in_proj, proj_.data());
   }
+  // Every buffer below is written whole: uninitialized (no zero-fill pass over fresh pages).
   Tensor window = before.conv[static_cast<size_t>(li)].clone();
-  u_ = Tensor({B, T, cd});  // conv output before the SiLU
+  u_ = Tensor::uninitialized({B, T, cd});  // conv output before the SiLU
   ops::causal_conv1d(proj_.data(), pr, B, T, cd, w.K, w.conv_wT->data(), nullptr, window.data(), u_.data(), false);
   // sigmoid(u) and sigmoid(z) once, vectorized: every SiLU and SiLU derivative below reads them.
-  su_ = Tensor({B, T, cd});
-  sz_ = Tensor({B, T, vd});
-  ops::sigmoid(u_.data(), su_.data(), BT * cd);
-  for (int64_t row = 0; row < BT; ++row) ops::sigmoid(proj_.data() + row * pr + cd, sz_.data() + row * vd, vd);
-  q_ = Tensor({B, T, HV, Dk});
-  k_ = Tensor({B, T, HV, Dk});
-  v_ = Tensor({B, T, HV, Dv});
-  for (int64_t row = 0; row < BT; ++row) {
-    const float* src = u_.data() + row * cd;
-    const float* sg = su_.data() + row * cd;
-    for (int64_t j = 0; j < HV; ++j) {
-      const int64_t qo = (j / r) * Dk, ko = kd + (j / r) * Dk;
-      float* qd = q_.data() + (row * HV + j) * Dk;
-      float* kdst = k_.data() + (row * HV + j) * Dk;
-      for (int64_t d = 0; d < Dk; ++d) {
-        qd[d] = silu_s(src[qo + d], sg[qo + d]);
-        kdst[d] = silu_s(src[ko + d], sg[ko + d]);
+  su_ = Tensor::uninitialized({B, T, cd});
+  sz_ = Tensor::uninitialized({B, T, vd});
+  q_ = Tensor::uninitialized({B, T, HV, Dk});
+  k_ = Tensor::uninitialized({B, T, HV, Dk});
+  v_ = Tensor::uninitialized({B, T, HV, Dv});
+  ops::parallel_rows(BT, cd + vd, [&](int64_t row0, int64_t row1) {
+    ops::sigmoid(u_.data() + row0 * cd, su_.data() + row0 * cd, (row1 - row0) * cd);
+    for (int64_t row = row0; row < row1; ++row) {
+      ops::sigmoid(proj_.data() + row * pr + cd, sz_.data() + row * vd, vd);
+      const float* src = u_.data() + row * cd;
+      const float* sg = su_.data() + row * cd;
+      for (int64_t j = 0; j < HV; ++j) {
+        const int64_t qo = (j / r) * Dk, ko = kd + (j / r) * Dk;
+        float* qd = q_.data() + (row * HV + j) * Dk;
+        float* kdst = k_.data() + (row * HV + j) * Dk;
+        for (int64_t d = 0; d < Dk; ++d) {
+          qd[d] = silu_s(src[qo + d], sg[qo + d]);
+          kdst[d] = silu_s(src[ko + d], sg[ko + d]);
+        }
       }
+      float* vrow = v_.data() + row * vd;
+      for (int64_t c = 0; c < vd; ++c) vrow[c] = silu_s(src[2 * kd + c], sg[2 * kd + c]);
     }
-    float* vrow = v_.data() + row * vd;
-    for (int64_t c = 0; c < vd; ++c) vrow[c] = silu_s(src[2 * kd + c], sg[2 * kd + c]);
-  }
+  });
   tape.apply(li, Value::attention_queries, q_);
   tape.apply(li, Value::attention_keys, k_);
   tape.apply(li, Value::attention_values, v_);
-  beta_ = Tensor({B, T, HV});
-  g_ = Tensor({B, T, HV});
+  beta_ = Tensor::uninitialized({B, T, HV});
+  g_ = Tensor::uninitialized({B, T, HV});
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t j = 0; j < HV; ++j) {
       const float* pb = proj_.data() + row * pr + cd + vd;
@@ -73,12 +76,19 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
   tape.apply(li, Value::decays, g_);
   S0_ = has_state_ ? before.ssm[static_cast<size_t>(li)].clone() : Tensor({B, HV, Dk, Dv});
   tape.apply(li, Value::state_input, S0_);
-  o_ = Tensor({B, T, HV, Dv});
-  {
+  const int64_t nch = (T + kChunk - 1) / kChunk;
+  const Tensor* kept_entry = tape.kept_of(li, Kept::chunk_states);
+  const Tensor* kept_o = tape.kept_of(li, Kept::head_outputs);
+  if (kept_entry && kept_o && kept_entry->shape() == Shape{B, HV, nch, Dk, Dv}) {
+    // The forward's chunk-entry states and o (after writes): no scan here.
+    ckpt_ = *kept_entry;
+    o_ = *kept_o;
+  } else {
+    o_ = Tensor::uninitialized({B, T, HV, Dv});
     // Run chunk by chunk (the forward kernel's own chunks: the same results) and keep the state
     // entering every chunk as the backward's checkpoints.
-    const int64_t nch = (T + kChunk - 1) / kChunk, SN = Dk * Dv;
-    ckpt_ = Tensor({B, HV, nch, Dk, Dv});
+    const int64_t SN = Dk * Dv;
+    ckpt_ = Tensor::uninitialized({B, HV, nch, Dk, Dv});
     Tensor S = S0_.clone();
     detail::GatedDeltaArgs a;
     a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
@@ -92,26 +102,28 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
       a.t_end = std::min(T, (c + 1) * kChunk);
       if (tape.kernel == "chunked") detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
     }
+    tape.apply(li, Value::attention_head_outputs, o_);
   }
-  tape.apply(li, Value::attention_head_outputs, o_);
   if (const Tensor* kept = tape.kept_of(li, Kept::mixer_output)) {
     out_ = *kept;  // as the forward added it (writes applied): no gated norm / out_proj recompute
     return;
   }
-  Tensor y({B, T, vd});
-  for (int64_t row = 0; row < BT; ++row)
-    for (int64_t j = 0; j < HV; ++j) {
-      const float* oj = o_.data() + (row * HV + j) * Dv;
-      const float* z = proj_.data() + row * pr + cd + j * Dv;
-      const float* sg = sz_.data() + row * vd + j * Dv;
-      const float* gw = w.gnorm->data();
-      float* yj = y.data() + row * vd + j * Dv;
-      float ss = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w.eps);
-      for (int64_t e = 0; e < Dv; ++e) yj[e] = gw[e] * (oj[e] * inv) * silu_s(z[e], sg[e]);
-    }
-  out_ = Tensor({B, T, w.D});
+  Tensor y = Tensor::uninitialized({B, T, vd});
+  ops::parallel_rows(BT, vd, [&](int64_t row0, int64_t row1) {
+    for (int64_t row = row0; row < row1; ++row)
+      for (int64_t j = 0; j < HV; ++j) {
+        const float* oj = o_.data() + (row * HV + j) * Dv;
+        const float* z = proj_.data() + row * pr + cd + j * Dv;
+        const float* sg = sz_.data() + row * vd + j * Dv;
+        const float* gw = w.gnorm->data();
+        float* yj = y.data() + row * vd + j * Dv;
+        float ss = 0.0f;
+        for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w.eps);
+        for (int64_t e = 0; e < Dv; ++e) yj[e] = gw[e] * (oj[e] * inv) * silu_s(z[e], sg[e]);
+      }
+  });
+  out_ = Tensor::uninitialized({B, T, w.D});
   ops::linear(y.data(), BT, vd, *w.out_proj, out_.data());
   tape.apply(li, Value::attention_output, out_);
 }
@@ -125,34 +137,39 @@ void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) c
   Tensor dout = dout_in.clone();
   sink.put(li, Value::attention_output, dout);
   tape_.block(li, Value::attention_output, dout);
-  Tensor dy({B, T, vd});
+  // Buffers written whole below (products, row passes, the delta-rule backward): uninitialized.
+  Tensor dy = Tensor::uninitialized({B, T, vd});
   linear_backward(dout.data(), BT, w_.D, *w_.out_proj, dy.data(), false);
-  // y = gnorm * rmsnorm(o) * silu(z) per value head.
-  Tensor dproj({B, T, pr});
-  Tensor dyn({B, T, vd}), dO({B, T, HV, Dv});
-  for (int64_t row = 0; row < BT; ++row)
-    for (int64_t j = 0; j < HV; ++j) {
-      const float* oj = o_.data() + (row * HV + j) * Dv;
-      const float* z = proj_.data() + row * pr + cd + j * Dv;
-      const float* sg = sz_.data() + row * vd + j * Dv;
-      const float* gw = w_.gnorm->data();
-      const float* dyj = dy.data() + row * vd + j * Dv;
-      float* dynj = dyn.data() + row * vd + j * Dv;
-      float* dz = dproj.data() + row * pr + cd + j * Dv;
-      float ss = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w_.eps);
-      for (int64_t e = 0; e < Dv; ++e) {
-        dynj[e] = dyj[e] * silu_s(z[e], sg[e]);
-        dz[e] = dyj[e] * gw[e] * (oj[e] * inv) * silu_grad_s(z[e], sg[e]);
+  // y = gnorm * rmsnorm(o) * silu(z) per value head. dproj: z's columns here, b / a's and the conv
+  // input's below.
+  Tensor dproj = Tensor::uninitialized({B, T, pr});
+  Tensor dyn = Tensor::uninitialized({B, T, vd}), dO = Tensor::uninitialized({B, T, HV, Dv});
+  ops::parallel_rows(BT, vd, [&](int64_t row0, int64_t row1) {
+    for (int64_t row = row0; row < row1; ++row)
+      for (int64_t j = 0; j < HV; ++j) {
+        const float* oj = o_.data() + (row * HV + j) * Dv;
+        const float* z = proj_.data() + row * pr + cd + j * Dv;
+        const float* sg = sz_.data() + row * vd + j * Dv;
+        const float* gw = w_.gnorm->data();
+        const float* dyj = dy.data() + row * vd + j * Dv;
+        float* dynj = dyn.data() + row * vd + j * Dv;
+        float* dz = dproj.data() + row * pr + cd + j * Dv;
+        float ss = 0.0f;
+        for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + w_.eps);
+        for (int64_t e = 0; e < Dv; ++e) {
+          dynj[e] = dyj[e] * silu_s(z[e], sg[e]);
+          dz[e] = dyj[e] * gw[e] * (oj[e] * inv) * silu_grad_s(z[e], sg[e]);
+        }
       }
-    }
+  });
   rmsnorm_backward(o_.data(), w_.gnorm->data(), dyn.data(), dO.data(), BT * HV, Dv, w_.eps, false, false);
   sink.put(li, Value::attention_head_outputs, dO);
   tape_.block(li, Value::attention_head_outputs, dO);
 
-  Tensor dq({B, T, HV, Dk}), dk({B, T, HV, Dk}), dv({B, T, HV, Dv}), dg({B, T, HV}), dbeta({B, T, HV}),
-      dS0({B, HV, Dk, Dv}), dstates;
+  Tensor dq = Tensor::uninitialized({B, T, HV, Dk}), dk = Tensor::uninitialized({B, T, HV, Dk}),
+         dv = Tensor::uninitialized({B, T, HV, Dv}), dg = Tensor::uninitialized({B, T, HV}),
+         dbeta = Tensor::uninitialized({B, T, HV}), dS0 = Tensor::uninitialized({B, HV, Dk, Dv}), dstates;
   if (sink.wants(li, Value::states)) dstates = Tensor({B, T, HV, Dk, Dv});
   GatedDeltaGradArgs a;
   a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
@@ -181,20 +198,22 @@ void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) c
           dg[row * HV + j] * (*w_.neg_A)[j] * softplus_grad(pb[HV + j] + (*w_.dt_bias)[j]);
     }
   // Conv + SiLU: q / k of value head j came from key head j / r.
-  Tensor du({B, T, cd});
-  for (int64_t row = 0; row < BT; ++row) {
-    float* d = du.data() + row * cd;
-    std::memset(d, 0, sizeof(float) * static_cast<size_t>(cd));
-    for (int64_t j = 0; j < HV; ++j)
-      for (int64_t e = 0; e < Dk; ++e) {
-        d[(j / r) * Dk + e] += dq[(row * HV + j) * Dk + e];
-        d[kd + (j / r) * Dk + e] += dk[(row * HV + j) * Dk + e];
-      }
-    for (int64_t c = 0; c < vd; ++c) d[2 * kd + c] = dv[row * vd + c];
-    const float* uv = u_.data() + row * cd;
-    const float* sg = su_.data() + row * cd;
-    for (int64_t c = 0; c < cd; ++c) d[c] *= silu_grad_s(uv[c], sg[c]);
-  }
+  Tensor du = Tensor::uninitialized({B, T, cd});
+  ops::parallel_rows(BT, cd, [&](int64_t row0, int64_t row1) {
+    for (int64_t row = row0; row < row1; ++row) {
+      float* d = du.data() + row * cd;
+      std::memset(d, 0, sizeof(float) * static_cast<size_t>(2 * kd));
+      for (int64_t j = 0; j < HV; ++j)
+        for (int64_t e = 0; e < Dk; ++e) {
+          d[(j / r) * Dk + e] += dq[(row * HV + j) * Dk + e];
+          d[kd + (j / r) * Dk + e] += dk[(row * HV + j) * Dk + e];
+        }
+      for (int64_t c = 0; c < vd; ++c) d[2 * kd + c] = dv[row * vd + c];
+      const float* uv = u_.data() + row * cd;
+      const float* sg = su_.data() + row * cd;
+      for (int64_t c = 0; c < cd; ++c) d[c] *= silu_grad_s(uv[c], sg[c]);
+    }
+  });
   causal_conv1d_backward(du.data(), B, T, cd, w_.K, w_.conv_wT->data(), dproj.data(), pr);
   linear_backward(dproj.data(), BT, pr, *w_.in_proj, dn.data(), false);
   if (masked_) detail::apply_row_mask(dn, in);

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <vector>
 
+#include <cblas.h>
+
 #include "grad/ops_grad.h"
 #include "ops/ops.h"
 
@@ -19,7 +21,15 @@ void product(const float* dy, int64_t ldy, int64_t rows, int64_t out, const floa
   const int64_t per = ((in + nblocks - 1) / nblocks + 15) / 16 * 16;  // whole SIMD widths per block
   ops::parallel_for(nblocks, [&](int64_t blk) {
     const int64_t i0 = blk * per, n = std::min(per, in - i0);
-    if (n > 0) ops::gemm(false, false, rows, n, out, 1.0f, dy, ldy, w + i0, in, beta, dx + i0, ldx);
+    if (n <= 0) return;
+    if (rows == 1) {  // one row (a metric at the last position through the LM head): no packing of W
+      // beta 0 by zeroing here: a BLAS may scale an uninitialized y by 0 (NaN * 0) instead of clearing it.
+      if (beta == 0.0f) std::fill(dx + i0, dx + i0 + n, 0.0f);
+      cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<blasint>(out), static_cast<blasint>(n), 1.0f, w + i0,
+                  static_cast<blasint>(in), dy, 1, 1.0f, dx + i0, 1);
+    } else {
+      ops::gemm(false, false, rows, n, out, 1.0f, dy, ldy, w + i0, in, beta, dx + i0, ldx);
+    }
   });
 }
 

@@ -54,7 +54,14 @@ class HybridBackward {
     const Tensor dhf = head_backward(tape_, dlogits, *m_.lm_head, s_.lm_head_multiplier, sink_);
     Tensor dh({B_, T_, D});
     rmsnorm_backward(tape_.final_hidden.data(), m_.norm_f->data(), dhf.data(), dh.data(), BT_, D, s_.eps, false, false);
-    for (int64_t i = L - 1; i >= 0; --i) block(static_cast<int>(i), dh);
+    for (int64_t i = L - 1; i >= 0; --i) {
+      const int li = static_cast<int>(i);
+      if (!sink_.needs_below(li)) {  // nothing asked for below this block's output: stop here
+        sink_.put(li, Value::layer_output, dh);
+        return;
+      }
+      block(li, dh);
+    }
     sink_.put(-1, Value::embed_output, dh);
   }
 

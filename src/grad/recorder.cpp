@@ -100,6 +100,13 @@ bool GradSink::wants(int layer, Value v) const {
   return std::find(wanted_.begin(), wanted_.end(), Site{layer, v}) != wanted_.end();
 }
 
+bool GradSink::needs_below(int layer) const {
+  return std::any_of(wanted_.begin(), wanted_.end(), [&](const Site& s) {
+    return s.layer < 0 ? s.value == Value::embed_output
+                       : s.layer < layer || (s.layer == layer && s.value != Value::layer_output);
+  });
+}
+
 void GradSink::put(int layer, Value v, const Tensor& g) {
   if (wants(layer, v)) grads_[site_path({layer, v})] = g.clone();
 }

@@ -19,6 +19,7 @@ void ssm_lm_backward(const SsmBackbone& bb, const Tape& tape, const Tensor& dlog
   for (int64_t i = bb.L - 1; i >= 0; --i) {
     const int li = static_cast<int>(i);
     sink.put(li, Value::layer_output, dh);
+    if (!sink.needs_below(li)) return;  // nothing asked for below: block li's backward would serve nothing
     tape.block(li, Value::layer_output, dh);
     const Tensor& hin = tape.layer_inputs[static_cast<size_t>(i)];
     const Tensor& w = (*bb.norms)[static_cast<size_t>(i)];

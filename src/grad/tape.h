@@ -35,7 +35,9 @@ struct Written {
 /// output y as the norm read it (after writes), so the backward need not rerun the scan forward.
 /// attn_*: a softmax attention layer's q_proj output (per head [query | gate]), k_proj's output
 /// before k_norm, the values (after writes) and the attention output before the sigmoid gate.
-enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core };
+/// chunk_states: a gated DeltaNet scan's state entering every chunk of 64 tokens (with head_outputs,
+/// its o after writes): the backward's checkpoints, so it does not run the scan again.
+enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core, chunk_states };
 
 struct Tape {
   const detail::FamilyModel* family = nullptr;
@@ -80,6 +82,10 @@ class GradSink {
  public:
   GradSink(std::vector<Site> wanted);
   bool wants(int layer, Value v) const;
+  /// Whether a wanted gradient lies below block `layer`'s output: a value of that block other than
+  /// its layer_output, of an earlier block, or embed_output. False: the backward stops there (the
+  /// blocks below would compute gradients nobody asked for).
+  bool needs_below(int layer) const;
   /// The call positions dlogits covers (ascending, distinct): every position of the call, or the
   /// few a metric reads (the LM head's backward then runs on those rows only).
   std::vector<int64_t> positions;

@@ -88,8 +88,12 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
                        dec = buf(C), Sr;
     std::vector<double> Kd(static_cast<size_t>(C * Dk)), M(static_cast<size_t>(C * C)), Rd(static_cast<size_t>(C * R));
     const int64_t t_end = a.t_end < 0 ? T : a.t_end;
+    const int64_t nch = (t_end - a.t_begin + C - 1) / C;
     for (int64_t t0 = a.t_begin; t0 < t_end; t0 += C) {
       const int64_t L = std::min(C, t_end - t0);
+      if (a.chunk_entry)
+        std::memcpy(a.chunk_entry + (bh * nch + (t0 - a.t_begin) / C) * Dk * Dv, S,
+                    sizeof(float) * static_cast<size_t>(Dk * Dv));
       float run = 0.0f;
       for (int64_t i = 0; i < L; ++i) {
         const int64_t r = (b * T + t0 + i) * H + h;

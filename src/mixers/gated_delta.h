@@ -21,6 +21,10 @@ struct GatedDeltaArgs {
   float* S = nullptr;           ///< [B,H,Dk,Dv] in: initial state, out: final state
   float* o = nullptr;           ///< [B,T,H,Dv] attention_head_outputs
   float* states = nullptr;      ///< [B,T,H,Dk,Dv] optional: state after every token
+  /// [B,H,ceil((t_end - t_begin) / chunk),Dk,Dv] optional (chunked kernel only): the state entering
+  /// each chunk, chunk c starting at t_begin + c * chunk (a gradient call keeps them: the backward's
+  /// checkpoints, so it need not run this scan again).
+  float* chunk_entry = nullptr;
   int64_t chunk = 64;           ///< chunk size (transformers' default; the mixer does not pass one)
   int64_t t_begin = 0;          ///< scan tokens [t_begin, t_end) of each row, from S (a split scan)
   int64_t t_end = -1;           ///< -1: T

@@ -564,6 +564,13 @@ class QwenHybrid final : public FamilyModel {
     a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
     a.S = S.data(); a.o = o.data();
     a.states = states.defined() ? states.data() : nullptr;
+    // A gradient call keeps the state entering every chunk (with o below) when the scan runs whole on
+    // the chunked kernel (no per-token stops): the backward's checkpoints, so it does not rerun the scan.
+    Tensor entry;
+    if (ctx.tape && ctx.kernel == "chunked" && !(ls && ls->wants(li, Value::state))) {
+      entry = Tensor::uninitialized({B, HV, (T + a.chunk - 1) / a.chunk, Dk, Dv});
+      a.chunk_entry = entry.data();
+    }
     // The scan stops where the per-token state is wanted; the served layout is the cache's.
     scan_with_stops(
         ls, li, T,
@@ -582,6 +589,10 @@ class QwenHybrid final : public FamilyModel {
     }
     visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
     visit_if(ls, li, Value::attention_head_outputs, o);
+    if (entry.defined()) {  // o as the gated norm reads it (after writes)
+      ctx.tape->keep(li, grad::Kept::chunk_states, entry);
+      ctx.tape->keep(li, grad::Kept::head_outputs, o);
+    }
 
     // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv.
     Tensor y = Tensor::uninitialized({B, T, vd});

@@ -332,3 +332,32 @@ TEST(GradQwen, BackwardOverAFewPositionsEqualsTheFullBackward) {
   EXPECT_THROW(few.logits_at({T}), InputError);
   EXPECT_THROW(few.backward(random_like({B, 3, V}, 1), paths, pos), InputError);  // rows != positions
 }
+
+// The backward stops below the lowest gradient asked for (GradSink::needs_below): asking for the
+// upper layers' outputs alone gives exactly the gradients of a run that also asks for the
+// embeddings (which runs every block), on the three backbones (Qwen hybrid, SSM LM, Mamba-2 hybrid).
+TEST(GradQwen, StoppingBelowTheLowestAskedGradientChangesNoValue) {
+  for (const char* fixture : {"qwen3_5/hv_2hk", "mamba2/g1_chunks", "nemotron_h/padded_batch"}) {
+    Model m = Model::load(test::fixture(fixture).string());
+    const int L = m.info().num_layers;
+    ASSERT_GE(L, 2) << fixture;
+    std::vector<std::string> upper;
+    for (int i = 1; i < L; ++i) upper.push_back("layers." + std::to_string(i) + ".layer_output");
+    Trace tr;
+    tr.enable_grad();
+    const Tensor logits = m.run({ids(12, 5)}, &tr);
+    const Tensor W = random_like(logits.shape(), 21);
+    tr.backward(W, upper);
+    std::vector<Tensor> got;
+    for (const std::string& p : upper) got.push_back(tr.grad(p));
+    std::vector<std::string> all = upper;
+    all.push_back("embed_tokens.output");
+    tr.backward(W, all);
+    EXPECT_GT(dot(tr.grad("embed_tokens.output"), tr.grad("embed_tokens.output")), 0.0) << fixture;
+    for (size_t k = 0; k < upper.size(); ++k) {
+      const Tensor r = tr.grad(upper[k]);
+      ASSERT_EQ(got[k].shape(), r.shape()) << fixture << " " << upper[k];
+      for (int64_t e = 0; e < r.numel(); ++e) ASSERT_EQ(got[k][e], r[e]) << fixture << " " << upper[k] << " " << e;
+    }
+  }
+}
