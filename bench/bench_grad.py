@@ -18,10 +18,11 @@ Layouts (random weights; --family picks the first of its family's, --layout name
   32768-token vocabulary; qwen3-next-moe-x4: the same with a Qwen3-Next MoE (8 experts, top 2, shared
   expert); mamba-tiny: the shipped models/mamba-tinystories; nemotron_h-small, bamba-small,
   falcon_h1-small: hidden 256, 6-8 blocks (scripts/make_fixtures_hybrids.py's builder).
-Metric: log p(token 7) at the last position; the gradients of every layer's layer_output are computed
-(attribution patching's need).
+Metric: log p(token 7) at the last position; the gradients of the embeddings and of every layer's
+layer_output are computed (attribution patching's need; the embeddings' because transformers' leaf is
+inputs_embeds, so both sides run every block's backward).
 - mixlens forward: ``model.trace(ids)`` (nothing saved); forward + backward: ``model.trace(ids,
-  grad=True)`` then ``tr.backward(LogProb(7), paths=every layer_output)``; once per --routes entry
+  grad=True)`` then ``tr.backward(LogProb(7), paths=embeddings + every layer_output)``; once per --routes entry
   (``route_kernels(family, route)``).
 - transformers: its pure-torch forward with inputs_embeds as the leaf (weights frozen, so no weight
   gradients), retain_grad on every hidden state, then ``.backward()``; its no-grad forward for reference.
@@ -210,7 +211,9 @@ def prompt(path: Path, n: int) -> list[int]:
 
 # ----------------------------------------------------------------------------------- the calls
 def ml_calls(ml, ids):
-    paths = [f"layers.{i}.layer_output" for i in range(ml.num_layers)]
+    # The embeddings too: transformers' leaf is inputs_embeds, so its autograd runs block 0's backward;
+    # without them mixlens would stop at block 0's output (GradSink::needs_below) and do less work.
+    paths = ["embed_tokens.output"] + [f"layers.{i}.layer_output" for i in range(ml.num_layers)]
 
     def fwd():
         with ml.trace([ids]):
