@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -138,9 +139,40 @@ _VALUE_TENSOR = None
 
 
 def _save_self(self):
-    """nnsight's ``.save()`` on any torch tensor inside or outside a trace (mixlens mounts it on
-    ``torch.Tensor`` when torch output is first used): the tensor is real already, so it returns itself."""
+    """nnsight's ``.save()`` on any torch tensor while a mixlens trace with torch output is open (see
+    :func:`mount_tensor_save`): the tensor is real already, so it returns itself."""
     return self
+
+
+_SAVE_LOCK = threading.Lock()
+_save_mounts = 0
+
+
+def mount_tensor_save() -> bool:
+    """nnsight code saves what it computes from values too (``h = model.layers_output[3][:, -1].save()``,
+    ``model.next_token_probs.save()``), which are plain tensors. nnsight mounts ``.save`` on every object
+    while it traces; mixlens mounts an identity ``save`` on ``torch.Tensor`` while one of its traces is open
+    and removes it when the last one ends, so nnsight's own mount (it shadows nnsight's ``object.save``)
+    works between them. Nothing is mounted where ``torch.Tensor`` has a ``save`` of its own. Returns whether
+    this call counted a mount (then :func:`unmount_tensor_save` must follow)."""
+    global _save_mounts
+    torch = _torch()
+    with _SAVE_LOCK:
+        if _save_mounts == 0:
+            if "save" in vars(torch.Tensor):
+                return False
+            torch.Tensor.save = _save_self
+        _save_mounts += 1
+        return True
+
+
+def unmount_tensor_save() -> None:
+    global _save_mounts
+    torch = _torch()
+    with _SAVE_LOCK:
+        _save_mounts -= 1
+        if _save_mounts == 0 and vars(torch.Tensor).get("save") is _save_self:
+            del torch.Tensor.save
 
 
 def value_tensor_class():
@@ -182,11 +214,6 @@ def value_tensor_class():
                 return out
 
         ValueTensor.__module__, ValueTensor.__qualname__ = "mixlens", "ValueTensor"
-        # nnsight code saves what it computes from values too (`h = model.layers_output[3][:, -1].save()`,
-        # `model.next_token_probs.save()`): nnsight mounts .save on every object while tracing; torch
-        # tensors get the same identity method here, unless torch defines a `save` method of its own.
-        if not hasattr(torch.Tensor, "save"):
-            torch.Tensor.save = _save_self
         _VALUE_TENSOR = ValueTensor
     return _VALUE_TENSOR
 

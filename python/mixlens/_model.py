@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _core, hub
 from ._convert import (ValueArray, as_float32, is_torch, released_error, resolve_output, to_output, to_plain,
-                       value_tensor_class)
+                       value_tensor_class, mount_tensor_save, unmount_tensor_save)
 from . import _inplace
 from ._inplace import _Live, released_value_tensor_class
 from . import _invoke, _nnterp
@@ -655,6 +655,7 @@ class Tracer:
                  cache: Optional[Cache] = None, saves=None, edits=None, forced_tokens=None, inputs_embeds=None,
                  attention_mask=None, grad: bool = False, logits: str = "all", **gen):
         self._session = None  # first: __del__ looks at it even when __init__ raised
+        self._save_mounted = False  # torch.Tensor.save mounted by this trace (_convert.mount_tensor_save)
         self._grad = bool(grad)
         self._grad_session = None  # the finished session whose trace holds the gradient record
         self._grad_reads: list = []  # (path, value) read in the block, given .grad by backward()
@@ -734,6 +735,8 @@ class Tracer:
             pass
         self._holds_model = True
         try:
+            if self._fmt == "torch":
+                self._save_mounted = mount_tensor_save()
             self._start_session()
             # In-place edit bookkeeping of the values read in the block lives in the session binding
             # (python/src/session.cpp; rules in mixlens._inplace).
@@ -784,6 +787,9 @@ class Tracer:
     def _release_model(self) -> None:
         """Forget this tracer as the model's open one and let another trace start (idempotent)."""
         m = self._model
+        if getattr(self, "_save_mounted", False):
+            self._save_mounted = False
+            unmount_tensor_save()
         self._ctx = None
         if m._open is not None and m._open() in (self, None):
             m._open = None

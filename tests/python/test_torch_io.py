@@ -484,4 +484,6 @@ def test_save_works_on_what_is_computed_from_values_as_in_nnsight(tmodel):
         probs = tmodel.next_token_probs.save()
     assert torch.equal(last, h[:, -1]) and torch.equal(mean, h.mean(1))
     assert torch.allclose(probs, tracer.logits[:, -1].softmax(-1))
+    # Mounted only while a trace is open, so nnsight's own `.save` (mounted on every object) works between.
+    assert "save" not in vars(torch.Tensor)
 
