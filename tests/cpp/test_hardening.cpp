@@ -43,6 +43,17 @@ constexpr bool kSanitized = false;
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// The InputError message fn() raises, or "no error".
+template <class F>
+std::string input_error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const InputError& e) {
+    return std::string(e.what());
+  }
+  return std::string("no error");
+}
+
 std::string slurp(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   std::stringstream ss;
@@ -514,21 +525,13 @@ TEST(HostileSteps, RegistrationsAtStepsTheRunNeverMakesRaise) {
   const Model m = Model::load(fixture("mamba2/short_prompt").string());
   const std::string path = "layers.0.linear_attn.betas";
   const std::vector<std::vector<int32_t>> prompt = {{5, 6, 7, 8}};
-  auto message = [&](auto&& fn) {
-    try {
-      fn();
-    } catch (const InputError& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   const EditFn zero = [](Tensor& v, const SiteContext&) {
     for (int64_t i = 0; i < v.numel(); ++i) v.data()[i] = 0.0f;
   };
   // run() makes step 0 only: refused before any forward (the trace records no call).
   Trace t;
   t.edit(path, zero, Steps::only(3));
-  EXPECT_EQ(message([&] { (void)m.run(prompt, &t); }),
+  EXPECT_EQ(input_error_of([&] { (void)m.run(prompt, &t); }),
             "edit '" + path + "@step3': the run never made step 3 (it ran step 0)");
   EXPECT_TRUE(t.calls().empty());
   // generate() refuses a step past max_new_tokens before generating.
@@ -537,7 +540,7 @@ TEST(HostileSteps, RegistrationsAtStepsTheRunNeverMakesRaise) {
   o.greedy = true;
   Trace t2;
   t2.save(path, Steps::only(3));
-  EXPECT_EQ(message([&] { (void)m.generate(prompt, o, &t2); }),
+  EXPECT_EQ(input_error_of([&] { (void)m.generate(prompt, o, &t2); }),
             "save '" + path + "@step3': generate(max_new_tokens=3) never makes step 3 (it runs steps 0..2; step 0 "
             "is the prompt)");
   EXPECT_TRUE(t2.calls().empty());
@@ -547,14 +550,14 @@ TEST(HostileSteps, RegistrationsAtStepsTheRunNeverMakesRaise) {
   o.eos_token_id = first;
   Trace t3;
   t3.edit(path, zero, Steps::range(5, 6));
-  EXPECT_EQ(message([&] { (void)m.generate(prompt, o, &t3); }),
+  EXPECT_EQ(input_error_of([&] { (void)m.generate(prompt, o, &t3); }),
             "edit '" + path + "@step5': the run never made step 5 (it ran step 0)");
   // A continuation forward (the Session API) makes step cache.steps() only.
   Cache c = m.new_cache(1);
   (void)m.forward(Batch::left_padded(prompt, m.pad_token_id()), c);
   Trace t4;
   t4.save(path, Steps::only(0));
-  EXPECT_EQ(message([&] { (void)Session::forward(m, Batch::left_padded({{9}}, m.pad_token_id()), c, &t4); }),
+  EXPECT_EQ(input_error_of([&] { (void)Session::forward(m, Batch::left_padded({{9}}, m.pad_token_id()), c, &t4); }),
             "save '" + path + "@step0': the run never made step 0 (it ran step 1)");
   // Steps that are made still save and apply.
   Trace t5;
@@ -564,28 +567,20 @@ TEST(HostileSteps, RegistrationsAtStepsTheRunNeverMakesRaise) {
 }
 
 TEST(HostileBatch, APaddedBatchIsRectangularLeftPaddedAndKeepsItsIds) {
-  auto message = [&](auto&& fn) {
-    try {
-      fn();
-    } catch (const InputError& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   const Batch b = Batch::padded({{1, 2, 3}, {7, 4, 5}}, {1, 1, 1, 0, 1, 1});
   EXPECT_EQ(b.ids, (std::vector<int32_t>{1, 2, 3, 7, 4, 5}));  // the pad id the caller chose is kept
   EXPECT_TRUE(b.has_padding());
   EXPECT_FALSE(Batch::padded({{1, 2}}, {}).has_padding());  // no mask: every token real
-  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2, 3}, {4, 5}}, {}); }),
+  EXPECT_EQ(input_error_of([] { (void)Batch::padded({{1, 2, 3}, {4, 5}}, {}); }),
             "padded input_ids row 1 has 2 tokens, row 0 has 3: a padded batch is rectangular");
-  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}, {4, 5}}, {1, 1, 1, 0}); }),
+  EXPECT_EQ(input_error_of([] { (void)Batch::padded({{1, 2}, {4, 5}}, {1, 1, 1, 0}); }),
             "attention_mask row 1 is not left padding (a 0 after a 1): pad on the left (a tokenizer's "
             "padding_side=\"left\") or pass the rows unpadded");
-  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}}, {0, 0}); }), "attention_mask row 0 has no real token");
-  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}}, {1}); }),
+  EXPECT_EQ(input_error_of([] { (void)Batch::padded({{1, 2}}, {0, 0}); }), "attention_mask row 0 has no real token");
+  EXPECT_EQ(input_error_of([] { (void)Batch::padded({{1, 2}}, {1}); }),
             "attention_mask has 1 entries for input_ids [1, 2] (needs batch*seq = 2)");
-  EXPECT_EQ(message([] { (void)Batch::padded({{1, 2}}, {1, 2}); }), "attention_mask entries must be 0 or 1");
-  EXPECT_EQ(message([] { (void)Batch::padded({}, {}); }), "empty batch: give at least one prompt");
+  EXPECT_EQ(input_error_of([] { (void)Batch::padded({{1, 2}}, {1, 2}); }), "attention_mask entries must be 0 or 1");
+  EXPECT_EQ(input_error_of([] { (void)Batch::padded({}, {}); }), "empty batch: give at least one prompt");
   // The same batch as one the model pads itself, with its pad id: the same logits, bitwise.
   const Model m = Model::load(fixture("mamba2/short_prompt").string());
   const int32_t pad = m.pad_token_id();
