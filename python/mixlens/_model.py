@@ -61,17 +61,22 @@ def _embeds_input(inputs_embeds: Any, attention_mask: Any) -> tuple[np.ndarray, 
     if arr.ndim != 3:
         raise InputError(f"inputs_embeds must be [batch, seq, hidden] (or [seq, hidden]), got shape {arr.shape}")
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    mask: list = []
-    if attention_mask is not None:
-        m = _to_numpy(attention_mask)
-        if single and m.ndim == 1:
-            m = m[None]
-        if m.shape != arr.shape[:2]:
-            raise InputError(f"attention_mask has shape {m.shape}; inputs_embeds {arr.shape} needs {arr.shape[:2]}")
-        if not np.isin(m, (0, 1)).all():
-            raise InputError("attention_mask entries must be 0 or 1")
-        mask = m.astype(np.uint8).ravel().tolist()
+    mask = [] if attention_mask is None else _mask_list(
+        attention_mask, arr.shape[:2], single, f"inputs_embeds {arr.shape} needs {arr.shape[:2]}")
     return arr, mask, single
+
+
+def _mask_list(attention_mask: Any, shape: tuple, single: bool, needs: str) -> list:
+    """A 0/1 attention mask of `shape` ([B,T]; [T] too for a single prompt) flattened to ints, checked before
+    the uint8 conversion (which would wrap 256 to 0). `needs` ends the wrong-shape message."""
+    m = _to_numpy(attention_mask)
+    if single and m.ndim == 1:
+        m = m[None]
+    if m.shape != tuple(shape):
+        raise InputError(f"attention_mask has shape {m.shape}; {needs}")
+    if not np.isin(m, (0, 1)).all():
+        raise InputError("attention_mask entries must be 0 or 1")
+    return m.astype(np.uint8).ravel().tolist()
 
 
 def _ids_input(model: "StandardizedTransformer", inputs: Any, attention_mask: Any) -> tuple[list, list, bool]:
@@ -94,15 +99,11 @@ def _ids_input(model: "StandardizedTransformer", inputs: Any, attention_mask: An
         return rows, [], single
     if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
         raise InputError("attention_mask goes with token ids: text is tokenized and left-padded for you")
-    m = _to_numpy(attention_mask)
-    if single and m.ndim == 1:
-        m = m[None]
-    if len({len(r) for r in rows}) != 1 or m.shape != (len(rows), len(rows[0])):
-        raise InputError(f"attention_mask has shape {m.shape}; token ids of a padded batch need one [B,T] mask of the "
-                         f"ids' shape (rows of lengths {sorted({len(r) for r in rows})})")
-    if not np.isin(m, (0, 1)).all():
-        raise InputError("attention_mask entries must be 0 or 1")
-    return rows, m.astype(np.uint8).ravel().tolist(), single
+    lengths = sorted({len(r) for r in rows})
+    # Ragged rows match no [B,T] shape: (B, -1) makes the mask check say so.
+    shape = (len(rows), lengths[0] if len(lengths) == 1 else -1)
+    return rows, _mask_list(attention_mask, shape, single, "token ids of a padded batch need one [B,T] mask of the "
+                            f"ids' shape (rows of lengths {lengths})"), single
 
 
 def _all_logits(logits: Any) -> bool:
