@@ -249,18 +249,19 @@ void Mamba2Mixer::group_rmsnorm_rows(float* g, const float* w, int64_t rows) con
 // [B,H,P,N] kernel layout <-> [B,H,N,P] served layout (key side first).
 Tensor Mamba2Mixer::served_state(const Tensor& S) const {
   const int64_t H = d_.H, P = d_.P, N = d_.N;
-  Tensor o({S.size(0), H, N, P});
-  for (int64_t bh = 0; bh < S.size(0) * H; ++bh)
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t nn = 0; nn < N; ++nn) o[(bh * N + nn) * P + p] = S[(bh * P + p) * N + nn];
+  // Written whole, so not zero-filled; a per-token state read serves one per token.
+  Tensor o = Tensor::uninitialized({S.size(0), H, N, P});
+  const float* s = S.data();
+  float* out = o.data();
+  for (int64_t bh = 0; bh < S.size(0) * H; ++bh) ops::transpose(s + bh * P * N, P, N, out + bh * N * P);
   return o;
 }
 
 void Mamba2Mixer::store_served_state(const Tensor& o, Tensor& S) const {
   const int64_t H = d_.H, P = d_.P, N = d_.N;
-  for (int64_t bh = 0; bh < S.size(0) * H; ++bh)
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t nn = 0; nn < N; ++nn) S[(bh * P + p) * N + nn] = o[(bh * N + nn) * P + p];
+  const float* in = o.data();
+  float* s = S.data();
+  for (int64_t bh = 0; bh < S.size(0) * H; ++bh) ops::transpose(in + bh * N * P, N, P, s + bh * P * N);
 }
 
 Tensor Mamba2Mixer::betas_for_decays(const Mamba2MixerWeights& w, const Tensor& betas_before,

@@ -15,10 +15,7 @@ namespace {
 constexpr int64_t kTriRows = 64;  // row block of the intra-chunk product (ssd_chunked)
 
 // Writes S [P,N] transposed into the served layout [N,P].
-void store_state(const float* S, int64_t P, int64_t N, float* out) {
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t n = 0; n < N; ++n) out[n * P + p] = S[p * N + n];
-}
+void store_state(const float* S, int64_t P, int64_t N, float* out) { ops::transpose(S, P, N, out); }
 
 // One token's update and read-out for one head; S is [P,N].
 inline void step_head(float* S, const float* x, const float* Bv, const float* Cv, float dt, float A,

@@ -178,6 +178,18 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
   }
 }
 
+void transpose(const float* __restrict src, int64_t rows, int64_t cols, float* __restrict dst) {
+  constexpr int64_t kTile = 16;  // a 16 x 16 tile of each side fits in L1 with room to spare
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = std::min(rows, r0 + kTile);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t c1 = std::min(cols, c0 + kTile);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
+    }
+  }
+}
+
 namespace {
 
 // A small persistent pool: the forward calls parallel_for many times per token, so threads are

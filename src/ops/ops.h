@@ -50,6 +50,10 @@ void sigmoid(const float* x, float* y, int64_t n);
 /// y = x * silu(g) (the gated-norm gate, elementwise).
 void mul_silu(const float* x, const float* g, float* y, int64_t n);
 
+/// dst[c, r] = src[r, c] for a row-major [rows, cols] src (dst is [cols, rows]; no overlap). Tiled,
+/// so neither side is walked with a large stride element by element (Mamba-2's served state layout).
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst);
+
 /// Runs f(i) for i in [0, n) on the worker pool (calling thread included).
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f);
 /// Number of threads parallel_for uses (MIXLENS_NUM_THREADS, default hardware concurrency).
