@@ -250,11 +250,11 @@ void FiniteWatch::check(int layer, Value v, const Tensor& t) {
   if (!first_.empty() || !t.defined()) return;
   const float* p = t.begin();
   const int64_t bad = first_non_finite(p, t.numel());
-  const std::string path = site_path({layer, v});
   if (bad < 0) {
-    last_finite_ = path;
+    last_finite_ = Site{layer, v};  // its path only for the message (every layer passes here)
     return;
   }
+  const std::string path = site_path({layer, v});
   // Row-major index -> coordinates, for the message.
   std::string at;
   int64_t rest = bad;
@@ -281,7 +281,7 @@ void FiniteWatch::finish(const Tensor& logits) const {
                         : family_ + ": forward produced a non-finite value (the logits computed stayed finite)";
   if (!first_.empty()) {
     msg += "; the first non-finite value was " + first_;
-    if (!last_finite_.empty()) msg += " (" + last_finite_ + " before it was finite)";
+    if (last_finite_) msg += " (" + site_path(*last_finite_) + " before it was finite)";
   } else {
     msg += "; every value before the lm_head was finite (logits overflowed float32)";
   }

@@ -3,6 +3,7 @@
 #include <functional>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,7 +71,8 @@ class FiniteWatch {
   bool tripped() const { return !first_.empty(); }
 
  private:
-  std::string family_, first_, last_finite_;
+  std::string family_, first_;
+  std::optional<Site> last_finite_;
 };
 
 /// Final logits: [B,T,V] when all_logits or someone wants them, else [B,1,V] (last position).

@@ -5,7 +5,10 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "io/json.h"
@@ -53,6 +56,18 @@ class FamilyModel {
                          bool all_logits) const = 0;
   /// Every value for a call of B rows and T tokens, in forward order.
   virtual std::vector<ValueInfo> values(int64_t B, int64_t T) const = 0;
+  /// values(1, 1) with its paths indexed, built once (thread-safe): every Session and every path
+  /// lookup rebuilt it, ~0.1 ms of each trace of a 24-layer model.
+  struct ValueTable {
+    struct PathHash {  // looks a std::string_view up without making a string
+      using is_transparent = void;
+      size_t operator()(std::string_view p) const noexcept { return std::hash<std::string_view>{}(p); }
+    };
+    std::vector<ValueInfo> values;  ///< values(1, 1), forward order
+    std::unordered_map<std::string, size_t, PathHash, std::equal_to<>> at;  ///< path -> index in `values`
+    std::vector<int> at_site;  ///< (layer + 1) * kNumValues + value -> index in `values`, -1 if absent
+  };
+  const ValueTable& value_table() const;
   /// values.md support(): value name -> per layer reason ("" when available).
   virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
   virtual void set_chunk_size(int64_t) {}
@@ -83,6 +98,10 @@ class FamilyModel {
   /// `tape`, puts the gradient of every value `sink` asks for. UnsupportedError by default, naming
   /// the family, so a family without a backward never returns wrong gradients.
   virtual void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const;
+
+ private:
+  mutable std::once_flag table_once_;
+  mutable std::unique_ptr<const ValueTable> table_;
 };
 
 using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;

@@ -323,6 +323,21 @@ void Model::set_prefill_chunk(int64_t tokens) {
 }
 int64_t Model::prefill_chunk() const { return impl_->prefill_chunk; }
 
+const detail::FamilyModel::ValueTable& detail::FamilyModel::value_table() const {
+  std::call_once(table_once_, [this] {
+    auto t = std::make_unique<ValueTable>();
+    t->values = values(1, 1);
+    t->at_site.assign(static_cast<size_t>((info.num_layers + 1) * kNumValues), -1);
+    for (size_t i = 0; i < t->values.size(); ++i) {
+      const Site site = t->values[i].site;
+      t->at.emplace(t->values[i].path, i);
+      t->at_site[static_cast<size_t>((site.layer + 1) * kNumValues + static_cast<int>(site.value))] = static_cast<int>(i);
+    }
+    table_ = std::move(t);
+  });
+  return *table_;
+}
+
 detail::FamilyModel::Head detail::FamilyModel::head() const {
   throw UnsupportedError("family '" + info.family + "' does not declare its LM head yet: project_on_vocab and "
                          "head weights are unavailable (read 'logits' instead)");

@@ -43,12 +43,6 @@ Tensor copy_of(const Tensor& v) {
   return t;
 }
 
-// Hashes a std::string and a std::string_view alike, so a path is looked up without a copy.
-struct PathHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-};
-
 // The session whose forward this thread is running (null otherwise): a read from inside the forward
 // (an edit function calling back into the session) would wait on itself forever.
 thread_local const void* tl_worker_of = nullptr;
@@ -200,13 +194,8 @@ struct Session::Impl {
     int num_layers_ = 0;
   };
 
-  Impl(const Model& m, Trace* t) : model(m), family(detail::ModelAccess::family(m)), trace(t), listener(*this) {
-    const auto values = m.values(1, 1);
-    order.assign(static_cast<size_t>((m.info().num_layers + 1) * kNumValues), -1);
-    for (size_t i = 0; i < values.size(); ++i) {
-      order[slot(values[i].site)] = 2 * static_cast<int>(i);
-      path_sites.emplace(values[i].path, values[i].site);
-    }
+  Impl(const Model& m, Trace* t)
+      : model(m), family(detail::ModelAccess::family(m)), table(family.value_table()), trace(t), listener(*this) {
     // Validate the trace's registrations now, on the caller, rather than at the first request.
     if (trace) detail::TraceListener check(*trace, family);
   }
@@ -216,11 +205,16 @@ struct Session::Impl {
   // `states` by token) sits just before `states`, as the scan visits it before the stack is served.
   bool has_order(Site s) const {
     if (s.value == Value::state) s.value = Value::states;
-    return slot(s) < order.size() && order[slot(s)] >= 0;
+    return slot(s) < table.at_site.size() && table.at_site[slot(s)] >= 0;
   }
   int order_of(Site s) const {
-    if (s.value == Value::state) return has_order(s) ? order[slot({s.layer, Value::states})] - 1 : kCallEnd - 1;
-    return has_order(s) ? order[slot(s)] : kCallEnd - 1;
+    if (s.value == Value::state) return has_order(s) ? 2 * table.at_site[slot({s.layer, Value::states})] - 1 : kCallEnd - 1;
+    return has_order(s) ? 2 * table.at_site[slot(s)] : kCallEnd - 1;
+  }
+  // The site of a canonical path (Model::values()), or null.
+  const Site* site_of(std::string_view path) const {
+    auto it = table.at.find(path);
+    return it == table.at.end() ? nullptr : &table.values[it->second].site;
   }
 
   // Worker side, lock held.
@@ -347,7 +341,7 @@ struct Session::Impl {
   std::string describe(Pos p) const {
     if (p.order == kCallStart) return "the start of step " + std::to_string(p.step);
     if (p.order == kCallEnd) return "the end of step " + std::to_string(p.step);
-    const auto values = model.values(1, 1);
+    const auto& values = table.values;
     const size_t i = static_cast<size_t>((p.order + 1) / 2);  // odd orders: the `state` before `states`
     std::string path = p.order >= 0 && i < values.size() ? values[i].path : "?";
     if (p.order % 2 != 0 && !path.empty() && path.back() == 's') path.pop_back();
@@ -366,8 +360,8 @@ struct Session::Impl {
     // (A loop, not find_first_of: libstdc++ calls memchr once per character for that.)
     if (step >= first_step && step <= last_step &&
         std::none_of(path_view.begin(), path_view.end(), [](char c) { return c == '@' || c == '*'; })) {
-      if (auto it = path_sites.find(path_view); it != path_sites.end() && it->second.value != Value::state)
-        return {{step, order_of(it->second), -1}, it->second, true};
+      if (const Site* site = site_of(path_view); site != nullptr && site->value != Value::state)
+        return {{step, order_of(*site), -1}, *site, true};
     }
     const std::string path(path_view);
     if (path.find('*') != std::string::npos)
@@ -378,11 +372,11 @@ struct Session::Impl {
     // every time: most of a read's cost on a 24-layer model); anything else goes the long way,
     // which also words the errors.
     std::vector<Site> found;
-    if (auto it = path_sites.find(base); it != path_sites.end()) {
-      found.push_back(it->second);
+    if (const Site* site = site_of(base)) {
+      found.push_back(*site);
     } else if (base.size() > 18 && base.compare(base.size() - 18, 18, ".linear_attn.state") == 0 &&
-               (it = path_sites.find(base + "s")) != path_sites.end()) {
-      found.push_back({it->second.layer, Value::state});
+               (site = site_of(base + "s")) != nullptr) {
+      found.push_back({site->layer, Value::state});
     } else {
       found = detail::resolve_path(family, base);
     }
@@ -474,14 +468,16 @@ struct Session::Impl {
   }
 
   void settle_handed(const Target* keep);
-  Tensor read_at(const Target& t, std::string_view path);
+  // at_live (optional): set to whether the value came from the forward's own tensor, paused there.
+  Tensor read_at(const Target& t, std::string_view path, bool* at_live = nullptr);
   void write_at(const Target& t, std::string_view path, const Tensor& value);
 
   const Model& model;
   const detail::FamilyModel& family;
+  // Model::values() and its indexes (built once per model). A value's order in the run is 2 * its
+  // index there.
+  const detail::FamilyModel::ValueTable& table;
   Trace* trace;
-  std::vector<int> order;  // per (layer + 1, value): 2 * index in Model::values() order, -1 if absent
-  std::unordered_map<std::string, Site, PathHash, std::equal_to<>> path_sites;  // canonical path -> site (Model::values())
   int first_step = 0, last_step = 0;
   int64_t first_seq = 0;  // tokens in the first call (left-padded prompt or continuation)
 
@@ -517,11 +513,11 @@ struct Session::Impl {
   // value while it stays paused there (`at_live`: no second copy per read), else a copy (pristine).
   struct Handed {
     Target target;
-    std::string path;
     Tensor value, pristine;
     bool at_live = false;
   };
   std::optional<Handed> handed;
+  std::string handed_path;  // the path `handed` was read as (a buffer reused read after read)
   std::exception_ptr error;
   SessionResult result;
 
@@ -670,9 +666,9 @@ void Session::Impl::settle_handed(const Target* keep) {
   const size_t bytes = sizeof(float) * static_cast<size_t>(h.value.numel());
   if (h.value.shape() == as_read->shape() && std::memcmp(h.value.data(), as_read->data(), bytes) == 0) return;
   const std::string what =
-      "in-place edit of '" + h.path + "' (read at step " + std::to_string(h.target.pos.step) + ") could not be applied: ";
+      "in-place edit of '" + handed_path + "' (read at step " + std::to_string(h.target.pos.step) + ") could not be applied: ";
   try {
-    write_at(h.target, h.path, h.value);
+    write_at(h.target, handed_path, h.value);
   } catch (const OutOfOrderError& e) {
     throw OutOfOrderError(what + e.what());
   } catch (const WriteError& e) {
@@ -680,9 +676,10 @@ void Session::Impl::settle_handed(const Target* keep) {
   }
 }
 
-Tensor Session::Impl::read_at(const Target& t, std::string_view path) {
+Tensor Session::Impl::read_at(const Target& t, std::string_view path, bool* at_live) {
   std::unique_lock<std::mutex> lk(mu);
   const Arrival a = advance_to(lk, t);
+  if (at_live) *at_live = a == Arrival::at_target && paused && live != nullptr;
   if (a == Arrival::at_target) {
     if (t.site.value == Value::states || t.site.value == Value::state)
       touched.insert({t.pos.step, t.site.layer, static_cast<int>(t.site.value)});
@@ -752,14 +749,11 @@ Tensor Session::read_live(int step, std::string_view path) {
   s.check_caller("read");
   const Impl::Target t = s.resolve(step, path, "read");
   s.settle_handed(nullptr);
-  Tensor v = s.read_at(t, path);
+  bool at_live = false;  // served from the forward's value, where it stays paused
+  Tensor v = s.read_at(t, path, &at_live);
   if (v.defined() && t.site.value != Value::states) {
-    bool at_live;
-    {
-      std::lock_guard<std::mutex> lk(s.mu);
-      at_live = s.paused && s.live != nullptr && s.pos == t.pos;  // served from the forward's value
-    }
-    s.handed = Impl::Handed{t, std::string(path), v, at_live ? Tensor() : copy_of(v), at_live};
+    s.handed = Impl::Handed{t, v, at_live ? Tensor() : copy_of(v), at_live};
+    s.handed_path.assign(path);
   }
   return v;
 }

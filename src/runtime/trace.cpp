@@ -233,7 +233,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
     for (Site& s : sites) s.value = Value::state;
     return sites;
   }
-  const auto values = model.values(1, 1);
+  const auto& values = model.value_table().values;
   std::vector<Site> out;
   std::string layer;
   const std::string starred = with_star(pattern, &layer);
