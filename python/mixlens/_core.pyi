@@ -186,6 +186,11 @@ class Session:
     def close(self) -> None:
         """Abort the run if it is still going (idempotent)."""
 
+    def set_reader(self, ctx: object | None, step: int) -> None:
+        """
+        The open tracer's state for envoy reads in C (value_attr): ctx is _OPENED's value in the context that entered the block (None: envoy reads take the Python path), step the step they read at.
+        """
+
     @property
     def in_forward(self) -> bool:
         """True inside this session's forward (a pre-registered edit function)."""

@@ -613,6 +613,7 @@ class _StepLoop:
             if not sess.reach_step(step):  # the generation ended (EOS) before this step
                 break
             tr._step = step
+            sess.set_reader(None if tr._grad else tr._ctx, step)
             yield step
 
 
@@ -755,6 +756,8 @@ class Tracer:
         self._owner_thread = threading.current_thread()
         self._opened_token = _OPENED.set(_OPENED.get() + (weakref.ref(self),))
         self._ctx = _OPENED.get()  # the reads' fast check: this very tuple in the reader's context
+        # Envoy reads in C (python/src/session.cpp value_attr_fast) check the session's copy of these.
+        self._session.set_reader(None if self._grad else self._ctx, self._step)
         m._open = weakref.ref(self)
         return self
 
@@ -792,6 +795,8 @@ class Tracer:
             self._save_mounted = False
             unmount_tensor_save()
         self._ctx = None
+        if getattr(self, "_session", None) is not None:
+            self._session.set_reader(None, 0)
         if m._open is not None and m._open() in (self, None):
             m._open = None
         token, self._opened_token = self._opened_token, None

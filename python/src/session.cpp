@@ -329,6 +329,11 @@ struct PySession {
   std::unique_ptr<Trace> trace = std::make_unique<Trace>();
   std::optional<Session> session;
   HandedValues handed;
+  // What value_attr_fast checks, kept here by the Tracer (set_reader) rather than read as three
+  // attributes of it per value: _OPENED's value in the context that entered the block (None: no
+  // fast reads, e.g. a grad trace, whose reads the Python path notes) and the current step.
+  nb::object reader_ctx = nb::none();
+  int reader_step = 0;
 
   PySession(const std::vector<SaveSpec>& saves, const std::vector<EditSpec>& edits) {
     register_saves(*trace, saves);
@@ -414,9 +419,6 @@ PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
   static PyObject* const s_model = interned("_model");
   static PyObject* const s_open = interned("_open");
   static PyObject* const s_session = interned("_session");
-  static PyObject* const s_ctx = interned("_ctx");
-  static PyObject* const s_grad = interned("_grad");
-  static PyObject* const s_step = interned("_step");
   static PyObject* const s_paths = interned("_paths");
   handled = false;
   if (g_attr_env.opened == nullptr) return nullptr;
@@ -427,17 +429,16 @@ PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
   nb::object tracer = nb::steal(HandedValues::referent(ref.ptr()));
   if (!tracer.is_valid()) return nullptr;
   nb::object sess = nb::steal(get_attr(tracer.ptr(), s_session));
-  if (!sess.is_valid() || sess.is_none()) return nullptr;
-  nb::object ctx = nb::steal(get_attr(tracer.ptr(), s_ctx));
+  if (!sess.is_valid() || !nb::isinstance<PySession>(sess)) return nullptr;
+  PySession& p = *nb::inst_ptr<PySession>(sess);
+  if (p.reader_ctx.is_none()) return nullptr;  // not set, or a grad trace: the Python path notes the read
   PyObject* cur = nullptr;
   if (PyContextVar_Get(g_attr_env.opened, nullptr, &cur) < 0) {
     PyErr_Clear();
     return nullptr;
   }
   nb::object current = nb::steal(cur);
-  if (!ctx.is_valid() || ctx.ptr() != current.ptr()) return nullptr;
-  nb::object grad = nb::steal(get_attr(tracer.ptr(), s_grad));
-  if (!grad.is_valid() || grad.ptr() != Py_False) return nullptr;  // grad=True: the Python path notes the read
+  if (current.ptr() != p.reader_ctx.ptr()) return nullptr;  // entered in another thread / asyncio context
   nb::object paths = nb::steal(get_attr(envoy, s_paths));
   if (!paths.is_valid() || !PyDict_Check(paths.ptr())) return nullptr;
   PyObject* path = PyDict_GetItemWithError(paths.ptr(), self->name);  // borrowed
@@ -445,12 +446,9 @@ PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
     PyErr_Clear();
     return nullptr;
   }
-  nb::object step = nb::steal(get_attr(tracer.ptr(), s_step));
-  if (!step.is_valid() || !PyLong_CheckExact(step.ptr()) || !nb::isinstance<PySession>(sess)) return nullptr;
-  const long step_v = PyLong_AsLong(step.ptr());
   Py_ssize_t len = 0;
   const char* utf8 = PyUnicode_AsUTF8AndSize(path, &len);
-  if (utf8 == nullptr || (step_v == -1 && PyErr_Occurred()) || step_v < INT_MIN || step_v > INT_MAX) {
+  if (utf8 == nullptr) {
     PyErr_Clear();
     return nullptr;
   }
@@ -459,10 +457,7 @@ PyObject* value_attr_fast(ValueAttr* self, PyObject* envoy, bool& handled) {
   // read); C++ exceptions become mixlens' Python ones as nanobind's translator makes them.
   PyObject* r = nullptr;
   try {
-    r = read_value(*nb::inst_ptr<PySession>(sess), static_cast<int>(step_v),
-                   std::string_view(utf8, static_cast<size_t>(len)))
-            .release()
-            .ptr();
+    r = read_value(p, p.reader_step, std::string_view(utf8, static_cast<size_t>(len))).release().ptr();
   } catch (nb::python_error& e) {
     e.restore();
   } catch (...) {
@@ -624,6 +619,15 @@ void init_session(nb::module_& m) {
              return result_dict(res, *p.trace);
            })
       .def("close", &PySession::close, "Abort the run if it is still going (idempotent).")
+      .def(
+          "set_reader",
+          [](PySession& p, nb::object ctx, int step) {
+            p.reader_ctx = std::move(ctx);
+            p.reader_step = step;
+          },
+          nb::arg("ctx").none(), nb::arg("step"),
+          "The open tracer's state for envoy reads in C (value_attr): ctx is _OPENED's value in the context that "
+          "entered the block (None: envoy reads take the Python path), step the step they read at.")
       .def_prop_ro("in_forward", [](PySession& p) { return p.session && p.session->in_forward(); },
                    "True inside this session's forward (a pre-registered edit function).")
       .def_prop_ro("first_step", [](PySession& p) { return p.s().first_step(); })
