@@ -10,14 +10,16 @@ time is the hand-off: Python attribute lookup, the binding, the forward pausing 
 ways of reading: ``full`` spells each read as a user does, ``model.layers[i].linear_attn.betas``
 (every attribute looked up in the block) and drops each value, ``kept`` reads the same way and holds
 every value until the block ends (each is then released read-only as the forward moves on: the in-place
-edit bookkeeping), ``envoy`` reads through a ``model.layers[i].linear_attn`` object made before the block. The per-value cost is (t(N) - t(0)) / N, for wall time (fastest and
-median of R repeats, the counts interleaved block by block) and for process CPU time (least of the
-repeats; every thread counts: the block, the forward, the pool's threads).
+edit bookkeeping), ``envoy`` reads through a ``model.layers[i].linear_attn`` object made before the
+block. The per-value cost is (t(N) - t(0)) / N, the counts interleaved block by block: the median over
+the R repeats of each N-value block against the empty block just before it (the typical cost), and the
+fastest against the fastest; for wall time and for process CPU time (every thread counts: the block,
+the forward, the pool's threads).
 
 ``--ab DIR``: DIR holds another build's ``mixlens`` package (e.g. a copy of main's installed one,
 ``cp -a .venv/lib/python3.11/site-packages/mixlens DIR/mixlens``); the script runs itself K rounds,
 each round that build (``base``, via PYTHONPATH) and this one (``this``) in turn, numpy then torch
-output, and writes every round's per-value CPU time and the medians. Default model: a tiny random
+output, and writes every round's per-value time and the medians. Default model: a tiny random
 24-layer Mamba-2 (hidden 64, made once with transformers under build/), whose 8-token forward takes
 about a millisecond, so the forward's own jitter does not hide the hand-off; --model DIR measures
 another checkpoint. Not a test: numbers depend on the machine and its load (printed with the result).
@@ -130,6 +132,13 @@ def per_value(series: dict, n: int, pick=min) -> float:
     return (pick(series[n]) - pick(series[0])) / n * 1e6
 
 
+def paired(series: dict, n: int) -> float:
+    """The median over repeats of (t(N) - t(0)) / N in microseconds, each N-value block against the empty
+    block run just before it: the typical cost, steadier than least against least on a machine whose
+    blocks jitter by a millisecond (the two least blocks may come from different moments)."""
+    return statistics.median(a - b for a, b in zip(series[n], series[0])) / n * 1e6
+
+
 def child(a) -> int:
     """One measurement in this process (the build on sys.path), printed as JSON."""
     os.environ["MIXLENS_OUTPUT"] = a.output
@@ -155,15 +164,16 @@ def run_child(a, output: str, pythonpath: str | None) -> dict:
 
 
 def single_table(a, model_name: str, res: dict, fmt: str, where: str, load, load_after) -> str:
-    rows = ["| access | values read | block wall (ms, fastest) | per value wall (us) | per value wall, median (us) "
-            "| block CPU (ms, least) | per value CPU (us) |", "|---|---|---|---|---|---|---|"]
+    rows = ["| access | values read | block wall (ms, fastest) | per value wall, paired median (us) "
+            "| per value wall, fastest (us) | block CPU (ms, least) | per value CPU, paired median (us) |",
+            "|---|---|---|---|---|---|---|"]
     for acc in ACCESS:
         wall, cpu = res[acc]["wall"], res[acc]["cpu"]
         for n in COUNTS:
+            pm = "-" if n == 0 else f"{paired(wall, n):.1f}"
             pw = "-" if n == 0 else f"{per_value(wall, n):.1f}"
-            pm = "-" if n == 0 else f"{per_value(wall, n, statistics.median):.1f}"
-            pc = "-" if n == 0 else f"{per_value(cpu, n):.1f}"
-            rows.append(f"| {acc} | {n} | {min(wall[n]) * 1e3:.3f} | {pw} | {pm} | {min(cpu[n]) * 1e3:.3f} | {pc} |")
+            pc = "-" if n == 0 else f"{paired(cpu, n):.1f}"
+            rows.append(f"| {acc} | {n} | {min(wall[n]) * 1e3:.3f} | {pm} | {pw} | {min(cpu[n]) * 1e3:.3f} | {pc} |")
     return "\n".join([
         f"Model: {model_name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (counts interleaved block by "
         f"block), values as {fmt}, mixlens {where}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, "
@@ -225,21 +235,23 @@ def main(argv=None) -> int:
             for label, pp in (("base", a.ab), ("this", None)):
                 r = run_child(a, output, pp)
                 runs.append((k, output, label, r))
-                c = r["res"]["full"]["cpu"]
-                print(f"round {k} {output:5s} {label}: full per value CPU "
-                      + ", ".join(f"N={n} {per_value(c, n):.2f}" for n in COUNTS[1:]) + " us", flush=True)
+                w = r["res"]["full"]["wall"]
+                print(f"round {k} {output:5s} {label}: full per value wall, paired median "
+                      + ", ".join(f"N={n} {paired(w, n):.2f}" for n in COUNTS[1:]) + " us", flush=True)
     load_after = os.getloadavg()
-    lines = ["| output | access | build | per value CPU, N=1 (us) | N=10 | N=100 | N=100, each round | block CPU N=0 (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| output | access | build | per value wall, N=1 (us) | N=10 | N=100 | N=100, each round "
+             "| per value CPU, N=100 | block wall N=0 (ms, median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for output in outputs:
         for acc in ACCESS:
             for label in ("base", "this"):
                 rs = [r for (_, o, lab, r) in runs if o == output and lab == label]
-                per = {n: statistics.median(per_value(r["res"][acc]["cpu"], n) for r in rs) for n in COUNTS[1:]}
-                each = ", ".join(f"{per_value(r['res'][acc]['cpu'], 100):.2f}" for r in rs)
-                zero = statistics.median(min(r["res"][acc]["cpu"][0]) for r in rs) * 1e3
+                per = {n: statistics.median(paired(r["res"][acc]["wall"], n) for r in rs) for n in COUNTS[1:]}
+                each = ", ".join(f"{paired(r['res'][acc]['wall'], 100):.2f}" for r in rs)
+                cpu = statistics.median(paired(r["res"][acc]["cpu"], 100) for r in rs)
+                zero = statistics.median(statistics.median(r["res"][acc]["wall"][0]) for r in rs) * 1e3
                 lines.append(f"| {output} | {acc} | {label} | {per[1]:.2f} | {per[10]:.2f} | {per[100]:.2f} | {each} "
-                             f"| {zero:.3f} |")
+                             f"| {cpu:.2f} | {zero:.3f} |")
     where = {lab: r["mixlens"] for (_, _, lab, r) in runs}
     text = "\n".join([
         "## Python hand-off: values read in one `with model.trace(...)` block (A/B)",
@@ -248,8 +260,8 @@ def main(argv=None) -> int:
         f"prompt, {a.threads} threads, {a.repeats} repeats per run (access kinds and counts interleaved block by "
         f"block). base = {where.get('base')}, this = {where.get('this')}. Load average {load[0]:.2f} before, "
         f"{load_after[0]:.2f} after, {os.cpu_count()} cores.",
-        "Per value = (t(N) - t(0)) / N of process CPU time (every thread), least of the repeats; the median over "
-        "the rounds. `full`: `model.layers[i].linear_attn.x` looked up in the block, each value dropped; `kept`: "
+        "Per value = the median over repeats of (t(N) - t(0)) / N, each N-value block paired with the empty block "
+        "run just before it (wall time; CPU: process CPU time, every thread); the median over the rounds. `full`: `model.layers[i].linear_attn.x` looked up in the block, each value dropped; `kept`: "
         "the same, every value held to the end of the block (released read-only as the forward moves on); "
         "`envoy`: through a `model.layers[i].linear_attn` made before the block.",
         "",
