@@ -236,6 +236,14 @@ def to_plain(arr: Optional[np.ndarray], fmt: str):
     return arr
 
 
+def saveable(value, fmt: str):
+    """A helper's computed result (next_token_probs, project_on_vocab) with nnsight's ``.save()``: numpy ones
+    become a ValueArray view (no copy); torch tensors have ``save`` mounted while a trace is open."""
+    if fmt != "torch" and isinstance(value, np.ndarray) and not isinstance(value, ValueArray):
+        return value.view(ValueArray)
+    return value
+
+
 def is_torch(value: Any) -> bool:
     """A torch.Tensor (without importing torch when nobody has)."""
     torch = sys.modules.get("torch")

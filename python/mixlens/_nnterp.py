@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ._convert import as_float32, to_plain
+from ._convert import as_float32, saveable, to_plain
 from .errors import InputError
 
 
@@ -23,7 +23,7 @@ def _softmax_last(logits, fmt: str):
         return torch.as_tensor(logits)[:, -1, :].softmax(-1).as_subclass(torch.Tensor)
     x = np.asarray(logits, dtype=np.float32)[:, -1, :]
     e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    return saveable(e / e.sum(-1, keepdims=True), fmt)
 
 
 class _Weighted:
@@ -135,7 +135,8 @@ class NnterpMixin:
         """nnterp's ``project_on_vocab``: ``lm_head(ln_final(h))`` for hidden states ``[..., hidden]`` (torch or
         numpy) -> logits ``[..., vocab]`` float32, computed by the core (``Model::project_on_vocab``), in or out
         of a trace. InputError for a wrong last dimension."""
-        return to_plain(self._core.project_on_vocab(as_float32(hidden_state, "project_on_vocab")), self._output)
+        logits = to_plain(self._core.project_on_vocab(as_float32(hidden_state, "project_on_vocab")), self._output)
+        return saveable(logits, self._output)
 
     def steer(self, layers: Union[int, Sequence[int]], steering_vector, factor: float = 1,
               positions=None, *, token_positions=None, batch_index=None) -> None:

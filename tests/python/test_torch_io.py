@@ -487,3 +487,19 @@ def test_save_works_on_what_is_computed_from_values_as_in_nnsight(tmodel):
     # Mounted only while a trace is open, so nnsight's own `.save` (mounted on every object) works between.
     assert "save" not in vars(torch.Tensor)
 
+
+def test_save_works_on_helper_results_with_numpy_output(text_model_dir):
+    """numpy output: next_token_probs / project_on_vocab are computed arrays, yet `.save()` works on them as
+    on values and torch results (they were plain ndarrays: AttributeError)."""
+    m = mixlens.StandardizedTransformer(str(text_model_dir), output="numpy")
+    with m.trace(PROMPT) as tracer:
+        h = m.layers_output[1]
+        last = h[:, -1].save()
+        lens = m.project_on_vocab(h).save()
+        probs = m.next_token_probs.save()
+    x = tracer.logits[:, -1].astype(np.float64)
+    want = np.exp(x - x.max(-1, keepdims=True))
+    np.testing.assert_allclose(probs, want / want.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(lens[:, -1], m.project_on_vocab(last), rtol=1e-6, atol=1e-6)
+    assert lens.shape == (*h.shape[:2], m.vocab_size)
+
