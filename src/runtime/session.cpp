@@ -368,9 +368,8 @@ struct Session::Impl {
       throw InputError(std::string(verb) + " '" + path + "': takes one value; '*' patterns are for Trace::save");
     std::string base = path;
     const std::optional<int64_t> token = split_token(base);
-    // A canonical path resolves from the table built once (resolve_path builds Model::values()
-    // every time: most of a read's cost on a 24-layer model); anything else goes the long way,
-    // which also words the errors.
+    // A canonical path (or its per-token `state`) resolves from the model's table; anything else
+    // goes the long way (resolve_path: patterns, layer ranges), which also words the errors.
     std::vector<Site> found;
     if (const Site* site = site_of(base)) {
       found.push_back(*site);
