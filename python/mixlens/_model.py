@@ -789,27 +789,31 @@ class Tracer:
         return False
 
     def _release_model(self) -> None:
-        """Forget this tracer as the model's open one and let another trace start (idempotent)."""
+        """Forget this tracer as the model's open one and let another trace start (idempotent). The model's
+        lock is released whatever interrupts the rest (a KeyboardInterrupt landing here left it held: every
+        later trace waited forever)."""
         m = self._model
-        if getattr(self, "_save_mounted", False):
-            self._save_mounted = False
-            unmount_tensor_save()
-        self._ctx = None
-        if getattr(self, "_session", None) is not None:
-            self._session.set_reader(None, 0)
-        if m._open is not None and m._open() in (self, None):
-            m._open = None
-        token, self._opened_token = self._opened_token, None
-        if token is not None:
-            try:
-                _OPENED.reset(token)
-            except (ValueError, RuntimeError):  # exited in another context: drop it from this one
-                _OPENED.set(tuple(r for r in _OPENED.get() if r() is not self and r() is not None))
-        if self._cache is not None:
-            self._cache._busy = False
-        if self._holds_model:
-            self._holds_model = False
-            m._trace_lock.release()
+        try:
+            if getattr(self, "_save_mounted", False):
+                self._save_mounted = False
+                unmount_tensor_save()
+            self._ctx = None
+            if getattr(self, "_session", None) is not None:
+                self._session.set_reader(None, 0)
+            if m._open is not None and m._open() in (self, None):
+                m._open = None
+            token, self._opened_token = self._opened_token, None
+            if token is not None:
+                try:
+                    _OPENED.reset(token)
+                except (ValueError, RuntimeError):  # exited in another context: drop it from this one
+                    _OPENED.set(tuple(r for r in _OPENED.get() if r() is not self and r() is not None))
+        finally:
+            if self._cache is not None:
+                self._cache._busy = False
+            if getattr(self, "_holds_model", False):
+                self._holds_model = False
+                m._trace_lock.release()
 
     def invoke(self, inputs: Prompt) -> "_invoke._Invoke":
         """nnsight's ``with tracer.invoke(prompt):`` inside ``with model.trace() as tracer:`` (no inputs) or
@@ -883,6 +887,9 @@ class Tracer:
         # not locked forever, and say so.
         sess = getattr(self, "_session", None)
         if sess is None:
+            # Exited, but an interrupt (Ctrl-C) cut the release short: the model's lock goes with the tracer.
+            if getattr(self, "_holds_model", False):
+                self._release_model()
             return
         self._session = None
         try:

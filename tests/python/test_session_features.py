@@ -389,3 +389,36 @@ def test_ctrl_c_interrupts_a_long_forward_within_a_second():
         else:
             assert c.sent is None, "the interrupt arrived but the call did not raise"
             pytest.skip("the forward finished before the interrupt on this machine")
+
+
+
+def test_an_interrupt_while_a_block_exits_never_leaves_the_model_locked(monkeypatch):
+    """A Ctrl-C landing in the tracer's release (here: unmounting torch's `.save`, its first step) left the
+    model's lock held with no open tracer: every later trace waited forever. The lock is released in a
+    `finally`, and by the tracer's __del__ when it dies still holding it."""
+    import mixlens._model as mm
+
+    m = mixlens.load(str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"))
+    original = mm.unmount_tensor_save
+
+    def interrupted():
+        monkeypatch.setattr(mm, "unmount_tensor_save", original)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mm, "unmount_tensor_save", interrupted)
+    tr = m.trace(ids(4))
+    with pytest.raises(KeyboardInterrupt):
+        with tr:
+            tr._save_mounted = True  # whatever the output type, the release starts with the unmount
+            m.logits
+    assert not m._trace_lock.locked()
+    # A release cut short later still (the flag set, the lock held): the tracer's __del__ releases it.
+    assert m._trace_lock.acquire(blocking=False)
+    tr._holds_model = True
+    del tr
+    gc.collect()
+    done = []
+    t = threading.Thread(target=lambda: done.append(m.trace(ids(4)).run().logits.shape), daemon=True)
+    t.start()
+    t.join(30)
+    assert done, "a trace after the interrupted exit waited for the model's lock"
