@@ -1396,14 +1396,16 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         t = ref() if ref is not None else None
         return t if t is not None and t._session is not None else None
 
-    def _tracer_for(self, path: str) -> Tracer:
+    def _tracer_for(self, path: str, verb: str = "read") -> Tracer:
         t = self._open_tracer()
         if t is None:
             d = getattr(self, "_deferred_tracer", None)
             if d is not None and d() is not None and d()._deferred_open:
                 raise InputError(f"'{path}': this trace batches tracer.invoke(...) blocks: read and write values inside "
                                  "an invoke")
-            raise InputError(f"'{path}' is read inside `with model.trace(...)` or `with model.generate(...)`")
+            raise InputError(f"'{path}' can only be {verb} inside a `with model.trace(...)` or `with "
+                             "model.generate(...)` block, and no trace is open on this model (a block that ended "
+                             "keeps its values: use the ones read in it, or tracer.saved)")
         if not t._opened_here():
             t._refuse_foreign(path)
         return t
@@ -1436,7 +1438,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         inv = _invoke.current()
         if inv is not None:
             return inv.tracer._write(path, value)
-        self._tracer_for(path)._write(path, value)
+        self._tracer_for(path, "written")._write(path, value)
 
     @property
     def logits(self) -> ValueArray:

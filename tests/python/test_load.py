@@ -106,7 +106,7 @@ def test_two_threads_on_one_model(model):
                         raise AssertionError("a read outside any trace of this thread was answered")
                     except mixlens.InputError as e:
                         msg = str(e)
-                        assert "belongs to thread" in msg or "is read inside" in msg, msg
+                        assert "belongs to thread" in msg or "can only be read inside" in msg, msg
                         with lock:
                             outcomes["refused"] += 1
                 with model.trace(prompt) as tr:  # waits while the other thread's trace is open

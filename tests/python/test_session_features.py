@@ -422,3 +422,13 @@ def test_an_interrupt_while_a_block_exits_never_leaves_the_model_locked(monkeypa
     t.start()
     t.join(30)
     assert done, "a trace after the interrupted exit waited for the model's lock"
+
+
+def test_reading_or_writing_outside_a_block_says_which_and_where():
+    m = mixlens.load(str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"))
+    with pytest.raises(mixlens.InputError, match=r"'layers.1.layer_output' can only be written inside a `with "):
+        m.layers_output[1] = np.zeros((1, 4, m.hidden_size), np.float32)
+    with m.trace(ids(4)):
+        m.layers_output[1]
+    with pytest.raises(mixlens.InputError, match=r"can only be read inside .* no trace is open"):
+        m.layers_output[1]
