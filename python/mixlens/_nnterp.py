@@ -150,8 +150,22 @@ class NnterpMixin:
         vec = as_float32(steering_vector, "steering_vector") * np.float32(factor)
         layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
         n = self.num_layers
+        where = token_positions if token_positions is not None else positions
         for layer in sorted({(int(l) + n if int(l) < 0 else int(l)) for l in layers}):
             h = as_float32(self.layers_output[layer], f"layers.{layer}.layer_output").copy()
+            # numpy's own errors would name neither argument: say which one does not fit.
+            try:
+                target = h[rows, pos]
+            except IndexError as e:
+                raise InputError(f"steer: token_positions {where!r} / batch_index {batch_index!r} do not fit layer "
+                                 f"{layer}'s output of shape {list(h.shape)} ([batch, seq, hidden]): {e}") from None
+            try:
+                fits = np.broadcast_shapes(target.shape, vec.shape) == target.shape
+            except ValueError:
+                fits = False
+            if not fits:
+                raise InputError(f"steer: steering_vector of shape {list(vec.shape)} does not broadcast to the "
+                                 f"steered slice {list(target.shape)}: give [hidden_size] = [{h.shape[-1]}]")
             h[rows, pos] += vec
             self.layers_output[layer] = h
 

@@ -432,3 +432,21 @@ def test_reading_or_writing_outside_a_block_says_which_and_where():
         m.layers_output[1]
     with pytest.raises(mixlens.InputError, match=r"can only be read inside .* no trace is open"):
         m.layers_output[1]
+
+
+def test_steer_names_the_argument_that_does_not_fit():
+    m = mixlens.load(str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"))
+    d = m.hidden_size
+    with m.trace(ids(4)):
+        with pytest.raises(mixlens.InputError, match=r"steering_vector of shape \[17\] does not broadcast"):
+            m.steer(1, np.ones(17, np.float32))
+    with m.trace(ids(4)):
+        with pytest.raises(mixlens.InputError, match=r"token_positions \[10\] / batch_index None do not fit"):
+            m.steer(1, np.ones(d, np.float32), token_positions=[10])
+    with m.trace(ids(4)):  # a per-position vector broadcasts as it does in nnterp
+        before = np.array(m.layers_output[1], dtype=np.float32)
+        m.steer(1, np.stack([np.full(d, 1, np.float32), np.full(d, 2, np.float32)]), token_positions=[0, 2])
+        after = np.array(m.layers_output[1], dtype=np.float32)
+    np.testing.assert_allclose(after[:, 0], before[:, 0] + 1, rtol=1e-6)
+    np.testing.assert_allclose(after[:, 2], before[:, 2] + 2, rtol=1e-6)
+    np.testing.assert_array_equal(after[:, [1, 3]], before[:, [1, 3]])
