@@ -337,6 +337,11 @@ class Cache:
 # ---- envoys: attribute access that reads / writes through the active tracer -------------------
 
 
+# A call over a cache (even a fresh one) continues every row's stream token for token: no padding.
+_NO_MASK_WITH_CACHE = ("attention_mask cannot pad a call over a cache (cache=...): each row of a cache, a fresh one "
+                       "included, continues its own stream token for token. Run prompts of different lengths "
+                       "without cache= (trace / generate left-pad them), or give each prompt its own cache "
+                       "(model.new_cache(1))")
 _STATE_METHODS = ("state", "state_after", "set_state_after")
 
 
@@ -677,7 +682,7 @@ class Tracer:
                 raise InputError("forced_tokens takes token-id prompts, not inputs_embeds")
             self._embeds, self._mask, self._single = _embeds_input(inputs_embeds, attention_mask)
             if cache is not None and self._mask:
-                raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+                raise InputError(_NO_MASK_WITH_CACHE)
             self._rows: list = []
         elif inputs is None:
             # No inputs: the prompts come from tracer.invoke(...) blocks, batched when the block ends.
@@ -688,7 +693,7 @@ class Tracer:
         else:
             self._rows, self._mask, self._single = _ids_input(model, inputs, attention_mask)
             if self._mask and cache is not None:
-                raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+                raise InputError(_NO_MASK_WITH_CACHE)
             if self._mask and forced_tokens is not None:
                 raise InputError("forced_tokens takes unpadded token-id prompts, not an attention_mask")
         self._cache = cache
@@ -1520,13 +1525,13 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
                 raise InputError("give inputs (a prompt, prompts or token ids) or inputs_embeds")
             rows, mask, _ = _ids_input(self, inputs, attention_mask)
             if continuation and mask:
-                raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+                raise InputError(_NO_MASK_WITH_CACHE)
             return rows, None, mask
         if inputs is not None:
             raise InputError("give inputs (text / token ids) or inputs_embeds, not both")
         arr, mask, _ = _embeds_input(inputs_embeds, attention_mask)
         if continuation and mask:
-            raise InputError("attention_mask cannot pad a continuation (cache=...): every row continues its stream")
+            raise InputError(_NO_MASK_WITH_CACHE)
         return [], arr, mask
 
     def run(self, inputs: Optional[Prompt] = None, saves=None, edits=None, *, inputs_embeds=None,

@@ -40,8 +40,10 @@ Batch continuation_batch(const Rows& rows, const std::optional<FloatArray>& embe
   }
   Batch b = Batch::left_padded(rows, 0);
   if (b.has_padding())
-    throw InputError("forward with a cache: every row must have the same number of tokens (got ragged rows; "
-                     "left padding is only meaningful at the start of a sequence)");
+    throw InputError("forward with a cache: every row must have the same number of tokens (got rows of different "
+                     "lengths): each row of a cache, a fresh one included, continues its own stream token for "
+                     "token. Run prompts of different lengths without a cache (trace / generate left-pad them), "
+                     "or give each prompt its own cache (new_cache(1))");
   return b;
 }
 

@@ -450,3 +450,13 @@ def test_steer_names_the_argument_that_does_not_fit():
     np.testing.assert_allclose(after[:, 0], before[:, 0] + 1, rtol=1e-6)
     np.testing.assert_allclose(after[:, 2], before[:, 2] + 2, rtol=1e-6)
     np.testing.assert_array_equal(after[:, [1, 3]], before[:, [1, 3]])
+
+
+def test_a_padded_batch_over_a_cache_says_why_and_what_to_do_instead():
+    m = mixlens.load(str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"))
+    cache = m.new_cache(2)
+    padded = {"input_ids": np.array([[0, 0, 5, 6], [5, 6, 7, 8]]), "attention_mask": np.array([[0, 0, 1, 1], [1, 1, 1, 1]])}
+    with pytest.raises(mixlens.InputError, match=r"a fresh one included.*without cache=.*new_cache\(1\)"):
+        m.forward(padded, cache=cache)
+    with pytest.raises(mixlens.InputError, match=r"a fresh one included.*without a cache.*new_cache\(1\)"):
+        m.forward([[5, 6], [5, 6, 7, 8]], cache=cache)
