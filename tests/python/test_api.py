@@ -220,7 +220,7 @@ def test_continuation_with_a_cache(model):
 
 
 def test_errors_outside_and_inside_blocks(model):
-    with pytest.raises(mixlens.InputError, match="inside `with model.trace"):
+    with pytest.raises(mixlens.InputError, match="can only be read inside a `with model.trace"):
         model.layers[0].linear_attn.betas
     with model.trace(PROMPT):
         with pytest.raises(mixlens.InputError, match="already open"):
