@@ -101,7 +101,8 @@ struct GenerateOptions {
   /// Stop a row at this id; default: config eos_token_id. -1 disables stopping on EOS.
   std::optional<int32_t> eos_token_id;
   /// InputError naming the first setting out of range (max_new_tokens >= 1; when sampling:
-  /// temperature > 0 and finite, top_p in (0, 1], top_k >= 0). generate() calls it first.
+  /// temperature > 0 and finite, top_p in (0, 1], top_k >= 0), or the sampling settings given
+  /// with greedy decoding (not defaults: nothing would read them). generate() calls it first.
   void check() const;
 };
 

@@ -517,7 +517,19 @@ Tensor detail::ModelAccess::chunked_prefill(const Model& m, const Batch& in, Cac
 
 void GenerateOptions::check() const {
   if (max_new_tokens < 1) throw InputError("generate: max_new_tokens must be >= 1");
-  if (greedy) return;
+  if (greedy) {
+    // Settings that only sampling reads: set with greedy decoding they would be a silent no-op.
+    std::string ignored;
+    if (temperature != 1.0f) ignored += " temperature=" + std::to_string(temperature);
+    if (top_k != 0) ignored += " top_k=" + std::to_string(top_k);
+    if (top_p != 1.0f) ignored += " top_p=" + std::to_string(top_p);
+    if (seed != 0) ignored += " seed=" + std::to_string(seed);
+    if (!ignored.empty())
+      throw InputError("generate: sampling settings given with greedy decoding (" + ignored.substr(1) +
+                       "), where nothing reads them: sample (Python do_sample=True, C++ greedy = false, CLI without "
+                       "--greedy) or leave them at their defaults");
+    return;
+  }
   if (!(temperature > 0.0f) || !std::isfinite(temperature))
     throw InputError("generate: temperature must be a finite number > 0, got " + std::to_string(temperature));
   if (!(top_p > 0.0f && top_p <= 1.0f)) throw InputError("generate: top_p must be in (0, 1], got " + std::to_string(top_p));

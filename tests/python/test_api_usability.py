@@ -94,7 +94,15 @@ def test_out_of_range_token_ids_raise_input_error(model):
         model.generate([1, 2], max_new_tokens=2, forced_tokens=[2**31]).run()
     with pytest.raises(mixlens.InputError):
         model.tokenizer.decode([2**31])
-    assert model.generate(np.array([1, 2], dtype=np.int64), max_new_tokens=2, seed=np.uint64(2**64 - 1)).run().steps == 2
+    assert model.generate(np.array([1, 2], dtype=np.int64), max_new_tokens=2, do_sample=True,
+                          seed=np.uint64(2**64 - 1)).run().steps == 2
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.8), dict(top_k=5), dict(top_p=0.9), dict(seed=3)])
+def test_sampling_settings_with_greedy_decoding_raise_rather_than_do_nothing(model, kwargs):
+    with pytest.raises(mixlens.InputError, match=f"{next(iter(kwargs))}=.*do_sample=True"):
+        model.generate(PROMPT, max_new_tokens=2, **kwargs).run()
+    model.generate(PROMPT, max_new_tokens=2, do_sample=True, **kwargs).run()
 
 
 # ---- 3. dir / repr / hasattr ----------------------------------------------------------------------
