@@ -399,6 +399,13 @@ int run_command(const Args& a) {
     }
   }
   mixlens::Model m = load_model(a, model_path);
+  if (!a.out.empty()) {
+    try {
+      mixlens::check_trace_file(a.out, m);  // before the run, not after it
+    } catch (const mixlens::InputError& e) {
+      usage_error(std::string("--out: ") + e.what());
+    }
+  }
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::string> texts;    // per prompt: as given (text, ids string or file name)
   std::vector<bool> is_text;         // echoed before the continuation

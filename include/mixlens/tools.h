@@ -36,9 +36,15 @@ std::string describe_model(const Model& model, int64_t prompt_length);
 /// prompt_ids, generated_ids}, and the left-padded prompt batch as int64 tensors "input_ids" and
 /// "attention_mask" [B,T] (1 = real token), as transformers' tokenizer(padding_side="left") gives
 /// them. Returns the names of the tensors written, in file order (the saved paths, then
-/// "input_ids" and "attention_mask"). CheckpointError if the file cannot be written.
+/// "input_ids" and "attention_mask"). CheckpointError if the file cannot be written; InputError
+/// (check_trace_file) if it is one of the model's own checkpoint files.
 std::vector<std::string> write_trace(const std::string& file, const Trace& trace, const Model& model,
                  const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
                  const std::vector<std::vector<int32_t>>& generated_ids, bool per_step);
+
+/// InputError when `file` is (or would replace) a file the model was loaded from: model.safetensors,
+/// its shards and index, config.json, tokenizer.json / tokenizer_config.json, also through a symlink
+/// (hub cache snapshots). The CLI checks --out with it before running.
+void check_trace_file(const std::string& file, const Model& model);
 
 }  // namespace mixlens

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "io/hub.h"
+#include "mixlens/errors.h"
 #include "io/safetensors.h"
 
 #ifndef MIXLENS_DEFAULT_MODEL_DIR
@@ -78,9 +79,40 @@ std::string describe_model(const Model& model, int64_t prompt_length) {
   return o.str();
 }
 
+namespace {
+
+// True when writing `file` would replace a file the model was loaded from (its weights, index, config or
+// tokenizer), through a symlink too (a hub cache snapshot links its files to blobs).
+bool is_checkpoint_file(const std::filesystem::path& file, const std::filesystem::path& folder) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string name = file.filename().string();
+  const bool reserved = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                        name == "config.json" || name == "tokenizer.json" || name == "tokenizer_config.json" ||
+                        (name.rfind("model-", 0) == 0 && file.extension() == ".safetensors");
+  if (reserved && fs::equivalent(file.parent_path().empty() ? fs::path(".") : file.parent_path(), folder, ec)) return true;
+  if (!fs::exists(file, ec)) return false;
+  for (const auto& entry : fs::directory_iterator(folder, ec)) {
+    const std::string n = entry.path().filename().string();
+    const bool ours = n == "model.safetensors" || n == "model.safetensors.index.json" || n == "config.json" ||
+                      n == "tokenizer.json" || (n.rfind("model-", 0) == 0 && entry.path().extension() == ".safetensors");
+    if (ours && fs::equivalent(entry.path(), file, ec)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void check_trace_file(const std::string& file, const Model& model) {
+  if (is_checkpoint_file(file, model.info().path))
+    throw InputError("'" + file + "' is a file of the loaded checkpoint (" + model.info().path +
+                     "): writing the values there would overwrite the model's own weights / config; give another path");
+}
+
 std::vector<std::string> write_trace(const std::string& file, const Trace& trace, const Model& model,
                  const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& prompt_ids,
                  const std::vector<std::vector<int32_t>>& generated_ids, bool per_step) {
+  check_trace_file(file, model);
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const auto& [key, t] : trace.saved()) {
     std::string k = key;

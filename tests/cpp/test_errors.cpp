@@ -248,3 +248,18 @@ TEST_F(BadInput, CliRunWritesSafetensorsWithMetadata) {
 }
 
 }  // namespace
+
+TEST_F(BadInput, CliOutRefusesTheCheckpointsOwnFiles) {
+  // --out inside the model folder used to overwrite model.safetensors with the saved values (rc 0): the
+  // next load failed. Refused before the run, the checkpoint untouched, also through a symlink.
+  const auto before = fs::file_size(dir_ / "model.safetensors");
+  std::string err;
+  for (const fs::path& out : {dir_ / "model.safetensors", dir_ / "config.json"}) {
+    EXPECT_EQ(cli("run --model " + dir_.string() + " 1,2,3 --ids --save logits --out " + out.string(), &err), 2) << err;
+    EXPECT_NE(err.find("is a file of the loaded checkpoint"), std::string::npos) << err;
+  }
+  fs::create_symlink(dir_ / "model.safetensors", dir_ / "link.st");
+  EXPECT_EQ(cli("run --model " + dir_.string() + " 1,2,3 --ids --save logits --out " + (dir_ / "link.st").string(), &err), 2);
+  EXPECT_EQ(fs::file_size(dir_ / "model.safetensors"), before);
+  EXPECT_EQ(cli("run --model " + dir_.string() + " 1,2,3 --ids --save logits --out " + (dir_ / "o.st").string(), &err), 0) << err;
+}
