@@ -16,6 +16,7 @@
 #include "models/common.h"
 #include "models/family.h"
 #include "ops/ops.h"
+#include "runtime/arena.h"
 #include "runtime/model_access.h"
 #include "runtime/sampling.h"
 #include "runtime/trace_listener.h"
@@ -260,6 +261,11 @@ std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::We
 }  // namespace detail
 
 Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options) {
+  // The MIXLENS_* memory settings are read where first used (a trace, a big buffer): a typo there
+  // surfaced mid-run. Reading them now refuses it at load, as MIXLENS_NUM_THREADS / _ISA are.
+  (void)detail::arena_limit_bytes();
+  (void)detail::big_limit_bytes();
+  (void)save_budget_bytes();
   io::WeightStore probe;
   probe.set_matmul_dtype(options.dtype);  // an unknown dtype fails before any file is read
   const fs::path dir = io::resolve_model(path_or_hub_id);

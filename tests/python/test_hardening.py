@@ -283,3 +283,20 @@ def test_a_config_with_fewer_layers_than_its_checkpoint_is_refused(tmp_path, nam
     with pytest.raises(mixlens.ConfigError, match=rf"tensors of layer {layers - 1} .* describes {layers - 1} layers"):
         mixlens.load(str(dst))
     mixlens.load(str(src))  # the untouched folder loads
+
+
+@pytest.mark.parametrize("var", ["MIXLENS_ARENA_MB", "MIXLENS_ARENA_BIG_MB", "MIXLENS_SAVE_BUDGET_MB"])
+def test_a_mistyped_memory_setting_is_refused_at_load(var):
+    # They were read where first used: a typo was accepted at load and raised later, inside a trace.
+    code = (
+        "import mixlens\n"
+        "try:\n"
+        "    mixlens.load()\n"
+        "except mixlens.InputError as e:\n"
+        "    print('INPUTERROR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLENS_ARENA") and k != "MIXLENS_SAVE_BUDGET_MB"}
+    env[var] = "12x"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "INPUTERROR" in out.stdout and var in out.stdout, out.stdout
