@@ -98,7 +98,8 @@ struct GenerateOptions {
   int top_k = 0;             ///< 0 = off
   float top_p = 1.0f;        ///< in (0, 1]; 1 = off
   uint64_t seed = 0;
-  /// Stop a row at this id; default: config eos_token_id. -1 disables stopping on EOS.
+  /// Stop a row at this id; default: config eos_token_id. -1 disables stopping on EOS; any other id
+  /// outside [0, vocab_size) is an InputError.
   std::optional<int32_t> eos_token_id;
   /// InputError naming the first setting out of range (max_new_tokens >= 1; when sampling:
   /// temperature > 0 and finite, top_p in (0, 1], top_k >= 0), or the sampling settings given

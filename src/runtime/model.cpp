@@ -569,6 +569,10 @@ GenerationResult detail::ModelAccess::generate(const Model& m, Batch b, const Ge
   if (trace) detail::TraceListener::check_steps_reachable(*trace, o.max_new_tokens);
   Cache cache = m.new_cache(b.batch);
   std::optional<int32_t> eos = impl.eos_id;
+  // An id no token can take would never stop a row: refused rather than silently ignored.
+  if (o.eos_token_id && (*o.eos_token_id < -1 || *o.eos_token_id >= m.info().vocab_size))
+    throw InputError("generate: eos_token_id " + std::to_string(*o.eos_token_id) + " is outside the vocabulary [0, " +
+                     std::to_string(m.info().vocab_size) + ") (-1 disables stopping at EOS)");
   if (o.eos_token_id) eos = *o.eos_token_id < 0 ? std::nullopt : o.eos_token_id;
   std::mt19937_64 rng(o.seed);
   GenerationResult res;

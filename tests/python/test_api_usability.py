@@ -98,6 +98,13 @@ def test_out_of_range_token_ids_raise_input_error(model):
                           seed=np.uint64(2**64 - 1)).run().steps == 2
 
 
+@pytest.mark.parametrize("eos, says", [(10**9, "1000000000 is outside the vocabulary"), (-2, "-2 is out of range")])
+def test_an_eos_id_no_token_can_take_is_refused(model, eos, says):
+    with pytest.raises(mixlens.InputError, match=f"eos_token_id .*{says}"):
+        model.generate(PROMPT, max_new_tokens=2, eos_token_id=eos).run()
+    assert model.generate(PROMPT, max_new_tokens=2, eos_token_id=-1).run().steps == 2
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.8), dict(top_k=5), dict(top_p=0.9), dict(seed=3)])
 def test_sampling_settings_with_greedy_decoding_raise_rather_than_do_nothing(model, kwargs):
     with pytest.raises(mixlens.InputError, match=f"{next(iter(kwargs))}=.*do_sample=True"):
