@@ -85,6 +85,11 @@ class ValueArray(np.ndarray):
         """nnsight compatibility: reads are already real arrays, so this returns the value itself."""
         return self
 
+    def __reduce__(self):
+        # Pickled (multiprocessing, joblib, pickle.dump) as a plain ndarray: loading it needs numpy only,
+        # as a torch value loads as a plain torch.Tensor.
+        return np.asarray(self).__reduce__()
+
     @property
     def value(self) -> "ValueArray":
         """nnsight < 0.4 compatibility (``saved.value``)."""

@@ -503,3 +503,14 @@ def test_save_works_on_helper_results_with_numpy_output(text_model_dir):
     np.testing.assert_allclose(lens[:, -1], m.project_on_vocab(last), rtol=1e-6, atol=1e-6)
     assert lens.shape == (*h.shape[:2], m.vocab_size)
 
+
+
+def test_numpy_values_pickle_as_plain_arrays(text_model_dir):
+    import pickle
+
+    m = mixlens.StandardizedTransformer(str(text_model_dir), output="numpy")
+    with m.trace(PROMPT):
+        h = m.layers_output[1]
+    back = pickle.loads(pickle.dumps(h))
+    assert type(back) is np.ndarray and back.dtype == np.float32
+    np.testing.assert_array_equal(back, h)
