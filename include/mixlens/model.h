@@ -121,6 +121,9 @@ struct ModelInfo {
   int64_t vocab_size = 0;
   std::vector<LayerKind> layer_kinds;
   std::string dtype = "float32";  ///< LoadOptions::dtype the model was loaded with
+  /// The dtypes its matmul weights are kept in, sorted ("bfloat16", "float16", "float32"): what
+  /// "auto" resolved to (several when the checkpoint mixes them).
+  std::vector<std::string> weight_dtypes;
 };
 
 class FamilyModel;  // internal

@@ -1279,7 +1279,8 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
     # -- description ------------------------------------------------------------------------
     @property
     def info(self) -> dict:
-        """family, model_type, path, num_layers, hidden_size, vocab_size, layer_kinds."""
+        """family, model_type, path, num_layers, hidden_size, vocab_size, layer_kinds, dtype (the load option) and
+        weight_dtypes (what the matmul weights are kept in: what dtype="auto" resolved to)."""
         return self._core.info
 
     @property

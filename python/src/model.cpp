@@ -59,6 +59,7 @@ nb::dict info_dict(const Model& m) {
   d["hidden_size"] = i.hidden_size;
   d["vocab_size"] = i.vocab_size;
   d["dtype"] = i.dtype;
+  d["weight_dtypes"] = nb::cast(i.weight_dtypes);
   nb::list kinds;
   for (LayerKind k : i.layer_kinds) kinds.append(nb::str(std::string(layer_kind_name(k)).c_str()));
   d["layer_kinds"] = kinds;

@@ -187,13 +187,22 @@ void WeightStore::set_matmul_dtype(const std::string& dtype) {
   matmul_dtype_ = dtype;
 }
 
+std::vector<std::string> WeightStore::matmul_dtypes_kept() const { return {kept_.begin(), kept_.end()}; }
+
 Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) const {
-  if (matmul_dtype_ == "float32") return get(name, expected);
+  if (matmul_dtype_ == "float32") {
+    kept_.insert("float32");
+    return get(name, expected);
+  }
   const Entry& e = entry(name);
   DType target = DType::BF16;
   if (matmul_dtype_ == "float16") target = DType::F16;
   else if (matmul_dtype_ == "auto") target = e.info->dtype;
-  if (target != DType::BF16 && target != DType::F16) return get(name, expected);  // auto on F32 / F64
+  if (target != DType::BF16 && target != DType::F16) {  // auto on F32 / F64
+    kept_.insert("float32");
+    return get(name, expected);
+  }
+  kept_.insert(target == DType::BF16 ? "bfloat16" : "float16");
   if (e.info->shape != expected) return get(name, expected);  // raises the shape error
   const mixlens::ScalarType out = target == DType::BF16 ? mixlens::ScalarType::bfloat16 : mixlens::ScalarType::float16;
   const int64_t n = shape_numel(expected);

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -48,6 +49,9 @@ class WeightStore {
   /// set_matmul_dtype (float32 -> bf16 / f16 rounds to nearest even, as torch's .to()). The same
   /// shape and finiteness checks as get(name, expected).
   Tensor get_matmul(const std::string& name, const Shape& expected) const;
+  /// The dtypes get_matmul has returned so far ("bfloat16", "float16", "float32"), sorted: what "auto"
+  /// resolved to (ModelInfo::weight_dtypes).
+  std::vector<std::string> matmul_dtypes_kept() const;
   /// Integer tensors as int64 (see SafetensorsFile::get_i64).
   std::vector<int64_t> get_i64(const std::string& name) const;
   /// All tensor names, sorted.
@@ -65,6 +69,7 @@ class WeightStore {
   std::vector<SafetensorsFile> files_;
   std::unordered_map<std::string, Entry> entries_;
   std::string matmul_dtype_ = "float32";
+  mutable std::set<std::string> kept_;  // get_matmul's result dtypes (loading is one thread)
 };
 
 /// Levenshtein distance (for "did you mean" suggestions).

@@ -283,6 +283,7 @@ Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options)
   detail::check_no_extra_layers(weights, m.impl_->family->info.num_layers, config);
   m.impl_->family->info.path = dir.string();
   m.impl_->family->info.dtype = options.dtype;
+  m.impl_->family->info.weight_dtypes = weights.matmul_dtypes_kept();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the
   // top level: fall back there when the top level has none.

@@ -66,7 +66,9 @@ def test_bf16_weights_vs_transformers_bf16_and_own_float32(name, tmp_path_factor
     path, hf = _bf16_checkpoint(name, tmp_path_factory)
     narrow = mixlens.load(str(path), dtype="auto")
     assert narrow._core.info["dtype"] == "auto"
+    assert narrow._core.info["weight_dtypes"] == ["bfloat16"]  # what "auto" resolved to (a bf16 checkpoint)
     wide = mixlens.load(str(path), dtype="float32")
+    assert wide._core.info["weight_dtypes"] == ["float32"]
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
@@ -98,7 +100,7 @@ def test_dtype_argument_validation():
     with pytest.raises(ValueError, match="int8"):
         mixlens.load(str(REPO / "models" / "mamba2-tinystories"), dtype="int8")
     m = mixlens.load(str(REPO / "models" / "mamba2-tinystories"), dtype=torch.bfloat16)
-    assert m._core.info["dtype"] == "bfloat16"
+    assert m._core.info["dtype"] == "bfloat16" and m._core.info["weight_dtypes"] == ["bfloat16"]
     # Served values stay float32 with narrow weights.
     with m.trace("Once upon a time") as tr:
         out = m.logits.save()
