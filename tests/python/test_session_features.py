@@ -150,7 +150,7 @@ def test_ids_padded_by_the_caller_with_their_attention_mask_equal_ragged_rows(mo
         model.run(prompts, attention_mask=mask)  # ragged rows are not a padded batch
     with pytest.raises(mixlens.InputError, match="dict input"):
         model.run({"input_ids": odd, "token_type_ids": odd})
-    with pytest.raises(mixlens.InputError, match="continuation"):
+    with pytest.raises(mixlens.InputError, match="cannot pad a call over a cache"):
         model.trace(odd, attention_mask=mask, cache=model.new_cache(2))
 
 
