@@ -81,23 +81,25 @@ std::string describe_model(const Model& model, int64_t prompt_length) {
 
 namespace {
 
-// True when writing `file` would replace a file the model was loaded from (its weights, index, config or
-// tokenizer), through a symlink too (a hub cache snapshot links its files to blobs).
+// The names a model folder's loader reads: weights (single file or shards), index, config, tokenizer.
+bool checkpoint_name(const std::filesystem::path& p) {
+  const std::string n = p.filename().string();
+  return n == "model.safetensors" || n == "model.safetensors.index.json" || n == "config.json" ||
+         n == "tokenizer.json" || n == "tokenizer_config.json" ||
+         (n.rfind("model-", 0) == 0 && p.extension() == ".safetensors");
+}
+
+// True when writing `file` would replace a file the model was loaded from, through a symlink too (a hub
+// cache snapshot links its files to blobs).
 bool is_checkpoint_file(const std::filesystem::path& file, const std::filesystem::path& folder) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const std::string name = file.filename().string();
-  const bool reserved = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                        name == "config.json" || name == "tokenizer.json" || name == "tokenizer_config.json" ||
-                        (name.rfind("model-", 0) == 0 && file.extension() == ".safetensors");
-  if (reserved && fs::equivalent(file.parent_path().empty() ? fs::path(".") : file.parent_path(), folder, ec)) return true;
+  if (checkpoint_name(file) && fs::equivalent(file.parent_path().empty() ? fs::path(".") : file.parent_path(), folder, ec))
+    return true;
   if (!fs::exists(file, ec)) return false;
-  for (const auto& entry : fs::directory_iterator(folder, ec)) {
-    const std::string n = entry.path().filename().string();
-    const bool ours = n == "model.safetensors" || n == "model.safetensors.index.json" || n == "config.json" ||
-                      n == "tokenizer.json" || (n.rfind("model-", 0) == 0 && entry.path().extension() == ".safetensors");
-    if (ours && fs::equivalent(entry.path(), file, ec)) return true;
-  }
+  std::error_code eq;  // a broken link among the folder's files answers false, and the walk goes on
+  for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec))
+    if (checkpoint_name(it->path()) && fs::equivalent(it->path(), file, eq)) return true;
   return false;
 }
 
