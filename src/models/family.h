@@ -65,7 +65,8 @@ class FamilyModel {
     };
     std::vector<ValueInfo> values;  ///< values(1, 1), forward order
     std::unordered_map<std::string, size_t, PathHash, std::equal_to<>> at;  ///< path -> index in `values`
-    std::vector<int> at_site;  ///< (layer + 1) * kNumValues + value -> index in `values`, -1 if absent
+    std::vector<int> at_site;  ///< slot(site) -> index in `values`, -1 if absent
+    static size_t slot(Site s) { return static_cast<size_t>((s.layer + 1) * kNumValues + static_cast<int>(s.value)); }
   };
   const ValueTable& value_table() const;
   /// values.md support(): value name -> per layer reason ("" when available).

@@ -336,9 +336,8 @@ const detail::FamilyModel::ValueTable& detail::FamilyModel::value_table() const 
     t->values = values(1, 1);
     t->at_site.assign(static_cast<size_t>((info.num_layers + 1) * kNumValues), -1);
     for (size_t i = 0; i < t->values.size(); ++i) {
-      const Site site = t->values[i].site;
       t->at.emplace(t->values[i].path, i);
-      t->at_site[static_cast<size_t>((site.layer + 1) * kNumValues + static_cast<int>(site.value))] = static_cast<int>(i);
+      t->at_site[ValueTable::slot(t->values[i].site)] = static_cast<int>(i);
     }
     table_ = std::move(t);
   });

@@ -195,12 +195,12 @@ struct Session::Impl {
   };
 
   Impl(const Model& m, Trace* t)
-      : model(m), family(detail::ModelAccess::family(m)), table(family.value_table()), trace(t), listener(*this) {
+      : family(detail::ModelAccess::family(m)), table(family.value_table()), trace(t), listener(*this) {
     // Validate the trace's registrations now, on the caller, rather than at the first request.
     if (trace) detail::TraceListener check(*trace, family);
   }
 
-  size_t slot(Site s) const { return static_cast<size_t>((s.layer + 1) * kNumValues + static_cast<int>(s.value)); }
+  static size_t slot(Site s) { return detail::FamilyModel::ValueTable::slot(s); }
   // Orders are 2 * (index in Model::values()); the per-token `state` (not in values(): it addresses
   // `states` by token) sits just before `states`, as the scan visits it before the stack is served.
   bool has_order(Site s) const {
@@ -471,7 +471,6 @@ struct Session::Impl {
   Tensor read_at(const Target& t, std::string_view path, bool* at_live = nullptr);
   void write_at(const Target& t, std::string_view path, const Tensor& value);
 
-  const Model& model;
   const detail::FamilyModel& family;
   // Model::values() and its indexes (built once per model). A value's order in the run is 2 * its
   // index there.

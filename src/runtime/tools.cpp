@@ -7,8 +7,8 @@
 #include <sstream>
 
 #include "io/hub.h"
-#include "mixlens/errors.h"
 #include "io/safetensors.h"
+#include "mixlens/errors.h"
 
 #ifndef MIXLENS_DEFAULT_MODEL_DIR
 #define MIXLENS_DEFAULT_MODEL_DIR "models/mamba2-tinystories"
