@@ -266,12 +266,20 @@ def as_float32(value: Any, path: str) -> np.ndarray:
         t = value.detach()
         if t.is_complex() or t.dtype == torch.bool:
             raise WriteError(f"write to '{path}': dtype {t.dtype} cannot be written (values are float32)")
-        if t.dtype == torch.float64:
-            _check_float32_range(t.to("cpu").numpy(), path)
-        t = t.to(device="cpu", dtype=torch.float32)
-        if t.is_inference() or type(t) is not torch.Tensor:
-            t = t.as_subclass(torch.Tensor)
-        return np.array(t.contiguous().numpy(), dtype=np.float32, copy=True)
+        if t.device.type == "meta":
+            raise WriteError(f"write to '{path}': a tensor on the 'meta' device has no values to write")
+        try:
+            if t.layout != torch.strided:  # sparse: its dense values are what is written
+                t = t.to_dense()
+            if t.dtype == torch.float64:
+                _check_float32_range(t.to("cpu").numpy(), path)
+            t = t.to(device="cpu", dtype=torch.float32)
+            if t.is_inference() or type(t) is not torch.Tensor:
+                t = t.as_subclass(torch.Tensor)
+            return np.array(t.contiguous().numpy(), dtype=np.float32, copy=True)
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # quantized, nested, ...: torch cannot hand it over
+            raise WriteError(f"write to '{path}': this {t.dtype} tensor ({t.layout}, device '{t.device}') cannot "
+                             f"be converted to float32 values: {e}") from None
     try:
         arr = np.asarray(value)
     except ValueError as e:  # a ragged nested list

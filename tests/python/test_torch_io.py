@@ -3,6 +3,8 @@ in-place edits that reach the forward (or raise) - never a silent no-op."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -104,6 +106,18 @@ def test_bad_writes_name_the_problem(tmodel):
             tmodel.layers[0].linear_attn.betas = torch.zeros(b.shape, dtype=torch.complex64)
         with pytest.raises(mixlens.WriteError, match=r"expected shape \[1, \d+, 4\], got \[3, 2\]"):
             tmodel.layers[0].linear_attn.betas = torch.zeros(3, 2)
+        # A tensor with no values (meta) or that torch cannot turn into numbers is a WriteError, not torch's own
+        with pytest.raises(mixlens.WriteError, match="'meta' device has no values"):
+            tmodel.layers[0].linear_attn.betas = torch.zeros(b.shape, device="meta")
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; users still have them
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_tensor(torch.zeros(b.shape), 0.1, 0, torch.qint8)
+        with pytest.raises(mixlens.WriteError, match="cannot be converted to float32"):
+            tmodel.layers[0].linear_attn.betas = q
+        # A sparse tensor writes its dense values
+        dense = torch.full(tuple(b.shape), 0.25)
+        tmodel.layers[0].linear_attn.betas = dense.to_sparse()
+        np.testing.assert_array_equal(np32(tmodel.layers[0].linear_attn.betas), dense.numpy())
 
 
 # ---- in-place edits (item 2) ------------------------------------------------------------------
