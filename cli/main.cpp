@@ -22,39 +22,48 @@
 
 namespace {
 
-const char* kUsage = R"(mixlens: read and write every value of recurrent language models
-
-usage:
-  mixlens generate [--model DIR|HUB_ID] PROMPT... --max-new-tokens N
+// The help, in pieces: `mixlens --help` prints them all, `mixlens <command> --help` (or `mixlens help
+// <command>`) the usage and options of that command.
+constexpr const char* kHead = "mixlens: read and write every value of recurrent language models\n\nusage:\n";
+constexpr const char* kUseGenerate = R"(  mixlens generate [--model DIR|HUB_ID] PROMPT... --max-new-tokens N
                    [--greedy | --temperature T --top-k K --top-p P --seed S]
                    [--save PATH ...] [--out FILE] [--ids]
-  mixlens run      [--model DIR|HUB_ID] PROMPT... --save PATH ... --out FILE [--ids]
-  (PROMPT... may be replaced or joined by --prompt-file PATH / --ids-file PATH, each repeatable)
-  mixlens inspect  [--model DIR|HUB_ID] [--prompt-length T]
-  mixlens tokenize [--model DIR|HUB_ID] TEXT
-  mixlens extract  [--model DIR|HUB_ID] PROMPTS_FILE --values PATH ... --out DIR
+)";
+constexpr const char* kUseRun = R"(  mixlens run      [--model DIR|HUB_ID] PROMPT... --save PATH ... --out FILE [--ids]
+)";
+constexpr const char* kUsePrompts = R"(  (PROMPT... may be replaced or joined by --prompt-file PATH / --ids-file PATH, each repeatable)
+)";
+constexpr const char* kUseInspect = R"(  mixlens inspect  [--model DIR|HUB_ID] [--prompt-length T]
+)";
+constexpr const char* kUseTokenize = R"(  mixlens tokenize [--model DIR|HUB_ID] TEXT
+)";
+constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] PROMPTS_FILE --values PATH ... --out DIR
                    [--batch-size N] [--positions all|last|mask] [--text-field F] [--mask-field F]
                    [--shard-bytes N] [--max-bytes N] [--hash-prompts]
-  mixlens --version
-
-  --model      checkpoint folder or hub id from the local HuggingFace cache
+)";
+constexpr const char* kOptModel = R"(  --model      checkpoint folder or hub id from the local HuggingFace cache
                (default: $MIXLENS_MODEL, else the model shipped with mixlens)
-  --save PATH  a value path, e.g. layers.3.linear_attn.states or layers.*.linear_attn.state_output;
+)";
+constexpr const char* kOptSaveOut = R"(  --save PATH  a value path, e.g. layers.3.linear_attn.states or layers.*.linear_attn.state_output;
                layers.1.linear_attn.state@t5 is the state after token 5 (@t-1: the last token)
                (repeatable; `mixlens inspect` lists them all)
   --out FILE   safetensors file: one tensor per saved path (generate: PATH@step{k}),
                with a JSON "mixlens" metadata entry (model, prompts, token ids)
   --ids        PROMPT is comma-separated token ids instead of text
-  --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16 or auto
+)";
+constexpr const char* kOptDtype = R"(  --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16 or auto
                (the checkpoint's dtype); values are float32 whatever the dtype
-  --prompt-file PATH   one text prompt: the file's content (less one trailing newline)
+)";
+constexpr const char* kOptPrompts = R"(  --prompt-file PATH   one text prompt: the file's content (less one trailing newline)
   --ids-file PATH      one prompt of token ids: whitespace- or comma-separated, or a JSON list
                        (a JSON list of lists: one prompt per inner list)
   -            as PROMPT or PATH: read that prompt from standard input (once)
   several prompts run as one left-padded batch, in the order given; prompts of any length
   (e.g. 32k tokens) go through files or stdin, which have no argument-list limit
-
-extract: run every prompt of PROMPTS_FILE (.jsonl: one object per line with a "text" field; else
+)";
+constexpr const char* kOptInspect = R"(  --prompt-length T  the tokens per call that the listed value shapes assume (default 8)
+)";
+constexpr const char* kExtract = R"(extract: run every prompt of PROMPTS_FILE (.jsonl: one object per line with a "text" field; else
 plain text, one prompt per line) and write the values of their real tokens to DIR as sharded
 safetensors + index.json (layout: docs/extract.md). A rerun with the same arguments resumes: shards
 already written are skipped.
@@ -66,6 +75,21 @@ already written are skipped.
   --max-bytes N      refuse to start when the estimated output is larger (default: no limit)
   --hash-prompts     index.json keeps FNV-1a hashes of the prompts instead of their text
 )";
+
+// The help for `command` ("" = every command); empty for an unknown one.
+std::string help_text(const std::string& command) {
+  const std::string head = kHead;
+  if (command.empty())
+    return head + kUseGenerate + kUseRun + kUsePrompts + kUseInspect + kUseTokenize + kUseExtract +
+           "  mixlens --version\n\n" + kOptModel + kOptSaveOut + kOptDtype + kOptPrompts + "\n" + kExtract;
+  if (command == "generate" || command == "run")
+    return head + (command == "run" ? kUseRun : kUseGenerate) + kUsePrompts + "\n" + kOptModel + kOptSaveOut + kOptDtype +
+           kOptPrompts;
+  if (command == "inspect") return head + kUseInspect + "\n" + kOptModel + kOptInspect + kOptDtype;
+  if (command == "tokenize") return head + kUseTokenize + "\n" + kOptModel;
+  if (command == "extract") return head + kUseExtract + "\n" + kOptModel + kOptDtype + "\n" + kExtract;
+  return {};
+}
 
 // One prompt as given: positional text / ids, or a file (stdin for "-") of text or ids.
 struct PromptArg {
@@ -142,7 +166,10 @@ Args parse(int argc, char** argv) {
     std::exit(0);
   }
   if (a.command == "--help" || a.command == "-h" || a.command == "help") {
-    std::fputs(kUsage, stdout);
+    const std::string topic = a.command == "help" && argc > 2 ? argv[2] : "";
+    const std::string text = help_text(topic);
+    if (text.empty()) usage_error("no help for '" + topic + "': the commands are generate, run, inspect, tokenize, extract");
+    std::fputs(text.c_str(), stdout);
     std::exit(0);
   }
   for (int i = 2; i < argc; ++i) {
@@ -182,7 +209,9 @@ Args parse(int argc, char** argv) {
     else if (f == "--max-bytes") a.max_bytes = parse_bytes(f, value());
     else if (f == "--hash-prompts") a.hash_prompts = true;
     else if (f == "--help" || f == "-h") {
-      std::fputs(kUsage, stdout);
+      const std::string text = help_text(a.command);
+      if (text.empty()) usage_error("unknown command '" + a.command + "'");
+      std::fputs(text.c_str(), stdout);
       std::exit(0);
     } else if (f.size() > 1 && f[0] == '-' && f[1] == '-') usage_error("unknown flag " + f);
     else {

@@ -146,6 +146,23 @@ def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
+def test_each_command_has_its_own_help():
+    whole = cli("--help")
+    assert whole.returncode == 0 and "mixlens generate" in whole.stdout and "mixlens extract" in whole.stdout
+    for command, own, other in [("generate", "--max-new-tokens N", "mixlens extract"),
+                                ("run", "--save PATH ... --out FILE", "--max-new-tokens"),
+                                ("inspect", "--prompt-length T  the tokens per call", "--save PATH"),
+                                ("tokenize", "mixlens tokenize", "--dtype"),
+                                ("extract", "--hash-prompts     index.json", "mixlens generate")]:
+        for args in ((command, "--help"), ("help", command)):
+            r = cli(*args)
+            assert r.returncode == 0, r.stderr
+            assert own in r.stdout and other not in r.stdout, (args, r.stdout)
+    for args, needle in [(("bogus", "--help"), "unknown command 'bogus'"), (("help", "bogus"), "no help for 'bogus'")]:
+        r = cli(*args)
+        assert r.returncode == 2 and needle in r.stderr and r.stdout == "", (args, r)
+
+
 def test_bad_inputs_exit_non_zero_with_a_clear_message(tmp_path, text_model_dir):
     _one_line_error(cli("generate", "--model", tmp_path / "nope", "hi", "--max-new-tokens", 2), "nope", "does not exist")
     _one_line_error(cli("run", "--model", text_model_dir, "hi", "--save", "layers.0.linear_attn.beta", "--out", tmp_path / "x"),
