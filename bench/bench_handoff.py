@@ -6,7 +6,9 @@
 
 For N in 0, 1, 10, 100 the block reads the first N small values of the model in forward order
 (layer_input, layer_output, betas, decays, states, ...: a few KiB each, so the copy is small and the
-time is the hand-off: Python attribute lookup, the binding, the forward pausing and resuming). Two
+time is the hand-off: Python attribute lookup, the binding, the forward pausing and resuming;
+``--values computed`` leaves out the ``states`` stacks, whose read makes the forward run a per-token state
+pass it otherwise skips). Two
 ways of reading: ``full`` spells each read as a user does, ``model.layers[i].linear_attn.betas``
 (every attribute looked up in the block) and drops each value, ``kept`` reads the same way and holds
 every value until the block ends (each is then released read-only as the forward moves on: the in-place
@@ -56,12 +58,17 @@ def tiny_model(out: Path) -> Path:
     return out
 
 
-def small_paths(model, limit: int, max_numel: int = 1 << 16) -> list[str]:
+def small_paths(model, limit: int, max_numel: int = 1 << 16, computed_only: bool = False) -> list[str]:
+    """The first `limit` values of up to max_numel elements in forward order. computed_only: without the
+    `states` stacks, whose read makes the forward run a per-token state pass it otherwise skips (compute
+    bought by the read, measured by bench_state_after.py, not hand-off)."""
     out = []
     for v in model.values(1, 8):
         n = 1
         for d in v["shape"]:
             n *= d
+        if computed_only and v["path"].endswith(".states"):
+            continue
         if n <= max_numel and not v["path"].endswith("state_input"):
             out.append(v["path"])
     return out[:limit]
@@ -108,10 +115,10 @@ def block_time(model, ids, readers, keep: bool = False) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def measure(model, repeats: int, counts=COUNTS) -> dict:
+def measure(model, repeats: int, counts=COUNTS, computed_only: bool = False) -> dict:
     """{access: {"wall": {n: [...]}, "cpu": {n: [...]}}}, blocks of every (access, count) interleaved."""
     ids = [(i * 37 + 5) % 256 for i in range(8)]
-    paths = small_paths(model, max(counts))
+    paths = small_paths(model, max(counts), computed_only=computed_only)
     if len(paths) < max(counts):
         raise SystemExit(f"the model has only {len(paths)} small values; need {max(counts)}")
     make = {"full": full_reader, "kept": full_reader, "envoy": envoy_reader}
@@ -145,7 +152,7 @@ def child(a) -> int:
     import mixlens
 
     model = mixlens.StandardizedTransformer(a.model_path)
-    res = measure(model, a.repeats)
+    res = measure(model, a.repeats, computed_only=a.values == "computed")
     json.dump({"mixlens": mixlens.__file__, "output": model.output_format, "res": res}, sys.stdout)
     return 0
 
@@ -155,7 +162,7 @@ def run_child(a, output: str, pythonpath: str | None) -> dict:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, __file__, "--child", "--output", output, "--repeats", str(a.repeats),
-           "--model-path", a.model_path, "--threads", str(a.threads)]
+           "--model-path", a.model_path, "--threads", str(a.threads), "--values", a.values]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     r = json.loads(p.stdout)
     # JSON keys are strings
@@ -176,7 +183,7 @@ def single_table(a, model_name: str, res: dict, fmt: str, where: str, load, load
             rows.append(f"| {acc} | {n} | {min(wall[n]) * 1e3:.3f} | {pm} | {pw} | {min(cpu[n]) * 1e3:.3f} | {pc} |")
     return "\n".join([
         f"Model: {model_name}, 8-token prompt, {a.threads} threads, {a.repeats} repeats (counts interleaved block by "
-        f"block), values as {fmt}, mixlens {where}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, "
+        f"block), values as {fmt}, value set `{a.values}`, mixlens {where}. Load average {load[0]:.2f} before, {load_after[0]:.2f} after, "
         f"{os.cpu_count()} cores.",
         "",
         *rows,
@@ -207,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", choices=("auto", "torch", "numpy"), default=None,
                     help="value type read (MIXLENS_OUTPUT; default: $MIXLENS_OUTPUT, else auto = torch when installed)")
+    ap.add_argument("--values", choices=("all", "computed"), default="all",
+                    help="all: the first small values in forward order (9 of the 100 are `states` stacks); computed: "
+                         "without `states`, whose read adds a per-token state pass (compute, not hand-off)")
     ap.add_argument("--ab", default=None, metavar="DIR", help="A/B: DIR holds the other build's mixlens package")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds (each: base and this, numpy and torch)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "handoff.md"))
@@ -257,7 +267,7 @@ def main(argv=None) -> int:
         "## Python hand-off: values read in one `with model.trace(...)` block (A/B)",
         "",
         f"A/B, {a.rounds} rounds, each round base then this build, numpy then torch output; model {name}, 8-token "
-        f"prompt, {a.threads} threads, {a.repeats} repeats per run (access kinds and counts interleaved block by "
+        f"prompt, value set `{a.values}`, {a.threads} threads, {a.repeats} repeats per run (access kinds and counts interleaved block by "
         f"block). base = {where.get('base')}, this = {where.get('this')}. Load average {load[0]:.2f} before, "
         f"{load_after[0]:.2f} after, {os.cpu_count()} cores.",
         "Per value = the median over repeats of (t(N) - t(0)) / N, each N-value block paired with the empty block "
