@@ -11,6 +11,7 @@
 #include <map>
 #include <new>
 #include <stdexcept>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -25,19 +26,19 @@ namespace {
 // The help, in pieces: `mixlens --help` prints them all, `mixlens <command> --help` (or `mixlens help
 // <command>`) the usage and options of that command.
 constexpr const char* kHead = "mixlens: read and write every value of recurrent language models\n\nusage:\n";
-constexpr const char* kUseGenerate = R"(  mixlens generate [--model DIR|HUB_ID] PROMPT... --max-new-tokens N
+constexpr const char* kUseGenerate = R"(  mixlens generate [--model DIR|HUB_ID] [--dtype D] PROMPT... --max-new-tokens N
                    [--greedy | --temperature T --top-k K --top-p P --seed S]
                    [--save PATH ...] [--out FILE] [--ids]
 )";
-constexpr const char* kUseRun = R"(  mixlens run      [--model DIR|HUB_ID] PROMPT... --save PATH ... --out FILE [--ids]
+constexpr const char* kUseRun = R"(  mixlens run      [--model DIR|HUB_ID] [--dtype D] PROMPT... --save PATH ... --out FILE [--ids]
 )";
 constexpr const char* kUsePrompts = R"(  (PROMPT... may be replaced or joined by --prompt-file PATH / --ids-file PATH, each repeatable)
 )";
-constexpr const char* kUseInspect = R"(  mixlens inspect  [--model DIR|HUB_ID] [--prompt-length T]
+constexpr const char* kUseInspect = R"(  mixlens inspect  [--model DIR|HUB_ID] [--dtype D] [--prompt-length T]
 )";
-constexpr const char* kUseTokenize = R"(  mixlens tokenize [--model DIR|HUB_ID] TEXT
+constexpr const char* kUseTokenize = R"(  mixlens tokenize [--model DIR|HUB_ID] [--dtype D] TEXT
 )";
-constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] PROMPTS_FILE --values PATH ... --out DIR
+constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] [--dtype D] PROMPTS_FILE --values PATH ... --out DIR
                    [--batch-size N] [--positions all|last|mask] [--text-field F] [--mask-field F]
                    [--shard-bytes N] [--max-bytes N] [--hash-prompts]
 )";
@@ -61,6 +62,13 @@ constexpr const char* kOptPrompts = R"(  --prompt-file PATH   one text prompt: t
   several prompts run as one left-padded batch, in the order given; prompts of any length
   (e.g. 32k tokens) go through files or stdin, which have no argument-list limit
 )";
+constexpr const char* kOptGenerate = R"(  --max-new-tokens N   tokens to generate per prompt (required, >= 1)
+  --greedy             argmax decoding: the default when no sampling flag is given
+  --temperature T      sampling temperature (> 0, default 1); any sampling flag turns sampling on
+  --top-k K            sample among the K likeliest tokens (0 = all, default)
+  --top-p P            sample within the smallest set of probability >= P (in (0, 1], 1 = off, default)
+  --seed S             the sampler's seed (default 0): the same seed gives the same tokens
+)";
 constexpr const char* kOptInspect = R"(  --prompt-length T  the tokens per call that the listed value shapes assume (default 8)
 )";
 constexpr const char* kExtract = R"(extract: run every prompt of PROMPTS_FILE (.jsonl: one object per line with a "text" field; else
@@ -68,9 +76,10 @@ plain text, one prompt per line) and write the values of their real tokens to DI
 safetensors + index.json (layout: docs/extract.md). A rerun with the same arguments resumes: shards
 already written are skipped.
   --values PATH      value paths as for --save (repeatable, or comma-separated)
+  --text-field F     the .jsonl field that holds each prompt (default "text")
   --batch-size N     prompts per forward (left-padded batch; default 8)
   --positions P      all (every token, default), last (the last token), or mask (the 0/1 list in
-                     each jsonl line's --mask-field, default "mask")
+                     each jsonl line's --mask-field F, default "mask")
   --shard-bytes N    data bytes per shard (default 256M; K/M/G suffixes = 2^10/2^20/2^30)
   --max-bytes N      refuse to start when the estimated output is larger (default: no limit)
   --hash-prompts     index.json keeps FNV-1a hashes of the prompts instead of their text
@@ -81,12 +90,12 @@ std::string help_text(const std::string& command) {
   const std::string head = kHead;
   if (command.empty())
     return head + kUseGenerate + kUseRun + kUsePrompts + kUseInspect + kUseTokenize + kUseExtract +
-           "  mixlens --version\n\n" + kOptModel + kOptSaveOut + kOptDtype + kOptPrompts + "\n" + kExtract;
-  if (command == "generate" || command == "run")
-    return head + (command == "run" ? kUseRun : kUseGenerate) + kUsePrompts + "\n" + kOptModel + kOptSaveOut + kOptDtype +
-           kOptPrompts;
+           "  mixlens --version\n\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptPrompts + "\n" + kExtract;
+  if (command == "generate")
+    return head + kUseGenerate + kUsePrompts + "\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptPrompts;
+  if (command == "run") return head + kUseRun + kUsePrompts + "\n" + kOptModel + kOptSaveOut + kOptDtype + kOptPrompts;
   if (command == "inspect") return head + kUseInspect + "\n" + kOptModel + kOptInspect + kOptDtype;
-  if (command == "tokenize") return head + kUseTokenize + "\n" + kOptModel;
+  if (command == "tokenize") return head + kUseTokenize + "\n" + kOptModel + kOptDtype;
   if (command == "extract") return head + kUseExtract + "\n" + kOptModel + kOptDtype + "\n" + kExtract;
   return {};
 }
@@ -157,6 +166,24 @@ uint64_t parse_bytes(const std::string& flag, std::string v) {
   return n * mult;
 }
 
+// The flags each command takes: one another command takes is refused, not ignored.
+const std::set<std::string>* command_flags(const std::string& command) {
+  using S = std::set<std::string>;
+  static const S generate = {"--model", "--dtype", "--save", "--out", "--ids", "--prompt-file", "--ids-file",
+                             "--max-new-tokens", "--greedy", "--temperature", "--top-k", "--top-p", "--seed"};
+  static const S run = {"--model", "--dtype", "--save", "--out", "--ids", "--prompt-file", "--ids-file"};
+  static const S inspect = {"--model", "--dtype", "--prompt-length"};
+  static const S tokenize = {"--model", "--dtype"};
+  static const S extract = {"--model", "--dtype", "--values", "--out", "--batch-size", "--positions", "--text-field",
+                            "--mask-field", "--shard-bytes", "--max-bytes", "--hash-prompts"};
+  if (command == "generate") return &generate;
+  if (command == "run") return &run;
+  if (command == "inspect") return &inspect;
+  if (command == "tokenize") return &tokenize;
+  if (command == "extract") return &extract;
+  return nullptr;
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   if (argc < 2) usage_error("no command given");
@@ -166,14 +193,30 @@ Args parse(int argc, char** argv) {
     std::exit(0);
   }
   if (a.command == "--help" || a.command == "-h" || a.command == "help") {
+    if (argc > 3) usage_error("help takes one command, e.g. `mixlens help generate`");
     const std::string topic = a.command == "help" && argc > 2 ? argv[2] : "";
     const std::string text = help_text(topic);
     if (text.empty()) usage_error("no help for '" + topic + "': the commands are generate, run, inspect, tokenize, extract");
     std::fputs(text.c_str(), stdout);
     std::exit(0);
   }
+  const std::set<std::string>* flags = command_flags(a.command);
   for (int i = 2; i < argc; ++i) {
     std::string f = argv[i];
+    if (f == "--help" || f == "-h") {
+      const std::string text = help_text(a.command);
+      if (text.empty()) usage_error("unknown command '" + a.command + "'");
+      std::fputs(text.c_str(), stdout);
+      std::exit(0);
+    }
+    if (flags == nullptr) usage_error("unknown command '" + a.command + "'");
+    if (f.size() > 2 && f[0] == '-' && f[1] == '-' && !flags->count(f)) {
+      if (a.command == "extract" && f == "--save") usage_error("extract takes --values, not --save");
+      for (const char* c : {"generate", "run", "inspect", "tokenize", "extract"})
+        if (command_flags(c)->count(f))
+          usage_error(a.command + " does not take " + f + " (`mixlens " + a.command + " --help` lists what it takes)");
+      usage_error("unknown flag " + f);
+    }
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) usage_error(f + " needs a value");
       return argv[++i];
@@ -208,12 +251,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--shard-bytes") a.shard_bytes = parse_bytes(f, value());
     else if (f == "--max-bytes") a.max_bytes = parse_bytes(f, value());
     else if (f == "--hash-prompts") a.hash_prompts = true;
-    else if (f == "--help" || f == "-h") {
-      const std::string text = help_text(a.command);
-      if (text.empty()) usage_error("unknown command '" + a.command + "'");
-      std::fputs(text.c_str(), stdout);
-      std::exit(0);
-    } else if (f.size() > 1 && f[0] == '-' && f[1] == '-') usage_error("unknown flag " + f);
+    else if (f.size() > 1 && f[0] == '-' && f[1] == '-') usage_error("unknown flag " + f);
     else {
       a.positional.push_back(f);
       a.prompts.push_back({PromptArg::text, f});  // kind fixed below once --ids is known
@@ -357,11 +395,8 @@ int run_extract(const Args& a, const std::string& model_path) {
   if (a.positional.size() != 1) usage_error("extract takes exactly one PROMPTS_FILE");
   if (a.values.empty()) usage_error("extract needs --values PATH ...");
   if (a.out.empty()) usage_error("extract needs --out DIR");
-  if (!a.saves.empty()) usage_error("extract takes --values, not --save");
   const std::string mask_field = a.mask_field.empty() && a.positions == "mask" ? "mask" : a.mask_field;
   if (!mask_field.empty() && a.positions != "mask") usage_error("--mask-field needs --positions mask");
-  const auto prompts = mixlens::read_prompts_file(a.positional[0], a.text_field, mask_field);
-  mixlens::Model m = load_model(a, model_path);
   mixlens::ExtractOptions o;
   o.values = a.values;
   o.batch_size = a.batch_size;
@@ -369,6 +404,13 @@ int run_extract(const Args& a, const std::string& model_path) {
   o.shard_bytes = a.shard_bytes;
   o.max_bytes = a.max_bytes;
   o.store_prompts = !a.hash_prompts;
+  try {
+    o.check();  // the library's own rule, reported as a usage error (exit 2) before loading
+  } catch (const mixlens::InputError& e) {
+    usage_error(e.what());
+  }
+  const auto prompts = mixlens::read_prompts_file(a.positional[0], a.text_field, mask_field);
+  mixlens::Model m = load_model(a, model_path);
   const mixlens::ExtractPlan plan = mixlens::plan_extraction(m, prompts, o);
   std::fprintf(stderr, "mixlens: extract %zu prompts, %lld rows, %zu values -> %s in %zu shards (about %s)\n",
                plan.ids.size(), static_cast<long long>(plan.total_rows), plan.values.size(), a.out.c_str(),

@@ -54,6 +54,10 @@ struct ExtractOptions {
   uint64_t shard_bytes = 256ull << 20;  ///< target data bytes per shard (a prompt is never split)
   uint64_t max_bytes = 0;               ///< refuse (ResourceError) when the estimate passes it; 0 = no limit
   bool store_prompts = true;            ///< index.json keeps the texts; false: FNV-1a 64 hashes only
+
+  /// InputError for a setting out of range (batch_size < 1, shard_bytes 0, an unknown positions
+  /// word); plan_extraction calls it, and callers may before loading anything.
+  void check() const;
 };
 
 /// Everything decided before any forward runs: tokens, rows per prompt, shard boundaries, size.

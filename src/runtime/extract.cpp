@@ -318,13 +318,17 @@ std::vector<ExtractPrompt> read_prompts_file(const std::string& path, const std:
   return out;
 }
 
+void ExtractOptions::check() const {
+  if (batch_size < 1) throw InputError("extract: batch size must be >= 1, got " + std::to_string(batch_size));
+  if (shard_bytes == 0) throw InputError("extract: shard bytes must be > 0");
+  if (positions != "all" && positions != "last" && positions != "mask")
+    throw InputError("extract: positions must be 'all', 'last' or 'mask', got '" + positions + "'");
+}
+
 ExtractPlan plan_extraction(const Model& model, const std::vector<ExtractPrompt>& prompts, const ExtractOptions& o) {
   if (prompts.empty()) throw InputError("extract: no prompts");
   if (o.values.empty()) throw InputError("extract: no values to extract (give value paths, e.g. layers.*.mixer.betas)");
-  if (o.batch_size < 1) throw InputError("extract: batch size must be >= 1, got " + std::to_string(o.batch_size));
-  if (o.shard_bytes == 0) throw InputError("extract: shard bytes must be > 0");
-  if (o.positions != "all" && o.positions != "last" && o.positions != "mask")
-    throw InputError("extract: positions must be 'all', 'last' or 'mask', got '" + o.positions + "'");
+  o.check();
 
   ExtractPlan plan;
   plan.options = o;

@@ -152,7 +152,7 @@ def test_each_command_has_its_own_help():
     for command, own, other in [("generate", "--max-new-tokens N", "mixlens extract"),
                                 ("run", "--save PATH ... --out FILE", "--max-new-tokens"),
                                 ("inspect", "--prompt-length T  the tokens per call", "--save PATH"),
-                                ("tokenize", "mixlens tokenize", "--dtype"),
+                                ("tokenize", "mixlens tokenize", "--save PATH"),
                                 ("extract", "--hash-prompts     index.json", "mixlens generate")]:
         for args in ((command, "--help"), ("help", command)):
             r = cli(*args)
@@ -161,6 +161,34 @@ def test_each_command_has_its_own_help():
     for args, needle in [(("bogus", "--help"), "unknown command 'bogus'"), (("help", "bogus"), "no help for 'bogus'")]:
         r = cli(*args)
         assert r.returncode == 2 and needle in r.stderr and r.stdout == "", (args, r)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("tokenize", "--ids", "1,2"), "tokenize does not take --ids"),
+    (("tokenize", "hi", "--max-new-tokens", "5"), "tokenize does not take --max-new-tokens"),
+    (("run", "hi", "--save", "logits", "--out", "r.safetensors", "--temperature", "0.5"), "run does not take --temperature"),
+    (("inspect", "--save", "logits"), "inspect does not take --save"),
+    (("extract", "p.jsonl", "--values", "logits", "--out", "d", "--prompt-file", "x"), "extract does not take --prompt-file"),
+    (("extract", "p.jsonl", "--values", "logits", "--out", "d", "--save", "logits"), "extract takes --values, not --save"),
+    (("generate", "hi", "--max-new-tokens", "2", "--positions", "last"), "generate does not take --positions"),
+    (("run", "hi", "--bogus"), "unknown flag --bogus"),
+    (("help", "generate", "extra"), "help takes one command"),
+])
+def test_a_flag_the_command_does_not_take_is_refused_not_ignored(args, needle):
+    r = cli(*args)
+    assert r.returncode == 2, r
+    _one_line_error(r, needle)
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--positions", "first", "positions must be 'all', 'last' or 'mask'"),
+                                               ("--batch-size", "0", "batch size must be >= 1"),
+                                               ("--shard-bytes", "0", "shard bytes must be > 0")])
+def test_extract_settings_out_of_range_are_usage_errors(tmp_path, flag, value, needle):
+    (tmp_path / "p.txt").write_text("hello\n")
+    r = cli("extract", tmp_path / "p.txt", "--values", "logits", "--out", tmp_path / "d", flag, value)
+    assert r.returncode == 2, r  # exit 2 as every usage error, before the model loads
+    _one_line_error(r, needle)
+    assert not (tmp_path / "d").exists()
 
 
 def test_bad_inputs_exit_non_zero_with_a_clear_message(tmp_path, text_model_dir):
