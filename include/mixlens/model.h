@@ -194,7 +194,8 @@ class Model {
 
   /// Chunk length of the chunked kernel: Mamba-2's SSD chunk (values.md chunk_per_token: 1; 0
   /// restores config.chunk_size), Mamba-1's chunked scan (0 restores its default, 64).
-  /// InputError outside [0, 2048] (the kernels' cost grows with the chunk's square).
+  /// InputError outside [0, 2048] (the kernels' cost grows with the chunk's square);
+  /// UnsupportedError for a length other than 0 on Qwen3.5 / Qwen3-Next (their chunk is fixed at 64).
   void set_chunk_size(int64_t chunk_size);
 
   /// Chunked prefill: a call longer than `tokens` runs as consecutive calls of `tokens` tokens

@@ -63,7 +63,7 @@ from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
 from . import interventions
 from . import metrics
-from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
+from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, _check_bool, default_model_path, load
 from ._extract import Extraction, extract, extract_ray, open_extraction
 
 # One source: CMakeLists.txt's project(VERSION), compiled into the core (and read by the package metadata).
@@ -118,7 +118,10 @@ def route_kernels(family: str, route: str) -> None:
     """Force one recurrent-mixer algorithm for a family, process-wide (like the reference's routing):
     ``route_kernels("mamba2", "recurrent" | "chunked" | "default")``. Optional in mixlens: per-token
     states are served on every path; use it for parity work and speed measurements.
-    InputError for another route name."""
+    InputError for another route name or family."""
+    for name, v in (("family", family), ("route", route)):
+        if not isinstance(v, str):
+            raise InputError(f"route_kernels: {name} must be a string, got {v!r} ({type(v).__name__})")
     _core.route_kernels(family, route)
 
 
@@ -128,6 +131,12 @@ def kernel_route(family: str) -> str:
 
 
 def chunk_per_token(model: StandardizedTransformer, enabled: bool = True) -> None:
-    """Set every Mamba-2 mixer's chunk size to 1 (``enabled``) or back to config.chunk_size. Optional in
-    mixlens (per-token states are produced on any chunk size); values agree either way."""
-    model._core.set_chunk_size(1 if enabled else 0)
+    """Run the chunked kernel with chunks of one token (``enabled``) or back to the default: every Mamba-2
+    mixer (Mamba-2, Nemotron-H, Bamba, Falcon-H1: config.chunk_size) and Mamba-1's chunked scan (64).
+    Optional in mixlens (per-token states are produced on any chunk size); values agree either way.
+    UnsupportedError for ``enabled=True`` on Qwen3.5 / Qwen3-Next, whose gated delta rule runs fixed
+    chunks of 64 (as transformers'); InputError for a model that is not a mixlens model or an ``enabled``
+    that is not True / False."""
+    if not isinstance(model, StandardizedTransformer):
+        raise InputError(f"chunk_per_token: model must be a mixlens model (mixlens.load(...)), got {type(model).__name__}")
+    model._core.set_chunk_size(1 if _check_bool("enabled", enabled) else 0)

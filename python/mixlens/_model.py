@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextvars
+import operator
 import os
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -116,15 +118,38 @@ def _all_logits(logits: Any) -> bool:
     raise InputError(f"logits={logits!r}: use 'all' (every position, [B,T,vocab]) or 'last' ([B,1,vocab])")
 
 
+def _as_index(value: Any) -> int:
+    """An integer argument as a Python int: ints, numpy integers and 0-d integer tensors (``argmax()``),
+    through ``__index__``; TypeError for bools (of any kind), floats and everything else."""
+    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) in (np.bool_, _torch_bool()):
+        raise TypeError("a bool is not an integer here")
+    return operator.index(value)
+
+
+def _torch_bool():
+    torch = sys.modules.get("torch")
+    return torch.bool if torch is not None else None
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
-    """`value` as a Python int if it is an integer (not bool / float) in [lo, hi]; else InputError naming
-    the argument and the range (rather than nanobind's "incompatible function arguments")."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value!r} ({type(value).__name__})")
-    v = int(value)
+    """`value` as a Python int if it is an integer (not bool / float; numpy integers and 0-d integer tensors
+    count) in [lo, hi]; else InputError naming the argument and the range (rather than nanobind's
+    "incompatible function arguments")."""
+    try:
+        v = _as_index(value)
+    except TypeError:
+        raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value!r} ({type(value).__name__})") from None
     if not lo <= v <= hi:
         raise InputError(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]")
     return v
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    """A flag argument: True / False (numpy bools too); InputError for anything else ("yes", 1, None), which
+    would otherwise count by its truth value."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def _check_rows(rows: list, what: str = "token id") -> list:
@@ -500,6 +525,11 @@ class _Layer(_Envoy):
         return sorted({n.split(".")[0] for n in super()._names()})
 
 
+class LayerIndexError(InputError, IndexError):
+    """``model.layers[i]`` past the last layer: an InputError, and an IndexError so that iteration and
+    ``except IndexError`` work as for a list."""
+
+
 class _Layers(Sequence):
     def __init__(self, model: "StandardizedTransformer"):
         self._model = model
@@ -513,16 +543,23 @@ class _Layers(Sequence):
             try:
                 layer = self._items[i]
             except IndexError:
-                raise IndexError(f"layer {i} out of range (the model has {len(self._items)} layers)") from None
+                raise LayerIndexError(f"layer {i} out of range (the model has {len(self._items)} layers)") from None
             if layer is not None:
                 return layer
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self)
-        j = i + n if i < 0 else i
+        try:
+            if isinstance(i, slice):
+                return [self[j] for j in range(*slice(*(None if v is None else _as_index(v)
+                                                        for v in (i.start, i.stop, i.step))).indices(n))]
+            j = _as_index(i)
+        except TypeError:
+            raise InputError(f"model.layers[{i!r}]: a layer index is an integer or a slice of integers, got "
+                             f"{type(i).__name__}") from None
+        except ValueError as e:  # slice step 0
+            raise InputError(f"model.layers[{i!r}]: {e}") from None
+        j = j + n if j < 0 else j
         if not 0 <= j < n:
-            raise IndexError(f"layer {i} out of range (the model has {n} layers)")
-        j = int(j)
+            raise LayerIndexError(f"layer {i} out of range (the model has {n} layers)")
         layer = self._items[j]
         if layer is None:
             layer = self._items[j] = _Layer(self._model, f"layers.{j}.")
@@ -566,13 +603,37 @@ class _LayerValue:
 # ---- tracer ------------------------------------------------------------------------------------
 
 
+def _iter_key(key) -> Union[slice, list]:
+    """``tracer.iter[key]``'s key as a slice of int bounds or a list of ints: an integer (numpy / 0-d tensor
+    too), a slice of integers (step not 0), or a sequence of integers; InputError for anything else."""
+    what = "tracer.iter[...] takes an integer, a slice of integers or a list of integers"
+    if isinstance(key, slice):
+        try:
+            parts = [None if v is None else _as_index(v) for v in (key.start, key.stop, key.step)]
+        except TypeError:
+            raise InputError(f"{what}, got the slice {key!r}") from None
+        if parts[2] == 0:
+            raise InputError("tracer.iter[...]: a slice step cannot be zero")
+        return slice(*parts)
+    try:
+        return [_as_index(key)]
+    except TypeError:
+        pass
+    if isinstance(key, (str, bytes)) or not isinstance(key, Iterable):
+        raise InputError(f"{what}, got {key!r} ({type(key).__name__})")
+    try:
+        return [_as_index(k) for k in key]
+    except TypeError:
+        raise InputError(f"{what}, got {key!r}") from None
+
+
 class _StepLoop:
     """``tracer.iter[...]``: in a generation, iterating yields step indices and reads inside the loop body
     use that step; in a ``trace`` (one forward call) it yields the call's token indices and
     ``linear_attn.state`` in the body is the state after that token."""
 
     def __init__(self, tracer: "Tracer", key):
-        self._tracer, self._key = tracer, key
+        self._tracer, self._key = tracer, _iter_key(key)
 
     def _tokens(self) -> Iterator[int]:
         tr = self._tracer
@@ -581,10 +642,8 @@ class _StepLoop:
         key = self._key
         if isinstance(key, slice):
             tokens: Iterable[int] = range(*key.indices(seq))
-        elif isinstance(key, (int, np.integer)):
-            tokens = [int(key) + seq if key < 0 else int(key)]
         else:
-            tokens = [int(k) + seq if k < 0 else int(k) for k in key]
+            tokens = [k + seq if k < 0 else k for k in key]
         try:
             for t in tokens:
                 if not 0 <= t < seq:
@@ -607,10 +666,8 @@ class _StepLoop:
         if isinstance(key, slice):
             start, stop, stride = key.indices(last - first + 1)
             steps: Iterable[int] = (first + k for k in range(start, stop, stride))
-        elif isinstance(key, int):
-            steps = [first + (key if key >= 0 else last - first + 1 + key)]
         else:
-            steps = [first + int(k) for k in key]
+            steps = [first + (k if k >= 0 else last - first + 1 + k) for k in key]
         for step in steps:
             if step > last:
                 break
@@ -1205,7 +1262,7 @@ def _dtype_name(dtype: Any) -> str:
     else:
         name = str(dtype).replace("torch.", "")  # torch.bfloat16 -> "bfloat16" without importing torch
     if name not in ("float32", "bfloat16", "float16", "auto"):
-        raise ValueError(f"dtype {dtype!r} is not one of 'float32', 'bfloat16', 'float16', 'auto' "
+        raise InputError(f"dtype {dtype!r} is not one of 'float32', 'bfloat16', 'float16', 'auto' "
                          "(or torch.float32 / torch.bfloat16 / torch.float16)")
     return name
 
@@ -1485,7 +1542,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         of the residual stream per block); after the block, ``tracer.backward(metric)`` computes gradients
         natively (docs/gradients.md)."""
         return Tracer(self, "trace", inputs, cache=cache, saves=saves, edits=edits, inputs_embeds=inputs_embeds,
-                      attention_mask=attention_mask, grad=grad, logits=logits)
+                      attention_mask=attention_mask, grad=_check_bool("grad", grad), logits=logits)
 
     def generate(self, inputs: Optional[Prompt] = None, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -1499,7 +1556,8 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
         ``tracer.iter``, or ``.run()``. ``inputs_embeds`` / ``attention_mask`` as in :meth:`trace` feed step 0;
         later steps feed the generated ids (as transformers: ``tracer.tokens`` holds only new tokens).
         ``grad=True`` raises UnsupportedError: gradients are taken through one call (docs/gradients.md)."""
-        if grad:
+        do_sample = _check_bool("do_sample", do_sample)
+        if _check_bool("grad", grad):
             raise UnsupportedError("generate(grad=True): gradients are taken through one forward call, not across "
                                    "generation steps; use `with model.trace(prompt, grad=True)` (a continuation "
                                    "`trace(ids, cache=cache, grad=True)` differentiates one decode step)")

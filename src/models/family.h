@@ -71,7 +71,13 @@ class FamilyModel {
   const ValueTable& value_table() const;
   /// values.md support(): value name -> per layer reason ("" when available).
   virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
-  virtual void set_chunk_size(int64_t) {}
+  /// Model::set_chunk_size (range already checked): the chunked kernel's chunk length, 0 = the
+  /// default. A family whose chunk is fixed refuses any other length (never a silent no-op).
+  virtual void set_chunk_size(int64_t c) {
+    if (c != 0)
+      throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
+                             " has no settable chunk length; per-token states are served on any chunk");
+  }
   /// Where betas and decays are two views of one dt (Mamba: betas = dt, decays = A*dt): the betas
   /// the forward will use after `decays` [B,T,...] of `layer` is written over `betas_before`
   /// (read-after-write in a Session). WriteError when the write implies no dt. Undefined where

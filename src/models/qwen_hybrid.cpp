@@ -368,6 +368,12 @@ class QwenHybrid final : public FamilyModel {
     return v;
   }
 
+  void set_chunk_size(int64_t c) override {
+    if (c != 0)
+      throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
+                             "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' "
+                             "torch_chunk_gated_delta_rule; per-token states are served on any chunk (0 keeps the default)");
+  }
   std::map<std::string, std::map<int, std::string>> support() const override {
     std::map<std::string, std::map<int, std::string>> s;
     for (int i = 0; i < static_cast<int>(L_); ++i) {

@@ -9,6 +9,7 @@
 #include "fixture_util.h"
 #include "io/safetensors.h"
 #include "mixlens/errors.h"
+#include "mixlens/extract.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
@@ -262,4 +263,34 @@ TEST_F(BadInput, CliOutRefusesTheCheckpointsOwnFiles) {
   EXPECT_EQ(cli("run --model " + dir_.string() + " 1,2,3 --ids --save logits --out " + (dir_ / "link.st").string(), &err), 2);
   EXPECT_EQ(fs::file_size(dir_ / "model.safetensors"), before);
   EXPECT_EQ(cli("run --model " + dir_.string() + " 1,2,3 --ids --save logits --out " + (dir_ / "o.st").string(), &err), 0) << err;
+}
+
+// A chunk length the family cannot take is refused, not ignored (Qwen's gated delta chunk is fixed);
+// 0, the default, is accepted everywhere.
+TEST(Settings, ChunkSizeOnAFixedChunkFamilyIsRefused) {
+  Model m = Model::load(fixture("qwen3_5/hv_2hk").string());
+  try {
+    m.set_chunk_size(1);
+    FAIL() << "set_chunk_size(1) on qwen3_5 did not throw";
+  } catch (const UnsupportedError& e) {
+    EXPECT_NE(std::string(e.what()).find("chunks of 64 tokens, fixed"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(m.set_chunk_size(0));
+  Model mamba = Model::load(fixture("mamba2/short_prompt").string());
+  EXPECT_NO_THROW(mamba.set_chunk_size(1));
+  EXPECT_NO_THROW(mamba.set_chunk_size(0));
+}
+
+TEST(Settings, ExtractOptionsOutOfRangeAreRefusedBeforeAnythingRuns) {
+  ExtractOptions o;
+  o.values = {"logits"};
+  EXPECT_NO_THROW(o.check());
+  o.batch_size = 0;
+  EXPECT_THROW(o.check(), InputError);
+  o.batch_size = 1;
+  o.positions = "first";
+  EXPECT_THROW(o.check(), InputError);
+  o.positions = "last";
+  o.shard_bytes = 0;
+  EXPECT_THROW(o.check(), InputError);
 }

@@ -316,3 +316,71 @@ def test_ctrl_c_stops_a_long_generation(model):
     assert time.perf_counter() - t0 < 3.0, "the interrupt waited for the whole generation"
     # The model is usable afterwards.
     assert model.generate([1, 2, 3], max_new_tokens=2).run().steps == 2
+
+
+# ---- arguments of the wrong kind: a mixlens error naming them, never a raw TypeError or a truth value --
+
+
+@pytest.mark.parametrize("key", ["1", 1.0, True, np.bool_(True), None, slice("a", None)])
+def test_a_layer_index_that_is_not_an_integer_is_refused(model, key):
+    with pytest.raises(mixlens.InputError, match=r"model\.layers\[.*\]: a layer index is an integer"):
+        model.layers[key]
+
+
+def test_layer_indices_take_numpy_and_tensor_integers_and_past_the_end_is_an_index_error(model):
+    import torch
+
+    assert model.layers[np.int64(1)] is model.layers[1] is model.layers[torch.tensor(1)]
+    assert model.layers[np.int32(-1)] is model.layers[model.num_layers - 1]
+    with pytest.raises(IndexError, match="out of range") as e:
+        model.layers[model.num_layers]
+    assert isinstance(e.value, mixlens.InputError)  # and an IndexError: iteration stops at the end
+    assert len(list(model.layers)) == model.num_layers
+
+
+@pytest.mark.parametrize("key", [1.5, slice(None, None, 0), "a", None, [1, "x"], slice(0.5, 2)])
+def test_a_bad_tracer_iter_key_is_an_input_error(model, key):
+    with model.trace(PROMPT) as tracer:
+        with pytest.raises(mixlens.InputError, match=r"tracer\.iter\[\.\.\.\]"):
+            tracer.iter[key]
+    with model.generate(PROMPT, max_new_tokens=2) as tracer:
+        with pytest.raises(mixlens.InputError, match=r"tracer\.iter\[\.\.\.\]"):
+            tracer.iter[key]
+
+
+def test_tracer_iter_takes_numpy_and_tensor_integers_and_negative_lists_in_a_generation(model):
+    import torch
+
+    for key, want in [(np.int64(1), [1]), (torch.tensor(2), [2]), ([-1], [2]), ([np.int32(0), -2], [0, 1])]:
+        with model.generate(PROMPT, max_new_tokens=3) as tracer:
+            assert list(tracer.iter[key]) == want, key
+    with model.trace(PROMPT) as tracer:
+        assert list(tracer.iter[np.int64(-1)]) == [len(model.tokenizer.encode(PROMPT)) - 1]
+        assert model.layers[0].linear_attn.state_after(torch.tensor(2)).shape[0] == 1  # 0-d int tensors too
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.generate(PROMPT, max_new_tokens=2, do_sample="yes"),
+    lambda m: m.generate(PROMPT, max_new_tokens=2, do_sample=1),
+    lambda m: m.trace(PROMPT, grad="yes"),
+    lambda m: mixlens.chunk_per_token(m, "yes"),
+    lambda m: mixlens.chunk_per_token(m, 2),
+])
+def test_a_flag_that_is_not_true_or_false_is_refused(model, call):
+    with pytest.raises(mixlens.InputError, match="must be True or False"):
+        call(model)
+
+
+def test_settings_of_the_wrong_type_raise_input_error():
+    with pytest.raises(mixlens.InputError, match="chunk_per_token: model must be a mixlens model"):
+        mixlens.chunk_per_token(None, True)
+    with pytest.raises(mixlens.InputError, match="route_kernels: route must be a string"):
+        mixlens.route_kernels("mamba2", None)
+    with pytest.raises(mixlens.InputError, match="dtype 'float64' is not one of"):
+        mixlens.load(str(SHIPPED_MODEL), dtype="float64")
+
+
+def test_chunk_per_token_on_a_fixed_chunk_family_raises_instead_of_doing_nothing(hybrid):
+    with pytest.raises(mixlens.UnsupportedError, match="chunks of 64 tokens, fixed"):
+        mixlens.chunk_per_token(hybrid, True)
+    mixlens.chunk_per_token(hybrid, False)  # the default: nothing to change, nothing to refuse
