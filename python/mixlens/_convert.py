@@ -268,9 +268,15 @@ def as_float32(value: Any, path: str) -> np.ndarray:
             raise WriteError(f"write to '{path}': dtype {t.dtype} cannot be written (values are float32)")
         if t.device.type == "meta":
             raise WriteError(f"write to '{path}': a tensor on the 'meta' device has no values to write")
+        if t.is_nested:
+            raise WriteError(f"write to '{path}': a nested tensor (rows of their own lengths) is not one array; write "
+                             "a regular tensor of the value's shape")
         try:
+            if t.is_quantized:  # its real values are what is written
+                t = t.dequantize()
             if t.layout != torch.strided:  # sparse: its dense values are what is written
                 t = t.to_dense()
+            t = t.resolve_neg()  # a lazy negation view (torch._neg_view) cannot go to numpy as it is
             if t.dtype == torch.float64:
                 _check_float32_range(t.to("cpu").numpy(), path)
             t = t.to(device="cpu", dtype=torch.float32)
@@ -285,10 +291,12 @@ def as_float32(value: Any, path: str) -> np.ndarray:
     except ValueError as e:  # a ragged nested list
         raise WriteError(f"write to '{path}': the new value is not a rectangular array ({e})") from None
     if arr.dtype == object:  # Python ints past int64 (10**40): numbers, but numpy keeps them as objects
-        try:
-            arr = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError, OverflowError):
-            pass
+        if all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+               for x in arr.reshape(-1)):  # not None (numpy would make it NaN) or text
+            try:
+                arr = np.asarray(value, dtype=np.float64)
+            except (TypeError, ValueError, OverflowError):
+                pass
     if arr.dtype.kind not in "fiu":
         raise WriteError(f"write to '{path}': dtype {arr.dtype} cannot be written (values are float32)")
     _check_float32_range(arr, path)

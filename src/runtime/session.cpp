@@ -724,7 +724,9 @@ void Session::Impl::write_at(const Target& t, std::string_view path, const Tenso
     not_served(t, std::string(path), "write", a);
   }
   if (t.site.value == Value::state) touched.insert({t.pos.step, t.site.layer, static_cast<int>(Value::state)});
-  detail::check_write(site_path(t.site), t.site.value, value, live_shape);  // throws before any change
+  // A per-token state's errors name its token as the caller wrote it ('...state@t-1').
+  detail::check_write(t.site.value == Value::state ? std::string(path) : site_path(t.site), t.site.value, value,
+                      live_shape);  // throws before any change
   Tensor& cur = *live;
   if (cur.defined() && cur.shape() == live_shape) std::copy(value.begin(), value.end(), cur.data());
   else cur = value.clone();

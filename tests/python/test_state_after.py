@@ -231,6 +231,13 @@ def test_token_loop_writes_and_errors(fam):
             fam.model.layers[la].linear_attn.state_after(6)
     with pytest.raises(mixlens.WriteError, match="shape"):
         fam.model.run(prompts, edits={f"{mix(la, 'state')}@t1": np.zeros((1, 2), np.float32)})
+    # A bad per-token state write names the token, as written (the value path alone would not say which)
+    with fam.model.trace(prompts):
+        with pytest.raises(mixlens.WriteError, match=r"linear_attn\.state@t2'.*shape"):
+            fam.model.layers[la].linear_attn.set_state_after(2, np.zeros(3, np.float32))
+        with pytest.raises(mixlens.WriteError, match=r"linear_attn\.state@t-1'.*(NaN|nan)"):
+            s = fam.model.layers[la].linear_attn.state_after(-1)
+            fam.model.layers[la].linear_attn.set_state_after(-1, np.full(tuple(s.shape), np.nan, np.float32))
     with pytest.raises(mixlens.UnknownValueError, match="per token"):
         fam.model.run(prompts, saves=[mix(la, "state")])
 

@@ -109,11 +109,19 @@ def test_bad_writes_name_the_problem(tmodel):
         # A tensor with no values (meta) or that torch cannot turn into numbers is a WriteError, not torch's own
         with pytest.raises(mixlens.WriteError, match="'meta' device has no values"):
             tmodel.layers[0].linear_attn.betas = torch.zeros(b.shape, device="meta")
+        with pytest.raises(mixlens.WriteError, match="a nested tensor"):
+            tmodel.layers[0].linear_attn.betas = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)],
+                                                                            layout=torch.jagged)
+        with pytest.raises(mixlens.WriteError, match="dtype object cannot be written"):  # None is not NaN
+            tmodel.layers[0].linear_attn.betas = np.full(tuple(b.shape), None, dtype=object)
+        # Quantized tensors and lazy negation views write their real values
         with warnings.catch_warnings():  # torch deprecates quantized tensors; users still have them
             warnings.simplefilter("ignore")
-            q = torch.quantize_per_tensor(torch.zeros(b.shape), 0.1, 0, torch.qint8)
-        with pytest.raises(mixlens.WriteError, match="cannot be converted to float32"):
-            tmodel.layers[0].linear_attn.betas = q
+            q = torch.quantize_per_tensor(torch.full(tuple(b.shape), 0.5), 0.1, 0, torch.qint8)
+        tmodel.layers[0].linear_attn.betas = q
+        np.testing.assert_allclose(np32(tmodel.layers[0].linear_attn.betas), 0.5, rtol=1e-6)
+        tmodel.layers[0].linear_attn.betas = torch._neg_view(torch.full(tuple(b.shape), -0.75))
+        np.testing.assert_array_equal(np32(tmodel.layers[0].linear_attn.betas), 0.75)
         # A sparse tensor writes its dense values
         dense = torch.full(tuple(b.shape), 0.25)
         tmodel.layers[0].linear_attn.betas = dense.to_sparse()
