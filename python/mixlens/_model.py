@@ -121,14 +121,12 @@ def _all_logits(logits: Any) -> bool:
 def _as_index(value: Any) -> int:
     """An integer argument as a Python int: ints, numpy integers and 0-d integer tensors (``argmax()``),
     through ``__index__``; TypeError for bools (of any kind), floats and everything else."""
-    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) in (np.bool_, _torch_bool()):
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("a bool is not an integer here")
+    dtype = getattr(value, "dtype", None)  # a 0-d bool array or tensor
+    if dtype is not None and (dtype == np.bool_ or dtype is getattr(sys.modules.get("torch"), "bool", None)):
         raise TypeError("a bool is not an integer here")
     return operator.index(value)
-
-
-def _torch_bool():
-    torch = sys.modules.get("torch")
-    return torch.bool if torch is not None else None
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:

@@ -384,3 +384,35 @@ def test_chunk_per_token_on_a_fixed_chunk_family_raises_instead_of_doing_nothing
     with pytest.raises(mixlens.UnsupportedError, match="chunks of 64 tokens, fixed"):
         mixlens.chunk_per_token(hybrid, True)
     mixlens.chunk_per_token(hybrid, False)  # the default: nothing to change, nothing to refuse
+
+
+def test_without_torch_the_integer_and_flag_checks_accept_what_they_should():
+    """The suite imports torch; this runs where nobody has (a numpy user): an earlier check took every plain
+    int for a bool there (None == None)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["torch"] = None  # `import torch` fails, as where it is not installed
+import numpy as np, mixlens
+m = mixlens.load({str(SHIPPED_MODEL)!r})
+assert m.output_format == "numpy"
+assert m.run("Once upon", logits="last")["logits"].shape[:2] == (1, 1)
+with m.trace("Once upon a time") as tr:
+    assert m.layers[np.int64(1)] is m.layers[1]
+    m.layers[0].linear_attn.state_after(1)
+    for t in tr.iter[np.int64(2)]:
+        m.layers[1].linear_attn.state
+with m.generate("Once", max_new_tokens=2, do_sample=np.bool_(True), seed=np.uint32(3)) as tr:
+    pass
+mixlens.chunk_per_token(m, True)
+mixlens.chunk_per_token(m, False)
+try:
+    m.layers[True]
+except mixlens.InputError:
+    print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MIXLENS_OUTPUT": "auto"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
