@@ -201,8 +201,27 @@ Args parse(int argc, char** argv) {
     std::exit(0);
   }
   const std::set<std::string>* flags = command_flags(a.command);
+  bool only_positional = false;  // after "--": a prompt may start with '-'
+  std::string inline_value;       // "--flag=value"
+  bool has_inline = false;
   for (int i = 2; i < argc; ++i) {
     std::string f = argv[i];
+    has_inline = false;
+    if (only_positional || f == "-" || f.size() < 2 || f[0] != '-') {
+      if (flags == nullptr) usage_error("unknown command '" + a.command + "'");
+      a.positional.push_back(f);
+      a.prompts.push_back({PromptArg::text, f});  // kind fixed below once --ids is known
+      continue;
+    }
+    if (f == "--") {
+      only_positional = true;
+      continue;
+    }
+    if (const size_t eq = f.find('='); f.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = f.substr(eq + 1);
+      f = f.substr(0, eq);
+      has_inline = true;
+    }
     if (f == "--help" || f == "-h") {
       const std::string text = help_text(a.command);
       if (text.empty()) usage_error("unknown command '" + a.command + "'");
@@ -218,6 +237,10 @@ Args parse(int argc, char** argv) {
       usage_error("unknown flag " + f);
     }
     auto value = [&]() -> std::string {
+      if (has_inline) {
+        has_inline = false;
+        return inline_value;
+      }
       if (i + 1 >= argc) usage_error(f + " needs a value");
       return argv[++i];
     };
@@ -256,6 +279,7 @@ Args parse(int argc, char** argv) {
       a.positional.push_back(f);
       a.prompts.push_back({PromptArg::text, f});  // kind fixed below once --ids is known
     }
+    if (has_inline) usage_error(f + " takes no value (got '" + f + "=" + inline_value + "')");
   }
   for (PromptArg& p : a.prompts)
     if (p.kind == PromptArg::text && a.ids) p.kind = PromptArg::ids;

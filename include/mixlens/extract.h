@@ -39,7 +39,8 @@ struct ExtractPrompt {
 
 /// Reads a prompts file. `*.jsonl`: one JSON object per line with a string field `text_field` (and,
 /// when `mask_field` is non-empty, a 0/1 array field `mask_field`). Any other name: plain text, one
-/// prompt per line (UTF-8, "\r\n" accepted). InputError naming the file and the line for: a missing
+/// prompt per line (UTF-8, "\r\n" accepted; a text_field other than "text" or a mask_field is refused
+/// there, as they would be ignored). InputError naming the file and the line for: a missing
 /// or unreadable file, an empty file, an empty line, a line that is not JSON / not an object / lacks
 /// the field or has it mistyped, a mask entry that is not 0 or 1.
 std::vector<ExtractPrompt> read_prompts_file(const std::string& path, const std::string& text_field = "text",

@@ -52,6 +52,7 @@ enum class KernelRoute { default_route, chunked, recurrent };
 /// ("mamba"), whose prompts run whichever selective scan is faster: the token loop unless the
 /// model is too narrow to occupy the threads (both agree within float rounding).
 void route_kernels(const std::string& family, const std::string& route);
+/// The route set for `family`; InputError for an unknown family (as route_kernels).
 KernelRoute kernel_route(const std::string& family);
 
 /// Cached state of a batch: conv windows and recurrent states per layer (plus KV for attention).

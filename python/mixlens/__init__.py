@@ -126,7 +126,10 @@ def route_kernels(family: str, route: str) -> None:
 
 
 def kernel_route(family: str) -> str:
-    """The route set by :func:`route_kernels` for `family` ("default" when none)."""
+    """The route set by :func:`route_kernels` for `family` ("default" when none); InputError for an unknown
+    family."""
+    if not isinstance(family, str):
+        raise InputError(f"kernel_route: family must be a string, got {family!r} ({type(family).__name__})")
     return _core.kernel_route(family)
 
 

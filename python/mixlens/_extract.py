@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core
+from ._args import IndexInputError, as_index, check_bool, check_path, check_str
 from ._convert import resolve_output
 from .errors import InputError
 
@@ -31,6 +32,21 @@ Inputs = Union[str, "os.PathLike[str]", Sequence[str], Sequence[Sequence[int]], 
 def _is_dataset(x: Any) -> bool:
     # HuggingFace datasets.Dataset, without importing `datasets` (an optional dependency).
     return hasattr(x, "column_names") and hasattr(x, "__getitem__") and hasattr(x, "num_rows")
+
+
+def _mask_row(row, i: int) -> list:
+    """Prompt i's mask as a list of 0 / 1 ints (bools and integer arrays too); InputError naming the prompt and
+    the entry for anything else."""
+    if isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, np.ndarray)):
+        raise InputError(f"extract: the mask of prompt {i} must be a list of 0 / 1, got {type(row).__name__}")
+    out = []
+    for t, v in enumerate(row):
+        if isinstance(v, (bool, np.bool_)):
+            v = int(v)
+        if not isinstance(v, (int, np.integer)) or v not in (0, 1):
+            raise InputError(f"extract: mask entry {t} of prompt {i} is {v!r}; a mask holds only 0 and 1")
+        out.append(int(v))
+    return out
 
 
 def _as_prompts(inputs: Inputs, *, masks: Optional[Sequence[Sequence[int]]], text_field: str,
@@ -61,12 +77,14 @@ def _as_prompts(inputs: Inputs, *, masks: Optional[Sequence[Sequence[int]]], tex
                          f"datasets.Dataset; got {type(inputs).__name__}")
     if len(inputs) == 0:
         raise InputError("extract: no prompts")
+    if masks is not None and (isinstance(masks, (str, bytes)) or not isinstance(masks, (Sequence, np.ndarray))):
+        raise InputError(f"masks must be a list of 0 / 1 lists, one per prompt, got {type(masks).__name__}")
     if use_mask and (masks is None or len(masks) != len(inputs)):
         raise InputError("positions='mask' needs masks= with one 0/1 list per prompt "
                          f"({len(inputs)} prompts, {'no' if masks is None else len(masks)} masks)")
     out = []
     for i, p in enumerate(inputs):
-        mask = [int(v) for v in masks[i]] if use_mask else []
+        mask = _mask_row(masks[i], i) if use_mask else []
         if isinstance(p, str):
             if not p:
                 raise InputError(f"extract: prompt {i} is an empty string")
@@ -86,9 +104,19 @@ def _as_prompts(inputs: Inputs, *, masks: Optional[Sequence[Sequence[int]]], tex
     return out
 
 
+def _check_model(model) -> None:
+    from ._model import StandardizedTransformer
+
+    if not isinstance(model, StandardizedTransformer):
+        raise InputError(f"extract: model must be a mixlens model (mixlens.load(...)), got {type(model).__name__}")
+
+
 def _values_list(values: Union[str, Sequence[str]]) -> list:
     if isinstance(values, str):
         values = [v for v in values.split(",") if v]
+    if isinstance(values, bytes) or not isinstance(values, (Sequence, np.ndarray)):
+        raise InputError(f"values= needs value paths (str), e.g. ['layers.*.linear_attn.betas', 'logits'], got "
+                         f"{values!r}")
     values = list(values)
     if not values or not all(isinstance(v, str) for v in values):
         raise InputError("values= needs value paths (str), e.g. ['layers.*.linear_attn.betas', 'logits']")
@@ -100,8 +128,10 @@ def _plan(core_model, prompts: list, values: list, batch_size: int, positions: s
     for name, v, lo in (("batch_size", batch_size, 1), ("shard_bytes", shard_bytes, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
-    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1):
         raise InputError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+    check_str("positions", positions)
+    store_prompts = check_bool("store_prompts", store_prompts)
     return _core.plan_extraction(core_model, prompts, values, batch_size, positions, shard_bytes, max_bytes or 0,
                                  store_prompts)
 
@@ -169,16 +199,19 @@ def extract(model, inputs: Inputs, values: Union[str, Sequence[str]], out: Union
     "shards_skipped", "complete"}. Errors: InputError (bad inputs: the message names the file line or
     prompt), UnknownValueError (a value path), ResourceError (max_bytes), CheckpointError (writing).
     """
-    if ray:
+    _check_model(model)
+    if check_bool("ray", ray):
         return extract_ray(model, inputs, values, out, batch_size=batch_size, positions=positions, masks=masks,
                            text_field=text_field, mask_field=mask_field, shard_bytes=shard_bytes,
                            max_bytes=max_bytes, store_prompts=store_prompts, num_workers=num_workers)
+    out = check_path("out", out)
+    progress = check_bool("progress", progress)
     prompts = _as_prompts(inputs, masks=masks, text_field=text_field, mask_field=mask_field, positions=positions)
     plan = _plan(model._core, prompts, _values_list(values), batch_size, positions, shard_bytes, max_bytes,
                  store_prompts)
     bar = _Progress(progress, "extract")
     try:
-        summary = _core.extract(model._core, plan, os.fspath(out), None, True, bar)
+        summary = _core.extract(model._core, plan, out, None, True, bar)
     finally:
         bar.close()
     return _summary(plan, out, summary)
@@ -310,7 +343,7 @@ class Extraction:
 
     def __init__(self, out: Union[str, "os.PathLike[str]"], output: Optional[str] = None):
         self.output = resolve_output(output)
-        self.out = os.fspath(out)
+        self.out = check_path("out", out)
         path = os.path.join(self.out, "index.json")
         if not os.path.isfile(path):
             raise InputError(f"{self.out!r} has no index.json (not a mixlens extraction)")
@@ -332,14 +365,26 @@ class Extraction:
         return self.index["num_prompts"]
 
     def shard(self, k: int) -> dict:
+        n = len(self.index["shards"])
+        try:
+            k = as_index(k)
+        except TypeError:
+            raise InputError(f"shard takes a shard number, got {k!r} ({type(k).__name__})") from None
+        if not -n <= k < n:
+            raise IndexInputError(f"shard {k} is out of range (the extraction has {n} shards)")
+        k %= n
         if k not in self._cache:
             self._cache[k] = _read_safetensors(os.path.join(self.out, self.index["shards"][k]["file"]))
         return self._cache[k]
 
     def prompt(self, i: int) -> dict:
         n = len(self)
+        try:
+            i = as_index(i)
+        except TypeError:
+            raise InputError(f"prompt takes a prompt number, got {i!r} ({type(i).__name__})") from None
         if not -n <= i < n:
-            raise InputError(f"prompt {i} is out of range (the extraction has {n} prompts)")
+            raise IndexInputError(f"prompt {i} is out of range (the extraction has {n} prompts)")
         i %= n  # negative counts from the end, as a Python sequence does
         k = self.index["prompts"][i]["shard"]
         s = self.shard(k)

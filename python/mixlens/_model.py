@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import operator
 import os
 import re
 import sys
@@ -21,6 +20,8 @@ from ._convert import (ValueArray, as_float32, is_torch, released_error, resolve
 from . import _inplace
 from ._inplace import _Live, released_value_tensor_class
 from . import _invoke, _nnterp
+from ._args import IndexInputError, as_index as _as_index, check_bool as _check_bool, check_float as _check_float
+from ._args import check_int as _check_int, check_path as _check_path, check_strs as _check_strs
 from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
@@ -118,38 +119,6 @@ def _all_logits(logits: Any) -> bool:
     raise InputError(f"logits={logits!r}: use 'all' (every position, [B,T,vocab]) or 'last' ([B,1,vocab])")
 
 
-def _as_index(value: Any) -> int:
-    """An integer argument as a Python int: ints, numpy integers and 0-d integer tensors (``argmax()``),
-    through ``__index__``; TypeError for bools (of any kind), floats and everything else."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError("a bool is not an integer here")
-    dtype = getattr(value, "dtype", None)  # a 0-d bool array or tensor
-    if dtype is not None and (dtype == np.bool_ or dtype is getattr(sys.modules.get("torch"), "bool", None)):
-        raise TypeError("a bool is not an integer here")
-    return operator.index(value)
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
-    """`value` as a Python int if it is an integer (not bool / float; numpy integers and 0-d integer tensors
-    count) in [lo, hi]; else InputError naming the argument and the range (rather than nanobind's
-    "incompatible function arguments")."""
-    try:
-        v = _as_index(value)
-    except TypeError:
-        raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value!r} ({type(value).__name__})") from None
-    if not lo <= v <= hi:
-        raise InputError(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]")
-    return v
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    """A flag argument: True / False (numpy bools too); InputError for anything else ("yes", 1, None), which
-    would otherwise count by its truth value."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
 def _check_rows(rows: list, what: str = "token id") -> list:
     """Token-id rows as lists of ints within int32 (ids beyond the vocabulary are reported by the core,
     which knows it)."""
@@ -199,11 +168,7 @@ def _steps_of(key: str) -> tuple[str, int, int]:
 
 
 def _save_specs(saves: Optional[Iterable[str]]) -> list:
-    if saves is None:
-        return []
-    if isinstance(saves, str):
-        saves = [saves]
-    return [_steps_of(s) for s in saves]
+    return [_steps_of(s) for s in _check_strs("saves", saves, allow_none=True) or []]
 
 
 def _check_saved_steps(specs: list, ran: Iterable[int], what: str = "save") -> None:
@@ -235,9 +200,17 @@ def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]], fmt: str
     value in the model's output format; editing it in place and returning None applies the edit."""
     if edits is None:
         return []
+    if isinstance(edits, (str, bytes)) or not isinstance(edits, (Mapping, Iterable)):
+        raise InputError(f"edits must be a dict {{path: value or function}}, got {type(edits).__name__}")
     items = edits.items() if isinstance(edits, Mapping) else edits
     specs = []
-    for key, value in items:
+    for item in items:
+        if isinstance(item, (str, bytes)) or not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InputError(f"edits must be a dict {{path: value or function}} or (path, value) pairs, got the "
+                             f"entry {item!r}")
+        key, value = item
+        if not isinstance(key, str):
+            raise InputError(f"an edit's path must be a string, got {key!r} ({type(key).__name__})")
         path, first, last = _steps_of(key)
         if callable(value):
             fn = value
@@ -274,7 +247,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (HF ``Tokenizer.encode(text).ids``). TokenizerError without tokenizer.json;
-        InputError for text that is not valid Unicode (a lone surrogate such as '\\ud800')."""
+        InputError for text that is not valid Unicode (a lone surrogate such as '\\ud800') or not a string."""
+        if not isinstance(text, str):
+            raise InputError(f"encode takes one string, got {text!r} ({type(text).__name__})")
+        add_special_tokens = _check_bool("add_special_tokens", add_special_tokens)
         if isinstance(text, str):
             try:
                 text.encode("utf-8")
@@ -285,9 +261,19 @@ class Tokenizer:
         return self._core.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._core.decode(_check_rows([list(ids)])[0], skip_special_tokens)
+        """Text of token ids: a list / array / 1-d tensor of ids, or one id (as HF's tokenizers)."""
+        try:
+            ids = [_as_index(ids)]
+        except TypeError:
+            if is_torch(ids) or isinstance(ids, np.ndarray):
+                ids = ids.tolist()
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise InputError(f"decode takes token ids (a list of ints, or one int), got {type(ids).__name__}") from None
+        return self._core.decode(_check_rows([list(ids)])[0], _check_bool("skip_special_tokens", skip_special_tokens))
 
     def token_to_id(self, token: str) -> Optional[int]:
+        if not isinstance(token, str):
+            raise InputError(f"token_to_id takes a token string, got {token!r} ({type(token).__name__})")
         return self._core.token_to_id(token)
 
     def id_to_token(self, id: int) -> str:
@@ -523,7 +509,7 @@ class _Layer(_Envoy):
         return sorted({n.split(".")[0] for n in super()._names()})
 
 
-class LayerIndexError(InputError, IndexError):
+class LayerIndexError(IndexInputError):
     """``model.layers[i]`` past the last layer: an InputError, and an IndexError so that iteration and
     ``except IndexError`` work as for a list."""
 
@@ -751,6 +737,8 @@ class Tracer:
                 raise InputError(_NO_MASK_WITH_CACHE)
             if self._mask and forced_tokens is not None:
                 raise InputError("forced_tokens takes unpadded token-id prompts, not an attention_mask")
+        if cache is not None and not isinstance(cache, Cache):
+            raise InputError(f"cache must be a cache of this model (model.new_cache(batch)), got {type(cache).__name__}")
         self._cache = cache
         self._saves = _save_specs(saves)
         self._fmt = model._output
@@ -1183,6 +1171,7 @@ class Tracer:
         :meth:`grad` returns any of them. A second ``backward`` replaces every ``.grad`` (unlike torch's
         ``.backward``, gradients do not accumulate: add them yourself to combine metrics). Errors as
         ``Trace::backward`` (mixlens/trace.h)."""
+        paths = _check_strs("paths", paths, allow_none=True)
         if self._session is not None:  # still inside the `with` block
             raise InputError("tracer.backward: call it after the `with` block has ended (the reverse pass needs the "
                              "whole forward); values read in the block get .grad then")
@@ -1241,6 +1230,8 @@ class Tracer:
         """The gradient computed by the last :meth:`backward` for `path` (same shape and type as the value)."""
         if self._grad_session is None:
             raise InputError("tracer.grad: run tracer.backward(metric) on a trace opened with grad=True first")
+        if not isinstance(path, str):
+            raise InputError(f"tracer.grad takes a value path, got {path!r} ({type(path).__name__})")
         return to_plain(self._grad_session.grad(path), self._fmt)
 
     @property
@@ -1377,7 +1368,7 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
     def values(self, batch: int = 1, seq: int = 1) -> list[dict]:
         """Every value in forward order for a call of `batch` rows and `seq` tokens: path, layer, shape,
         writable, per_token, meaning (the reference quantity it equals)."""
-        return self._core.values(batch, seq)
+        return self._core.values(_check_int("batch", batch, 1, _INT32_MAX), _check_int("seq", seq, 1, _INT32_MAX))
 
     def _paths(self) -> frozenset:
         """Every value path of this model (``model.values()``), computed once."""
@@ -1560,8 +1551,8 @@ class StandardizedTransformer(_nnterp.NnterpMixin):
                                    "generation steps; use `with model.trace(prompt, grad=True)` (a continuation "
                                    "`trace(ids, cache=cache, grad=True)` differentiates one decode step)")
         gen = dict(max_new_tokens=_check_int("max_new_tokens", max_new_tokens, 1, _INT32_MAX),
-                   greedy=not do_sample, temperature=float(temperature),
-                   top_k=_check_int("top_k", top_k, 0, _INT32_MAX), top_p=float(top_p),
+                   greedy=not do_sample, temperature=_check_float("temperature", temperature),
+                   top_k=_check_int("top_k", top_k, 0, _INT32_MAX), top_p=_check_float("top_p", top_p),
                    seed=_check_int("seed", seed, 0, _UINT64_MAX),
                    eos_token_id=None if eos_token_id is None else _check_int("eos_token_id", eos_token_id, -1, _INT32_MAX))
         if forced_tokens is not None:

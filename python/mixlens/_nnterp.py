@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ._convert import as_float32, saveable, to_plain
+from ._args import as_index, check_float, check_int, layer_list
+from ._convert import as_float32, is_torch, saveable, to_plain
 from .errors import InputError
 
 
@@ -86,12 +87,25 @@ def attach(model) -> None:
     model.ln_final = _HeadEnvoy(model, "ln_final.", "ln_final")
 
 
-def _positions(p):
+def _positions(p, name: str):
+    """An index of positions / rows: None (all), a slice, an integer, or integers (a list / array / tensor; a
+    bool array as a mask). InputError naming the argument for anything else (1.5 is not position 1)."""
     if p is None:
         return slice(None)
-    if isinstance(p, (int, np.integer, slice)):
+    if isinstance(p, slice):
         return p
-    return np.asarray(as_float32(p, "positions") if not isinstance(p, (list, tuple)) else p, dtype=np.int64)
+    try:
+        return as_index(p)
+    except TypeError:
+        pass
+    if isinstance(p, (str, bytes)):
+        raise InputError(f"steer: {name} must be integers, a slice or None, got {p!r}")
+    a = np.asarray(p.detach().cpu().numpy() if is_torch(p) else p)
+    if a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iub":
+        raise InputError(f"steer: {name} must be integers, a slice or None, got {p!r}")
+    return a
 
 
 class NnterpMixin:
@@ -145,13 +159,11 @@ class NnterpMixin:
         nnterp's deprecated spelling of `token_positions`; None means every position / row."""
         if positions is not None and token_positions is not None:
             raise InputError("steer: give positions or token_positions, not both")
-        pos = _positions(token_positions if token_positions is not None else positions)
-        rows = _positions(batch_index)
-        vec = as_float32(steering_vector, "steering_vector") * np.float32(factor)
-        layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
-        n = self.num_layers
+        pos = _positions(token_positions if token_positions is not None else positions, "token_positions")
+        rows = _positions(batch_index, "batch_index")
+        vec = as_float32(steering_vector, "steering_vector") * np.float32(check_float("factor", factor))
         where = token_positions if token_positions is not None else positions
-        for layer in sorted({(int(l) + n if int(l) < 0 else int(l)) for l in layers}):
+        for layer in sorted(set(layer_list("steer: layers", layers, self.num_layers))):
             h = as_float32(self.layers_output[layer], f"layers.{layer}.layer_output").copy()
             # numpy's own errors would name neither argument: say which one does not fit.
             try:
@@ -173,12 +185,16 @@ class NnterpMixin:
         """nnterp's ``skip_layer``: block `layer`'s output is `skip_with` (default: its own input), so the block adds
         nothing to the residual stream. The block still runs (its cache, e.g. the recurrent state, still
         updates, as in nnterp where the module runs and its output is replaced)."""
+        n = self.num_layers
+        layer = check_int("skip_layer: layer", layer, -n, n - 1)
         self.skip_layers(layer, layer, skip_with)
 
     def skip_layers(self, start_layer: int, end_layer: int, skip_with: Any = None) -> None:
         """nnterp's ``skip_layers``: blocks ``start_layer..end_layer`` (inclusive) all output `skip_with` (default: the
         input of `start_layer`)."""
         n = self.num_layers
+        start_layer = check_int("skip_layers: start_layer", start_layer, -n, n - 1)
+        end_layer = check_int("skip_layers: end_layer", end_layer, -n, n - 1)
         start = start_layer + n if start_layer < 0 else start_layer
         end = end_layer + n if end_layer < 0 else end_layer
         if not 0 <= start <= end < n:

@@ -9,10 +9,12 @@ inside a trace, and ``Model::project_on_vocab`` (final norm + LM head, in C++).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from ._args import IndexInputError, as_index, check_bool, check_int, check_str, layer_list
 from ._convert import as_float32, to_plain
 from .errors import InputError
 
@@ -26,22 +28,24 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _prompts(prompts) -> list:
-    return [prompts] if isinstance(prompts, str) else list(prompts)
+    """One prompt or a list of them (texts or token-id lists)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise InputError(f"prompts must be a string or a list of prompts, got {prompts!r} ({type(prompts).__name__})")
+    return list(prompts)
 
 
 def _layers(model, layers) -> list[int]:
-    n = model.num_layers
-    if layers is None:
-        return list(range(n))
-    if isinstance(layers, (int, np.integer)):
-        layers = [layers]
-    out = []
-    for l in layers:
-        l = int(l)
-        if not -n <= l < n:
-            raise InputError(f"layer {l} out of range (the model has {n} layers)")
-        out.append(l + n if l < 0 else l)
-    return out
+    return layer_list("layers", layers, _model_of(model).num_layers)
+
+
+def _model_of(model):
+    from ._model import StandardizedTransformer
+
+    if not isinstance(model, StandardizedTransformer):
+        raise InputError(f"model must be a mixlens model (mixlens.load(...)), got {type(model).__name__}")
+    return model
 
 
 def get_token_activations(model, prompts, layers=None, idx: int = -1) -> np.ndarray:
@@ -49,14 +53,19 @@ def get_token_activations(model, prompts, layers=None, idx: int = -1) -> np.ndar
     -1 is each prompt's last token): float32 numpy ``[num_layers, num_prompts, hidden]`` (nnterp's
     ``get_token_activations``, as a stacked array)."""
     layers = _layers(model, layers)
-    saved = model.run(_prompts(prompts), saves=[f"layers.{l}.layer_output" for l in layers])
-    return np.stack([as_float32(saved[f"layers.{l}.layer_output"], "layer_output")[:, idx] for l in layers])
+    prompts = _prompts(prompts)
+    saved = model.run(prompts, saves=[f"layers.{l}.layer_output" for l in layers])
+    outs = [as_float32(saved[f"layers.{l}.layer_output"], "layer_output") for l in layers]
+    seq = outs[0].shape[1]
+    idx = check_int("get_token_activations: idx", idx, -seq, seq - 1)
+    return np.stack([o[:, idx] for o in outs])
 
 
 def logit_lens(model, prompts: Union[str, Sequence[str]], return_inv_logits: bool = False):
     """nnterp's ``logit_lens``: next-token probabilities ``softmax(lm_head(ln_final(h_l)))`` of each prompt's last
     token read from every layer's output: ``[num_prompts, num_layers, vocab]``. With `return_inv_logits`,
     also the probabilities of ``lm_head(-ln_final(h_l))`` (nnterp's inverse logits)."""
+    return_inv_logits = check_bool("return_inv_logits", return_inv_logits)
     hiddens = get_token_activations(model, prompts)  # [L, P, D]
     logits = as_float32(model.project_on_vocab(hiddens), "logits")  # [L, P, V]
     probs = to_plain(np.ascontiguousarray(_softmax(logits).transpose(1, 0, 2)), model.output_format)
@@ -73,6 +82,13 @@ class TargetPrompt:
 
     prompt: str
     index_to_patch: int
+
+    def __post_init__(self):
+        check_str("TargetPrompt: prompt", self.prompt)
+        try:
+            self.index_to_patch = as_index(self.index_to_patch)
+        except TypeError:
+            raise InputError(f"TargetPrompt: index_to_patch must be an integer, got {self.index_to_patch!r}") from None
 
 
 @dataclass
@@ -113,6 +129,8 @@ def repeat_prompt(words=None, rel: str = " ", sep: str = "\n", placeholder: str 
     """The patchscopes paper's identity prompt (nnterp's ``repeat_prompt``): "king king\\n1135 1135\\nhello hello\\n?"."""
     if words is None:
         words = ["king", "1135", "hello"]
+    if isinstance(words, (str, bytes)) or not isinstance(words, Iterable) or not all(isinstance(w, str) for w in words):
+        raise InputError(f"repeat_prompt: words must be a list of strings, got {words!r}")
     return TargetPrompt(sep.join(w + rel + w for w in words) + sep + placeholder, index_to_patch)
 
 
@@ -144,6 +162,11 @@ def patchscope_lens(model, source_prompts=None, target_patch_prompts=None, layer
     for k, layer in enumerate(layers):
         with model.trace(target.prompts):
             h = as_float32(model.layers_output[layer], "layer_output").copy()
+            seq = h.shape[1]
+            bad = [int(i) for i in np.atleast_1d(target.index_to_patch) if not -seq <= int(i) < seq]
+            if bad:
+                raise IndexInputError(f"patchscope_lens: index_to_patch {bad[0]} is out of range for target prompts "
+                                      f"of {seq} tokens")
             h[rows, target.index_to_patch] = latents[k]
             model.layers_output[layer] = h
             probs.append(as_float32(model.next_token_probs, "probs"))
@@ -163,7 +186,7 @@ def patchscope_generate(model, prompts, target_patch_prompt: TargetPrompt, max_l
     hiddens = get_token_activations(model, prompts, layers=layers)  # [L, P, D]
     pad = model._core.pad_token_id
     n = len(prompts)
-    per_call = max(max_batch_size // n, 1)
+    per_call = max(check_int("max_batch_size", max_batch_size, 1, 1 << 30) // n, 1)
     target_ids = model.tokenizer.encode(target_patch_prompt.prompt)
     out: dict = {}
     for start in range(0, len(layers), per_call):

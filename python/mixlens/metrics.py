@@ -18,6 +18,19 @@ from typing import Optional
 
 import numpy as np
 
+from ._args import IndexInputError, as_index
+from .errors import InputError
+
+
+def _index_or_none(name: str, value):
+    """An optional integer argument (a position, a row, a token id); 1.5 or True is not one."""
+    if value is None:
+        return None
+    try:
+        return as_index(value)
+    except TypeError:
+        raise InputError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
 
 class Metric:
     """Base: ``value(logits) -> float`` and ``dlogits(logits) -> float32 [B,T,V]``.
@@ -29,7 +42,7 @@ class Metric:
     that does not override :meth:`positions` gets every position's logits."""
 
     def __init__(self, position: Optional[int] = -1, row: Optional[int] = None):
-        self.position, self.row = position, row
+        self.position, self.row = _index_or_none("position", position), _index_or_none("row", row)
 
     def positions(self, seq: int) -> Optional[list[int]]:
         """The call positions (ascending) this metric reads in a call of `seq` tokens; None: every one."""
@@ -42,16 +55,16 @@ class Metric:
         rows = list(range(B)) if self.row is None else [self.row]
         pos = list(range(T)) if self.position is None else [self.position % T if -T <= self.position < T else None]
         if None in pos:
-            raise IndexError(f"metric position {self.position} is out of range for a call of {T} tokens")
+            raise IndexInputError(f"metric position {self.position} is out of range for a call of {T} tokens")
         for r in rows:
             if not -B <= r < B:
-                raise IndexError(f"metric row {r} is out of range for a batch of {B}")
+                raise IndexInputError(f"metric row {r} is out of range for a batch of {B}")
         if positions is None:
             return rows, [(t, t) for t in pos]
         at = {int(t): i for i, t in enumerate(positions)}
         missing = [t for t in pos if t not in at]
         if missing:
-            raise IndexError(f"metric position {missing[0]} is not among the logits' positions")
+            raise IndexInputError(f"metric position {missing[0]} is not among the logits' positions")
         return rows, [(t, at[t]) for t in pos]
 
     def value(self, logits) -> float:
@@ -83,8 +96,6 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 def _token_id(i: int, vocab: int, what: str) -> int:
     # A negative id would silently index from the end of the vocabulary: refuse it like any other bad id.
     if not 0 <= i < vocab:
-        from .errors import InputError
-
         raise InputError(f"{what} {i} is not a token id of this model (0..{vocab - 1})")
     return i
 
@@ -95,6 +106,13 @@ class LogProb(CellMetric):
 
     def __init__(self, token, position: Optional[int] = -1, row: Optional[int] = None):
         super().__init__(position, row)
+        try:
+            token = as_index(token)
+        except TypeError:  # not one id: an integer array [B, T] of targets
+            t = np.asarray(token.detach().cpu().numpy() if hasattr(token, "detach") else token)
+            if t.ndim != 2 or t.dtype.kind not in "iu":
+                raise InputError(f"LogProb: token must be a token id or an integer array [B, T] of them, got "
+                                 f"{token!r}") from None
         self.token = token
 
     def _target(self, r: int, t: int, vocab: int) -> int:
@@ -123,7 +141,10 @@ class LogitDiff(CellMetric):
 
     def __init__(self, a: int, b: int, position: Optional[int] = -1, row: Optional[int] = None):
         super().__init__(position, row)
-        self.a, self.b = int(a), int(b)
+        a, b = _index_or_none("LogitDiff: a", a), _index_or_none("LogitDiff: b", b)
+        if a is None or b is None:
+            raise InputError("LogitDiff takes two token ids a and b")
+        self.a, self.b = a, b
 
     def value(self, logits, positions=None, seq=None) -> float:
         z = np.asarray(logits)

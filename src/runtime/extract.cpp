@@ -277,6 +277,9 @@ std::vector<ExtractPrompt> read_prompts_file(const std::string& path, const std:
   const bool jsonl = ends_with(path, ".jsonl");
   if (!jsonl && !mask_field.empty())
     throw InputError("prompts file '" + path + "': a mask field needs a .jsonl file (plain text has one prompt per line)");
+  if (!jsonl && text_field != "text")  // the default is no choice; another field name would be ignored
+    throw InputError("prompts file '" + path + "': a text field ('" + text_field +
+                     "') needs a .jsonl file (plain text has one prompt per line)");
   std::vector<ExtractPrompt> out;
   std::string line;
   int64_t n = 0;
@@ -409,6 +412,11 @@ ExtractPlan plan_extraction(const Model& model, const std::vector<ExtractPrompt>
       if (p.mask.size() != plan.ids[i].size())
         throw InputError(who + ": the mask has " + std::to_string(p.mask.size()) + " entries for " + std::to_string(n) +
                          " tokens (one 0/1 per token)");
+      // Only 0 and 1: a row is written per 1, and every nonzero entry picks a position.
+      for (size_t t = 0; t < p.mask.size(); ++t)
+        if (p.mask[t] > 1)
+          throw InputError(who + ": mask entry " + std::to_string(t) + " is " + std::to_string(p.mask[t]) +
+                           "; a mask holds only 0 and 1");
       plan.masks[i] = p.mask;
       plan.rows[i] = std::count(p.mask.begin(), p.mask.end(), uint8_t{1});
     } else {

@@ -121,6 +121,15 @@ std::map<std::string, KernelRoute>& routes() {
   static std::map<std::string, KernelRoute> r;
   return r;
 }
+
+// A misspelt family would silently route nothing, or read as routed by default.
+void check_route_family(const char* fn, const std::string& family) {
+  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next",
+                                                     "nemotron_h", "bamba", "falcon_h1"};
+  if (std::find(families.begin(), families.end(), family) == families.end())
+    throw InputError(std::string(fn) + ": unknown family '" + family +
+                     "' (known: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1)");
+}
 }  // namespace
 
 void route_kernels(const std::string& family, const std::string& route) {
@@ -129,16 +138,13 @@ void route_kernels(const std::string& family, const std::string& route) {
   else if (route == "chunked") k = KernelRoute::chunked;
   else if (route == "recurrent") k = KernelRoute::recurrent;
   else throw InputError("route_kernels: route '" + route + "' must be 'default', 'chunked' or 'recurrent'");
-  // A misspelt family would silently route nothing.
-  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next",
-                                                     "nemotron_h", "bamba", "falcon_h1"};
-  if (std::find(families.begin(), families.end(), family) == families.end())
-    throw InputError("route_kernels: unknown family '" + family + "' (known: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1)");
+  check_route_family("route_kernels", family);
   std::lock_guard<std::mutex> lk(g_route_mu);
   routes()[family] = k;
 }
 
 KernelRoute kernel_route(const std::string& family) {
+  check_route_family("kernel_route", family);
   std::lock_guard<std::mutex> lk(g_route_mu);
   auto it = routes().find(family);
   return it == routes().end() ? KernelRoute::default_route : it->second;

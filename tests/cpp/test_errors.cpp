@@ -294,3 +294,21 @@ TEST(Settings, ExtractOptionsOutOfRangeAreRefusedBeforeAnythingRuns) {
   o.shard_bytes = 0;
   EXPECT_THROW(o.check(), InputError);
 }
+
+TEST(Settings, KernelRouteOfAnUnknownFamilyIsRefused) {
+  EXPECT_EQ(kernel_route("mamba2"), KernelRoute::default_route);
+  try {
+    kernel_route("mamab2");
+    FAIL() << "a misspelt family read as routed by default";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown family 'mamab2'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Settings, ATextFieldOnAPlainTextPromptsFileIsRefused) {
+  const auto path = std::filesystem::temp_directory_path() / ("mixlens_prompts_" + std::to_string(::getpid()) + ".txt");
+  std::ofstream(path) << "hello\nworld\n";
+  EXPECT_EQ(read_prompts_file(path.string()).size(), 2u);
+  EXPECT_THROW(read_prompts_file(path.string(), "body"), InputError);
+  std::filesystem::remove(path);
+}

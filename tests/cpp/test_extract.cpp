@@ -180,3 +180,21 @@ TEST(Extract, PromptsFilesAreValidatedLineByLine) {
             std::string::npos);
   fs::remove_all(dir);
 }
+
+// A mask given through the API (not a prompts file) holding anything but 0 and 1 is refused by name:
+// every nonzero entry picked a position while only the 1s counted rows (heap overflow, fresh-user trial).
+TEST(Extract, AMaskEntryOtherThanZeroOrOneIsRefused) {
+  const Model& m = shipped();
+  ExtractOptions o;
+  o.values = {"logits"};
+  o.positions = "mask";
+  std::vector<ExtractPrompt> ps = {{"", {1, 2, 3, 4}, {1, 0, 2, 1}}};
+  try {
+    plan_extraction(m, ps, o);
+    FAIL() << "a mask entry 2 was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("mask entry 2 is 2"), std::string::npos) << e.what();
+  }
+  ps[0].mask = {1, 0, 0, 1};
+  EXPECT_EQ(plan_extraction(m, ps, o).total_rows, 2);
+}

@@ -416,3 +416,85 @@ except mixlens.InputError:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MIXLENS_OUTPUT": "auto"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def _wrong_kind_calls():
+    from mixlens import interventions as iv, metrics
+
+    P = "Once upon a time"
+    return {
+        "trace(cache='x')": lambda m: m.trace(P, cache="x"),
+        "values(batch='1')": lambda m: m.values(batch="1"),
+        "values(seq=0)": lambda m: m.values(seq=0),
+        "kernel_route('bogus')": lambda m: mixlens.kernel_route("bogus"),
+        "kernel_route(None)": lambda m: mixlens.kernel_route(None),
+        "temperature='hot'": lambda m: m.generate(P, 2, do_sample=True, temperature="hot"),
+        "top_p='0.9'": lambda m: m.generate(P, 2, do_sample=True, top_p="0.9"),
+        "saves=5": lambda m: m.run(P, saves=5),
+        "saves=[5]": lambda m: m.run(P, saves=[5]),
+        "edits=['x']": lambda m: m.run(P, edits=["x"]),
+        "edits={5: 1}": lambda m: m.run(P, edits={5: 1}),
+        "encode(5)": lambda m: m.tokenizer.encode(5),
+        "token_to_id(5)": lambda m: m.tokenizer.token_to_id(5),
+        "LogProb(1.5)": lambda m: metrics.LogProb(1.5),
+        "LogProb(True)": lambda m: metrics.LogProb(True),
+        "LogitDiff(1, 'b')": lambda m: metrics.LogitDiff(1, "b"),
+        "LogProb(5, position='x')": lambda m: metrics.LogProb(5, position="x"),
+        "logit_lens(m, 5)": lambda m: iv.logit_lens(m, 5),
+        "logit_lens(None, P)": lambda m: iv.logit_lens(None, P),
+        "get_token_activations(idx=1.5)": lambda m: iv.get_token_activations(m, P, idx=1.5),
+        "get_token_activations(idx=99)": lambda m: iv.get_token_activations(m, P, idx=99),
+        "get_token_activations(layers='1')": lambda m: iv.get_token_activations(m, P, layers="1"),
+        "TargetPrompt(P, 1.5)": lambda m: iv.TargetPrompt(P, 1.5),
+        "patchscope_lens index 99": lambda m: iv.patchscope_lens(m, P, iv.TargetPrompt(P, 99)),
+        "repeat_prompt(words=5)": lambda m: iv.repeat_prompt(words=5),
+        "extract(ray='yes')": lambda m: m.extract([P], values="logits", out="never", ray="yes"),
+        "extract(progress='no')": lambda m: m.extract([P], values="logits", out="never", progress="no"),
+        "extract(store_prompts='no')": lambda m: m.extract([P], values="logits", out="never", store_prompts="no"),
+        "extract(values=5)": lambda m: m.extract([P], values=5, out="never"),
+        "extract(out=5)": lambda m: m.extract([P], values="logits", out=5),
+        "open_extraction(5)": lambda m: mixlens.open_extraction(5),
+    }
+
+
+@pytest.mark.parametrize("name", list(_wrong_kind_calls()))
+def test_public_calls_refuse_arguments_of_the_wrong_kind_by_name(model, name, tmp_path, monkeypatch):
+    """A raw TypeError from deep inside, a string iterated as layers ("12" as layers 1 and 2), 1.5 taken as 1
+    or "yes" as True: each is an InputError naming the argument (fresh-user trial)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(mixlens.InputError):
+        _wrong_kind_calls()[name](model)
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("call", [
+    lambda m, v: m.steer(layers="12", steering_vector=v),
+    lambda m, v: m.steer(layers=[True], steering_vector=v),
+    lambda m, v: m.steer(1, v, factor=None),
+    lambda m, v: m.steer(1, v, positions=1.5),
+    lambda m, v: m.steer(1, v, batch_index="a"),
+    lambda m, v: m.skip_layer("1"),
+    lambda m, v: m.skip_layers(0, 2.0),
+    lambda m, v: m.layers[0].linear_attn.state_after(np.array([[1]])),
+])
+def test_intervention_arguments_of_the_wrong_kind_are_refused_inside_a_trace(model, call):
+    with model.trace("Once upon a time"):
+        with pytest.raises(mixlens.InputError):
+            call(model, np.zeros(model.hidden_size, np.float32))
+
+
+def test_a_mask_of_anything_but_zeros_and_ones_is_refused_not_a_crash(model, tmp_path):
+    with pytest.raises(mixlens.InputError, match="mask entry 2 of prompt 0 is 2"):
+        model.extract(["Once upon a time"], values="logits", out=tmp_path / "x", positions="mask",
+                      masks=[[1, 0, 2, 1]], progress=False)
+
+
+def test_extraction_indices_take_integers_and_past_the_end_is_an_index_error(model, tmp_path):
+    model.extract(["Once upon a time", "The cat"], values="logits", out=tmp_path / "x", progress=False)
+    ex = mixlens.open_extraction(tmp_path / "x")
+    assert np.array_equal(np.asarray(ex.prompt(np.int64(1))["logits"]), np.asarray(ex.prompt(-1)["logits"]))
+    for bad in ("0", True, 1.0):
+        with pytest.raises(mixlens.InputError):
+            ex.prompt(bad)
+    with pytest.raises(IndexError, match="shard 99 is out of range"):
+        ex.shard(99)

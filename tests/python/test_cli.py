@@ -302,3 +302,20 @@ def test_an_empty_id_entry_is_refused():
 def test_a_stale_model_variable_is_named(tmp_path):
     r = cli("inspect", env={**os.environ, "MIXLENS_MODEL": str(tmp_path / "gone")})
     assert r.returncode == 1 and "the path came from $MIXLENS_MODEL" in _one_line_error(r), r.stderr
+
+
+def test_flag_equals_value_and_double_dash(tmp_path, text_model_dir):
+    """`--flag=value` is `--flag value`; after `--` every argument is a prompt (one may start with '-'); a flag
+    that takes no value refuses one."""
+    a = cli("run", "--model", text_model_dir, "--save", "logits", "--out", tmp_path / "a.safetensors", "--", "-Once upon")
+    b = cli("run", f"--model={text_model_dir}", "--save=logits", f"--out={tmp_path / 'b.safetensors'}", "--", "-Once upon")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr, b.stderr)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    _one_line_error(cli("generate", "--greedy=yes", "--max-new-tokens", "2", "hi"), "--greedy takes no value")
+
+
+def test_a_text_field_on_a_plain_text_prompts_file_is_refused_not_ignored(tmp_path, text_model_dir):
+    (tmp_path / "p.txt").write_text("hello\nworld\n")
+    r = cli("extract", "--model", text_model_dir, tmp_path / "p.txt", "--values", "logits", "--out", tmp_path / "x",
+            "--text-field", "body")
+    _one_line_error(r, "a text field ('body') needs a .jsonl file")

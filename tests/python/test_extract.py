@@ -284,6 +284,13 @@ def test_bad_inputs_are_named(model, tmp_path):
         model.extract(PROMPTS, values="logits", out=tmp_path / "o", positions="first")
     with pytest.raises(mixlens.InputError, match="masks="):
         model.extract(PROMPTS, values="logits", out=tmp_path / "o", positions="mask")
+    # masks given in Python: only 0 / 1 (a 2 overflowed the row buffer and crashed the process)
+    for masks, says in [([[1, 0, 2, 1]], r"mask entry 2 of prompt 0 is 2"), ([[1, 0, -1, 1]], "is -1"),
+                        ([[1.0, 0, 1, 1]], "is 1.0"), ([["a", 0, 1, 1]], "is 'a'"), (5, "masks must be a list"),
+                        (["1011"], "the mask of prompt 0 must be a list")]:
+        with pytest.raises(mixlens.InputError, match=says):
+            model.extract([[5, 6, 7, 8]], values="logits", out=tmp_path / "o", positions="mask", masks=masks,
+                          progress=False)
     assert not (tmp_path / "o").exists()
     # The CLI says the same, with the line, and exits 1 (2 for a usage error).
     r = cli("extract", tmp_path / "bad.jsonl", "--values", "logits", "--out", tmp_path / "c", check=False)
