@@ -46,6 +46,18 @@ def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return v
 
 
+def item_index(what: str, value: Any, n: int) -> int:
+    """An index into n items (negative counts from the end) as 0..n-1: InputError for a wrong kind,
+    IndexInputError past either end; `what` names the item ("prompt", "shard")."""
+    try:
+        i = as_index(value)
+    except TypeError:
+        raise InputError(f"{what} takes a {what} number, got {value!r} ({type(value).__name__})") from None
+    if not -n <= i < n:
+        raise IndexInputError(f"{what} {i} is out of range (there are {n} {what}s)")
+    return i % n
+
+
 def check_bool(name: str, value: Any) -> bool:
     """A flag argument: True / False (numpy bools too); InputError for anything else ("yes", 1, None), which
     would otherwise count by its truth value."""

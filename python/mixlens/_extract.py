@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core
-from ._args import IndexInputError, as_index, check_bool, check_path, check_str
+from ._args import check_bool, check_path, check_str, item_index
 from ._convert import resolve_output
 from .errors import InputError
 
@@ -365,27 +365,13 @@ class Extraction:
         return self.index["num_prompts"]
 
     def shard(self, k: int) -> dict:
-        n = len(self.index["shards"])
-        try:
-            k = as_index(k)
-        except TypeError:
-            raise InputError(f"shard takes a shard number, got {k!r} ({type(k).__name__})") from None
-        if not -n <= k < n:
-            raise IndexInputError(f"shard {k} is out of range (the extraction has {n} shards)")
-        k %= n
+        k = item_index("shard", k, len(self.index["shards"]))
         if k not in self._cache:
             self._cache[k] = _read_safetensors(os.path.join(self.out, self.index["shards"][k]["file"]))
         return self._cache[k]
 
     def prompt(self, i: int) -> dict:
-        n = len(self)
-        try:
-            i = as_index(i)
-        except TypeError:
-            raise InputError(f"prompt takes a prompt number, got {i!r} ({type(i).__name__})") from None
-        if not -n <= i < n:
-            raise IndexInputError(f"prompt {i} is out of range (the extraction has {n} prompts)")
-        i %= n  # negative counts from the end, as a Python sequence does
+        i = item_index("prompt", i, len(self))  # negative counts from the end, as a Python sequence does
         k = self.index["prompts"][i]["shard"]
         s = self.shard(k)
         j = i - self.index["shards"][k]["prompts"][0]
