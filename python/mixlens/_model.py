@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-import sys
 import threading
 import warnings
 import weakref
@@ -21,7 +20,7 @@ from . import _inplace
 from ._inplace import _Live, released_value_tensor_class
 from . import _invoke, _nnterp
 from ._args import IndexInputError, as_index as _as_index, check_bool as _check_bool, check_float as _check_float
-from ._args import check_int as _check_int, check_path as _check_path, check_strs as _check_strs
+from ._args import check_int as _check_int, check_strs as _check_strs
 from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
 __all__ = ["StandardizedTransformer", "Tracer", "ValueArray", "Cache", "Tokenizer", "load", "default_model_path"]
