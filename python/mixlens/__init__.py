@@ -63,7 +63,8 @@ from . import _core  # noqa: E402  (imports mixlens.errors itself)
 from . import hub
 from . import interventions
 from . import metrics
-from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, _check_bool, default_model_path, load
+from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
+from ._args import check_bool as _check_bool, check_model as _check_model, check_str as _check_str
 from ._extract import Extraction, extract, extract_ray, open_extraction
 
 # One source: CMakeLists.txt's project(VERSION), compiled into the core (and read by the package metadata).
@@ -119,18 +120,13 @@ def route_kernels(family: str, route: str) -> None:
     ``route_kernels("mamba2", "recurrent" | "chunked" | "default")``. Optional in mixlens: per-token
     states are served on every path; use it for parity work and speed measurements.
     InputError for another route name or family."""
-    for name, v in (("family", family), ("route", route)):
-        if not isinstance(v, str):
-            raise InputError(f"route_kernels: {name} must be a string, got {v!r} ({type(v).__name__})")
-    _core.route_kernels(family, route)
+    _core.route_kernels(_check_str("route_kernels: family", family), _check_str("route_kernels: route", route))
 
 
 def kernel_route(family: str) -> str:
     """The route set by :func:`route_kernels` for `family` ("default" when none); InputError for an unknown
     family."""
-    if not isinstance(family, str):
-        raise InputError(f"kernel_route: family must be a string, got {family!r} ({type(family).__name__})")
-    return _core.kernel_route(family)
+    return _core.kernel_route(_check_str("kernel_route: family", family))
 
 
 def chunk_per_token(model: StandardizedTransformer, enabled: bool = True) -> None:
@@ -140,6 +136,5 @@ def chunk_per_token(model: StandardizedTransformer, enabled: bool = True) -> Non
     UnsupportedError for ``enabled=True`` on Qwen3.5 / Qwen3-Next, whose gated delta rule runs fixed
     chunks of 64 (as transformers'); InputError for a model that is not a mixlens model or an ``enabled``
     that is not True / False."""
-    if not isinstance(model, StandardizedTransformer):
-        raise InputError(f"chunk_per_token: model must be a mixlens model (mixlens.load(...)), got {type(model).__name__}")
+    _check_model("chunk_per_token: model", model)
     model._core.set_chunk_size(1 if _check_bool("enabled", enabled) else 0)

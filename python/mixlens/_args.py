@@ -35,6 +35,22 @@ def as_index(value: Any) -> int:
     return operator.index(value)
 
 
+def index_list(value: Any) -> list:
+    """One integer (see as_index) or an iterable of them as a list of ints; TypeError for anything else (a
+    string is not a list of digits)."""
+    try:
+        return [as_index(value)]
+    except TypeError:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise
+        return [as_index(v) for v in value]
+
+
+def index_slice(s: slice) -> slice:
+    """A slice with integer bounds (see as_index) or None; TypeError for other bounds."""
+    return slice(*(None if v is None else as_index(v) for v in (s.start, s.stop, s.step)))
+
+
 def check_int(name: str, value: Any, lo: int, hi: int) -> int:
     """`value` as an int in [lo, hi] (see as_index); else InputError naming the argument and the range."""
     try:
@@ -82,6 +98,14 @@ def check_str(name: str, value: Any) -> str:
     return value
 
 
+def check_model(name: str, value: Any) -> None:
+    """A mixlens model argument (what mixlens.load returns); InputError naming `name` otherwise."""
+    from ._model import StandardizedTransformer  # _model imports this module
+
+    if not isinstance(value, StandardizedTransformer):
+        raise InputError(f"{name} must be a mixlens model (mixlens.load(...)), got {type(value).__name__}")
+
+
 def check_path(name: str, value: Any) -> str:
     """A file or folder argument: a str or os.PathLike, as a str."""
     if not isinstance(value, (str, os.PathLike)):
@@ -95,7 +119,7 @@ def check_strs(name: str, value: Any, allow_none: bool = False) -> Optional[list
         return None
     if isinstance(value, str):
         return [value]
-    if isinstance(value, (bytes, Iterable)) and not isinstance(value, bytes):
+    if not isinstance(value, bytes) and isinstance(value, Iterable):
         items = list(value)
         for v in items:
             if not isinstance(v, str):
@@ -110,15 +134,10 @@ def layer_list(name: str, layers: Any, n: int) -> list:
     if layers is None:
         return list(range(n))
     try:
-        items = [as_index(layers)]
+        items = index_list(layers)
     except TypeError:
-        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
-            raise InputError(f"{name} must be a layer index or a list of them, got {layers!r} "
-                             f"({type(layers).__name__})") from None
-        try:
-            items = [as_index(x) for x in layers]
-        except TypeError:
-            raise InputError(f"{name} must be a layer index or a list of them, got {layers!r}") from None
+        raise InputError(f"{name} must be a layer index or a list of them, got {layers!r} "
+                         f"({type(layers).__name__})") from None
     out = []
     for layer in items:
         if not -n <= layer < n:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from . import _core
-from ._args import check_bool, check_path, check_str, item_index
+from ._args import check_bool, check_model, check_path, check_str, item_index
 from ._convert import resolve_output
 from .errors import InputError
 
@@ -102,13 +102,6 @@ def _as_prompts(inputs: Inputs, *, masks: Optional[Sequence[Sequence[int]]], tex
         else:
             raise InputError(f"extract: prompt {i} is a {type(p).__name__}, not a string or a list of token ids")
     return out
-
-
-def _check_model(model) -> None:
-    from ._model import StandardizedTransformer
-
-    if not isinstance(model, StandardizedTransformer):
-        raise InputError(f"extract: model must be a mixlens model (mixlens.load(...)), got {type(model).__name__}")
 
 
 def _values_list(values: Union[str, Sequence[str]]) -> list:
@@ -199,7 +192,7 @@ def extract(model, inputs: Inputs, values: Union[str, Sequence[str]], out: Union
     "shards_skipped", "complete"}. Errors: InputError (bad inputs: the message names the file line or
     prompt), UnknownValueError (a value path), ResourceError (max_bytes), CheckpointError (writing).
     """
-    _check_model(model)
+    check_model("extract: model", model)
     if check_bool("ray", ray):
         return extract_ray(model, inputs, values, out, batch_size=batch_size, positions=positions, masks=masks,
                            text_field=text_field, mask_field=mask_field, shard_bytes=shard_bytes,

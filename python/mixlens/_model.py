@@ -20,6 +20,7 @@ from . import _inplace
 from ._inplace import _Live, released_value_tensor_class
 from . import _invoke, _nnterp
 from ._args import IndexInputError, as_index as _as_index, check_bool as _check_bool, check_float as _check_float
+from ._args import index_list as _index_list, index_slice as _index_slice
 from ._args import check_int as _check_int, check_strs as _check_strs
 from .errors import InputError, MixlensError, UnknownAttributeError, UnknownValueError, UnsupportedError, WriteError
 
@@ -250,13 +251,12 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InputError(f"encode takes one string, got {text!r} ({type(text).__name__})")
         add_special_tokens = _check_bool("add_special_tokens", add_special_tokens)
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                # nanobind cannot convert it and would raise a TypeError about the argument types.
-                raise InputError(f"text is not valid Unicode: {e.reason} at character {e.start} "
-                                 f"({text[e.start:e.end]!r}); it cannot be encoded as UTF-8") from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # nanobind cannot convert it and would raise a TypeError about the argument types.
+            raise InputError(f"text is not valid Unicode: {e.reason} at character {e.start} "
+                             f"({text[e.start:e.end]!r}); it cannot be encoded as UTF-8") from None
         return self._core.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -532,8 +532,7 @@ class _Layers(Sequence):
         n = len(self)
         try:
             if isinstance(i, slice):
-                return [self[j] for j in range(*slice(*(None if v is None else _as_index(v)
-                                                        for v in (i.start, i.stop, i.step))).indices(n))]
+                return [self[j] for j in range(*_index_slice(i).indices(n))]
             j = _as_index(i)
         except TypeError:
             raise InputError(f"model.layers[{i!r}]: a layer index is an integer or a slice of integers, got "
@@ -590,24 +589,13 @@ def _iter_key(key) -> Union[slice, list]:
     """``tracer.iter[key]``'s key as a slice of int bounds or a list of ints: an integer (numpy / 0-d tensor
     too), a slice of integers (step not 0), or a sequence of integers; InputError for anything else."""
     what = "tracer.iter[...] takes an integer, a slice of integers or a list of integers"
-    if isinstance(key, slice):
-        try:
-            parts = [None if v is None else _as_index(v) for v in (key.start, key.stop, key.step)]
-        except TypeError:
-            raise InputError(f"{what}, got the slice {key!r}") from None
-        if parts[2] == 0:
-            raise InputError("tracer.iter[...]: a slice step cannot be zero")
-        return slice(*parts)
     try:
-        return [_as_index(key)]
+        out = _index_slice(key) if isinstance(key, slice) else _index_list(key)
     except TypeError:
-        pass
-    if isinstance(key, (str, bytes)) or not isinstance(key, Iterable):
-        raise InputError(f"{what}, got {key!r} ({type(key).__name__})")
-    try:
-        return [_as_index(k) for k in key]
-    except TypeError:
-        raise InputError(f"{what}, got {key!r}") from None
+        raise InputError(f"{what}, got {key!r} ({type(key).__name__})") from None
+    if isinstance(out, slice) and out.step == 0:
+        raise InputError("tracer.iter[...]: a slice step cannot be zero")
+    return out
 
 
 class _StepLoop:

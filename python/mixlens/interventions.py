@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ._args import IndexInputError, as_index, check_bool, check_int, check_str, layer_list
+from ._args import IndexInputError, as_index, check_bool, check_int, check_model, check_str, layer_list
 from ._convert import as_float32, to_plain
 from .errors import InputError
 
@@ -41,10 +41,7 @@ def _layers(model, layers) -> list[int]:
 
 
 def _model_of(model):
-    from ._model import StandardizedTransformer
-
-    if not isinstance(model, StandardizedTransformer):
-        raise InputError(f"model must be a mixlens model (mixlens.load(...)), got {type(model).__name__}")
+    check_model("model", model)
     return model
 
 
