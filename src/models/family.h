@@ -11,10 +11,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "hooks/listener.h"
 #include "io/json.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
-#include "runtime/listener.h"
 
 namespace mixlens::grad {
 struct Tape;

@@ -625,7 +625,7 @@ class QwenHybrid final : public FamilyModel {
   // `last_only` (last_block_on_last_rows): queries, attention and o_proj for the last row of each
   // sequence only ([B,1,D] out, nothing visited); keys and values for every row, into the cache.
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
-                   HybridCache& cache, Listener* ls, grad::Tape* tape, bool last_only = false) const {
+                   HybridCache& cache, Listener* ls, grad::KeptTensors* tape, bool last_only = false) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
     const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
     Tensor qg = Tensor::uninitialized({BTq, H_ * 2 * d});
