@@ -189,4 +189,46 @@ void validate_config(const io::Config& cfg) {
   }
 }
 
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d) {
+  if (!cfg.has("time_step_limit") || cfg.is_null("time_step_limit")) return;
+  auto lim = cfg.get<std::vector<double>>("time_step_limit");
+  if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
+  d.dt_lo = static_cast<float>(lim[0]);
+  d.dt_hi = static_cast<float>(lim[1]);
+  if (!(d.dt_lo >= 0.0f && d.dt_lo <= d.dt_hi))
+    throw ConfigError(where(cfg) + ": time_step_limit [" + std::to_string(lim[0]) + ", " + std::to_string(lim[1]) +
+                      "] must satisfy 0 <= min <= max");
+}
+
+void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial) {
+  theta = cfg.get_double_or("rope_theta", 10000.0);
+  partial = cfg.get_double_or("partial_rotary_factor", default_partial);
+  if (cfg.has("rope_parameters") && !cfg.is_null("rope_parameters")) {
+    const io::Config rp = cfg.sub("rope_parameters");
+    const std::string rt = rp.get_or<std::string>("rope_type", "default");
+    if (rt != "default")
+      throw UnsupportedError(where(cfg) + ": rope_parameters.rope_type '" + rt + "' is not supported (only 'default')");
+    theta = rp.get_double_or("rope_theta", theta);
+    partial = rp.get_double_or("partial_rotary_factor", partial);
+  }
+  if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
+}
+
+void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, bool d_ssm, Mamba2MixerDims& d) {
+  d.D = D;
+  d.H = cfg.get_or<int64_t>("mamba_n_heads", 128);
+  require_positive(cfg, {{"mamba_n_heads", d.H}});
+  // mamba_d_ssm when given, else int(mamba_expand * hidden_size) (FalconH1Mixer.intermediate_size).
+  d.E = d_ssm && cfg.has("mamba_d_ssm") && !cfg.is_null("mamba_d_ssm")
+            ? cfg.get<int64_t>("mamba_d_ssm")
+            : static_cast<int64_t>(cfg.get_double_or("mamba_expand", 2.0) * static_cast<double>(D));
+  const bool auto_head = !cfg.has("mamba_d_head") || cfg.is_null("mamba_d_head") || cfg.json().at("mamba_d_head").is_string();
+  d.P = auto_head ? d.E / d.H : cfg.get<int64_t>("mamba_d_head");
+  d.N = cfg.get_or<int64_t>("mamba_d_state", 256);
+  d.G = cfg.get_or<int64_t>("mamba_n_groups", 1);
+  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
+  d.chunk = cfg.get_or<int64_t>("mamba_chunk_size", 256);
+  d.eps = eps;
+}
+
 }  // namespace mixlens::detail

@@ -1,5 +1,6 @@
 // Reading config.json safely: the range validation every family's config passes before any factory
-// runs (build_family), and the checks the factories share.
+// runs (build_family), the checks the factories share, and the readers of fields several families
+// spell alike (one place to fix a default for all of them).
 #pragma once
 #include <cstdint>
 #include <initializer_list>
@@ -7,6 +8,7 @@
 #include <utility>
 
 #include "io/json.h"
+#include "mixers/mamba2_mixer.h"
 
 namespace mixlens::detail {
 
@@ -41,5 +43,18 @@ void validate_config(const io::Config& cfg);
 /// An overflow-checked product of sizes; ConfigError naming `what` when it exceeds `limit`.
 int64_t checked_size_product(const io::Config& cfg, const std::string& what, std::initializer_list<int64_t> factors,
                              int64_t limit = kMaxConfigNumel);
+
+// ---- Shared readers ----------------------------------------------------------------------------
+/// time_step_limit ([min, max], either may be absent) into dims.dt_lo / dt_hi; ConfigError otherwise.
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims);
+/// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
+/// fields; UnsupportedError for any rope_type other than "default".
+void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
+/// The Mamba-2 mixer dims a hybrid spells with the mamba_* fields (BambaConfig, FalconH1Config):
+/// mamba_n_heads, the width (mamba_d_ssm when `d_ssm` is set and the field given, else
+/// int(mamba_expand * D)), mamba_d_head (absent, null or "auto": width / heads), mamba_d_state,
+/// mamba_n_groups, mamba_d_conv, mamba_chunk_size, and `eps`. The gated norm, the biases, the dt
+/// clamp and any multipliers stay with the family (they differ between families).
+void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, bool d_ssm, Mamba2MixerDims& d);
 
 }  // namespace mixlens::detail

@@ -21,7 +21,7 @@
 #include "mixers/ssm_kernels.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
-#include "models/family.h"
+#include "models/registry.h"
 #include "models/ssm_lm.h"
 #include "ops/ops.h"
 
