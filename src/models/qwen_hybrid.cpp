@@ -108,18 +108,10 @@ class QwenHybrid final : public FamilyModel {
                           "' (expected 'linear_attention' or 'full_attention')");
 
     // RoPE: rope_parameters (transformers 5) with the older top-level fields as fallback.
-    double theta = cfg.get_double_or("rope_theta", 10000.0);
-    double partial = cfg.get_double_or("partial_rotary_factor", 1.0);
-    if (cfg.has("rope_parameters") && !cfg.is_null("rope_parameters")) {
-      const io::Config rp = cfg.sub("rope_parameters");
-      const std::string rt = rp.get_or<std::string>("rope_type", "default");
-      if (rt != "default")
-        throw UnsupportedError(where(cfg) + ": rope_parameters.rope_type '" + rt + "' is not supported (only 'default')");
-      theta = rp.get_double_or("rope_theta", theta);
-      partial = rp.get_double_or("partial_rotary_factor", partial);
-      // mrope_section only matters for image/video grids: text positions are equal on all three
-      // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
-    }
+    // mrope_section only matters for image/video grids: text positions are equal on all three
+    // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
+    double theta = 0.0, partial = 1.0;
+    read_rope(cfg, 1.0, theta, partial);
     rot_ = static_cast<int64_t>(static_cast<double>(hd_) * partial);
     if (rot_ <= 0 || rot_ > hd_ || rot_ % 2 != 0)
       throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot_) +
