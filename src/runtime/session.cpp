@@ -15,12 +15,12 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "hooks/listener.h"
 #include "mixlens/errors.h"
-#include "ops/ops.h"
 #include "models/family.h"
-#include "runtime/arena.h"
+#include "ops/arena.h"
+#include "ops/ops.h"
 #include "runtime/fiber.h"
-#include "runtime/listener.h"
 #include "runtime/model_access.h"
 #include "runtime/trace_listener.h"
 

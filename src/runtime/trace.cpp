@@ -9,7 +9,7 @@
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
 #include "models/family.h"
-#include "runtime/env.h"
+#include "ops/env.h"
 #include "runtime/trace_listener.h"
 
 namespace mixlens {

@@ -12,7 +12,7 @@
 #include "mixlens/values.h"
 
 namespace mixlens::grad {
-struct Tape;
+struct KeptTensors;
 }
 
 namespace mixlens::detail {
@@ -33,8 +33,8 @@ struct CallCtx {
   /// Set by another thread to stop the run (Ctrl-C, Session::abort); may be null.
   const std::atomic<bool>* cancel = nullptr;
   /// A call recorded for gradients (src/grad): the forward may keep there intermediates its backward
-  /// would otherwise recompute (grad::Tape::keep); null otherwise.
-  grad::Tape* tape = nullptr;
+  /// would otherwise recompute (grad::KeptTensors::keep, the grad::Tape's); null otherwise.
+  grad::KeptTensors* tape = nullptr;
   /// Called by the forwards between layers: InterruptedError once `cancel` is set.
   void check_cancel() const {
     if (tl_poll != nullptr) tl_poll(tl_poll_arg);

@@ -1,4 +1,4 @@
-#include "runtime/arena.h"
+#include "ops/arena.h"
 
 #include <sys/mman.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "mixlens/errors.h"
-#include "runtime/env.h"
+#include "ops/env.h"
 
 namespace mixlens::detail {
 

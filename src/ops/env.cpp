@@ -1,4 +1,4 @@
-#include "runtime/env.h"
+#include "ops/env.h"
 
 #include <cstdlib>
 #include <string>
