@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import oracle_mamba as om
+from mixlens_dev import oracle_mamba as om
 import transformers.models.mamba.modeling_mamba as mm
 from safetensors.numpy import load_file
 from transformers import MambaForCausalLM

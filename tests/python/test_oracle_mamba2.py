@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import oracle_mamba2 as om
+from mixlens_dev import oracle_mamba2 as om
 import transformers.models.mamba2.modeling_mamba2 as mm2
 from safetensors.numpy import load_file
 from transformers import Mamba2ForCausalLM

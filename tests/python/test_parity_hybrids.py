@@ -1,6 +1,6 @@
 """Live parity of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) with transformers 5.18.
 
-Fresh random models built with scripts/make_fixtures_hybrids.py's builder (seeds distinct from the
+Fresh random models built with mixlens_dev.fixtures.hybrids' builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, through mixer, attention
 and MLP blocks) read through the Python API and compared with tests/python/oracle_hybrids.py;
 8 greedy tokens; left-padded batches; chunk sizes smaller than the prompt; n_groups 1 and 2; edits
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import mixlens
-import oracle_hybrids as oh
-from conftest import rel_rms
+from mixlens_dev import oracle_hybrids as oh
+from mixlens_dev.common import rel_rms
 from test_parity_mamba2 import apply_op, compare, read_every_value
 
 N_STEPS = 8
@@ -80,7 +80,8 @@ CASES = {
 
 class Case:
     def __init__(self, name, tmp_path):
-        import make_fixtures_hybrids as mh
+        from mixlens_dev import fixtures as mf
+        from mixlens_dev.fixtures import hybrids as mh
 
         spec = CASES[name]
         self.name, self.spec = name, spec
@@ -92,7 +93,7 @@ class Case:
         mh.check_against_plain_hf(self.torch_model, self.prompts, self.ref)
         self.mixer_layers = mh.mixer_layers(self.torch_model)
         oh.check_invariants(self.ref, self.mixer_layers, N_STEPS)
-        assert mh.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
+        assert mf.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
         self._edited = {}
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import mixlens
-import oracle_mamba as om
-from conftest import REPO, rel_rms, tolerance
+from mixlens_dev import oracle_mamba as om
+from mixlens_dev.common import REPO, rel_rms, tolerance
 from test_parity_mamba2 import apply_op, compare, read_every_value
 
 N_STEPS = 8
@@ -65,7 +65,7 @@ CASES = {
 
 
 def build(tmp_path: Path, seed: int, config: dict):
-    import make_fixtures_mamba as mfm
+    from mixlens_dev.fixtures import mamba as mfm
 
     model = mfm.build_model({"seed": seed, "config": config})
     model.save_pretrained(str(tmp_path))
@@ -74,7 +74,7 @@ def build(tmp_path: Path, seed: int, config: dict):
 
 class Case:
     def __init__(self, name: str, tmp_path):
-        import make_fixtures as mf
+        from mixlens_dev import fixtures as mf
 
         spec = CASES[name]
         self.name, self.spec = name, spec
@@ -195,8 +195,7 @@ def test_continuation_from_the_cache_equals_the_whole_prompt(tmp_path):
 
 @pytest.fixture(scope="module")
 def published_layout():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_published_layout as mpl
+    from mixlens_dev import published_layout as mpl
 
     path = mpl.cached_mamba1_130m(REPO / "build" / "published")
     assert not mpl.check_mamba1(path)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mixlens
-import oracle_mamba2 as om
-from conftest import build_mamba2, rel_rms, tolerance
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.common import build_mamba2, rel_rms, tolerance
 
 N_STEPS = 8
 
@@ -59,7 +59,7 @@ CASES = {
 
 class Case:
     def __init__(self, name: str, tmp_path):
-        import make_fixtures as mf
+        from mixlens_dev import fixtures as mf
 
         spec = CASES[name]
         self.name, self.spec = name, spec

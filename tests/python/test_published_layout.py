@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO, rel_rms
+from mixlens_dev.common import REPO, rel_rms
 
 PROMPT = "The little fox ran across the snowy field to find her friends before dark"
 
 
 @pytest.fixture(scope="module")
 def layout_dir():
-    import published_layout_cache
+    from mixlens_dev import published_layout as published_layout_cache
 
     return published_layout_cache.cached_layout(REPO / "build")
 

@@ -14,8 +14,8 @@ import gc
 import numpy as np
 import pytest
 
-from conftest import rel_rms
-from qwen_cli import REPO, run_values
+from mixlens_dev.common import rel_rms
+from mixlens_dev.cli import REPO, run_values
 
 # Token ids, not text: the Qwen tokenizer is not available offline. Spread over the vocabulary
 # (including ids past 151k, the part a Qwen3-sized table would not have).
@@ -24,7 +24,7 @@ PROMPT = [9707, 11, 1879, 0, 248000, 151643, 42, 77, 12345, 200001, 3, 248319]
 
 @pytest.fixture(scope="module")
 def layout_dir():
-    import make_published_layout as mpl
+    from mixlens_dev import published_layout as mpl
 
     return mpl.cached_qwen3_5_0_8b(REPO / "build" / "published")
 

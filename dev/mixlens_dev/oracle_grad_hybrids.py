@@ -23,9 +23,9 @@ import inspect
 import numpy as np
 import torch
 
-import oracle_hybrids as oh
-import oracle_mamba2 as om
-from grad_common import collect, scan_dt, set_index as _set_index
+from mixlens_dev import oracle_hybrids as oh
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.grad_common import collect, scan_dt, set_index as _set_index
 
 
 class _Grad:

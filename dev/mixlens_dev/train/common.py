@@ -1,5 +1,4 @@
-"""Shared pieces for training the small models mixlens ships (Mamba-2 now; Mamba-1 and
-Qwen3.5-style models later): reading the repo's copy of the training text, splitting it into
+"""Shared pieces for training the small models mixlens ships (the skeleton: __init__.py): reading the repo's copy of the training text, splitting it into
 documents, training a GPT-NeoX-style byte-level BPE tokenizer, a plain CPU training loop,
 saving with ``save_pretrained`` and a greedy sample.
 
@@ -25,7 +24,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
+DATA_DIR = REPO / "data" / "text" / "tinystories"
+DATA_FILES = ["tinystories_excerpt_niklas6.txt", "tinystories_sample_cs336.txt"]
+PROMPT = "Once upon a time, there was a little"
 EOT = "<|endoftext|>"
 
 # GPT-2 / GPT-NeoX pre-tokenization regex; tokenizers' ByteLevel(use_regex=True) applies exactly

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import oracle_mamba2 as om
+from mixlens_dev import oracle_mamba2 as om
 import transformers.models.bamba.modeling_bamba as mb
 import transformers.models.falcon_h1.modeling_falcon_h1 as mf
 import transformers.models.nemotron_h.modeling_nemotron_h as mn
