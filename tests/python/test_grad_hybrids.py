@@ -1,5 +1,5 @@
 """Native gradients (issue 12) of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) against torch
-autograd on transformers' pure-torch models (tests/python/oracle_grad_hybrids.py): every value's
+autograd on transformers' pure-torch models (mixlens_dev/oracle_grad_hybrids.py): every value's
 gradient (residual stream, block values, Mamba-2 mixer values, attention queries / keys / values /
 outputs, MLP and MoE outputs), both kernel paths (chunked, and routed to the token recurrence),
 relative RMS <= 1e-4 in float32; left-padded batches; set_index edits.

@@ -1,5 +1,5 @@
 """Published Mamba-2 hybrid layouts (random weights, bfloat16, made by transformers 5.18 with the
-configs of scripts/make_published_hybrids.py, where each config's source is written down):
+configs of dev/mixlens_dev/published_hybrids.py, where each config's source is written down):
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers. Built once under build/published/ (a few
 minutes and 1-3 GB each; later runs reuse them). mixlens loads each, matches transformers' float32

@@ -1,6 +1,6 @@
 """The published AntonV/mamba2-130m-hf layout (24 layers, 768 wide, state 128, vocab 50288, tied
-embeddings, gpt-neox tokenizer) with random weights (scripts/make_published_layout.py, cached under
-build/ by scripts/published_layout_cache.py): it loads, tokenizes like HF, and its logits match
+embeddings, gpt-neox tokenizer) with random weights (dev/mixlens_dev/published_layout.py, cached under
+build/ by its cached_layout()): it loads, tokenizes like HF, and its logits match
 transformers on a 16-token prompt."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The published Qwen/Qwen3.5-0.8B layout at full size (random weights, bfloat16, the VLM checkpoint
 layout: model_type qwen3_5, text_config, model.language_model.*, vision tower present):
-scripts/make_published_layout.py builds it once under build/published/ (~1.8 GB, a few minutes;
+dev/mixlens_dev/published_layout.py builds it once under build/published/ (~1.8 GB, a few minutes;
 later runs reuse it). mixlens loads it through the CLI and matches transformers' logits; the GDN
 values have the published widths (16 heads of 128).
 

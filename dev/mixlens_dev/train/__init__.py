@@ -135,9 +135,9 @@ def main(family: str, argv=None) -> int:
     vocab = r.model_vocab(tok_vocab)
     data = dict(docs=docs, train_docs=train_docs, val_docs=val_docs, val_pct=val_pct, tok=tok,
                 train_stream=train_stream, val_stream=val_stream, vocab=vocab)
-    rows = f", embedding {vocab} rows" if vocab != tok_vocab else ""
+    ids = f"tokenizer {tok_vocab} ids, embedding {vocab} rows" if vocab != tok_vocab else f"vocab {tok_vocab}"
     print(f"{len(docs)} documents ({len(train_docs)} train / {len(val_docs)} val, {val_pct:.1f}% chars); "
-          f"vocab {tok_vocab}{rows}; {len(train_stream)} train / {len(val_stream)} val tokens "
+          f"{ids}; {len(train_stream)} train / {len(val_stream)} val tokens "
           f"(tokenizer {time.time() - t_start:.1f}s)", flush=True)
 
     if a.card_only:

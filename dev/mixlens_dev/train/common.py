@@ -28,6 +28,29 @@ REPO = Path(__file__).resolve().parents[3]
 DATA_DIR = REPO / "data" / "text" / "tinystories"
 DATA_FILES = ["tinystories_excerpt_niklas6.txt", "tinystories_sample_cs336.txt"]
 PROMPT = "Once upon a time, there was a little"
+
+# The end of every model card (after the family's Training section): the loss history, the greedy
+# sample and the data's provenance (str.format fields: history, prompt, sample).
+CARD_TAIL = """| step | train loss (EMA) | val loss |
+|---:|---:|---:|
+{history}
+
+## Greedy sample
+
+`model.generate(..., do_sample=False, max_new_tokens=60)` on the prompt `{prompt!r}`:
+
+```text
+{sample}
+```
+
+## Provenance and license
+
+Text: TinyStories (Eldan & Li 2023, dataset `roneneldan/TinyStories`, license CDLA-Sharing-1.0),
+the excerpts in `data/text/tinystories/` (see that README for sources and hashes). The excerpt
+keeps TinyStories' own mojibake (`â€œ`, `â€™`, ...) in a few stories. The weights are derived from
+that text; treat them as CDLA-Sharing-1.0. Reproduce with the command above (same seed, same
+versions) — bitwise identity across machines is not promised (CPU thread counts and BLAS vary).
+"""
 EOT = "<|endoftext|>"
 
 # GPT-2 / GPT-NeoX pre-tokenization regex; tokenizers' ByteLevel(use_regex=True) applies exactly

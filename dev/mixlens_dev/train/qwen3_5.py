@@ -89,26 +89,7 @@ decoder), {vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. Documents
   With ~{n_train_tok_k}k training tokens the model overfits (memorises much of the text); that is
   why its samples read like the training stories.
 
-| step | train loss (EMA) | val loss |
-|---:|---:|---:|
-{history}
-
-## Greedy sample
-
-`model.generate(..., do_sample=False, max_new_tokens=60)` on the prompt `{prompt!r}`:
-
-```text
-{sample}
-```
-
-## Provenance and license
-
-Text: TinyStories (Eldan & Li 2023, dataset `roneneldan/TinyStories`, license CDLA-Sharing-1.0),
-the excerpts in `data/text/tinystories/` (see that README for sources and hashes). The excerpt
-keeps TinyStories' own mojibake (`â€œ`, `â€™`, ...) in a few stories. The weights are derived from
-that text; treat them as CDLA-Sharing-1.0. Reproduce with the command above (same seed, same
-versions) — bitwise identity across machines is not promised (CPU thread counts and BLAS vary).
-"""
+""" + tc.CARD_TAIL
 
 
 def add_args(ap) -> None:
