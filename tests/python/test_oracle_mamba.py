@@ -33,14 +33,7 @@ def test_fixture_cases_present():
 def test_live_capture_matches_golden(name):
     case, model, golden = load_case(name)
     live = om.capture(model, case["prompts"], case["n_steps"], case["edits"])
-    assert set(live) == set(golden)
-    for k, ref in golden.items():
-        got = live[k]
-        assert got.dtype == ref.dtype and got.shape == ref.shape, k
-        if ref.dtype.kind in "iu":
-            np.testing.assert_array_equal(got, ref, err_msg=k)
-        else:
-            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=k)
+    fixtures.assert_matches_golden(live, golden)
 
 
 @pytest.mark.parametrize("name", CASES)

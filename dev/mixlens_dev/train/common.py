@@ -29,6 +29,27 @@ DATA_DIR = REPO / "data" / "text" / "tinystories"
 DATA_FILES = ["tinystories_excerpt_niklas6.txt", "tinystories_sample_cs336.txt"]
 PROMPT = "Once upon a time, there was a little"
 
+# Sections the model cards share (str.format fields: files, config_table, vocab, n_docs, ...).
+CARD_FILES = """## Files
+
+| file | bytes |
+|---|---:|
+{files}
+"""
+CARD_CONFIG = """## Config
+
+{config_table}
+"""
+CARD_TOKENIZER = """`tokenizer.json` is a byte-level BPE in the GPT-NeoX layout (no normalizer; `ByteLevel`
+pre-tokenizer with the GPT-2 regex and `add_prefix_space=false`; `ByteLevel` post-processor and
+decoder), {vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. Documents are separated by
+`<|endoftext|>`; no BOS is added when encoding a prompt.
+"""
+CARD_DATA = """- Data: `data/text/tinystories/` (copied verbatim from the TinyStories excerpts described in
+  `data/text/tinystories/README.md`): {n_docs} documents ({n_train_docs} train / {n_val_docs}
+  validation, validation = random whole documents, ~{val_pct:.0f}% of the characters, seed {seed}).
+  {n_train_tok:,} training tokens, {n_val_tok:,} validation tokens with this tokenizer.
+"""
 # The end of every model card (after the family's Training section): the loss history, the greedy
 # sample and the data's provenance (str.format fields: history, prompt, sample).
 CARD_TAIL = """| step | train loss (EMA) | val loss |

@@ -95,12 +95,7 @@ float32) trained from scratch on CPU on TinyStories text: the Mamba-1 model of t
 tests and demos ({size_mb:.1f} MB in all). It is a test and demo model, not a useful language
 model.
 
-## Files
-
-| file | bytes |
-|---|---:|
-{files}
-
+""" + tc.CARD_FILES + """
 `tokenizer.json` is a byte-level BPE in the GPT-NeoX layout (no normalizer; `ByteLevel`
 pre-tokenizer with the GPT-2 regex and `add_prefix_space=false`; `ByteLevel` post-processor and
 decoder), {tok_vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. The model's embedding
@@ -109,10 +104,7 @@ table has **{vocab} rows**: like the published state-spaces checkpoints (50277 t
 are never produced by the tokenizer. Documents are separated by `<|endoftext|>`; no BOS is added
 when encoding a prompt.
 
-## Config
-
-{config_table}
-
+""" + tc.CARD_CONFIG + """
 `time_step_rank` is "auto" in the config (transformers resolves it to ceil(hidden/16) = {rank} and
 writes the number into `config.json`).
 

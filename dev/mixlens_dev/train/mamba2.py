@@ -44,29 +44,13 @@ float32) trained from scratch on CPU on TinyStories text. It is the model `mixle
 small enough to live in the repository ({size_mb:.1f} MB in all), and its greedy output is readable
 TinyStories English ({fit_short}). It is a test and demo model, not a useful language model.
 
-## Files
-
-| file | bytes |
-|---|---:|
-{files}
-
-`tokenizer.json` is a byte-level BPE in the GPT-NeoX layout (no normalizer; `ByteLevel`
-pre-tokenizer with the GPT-2 regex and `add_prefix_space=false`; `ByteLevel` post-processor and
-decoder), {vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. Documents are separated by
-`<|endoftext|>`; no BOS is added when encoding a prompt.
-
-## Config
-
-{config_table}
-
+""" + tc.CARD_FILES + """
+""" + tc.CARD_TOKENIZER + """
+""" + tc.CARD_CONFIG + """
 ## Training
 
 - Command: `{command}` (from the repository root; {versions}).
-- Data: `data/text/tinystories/` (copied verbatim from the TinyStories excerpts described in
-  `data/text/tinystories/README.md`): {n_docs} documents ({n_train_docs} train / {n_val_docs}
-  validation, validation = random whole documents, ~{val_pct:.0f}% of the characters, seed {seed}).
-  {n_train_tok:,} training tokens, {n_val_tok:,} validation tokens with this tokenizer.
-- Tokenizer trained on the training documents only (`tokenizers` BpeTrainer, vocab {vocab},
+""" + tc.CARD_DATA + """- Tokenizer trained on the training documents only (`tokenizers` BpeTrainer, vocab {vocab},
   min_frequency 1: with ~200 KB of text, min_frequency 2 stops at ~3,400 ids).
 - Optimisation: AdamW (betas {betas}, weight decay {wd} on matrices), peak lr {lr}, {warmup} warmup
   steps then cosine to {min_lr} {schedule}, grad clip {clip}; {steps} steps of {batch} random

@@ -55,29 +55,13 @@ float32) trained from scratch on CPU on TinyStories text. It is mixlens' real-in
 hybrid families: small enough to live in the repository ({size_mb:.1f} MB in all), trained enough to write
 TinyStories-like English. It is a test and demo model, not a useful language model.
 
-## Files
-
-| file | bytes |
-|---|---:|
-{files}
-
-`tokenizer.json` is a byte-level BPE in the GPT-NeoX layout (no normalizer; `ByteLevel`
-pre-tokenizer with the GPT-2 regex and `add_prefix_space=false`; `ByteLevel` post-processor and
-decoder), {vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. Documents are separated by
-`<|endoftext|>`; no BOS is added when encoding a prompt.
-
-## Config
-
-{config_table}
-
+""" + tc.CARD_FILES + """
+""" + tc.CARD_TOKENIZER + """
+""" + tc.CARD_CONFIG + """
 ## Training
 
 - Command: `{command}` (from the repository root; {versions}).
-- Data: `data/text/tinystories/` (copied verbatim from the TinyStories excerpts described in
-  `data/text/tinystories/README.md`): {n_docs} documents ({n_train_docs} train / {n_val_docs}
-  validation, validation = random whole documents, ~{val_pct:.0f}% of the characters, seed {seed}).
-  {n_train_tok:,} training tokens, {n_val_tok:,} validation tokens with this tokenizer.
-- Tokenizer: `models/mamba2-tinystories/tokenizer.json` reused verbatim (trained there on the same
+""" + tc.CARD_DATA + """- Tokenizer: `models/mamba2-tinystories/tokenizer.json` reused verbatim (trained there on the same
   training documents, `tokenizers` BpeTrainer, vocab {vocab}).
 - Optimisation: AdamW (betas {betas}, weight decay {wd} on matrices), peak lr {lr}, {warmup} warmup
   steps then cosine to {min_lr} {schedule}, grad clip {clip}; {steps} steps of {batch} random windows of
