@@ -5,7 +5,8 @@
 //   - widen bf16 -> float32 tile + OpenBLAS sgemm (the bf16 path before this bench),
 //   - ops::kGemm16Avx2 (widen while packing, src/ops/gemm16_avx2.cpp),
 //   - oneDNN matmul with bf16 weights (libdnnl-dev, optional: -DMIXLENS_BENCH_DNNL).
-// Build and run: bench/gemm16_bench.sh
+// Build: cmake -S . -B build/py -DMIXLENS_BENCH=ON && cmake --build build/py --target gemm16_bench;
+// run: OMP_NUM_THREADS=1 build/py/bench/gemm16_bench [REPS=24] [ROWS=128,1024]
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -14,13 +15,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "ops/gemm16.h"
+#include "timing.h"
 
 #if defined(MIXLENS_BENCH_DNNL) && __has_include(<oneapi/dnnl/dnnl.hpp>)
 #include <oneapi/dnnl/dnnl.hpp>
@@ -29,11 +30,7 @@
 
 namespace {
 
-double cpu_now() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+using mixlens_bench::thread_cpu_s;
 
 uint16_t to_bf16(float f) {
   uint32_t u;
@@ -65,16 +62,15 @@ void report(int64_t M, int64_t N, int64_t K, int reps, const std::vector<Cand>& 
   for (const Cand& c : cands) c.f(0);
   for (int r = 0; r < reps; ++r)
     for (size_t i = 0; i < cands.size(); ++i) {
-      const double t0 = cpu_now();
+      const double t0 = thread_cpu_s();
       cands[i].f(r + 1);
-      t[i].push_back(cpu_now() - t0);
+      t[i].push_back(thread_cpu_s() - t0);
     }
   const double gf = 2.0 * M * N * K / 1e9;
   for (size_t i = 0; i < cands.size(); ++i) {
-    std::sort(t[i].begin(), t[i].end());
+    const double med = mixlens_bench::median(t[i]);
     std::printf("| %d x %d x %d | %s | %.3f | %.3f | %.1f |\n", static_cast<int>(M), static_cast<int>(N),
-                static_cast<int>(K), cands[i].name.c_str(), t[i][0] * 1e3, t[i][t[i].size() / 2] * 1e3,
-                gf / t[i][t[i].size() / 2]);
+                static_cast<int>(K), cands[i].name.c_str(), mixlens_bench::best(t[i]) * 1e3, med * 1e3, gf / med);
   }
 }
 

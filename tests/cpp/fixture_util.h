@@ -50,7 +50,7 @@ inline double max_abs_diff(const Tensor& a, const Tensor& b) {
 /// differ only in FMA contraction) at layers.3.linear_attn.attention_output of the 4-layer,
 /// 70-token qwen3_5/hv_eq_hk_chunks case. 3e-5 leaves 2.5x headroom over that and stays far below
 /// what a real defect gives (a wrong gate, chunk carry or token offset moves values by 1e-3 or more).
-/// Logits add the lm_head's vocabulary-wide sums on top. tests/python/conftest.py uses the same.
+/// Logits add the lm_head's vocabulary-wide sums on top. dev/mixlens_dev/common.py (rel_rms) uses the same.
 inline constexpr double kValueTolerance = 3e-5;
 inline constexpr double kLogitsTolerance = 1e-4;
 inline double tolerance_for(const std::string& key) {

@@ -1,4 +1,4 @@
-// Mamba-1 parity with transformers (golden fixtures from scripts/make_fixtures_mamba.py), both
+// Mamba-1 parity with transformers (golden fixtures from scripts/make_fixtures.py --family mamba), both
 // selective-scan algorithms, the values.md invariants, edits and the Mamba-1 decays write rule.
 #include <gtest/gtest.h>
 

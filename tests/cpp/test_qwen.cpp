@@ -1,5 +1,5 @@
 // Qwen3.5 / Qwen3-Next (gated DeltaNet hybrids) parity with transformers (golden fixtures from
-// scripts/make_fixtures.py -> scripts/qwen_fixtures.py), the values.md invariants, the two
+// scripts/make_fixtures.py, dev/mixlens_dev/fixtures/qwen.py), the values.md invariants, the two
 // delta-rule kernels agreeing, and load-time errors.
 #include <gtest/gtest.h>
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO, rel_rms
+from mixlens_dev.common import REPO, rel_rms
 
 FAMILIES = ["mamba/basic", "mamba2/g1_chunks", "qwen3_5/hv_2hk", "qwen3_next/moe_hv_2hk", "nemotron_h/groups2_edits",
             "bamba/groups2_edits", "falcon_h1/norm_before_gate"]

@@ -195,6 +195,17 @@ class _Recorder:
             self.applied[e["name"]] += 1
         return tensor, bool(edits)
 
+    def _edit_dt(self, dt: torch.Tensor, A32: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """betas / decays edits as the dt the kernel is then given (decays = A dt, so a decays write
+        sets dt = decays / A); returns (dt, whether anything was written)."""
+        dt, w_b = self._edit("betas", dt)
+        decays, w_d = self._edit("decays", A32 * dt.float())
+        if w_d:
+            dt = (decays / A32).to(dt.dtype)
+        if (w_b or w_d) and (bool((dt < 0).any()) or bool(torch.isnan(dt).any())):
+            raise ValueError("a written betas/decays gives dt < 0 or NaN (betas must be >= 0)")
+        return dt, w_b or w_d
+
     # ---- recording -------------------------------------------------------------------------
     def put(self, path: str, tensor: torch.Tensor):
         if not self.record:
@@ -257,14 +268,9 @@ class _Recorder:
         x, _ = self._edit("attention_values", x)
         Bm, _ = self._edit("attention_keys", Bm)
         Cm, _ = self._edit("attention_queries", Cm)
-        dt_eff, w_b = self._edit("betas", dt_eff)
         A32 = A.to(torch.float32)
-        decays, w_d = self._edit("decays", A32 * dt_eff.float())
-        if w_d:
-            dt_eff = (decays / A32).to(dt_eff.dtype)
-        if w_b or w_d:
-            if bool((dt_eff < 0).any()) or bool(torch.isnan(dt_eff).any()):
-                raise ValueError("a written betas/decays gives dt < 0 or NaN (betas must be >= 0)")
+        dt_eff, written = self._edit_dt(dt_eff, A32)
+        if written:
             a["dt"] = dt_eff
             a["dt_bias"] = None
             a["dt_softplus"] = False
@@ -313,14 +319,9 @@ class _Recorder:
         B4, _ = self._edit("attention_keys", Bm[:, None])
         C4, _ = self._edit("attention_queries", Cm[:, None])
         dt3 = dt_eff[:, None, :, 0]  # [B,1,H]
-        dt3, w_b = self._edit("betas", dt3)
         A32 = A_h.to(torch.float32)
-        decays, w_d = self._edit("decays", A32 * dt3.float())
-        if w_d:
-            dt3 = (decays / A32).to(dt3.dtype)
-        if w_b or w_d:
-            if bool((dt3 < 0).any()) or bool(torch.isnan(dt3).any()):
-                raise ValueError("a written betas/decays gives dt < 0 or NaN (betas must be >= 0)")
+        dt3, written = self._edit_dt(dt3, A32)
+        if written:
             a["dt"] = dt3[:, 0, :, None].expand(b, h, p)
             a["dt_bias"] = None
             a["dt_softplus"] = False

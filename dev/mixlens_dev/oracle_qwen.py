@@ -31,6 +31,8 @@ import torch
 import transformers.models.qwen3_5.modeling_qwen3_5 as mq35
 import transformers.models.qwen3_next.modeling_qwen3_next as mqn
 
+from mixlens_dev.oracle_loop import run_steps
+
 _PATH_RE = re.compile(r"^layers\.(\d+)\.linear_attn\.([a-z_]+)$")
 EDITABLE = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "state_input")
 RECURRENCE_RTOL = 1e-5  # explicit token recurrence vs the chunked kernel's final state (fp32)
@@ -254,22 +256,8 @@ def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
     else the greedy token. Position ids as generate builds them (cumsum(mask) - 1, 0 on padding)."""
     ids, mask = pad_prompts(prompts, pad_id)
     cache = mq35.DynamicCache(config=model.config.get_text_config())
-    out_values, tokens = {}, []
     with _Recorder(model, edits, record) as rec, torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        x, m = ids, mask
-        for step in range(n_steps):
-            rec.begin_step(step)
-            out = model(input_ids=x, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
-            rec.end_step()
-            logits = out.logits
-            rec.put("logits", logits)
-            out_values[key("logits", step)] = _np(logits)
-            nxt = logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            x = nxt[:, None] if feeds is None or step >= len(feeds) else torch.tensor(feeds[step], dtype=torch.long)
-            pos = pos[:, -1:] + torch.arange(1, x.shape[1] + 1)[None]
-            m = torch.cat([m, torch.ones_like(x)], dim=1)
+        out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
         for e, n in rec.applied.items():
             if n == 0:
                 raise ValueError(f"edit {e!r} was never applied")

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 import transformers.models.mamba.modeling_mamba as mm
 
-import oracle_mamba2 as om2
+from mixlens_dev import oracle_mamba2 as om2
 
 MIXER_VALUES = om2.MIXER_VALUES
 EDITABLE = om2.EDITABLE

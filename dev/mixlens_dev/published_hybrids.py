@@ -2,7 +2,7 @@
 """Random-weight stand-ins for published Mamba-2 hybrid checkpoints, made by transformers 5.18
 (save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
 
-    .venv/bin/python scripts/make_published_hybrids.py falcon_h1_0_5b build/published/x
+    .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
 
 Where the configs come from (no internet here; the hub files could not be fetched)
 ----------------------------------------------------------------------------------
@@ -32,13 +32,12 @@ Where the configs come from (no internet here; the hub files could not be fetche
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from mixlens_dev import published_layout
+from mixlens_dev.common import REPO
 
 FALCON_H1_0_5B = dict(
     vocab_size=32784, hidden_size=1024, num_hidden_layers=36, intermediate_size=2048, num_attention_heads=8,
@@ -93,18 +92,8 @@ def make(name: str, out_dir, seed: int = 0) -> dict:
 
 
 def cached(name: str, root=REPO / "build" / "published") -> Path:
-    """The `name` folder, built once under `root` and reused; the folder name carries a hash of this
-    script (an edit rebuilds), and a marker written last keeps a half-built copy from passing."""
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    root = Path(root)
-    out = root / f"{name}-{digest}"
-    if (out / ".complete").is_file():
-        return out
-    for stale in root.glob(f"{name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    make(name, out)
-    (out / ".complete").write_text(digest + "\n")
-    return out
+    """The `name` folder, built once under `root` and reused (published_layout.cached)."""
+    return published_layout.cached(root, name, lambda out: make(name, out), Path(__file__))
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import inspect
 import numpy as np
 import torch
 
-import oracle_hybrids as oh
-import oracle_mamba2 as om
-from grad_common import collect, scan_dt, set_index as _set_index
+from mixlens_dev import oracle_hybrids as oh
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.grad_common import collect, scan_dt, set_index as _set_index
 
 
 class _Grad:
@@ -129,15 +129,7 @@ class _Grad:
 
             H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
             H.append(layer.register_forward_hook(post, with_kwargs=True))
-            if self.nemotron:
-                kind = layer.block_type
-                mamba = layer.mixer if kind == "linear_attention" else None
-                attn = layer.mixer if kind == "full_attention" else None
-                mlp = layer.mixer if kind in ("mlp", "moe") else None
-            else:
-                mamba = getattr(layer, "mamba", None)
-                attn = getattr(layer, "self_attn", None)
-                mlp = layer.feed_forward
+            mamba, attn, mlp = oh.block_parts(layer, self.nemotron)
             if mamba is not None:
                 def mpost(m, args, kwargs, out, i=i):
                     o3 = out[:, None] if out.dim() == 2 else out

@@ -25,10 +25,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import oracle_mamba2 as om
 import transformers.models.bamba.modeling_bamba as mb
 import transformers.models.falcon_h1.modeling_falcon_h1 as mf
 import transformers.models.nemotron_h.modeling_nemotron_h as mn
+
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.oracle_loop import run_steps
 
 key = om.key
 _np = om._np
@@ -42,6 +44,16 @@ def module_for(model):
 
 def _one(o):
     return o[0] if isinstance(o, tuple) else o
+
+
+def block_parts(layer, nemotron: bool):
+    """(Mamba-2 mixer, attention, MLP / MoE) modules of one decoder layer, None where absent:
+    a Nemotron-H block holds one of them (by block_type), Bamba / Falcon-H1 layers several."""
+    if nemotron:
+        kind = layer.block_type
+        return (layer.mixer if kind == "linear_attention" else None, layer.mixer if kind == "full_attention" else None,
+                layer.mixer if kind in ("mlp", "moe") else None)
+    return getattr(layer, "mamba", None), getattr(layer, "self_attn", None), layer.feed_forward
 
 
 class Recorder(om._Recorder):
@@ -132,15 +144,7 @@ class Recorder(om._Recorder):
 
             H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
             H.append(layer.register_forward_hook(post, with_kwargs=True))
-            if self.mod is mn:
-                kind = layer.block_type
-                mamba = layer.mixer if kind == "linear_attention" else None
-                attn = layer.mixer if kind == "full_attention" else None
-                mlp = layer.mixer if kind in ("mlp", "moe") else None
-            else:
-                mamba = getattr(layer, "mamba", None)
-                attn = getattr(layer, "self_attn", None)
-                mlp = layer.feed_forward
+            mamba, attn, mlp = block_parts(layer, self.mod is mn)
             if mamba is not None:
                 def mpre(m, args, kwargs, i=i):
                     self.cur_layer = i
@@ -235,22 +239,8 @@ def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
     through a DynamicCache. Position ids and the growing attention mask as generate builds them."""
     ids, mask = pad_prompts(prompts, pad_id)
     cache = mn.DynamicCache(config=model.config)
-    tokens, out_values = [], {}
     with Recorder(model, edits, record) as rec, torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        x, m = ids, mask
-        for step in range(n_steps):
-            rec.begin_step(step)
-            out = model(input_ids=x, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
-            rec.end_step()
-            logits = out.logits.float()
-            rec.put("logits", logits)
-            out_values[key("logits", step)] = _np(logits)
-            nxt = logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            x = nxt[:, None] if feeds is None or step >= len(feeds) else torch.tensor(feeds[step], dtype=torch.long)
-            pos = pos[:, -1:] + torch.arange(1, x.shape[1] + 1)[None]
-            m = torch.cat([m, torch.ones_like(x)], dim=1)
+        out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
     bad = [n for n, c in rec.applied.items() if c != 1]
     if bad:
         raise RuntimeError(f"edits {bad} applied {[rec.applied[n] for n in bad]} times (expected 1)")

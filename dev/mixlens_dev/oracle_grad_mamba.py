@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 import transformers.models.mamba.modeling_mamba as mm
 
-import oracle_mamba2 as om2
-from grad_common import collect, hook_ssm_backbone, keep as _keep
+from mixlens_dev import oracle_mamba2 as om2
+from mixlens_dev.grad_common import collect, hook_ssm_backbone, keep as _keep
 
 
 def _apply_edit(t: torch.Tensor, edit: dict) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conftest import rel_rms
+from mixlens_dev.common import rel_rms
 
 TOL = 1e-4  # relative RMS of every gradient against torch autograd, float32 (issue 12)
 

@@ -26,8 +26,8 @@ import re
 import numpy as np
 import torch
 
-import oracle_qwen as oq
-from grad_common import collect, keep as _keep, set_index as _set_index
+from mixlens_dev import oracle_qwen as oq
+from mixlens_dev.grad_common import collect, keep as _keep, set_index as _set_index
 
 _PATH = re.compile(r"^layers\.(\d+)\.(linear_attn|mlp|self_attn)\.([a-z_]+)$")
 

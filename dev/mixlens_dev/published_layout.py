@@ -8,8 +8,12 @@ real upload, next to the gpt-neox-20b ``tokenizer.json``. ``make(out_dir)`` crea
 ``save_pretrained`` (float32, ~516 MB: do NOT commit it; write it under /tmp or build/), and copies
 the tokenizer next to it.
 
-    .venv/bin/python scripts/make_published_layout.py build/mamba2-130m-layout
-    .venv/bin/python scripts/make_published_layout.py /tmp/m2pub --verbatim-config
+    .venv/bin/python -m mixlens_dev.published_layout build/mamba2-130m-layout
+    .venv/bin/python -m mixlens_dev.published_layout /tmp/m2pub --verbatim-config
+
+``cached_layout()``, ``cached_mamba1_130m()`` and ``cached_qwen3_5_0_8b()`` build each layout once under
+build/ (never committed) for the tests and the benches and reuse it: the folder name carries a hash of
+this file (an edit rebuilds) and a marker written last keeps a half-built copy from passing.
 
 Where every config value comes from
 -----------------------------------
@@ -72,7 +76,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-REPO = Path(__file__).resolve().parent.parent
+from mixlens_dev.common import REPO  # noqa: E402
 TOKENIZER_CANDIDATES = [
     REPO / "tests" / "fixtures" / "tokenizer" / "gpt-neox-20b" / "tokenizer.json",
     REPO.parent / "shared" / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json",
@@ -328,21 +332,31 @@ def check_mamba1(out_dir) -> list[str]:
     return problems
 
 
-def cached_mamba1_130m(root=REPO / "build" / "published") -> Path:
-    """The make_mamba1 folder, built once under ``root`` (never committed) and reused; the name
-    carries a hash of this script and a marker is written last (as cached_qwen3_5_0_8b)."""
+def cached(root, name: str, make_fn, source: Path) -> Path:
+    """``root/<name>-<hash of source>``, made by ``make_fn(out)`` the first time and reused after;
+    older copies of ``name`` are deleted (each is hundreds of MB). The marker is written last."""
     import hashlib
 
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12]
     root = Path(root)
-    out = root / f"mamba-130m-layout-{digest}"
+    out = root / f"{name}-{digest}"
     if (out / ".complete").is_file():
         return out
-    for stale in root.glob("mamba-130m-layout-*"):
+    for stale in root.glob(f"{name}-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    make_mamba1(out)
+    make_fn(out)
     (out / ".complete").write_text(digest + "\n")
     return out
+
+
+def cached_layout(root=REPO / "build") -> Path:
+    """The mamba2-130m layout (config.json, model.safetensors, tokenizer.json), built once."""
+    return cached(root, "mamba2-130m-layout", make, Path(__file__))
+
+
+def cached_mamba1_130m(root=REPO / "build" / "published") -> Path:
+    """The make_mamba1 folder, built once under ``root``."""
+    return cached(root, "mamba-130m-layout", make_mamba1, Path(__file__))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,23 +438,8 @@ def make_qwen3_5_0_8b(out_dir, *, seed: int = 0) -> dict:
 
 
 def cached_qwen3_5_0_8b(root=REPO / "build" / "published") -> Path:
-    """The make_qwen3_5_0_8b folder, built once under ``root`` (never committed) and reused.
-
-    The folder name carries a hash of this script, so editing it rebuilds instead of reusing a
-    stale copy (older copies are deleted: each is ~1.8 GB). A marker written last keeps a build
-    interrupted half-way from passing for a finished one."""
-    import hashlib
-
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    root = Path(root)
-    out = root / f"qwen3_5-0.8b-layout-{digest}"
-    if (out / ".complete").is_file():
-        return out
-    for stale in root.glob("qwen3_5-0.8b-layout-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    make_qwen3_5_0_8b(out)
-    (out / ".complete").write_text(digest + "\n")
-    return out
+    """The make_qwen3_5_0_8b folder (~1.8 GB), built once under ``root``."""
+    return cached(root, "qwen3_5-0.8b-layout", make_qwen3_5_0_8b, Path(__file__))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import transformers.models.mamba2.modeling_mamba2 as mm2
 
-import oracle_mamba2 as om
-from grad_common import collect, scan_dt, hook_ssm_backbone, keep as _keep, set_index as _set_index
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.grad_common import collect, scan_dt, hook_ssm_backbone, keep as _keep, set_index as _set_index
 
 
 def run(model, prompts, metric, scan: str = "hf", edits=()) -> dict[str, np.ndarray]:

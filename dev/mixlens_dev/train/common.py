@@ -1,5 +1,4 @@
-"""Shared pieces for training the small models mixlens ships (Mamba-2 now; Mamba-1 and
-Qwen3.5-style models later): reading the repo's copy of the training text, splitting it into
+"""Shared pieces for training the small models mixlens ships (the skeleton: __init__.py): reading the repo's copy of the training text, splitting it into
 documents, training a GPT-NeoX-style byte-level BPE tokenizer, a plain CPU training loop,
 saving with ``save_pretrained`` and a greedy sample.
 
@@ -25,7 +24,54 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
+DATA_DIR = REPO / "data" / "text" / "tinystories"
+DATA_FILES = ["tinystories_excerpt_niklas6.txt", "tinystories_sample_cs336.txt"]
+PROMPT = "Once upon a time, there was a little"
+
+# Sections the model cards share (str.format fields: files, config_table, vocab, n_docs, ...).
+CARD_FILES = """## Files
+
+| file | bytes |
+|---|---:|
+{files}
+"""
+CARD_CONFIG = """## Config
+
+{config_table}
+"""
+CARD_TOKENIZER = """`tokenizer.json` is a byte-level BPE in the GPT-NeoX layout (no normalizer; `ByteLevel`
+pre-tokenizer with the GPT-2 regex and `add_prefix_space=false`; `ByteLevel` post-processor and
+decoder), {vocab} ids, `<|endoftext|>` = id 0 = bos = eos = pad = unk. Documents are separated by
+`<|endoftext|>`; no BOS is added when encoding a prompt.
+"""
+CARD_DATA = """- Data: `data/text/tinystories/` (copied verbatim from the TinyStories excerpts described in
+  `data/text/tinystories/README.md`): {n_docs} documents ({n_train_docs} train / {n_val_docs}
+  validation, validation = random whole documents, ~{val_pct:.0f}% of the characters, seed {seed}).
+  {n_train_tok:,} training tokens, {n_val_tok:,} validation tokens with this tokenizer.
+"""
+# The end of every model card (after the family's Training section): the loss history, the greedy
+# sample and the data's provenance (str.format fields: history, prompt, sample).
+CARD_TAIL = """| step | train loss (EMA) | val loss |
+|---:|---:|---:|
+{history}
+
+## Greedy sample
+
+`model.generate(..., do_sample=False, max_new_tokens=60)` on the prompt `{prompt!r}`:
+
+```text
+{sample}
+```
+
+## Provenance and license
+
+Text: TinyStories (Eldan & Li 2023, dataset `roneneldan/TinyStories`, license CDLA-Sharing-1.0),
+the excerpts in `data/text/tinystories/` (see that README for sources and hashes). The excerpt
+keeps TinyStories' own mojibake (`â€œ`, `â€™`, ...) in a few stories. The weights are derived from
+that text; treat them as CDLA-Sharing-1.0. Reproduce with the command above (same seed, same
+versions) — bitwise identity across machines is not promised (CPU thread counts and BLAS vary).
+"""
 EOT = "<|endoftext|>"
 
 # GPT-2 / GPT-NeoX pre-tokenization regex; tokenizers' ByteLevel(use_regex=True) applies exactly
