@@ -66,7 +66,7 @@ void report(int64_t M, int64_t N, int64_t K, int reps, const std::vector<Cand>& 
       cands[i].f(r + 1);
       t[i].push_back(thread_cpu_s() - t0);
     }
-  const double gf = 2.0 * M * N * K / 1e9;
+  const double gf = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) / 1e9;
   for (size_t i = 0; i < cands.size(); ++i) {
     const double med = mixlens_bench::median(t[i]);
     std::printf("| %d x %d x %d | %s | %.3f | %.3f | %.1f |\n", static_cast<int>(M), static_cast<int>(N),
@@ -96,6 +96,7 @@ int main(int argc, char** argv) {
   }
   for (Shape s : shapes) {
     const int64_t M = s.M, N = s.N, K = s.K;
+    const blasint bm = static_cast<blasint>(M), bn = static_cast<blasint>(N), bk = static_cast<blasint>(K);
     std::mt19937 rng(1);
     std::normal_distribution<float> nd(0.0f, 0.05f);
     std::vector<float> x(M * K), w32(kLayers * N * K), y(M * N);
@@ -108,8 +109,8 @@ int main(int argc, char** argv) {
     }
     std::vector<Cand> cands;
     cands.push_back({"OpenBLAS sgemm, f32 weights", [&](int r) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x.data(), K,
-                  w32.data() + (r % kLayers) * N * K, K, 0.0f, y.data(), N);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bm, bn, bk, 1.0f, x.data(), bk,
+                  w32.data() + (r % kLayers) * N * K, bk, 0.0f, y.data(), bn);
     }});
     // The bf16 path of ops::linear before: tiles of max(256, 1M floats / K) outputs.
     std::vector<float> buf;
@@ -123,8 +124,8 @@ int main(int argc, char** argv) {
         for (int64_t t0 = 0; t0 < N; t0 += t) {
           const int64_t nt = std::min(t, N - t0);
           widen(w + t0 * K, buf.data(), nt * K);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nt, K, 1.0f, x.data(), K, buf.data(), K, 0.0f,
-                      y.data() + t0, N);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bm, static_cast<blasint>(nt), bk, 1.0f, x.data(), bk,
+                      buf.data(), bk, 0.0f, y.data() + t0, bn);
         }
       }});
     }

@@ -32,7 +32,7 @@ def build_mamba2(out_dir: Path, seed: int, config: dict, dt_bias=None, tokenizer
     """A random Mamba2ForCausalLM (perturbed like the fixtures), saved as float32 safetensors."""
     from mixlens_dev.fixtures import mamba2
 
-    model = mamba2.FAMILY.build_model({"seed": seed, "config": config, "dt_bias": dt_bias})
+    model = mamba2.build_model({"seed": seed, "config": config, "dt_bias": dt_bias})
     model.save_pretrained(str(out_dir), safe_serialization=True)
     if tokenizer:
         shutil.copy(NEOX_TOKENIZER, out_dir / "tokenizer.json")
