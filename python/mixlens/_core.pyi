@@ -80,6 +80,19 @@ class Cache:
         Make this cache bitwise equal to `snapshot` (a copy() of a cache of the same model and batch).
         """
 
+class StreamDecoder:
+    """Incremental decoding (mixlens/tokenizer.h Tokenizer::StreamDecoder)."""
+
+    def push(self, id: int) -> str:
+        """
+        The text of the ids since the last non-empty return, or '' while it would end in U+FFFD (a split UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to nothing.
+        """
+
+    def flush(self) -> str:
+        """
+        What is held back (an incomplete character as U+FFFD); the stream starts over.
+        """
+
 class Model:
     @staticmethod
     def load(path: str, dtype: str = 'float32') -> Model:
@@ -106,6 +119,11 @@ class Model:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        """
+        A Tokenizer::StreamDecoder of this model's tokenizer (TokenizerError without tokenizer.json).
+        """
 
     def token_to_id(self, arg: str, /) -> int | None: ...
 

@@ -1,4 +1,5 @@
-"""The checkpoint's tokenizer (``model.tokenizer``), run natively by the C++ Tokenizer."""
+"""The checkpoint's tokenizer (``model.tokenizer``) and its streaming decoder, run natively by the C++
+Tokenizer (mixlens/tokenizer.h)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,52 @@ from ._args import as_index as _as_index, check_bool as _check_bool, check_int a
 from ._convert import is_torch
 from ._inputs import _INT32_MAX, _check_rows
 from .errors import InputError
+
+
+def _id_list(ids, what: str) -> list[int]:
+    """One id or a sequence of ids (list / array / 1-d tensor) as a list of ints in [0, 2^31)."""
+    try:
+        return [_check_int(what, _as_index(ids), 0, _INT32_MAX)]
+    except TypeError:
+        pass
+    if is_torch(ids) or isinstance(ids, np.ndarray):
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise InputError(f"{what} must be an int or a list of ints, got {ids!r} ({type(ids).__name__})")
+    return _check_rows([list(ids)], what)[0]
+
+
+class DecodeStream:
+    """Incremental decoding for generation (``tokenizer.stream()``), as HF tokenizers'
+    ``tokenizers.decoders.DecodeStream``: :meth:`step` takes the next token id and returns the text of
+    the ids since the last piece, or None while that text would end in U+FFFD (a UTF-8 character split
+    across byte tokens is held back until its last byte arrives; an invalid byte until a token follows
+    it), piece for piece as HF's. A piece never holds part of a character, and the pieces of a stream
+    joined (with :meth:`flush` at the end) equal ``tokenizer.decode(ids)``. The C++
+    ``Tokenizer::StreamDecoder`` does the work; the stream stays usable after its model is gone."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: "_core.StreamDecoder"):
+        self._core = core
+
+    def step(self, id) -> Optional[str]:
+        """Add token `id` (an int, or a list / array of ids, as HF's ``step``) and return the text that
+        became complete, None when there is none yet (also for an id skipped as a special token, or one
+        with no token, which decodes to nothing as in ``decode``). InputError for an id that is not an
+        integer in [0, 2^31)."""
+        push = self._core.push
+        text = "".join([push(i) for i in _id_list(id, "token id")])
+        return text or None
+
+    def flush(self) -> Optional[str]:
+        """End of the stream: the bytes held back (an incomplete character becomes U+FFFD, as ``decode``
+        writes it), or None when nothing is held; the stream then starts over as a new one. HF's
+        DecodeStream has no flush (it keeps an incomplete character back for good)."""
+        return self._core.flush() or None
+
+    def __repr__(self) -> str:
+        return "<mixlens DecodeStream>"
 
 
 class Tokenizer:
@@ -44,6 +91,19 @@ class Tokenizer:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
                 raise InputError(f"decode takes token ids (a list of ints, or one int), got {type(ids).__name__}") from None
         return self._core.decode(_check_rows([list(ids)])[0], _check_bool("skip_special_tokens", skip_special_tokens))
+
+    def stream(self, ids: Optional[Sequence[int]] = None, skip_special_tokens: bool = False) -> DecodeStream:
+        """A :class:`DecodeStream` for decoding generated ids one at a time (HF's
+        ``DecodeStream(ids, skip_special_tokens)``; here ``stream.step(id)`` needs no tokenizer argument).
+        `ids`: a prompt already shown, fed first without output, so the first step's text is what
+        follows it. `skip_special_tokens` drops special tokens as in :meth:`decode`. TokenizerError
+        without tokenizer.json; InputError for ids that are not integers in [0, 2^31)."""
+        skip = _check_bool("skip_special_tokens", skip_special_tokens)
+        prompt = [] if ids is None else _id_list(ids, "ids")
+        stream = DecodeStream(self._core.stream_decoder(skip))
+        for i in prompt:
+            stream._core.push(i)
+        return stream
 
     def token_to_id(self, token: str) -> Optional[int]:
         if not isinstance(token, str):
