@@ -132,6 +132,11 @@ class Model:
     @property
     def tokenizer_vocab_size(self) -> int: ...
 
+    def mixer_identity(self, layer: int, prompt_seq: int) -> dict:
+        """
+        mixlens::mixer_identity (mixlens/trace.h): {kind, prompt_kernel, step_kernel, state_op} of a layer's recurrent mixer.
+        """
+
     def set_chunk_size(self, chunk_size: int) -> None: ...
 
     @property

@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # annotations only: the model module imports this one
 
 
 _STATE_METHODS = ("state", "state_after", "set_state_after")
+# Kernel identity of a recurrent mixer (docs/values.md "Kernel identity"; C++ mixer_identity, CallRecord).
+_IDENTITY = ("kind", "prompt_kernel", "step_kernel", "state_op", "call")
+# prompt_kernel outside a trace: a prompt of this many tokens (the default prefill piece).
+_IDENTITY_PROMPT = 512
 
 
 def _envoy_fallback(envoy, name: str):
@@ -72,6 +76,8 @@ class _Envoy:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in _IDENTITY and self._prefix.endswith("linear_attn."):
+            return self._identity(name)
         # The per-value path (issue 9 item 5): state methods are the only names looked at first.
         if name in _STATE_METHODS and self._prefix.endswith("linear_attn."):
             if not self._model._known(self._prefix + "states"):
@@ -142,12 +148,38 @@ class _Envoy:
         t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
         self._model._write(self._state_path(t), value)
 
+    # -- kernel identity (docs/values.md "Kernel identity") ---------------------------------------
+    def _identity(self, name: str):
+        """``kind``, ``prompt_kernel``, ``step_kernel``, ``state_op`` of this layer's recurrent mixer (C++
+        ``mixer_identity``: the prompt kernel for the open trace's prompt length, else a 512-token prompt),
+        and inside a trace ``call``: the current step's {"state_op", "seq", "first"} (C++ ``CallRecord``'s
+        kernel, seq, first). UnsupportedError on a block without a recurrent mixer."""
+        model = self._model
+        layer = int(self._prefix.split(".")[1])
+        tr = model._open_tracer()
+        seq = max((len(r) for r in tr._rows), default=0) if tr is not None else 0
+        if tr is not None and tr._embeds is not None:
+            seq = tr._embeds.shape[1]
+        ident = model._core.mixer_identity(layer, seq or _IDENTITY_PROMPT)
+        if name != "call":
+            return ident[name]
+        if tr is None:
+            raise InputError(f"'{self._prefix}call' is the current forward call's (state_op, seq, first): read it "
+                             "inside a `with model.trace(...)` / `model.generate(...)` block; after it, tracer.calls")
+        sess, step = tr._require_session(), tr._step
+        if not any(c["step"] == step for c in sess.calls):
+            sess.reach_step(step)  # the block has read nothing of this call yet: let it start
+        for c in reversed(sess.calls):
+            if c["step"] == step:
+                return {"state_op": c["kernel"], "seq": c["seq"], "first": c["first"]}
+        raise InputError(f"'{self._prefix}call': the run ended before step {step}")
+
     def _names(self) -> list[str]:
         """Value names under this prefix, from the model's values for this very layer (hybrids differ)."""
         p = self._prefix
         names = {path[len(p):] for path in self._model._paths() if path.startswith(p)}
         if "states" in names and p.endswith("linear_attn."):
-            names |= {"state", "state_after", "set_state_after"}
+            names |= {"state", "state_after", "set_state_after"} | set(_IDENTITY)
         return sorted(names)
 
     def __dir__(self):

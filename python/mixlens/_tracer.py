@@ -686,5 +686,7 @@ class Tracer:
     @property
     def calls(self) -> list[dict]:
         """Every forward call: step, batch, seq, fresh (no cached state before), kernel ('chunked' or
-        'recurrent')."""
+        'recurrent'), first (positions earlier calls of this run pushed through each layer: 0 for the prompt,
+        T + k - 1 at generation step k after a T-position prompt). (kernel, seq, first) are the seed's per-call
+        (state op, sequence length, first): docs/values.md "Kernel identity"."""
         return self._session.calls if self._session is not None else self._calls

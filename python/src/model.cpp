@@ -8,6 +8,7 @@
 #include "interrupt.h"
 #include "mixlens/model.h"
 #include "mixlens/tools.h"
+#include "mixlens/trace.h"
 
 namespace mixlens::py {
 
@@ -162,6 +163,20 @@ void init_model(nb::module_& m) {
       .def("token_to_id", [](const Model& mo, const std::string& t) { return mo.tokenizer().token_to_id(t); })
       .def("id_to_token", [](const Model& mo, int32_t id) { return mo.tokenizer().id_to_token(id); })
       .def_prop_ro("tokenizer_vocab_size", [](const Model& mo) { return mo.tokenizer().vocab_size(); })
+      .def(
+          "mixer_identity",
+          [](const Model& mo, int layer, int64_t prompt_seq) {
+            const MixerIdentity id = mixer_identity(mo, layer, prompt_seq);
+            nb::dict d;
+            d["kind"] = id.kind;
+            d["prompt_kernel"] = id.prompt_kernel;
+            d["step_kernel"] = id.step_kernel;
+            d["state_op"] = id.state_op;
+            return d;
+          },
+          nb::arg("layer"), nb::arg("prompt_seq"),
+          "mixlens::mixer_identity (mixlens/trace.h): {kind, prompt_kernel, step_kernel, state_op} of a layer's "
+          "recurrent mixer.")
       .def("set_chunk_size", &Model::set_chunk_size, nb::arg("chunk_size"))
       .def_prop_rw("prefill_chunk", &Model::prefill_chunk, &Model::set_prefill_chunk,
                    "Chunked prefill length in tokens (0 = off); see Model::set_prefill_chunk.")

@@ -523,6 +523,7 @@ nb::list calls_list(const std::vector<CallRecord>& calls) {
     d["seq"] = c.seq;
     d["fresh"] = c.fresh;
     d["kernel"] = c.kernel;
+    d["first"] = c.first;
     out.append(d);
   }
   return out;
