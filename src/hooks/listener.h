@@ -29,6 +29,7 @@ struct CallCtx {
   int64_t batch = 0;
   int64_t seq = 0;
   bool fresh = true;           ///< no cached recurrent state before this call
+  int64_t first = 0;           ///< positions earlier calls on this cache pushed through (CallRecord::first)
   std::string kernel;          ///< "chunked" or "recurrent"
   /// Set by another thread to stop the run (Ctrl-C, Session::abort); may be null.
   const std::atomic<bool>* cancel = nullptr;

@@ -125,6 +125,24 @@ inline std::vector<Tensor> run_recorded_steps(const GoldenCase& c, Trace* trace)
   return logits;
 }
 
+// Kernel identity (docs/values.md): each call's `first` is the positions the calls before it pushed
+// through; the mixer's kinds and kernels are what the calls record.
+inline void expect_kernel_identity(const Model& m, const Trace& t, const std::string& kind) {
+  int64_t pushed = 0;
+  for (const CallRecord& call : t.calls()) {
+    EXPECT_EQ(call.first, pushed) << "step " << call.step;
+    pushed += call.seq;
+  }
+  int layer = 0;
+  while (m.info().layer_kinds[static_cast<size_t>(layer)] == LayerKind::attention) ++layer;
+  const MixerIdentity id = mixer_identity(m, layer, t.calls().at(0).seq);
+  EXPECT_EQ(id.kind, kind);
+  EXPECT_EQ(id.state_op, kind == "gated_delta" ? "gated_delta_rule" : "selective_state_update");
+  EXPECT_EQ(id.prompt_kernel, t.calls()[0].kernel);
+  for (const CallRecord& call : t.calls())
+    if (!call.fresh && call.seq == 1) EXPECT_EQ(call.kernel, id.step_kernel) << "step " << call.step;
+}
+
 inline void save_all_values(const Model& m, Trace& t) {
   for (const auto& v : m.values(1, 1)) t.save(v.path);
 }

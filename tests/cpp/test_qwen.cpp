@@ -45,6 +45,7 @@ TEST_P(QwenFixture, EveryValueEveryStepMatchesTransformers) {
   // A multi-token continuation runs the chunked kernel from the cached state; one token decodes.
   EXPECT_EQ(t.calls()[1].kernel, t.calls()[1].seq > 1 ? "chunked" : "recurrent");
   EXPECT_FALSE(t.calls()[1].fresh);
+  expect_kernel_identity(c.model, t, "gated_delta");
   EXPECT_FALSE(t.has("layers.0.linear_attn.state_input", 0)) << "state_input is None on a fresh prompt";
 }
 
@@ -55,6 +56,7 @@ TEST_P(QwenFixture, ForcedKernelPathsMatchTransformersToo) {
     Trace t;
     save_all_values(c.model, t);
     run_recorded_steps(c, &t);
+    expect_kernel_identity(c.model, t, "gated_delta");
     route_kernels(GetParam().family, "default");
     EXPECT_GT(expect_golden_values(c.golden, t, c.name + " route " + route), 100);
     for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, route);
