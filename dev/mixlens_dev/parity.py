@@ -86,6 +86,29 @@ def assert_edit_moves_logits(tracer, ref: dict, edit: dict, label: str) -> None:
         (label, diffs)
 
 
+def assert_saves_match(case, first_mixer_layer: int = 0) -> None:
+    """A generate run with every value pre-registered as a save holds the oracle's values, no
+    state_input at step 0 (fresh prompt) and the oracle's greedy tokens."""
+    run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
+                              saves=[v["path"] for v in case.model.values()]).run()
+    compare(saved_values(run), case.ref, case.name + " saves")
+    assert run.saved[f"layers.{first_mixer_layer}.linear_attn.state_input"][0] is None
+    assert run.tokens == case.ref["tokens"].tolist()
+
+
+def assert_edits_match(case, how: str) -> None:
+    """Each edit of the case's spec, written by mixlens (`how`: edited_run) and inside transformers,
+    gives the same values at every step, the edited site included (read-after-write: saves and reads
+    hold what the forward used; betas after a decays write is the implied dt), and moves the logits."""
+    for edit in case.spec["edits"]:
+        ref = case.edited_ref(edit)
+        label = f"{case.name} {edit['name']} ({how})"
+        tracer, got = edited_run(case, edit, how)
+        assert key(edit["path"], edit["step"]) in got, label
+        compare(got, ref, label)
+        assert_edit_moves_logits(tracer, case.ref, edit, label)
+
+
 class ParityCase:
     """A fresh random model, its oracle values (self.ref) and mixlens on the same files (self.model);
     a subclass sets torch_model, prompts, ref, model and oracle_run(edits, feeds) -> values."""

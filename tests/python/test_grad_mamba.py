@@ -197,7 +197,7 @@ def test_continuation_state_input_matches_torch(case, route, new_tokens):
 def test_oracle_is_transformers():
     """The oracle's explicit recurrence gives transformers' own logits (fresh prompt and decode)."""
     from mixlens_dev.fixtures import mamba as mfm
-    import oracle_mamba2 as om2
+    from mixlens_dev import oracle_mamba2 as om2
 
     tm = mfm.build_model({"seed": 61, "config": dict(num_hidden_layers=2)})
     prompts = [[5, 9, 3, 17, 2, 8, 11], [4, 6, 21, 13, 7, 1, 1]]

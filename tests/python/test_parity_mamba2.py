@@ -14,7 +14,7 @@ import pytest
 import mixlens
 from mixlens_dev import oracle_mamba2 as om
 from mixlens_dev.common import build_mamba2, rel_rms
-from mixlens_dev.parity import ParityCase, compare, edited_run, read_every_value, saved_values
+from mixlens_dev.parity import ParityCase, assert_saves_match, compare, edited_run, read_every_value
 
 N_STEPS = 8
 
@@ -91,11 +91,7 @@ def test_every_value_every_step_through_the_block(case):
 
 
 def test_pre_registered_saves_match(case):
-    run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
-                              saves=[v["path"] for v in case.model.values()]).run()
-    got = saved_values(run)
-    compare(got, case.ref, case.name + " saves")
-    assert run.saved[mix(0, "state_input")][0] is None
+    assert_saves_match(case)
 
 
 def test_greedy_tokens_without_a_block(case):

@@ -18,7 +18,7 @@ import pytest
 import mixlens
 from mixlens_dev import oracle_qwen as oq
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.parity import ParityCase, assert_edit_moves_logits, compare, edited_run, read_every_value, saved_values
+from mixlens_dev.parity import ParityCase, assert_edits_match, assert_saves_match, compare, read_every_value
 
 N_STEPS = 8
 PAD = 0
@@ -114,26 +114,12 @@ def test_every_value_every_step_through_the_block(case):
 
 
 def test_pre_registered_saves_match(case):
-    run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
-                              saves=[v["path"] for v in case.model.values()]).run()
-    got = saved_values(run)
-    compare(got, case.ref, case.name + " saves")
-    assert run.saved[mix(0, "state_input")][0] is None
-    assert run.tokens == case.ref["tokens"].tolist()
+    assert_saves_match(case, 0)
 
 
 @pytest.mark.parametrize("how", ["interleaved", "pre_registered"])
 def test_edits_match_transformers_with_the_same_modification(case, how):
-    for edit in case.spec["edits"]:
-        ref = case.edited_ref(edit)
-        label = f"{case.name} {edit['name']} ({how})"
-        edited_key = oq.key(edit["path"], edit["step"])
-        tracer, got = edited_run(case, edit, how)
-        # Read-after-write: saves and reads hold what the forward used (the edited site; betas after a
-        # decays write is the implied dt), so nothing is exempt from the comparison.
-        assert edited_key in got, label
-        compare(got, ref, label)
-        assert_edit_moves_logits(tracer, case.ref, edit, label)
+    assert_edits_match(case, how)
 
 
 @pytest.mark.parametrize("name", ["short_prompt", "padded_batch"])  # last block: softmax attention / GDN
