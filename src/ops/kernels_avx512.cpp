@@ -39,6 +39,10 @@ struct F16 {
   static __m512 load(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 };
 
+// Keeps v in a register: otherwise GCC folds the load of an x vector into each of the N FMAs that
+// use it, and the tile becomes load-bound (32 loads per 24 FMAs for 3 x 2). Changes no value.
+inline void pin(__m512& v) { __asm__("" : "+v"(v)); }
+
 // One (row, output) sum: four accumulators over blocks of 64 k (they hide the FMA latency), blocks
 // of 16 into the first, the masked tail into the second, then one fixed reduction. R rows x N
 // outputs run together (x and the weights loaded once per tile), each pair in exactly this order:
@@ -62,7 +66,8 @@ void dot_tile(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, f
       for (int n = 0; n < N; ++n) w[n] = L::load(W + n * ld + k + 16 * q);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(X + r * ldx + k + 16 * q);
+        __m512 xv = _mm512_loadu_ps(X + r * ldx + k + 16 * q);
+        if constexpr (N > 1) pin(xv);
 #pragma GCC unroll 16
         for (int n = 0; n < N; ++n) a[r][n][q] = _mm512_fmadd_ps(w[n], xv, a[r][n][q]);
       }
@@ -167,7 +172,8 @@ void bf16_tile(const uint16_t* W, int64_t ld, const float* XD, int64_t ldxd, con
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 xe = _mm512_load_ps(XD + r * ldxd + k + 32 * h), xo = _mm512_load_ps(XD + r * ldxd + k + 32 * h + 16);
+        __m512 xe = _mm512_load_ps(XD + r * ldxd + k + 32 * h), xo = _mm512_load_ps(XD + r * ldxd + k + 32 * h + 16);
+        if constexpr (N > 1) pin(xe), pin(xo);
 #pragma GCC unroll 16
         for (int n = 0; n < N; ++n) {
           a[r][n][2 * h] = _mm512_fmadd_ps(e[n], xe, a[r][n][2 * h]);
