@@ -177,3 +177,22 @@ def test_prefill_split_into_chunks_changes_no_logit(name):
             assert np.array_equal(np.asarray(m.run([ids], logits="last")["logits"]), whole), f"{name}: chunks of {c}"
     finally:
         m.prefill_chunk = before
+
+
+def test_cli_deterministic_runs_a_prompt_alone_and_batched_alike(tmp_path):
+    """`mixlens run --deterministic`: a prompt's logits alone equal its row of a left-padded batch
+    (Mamba-1: its scan is invariant under padding on every route); the flag is refused by a command
+    that runs no forward."""
+    from safetensors.numpy import load_file
+    from test_cli import cli
+
+    model = str(MODELS["mamba"])
+    a, b = "Once upon a time", "The little dog ran to the park and found a big red ball"
+    alone, both = tmp_path / "alone.safetensors", tmp_path / "both.safetensors"
+    for out, prompts in ((alone, [a]), (both, [a, b])):
+        r = cli("run", "--model", model, "--deterministic", *prompts, "--save", "logits", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+    la, lb = load_file(str(alone))["logits"], load_file(str(both))["logits"]
+    assert np.array_equal(la[0], lb[0, lb.shape[1] - la.shape[1]:])
+    r = cli("tokenize", "--model", model, "--deterministic", "hi")
+    assert r.returncode == 2 and "--deterministic" in r.stderr, r
