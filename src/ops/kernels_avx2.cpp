@@ -58,7 +58,8 @@ void dot_tile(const typename L::T* w, const float* X, int64_t ldx, float* Y, int
   for (; k < in32; k += 32)
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
-      const __m256 wv = L::load(w + k + 8 * q);
+      __m256 wv = L::load(w + k + 8 * q);
+      if constexpr (R > 1) __asm__("" : "+v"(wv));  // one load for the R FMAs (GCC would fold it into each)
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) a[r][q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(X + r * ldx + k + 8 * q), a[r][q]);
     }
