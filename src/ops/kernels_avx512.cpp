@@ -6,6 +6,7 @@
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (their __Y = __Y idiom).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same idiom, in _mm512_reduce_add_ps inlined into the tiles
 #endif
 #include <immintrin.h>
 
