@@ -26,11 +26,11 @@ namespace {
 // The help, in pieces: `mixlens --help` prints them all, `mixlens <command> --help` (or `mixlens help
 // <command>`) the usage and options of that command.
 constexpr const char* kHead = "mixlens: read and write every value of recurrent language models\n\nusage:\n";
-constexpr const char* kUseGenerate = R"(  mixlens generate [--model DIR|HUB_ID] [--dtype D] PROMPT... --max-new-tokens N
+constexpr const char* kUseGenerate = R"(  mixlens generate [--model DIR|HUB_ID] [--dtype D] [--deterministic] PROMPT... --max-new-tokens N
                    [--greedy | --temperature T --top-k K --top-p P --seed S]
                    [--save PATH ...] [--out FILE] [--ids]
 )";
-constexpr const char* kUseRun = R"(  mixlens run      [--model DIR|HUB_ID] [--dtype D] PROMPT... --save PATH ... --out FILE [--ids]
+constexpr const char* kUseRun = R"(  mixlens run      [--model DIR|HUB_ID] [--dtype D] [--deterministic] PROMPT... --save PATH ... --out FILE [--ids]
 )";
 constexpr const char* kUsePrompts = R"(  (PROMPT... may be replaced or joined by --prompt-file PATH / --ids-file PATH, each repeatable)
 )";
@@ -38,7 +38,7 @@ constexpr const char* kUseInspect = R"(  mixlens inspect  [--model DIR|HUB_ID] [
 )";
 constexpr const char* kUseTokenize = R"(  mixlens tokenize [--model DIR|HUB_ID] [--dtype D] TEXT
 )";
-constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] [--dtype D] PROMPTS_FILE --values PATH ... --out DIR
+constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] [--dtype D] [--deterministic] PROMPTS_FILE --values PATH ... --out DIR
                    [--batch-size N] [--positions all|last|mask] [--text-field F] [--mask-field F]
                    [--shard-bytes N] [--max-bytes N] [--hash-prompts]
 )";
@@ -54,6 +54,9 @@ constexpr const char* kOptSaveOut = R"(  --save PATH  a value path, e.g. layers.
 )";
 constexpr const char* kOptDtype = R"(  --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16 or auto
                (the checkpoint's dtype); values are float32 whatever the dtype
+)";
+constexpr const char* kOptDeterministic = R"(  --deterministic  batch-invariant numerics: a prompt's values are bitwise the same alone or
+               batched with others, on any thread count (slower prompts; LoadOptions::deterministic)
 )";
 constexpr const char* kOptPrompts = R"(  --prompt-file PATH   one text prompt: the file's content (less one trailing newline)
   --ids-file PATH      one prompt of token ids: whitespace- or comma-separated, or a JSON list
@@ -90,13 +93,16 @@ std::string help_text(const std::string& command) {
   const std::string head = kHead;
   if (command.empty())
     return head + kUseGenerate + kUseRun + kUsePrompts + kUseInspect + kUseTokenize + kUseExtract +
-           "  mixlens --version\n\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptPrompts + "\n" + kExtract;
+           "  mixlens --version\n\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptDeterministic + kOptPrompts + "\n" +
+           kExtract;
   if (command == "generate")
-    return head + kUseGenerate + kUsePrompts + "\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptPrompts;
-  if (command == "run") return head + kUseRun + kUsePrompts + "\n" + kOptModel + kOptSaveOut + kOptDtype + kOptPrompts;
+    return head + kUseGenerate + kUsePrompts + "\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype +
+           kOptDeterministic + kOptPrompts;
+  if (command == "run")
+    return head + kUseRun + kUsePrompts + "\n" + kOptModel + kOptSaveOut + kOptDtype + kOptDeterministic + kOptPrompts;
   if (command == "inspect") return head + kUseInspect + "\n" + kOptModel + kOptInspect + kOptDtype;
   if (command == "tokenize") return head + kUseTokenize + "\n" + kOptModel + kOptDtype;
-  if (command == "extract") return head + kUseExtract + "\n" + kOptModel + kOptDtype + "\n" + kExtract;
+  if (command == "extract") return head + kUseExtract + "\n" + kOptModel + kOptDtype + kOptDeterministic + "\n" + kExtract;
   return {};
 }
 
@@ -169,12 +175,12 @@ uint64_t parse_bytes(const std::string& flag, std::string v) {
 // The flags each command takes: one another command takes is refused, not ignored.
 const std::set<std::string>* command_flags(const std::string& command) {
   using S = std::set<std::string>;
-  static const S generate = {"--model", "--dtype", "--save", "--out", "--ids", "--prompt-file", "--ids-file",
+  static const S generate = {"--model", "--dtype", "--deterministic", "--save", "--out", "--ids", "--prompt-file", "--ids-file",
                              "--max-new-tokens", "--greedy", "--temperature", "--top-k", "--top-p", "--seed"};
-  static const S run = {"--model", "--dtype", "--save", "--out", "--ids", "--prompt-file", "--ids-file"};
+  static const S run = {"--model", "--dtype", "--deterministic", "--save", "--out", "--ids", "--prompt-file", "--ids-file"};
   static const S inspect = {"--model", "--dtype", "--prompt-length"};
   static const S tokenize = {"--model", "--dtype"};
-  static const S extract = {"--model", "--dtype", "--values", "--out", "--batch-size", "--positions", "--text-field",
+  static const S extract = {"--model", "--dtype", "--deterministic", "--values", "--out", "--batch-size", "--positions", "--text-field",
                             "--mask-field", "--shard-bytes", "--max-bytes", "--hash-prompts"};
   if (command == "generate") return &generate;
   if (command == "run") return &run;
@@ -249,6 +255,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--out") a.out = value();
     else if (f == "--max-new-tokens") a.max_new_tokens = parse_number<int>(f, value());
     else if (f == "--greedy") a.greedy = true;
+    else if (f == "--deterministic") a.load.deterministic = true;
     else if (f == "--temperature") a.gen.temperature = parse_number<float>(f, value()), a.sampling_flag = true;
     else if (f == "--top-k") a.gen.top_k = parse_number<int>(f, value()), a.sampling_flag = true;
     else if (f == "--top-p") a.gen.top_p = parse_number<float>(f, value()), a.sampling_flag = true;

@@ -125,6 +125,7 @@ struct ModelInfo {
   /// The dtypes its matmul weights are kept in, sorted ("bfloat16", "float16", "float32"): what
   /// "auto" resolved to (several when the checkpoint mixes them).
   std::vector<std::string> weight_dtypes;
+  bool deterministic = false;  ///< LoadOptions::deterministic the model was loaded with
 };
 
 class FamilyModel;  // internal
@@ -137,6 +138,14 @@ struct LoadOptions {
   /// Recurrent state, A_log, dt_bias, D, norm and conv weights, gates, decays, activations and
   /// every served value stay float32 whatever this says. InputError for any other string.
   std::string dtype = "float32";
+  /// Batch-invariant numerics (issue 23): every matrix product of the forward takes the kernels
+  /// whose per-element sum order depends only on the reduction length, so every value of a row is
+  /// bitwise the same alone or in any left-padded batch, at any row position, on any thread count
+  /// (MIXLENS_NUM_THREADS) and with any prefill chunking, for the layers whose scans are invariant
+  /// (README "Batch invariance"). Prompts run slower (bench/results/invariance.md). Default false:
+  /// prompts of more than 4 rows then go to BLAS, and a row's values may move by float rounding
+  /// with the batch. MIXLENS_DETERMINISTIC=1 makes true the default of a process.
+  bool deterministic = false;
 };
 
 class Model {

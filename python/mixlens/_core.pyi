@@ -95,9 +95,9 @@ class StreamDecoder:
 
 class Model:
     @staticmethod
-    def load(path: str, dtype: str = 'float32') -> Model:
+    def load(path: str, dtype: str = 'float32', deterministic: bool = False) -> Model:
         """
-        Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype).
+        Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype); deterministic: batch-invariant numerics (LoadOptions::deterministic).
         """
 
     @property

@@ -61,6 +61,7 @@ nb::dict info_dict(const Model& m) {
   d["vocab_size"] = i.vocab_size;
   d["dtype"] = i.dtype;
   d["weight_dtypes"] = nb::cast(i.weight_dtypes);
+  d["deterministic"] = i.deterministic;
   nb::list kinds;
   for (LayerKind k : i.layer_kinds) kinds.append(nb::str(std::string(layer_kind_name(k)).c_str()));
   d["layer_kinds"] = kinds;
@@ -134,14 +135,16 @@ void init_model(nb::module_& m) {
   nb::class_<Model>(m, "Model")
       .def_static(
           "load",
-          [](const std::string& path, const std::string& dtype) {
+          [](const std::string& path, const std::string& dtype, bool deterministic) {
             nb::gil_scoped_release r;
             LoadOptions o;
             o.dtype = dtype;
+            o.deterministic = deterministic;
             return Model::load(path, o);
           },
-          nb::arg("path"), nb::arg("dtype") = "float32",
-          "Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype).")
+          nb::arg("path"), nb::arg("dtype") = "float32", nb::arg("deterministic") = false,
+          "Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype); "
+          "deterministic: batch-invariant numerics (LoadOptions::deterministic).")
       .def_prop_ro("info", &info_dict)
       .def("values", &values_list, nb::arg("batch") = 1, nb::arg("seq") = 1)
       .def("support", &Model::support)

@@ -123,7 +123,12 @@ void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int
     mx.assign(static_cast<size_t>(nq), kNegInf);
     sum.assign(static_cast<size_t>(nq), 0.0f);
     const int64_t kend = past + t0 + nq;  // keys [0, kend) are visible to some query of the tile
-    for (int64_t k0 = 0; k0 < kend; k0 += kBk) {
+    // Key tiles start at the row's first real key, not at key 0: the left padding of a batch then
+    // moves no tile boundary (each boundary rescales the online softmax), so a row's outputs are
+    // bitwise the same alone and in any batch (issue 23). The pads before it add nothing anyway.
+    int64_t first = 0;
+    while (first < kend && !m[first]) ++first;
+    for (int64_t k0 = first; k0 < kend; k0 += kBk) {
       const int64_t nk = std::min(kBk, kend - k0);
       // Queries before i0 see no key of this tile (it lies in their future).
       const int64_t i0 = std::max<int64_t>(0, k0 - past - t0);

@@ -39,8 +39,9 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 /// The attention output, tiled (flash-attention style): per query tile and head, key tiles of
 /// scores (register-blocked dots, ops/tile_kernels.h), an online softmax (running max and sum,
 /// rescaling the partial output) and O += P V; no [T, T] matrix. Each query's
-/// result depends only on its inputs (not on T, past or the tiling), so a prompt split into calls
-/// gives the same outputs. Same results as the explicit softmax to float32 rounding.
+/// result depends only on its inputs (not on T, past, the tiling or the masked keys before the
+/// row's first real key: key tiles start there), so a prompt split into calls, or a row alone and
+/// behind any left padding, gives bitwise the same outputs. Same results as the explicit softmax to float32 rounding.
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                             const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out);
 

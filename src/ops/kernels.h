@@ -28,6 +28,16 @@ struct KernelTable {
   void (*matvec_f32)(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
   void (*matvec_bf16)(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
   void (*matvec_f16)(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
+  /// Y[r*ldy + o] = sum_k W[o*ld + k] * X[r*ldx + k] for r < rows, o < n, k < in: each element summed
+  /// in exactly the order of this level's matvec of the same dtype, so a row's results are bitwise
+  /// the same whatever the row count, the row's position or the split of the outputs (issue 23).
+  /// Single-threaded (callers split the outputs).
+  void (*gemm_f32)(const float* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+                   int64_t n, int64_t in);
+  void (*gemm_bf16)(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+                    int64_t n, int64_t in);
+  void (*gemm_f16)(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+                   int64_t n, int64_t in);
   /// dst[i] = float(src[i]) (exact).
   void (*widen_bf16)(const uint16_t* src, float* dst, int64_t n);
   void (*widen_f16)(const uint16_t* src, float* dst, int64_t n);

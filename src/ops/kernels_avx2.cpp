@@ -42,30 +42,79 @@ struct F16 {
   static float one(const uint16_t* p) { return f16f(*p); }
 };
 
-// One row at a time (one sequential stream; see kernels_avx512.cpp), four accumulators.
+// One (row, output) sum: four accumulators over blocks of 32 k, blocks of 8 into the first, one
+// fixed horizontal sum, then the tail one fused multiply-add at a time. R rows run together (the
+// weights loaded once for all), each in exactly this order: the matvec is the R = 1 tile, so a
+// row's results do not depend on how many rows run with it. 4 R accumulators of 16 registers.
+template <class L, int R>
+void dot_tile(const typename L::T* w, const float* X, int64_t ldx, float* Y, int64_t ldy, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31}, in8 = in & ~int64_t{7};
+  __m256 a[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) a[r][q] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k < in32; k += 32)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      __m256 wv = L::load(w + k + 8 * q);
+      if constexpr (R > 1) __asm__("" : "+v"(wv));  // one load for the R FMAs (GCC would fold it into each)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r][q] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(X + r * ldx + k + 8 * q), a[r][q]);
+    }
+  for (; k < in8; k += 8) {
+    const __m256 wv = L::load(w + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(X + r * ldx + k), a[r][0]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+    for (int64_t j = k; j < in; ++j) s = __builtin_fmaf(L::one(w + j), X[r * ldx + j], s);
+    Y[r * ldy] = s;
+  }
+}
+
+// One row at a time (one sequential stream; see kernels_avx512.cpp).
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  const int64_t in32 = in & ~int64_t{31}, in8 = in & ~int64_t{7};
-  for (int64_t o = 0; o < n; ++o) {
-    const typename L::T* w = W + o * ld;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t k = 0;
-    for (; k < in32; k += 32) {
-      a0 = _mm256_fmadd_ps(L::load(w + k), _mm256_loadu_ps(x + k), a0);
-      a1 = _mm256_fmadd_ps(L::load(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-      a2 = _mm256_fmadd_ps(L::load(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-      a3 = _mm256_fmadd_ps(L::load(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-    }
-    for (; k < in8; k += 8) a0 = _mm256_fmadd_ps(L::load(w + k), _mm256_loadu_ps(x + k), a0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; k < in; ++k) s += L::one(w + k) * x[k];
-    y[o] = s;
+  for (int64_t o = 0; o < n; ++o) dot_tile<L, 1>(W + o * ld, x, 0, y + o, 0, in);
+}
+
+// Rows in groups of 3, outputs in blocks of kGemmNB (their weights stay in L2 while every row
+// group passes over them).
+constexpr int64_t kGemmNB = 64;
+template <class L>
+void gemm(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+          int64_t n, int64_t in) {
+  for (int64_t o0 = 0; o0 < n; o0 += kGemmNB) {
+    const int64_t o1 = n - o0 < kGemmNB ? n : o0 + kGemmNB;
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3)
+      for (int64_t o = o0; o < o1; ++o) dot_tile<L, 3>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+    if (rows - r == 2)
+      for (int64_t o = o0; o < o1; ++o) dot_tile<L, 2>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+    if (rows - r == 1)
+      for (int64_t o = o0; o < o1; ++o) dot_tile<L, 1>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
   }
 }
 
 void mv_f32(const float* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F32>(W, ld, x, y, n, in); }
 void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<BF16>(W, ld, x, y, n, in); }
 void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
+void gemm_f32(const float* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy, int64_t n,
+              int64_t in) {
+  gemm<F32>(W, ld, X, ldx, rows, Y, ldy, n, in);
+}
+void gemm_bf16(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+               int64_t n, int64_t in) {
+  gemm<BF16>(W, ld, X, ldx, rows, Y, ldy, n, in);
+}
+void gemm_f16(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+              int64_t n, int64_t in) {
+  gemm<F16>(W, ld, X, ldx, rows, Y, ldy, n, in);
+}
 
 template <class L>
 void widen(const uint16_t* s, float* d, int64_t n) {
@@ -144,7 +193,8 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
 
 }  // namespace
 
-const KernelTable kAvx2Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid, acc_rows};
+const KernelTable kAvx2Kernels = {mv_f32,     mv_bf16, mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen<BF16>,
+                                  widen<F16>, exp_,    mul_silu, sigmoid,  acc_rows};
 
 }  // namespace mixlens::ops
 #endif  // __x86_64__

@@ -6,6 +6,7 @@
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (their __Y = __Y idiom).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same idiom, in _mm512_reduce_add_ps inlined into the tiles
 #endif
 #include <immintrin.h>
 
@@ -39,26 +40,94 @@ struct F16 {
   static __m512 load(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 };
 
+// Keeps v in a register: otherwise GCC folds the load of an x (or weight) vector into each of the
+// FMAs that use it, and the tile becomes load-bound (32-36 loads per 24 FMAs for 3 x 2, against
+// 20). Changes no value.
+inline void pin(__m512& v) { __asm__("" : "+v"(v)); }
+
+// One (row, output) sum: four accumulators over blocks of 64 k (they hide the FMA latency), blocks
+// of 16 into the first, the masked tail into the second, then one fixed reduction. R rows x N
+// outputs run together (x and the weights loaded once per tile), each pair in exactly this order:
+// the matvec is the 1 x 1 tile, so a row's results do not depend on how many rows run with it.
+template <class L, int R, int N>
+void dot_tile(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, float* Y, int64_t ldy, int64_t in) {
+  const int64_t in64 = in & ~int64_t{63}, in16 = in & ~int64_t{15};
+  __m512 a[R][N][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n)
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) a[r][n][q] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < in64; k += 64) {
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      __m512 w[N];
+#pragma GCC unroll 16
+      for (int n = 0; n < N; ++n) {
+        w[n] = L::load(W + n * ld + k + 16 * q);
+        if constexpr (R > 1) pin(w[n]);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        __m512 xv = _mm512_loadu_ps(X + r * ldx + k + 16 * q);
+        if constexpr (N > 1) pin(xv);
+#pragma GCC unroll 16
+        for (int n = 0; n < N; ++n) a[r][n][q] = _mm512_fmadd_ps(w[n], xv, a[r][n][q]);
+      }
+    }
+  }
+  for (; k < in16; k += 16)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      const __m512 w = L::load(W + n * ld + k);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) a[r][n][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(X + r * ldx + k), a[r][n][0]);
+    }
+  if (k < in) {
+    const __mmask16 mt = tail_mask(in - k);
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      const __m512 w = L::load(W + n * ld + k, mt);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) a[r][n][1] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mt, X + r * ldx + k), a[r][n][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n)
+      Y[r * ldy + n] =
+          _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][n][0], a[r][n][1]), _mm512_add_ps(a[r][n][2], a[r][n][3])));
+}
+
 // One row at a time: rows are contiguous, so the weights stream as one sequential read (four
 // interleaved row streams measured 40% slower here: bench/results/kernels.md); x stays in L1.
-// Four accumulators hide the FMA latency.
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  const int64_t in64 = in & ~int64_t{63}, in16 = in & ~int64_t{15};
-  const __mmask16 mt = tail_mask(in - in16);
-  for (int64_t o = 0; o < n; ++o) {
-    const typename L::T* w = W + o * ld;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t k = 0;
-    for (; k < in64; k += 64) {
-      a0 = _mm512_fmadd_ps(L::load(w + k), _mm512_loadu_ps(x + k), a0);
-      a1 = _mm512_fmadd_ps(L::load(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-      a2 = _mm512_fmadd_ps(L::load(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
-      a3 = _mm512_fmadd_ps(L::load(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
-    }
-    for (; k < in16; k += 16) a0 = _mm512_fmadd_ps(L::load(w + k), _mm512_loadu_ps(x + k), a0);
-    if (k < in) a1 = _mm512_fmadd_ps(L::load(w + k, mt), _mm512_maskz_loadu_ps(mt, x + k), a1);
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (int64_t o = 0; o < n; ++o) dot_tile<L, 1, 1>(W + o * ld, ld, x, 0, y + o, 0, in);
+}
+
+// Rows in groups of 3 x outputs in pairs (24 accumulators of 32 registers); outputs in blocks of
+// kGemmNB so that their weights stay in L2 while every row group passes over them.
+constexpr int64_t kGemmNB = 64;
+template <class L, int R>
+void gemm_rows(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, float* Y, int64_t ldy, int64_t n,
+               int64_t in) {
+  int64_t o = 0;
+  for (; o + 2 <= n; o += 2) dot_tile<L, R, 2>(W + o * ld, ld, X, ldx, Y + o, ldy, in);
+  if (o < n) dot_tile<L, R, 1>(W + o * ld, ld, X, ldx, Y + o, ldy, in);
+}
+template <class L>
+void gemm(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+          int64_t n, int64_t in) {
+  for (int64_t o0 = 0; o0 < n; o0 += kGemmNB) {
+    const int64_t nb = n - o0 < kGemmNB ? n - o0 : kGemmNB;
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) gemm_rows<L, 3>(W + o0 * ld, ld, X + r * ldx, ldx, Y + r * ldy + o0, ldy, nb, in);
+    if (rows - r == 2) gemm_rows<L, 2>(W + o0 * ld, ld, X + r * ldx, ldx, Y + r * ldy + o0, ldy, nb, in);
+    if (rows - r == 1) gemm_rows<L, 1>(W + o0 * ld, ld, X + r * ldx, ldx, Y + r * ldy + o0, ldy, nb, in);
   }
 }
 
@@ -70,13 +139,7 @@ void mv_f32(const float* W, int64_t ld, const float* x, float* y, int64_t n, int
 constexpr int64_t kMaxDeinterleave = 32768;
 alignas(64) thread_local float xd_buf[kMaxDeinterleave];
 
-void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  const int64_t in32 = in & ~int64_t{31};
-  if (in32 == 0 || in32 > kMaxDeinterleave) {
-    matvec<BF16>(W, ld, x, y, n, in);
-    return;
-  }
-  float* xd = xd_buf;
+void deinterleave(const float* x, int64_t in32, float* xd) {
   const __m512i idx_even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i idx_odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   for (int64_t k = 0; k < in32; k += 32) {
@@ -84,41 +147,121 @@ void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n,
     _mm512_store_ps(xd + k, _mm512_permutex2var_ps(a, idx_even, b));
     _mm512_store_ps(xd + k + 16, _mm512_permutex2var_ps(a, idx_odd, b));
   }
+}
+
+// R rows (deinterleaved in XD, row stride ldxd; the plain rows in X for the tail) x N outputs of
+// the bf16 dot in one fixed order per pair: a0 / b0 (even / odd of the first 32 of each 64), a1 /
+// b1 (the second 32), the 32-blocks past the last 64 into a0 / b0, then the < 32 rest by dot_tile.
+template <int R, int N>
+void bf16_tile(const uint16_t* W, int64_t ld, const float* XD, int64_t ldxd, const float* X, int64_t ldx, float* Y,
+               int64_t ldy, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31}, in64 = in & ~int64_t{63};
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  const int64_t rest = in - in32;
-  auto pair = [hi](const uint16_t* w, __m512& ev, __m512& od) {
-    const __m512i v = _mm512_loadu_si512(w);
-    ev = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    od = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-  };
-  const int64_t in64 = in32 & ~int64_t{63};
-  for (int64_t o = 0; o < n; ++o) {  // one row at a time: one sequential stream (see matvec)
-    const uint16_t* w0 = W + o * ld;
-    __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
-    int64_t k = 0;
-    for (; k < in64; k += 64) {
-      __m512 e, d;
-      pair(w0 + k, e, d);
-      a0 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k), a0);
-      b0 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 16), b0);
-      pair(w0 + k + 32, e, d);
-      a1 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k + 32), a1);
-      b1 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 48), b1);
+  __m512 a[R][N][4];  // a0, b0, a1, b1
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n)
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) a[r][n][q] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < in64; k += 64) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m512 e[N], d[N];
+#pragma GCC unroll 16
+      for (int n = 0; n < N; ++n) {
+        const __m512i v = _mm512_loadu_si512(W + n * ld + k + 32 * h);
+        e[n] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        d[n] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        __m512 xe = _mm512_load_ps(XD + r * ldxd + k + 32 * h), xo = _mm512_load_ps(XD + r * ldxd + k + 32 * h + 16);
+        if constexpr (N > 1) pin(xe), pin(xo);
+#pragma GCC unroll 16
+        for (int n = 0; n < N; ++n) {
+          a[r][n][2 * h] = _mm512_fmadd_ps(e[n], xe, a[r][n][2 * h]);
+          a[r][n][2 * h + 1] = _mm512_fmadd_ps(d[n], xo, a[r][n][2 * h + 1]);
+        }
+      }
     }
-    for (; k < in32; k += 32) {
-      __m512 e, d;
-      pair(w0 + k, e, d);
-      a0 = _mm512_fmadd_ps(e, _mm512_load_ps(xd + k), a0);
-      b0 = _mm512_fmadd_ps(d, _mm512_load_ps(xd + k + 16), b0);
-    }
-    a0 = _mm512_add_ps(a0, a1);
-    b0 = _mm512_add_ps(b0, b1);
-    float t = 0;
-    if (rest) matvec<BF16>(w0 + in32, ld, x + in32, &t, 1, rest);
-    y[o] = _mm512_reduce_add_ps(_mm512_add_ps(a0, b0)) + t;
   }
+  for (; k < in32; k += 32)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      const __m512i v = _mm512_loadu_si512(W + n * ld + k);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), d = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        a[r][n][0] = _mm512_fmadd_ps(e, _mm512_load_ps(XD + r * ldxd + k), a[r][n][0]);
+        a[r][n][1] = _mm512_fmadd_ps(d, _mm512_load_ps(XD + r * ldxd + k + 16), a[r][n][1]);
+      }
+    }
+  const int64_t rest = in - in32;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int n = 0; n < N; ++n) {
+      float t = 0;
+      if (rest) dot_tile<BF16, 1, 1>(W + n * ld + in32, ld, X + r * ldx + in32, 0, &t, 0, rest);
+      const __m512 s0 = _mm512_add_ps(a[r][n][0], a[r][n][2]), s1 = _mm512_add_ps(a[r][n][1], a[r][n][3]);
+      Y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) + t;
+    }
+}
+
+void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31};
+  if (in32 == 0 || in32 > kMaxDeinterleave) {
+    matvec<BF16>(W, ld, x, y, n, in);
+    return;
+  }
+  deinterleave(x, in32, xd_buf);
+  // One row at a time: one sequential stream (see matvec).
+  for (int64_t o = 0; o < n; ++o) bf16_tile<1, 1>(W + o * ld, ld, xd_buf, 0, x, 0, y + o, 0, in);
 }
 void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
+
+void gemm_f32(const float* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy, int64_t n,
+              int64_t in) {
+  gemm<F32>(W, ld, X, ldx, rows, Y, ldy, n, in);
+}
+void gemm_f16(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+              int64_t n, int64_t in) {
+  gemm<F16>(W, ld, X, ldx, rows, Y, ldy, n, in);
+}
+// Deinterleaved rows, three at a time, then every output of the block against them (as gemm).
+template <int R>
+void bf16_rows(const uint16_t* W, int64_t ld, const float* XD, int64_t ldxd, const float* X, int64_t ldx, float* Y,
+               int64_t ldy, int64_t n, int64_t in) {
+  int64_t o = 0;
+  for (; o + 2 <= n; o += 2) bf16_tile<R, 2>(W + o * ld, ld, XD, ldxd, X, ldx, Y + o, ldy, in);
+  if (o < n) bf16_tile<R, 1>(W + o * ld, ld, XD, ldxd, X, ldx, Y + o, ldy, in);
+}
+void gemm_bf16(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+               int64_t n, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31};
+  if (in32 == 0 || 3 * in32 > kMaxDeinterleave) {
+    if (in32 == 0 || in32 > kMaxDeinterleave) {
+      gemm<BF16>(W, ld, X, ldx, rows, Y, ldy, n, in);
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) mv_bf16(W, ld, X + r * ldx, Y + r * ldy, n, in);  // rows too wide for 3
+    return;
+  }
+  for (int64_t r = 0; r < rows; r += 3) {
+    const int64_t R = rows - r < 3 ? rows - r : 3;
+    for (int64_t i = 0; i < R; ++i) deinterleave(X + (r + i) * ldx, in32, xd_buf + i * in32);
+    for (int64_t o0 = 0; o0 < n; o0 += kGemmNB) {
+      const int64_t nb = n - o0 < kGemmNB ? n - o0 : kGemmNB;
+      const uint16_t* w = W + o0 * ld;
+      float* y = Y + r * ldy + o0;
+      if (R == 3) bf16_rows<3>(w, ld, xd_buf, in32, X + r * ldx, ldx, y, ldy, nb, in);
+      if (R == 2) bf16_rows<2>(w, ld, xd_buf, in32, X + r * ldx, ldx, y, ldy, nb, in);
+      if (R == 1) bf16_rows<1>(w, ld, xd_buf, in32, X + r * ldx, ldx, y, ldy, nb, in);
+    }
+  }
+}
 
 template <class L>
 void widen(const uint16_t* s, float* d, int64_t n) {
@@ -191,7 +334,8 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
 
 }  // namespace
 
-const KernelTable kAvx512Kernels = {mv_f32, mv_bf16, mv_f16, widen<BF16>, widen<F16>, exp_, mul_silu, sigmoid, acc_rows};
+const KernelTable kAvx512Kernels = {mv_f32,  mv_bf16,  mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen<BF16>,
+                                    widen<F16>, exp_, mul_silu, sigmoid, acc_rows};
 
 }  // namespace mixlens::ops
 #endif  // __x86_64__

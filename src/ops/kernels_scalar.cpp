@@ -30,6 +30,19 @@ void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n,
 void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
   matvec([W](int64_t i) { return f16_to_f32(W[i]); }, ld, x, y, n, in);
 }
+// Many rows: the matvec per row (this level is the portable reference, not a speed path).
+void gemm_f32(const float* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy, int64_t n,
+              int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) mv_f32(W, ld, X + r * ldx, Y + r * ldy, n, in);
+}
+void gemm_bf16(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+               int64_t n, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) mv_bf16(W, ld, X + r * ldx, Y + r * ldy, n, in);
+}
+void gemm_f16(const uint16_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+              int64_t n, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) mv_f16(W, ld, X + r * ldx, Y + r * ldy, n, in);
+}
 void widen_bf16(const uint16_t* s, float* d, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
 }
@@ -56,6 +69,7 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
 
 }  // namespace
 
-const KernelTable kScalarKernels = {mv_f32, mv_bf16, mv_f16, widen_bf16, widen_f16, exp_, mul_silu, sigmoid, acc_rows};
+const KernelTable kScalarKernels = {mv_f32,     mv_bf16, mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen_bf16,
+                                    widen_f16, exp_,    mul_silu, sigmoid,  acc_rows};
 
 }  // namespace mixlens::ops

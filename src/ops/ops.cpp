@@ -10,6 +10,7 @@
 #include <new>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -23,6 +24,11 @@ namespace mixlens::ops {
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  if (!trans_a && trans_b && alpha == 1.0f && beta == 0.0f && deterministic()) {
+    // C = A B^T, the linear layer's form: each element one dot product in the matvec order.
+    kernels().gemm_f32(B, ldb, A, lda, M, C, ldc, N, K);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
               static_cast<blasint>(M), static_cast<blasint>(N), static_cast<blasint>(K), alpha, A,
               static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
@@ -60,7 +66,21 @@ void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t
   }
 }
 
+thread_local int tl_deterministic = -1;  // -1: the process default
+
 }  // namespace
+
+bool deterministic() {
+  static const bool by_env = [] {
+    const char* s = std::getenv("MIXLENS_DETERMINISTIC");
+    return s && *s && std::string(s) != "0";
+  }();
+  return tl_deterministic < 0 ? by_env : tl_deterministic != 0;
+}
+int deterministic_state() { return tl_deterministic; }
+void set_deterministic_state(int state) { tl_deterministic = state; }
+DeterministicScope::DeterministicScope(bool on) : prev_(tl_deterministic) { tl_deterministic = on ? 1 : 0; }
+DeterministicScope::~DeterministicScope() { tl_deterministic = prev_; }
 
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y, const float* bias) {
   if (W.dim() != 2) throw InputError("linear: weight " + shape_str(W.shape()) + " is not a matrix");
@@ -70,14 +90,25 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
   if (rows == 0 || out == 0) return;
   const KernelTable& kt = kernels();
   const int64_t work = rows * out * in;
-  if (rows <= kMatvecRows) {
+  if (rows <= kMatvecRows || deterministic()) {
     // Decode: memory-bound, so split the weight rows in blocks of 16+ over the pool (a few per
-    // thread so a thread slowed by another process does not hold up the op).
+    // thread so a thread slowed by another process does not hold up the op). Every element is one
+    // dot product in one order (KernelTable::gemm_*: the matvec's), so neither the split nor the
+    // row count changes a value: the batch-invariant path (issue 23).
     const int64_t nblocks = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(4 * num_threads(), (out + 15) / 16);
     const int64_t per = (out + nblocks - 1) / nblocks;
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t o0 = blk * per, n = std::min(per, out - o0);
-      if (n > 0) matvec_rows(kt, W, x, rows, in, y, out, o0, n);
+      if (n <= 0) return;
+      if (rows <= kMatvecRows) {
+        matvec_rows(kt, W, x, rows, in, y, out, o0, n);
+        return;
+      }
+      switch (W.dtype()) {
+        case ScalarType::float32: kt.gemm_f32(static_cast<const float*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
+        case ScalarType::bfloat16: kt.gemm_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
+        case ScalarType::float16: kt.gemm_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
+      }
     });
   } else {
     // Prompt: compute-bound, OpenBLAS sgemm per block of output features, each block a
@@ -377,7 +408,20 @@ Pool& pool() {
 
 }  // namespace
 
-void parallel_for(int64_t n, const std::function<void(int64_t)>& f) { pool().run(n, f); }
+void parallel_for(int64_t n, const std::function<void(int64_t)>& f) {
+  // The workers run the blocks under the caller's deterministic() (a linear or gemm inside a block).
+  const int det = tl_deterministic;
+  if (det < 0) {
+    pool().run(n, f);
+    return;
+  }
+  pool().run(n, [&f, det](int64_t i) {
+    const int prev = tl_deterministic;
+    tl_deterministic = det;
+    f(i);
+    tl_deterministic = prev;
+  });
+}
 
 void parallel_rows(int64_t rows, int64_t row_elems, const std::function<void(int64_t, int64_t)>& f) {
   const int64_t nt = num_threads();

@@ -15,6 +15,28 @@ namespace mixlens::ops {
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
             const float* bias = nullptr);
 
+/// Whether ops::linear runs its batch-invariant kernels on this thread: every output element one
+/// dot product in the matvec's order (KernelTable::gemm_*), so a row's results are bitwise the same
+/// alone or in any batch, at any position, on any thread count. Otherwise more than 4 rows go to
+/// BLAS / gemm16, whose sums depend on the row count.
+bool deterministic();
+/// Sets deterministic() on this thread for the scope's lifetime (restores the previous setting).
+class DeterministicScope {
+ public:
+  explicit DeterministicScope(bool on);
+  ~DeterministicScope();
+  DeterministicScope(const DeterministicScope&) = delete;
+  DeterministicScope& operator=(const DeterministicScope&) = delete;
+
+ private:
+  int prev_;
+};
+
+/// This thread's raw setting (-1: the process default, MIXLENS_DETERMINISTIC; 0 / 1), for code that
+/// runs several computations on one thread in turns (detail::Fiber keeps one per fiber).
+int deterministic_state();
+void set_deterministic_state(int state);
+
 /// Rows [from, from + n) of `src` placed at rows [to, to + n) of a new tensor (assemble_rows).
 struct RowBlock {
   const Tensor* src;
@@ -26,7 +48,9 @@ Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& bl
 /// Row r of a 2-D tensor of any dtype, as float32, into out[cols] (embedding lookup).
 void copy_row(const Tensor& W, int64_t r, float* out);
 
-/// Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C with explicit leading dimensions.
+/// Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C with explicit leading dimensions. OpenBLAS
+/// sgemm, except C = A B^T (no trans_a, trans_b, alpha 1, beta 0) under deterministic(), which runs
+/// KernelTable::gemm_f32 (a row's results independent of M).
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
@@ -54,7 +78,8 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n);
 /// so neither side is walked with a large stride element by element (Mamba-2's served state layout).
 void transpose(const float* src, int64_t rows, int64_t cols, float* dst);
 
-/// Runs f(i) for i in [0, n) on the worker pool (calling thread included).
+/// Runs f(i) for i in [0, n) on the worker pool (calling thread included), each under the caller's
+/// deterministic() setting.
 void parallel_for(int64_t n, const std::function<void(int64_t)>& f);
 /// Number of threads parallel_for uses (MIXLENS_NUM_THREADS, default hardware concurrency).
 int num_threads();

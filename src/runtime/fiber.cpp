@@ -9,6 +9,8 @@
 #include <new>
 #include <system_error>
 
+#include "ops/ops.h"
+
 #if defined(__SANITIZE_ADDRESS__)
 #define MIXLENS_FIBER_ASAN 1
 #endif
@@ -225,7 +227,13 @@ void Fiber::entry(unsigned lo, unsigned hi) {
 void Fiber::resume() {
   if (finished_) return;
   started_ = true;
+  // The body's ops::deterministic() setting (a forward's LoadOptions::deterministic) is its own: the
+  // caller's code between two resumes runs under the caller's setting, and vice versa.
+  const int caller_state = ops::deterministic_state();
+  ops::set_deterministic_state(ops_state_);
   switch_in();
+  ops_state_ = ops::deterministic_state();
+  ops::set_deterministic_state(caller_state);
   if (finished_ && error_) {
     std::exception_ptr e = error_;
     error_ = nullptr;

@@ -45,6 +45,7 @@ class Fiber {
   void* stack_ = nullptr;
   size_t stack_bytes_ = 0;
   bool started_ = false, finished_ = false;
+  int ops_state_ = -1;  // ops::deterministic_state() of the body, kept while it is suspended
   std::exception_ptr error_;
 };
 

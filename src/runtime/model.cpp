@@ -265,6 +265,7 @@ Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options)
   detail::check_no_extra_layers(weights, m.impl_->family->info.num_layers, config);
   m.impl_->family->info.path = dir.string();
   m.impl_->family->info.dtype = options.dtype;
+  m.impl_->family->info.deterministic = options.deterministic || ops::deterministic();
   m.impl_->family->info.weight_dtypes = weights.matmul_dtypes_kept();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the
@@ -339,6 +340,7 @@ Tensor Model::project_on_vocab(const Tensor& hidden) const {
                      (hidden.defined() ? shape_str(hidden.shape()) : std::string("None")));
   if (hidden.has_non_finite()) throw InputError("project_on_vocab: the hidden states contain NaN or inf");
   const int64_t rows = hidden.numel() / D;
+  const ops::DeterministicScope numerics(info().deterministic);
   Tensor n(hidden.shape());
   if (rows > 0) ops::rmsnorm(hidden.data(), h.norm->data(), n.data(), rows, D, h.eps, h.zero_centred);
   Shape out_shape = hidden.shape();
@@ -379,6 +381,8 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
                                     bool all_logits, const std::atomic<bool>* cancel) {
   const Model::Impl& impl = *m.impl_;
   if (cache.impl_->owner != impl.family.get()) throw InputError("forward: the cache belongs to another model");
+  // The model's numerics setting for every op of this call (the pool's blocks included).
+  const ops::DeterministicScope numerics(m.info().deterministic);
   auto& st = *cache.impl_->state;
   if (in.batch != st.batch)
     throw InputError("forward: batch has " + std::to_string(in.batch) + " rows but the cache was made for " +
