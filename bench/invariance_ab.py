@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+from mixlens_dev import timing
+from mixlens_dev.common import REPO
 
 
 def layout(name: str) -> Path:
-    import make_published_layout as mpl
-    from published_layout_cache import cached_layout
+    from mixlens_dev import published_layout as mpl
 
     if name == "mamba2":
-        return cached_layout()
+        return mpl.cached_layout()
     if name == "mamba":
         return mpl.cached_mamba1_130m(REPO / "build" / "published")
     if name == "qwen3_5":
@@ -86,9 +84,9 @@ def main() -> int:
                 times.setdefault(("decode step", mode), []).append(decode(ms[mode]))
         for call in dict.fromkeys(k[0] for k in times):
             d, x = times[(call, "default")], times[(call, "det")]
-            md, mx = statistics.median(d), statistics.median(x)
-            print(f"| {name} | {call} | {md:.4g} | {(max(d) - min(d)) / md:.0%} | {mx:.4g} | "
-                  f"{(max(x) - min(x)) / mx:.0%} | {mx / md:.3f} |", flush=True)
+            md, mx = timing.median(d), timing.median(x)
+            print(f"| {name} | {call} | {md:.4g} | {timing.spread(d):.0%} | {mx:.4g} | "
+                  f"{timing.spread(x):.0%} | {mx / md:.3f} |", flush=True)
         del ms
     print(f"load after: {os.getloadavg()}")
     return 0
