@@ -314,6 +314,17 @@ void apply_row_mask(Tensor& t, const Batch& in) {
     if (!in.mask[static_cast<size_t>(r)]) std::memset(p + r * width, 0, sizeof(float) * static_cast<size_t>(width));
 }
 
+std::vector<int64_t> first_real_tokens(const Batch& in) {
+  std::vector<int64_t> first(static_cast<size_t>(in.batch), 0);
+  if (in.mask.empty()) return first;
+  for (int64_t b = 0; b < in.batch; ++b) {
+    int64_t t = 0;
+    while (t < in.seq && !in.mask[static_cast<size_t>(b * in.seq + t)]) ++t;
+    first[static_cast<size_t>(b)] = t;
+  }
+  return first;
+}
+
 ValueInfo global_value(Value v, Shape shape, std::string meaning) {
   ValueInfo i;
   i.site = {-1, v};

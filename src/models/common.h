@@ -79,6 +79,9 @@ class FiniteWatch {
 Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits);
 /// Multiplies each [B,T,...] row by the batch's 0/1 mask (apply_mask_to_padding_states).
 void apply_row_mask(Tensor& t, const Batch& in);
+/// Per row, its first real token (the number of left-padding positions; 0 without a mask): where a
+/// recurrent layer's scan of the row starts (RowScan::first).
+std::vector<int64_t> first_real_tokens(const Batch& in);
 
 ValueInfo global_value(Value v, Shape shape, std::string meaning);
 ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::string meaning);
