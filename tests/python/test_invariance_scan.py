@@ -184,3 +184,46 @@ def test_identities_hold_for_any_write_positions(name, route, extra, writes, fac
             np.testing.assert_array_equal(one, states[:, t])
     finally:
         mixlens.route_kernels(name, "default")
+
+
+_THREADS_WORKER = r"""
+import sys, numpy as np, mixlens
+src, out, layer, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+m = mixlens.StandardizedTransformer(src, output="numpy")
+mixlens.route_kernels(sys.argv[5], sys.argv[6])
+prompt = [np.random.default_rng(9).integers(3, 97, size=300).tolist()]
+p = f"layers.{layer}.linear_attn."
+inputs = dict(np.load(sys.argv[7])) if len(sys.argv) > 7 else None
+edits = {p + k: v for k, v in inputs.items()} if inputs else None
+got = m.run(prompt, saves=[p + k for k in names + ["states", "state_output", "attention_head_outputs", "state@t70"]],
+            edits=edits)
+np.savez(out, **{k[len(p):]: np.asarray(v) for k, v in got.items() if k.startswith(p)})
+"""
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mamba", "qwen3_5"])
+@pytest.mark.parametrize("route", ["chunked", "recurrent", "default"])
+def test_scan_values_do_not_depend_on_the_thread_count(name, route, tmp_path):
+    """Given the same mixer inputs (written from a 1-thread run), the scan's values are bitwise the same on
+    1, 2 and 4 threads (MIXLENS_NUM_THREADS), on each route and the default one (Mamba-1's default was
+    chosen by thread count); the projections before the scan are the other work item's."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(REPO / "tests/fixtures" / FAMILIES[name])
+    layer = _linear(_model(name))[0]
+    names = ["attention_queries", "attention_keys", "attention_values", "betas"] + (["decays"] if name.startswith("qwen") else [])
+    runs = {}
+    for threads in (1, 2, 4):
+        out = tmp_path / f"t{threads}.npz"
+        args = [sys.executable, "-c", _THREADS_WORKER, src, str(out), str(layer), ",".join(names), name, route]
+        if threads != 1:
+            args.append(str(tmp_path / "inputs.npz"))
+        subprocess.run(args, check=True, env={**os.environ, "MIXLENS_NUM_THREADS": str(threads)})
+        runs[threads] = dict(np.load(out))
+        if threads == 1:
+            np.savez(tmp_path / "inputs.npz", **{k: runs[1][k] for k in names})
+    for threads in (2, 4):
+        for k in ("states", "state_output", "attention_head_outputs", "state@t70"):
+            np.testing.assert_array_equal(runs[threads][k], runs[1][k], err_msg=f"{name} {route} {threads} threads: {k}")
