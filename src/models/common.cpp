@@ -348,12 +348,6 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
   return i;
 }
 
-void copy_state_into(const Tensor& state, Tensor& states, int64_t t) {
-  const int64_t B = states.size(0), T = states.size(1), per = state.numel() / B;
-  for (int64_t b = 0; b < B; ++b)
-    std::copy(state.data() + b * per, state.data() + (b + 1) * per, states.data() + (b * T + t) * per);
-}
-
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
   auto it = s.find("linear_attn.state");
   if (it == s.end()) return;

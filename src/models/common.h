@@ -85,9 +85,6 @@ std::vector<int64_t> first_real_tokens(const Batch& in);
 
 ValueInfo global_value(Value v, Shape shape, std::string meaning);
 ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::string meaning);
-/// Copies one state per row, `state` [B,...], into token t of `states` [B,T,...] (a written
-/// per-token state is what `states` then reports at t).
-void copy_state_into(const Tensor& state, Tensor& states, int64_t t);
 /// support() entries for the per-token state methods (state_after, set_state_after): as "state".
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
 /// The state_input site of a recurrent layer: serves the kernel-layout state S [B,...] as serve(S)
