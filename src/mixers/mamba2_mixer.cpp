@@ -189,7 +189,8 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
     for (int64_t h = 0; h < H; ++h) ops::transpose(in_row + h * N * P, N, P, S_row + h * P * N);
   };
   rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
-    ssd_state_at(args(b, ck, t + 1, const_cast<float*>(S_ck)), t - ck + 1, out);
+    ssd_state_at(args(b, ck, std::min(ck + d_.chunk, T), const_cast<float*>(S_ck)), t - ck + 1,
+                 std::min(ck + d_.chunk, T) - ck, out);
   };
   for (int64_t b = 0; b < B; ++b)
     std::fill(y.data() + b * T * E, y.data() + (b * T + std::min(rs.first[static_cast<size_t>(b)], T)) * E, 0.0f);

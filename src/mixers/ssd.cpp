@@ -60,6 +60,32 @@ void replay(const float* S0, const float* decay, const float* B, int64_t ldb, co
   }
 }
 
+// The chunk end state in the chunk form, S = exp(Acum_last) S + sum_l exp(Acum_last - Acum_l) xdt_l ⊗ B_l
+// (one product), S [P,N] in place; da = A dt of the chunk's L tokens, tmp [L,P] scratch. Acum is
+// the running sum of da, as the kernel forms it.
+void chunk_end(const float* da, const float* xdt, const float* Bc, int64_t ldbc, int64_t L, int64_t P, int64_t N,
+               float* S, float* tmp) {
+  float last = 0.0f;
+  for (int64_t l = 0; l < L; ++l) last += da[l];
+  float acc = 0.0f;
+  for (int64_t l = 0; l < L; ++l) {
+    acc += da[l];
+    const float e = std::exp(last - acc);
+    for (int64_t p = 0; p < P; ++p) tmp[l * P + p] = xdt[l * P + p] * e;
+  }
+  ops::gemm(true, false, P, N, L, 1.0f, tmp, P, Bc, ldbc, std::exp(last), S, N);
+}
+
+// Whether the chunk end comes from the token recurrence: when a token of the chunk has dt = 0 (the
+// "skip token" write), so that token keeps the state bit for bit (exp(0) * S + 0); otherwise the
+// one-product chunk form, which is faster (the per-token states of the chunk's other tokens are the
+// recurrence's either way).
+bool end_by_recurrence(const float* dt, int64_t ld, int64_t L) {
+  for (int64_t l = 0; l < L; ++l)
+    if (dt[l * ld] == 0.0f) return true;
+  return false;
+}
+
 bool use_avx2() {
 #if defined(__x86_64__)
   return ops::isa() != ops::Isa::scalar;
@@ -70,19 +96,26 @@ bool use_avx2() {
 
 }  // namespace
 
-void ssd_state_at(const SsdArgs& a, int64_t upto, float* served) {
+void ssd_state_at(const SsdArgs& a, int64_t upto, int64_t chunk_len, float* served) {
   const int64_t H = a.H, P = a.P, N = a.N, heads_per_group = a.H / a.G;
   const bool avx2 = use_avx2();
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / heads_per_group;
     const float A = a.A[h];
-    std::vector<float> decay(static_cast<size_t>(upto)), xdt(static_cast<size_t>(upto * P));
+    std::vector<float> da(static_cast<size_t>(upto)), decay(static_cast<size_t>(upto)), xdt(static_cast<size_t>(upto * P));
     for (int64_t l = 0; l < upto; ++l) {  // as ssd_chunked forms them
       const float dt = a.dt[l * H + h];
-      decay[static_cast<size_t>(l)] = std::exp(A * dt);
+      da[static_cast<size_t>(l)] = A * dt;
+      decay[static_cast<size_t>(l)] = std::exp(da[static_cast<size_t>(l)]);
       for (int64_t p = 0; p < P; ++p) xdt[static_cast<size_t>(l * P + p)] = a.x[l * H * P + h * P + p] * dt;
     }
     float* out = served + h * N * P;
+    if (upto == chunk_len && !end_by_recurrence(a.dt + h, H, chunk_len)) {  // the kernel's chunk end
+      std::vector<float> S(a.S + h * P * N, a.S + (h + 1) * P * N), tmp(static_cast<size_t>(upto * P));
+      chunk_end(da.data(), xdt.data(), a.B + g * N, a.G * N, upto, P, N, S.data(), tmp.data());
+      store_state(S.data(), P, N, out);
+      return;
+    }
     store_state(a.S + h * P * N, P, N, out);
     replay(out, decay.data(), a.B + g * N, a.G * N, xdt.data(), upto, N, P, out, nullptr, 0, avx2);
   });
@@ -197,14 +230,23 @@ void ssd_chunked(const SsdArgs& a) {
         else
           for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] += e * tmp[l * P + p] + D * xc[l * ldx + p];
       }
-      // Chunk end state by the token recurrence (replay), not exp(Acum_last) S + sum_l ...: the
-      // per-token states and a per-token read use the same arithmetic, so states[:, t], state_after(t)
-      // and state_output are one number, with or without a read (values.md "One number per value").
-      store_state(S, P, N, Sr);
-      for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
-      replay(Sr, decay, Bc, ldbc, xdt, L, N, P, Sr, a.states ? a.states + (t0 * H + h) * N * P : nullptr, H * N * P,
-             avx2);
-      ops::transpose(Sr, N, P, S);
+      // Per-token states by the token recurrence from the chunk's entering state; the chunk end by
+      // the chunk form, or by the recurrence when a token has dt = 0 (end_by_recurrence). The last
+      // token's state is the chunk end itself, and ssd_state_at makes the same choice, so
+      // states[:, t], state_after(t) and state_output are one number (values.md).
+      const bool by_rec = end_by_recurrence(a.dt + t0 * H + h, H, L);
+      float* st = a.states ? a.states + (t0 * H + h) * N * P : nullptr;
+      if (a.states || by_rec) {
+        store_state(S, P, N, Sr);
+        for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
+        replay(Sr, decay, Bc, ldbc, xdt, by_rec ? L : L - 1, N, P, Sr, st, H * N * P, avx2);
+      }
+      if (by_rec) {
+        ops::transpose(Sr, N, P, S);
+      } else {
+        chunk_end(da, xdt, Bc, ldbc, L, P, N, S, tmp);
+        if (st) store_state(S, P, N, st + (L - 1) * H * N * P);
+      }
     }
   });
 }
