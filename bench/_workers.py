@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+from mixlens_dev.timing import Timer, timed
 
 VOCAB = 5000  # ids are drawn below this (and below the model's vocabulary: tiny test fixtures)
 
@@ -49,17 +50,15 @@ def run_mixlens(a) -> dict:
     for n in a.prompts:
         ids = prompt_ids(n)
         m.run([ids], logits="last")  # warm-up: pages, pools, arena
-        t0 = time.perf_counter()
-        m.run([ids], logits="last")
-        out[f"prompt{n}"] = n / (time.perf_counter() - t0)
+        out[f"prompt{n}"] = n / timed(m.run, [ids], logits="last").wall
     if a.decode:
         def decode() -> float:
             cache = m.new_cache(1)
             tok = int(m.forward([prompt_ids(16, 7)], cache=cache, logits="last")["logits"][0, -1].argmax())
-            t0 = time.perf_counter()
-            for _ in range(a.decode):
-                tok = int(m.forward([[tok]], cache=cache, logits="last")["logits"][0, -1].argmax())
-            return time.perf_counter() - t0
+            with Timer() as t:
+                for _ in range(a.decode):
+                    tok = int(m.forward([[tok]], cache=cache, logits="last")["logits"][0, -1].argmax())
+            return t.wall
 
         decode()
         out["decode"] = a.decode / decode()
@@ -94,17 +93,13 @@ def run_transformers(a) -> dict:
     for n in a.prompts:
         ids = prompt_ids(n)
         prompt(ids)
-        t0 = time.perf_counter()
-        prompt(ids)
-        out[f"prompt{n}"] = n / (time.perf_counter() - t0)
+        out[f"prompt{n}"] = n / timed(prompt, ids).wall
     if a.decode:
         x = torch.tensor([prompt_ids(16, 7)])
 
         @torch.no_grad()
         def gen(k: int) -> float:
-            t0 = time.perf_counter()
-            hf.generate(x, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
-            return time.perf_counter() - t0
+            return timed(hf.generate, x, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0).wall
 
         gen(2)
         # generate(k+1) - generate(1): the k decode steps (the prompt and setup cancel out).

@@ -9,7 +9,7 @@ tokens; the decode-only cost is the difference (long - short) / (long - short to
 the prompt and start-up cancel out. Reported per build: decode tokens/s by CPU time (user + system of
 the child, every thread: what a spinning or waiting pool costs shows up here) and by wall time,
 median over rounds, and the B/A ratio per round. Default model: random weights at mamba-130m's
-published config (scripts/make_published_layout.py, built once under build/published). The load
+published config (mixlens_dev/published_layout.py, built once under build/published). The load
 average is printed; wall numbers on a busy machine are mostly scheduler noise, the CPU ones less so.
 Not a test.
 """
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
+
+from mixlens_dev.timing import median, timed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,14 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 def run_once(exe: str, model: str, ids: str, n: int, threads: int) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of one `generate` run."""
     env = dict(os.environ, MIXLENS_NUM_THREADS=str(threads))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    subprocess.run([exe, "generate", "--model", model, "--ids", ids, "--max-new-tokens", str(n), "--greedy"],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return cpu, wall
+    s = timed(subprocess.run, [exe, "generate", "--model", model, "--ids", ids, "--max-new-tokens", str(n), "--greedy"],
+              check=True, env=env, stdout=subprocess.DEVNULL, children=True)
+    return s.cpu, s.wall
 
 
 def main(argv=None) -> int:
@@ -53,8 +46,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     model = a.model
     if model is None:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import make_published_layout
+        from mixlens_dev import published_layout as make_published_layout
 
         model = str(make_published_layout.cached_mamba1_130m())
     ids = ",".join(str(i) for i in range(1, 9))
@@ -86,11 +78,11 @@ def main(argv=None) -> int:
     print("| build | decode tok/s per CPU-second (median) | decode tok/s wall (median) |")
     print("|---|---|---|")
     for k in builds:
-        print(f"| {k}: {builds[k]} | {statistics.median(rate[k]['cpu']):.1f} | {statistics.median(rate[k]['wall']):.1f} |")
+        print(f"| {k}: {builds[k]} | {median(rate[k]['cpu']):.1f} | {median(rate[k]['wall']):.1f} |")
     print()
     print(f"B/A per round, CPU: {', '.join(f'{x:.3f}' for x in ratios['cpu'])} (median "
-          f"{statistics.median(ratios['cpu']):.3f}); wall: {', '.join(f'{x:.3f}' for x in ratios['wall'])} "
-          f"(median {statistics.median(ratios['wall']):.3f})")
+          f"{median(ratios['cpu']):.3f}); wall: {', '.join(f'{x:.3f}' for x in ratios['wall'])} "
+          f"(median {median(ratios['wall']):.3f})")
     return 0
 
 

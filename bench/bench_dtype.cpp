@@ -2,15 +2,16 @@
 // same file builds against an older mixlens (no LoadOptions: -DMIXLENS_BENCH_NO_DTYPE) for
 // before/after runs. bench/bench_dtype.sh builds both and interleaves them.
 //   bench_dtype MODEL_DIR DTYPE REPEATS  -> one markdown row: prompt-1024 tok/s, decode tok/s
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "mixlens/model.h"
+#include "timing.h"
 
-using clk = std::chrono::steady_clock;
+using mixlens_bench::timed;
 
 int main(int argc, char** argv) {
   if (argc < 4) {
@@ -35,18 +36,18 @@ int main(int argc, char** argv) {
   for (int r = 0; r <= reps; ++r) {  // r == 0 warms up
     {
       mixlens::Cache c = m.new_cache(1);
-      const auto t0 = clk::now();
-      m.forward(mixlens::Batch::left_padded({prompt}, 0), c, nullptr, /*all_logits=*/false);
-      const double s = std::chrono::duration<double>(clk::now() - t0).count();
+      const double s =
+          timed([&] { m.forward(mixlens::Batch::left_padded({prompt}, 0), c, nullptr, /*all_logits=*/false); }).wall;
       if (r) best_prompt = std::min(best_prompt, s);
     }
     {
       mixlens::Cache c = m.new_cache(1);
       m.forward(mixlens::Batch::left_padded({std::vector<int32_t>(prompt.begin(), prompt.begin() + 16)}, 0), c, nullptr, false);
-      const auto t0 = clk::now();
-      for (int s = 0; s < steps; ++s)
-        m.forward(mixlens::Batch::left_padded({{prompt[static_cast<size_t>(16 + s)]}}, 0), c, nullptr, false);
-      const double s = std::chrono::duration<double>(clk::now() - t0).count();
+      const double s = timed([&] {
+                         for (int k = 0; k < steps; ++k)
+                           m.forward(mixlens::Batch::left_padded({{prompt[static_cast<size_t>(16 + k)]}}, 0), c,
+                                     nullptr, false);
+                       }).wall;
       if (r) best_decode = std::min(best_decode, s);
     }
   }

@@ -2,7 +2,7 @@
 # Before/after speed of the mamba2-130m layout per weight dtype: prompt of 1,024 tokens (last-position
 # logits) and 32 decode steps, best of REPS, "before" and "after" builds alternating run by run.
 #   bench/bench_dtype.sh MODEL_DIR BEFORE_LIB_DIR [REPS]
-# MODEL_DIR: scripts/make_published_layout.py output; BEFORE_LIB_DIR: a build dir holding the old
+# MODEL_DIR: dev/mixlens_dev/published_layout.py output; BEFORE_LIB_DIR: a build dir holding the old
 # libmixlens_core.a (configured from an older checkout); the "after" library is build/py's.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -17,7 +17,7 @@ Layouts (random weights; --family picks the first of its family's, --layout name
 - qwen3.5-0.8b-x4: Qwen3.5-0.8B's per-layer layout cut to 4 blocks (3 GDN + 1 attention) and a
   32768-token vocabulary; qwen3-next-moe-x4: the same with a Qwen3-Next MoE (8 experts, top 2, shared
   expert); mamba-tiny: the shipped models/mamba-tinystories; nemotron_h-small, bamba-small,
-  falcon_h1-small: hidden 256, 6-8 blocks (scripts/make_fixtures_hybrids.py's builder).
+  falcon_h1-small: hidden 256, 6-8 blocks (mixlens_dev/fixtures/hybrids.py's builder).
 Metric: log p(token 7) at the last position; the gradients of the embeddings and of every layer's
 layer_output are computed (attribution patching's need; the embeddings' because transformers' leaf is
 inputs_embeds, so both sides run every block's backward).
@@ -48,8 +48,9 @@ import platform
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from mixlens_dev import timing
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = 7  # the metric's target token
@@ -99,7 +100,6 @@ import torch  # noqa: E402
 
 import mixlens  # noqa: E402
 
-sys.path.insert(0, str(REPO / "scripts"))
 
 torch.set_num_threads(ARGS.threads)
 
@@ -168,7 +168,7 @@ def layout_path(layout: str) -> Path:
     if layout == "mamba-tiny":
         return REPO / "models" / "mamba-tinystories"
     if layout.endswith("-small"):
-        import make_fixtures_hybrids as mh
+        from mixlens_dev.fixtures import hybrids as mh
 
         return built(layout, lambda d: mh.build_model(fam, HYBRIDS_SMALL[fam], seed=1).save_pretrained(d))
     import transformers
@@ -257,9 +257,8 @@ def backward_support(ml, ids) -> str | None:
 
 def timed(fn) -> dict:
     load = load_avg()
-    c, w = time.process_time(), time.perf_counter()
-    fn()
-    return {"cpu": time.process_time() - c, "wall": time.perf_counter() - w, "load": load}
+    s = timing.timed(fn)
+    return {"cpu": s.cpu, "wall": s.wall, "load": load}
 
 
 # ----------------------------------------------------------------------------------- memory (child)

@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from mixlens_dev.timing import Timer, median
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 COUNTS = (0, 1, 10, 100)
 ACCESS = ("full", "kept", "envoy")
 
@@ -104,15 +103,14 @@ def block_time(model, ids, readers, keep: bool = False) -> tuple[float, float]:
     """(wall, process CPU) seconds of one block; CPU time counts every thread (the forward's, a spinning wait).
     keep: every value is held until the block ends (as `h = ...` does), so each is released read-only when
     the forward moves on; otherwise each is dropped at once."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    with model.trace([ids]):
+    with Timer() as t, model.trace([ids]):
         if keep:
             held = [r() for r in readers]
             del held
         else:
             for r in readers:
                 r()
-    return time.perf_counter() - t0, time.process_time() - c0
+    return t.wall, t.cpu
 
 
 def measure(model, repeats: int, counts=COUNTS, computed_only: bool = False) -> dict:
@@ -143,7 +141,7 @@ def paired(series: dict, n: int) -> float:
     """The median over repeats of (t(N) - t(0)) / N in microseconds, each N-value block against the empty
     block run just before it: the typical cost, steadier than least against least on a machine whose
     blocks jitter by a millisecond (the two least blocks may come from different moments)."""
-    return statistics.median(a - b for a, b in zip(series[n], series[0])) / n * 1e6
+    return median(a - b for a, b in zip(series[n], series[0])) / n * 1e6
 
 
 def child(a) -> int:
@@ -256,10 +254,10 @@ def main(argv=None) -> int:
         for acc in ACCESS:
             for label in ("base", "this"):
                 rs = [r for (_, o, lab, r) in runs if o == output and lab == label]
-                per = {n: statistics.median(paired(r["res"][acc]["wall"], n) for r in rs) for n in COUNTS[1:]}
+                per = {n: median(paired(r["res"][acc]["wall"], n) for r in rs) for n in COUNTS[1:]}
                 each = ", ".join(f"{paired(r['res'][acc]['wall'], 100):.2f}" for r in rs)
-                cpu = statistics.median(paired(r["res"][acc]["cpu"], 100) for r in rs)
-                zero = statistics.median(statistics.median(r["res"][acc]["wall"][0]) for r in rs) * 1e3
+                cpu = median(paired(r["res"][acc]["cpu"], 100) for r in rs)
+                zero = median(median(r["res"][acc]["wall"][0]) for r in rs) * 1e3
                 lines.append(f"| {output} | {acc} | {label} | {per[1]:.2f} | {per[10]:.2f} | {per[100]:.2f} | {each} "
                              f"| {cpu:.2f} | {zero:.3f} |")
     where = {lab: r["mixlens"] for (_, _, lab, r) in runs}

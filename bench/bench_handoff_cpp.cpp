@@ -2,13 +2,10 @@
 // Session adds to one forward, without Python. Prints, for read and read_live, the least process
 // CPU time (every thread: the caller, the pool's workers) and the least caller-thread CPU time of
 // R blocks, and per value = (t(N) - t(0)) / N. Blocks of each kind alternate (interleaved).
-//   g++ -std=c++20 -O2 -g -Iinclude bench/bench_handoff_cpp.cpp build/py/libmixlens_core.a
-//       $(pkg-config --libs openblas libpcre2-8 libutf8proc) -lpthread -o build/bench_handoff_cpp
-//   build/bench_handoff_cpp MODEL_DIR [N=100] [R=200] [only: none | read | read_live, for a profiler]
+//   built with -DMIXLENS_BENCH=ON (bench/CMakeLists.txt): build/py/bench/bench_handoff_cpp
+//   bench_handoff_cpp MODEL_DIR [N=100] [R=200] [only: none | read | read_live, for a profiler]
 // MODEL_DIR: bench/bench_handoff.py's tiny model (build/bench-handoff-mamba2-24l). Link an older
 // libmixlens_core.a the same way to compare builds.
-#include <time.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -17,16 +14,10 @@
 
 #include "mixlens/model.h"
 #include "mixlens/session.h"
+#include "timing.h"
 
-namespace {
-
-double cpu(clockid_t c) {
-  timespec ts{};
-  clock_gettime(c, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-}  // namespace
+using mixlens_bench::cpu_s;
+using mixlens_bench::thread_cpu_s;
 
 int main(int argc, char** argv) {
   if (argc < 2) {
@@ -53,14 +44,14 @@ int main(int argc, char** argv) {
   for (int r = 0; r < reps + 5; ++r) {
     for (int k = 0; k < kCount; ++k) {
       if (!only.empty() && only != names[k]) continue;
-      const double p0 = cpu(CLOCK_PROCESS_CPUTIME_ID), t0 = cpu(CLOCK_THREAD_CPUTIME_ID);
+      const double p0 = cpu_s(), t0 = thread_cpu_s();
       mixlens::Session s = mixlens::Session::run(model, {ids});
       for (const std::string& p : paths) {
         if (k == kRead) (void)s.read(0, p);
         if (k == kLive) (void)s.read_live(0, p);
       }
       (void)s.finish();
-      const double dp = cpu(CLOCK_PROCESS_CPUTIME_ID) - p0, dt = cpu(CLOCK_THREAD_CPUTIME_ID) - t0;
+      const double dp = cpu_s() - p0, dt = thread_cpu_s() - t0;
       if (r >= 5) {
         best_proc[k] = std::min(best_proc[k], dp);
         best_thread[k] = std::min(best_thread[k], dt);

@@ -17,9 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MIXLENS_NUM_THREADS", "2")
 
 import numpy as np  # noqa: E402

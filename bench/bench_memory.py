@@ -16,21 +16,20 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from mixlens_dev.timing import median, timed
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def child(tokens: int, calls: int, prefill: int) -> dict:
-    sys.path.insert(0, str(REPO / "scripts"))
     import numpy as np
 
     import mixlens
-    from published_layout_cache import cached_layout
+    from mixlens_dev.published_layout import cached_layout
 
     m = mixlens.StandardizedTransformer(str(cached_layout()))
     m.prefill_chunk = prefill
@@ -39,11 +38,9 @@ def child(tokens: int, calls: int, prefill: int) -> dict:
     faults, times = [], []
     for _ in range(calls):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t0 = time.perf_counter()
-        m.run([ids], logits="last")
-        times.append(time.perf_counter() - t0)
+        times.append(timed(m.run, [ids], logits="last").wall)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    return {"faults": statistics.median(faults), "seconds": statistics.median(times),
+    return {"faults": median(faults), "seconds": median(times),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -8,7 +8,6 @@
 // Profiling the timed calls only: perf record --control=fifo:CTL -D -1 ... with MIXLENS_PERF_CTL=CTL
 // (the bench writes "enable" there after the warm-up).
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,24 +17,19 @@
 #include <vector>
 
 #include "mixlens/model.h"
+#include "timing.h"
+
+using mixlens_bench::cpu_s;
+using mixlens_bench::median;
+using mixlens_bench::wall_s;
 
 namespace {
-double cpu_s() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-double wall_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 long peak_rss_mib() {
   std::ifstream f("/proc/self/status");
   std::string line;
   while (std::getline(f, line))
     if (line.rfind("VmHWM:", 0) == 0) return std::atol(line.c_str() + 6) / 1024;
   return -1;
-}
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 }  // namespace
 

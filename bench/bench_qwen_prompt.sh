@@ -3,7 +3,7 @@
 # 1,024 tokens, process CPU seconds per forward (the steady measure on a shared machine) plus wall
 # seconds and peak RSS, "before" and "after" builds alternating run by run.
 #   bench/bench_qwen_prompt.sh MODEL_DIR BEFORE_LIB_DIR [REPS] [ROUNDS]
-# MODEL_DIR: bench/harness.py's checkpoint (scripts/make_published_layout.py cached_qwen3_5_0_8b);
+# MODEL_DIR: bench/harness.py's checkpoint (mixlens_dev.published_layout.cached_qwen3_5_0_8b);
 # BEFORE_LIB_DIR: a build dir holding the old libmixlens_core.a (and ../include of its checkout);
 # the "after" library is build/py's.
 set -euo pipefail

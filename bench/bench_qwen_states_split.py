@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
+
+from mixlens_dev.timing import Timer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,8 +39,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     import mixlens
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_published_layout as mpl
+    from mixlens_dev import published_layout as mpl
 
     ml = mixlens.StandardizedTransformer(str(mpl.cached_qwen3_5_0_8b(REPO / "build" / "published")))
     T = args.tokens
@@ -47,22 +47,21 @@ def main() -> int:
     rec = [i for i, k in enumerate(ml.info["layer_kinds"]) if k not in ("attention", "mlp", "moe")]
 
     def once():
-        c0, w0 = time.process_time(), time.perf_counter()
         got = [0.0, 0.0, 0.0, 0.0]  # wall / CPU getting the stacks, wall / CPU of the norms
-        if args.mode == "plain":
-            ml.run([ids], logits="last")
-        else:
-            with ml.trace([ids], logits="last"):
-                for i in rec:
-                    a, ac = time.perf_counter(), time.process_time()
-                    s = ml.layers[i].linear_attn.states
-                    b, bc = time.perf_counter(), time.process_time()
-                    if args.mode == "states":
-                        float(s.norm()) if hasattr(s, "norm") else float(np.linalg.norm(s))
-                    del s
-                    c, cc = time.perf_counter(), time.process_time()
-                    got = [got[0] + b - a, got[1] + bc - ac, got[2] + c - b, got[3] + cc - bc]
-        return time.perf_counter() - w0, time.process_time() - c0, got
+        with Timer() as whole:
+            if args.mode == "plain":
+                ml.run([ids], logits="last")
+            else:
+                with ml.trace([ids], logits="last"):
+                    for i in rec:
+                        with Timer() as get:
+                            s = ml.layers[i].linear_attn.states
+                        with Timer() as norm:
+                            if args.mode == "states":
+                                float(s.norm()) if hasattr(s, "norm") else float(np.linalg.norm(s))
+                            del s
+                        got = [got[0] + get.wall, got[1] + get.cpu, got[2] + norm.wall, got[3] + norm.cpu]
+        return whole.wall, whole.cpu, got
 
     once()
     if ctl := os.environ.get("MIXLENS_PERF_CTL"):

@@ -9,7 +9,7 @@ Run (the lead's command, on a quiet machine; `make bench-state-after` runs the s
     make bench-state-after BENCH_ARGS="--repeats 3"
 
 Models: the published layouts with random weights, made locally on first use and cached under build/
-(scripts/make_published_layout.py: mamba2-130m, mamba-130m and Qwen3.5-0.8B shapes, float32). For
+(mixlens_dev/published_layout.py: mamba2-130m, mamba-130m and Qwen3.5-0.8B shapes, float32). For
 each, at --tokens tokens, batch 1, it times:
   - plain: one forward (`model.run`), nothing read;
   - states, all layers: a `with model.trace(ids)` block reading `states` of every recurrent layer in
@@ -52,10 +52,10 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from mixlens_dev import timing
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("mamba2", "mamba", "qwen3_5")
@@ -99,9 +99,8 @@ def parse_args(argv=None):
 
 
 def layout(family: str) -> Path:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_published_layout as mpl
-    import published_layout_cache
+    from mixlens_dev import published_layout as mpl
+    from mixlens_dev import published_layout as published_layout_cache
 
     if family == "mamba2":
         return published_layout_cache.cached_layout(REPO / "build")
@@ -112,9 +111,8 @@ def layout(family: str) -> Path:
 
 def timed(fn) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process, all threads) of one call."""
-    c0, w0 = time.process_time(), time.perf_counter()
-    fn()
-    return time.perf_counter() - w0, time.process_time() - c0
+    s = timing.timed(fn)
+    return s.wall, s.cpu
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
@@ -160,8 +158,7 @@ def hf_token_loop(family: str, path: Path, ids: list, threads: int, lm_head: boo
         del warm
     cache = DynamicCache(config=model.config.get_text_config())
     n_states = 0
-    c0, t0 = time.process_time(), time.perf_counter()
-    with torch.no_grad():
+    with timing.Timer() as tm, torch.no_grad():
         for t in range(len(ids)):
             feed(cache, t)
             for layer in cache.layers:
@@ -169,7 +166,7 @@ def hf_token_loop(family: str, path: Path, ids: list, threads: int, lm_head: boo
                 if rs and rs.get(0) is not None:
                     float(rs[0].norm())
                     n_states += 1
-    elapsed = time.perf_counter() - t0, time.process_time() - c0
+    elapsed = tm.wall, tm.cpu
     if n_states == 0:
         raise RuntimeError(f"{family}: the transformers loop exposed no recurrent state (cache API changed?)")
     del model, cache
@@ -244,7 +241,7 @@ TARGETS = {"states, all layers": 3.0, "states, one layer": 1.3, "set_state_after
 
 def ratios(r: dict, base: dict) -> None:
     """Median wall and median CPU time of `r` over those of `base`."""
-    med = lambda rows, i: statistics.median(x[i] for x in rows)  # noqa: E731
+    med = lambda rows, i: timing.median(x[i] for x in rows)  # noqa: E731
     r["ratio"] = med(r["times"], 0) / med(base["times"], 0)
     r["cpu_ratio"] = med(r["times"], 1) / med(base["times"], 1)
 
@@ -259,8 +256,8 @@ def row_text(r: dict) -> str:
         w, c = r["speedup"]
         verdict = (f"mixlens all-layer states {w:.1f}x faster by wall, {c:.1f}x by CPU "
                    f"(>= 20x: wall {'yes' if w >= 20 else 'NO'}, cpu {'yes' if c >= 20 else 'NO'})")
-    return (f"| {LAYOUT_NAMES[r['family']]} | {r['what']} | {statistics.median(wall):.3f} | "
-            f"{min(wall):.3f} - {max(wall):.3f} | {statistics.median(cpu):.3f} | {len(wall)} | "
+    return (f"| {LAYOUT_NAMES[r['family']]} | {r['what']} | {timing.median(wall):.3f} | "
+            f"{min(wall):.3f} - {max(wall):.3f} | {timing.median(cpu):.3f} | {len(wall)} | "
             f"{r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {verdict} |")
 
 

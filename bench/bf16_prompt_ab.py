@@ -19,11 +19,11 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from mixlens_dev import timing
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,13 +44,8 @@ def worker(a) -> None:
     for n in a.prompts:
         ids = np.random.default_rng(n).integers(3, vocab, size=n).tolist()
         m.run([ids], logits="last")  # warm-up: pages, pools, arena
-        cpu, wall = [], []
-        for _ in range(a.calls):
-            c0, t0 = time.process_time(), time.perf_counter()
-            m.run([ids], logits="last")
-            cpu.append(time.process_time() - c0)
-            wall.append(time.perf_counter() - t0)
-        out[n] = {"cpu": statistics.median(cpu), "wall": statistics.median(wall)}
+        runs = timing.repeat(lambda: m.run([ids], logits="last"), a.calls)
+        out[n] = {"cpu": timing.median(timing.cpus(runs)), "wall": timing.median(timing.walls(runs))}
     print(json.dumps(out))
 
 
@@ -129,7 +124,7 @@ def main() -> int:
         for n in a.prompts:
             c = [x[n]["cpu"] * 1e3 for x in rows]
             w = [x[n]["wall"] * 1e3 for x in rows]
-            parts += [f"{min(c):.0f} / {statistics.median(c):.0f}", f"{min(w):.0f} / {statistics.median(w):.0f}"]
+            parts += [f"{min(c):.0f} / {timing.median(c):.0f}", f"{min(w):.0f} / {timing.median(w):.0f}"]
         print(f"| {name} | " + " | ".join(parts) + " |")
     return 0
 

@@ -5,7 +5,8 @@
 //   - widen bf16 -> float32 tile + OpenBLAS sgemm (the bf16 path before this bench),
 //   - ops::kGemm16Avx2 (widen while packing, src/ops/gemm16_avx2.cpp),
 //   - oneDNN matmul with bf16 weights (libdnnl-dev, optional: -DMIXLENS_BENCH_DNNL).
-// Build and run: bench/gemm16_bench.sh
+// Build: cmake -S . -B build/py -DMIXLENS_BENCH=ON && cmake --build build/py --target gemm16_bench;
+// run: OMP_NUM_THREADS=1 build/py/bench/gemm16_bench [REPS=24] [ROWS=128,1024]
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -14,13 +15,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "ops/gemm16.h"
+#include "timing.h"
 
 #if defined(MIXLENS_BENCH_DNNL) && __has_include(<oneapi/dnnl/dnnl.hpp>)
 #include <oneapi/dnnl/dnnl.hpp>
@@ -29,11 +30,7 @@
 
 namespace {
 
-double cpu_now() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+using mixlens_bench::thread_cpu_s;
 
 uint16_t to_bf16(float f) {
   uint32_t u;
@@ -65,16 +62,15 @@ void report(int64_t M, int64_t N, int64_t K, int reps, const std::vector<Cand>& 
   for (const Cand& c : cands) c.f(0);
   for (int r = 0; r < reps; ++r)
     for (size_t i = 0; i < cands.size(); ++i) {
-      const double t0 = cpu_now();
+      const double t0 = thread_cpu_s();
       cands[i].f(r + 1);
-      t[i].push_back(cpu_now() - t0);
+      t[i].push_back(thread_cpu_s() - t0);
     }
-  const double gf = 2.0 * M * N * K / 1e9;
+  const double gf = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) / 1e9;
   for (size_t i = 0; i < cands.size(); ++i) {
-    std::sort(t[i].begin(), t[i].end());
+    const double med = mixlens_bench::median(t[i]);
     std::printf("| %d x %d x %d | %s | %.3f | %.3f | %.1f |\n", static_cast<int>(M), static_cast<int>(N),
-                static_cast<int>(K), cands[i].name.c_str(), t[i][0] * 1e3, t[i][t[i].size() / 2] * 1e3,
-                gf / t[i][t[i].size() / 2]);
+                static_cast<int>(K), cands[i].name.c_str(), mixlens_bench::best(t[i]) * 1e3, med * 1e3, gf / med);
   }
 }
 
@@ -100,6 +96,7 @@ int main(int argc, char** argv) {
   }
   for (Shape s : shapes) {
     const int64_t M = s.M, N = s.N, K = s.K;
+    const blasint bm = static_cast<blasint>(M), bn = static_cast<blasint>(N), bk = static_cast<blasint>(K);
     std::mt19937 rng(1);
     std::normal_distribution<float> nd(0.0f, 0.05f);
     std::vector<float> x(M * K), w32(kLayers * N * K), y(M * N);
@@ -112,8 +109,8 @@ int main(int argc, char** argv) {
     }
     std::vector<Cand> cands;
     cands.push_back({"OpenBLAS sgemm, f32 weights", [&](int r) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x.data(), K,
-                  w32.data() + (r % kLayers) * N * K, K, 0.0f, y.data(), N);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bm, bn, bk, 1.0f, x.data(), bk,
+                  w32.data() + (r % kLayers) * N * K, bk, 0.0f, y.data(), bn);
     }});
     // The bf16 path of ops::linear before: tiles of max(256, 1M floats / K) outputs.
     std::vector<float> buf;
@@ -127,8 +124,8 @@ int main(int argc, char** argv) {
         for (int64_t t0 = 0; t0 < N; t0 += t) {
           const int64_t nt = std::min(t, N - t0);
           widen(w + t0 * K, buf.data(), nt * K);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nt, K, 1.0f, x.data(), K, buf.data(), K, 0.0f,
-                      y.data() + t0, N);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bm, static_cast<blasint>(nt), bk, 1.0f, x.data(), bk,
+                      buf.data(), bk, 0.0f, y.data() + t0, bn);
         }
       }});
     }

@@ -5,9 +5,9 @@
                                       [--routes recurrent,chunked] [--no-llama] [--no-long] [--out FILE]
 
 What runs
-- Checkpoints: the random-weight stand-ins at the published layouts (scripts/make_published_layout.py:
+- Checkpoints: the random-weight stand-ins at the published layouts (mixlens_dev/published_layout.py:
   mamba2-130m, mamba-130m, Qwen3.5-0.8B), built once and cached under build/; --models may add the
-  Mamba-2 hybrids (scripts/make_published_hybrids.py: falcon_h1 = Falcon-H1-0.5B, nemotron_h =
+  Mamba-2 hybrids (mixlens_dev/published_hybrids.py: falcon_h1 = Falcon-H1-0.5B, nemotron_h =
   Nemotron-H-8B's layer shapes in 8 blocks, bamba = Bamba-9B's in 2 layers).
 - --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
   `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
@@ -39,15 +39,15 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from mixlens_dev import timing
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 PY = sys.executable
 LLAMA_COMMIT = "0c1e57098"
 CACHE = Path(os.environ.get("LLAMA_CPP_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -93,8 +93,8 @@ def run_measured(cmd: list[str], env=None, timeout: float = 1800, stdin_path: st
 # ---- checkpoints ------------------------------------------------------------------------------
 
 def checkpoints(names: list[str]) -> dict[str, Path]:
-    import make_published_layout as mpl
-    from published_layout_cache import cached_layout
+    from mixlens_dev import published_layout as mpl
+    from mixlens_dev.published_layout import cached_layout
 
     out = {}
     for n in names:
@@ -106,7 +106,7 @@ def checkpoints(names: list[str]) -> dict[str, Path]:
         elif n == "qwen3_5":
             out[n] = mpl.cached_qwen3_5_0_8b(REPO / "build" / "published")
         elif n in HYBRID_LAYOUTS:
-            import make_published_hybrids
+            from mixlens_dev import published_hybrids as make_published_hybrids
 
             out[n] = make_published_hybrids.cached(HYBRID_LAYOUTS[n])
         else:
@@ -244,10 +244,10 @@ def long_prompt(ckpt: Path, bench: Path | None, gguf: Path | None, threads: int,
             path = f.name
         row = {"tokens": n}
         if cli:
-            t0 = time.perf_counter()
-            rc, out, err, rss = run_measured([cli, "generate", "--model", str(ckpt), "--ids-file", path,
-                                              "--max-new-tokens", "1"], env=env)
-            dt = time.perf_counter() - t0
+            with timing.Timer() as t:
+                rc, out, err, rss = run_measured([cli, "generate", "--model", str(ckpt), "--ids-file", path,
+                                                  "--max-new-tokens", "1"], env=env)
+            dt = t.wall
             row["mixlens"] = {"seconds": dt, "rss": rss} if rc == 0 else {"error": err.strip()[-200:]}
         # The same command on a 1-token prompt: load time and the base RSS, subtracted below.
         if bench and gguf:
@@ -260,10 +260,10 @@ def long_prompt(ckpt: Path, bench: Path | None, gguf: Path | None, threads: int,
         with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as f:
             f.write("5")
             path = f.name
-        t0 = time.perf_counter()
-        rc, _, _, rss = run_measured([cli, "generate", "--model", str(ckpt), "--ids-file", path, "--max-new-tokens", "1"],
-                                     env=env)
-        base = time.perf_counter() - t0
+        with timing.Timer() as t:
+            rc, _, _, rss = run_measured([cli, "generate", "--model", str(ckpt), "--ids-file", path,
+                                          "--max-new-tokens", "1"], env=env)
+        base = t.wall
         os.unlink(path)
         for row in rows:
             if "seconds" in row.get("mixlens", {}):
@@ -291,8 +291,7 @@ def base_of(system: str, systems: list[str]) -> str:
 def summarize(samples: list[float]) -> tuple[float, float]:
     if not samples:
         return float("nan"), float("nan")
-    med = statistics.median(samples)
-    return med, (max(samples) - min(samples)) / med if med else float("nan")
+    return timing.median(samples), timing.spread(samples)
 
 
 def fmt(v: float, spread: float | None = None) -> str:

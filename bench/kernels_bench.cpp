@@ -4,13 +4,13 @@
 //   - scipy-openblas32's cblas_sgemv (dlopen'ed; PyPI wheel, optional) and its sbgemv if exported,
 //   - oneDNN bf16 matmul with M = 1 (libdnnl-dev, optional; rounds x to bf16),
 //   - mixlens' own kernels at every ISA level this CPU runs, f32 / bf16 / f16 weights.
-// Build and run: bench/kernels_bench.sh. Single thread (per-core bandwidth: the cores are shared,
+// Build: cmake -S . -B build/py -DMIXLENS_BENCH=ON && cmake --build build/py --target kernels_bench;
+// run: [REPS=7] build/py/bench/kernels_bench [path/to/libscipy_openblas.so]. Single thread (per-core bandwidth: the cores are shared,
 // see the load average printed) plus mixlens' ops::linear on its pool. Best of --reps.
 #include <cblas.h>
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +22,7 @@
 #include "ops/dtype.h"
 #include "ops/kernels.h"
 #include "ops/ops.h"
+#include "timing.h"
 
 #if __has_include(<oneapi/dnnl/dnnl.hpp>) && defined(MIXLENS_BENCH_DNNL)
 #include <oneapi/dnnl/dnnl.hpp>
@@ -29,7 +30,6 @@
 #endif
 
 using namespace mixlens;
-using clk = std::chrono::steady_clock;
 
 namespace {
 constexpr int64_t kOut = 3352, kIn = 768;  // mamba2-130m in_proj
@@ -37,14 +37,7 @@ constexpr int kMats = 24;                  // 247 MB of f32 weights: far beyond 
 int reps = 7;
 
 double best_of(const std::function<void()>& f) {
-  double best = 1e30;
-  f();  // warm
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = clk::now();
-    f();
-    best = std::min(best, std::chrono::duration<double>(clk::now() - t0).count());
-  }
-  return best;
+  return mixlens_bench::best(mixlens_bench::walls(mixlens_bench::repeat(f, reps)));
 }
 void report(const char* what, double bytes, double secs) {
   std::printf("| %-44s | %7.2f |\n", what, bytes / secs / 1e9);

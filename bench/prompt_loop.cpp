@@ -1,7 +1,7 @@
 // One checkpoint loaded once per dtype in one process, prompt calls alternating dtype by dtype
 // (the finest interleaving: another process's load hits every dtype alike), process CPU time per
 // call (min and median), for A/B on a shared machine and for `perf record` on the unstripped
-// static library (the installed Python module is stripped). bench/prompt_loop.sh builds it.
+// static library (the installed Python module is stripped). Build: cmake -S . -B build/py -DMIXLENS_BENCH=ON && cmake --build build/py --target prompt_loop.
 //   prompt_loop MODEL_DIR DTYPE[,DTYPE...] TOKENS CALLS
 #include <algorithm>
 #include <cstdio>
@@ -13,14 +13,10 @@
 #include <vector>
 
 #include "mixlens/model.h"
+#include "timing.h"
 
-namespace {
-double now(clockid_t c) {
-  timespec ts;
-  clock_gettime(c, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-}  // namespace
+using mixlens_bench::best;
+using mixlens_bench::median;
 
 int main(int argc, char** argv) {
   if (argc < 5) {
@@ -43,16 +39,13 @@ int main(int argc, char** argv) {
   std::vector<std::vector<double>> cpu(dtypes.size()), wall(dtypes.size());
   for (int r = 0; r <= calls; ++r)  // r == 0 warms up
     for (size_t m = 0; m < models.size(); ++m) {
-      const double c0 = now(CLOCK_PROCESS_CPUTIME_ID), w0 = now(CLOCK_MONOTONIC);
-      models[m]->run({prompt}, nullptr, /*all_logits=*/false);
-      if (r) cpu[m].push_back(now(CLOCK_PROCESS_CPUTIME_ID) - c0), wall[m].push_back(now(CLOCK_MONOTONIC) - w0);
+      const mixlens_bench::Sample s = mixlens_bench::timed([&] { models[m]->run({prompt}, nullptr, /*all_logits=*/false); });
+      if (r) cpu[m].push_back(s.cpu), wall[m].push_back(s.wall);
     }
   for (size_t m = 0; m < models.size(); ++m) {
-    std::sort(cpu[m].begin(), cpu[m].end());
-    std::sort(wall[m].begin(), wall[m].end());
     std::printf("%s %d tokens: cpu min %.1f ms, median %.1f ms; wall min %.1f ms, median %.1f ms (%d calls)\n",
-                dtypes[m].c_str(), n, cpu[m][0] * 1e3, cpu[m][cpu[m].size() / 2] * 1e3, wall[m][0] * 1e3,
-                wall[m][wall[m].size() / 2] * 1e3, calls);
+                dtypes[m].c_str(), n, best(cpu[m]) * 1e3, median(cpu[m]) * 1e3, best(wall[m]) * 1e3,
+                median(wall[m]) * 1e3, calls);
   }
   return 0;
 }

@@ -1,9 +1,9 @@
 // The SSD backward's two forms (src/grad/ssd_grad.cpp) against each other and against the chunked
 // forward, on the mamba2-130m layer shape (H=24, P=64, G=1, N=128), one batch row: process CPU time
 // and wall time per call, best of R, the forms interleaved; plus their relative RMS difference.
-// Built and run by bench/ssd_grad_bench.sh. Not a test: times depend on the (shared) machine.
+// Build: cmake -S . -B build/py -DMIXLENS_BENCH=ON && cmake --build build/py --target ssd_grad_bench;
+// run: build/py/bench/ssd_grad_bench [R=5] [CHUNK=64]. Not a test: times depend on the (shared) machine.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +15,7 @@
 #include "grad/ops_grad.h"
 #include "mixers/ssd.h"
 #include "ops/ops.h"
+#include "timing.h"
 
 using namespace mixlens;
 
@@ -24,19 +25,10 @@ struct Time {
   double cpu = 1e30, wall = 1e30;
 };
 
-double cpu_now() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 void measure(const std::function<void()>& f, Time& t) {
-  const double c0 = cpu_now();
-  const auto w0 = std::chrono::steady_clock::now();
-  f();
-  const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
-  t.cpu = std::min(t.cpu, cpu_now() - c0);
-  t.wall = std::min(t.wall, w);
+  const mixlens_bench::Sample s = mixlens_bench::timed(f);
+  t.cpu = std::min(t.cpu, s.cpu);
+  t.wall = std::min(t.wall, s.wall);
 }
 
 std::vector<float> rnd(size_t n, uint32_t seed, float lo, float hi) {

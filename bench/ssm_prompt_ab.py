@@ -8,11 +8,14 @@ build/, made by bench/harness.py's checkpoints()). Prints wall and process CPU s
 Variants: plain forward (logits of the last position), one = also read layer 12's `states` in a
 trace and reduce it to its norm, all = every layer's, pair = plain and one alternating.
 """
-import sys, time, os
+import os, sys
 pkg, fam, T, R = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 variant = sys.argv[5] if len(sys.argv) > 5 else "plain"
-sys.path.insert(0, pkg)
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != pkg:  # import PKGDIR's mixlens: rerun with it first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 import numpy as np, mixlens
+from mixlens_dev.timing import Timer
 assert mixlens.__file__.startswith(pkg), mixlens.__file__
 from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +39,6 @@ names = {plain: "plain", one: "one", allst: "all"}
 for fn in fns: fn()
 for _ in range(R):
     for fn in fns:
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        print(f"{names[fn]} wall {time.perf_counter()-w:.3f} cpu {time.process_time()-c:.3f}", flush=True)
+        with Timer() as t:
+            fn()
+        print(f"{names[fn]} wall {t.wall:.3f} cpu {t.cpu:.3f}", flush=True)

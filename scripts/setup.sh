@@ -24,4 +24,8 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -r requirements-build.txt
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q -r requirements-dev.txt
+  # The dev package (dev/mixlens_dev: oracles, fixture generator, bench timer) for scripts/ and bench/:
+  # a .pth naming this checkout's dev/ (pytest finds it through pyproject.toml's pythonpath).
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$PWD/dev" > "$site/mixlens_dev.pth"
 fi

@@ -59,10 +59,11 @@ class Tokenizer {
   /// not valid UTF-8 become U+FFFD (Rust from_utf8_lossy: one per maximal invalid subpart).
   std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
 
-  /// Incremental decoding for generation. push() returns the text that became complete with this
-  /// token: a multi-byte character split across tokens is held back until its last byte arrives.
-  /// The concatenation of every push() and the final flush() equals decode(all ids), so a
-  /// definitely-invalid byte is emitted as U+FFFD as soon as it is known to be invalid.
+  /// Incremental decoding for generation, as HF tokenizers' DecodeStream.step: push() returns the
+  /// text of the tokens since the last non-empty return, or "" while that text would end in U+FFFD
+  /// (a multi-byte character split across tokens, held back until its last byte arrives; an invalid
+  /// byte, until a later token follows it). So a piece never splits a character, and the
+  /// concatenation of every push() and the final flush() equals decode(all ids).
   /// The decoder keeps the tokenizer's tables alive, so it may outlive the Tokenizer object.
   class StreamDecoder {
    public:

@@ -45,16 +45,38 @@ struct SiteContext {
 /// tensor then makes the call start from it.
 using EditFn = std::function<void(Tensor& value, const SiteContext& where)>;
 
-/// One forward call as it happened: observable kernel choice and length (values.md).
+/// One forward call as it happened: observable kernel choice and length (values.md). (kernel, seq,
+/// first) are the seed's per-call (state op, sequence length, first) of every recurrent mixer of the
+/// call (docs/values.md "Kernel identity").
 struct CallRecord {
   int step = 0;
   int64_t batch = 0;
   int64_t seq = 0;
   bool fresh = true;        ///< no cached state before the call
   std::string kernel;       ///< recurrent-mixer algorithm that ran: "chunked" or "recurrent"
+  /// Positions earlier calls of this run (on this cache) pushed through each layer: 0 for a prompt;
+  /// step k of a generation after a T-position prompt has first = T + k - 1 (left padding counts, as
+  /// in Cache::seen_tokens).
+  int64_t first = 0;
 };
 
 class Model;
+
+/// What a recurrent mixer is and runs (values.md "Derived values and identity", docs/values.md
+/// "Kernel identity"): the seed's mixer kind, prompt and step kernels and state op.
+struct MixerIdentity {
+  std::string kind;           ///< "ssd" (Mamba-2 mixers), "selective_scan" (Mamba-1), "gated_delta" (gated DeltaNet)
+  std::string prompt_kernel;  ///< algorithm a fresh prompt of the given length runs: "chunked" or "recurrent"
+  std::string step_kernel;    ///< algorithm a one-token decode step over a cache runs
+  std::string state_op;       ///< the one-token state update: "selective_state_update" or "gated_delta_rule"
+};
+
+/// The identity of layer `layer`'s recurrent mixer (`linear_attn`) under the current kernel route
+/// (route_kernels) and chunk size; `prompt_seq` (>= 1) is the prompt length prompt_kernel is for
+/// (Mamba-1 picks its prompt scan by length and width). InputError for a layer out of range or
+/// prompt_seq < 1; UnsupportedError for a block without a recurrent mixer (attention, MLP, MoE).
+MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq);
+
 namespace detail { class TraceListener; struct GradAccess; }
 
 /// Default budget for the values one Trace saves (see Trace::save).

@@ -98,11 +98,16 @@ def check_str(name: str, value: Any) -> str:
     return value
 
 
+class ModelBase:
+    """The base of the model class (mixlens._model.StandardizedTransformer): lets check_model, and the
+    modules below _model that call it (mixlens._extract), recognise a model without importing _model."""
+
+    __slots__ = ()
+
+
 def check_model(name: str, value: Any) -> None:
     """A mixlens model argument (what mixlens.load returns); InputError naming `name` otherwise."""
-    from ._model import StandardizedTransformer  # _model imports this module
-
-    if not isinstance(value, StandardizedTransformer):
+    if not isinstance(value, ModelBase):
         raise InputError(f"{name} must be a mixlens model (mixlens.load(...)), got {type(value).__name__}")
 
 

@@ -80,6 +80,19 @@ class Cache:
         Make this cache bitwise equal to `snapshot` (a copy() of a cache of the same model and batch).
         """
 
+class StreamDecoder:
+    """Incremental decoding (mixlens/tokenizer.h Tokenizer::StreamDecoder)."""
+
+    def push(self, id: int) -> str:
+        """
+        The text of the ids since the last non-empty return, or '' while it would end in U+FFFD (a split UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to nothing.
+        """
+
+    def flush(self) -> str:
+        """
+        What is held back (an incomplete character as U+FFFD); the stream starts over.
+        """
+
 class Model:
     @staticmethod
     def load(path: str, dtype: str = 'float32') -> Model:
@@ -107,12 +120,22 @@ class Model:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        """
+        A Tokenizer::StreamDecoder of this model's tokenizer (TokenizerError without tokenizer.json).
+        """
+
     def token_to_id(self, arg: str, /) -> int | None: ...
 
     def id_to_token(self, arg: int, /) -> str: ...
 
     @property
     def tokenizer_vocab_size(self) -> int: ...
+
+    def mixer_identity(self, layer: int, prompt_seq: int) -> dict:
+        """
+        mixlens::mixer_identity (mixlens/trace.h): {kind, prompt_kernel, step_kernel, state_op} of a layer's recurrent mixer.
+        """
 
     def set_chunk_size(self, chunk_size: int) -> None: ...
 

@@ -220,10 +220,8 @@ class _ShardWriter:
     model) and writes the shards it is handed; the driver merges the index at the end."""
 
     def __init__(self, model_path: str, prompts: list, values: list, options: dict, out: str, fingerprint: str):
-        import mixlens
-
-        self._model = mixlens.load(model_path, output="numpy")
-        self._plan = _plan(self._model._core, prompts, values, **options)
+        self._core = _core.Model.load(model_path, "float32")  # as mixlens.load(model_path): the core is all it uses
+        self._plan = _plan(self._core, prompts, values, **options)
         if self._plan.fingerprint != fingerprint:
             raise InputError(f"Ray worker: the plan differs from the driver's (fingerprint {self._plan.fingerprint} "
                              f"vs {fingerprint}): the model at {model_path!r} is another checkpoint on this node")
@@ -231,7 +229,7 @@ class _ShardWriter:
 
     def __call__(self, batch: dict) -> dict:
         shards = [int(k) for k in batch["shard"]]
-        res = _core.extract(self._model._core, self._plan, self._out, shards, False, None)
+        res = _core.extract(self._core, self._plan, self._out, shards, False, None)
         return {"shard": np.asarray(shards, dtype=np.int64),
                 "written": np.asarray([res["shards_written"]] * len(shards), dtype=np.int64)}
 
@@ -253,27 +251,28 @@ def extract_ray(model, inputs: Inputs, values: Union[str, Sequence[str]], out: U
         import ray.data
     except ImportError as e:
         raise ImportError(f"mixlens.extract_ray needs Ray Data: pip install 'ray[data]' ({e})") from None
-    import mixlens
-
     if isinstance(model, (str, os.PathLike)):
-        model = mixlens.load(os.fspath(model), output="numpy")
+        core = _core.Model.load(os.fspath(model), "float32")  # as mixlens.load(model): the core is all it uses
+    else:
+        check_model("extract_ray: model", model)
+        core = model._core
     if not isinstance(num_workers, int) or num_workers < 1:
         raise InputError(f"num_workers must be an int >= 1, got {num_workers!r}")
     prompts = _as_prompts(inputs, masks=masks, text_field=text_field, mask_field=mask_field, positions=positions)
     vals = _values_list(values)
     options = dict(batch_size=batch_size, positions=positions, shard_bytes=shard_bytes, max_bytes=max_bytes,
                    store_prompts=store_prompts)
-    plan = _plan(model._core, prompts, vals, **options)
+    plan = _plan(core, prompts, vals, **options)
     out = os.path.abspath(os.fspath(out))
     # Checks the folder (another extraction there is refused) and writes the in-progress index.
-    _core.extract(model._core, plan, out, [], True, None)
+    _core.extract(core, plan, out, [], True, None)
     ds = ray.data.from_items([{"shard": k} for k in range(plan.num_shards)])
     ds = ds.map_batches(_ShardWriter, batch_size=1, concurrency=min(num_workers, plan.num_shards), num_cpus=1,
-                        fn_constructor_kwargs=dict(model_path=model.info["path"], prompts=prompts, values=vals,
+                        fn_constructor_kwargs=dict(model_path=core.info["path"], prompts=prompts, values=vals,
                                                    options=options, out=out, fingerprint=plan.fingerprint))
     written = sum(int(r["written"]) for r in ds.take_all())
     # Every shard exists now: this only verifies them and writes the final index.
-    summary = _core.extract(model._core, plan, out, None, True, None)
+    summary = _core.extract(core, plan, out, None, True, None)
     if not summary["complete"]:
         raise InputError(f"extract_ray: some shards are missing in {out} after the Ray run (rerun to resume)")
     summary.update(shards_written=written, shards_skipped=plan.num_shards - written)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ._args import as_index, check_float, check_int, layer_list
 from ._convert import as_float32, is_torch, saveable, to_plain
+from ._envoy import _Envoy, _LayerValue
 from .errors import InputError
 
 
@@ -53,8 +54,6 @@ class _Weighted:
 
 def attach(model) -> None:
     """Adds the nnterp accessors to a freshly loaded model."""
-    from ._model import _Envoy, _LayerValue
-
     kinds = model.info["layer_kinds"]
 
     def mixer_output(i: int) -> str:

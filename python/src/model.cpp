@@ -8,6 +8,7 @@
 #include "interrupt.h"
 #include "mixlens/model.h"
 #include "mixlens/tools.h"
+#include "mixlens/trace.h"
 
 namespace mixlens::py {
 
@@ -120,6 +121,16 @@ void init_model(nb::module_& m) {
       .def("restore", &Cache::restore, nb::arg("snapshot"),
            "Make this cache bitwise equal to `snapshot` (a copy() of a cache of the same model and batch).");
 
+  // Tokenizer::StreamDecoder as is: the Python DecodeStream (mixlens._tokenizer) maps "" to None and
+  // checks the ids; the decoder holds the tokenizer's tables, so it outlives the Model.
+  nb::class_<Tokenizer::StreamDecoder>(m, "StreamDecoder",
+                                       "Incremental decoding (mixlens/tokenizer.h Tokenizer::StreamDecoder).")
+      .def("push", &Tokenizer::StreamDecoder::push, nb::arg("id"),
+           "The text of the ids since the last non-empty return, or '' while it would end in U+FFFD (a split "
+           "UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to nothing.")
+      .def("flush", &Tokenizer::StreamDecoder::flush,
+           "What is held back (an incomplete character as U+FFFD); the stream starts over.");
+
   nb::class_<Model>(m, "Model")
       .def_static(
           "load",
@@ -144,9 +155,28 @@ void init_model(nb::module_& m) {
           "decode",
           [](const Model& mo, const std::vector<int32_t>& ids, bool skip) { return mo.tokenizer().decode(ids, skip); },
           nb::arg("ids"), nb::arg("skip_special_tokens") = false)
+      .def(
+          "stream_decoder",
+          [](const Model& mo, bool skip) { return Tokenizer::StreamDecoder(mo.tokenizer(), skip); },
+          nb::arg("skip_special_tokens") = false,
+          "A Tokenizer::StreamDecoder of this model's tokenizer (TokenizerError without tokenizer.json).")
       .def("token_to_id", [](const Model& mo, const std::string& t) { return mo.tokenizer().token_to_id(t); })
       .def("id_to_token", [](const Model& mo, int32_t id) { return mo.tokenizer().id_to_token(id); })
       .def_prop_ro("tokenizer_vocab_size", [](const Model& mo) { return mo.tokenizer().vocab_size(); })
+      .def(
+          "mixer_identity",
+          [](const Model& mo, int layer, int64_t prompt_seq) {
+            const MixerIdentity id = mixer_identity(mo, layer, prompt_seq);
+            nb::dict d;
+            d["kind"] = id.kind;
+            d["prompt_kernel"] = id.prompt_kernel;
+            d["step_kernel"] = id.step_kernel;
+            d["state_op"] = id.state_op;
+            return d;
+          },
+          nb::arg("layer"), nb::arg("prompt_seq"),
+          "mixlens::mixer_identity (mixlens/trace.h): {kind, prompt_kernel, step_kernel, state_op} of a layer's "
+          "recurrent mixer.")
       .def("set_chunk_size", &Model::set_chunk_size, nb::arg("chunk_size"))
       .def_prop_rw("prefill_chunk", &Model::prefill_chunk, &Model::set_prefill_chunk,
                    "Chunked prefill length in tokens (0 = off); see Model::set_prefill_chunk.")

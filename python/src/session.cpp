@@ -389,7 +389,7 @@ nb::object read_value(PySession& p, int step, std::string_view path) {
   return v;
 }
 
-// ValueAttr: `envoy.<value>` (python/mixlens/_model.py _envoy_class) as a descriptor in C, so a read
+// ValueAttr: `envoy.<value>` (python/mixlens/_envoy.py _envoy_class) as a descriptor in C, so a read
 // in a `with` block runs no Python frame: it checks what _Envoy's property did (the model's open
 // tracer, entered in this very context, running, no grad record to keep) and calls read_value; any
 // other case calls `fallback(envoy, name)`, the Python path (which raises or routes it).
@@ -400,7 +400,7 @@ struct ValueAttr {
 };
 
 struct ValueAttrEnv {
-  PyObject* opened = nullptr;         // mixlens._model._OPENED (ContextVar)
+  PyObject* opened = nullptr;         // mixlens._tracer._OPENED (ContextVar)
   PyObject* unknown_value = nullptr;  // UnknownValueError
   PyObject* unknown_attr = nullptr;   // UnknownAttributeError
 } g_attr_env;
@@ -523,6 +523,7 @@ nb::list calls_list(const std::vector<CallRecord>& calls) {
     d["seq"] = c.seq;
     d["fresh"] = c.fresh;
     d["kernel"] = c.kernel;
+    d["first"] = c.first;
     out.append(d);
   }
   return out;

@@ -2,6 +2,7 @@
 // family backward.
 #include "grad/tape.h"
 #include "mixlens/errors.h"
+#include "models/registry.h"
 
 namespace mixlens {
 
@@ -22,9 +23,8 @@ std::shared_ptr<Tape> begin_tape(const detail::FamilyModel& family, const Batch&
 }  // namespace grad
 
 void detail::FamilyModel::backward(const grad::Tape&, const Tensor&, grad::GradSink&) const {
-  throw UnsupportedError("backward: gradients are not implemented for the " + info.family +
-                         " family yet (done: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1; see "
-                         "docs/gradients.md)");
+  throw UnsupportedError("backward: gradients are not implemented for the " + info.family + " family yet (done: " +
+                         detail::join_names(detail::backward_family_names()) + "; see docs/gradients.md)");
 }
 
 }  // namespace mixlens

@@ -9,8 +9,8 @@
 
 #include "grad/ops_grad.h"
 #include "grad/qwen_grad.h"
+#include "hooks/serve.h"
 #include "mixers/gated_delta.h"
-#include "models/common.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {

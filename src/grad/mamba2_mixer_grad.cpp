@@ -9,9 +9,9 @@
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
+#include "hooks/serve.h"
 #include "mixers/ssd.h"
 #include "mixlens/errors.h"
-#include "models/common.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {

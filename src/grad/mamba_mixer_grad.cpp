@@ -8,8 +8,8 @@
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
+#include "hooks/serve.h"
 #include "mixers/selective_scan.h"
-#include "models/common.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {

@@ -12,9 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "hooks/kept.h"
+#include "hooks/listener.h"
 #include "mixlens/model.h"
 #include "models/family.h"
-#include "runtime/listener.h"
 
 namespace mixlens::grad {
 
@@ -30,16 +31,7 @@ struct Written {
   bool any() const;
 };
 
-/// Forward intermediates a family may keep for its backward (Tape::keep): the large products the
-/// backward would otherwise recompute from the block's input. head_outputs: the Mamba-2 scan's
-/// output y as the norm read it (after writes), so the backward need not rerun the scan forward.
-/// attn_*: a softmax attention layer's q_proj output (per head [query | gate]), k_proj's output
-/// before k_norm, the values (after writes) and the attention output before the sigmoid gate.
-/// chunk_states: a gated DeltaNet scan's state entering every chunk of 64 tokens (with head_outputs,
-/// its o after writes): the backward's checkpoints, so it does not run the scan again.
-enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core, chunk_states };
-
-struct Tape {
+struct Tape : KeptTensors {
   const detail::FamilyModel* family = nullptr;
   Batch batch;
   std::unique_ptr<detail::CacheState> cache_before;  ///< deep copy taken before the call
@@ -52,9 +44,6 @@ struct Tape {
   Tensor final_normed;
   detail::FamilyModel::Head head;    ///< the family's LM head (lm_head, logit scale); lm_head null: none declared
   std::map<std::pair<int, int>, Written> writes;
-  /// (layer, Kept) -> the forward's own tensor (shared, not copied). What is kept, and why, is the
-  /// family's choice (docs/gradients.md "Memory"); a missing entry is recomputed.
-  std::map<std::pair<int, int>, Tensor> kept;
   std::string unsupported;           ///< non-empty: why backward cannot run for this call
   Shape logits_shape;                ///< the call's returned logits: [B,T,V], or [B,1,V] (last position)
 
@@ -68,12 +57,6 @@ struct Tape {
   }
   void block(int layer, Value v, Tensor& g) const {
     if (const Written* w = write(layer, v)) w->block(g);
-  }
-  void keep(int layer, Kept what, const Tensor& t) { kept[{layer, static_cast<int>(what)}] = t; }
-  /// The kept tensor, or nullptr.
-  const Tensor* kept_of(int layer, Kept what) const {
-    auto it = kept.find({layer, static_cast<int>(what)});
-    return it == kept.end() ? nullptr : &it->second;
   }
 };
 

@@ -244,3 +244,15 @@ std::vector<std::string> WeightStore::names() const {
 }
 
 }  // namespace mixlens::io
+
+namespace mixlens::detail {
+
+Tensor transpose_conv(const Tensor& w) {
+  const int64_t C = w.size(0), K = w.size(2);
+  Tensor t({K, C});
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t k = 0; k < K; ++k) t[k * C + c] = w[c * K + k];
+  return t;
+}
+
+}  // namespace mixlens::detail

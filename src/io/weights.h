@@ -78,3 +78,8 @@ size_t edit_distance(const std::string& a, const std::string& b);
 std::string closest_name(const std::string& name, const std::vector<std::string>& candidates);
 
 }  // namespace mixlens::io
+
+namespace mixlens::detail {
+/// conv1d.weight [C,1,K] -> [K,C].
+Tensor transpose_conv(const Tensor& w);
+}  // namespace mixlens::detail

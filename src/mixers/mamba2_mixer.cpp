@@ -4,10 +4,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "grad/tape.h"
+#include "hooks/serve.h"
 #include "mixers/ssd.h"
 #include "mixlens/errors.h"
-#include "models/common.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {

@@ -11,9 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "hooks/kept.h"
+#include "hooks/listener.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
-#include "runtime/listener.h"
 
 namespace mixlens::detail {
 
@@ -74,7 +75,7 @@ struct Mamba2MixerCall {
   Listener* ls = nullptr;
   /// A call recorded for gradients: the forward keeps in_proj's output and the scan's output on it
   /// (grad::Kept::in_proj / head_outputs), which the backward would otherwise recompute.
-  grad::Tape* tape = nullptr;
+  grad::KeptTensors* tape = nullptr;
 };
 
 class Mamba2Mixer {

@@ -7,8 +7,8 @@
 
 #include "mixlens/errors.h"
 #include "models/common.h"
-#include "models/family.h"
 #include "models/mamba2_hybrid.h"
+#include "models/registry.h"
 
 namespace mixlens::detail {
 
@@ -48,17 +48,7 @@ std::unique_ptr<FamilyModel> make_bamba(const io::Config& cfg, const io::WeightS
   const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
   if (act != "silu" && act != "swish") throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Bamba uses silu)");
   Mamba2MixerDims& d = s.mamba;
-  d.D = s.D;
-  d.H = cfg.get_or<int64_t>("mamba_n_heads", 128);
-  d.E = static_cast<int64_t>(cfg.get_double_or("mamba_expand", 2.0) * static_cast<double>(s.D));
-  require_positive(cfg, {{"mamba_n_heads", d.H}});
-  const bool auto_head = !cfg.has("mamba_d_head") || cfg.is_null("mamba_d_head") || cfg.json().at("mamba_d_head").is_string();
-  d.P = auto_head ? d.E / d.H : cfg.get<int64_t>("mamba_d_head");
-  d.N = cfg.get_or<int64_t>("mamba_d_state", 256);
-  d.G = cfg.get_or<int64_t>("mamba_n_groups", 1);
-  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
-  d.chunk = cfg.get_or<int64_t>("mamba_chunk_size", 256);
-  d.eps = s.eps;
+  read_mamba2_dims(cfg, s.D, s.eps, false, d);  // BambaConfig has no mamba_d_ssm
   d.norm = Mamba2Norm::gated_full;
   d.in_proj_bias = d.out_proj_bias = cfg.get_or<bool>("mamba_proj_bias", false);
   d.conv_bias = cfg.get_or<bool>("mamba_conv_bias", true);

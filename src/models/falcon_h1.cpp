@@ -13,8 +13,8 @@
 
 #include "mixlens/errors.h"
 #include "models/common.h"
-#include "models/family.h"
 #include "models/mamba2_hybrid.h"
+#include "models/registry.h"
 
 namespace mixlens::detail {
 
@@ -66,20 +66,7 @@ std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& cfg, const io::Wei
   if (act != "silu" && act != "swish")
     throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Falcon-H1 uses silu)");
   Mamba2MixerDims& d = s.mamba;
-  d.D = s.D;
-  d.H = cfg.get_or<int64_t>("mamba_n_heads", 128);
-  require_positive(cfg, {{"mamba_n_heads", d.H}});
-  // mamba_d_ssm when given, else int(mamba_expand * hidden_size) (FalconH1Mixer.intermediate_size).
-  d.E = cfg.has("mamba_d_ssm") && !cfg.is_null("mamba_d_ssm")
-            ? cfg.get<int64_t>("mamba_d_ssm")
-            : static_cast<int64_t>(cfg.get_double_or("mamba_expand", 2.0) * static_cast<double>(s.D));
-  const bool auto_head = !cfg.has("mamba_d_head") || cfg.is_null("mamba_d_head") || cfg.json().at("mamba_d_head").is_string();
-  d.P = auto_head ? d.E / d.H : cfg.get<int64_t>("mamba_d_head");
-  d.N = cfg.get_or<int64_t>("mamba_d_state", 256);
-  d.G = cfg.get_or<int64_t>("mamba_n_groups", 1);
-  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
-  d.chunk = cfg.get_or<int64_t>("mamba_chunk_size", 256);
-  d.eps = s.eps;
+  read_mamba2_dims(cfg, s.D, s.eps, true, d);
   if (!cfg.get_or<bool>("mamba_rms_norm", false)) d.norm = Mamba2Norm::none;
   else d.norm = cfg.get_or<bool>("mamba_norm_before_gate", true) ? Mamba2Norm::grouped_then_gate : Mamba2Norm::gated_grouped;
   d.in_proj_bias = cfg.get_or<bool>("mamba_proj_bias", false);

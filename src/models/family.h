@@ -11,10 +11,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "hooks/listener.h"
 #include "io/json.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
-#include "runtime/listener.h"
 
 namespace mixlens::grad {
 struct Tape;
@@ -111,17 +111,6 @@ class FamilyModel {
   mutable std::unique_ptr<const ValueTable> table_;
 };
 
-using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;
-/// Registry lookup by config.json model_type; UnsupportedError listing the known types.
-std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights);
-
-// Factories, one per family file.
-std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::WeightStore& weights);
-std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
-std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights);
-std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights);
-std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& config, const io::WeightStore& weights);
-std::unique_ptr<FamilyModel> make_bamba(const io::Config& config, const io::WeightStore& weights);
-std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& config, const io::WeightStore& weights);
+// The factories and the model_type registry: models/registry.h.
 
 }  // namespace mixlens::detail

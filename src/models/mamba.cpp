@@ -1,5 +1,5 @@
 // Mamba-1 (MambaForCausalLM, model_type "mamba"): pre-norm residual blocks around the selective
-// scan mixer. Reference: transformers 5.18 models/mamba/modeling_mamba.py (MambaMixer.forward,
+// scan mixer (src/mixers/mamba_mixer.*). Reference: transformers 5.18 models/mamba/modeling_mamba.py (MambaMixer.forward,
 // mamba_selective_scan, mamba_selective_state_update); math in shared/spec/model-math.md §3.1.
 //
 // Where transformers 5.18 and model-math.md differ, this follows transformers:
@@ -10,50 +10,18 @@
 // cached SSM state. transformers 5.18 keeps the conv context there but restarts the scan from
 // zero (mamba_selective_scan takes no initial state), which breaks values.md's invariant
 // "prefix + continuation == whole prompt"; decode steps (one token) agree with it exactly.
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <functional>
-#include <limits>
+#include <string>
 
 #include "grad/families.h"
-#include "mixers/selective_scan.h"
-#include "mixers/ssm_kernels.h"
+#include "mixers/mamba_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
-#include "models/family.h"
+#include "models/registry.h"
 #include "models/ssm_lm.h"
-#include "ops/ops.h"
 
 namespace mixlens::detail {
 
 namespace {
-
-struct MambaLayer {
-  Tensor in_proj;        // [2E, D]: rows 0..E-1 -> x, E..2E-1 -> gate z
-  Tensor in_proj_bias;   // optional (use_bias)
-  Tensor conv_wT;        // [K, E] (transposed from [E, 1, K])
-  Tensor conv_bias;      // [E] (zeros when use_conv_bias is false)
-  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C
-  Tensor dt_proj;        // [E, R]
-  Tensor dt_proj_bias;   // [E]
-  Tensor A;              // [E, N] = -exp(A_log)
-  Tensor D;              // [E]
-  Tensor out_proj;       // [D, E]
-  Tensor out_proj_bias;  // optional (use_bias)
-};
-
-// Default chunk length of the chunked scan.
-constexpr int64_t kChunk = 64;
-
-// f(r) for every token row r < rows, on the worker pool: the mixer's elementwise passes
-// (softplus, gate) cost as much as a GEMM's share when run on one thread.
-void for_rows(int64_t rows, const std::function<void(int64_t)>& f) {
-  constexpr int64_t kRows = 8;
-  ops::parallel_for((rows + kRows - 1) / kRows, [&](int64_t blk) {
-    for (int64_t r = blk * kRows; r < std::min(rows, (blk + 1) * kRows); ++r) f(r);
-  });
-}
 
 // SSM state: [B, E, N] in the kernel, the cache and the served values (values.md Mamba-1 column).
 class MambaModel final : public SsmLm {
@@ -70,33 +38,17 @@ class MambaModel final : public SsmLm {
     else
       throw ConfigError(where(cfg) + ": field 'time_step_rank' must be an integer or \"auto\", got " + rank.dump());
     require_positive(cfg, {{"state_size", N_}, {"intermediate_size (expand * hidden_size)", E_}, {"time_step_rank", R_}});
-    chunk_ = kChunk;
     const bool use_bias = cfg.get_or<bool>("use_bias", false);
     const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);
-    layers_.resize(static_cast<size_t>(L_));
-    for (int64_t i = 0; i < L_; ++i) {
-      const std::string p = "backbone.layers." + std::to_string(i) + ".mixer.";
-      MambaLayer& l = layers_[static_cast<size_t>(i)];
-      l.in_proj = w.get_matmul(p + "in_proj.weight", {2 * E_, D_});
-      if (use_bias) l.in_proj_bias = w.get(p + "in_proj.bias", {2 * E_});
-      l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {E_, 1, K_}));
-      l.conv_bias = use_conv_bias ? w.get(p + "conv1d.bias", {E_}) : Tensor({E_});
-      l.x_proj = w.get_matmul(p + "x_proj.weight", {R_ + 2 * N_, E_});
-      l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
-      l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
-      const Tensor A_log = w.get(p + "A_log", {E_, N_});
-      l.A = Tensor({E_, N_});
-      for (int64_t k = 0; k < E_ * N_; ++k) l.A[k] = -std::exp(A_log[k]);
-      l.D = w.get(p + "D", {E_});
-      l.out_proj = w.get_matmul(p + "out_proj.weight", {D_, E_});
-      if (use_bias) l.out_proj_bias = w.get(p + "out_proj.bias", {D_});
-    }
+    mixer_ = MambaMixer(MambaMixerDims{D_, E_, N_, R_, K_, use_bias, use_conv_bias});
+    for (int64_t i = 0; i < L_; ++i)
+      layers_.push_back(mixer_.load(w, "backbone.layers." + std::to_string(i) + ".mixer."));
     info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mamba);
   }
 
   /// The chunked scan's chunk length (0 restores the default). It changes no value beyond float
   /// rounding; tests use short chunks to cover the carry between chunks.
-  void set_chunk_size(int64_t c) override { chunk_ = c > 0 ? c : kChunk; }
+  void set_chunk_size(int64_t c) override { mixer_.set_chunk(c); }
 
   // Gradients (src/grad/mamba_mixer_grad.cpp, docs/gradients.md).
   void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
@@ -104,9 +56,9 @@ class MambaModel final : public SsmLm {
     const grad::SsmBackbone bb{&norm_f_, &lm_head_, &norms_, eps_, D_, L_, V_};
     grad::ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
       const size_t i = static_cast<size_t>(li);
-      const MambaLayer& l = layers_[i];
+      const MambaMixerWeights& l = layers_[i];
       grad::MambaMixerView w;
-      w.D = D_; w.E = E_; w.N = N_; w.R = R_; w.K = K_; w.chunk = chunk_;
+      w.D = D_; w.E = E_; w.N = N_; w.R = R_; w.K = K_; w.chunk = mixer_.chunk();
       w.in_proj = &l.in_proj; w.in_proj_bias = &l.in_proj_bias; w.conv_wT = &l.conv_wT; w.conv_bias = &l.conv_bias;
       w.x_proj = &l.x_proj; w.dt_proj = &l.dt_proj; w.dt_proj_bias = &l.dt_proj_bias; w.A = &l.A; w.Dskip = &l.D;
       w.out_proj = &l.out_proj;
@@ -125,180 +77,31 @@ class MambaModel final : public SsmLm {
   Shape ssm_state_shape() const override { return {E_, N_}; }
 
   // The token loop parallelizes over channel blocks; the chunked scan adds parallelism over time
-  // at about twice the exp work (it paid off only for small models on many threads).
-  std::string prompt_kernel(int64_t seq) const override {
-    // The token loop by default whatever the thread count and the batch (a row's values must not
-    // depend on either, and the two algorithms round differently); route_kernels("mamba",
-    // "chunked") selects the chunked scan.
-    (void)seq;
-    return "recurrent";
-  }
+  // at about twice the exp work. It only pays off when channel blocks cannot occupy the threads
+  // (small models) and the prompt spans several chunks.
+  std::string prompt_kernel(int64_t seq) const override { return mixer_.prompt_kernel(seq); }
 
-  void mixer_values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const override {
-    v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj (shared by all channels), as the scan reads the state"));
-    v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj (shared by all channels), where each token writes"));
-    v.push_back(layer_value(i, Value::attention_values, {B, T, E_}, true, "u = silu(conv1d(x)) after the padding mask, as the scan receives it (x_proj has already read it: writes change what tokens write and the D skip, not dt/B/C)"));
-    v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, "dt = softplus(dt_proj(dt_low)); write >= 0"));
-    v.push_back(layer_value(i, Value::decays, {B, T, E_, N_}, true, "A*dt (A = -exp(A_log)) per channel and state index; a write sets dt = decays / A and must imply one dt per (token, channel) across the state axis"));
-    v.push_back(layer_value(i, Value::state_input, {B, E_, N_}, true, "SSM state the call starts from; None on a fresh prompt"));
-    auto s = layer_value(i, Value::states, {B, T, E_, N_}, false, "SSM state after every token (computed only when asked)");
-    s.writable = false;
-    v.push_back(s);
-    v.push_back(layer_value(i, Value::state_output, {B, E_, N_}, true, "SSM state after the call's last token (goes to the cache)"));
-    v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, E_}, true, "y = C.S + D*u per channel, before the silu(z) gate"));
-    v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(y * silu(z)), added to the residual"));
-  }
+  void mixer_values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const override { mixer_.values(i, B, T, v); }
 
-  Tensor mixer(int li, const Tensor& n_in, const Batch& in, SsmCache& cache, Listener* ls,
+  Tensor mixer(int li, const Tensor& n, const Batch& in, SsmCache& cache, Listener* ls,
                const CallCtx& ctx) const override {
-    const MambaLayer& lw = layers_[static_cast<size_t>(li)];
-    const int64_t B = in.batch, T = in.seq, BT = B * T, XR = R_ + 2 * N_;
-    // transformers applies the 2-D mask whenever one is given (generate gives it on the prompt
-    // only); an all-ones mask is a no-op, so "has padding" is the same condition.
-    const bool masked = in.has_padding();
-    const float* n = n_in.data();
-    Tensor nm;
-    if (masked) {
-      nm = n_in.clone();
-      apply_row_mask(nm, in);
-      n = nm.data();
-    }
-    Tensor xz({B, T, 2 * E_});
-    ops::linear(n, BT, D_, lw.in_proj, xz.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
-
-    // Causal depthwise conv over x with the cached K inputs as left context (zeros on a fresh
-    // prompt, so a prompt shorter than K sees zero padding), then SiLU and the mask again.
-    Tensor u({B, T, E_});
-    ops::causal_conv1d(xz.data(), 2 * E_, B, T, E_, K_, lw.conv_wT.data(), lw.conv_bias.data(),
-                       cache.conv[static_cast<size_t>(li)].data(), u.data(), true);
-    if (masked) apply_row_mask(u, in);
-
-    // x_proj -> dt_low | B | C; dt = softplus(dt_proj.weight @ dt_low + dt_proj.bias).
-    Tensor dbc({B, T, XR});
-    ops::linear(u.data(), BT, E_, lw.x_proj, dbc.data());
-    Tensor Bm({B, T, N_}), Cm({B, T, N_}), dt({B, T, E_});
-    for (int64_t r = 0; r < BT; ++r) {
-      std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));
-      std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
-    }
-    // dt_proj and the softplus per block of rows on the pool (one sgemm call runs on one thread).
-    const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
-    ops::parallel_for(dt_blocks, [&](int64_t blk) {
-      const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;
-      ops::gemm(false, true, r1 - r0, E_, R_, 1.0f, dbc.data() + r0 * XR, XR, lw.dt_proj.data(), R_, 0.0f,
-                dt.data() + r0 * E_, E_);
-      for (int64_t r = r0; r < r1; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
-    });
-
-    visit_if(ls, li, Value::attention_queries, Cm);
-    visit_if(ls, li, Value::attention_keys, Bm);
-    visit_if(ls, li, Value::attention_values, u);
-    visit_if(ls, li, Value::betas, dt);
-    if (ls && ls->wants(li, Value::decays)) visit_decays(li, lw, dt, ls);
-
-    Tensor& S = begin_state(li, cache, ls);
-    Tensor y({B, T, E_});  // zeros: padded tokens read nothing (u = 0, C = 0 there)
-    const bool chunked = ctx.kernel == "chunked";
-    // Row by row from the row's first real token (values.md "One number per value"); the scan
-    // pauses where the per-token state is wanted (scan_rows: a read on the side, a write splits).
-    const auto args = [&](int64_t b, int64_t t0, int64_t t1, float* S_row) {
-      SelectiveScanArgs a;
-      a.T = t1 - t0; a.E = E_; a.N = N_;
-      a.u = u.data() + (b * T + t0) * E_;
-      a.dt = dt.data() + (b * T + t0) * E_;
-      a.B = Bm.data() + (b * T + t0) * N_;
-      a.C = Cm.data() + (b * T + t0) * N_;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
-      a.S = S_row;
-      a.chunk = chunk_;
-      return a;
-    };
-    RowScan rs;
-    rs.B = B; rs.T = T; rs.row_numel = E_ * N_; rs.S = S.data(); rs.y_row_numel = T * E_;
-    rs.first = first_real_tokens(in);
-    rs.chunk = chunked ? chunk_ : 0;
-    rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
-      SelectiveScanArgs a = args(b, t0, t1, S_row);
-      a.y = y_scratch ? y_scratch + t0 * E_ : y.data() + (b * T + t0) * E_;
-      a.states = states_row ? states_row + t0 * E_ * N_ : nullptr;
-      if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
-    };
-    rs.serve = [&](const float* S_row, float* out) { std::copy(S_row, S_row + E_ * N_, out); };
-    rs.store = rs.serve;
-    rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
-      selective_scan_state_at(args(b, ck, t + 1, const_cast<float*>(S_ck)), t - ck + 1, out);
-    };
-    Tensor states = scan_rows(ls, li, rs, {B, T, E_, N_});
-    if (states.defined()) {
-      ls->visit(li, Value::states, states, states.shape());
-      ls->recycle_stack(std::move(states));
-    }
-    end_state(li, cache, ls);
-    visit_if(ls, li, Value::attention_head_outputs, y);
-
-    Tensor g({B, T, E_});
-    for_rows(BT, [&](int64_t r) { ops::mul_silu(y.data() + r * E_, xz.data() + r * 2 * E_ + E_, g.data() + r * E_, E_); });
-    Tensor out({B, T, D_});
-    ops::linear(g.data(), BT, E_, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
-    visit_if(ls, li, Value::attention_output, out);
-    return out;
-  }
-
-  // decays = A*dt has a state axis that dt lacks. A write is mapped back to the one dt per
-  // (token, channel): rows left bit-identical keep their dt exactly; a changed row must imply the
-  // same dt = decays[n] / A[e, n] for every n (within kDecayAgreement, relative), and dt is their
-  // mean. Anything else has no dt that produces it, so it is refused rather than approximated.
-  Tensor decays_of(const MambaLayer& lw, const Tensor& dt) const {
-    const int64_t B = dt.size(0), T = dt.size(1);
-    Tensor dec({B, T, E_, N_});
-    for (int64_t r = 0; r < B * T; ++r)
-      for (int64_t e = 0; e < E_; ++e)
-        for (int64_t k = 0; k < N_; ++k) dec[(r * E_ + e) * N_ + k] = lw.A[e * N_ + k] * dt[r * E_ + e];
-    return dec;
-  }
-
-  void visit_decays(int li, const MambaLayer& lw, Tensor& dt, Listener* ls) const {
-    Tensor dec = decays_of(lw, dt);
-    if (!ls->visit(li, Value::decays, dec, dec.shape())) return;
-    dt = betas_for_decays(li, dt, dec);
-    ls->revised(li, Value::betas, dt);  // a save / copy of betas now holds the dt in use
+    MambaMixerCall call;
+    call.layer = li;
+    call.conv = &cache.conv[static_cast<size_t>(li)];
+    call.chunked = ctx.kernel == "chunked";
+    call.ls = ls;
+    call.begin_state = [&]() -> Tensor& { return begin_state(li, cache, ls); };
+    call.end_state = [&] { end_state(li, cache, ls); };
+    return mixer_.forward(layers_[static_cast<size_t>(li)], n, in, call);
   }
 
   Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& dec) const override {
-    constexpr double kDecayAgreement = 1e-5;
-    const MambaLayer& lw = layers_[static_cast<size_t>(li)];
-    const int64_t B = betas_before.size(0), T = betas_before.size(1);
-    const Tensor before = decays_of(lw, betas_before);
-    Tensor dt = betas_before.clone();
-    for (int64_t r = 0; r < B * T; ++r)
-      for (int64_t e = 0; e < E_; ++e) {
-        const float* d = dec.data() + (r * E_ + e) * N_;
-        if (std::memcmp(d, before.data() + (r * E_ + e) * N_, sizeof(float) * static_cast<size_t>(N_)) == 0) continue;
-        double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
-        for (int64_t k = 0; k < N_; ++k) {
-          const double v = static_cast<double>(d[k]) / lw.A[e * N_ + k];
-          lo = std::min(lo, v), hi = std::max(hi, v), sum += v;
-        }
-        auto where_at = [&] {
-          return "write to 'layers." + std::to_string(li) + ".linear_attn.decays': at batch " + std::to_string(r / T) +
-                 ", token " + std::to_string(r % T) + ", channel " + std::to_string(e);
-        };
-        if (!std::isfinite(lo) || !std::isfinite(hi))
-          throw WriteError(where_at() + " the written decays give a non-finite dt = decays / A");
-        if (hi - lo > kDecayAgreement * std::max(std::fabs(hi), std::fabs(lo)))
-          throw WriteError(where_at() + ": Mamba-1 decays [B,T,d_inner,state] is A*dt with one dt per (token, "
-                           "channel), but the written values imply dt = decays/A from " +
-                           std::to_string(lo) + " to " + std::to_string(hi) +
-                           " across the state axis; change whole (token, channel) rows consistently (e.g. scale them) "
-                           "or write betas instead");
-        dt[r * E_ + e] = static_cast<float>(sum / static_cast<double>(N_));
-      }
-    return dt;
+    return mixer_.betas_for_decays(li, layers_[static_cast<size_t>(li)], betas_before, dec);
   }
 
-  int64_t N_ = 0, E_ = 0, R_ = 0, chunk_ = kChunk;
-  std::vector<MambaLayer> layers_;
+  int64_t N_ = 0, E_ = 0, R_ = 0;
+  MambaMixer mixer_;
+  std::vector<MambaMixerWeights> layers_;
 };
 
 }  // namespace

@@ -6,7 +6,7 @@
 #include "mixers/mamba2_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
-#include "models/family.h"
+#include "models/registry.h"
 #include "models/ssm_lm.h"
 
 namespace mixlens::detail {

@@ -22,31 +22,6 @@ namespace {
 const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 }  // namespace
 
-void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d) {
-  if (!cfg.has("time_step_limit") || cfg.is_null("time_step_limit")) return;
-  auto lim = cfg.get<std::vector<double>>("time_step_limit");
-  if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
-  d.dt_lo = static_cast<float>(lim[0]);
-  d.dt_hi = static_cast<float>(lim[1]);
-  if (!(d.dt_lo >= 0.0f && d.dt_lo <= d.dt_hi))
-    throw ConfigError(where(cfg) + ": time_step_limit [" + std::to_string(lim[0]) + ", " + std::to_string(lim[1]) +
-                      "] must satisfy 0 <= min <= max");
-}
-
-void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial) {
-  theta = cfg.get_double_or("rope_theta", 10000.0);
-  partial = cfg.get_double_or("partial_rotary_factor", default_partial);
-  if (cfg.has("rope_parameters") && !cfg.is_null("rope_parameters")) {
-    const io::Config rp = cfg.sub("rope_parameters");
-    const std::string rt = rp.get_or<std::string>("rope_type", "default");
-    if (rt != "default")
-      throw UnsupportedError(where(cfg) + ": rope_parameters.rope_type '" + rt + "' is not supported (only 'default')");
-    theta = rp.get_double_or("rope_theta", theta);
-    partial = rp.get_double_or("partial_rotary_factor", partial);
-  }
-  if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
-}
-
 std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc) {
   const int64_t E = s.n_experts, G = s.n_group, per = E / G;
   std::vector<float> choice(static_cast<size_t>(E)), gs(static_cast<size_t>(G));

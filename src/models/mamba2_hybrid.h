@@ -115,10 +115,4 @@ Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);
 
-/// time_step_limit ([min, max], either may be absent) into dims.dt_lo / dt_hi; ConfigError otherwise.
-void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims);
-/// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
-/// fields; UnsupportedError for any rope_type other than "default".
-void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
-
 }  // namespace mixlens::detail

@@ -9,8 +9,8 @@
 
 #include "mixlens/errors.h"
 #include "models/common.h"
-#include "models/family.h"
 #include "models/mamba2_hybrid.h"
+#include "models/registry.h"
 
 namespace mixlens::detail {
 

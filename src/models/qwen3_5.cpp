@@ -3,9 +3,9 @@
 // Qwen3_5ForCausalLM, model.*). The block stack is shared with Qwen3-Next (qwen_hybrid.cpp);
 // this file only reads the separate GDN projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a.
 #include "models/common.h"
-#include "ops/ops.h"
-#include "models/family.h"
 #include "models/qwen_hybrid.h"
+#include "models/registry.h"
+#include "ops/ops.h"
 
 namespace mixlens::detail {
 

@@ -6,9 +6,9 @@
 #include <cstring>
 
 #include "models/common.h"
-#include "ops/ops.h"
-#include "models/family.h"
 #include "models/qwen_hybrid.h"
+#include "models/registry.h"
+#include "ops/ops.h"
 
 namespace mixlens::detail {
 

@@ -11,7 +11,7 @@
 
 #include "grad/qwen_grad.h"
 #include "mixers/attention.h"
-#include "mixers/gated_delta.h"
+#include "mixers/gated_delta_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/hybrid_cache.h"
@@ -31,16 +31,10 @@ struct Mlp {
   int64_t Is = 0;
 };
 
-struct Layer {
+// The GDN weights (the base) are set on gated DeltaNet layers only.
+struct Layer : GatedDeltaMixerWeights {
   bool linear = true;  // gated DeltaNet (else softmax attention)
   Tensor in_norm, post_norm;
-  // GDN
-  Tensor in_proj;  // [proj_rows, D]
-  Tensor conv_wT;  // [K, conv_dim]
-  Tensor neg_A;    // [HV] -exp(A_log)
-  Tensor dt_bias;  // [HV]
-  Tensor gnorm;    // [Dv] plain weight
-  Tensor out_proj; // [D, value_dim]
   // attention
   Tensor q_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
   Mlp mlp;
@@ -114,18 +108,10 @@ class QwenHybrid final : public FamilyModel {
                           "' (expected 'linear_attention' or 'full_attention')");
 
     // RoPE: rope_parameters (transformers 5) with the older top-level fields as fallback.
-    double theta = cfg.get_double_or("rope_theta", 10000.0);
-    double partial = cfg.get_double_or("partial_rotary_factor", 1.0);
-    if (cfg.has("rope_parameters") && !cfg.is_null("rope_parameters")) {
-      const io::Config rp = cfg.sub("rope_parameters");
-      const std::string rt = rp.get_or<std::string>("rope_type", "default");
-      if (rt != "default")
-        throw UnsupportedError(where(cfg) + ": rope_parameters.rope_type '" + rt + "' is not supported (only 'default')");
-      theta = rp.get_double_or("rope_theta", theta);
-      partial = rp.get_double_or("partial_rotary_factor", partial);
-      // mrope_section only matters for image/video grids: text positions are equal on all three
-      // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
-    }
+    // mrope_section only matters for image/video grids: text positions are equal on all three
+    // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
+    double theta = 0.0, partial = 1.0;
+    read_rope(cfg, 1.0, theta, partial);
     rot_ = static_cast<int64_t>(static_cast<double>(hd_) * partial);
     if (rot_ <= 0 || rot_ > hd_ || rot_ % 2 != 0)
       throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot_) +
@@ -145,6 +131,7 @@ class QwenHybrid final : public FamilyModel {
       norm_topk_ = cfg.get_or<bool>("norm_topk_prob", true);
     }
 
+    gdn_ = GatedDeltaMixer(g_, K_, eps_);
     // Weights: published VLM checkpoints keep the text model under model.language_model.
     const std::string p = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
     const bool tie = cfg.get_or<bool>("tie_word_embeddings", top.get_or<bool>("tie_word_embeddings", false));
@@ -162,13 +149,7 @@ class QwenHybrid final : public FamilyModel {
       if (l.linear) {
         const std::string m = lp + "linear_attn.";
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
-        l.conv_wT = transpose_conv(w.get(m + "conv1d.weight", {g_.conv_dim(), 1, K_}));
-        const Tensor A_log = w.get(m + "A_log", {g_.HV});
-        l.neg_A = Tensor({g_.HV});
-        for (int64_t h = 0; h < g_.HV; ++h) l.neg_A[h] = -std::exp(A_log[h]);
-        l.dt_bias = w.get(m + "dt_bias", {g_.HV});
-        l.gnorm = w.get(m + "norm.weight", {g_.Dv});
-        l.out_proj = w.get_matmul(m + "out_proj.weight", {D_, g_.value_dim()});
+        gdn_.load(w, m, l);
       } else {
         const std::string m = lp + "self_attn.";
         l.q_proj = w.get_matmul(m + "q_proj.weight", {H_ * hd_ * 2, D_});
@@ -514,147 +495,25 @@ class QwenHybrid final : public FamilyModel {
     return out;
   }
 
-  // Gated DeltaNet mixer (Qwen3_5GatedDeltaNet.forward).
+  // Gated DeltaNet mixer (src/mixers/gated_delta_mixer.cpp).
   Tensor gdn(int li, const Layer& l, const Tensor& n_in, const Batch& in, bool masked, HybridCache& cache,
              Listener* ls, const CallCtx& ctx) const {
-    const int64_t B = in.batch, T = in.seq, BT = B * T;
-    const int64_t HK = g_.HK, HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv, r = HV / HK;
-    const int64_t cd = g_.conv_dim(), vd = g_.value_dim(), pr = g_.proj_rows();
-    const float* n = n_in.data();
-    Tensor nm;
-    if (masked) {  // apply_mask_to_padding_states on the mixer input only
-      nm = n_in.clone();
-      apply_row_mask(nm, in);
-      n = nm.data();
-    }
-    Tensor proj = Tensor::uninitialized({B, T, pr});
-    ops::linear(n, BT, D_, l.in_proj, proj.data());
-    if (ctx.tape) ctx.tape->keep(li, grad::Kept::in_proj, proj);  // read-only from here on
-    Tensor qkv = Tensor::uninitialized({B, T, cd});
-    ops::causal_conv1d(proj.data(), pr, B, T, cd, K_, l.conv_wT.data(), nullptr,
-                       cache.conv[static_cast<size_t>(li)].data(), qkv.data(), true);
-    // Split, repeating q/k heads for value heads (value head j reads key head j / r).
-    Tensor q = Tensor::uninitialized({B, T, HV, Dk}), k = Tensor::uninitialized({B, T, HV, Dk}), v = Tensor::uninitialized({B, T, HV, Dv});
-    ops::parallel_rows(BT, 2 * HV * Dk + vd, [&](int64_t row0, int64_t row1) {
-      for (int64_t row = row0; row < row1; ++row) {
-        const float* src = qkv.data() + row * cd;
-        for (int64_t j = 0; j < HV; ++j) {
-          std::memcpy(q.data() + (row * HV + j) * Dk, src + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
-          std::memcpy(k.data() + (row * HV + j) * Dk, src + g_.key_dim() + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
-        }
-        std::memcpy(v.data() + row * vd, src + 2 * g_.key_dim(), sizeof(float) * static_cast<size_t>(vd));
-      }
-    });
-    visit_if(ls, li, Value::attention_queries, q);
-    visit_if(ls, li, Value::attention_keys, k);
-    visit_if(ls, li, Value::attention_values, v);
-    Tensor beta = Tensor::uninitialized({B, T, HV}), g = Tensor::uninitialized({B, T, HV});
-    for (int64_t row = 0; row < BT; ++row)
-      for (int64_t j = 0; j < HV; ++j) {
-        const float* pb = proj.data() + row * pr + cd + vd;
-        beta[row * HV + j] = ops::sigmoid(pb[j]);
-        g[row * HV + j] = l.neg_A[j] * ops::softplus(pb[HV + j] + l.dt_bias[j]);
-      }
-    visit_if(ls, li, Value::betas, beta);
-    visit_if(ls, li, Value::decays, g);
-
-    Tensor& S = cache.ssm[static_cast<size_t>(li)];
-    visit_state_input(li, S, cache.has_state, ls, Shape{HV, Dk, Dv}, [](const Tensor& s) { return s.clone(); },
-                      [](const Tensor& o, Tensor& s) {
-                        std::memcpy(s.data(), o.data(), sizeof(float) * static_cast<size_t>(s.numel()));
-                      });
-    Tensor o = Tensor::uninitialized({B, T, HV, Dv});
-    const int64_t SN = HV * Dk * Dv;  // one row's state
-    GatedDeltaArgs a;
-    a.B = 1; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
-    // Row b's arguments: the kernel sees one row (its own chunk grid, from its first real token).
-    const auto row_args = [&](int64_t b, float* S_row) {
-      GatedDeltaArgs r = a;
-      r.q = q.data() + b * T * HV * Dk; r.k = k.data() + b * T * HV * Dk; r.v = v.data() + b * T * vd;
-      r.g = g.data() + b * T * HV; r.beta = beta.data() + b * T * HV;
-      r.S = S_row;
-      return r;
-    };
-    RowScan rs;
-    rs.B = B; rs.T = T; rs.row_numel = SN; rs.S = S.data(); rs.y_row_numel = T * vd;
-    rs.first = first_real_tokens(in);
-    const bool chunked = ctx.kernel == "chunked";
-    rs.chunk = chunked ? a.chunk : 0;
-    // A gradient call keeps the state entering every chunk (with o below) when the scan runs whole on
-    // the chunked kernel from token 0 (no per-token stops, no padding): the backward's checkpoints,
-    // so it does not rerun the scan.
-    Tensor entry;
-    const bool unpadded = std::all_of(rs.first.begin(), rs.first.end(), [](int64_t f) { return f == 0; });
-    if (ctx.tape && chunked && unpadded && !(ls && ls->wants(li, Value::state)))
-      entry = Tensor::uninitialized({B, HV, (T + a.chunk - 1) / a.chunk, Dk, Dv});
-    // The last chunk's keys and deltas per row, for a per-token read (gated_delta_state_at).
-    std::vector<float> last_kn, last_delta;
-    if (chunked && ls && ls->wants(li, Value::state)) {
-      last_kn.resize(static_cast<size_t>(B * HV * a.chunk * Dk));
-      last_delta.resize(static_cast<size_t>(B * HV * a.chunk * Dv));
-    }
-    rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
-      GatedDeltaArgs r = row_args(b, S_row);
-      r.o = y_scratch ? y_scratch : o.data() + b * T * vd;
-      r.states = states_row;
-      r.t_begin = t0;
-      r.t_end = t1;
-      if (entry.defined()) r.chunk_entry = entry.data() + b * HV * ((T + a.chunk - 1) / a.chunk) * Dk * Dv;
-      if (!last_kn.empty() && !y_scratch) {
-        r.last_kn = last_kn.data() + b * HV * a.chunk * Dk;
-        r.last_delta = last_delta.data() + b * HV * a.chunk * Dv;
-      }
-      if (chunked) gated_delta_chunked(r); else gated_delta_recurrent(r);
-    };
-    rs.serve = [&](const float* S_row, float* out) { std::memcpy(out, S_row, sizeof(float) * static_cast<size_t>(SN)); };
-    rs.store = rs.serve;
-    rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
-      GatedDeltaArgs r = row_args(b, const_cast<float*>(S_ck));
-      r.t_begin = ck;
-      r.last_kn = last_kn.data() + b * HV * a.chunk * Dk;
-      r.last_delta = last_delta.data() + b * HV * a.chunk * Dv;
-      gated_delta_state_at(r, t, out);
-    };
-    for (int64_t b = 0; b < B; ++b)  // padded tokens read nothing (q = 0)
-      std::fill(o.data() + b * T * vd, o.data() + (b * T + std::min(rs.first[static_cast<size_t>(b)], T)) * vd, 0.0f);
-    Tensor states = scan_rows(ls, li, rs, {B, T, HV, Dk, Dv});
-    if (states.defined()) {
-      ls->visit(li, Value::states, states, states.shape());
-      ls->recycle_stack(std::move(states));
-    }
-    visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
-    visit_if(ls, li, Value::attention_head_outputs, o);
-    if (entry.defined()) {  // o as the gated norm reads it (after writes)
-      ctx.tape->keep(li, grad::Kept::chunk_states, entry);
-      ctx.tape->keep(li, grad::Kept::head_outputs, o);
-    }
-
-    // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv.
-    Tensor y = Tensor::uninitialized({B, T, vd});
-    ops::parallel_rows(BT, vd, [&](int64_t row0, int64_t row1) {
-      for (int64_t row = row0; row < row1; ++row)
-        for (int64_t j = 0; j < HV; ++j) {
-          const float* oj = o.data() + (row * HV + j) * Dv;
-          const float* z = proj.data() + row * pr + cd + j * Dv;
-          float* yj = y.data() + row * vd + j * Dv;
-          float ss = 0.0f;
-          for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
-          const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + eps_);
-          for (int64_t e = 0; e < Dv; ++e) yj[e] = l.gnorm[e] * (oj[e] * inv);
-          ops::mul_silu(yj, z, yj, Dv);  // * silu(z), vectorized
-        }
-    });
-    Tensor out = Tensor::uninitialized({B, T, D_});
-    ops::linear(y.data(), BT, vd, l.out_proj, out.data());
-    visit_if(ls, li, Value::attention_output, out);
-    return out;
+    GatedDeltaMixerCall call;
+    call.layer = li;
+    call.conv = &cache.conv[static_cast<size_t>(li)];
+    call.ssm = &cache.ssm[static_cast<size_t>(li)];
+    call.has_state = cache.has_state;
+    call.chunked = ctx.kernel == "chunked";
+    call.ls = ls;
+    call.tape = ctx.tape;
+    return gdn_.forward(l, n_in, in, masked, call);
   }
 
   // Gated softmax attention (Qwen3_5Attention).
   // `last_only` (last_block_on_last_rows): queries, attention and o_proj for the last row of each
   // sequence only ([B,1,D] out, nothing visited); keys and values for every row, into the cache.
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
-                   HybridCache& cache, Listener* ls, grad::Tape* tape, bool last_only = false) const {
+                   HybridCache& cache, Listener* ls, grad::KeptTensors* tape, bool last_only = false) const {
     const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
     const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
     Tensor qg = Tensor::uninitialized({BTq, H_ * 2 * d});
@@ -729,6 +588,7 @@ class QwenHybrid final : public FamilyModel {
   int64_t D_ = 0, L_ = 0, V_ = 0, H_ = 0, Hkv_ = 0, hd_ = 0, K_ = 0, rot_ = 0, topk_ = 0;
   bool norm_topk_ = true;
   GdnDims g_;
+  GatedDeltaMixer gdn_;
   float eps_ = 1e-6f;
   std::vector<float> inv_freq_;
   Tensor embed_, norm_, lm_head_;

@@ -9,19 +9,10 @@
 
 #include "io/json.h"
 #include "io/weights.h"
+#include "mixers/gated_delta_mixer.h"
 #include "models/family.h"
 
 namespace mixlens::detail {
-
-/// GDN sizes of one model (model-math.md §3.3.2).
-struct GdnDims {
-  int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0;
-  int64_t key_dim() const { return HK * Dk; }
-  int64_t value_dim() const { return HV * Dv; }
-  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
-  /// Rows of the combined input projection [q | k | v | z | b | a].
-  int64_t proj_rows() const { return conv_dim() + value_dim() + 2 * HV; }
-};
 
 struct QwenHybridSpec {
   std::string family;  ///< route_kernels family name ("qwen3_5", "qwen3_next")

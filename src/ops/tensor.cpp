@@ -8,8 +8,8 @@
 #include <new>
 
 #include "mixlens/errors.h"
+#include "ops/arena.h"
 #include "ops/dtype.h"
-#include "runtime/arena.h"
 
 namespace mixlens {
 
@@ -42,7 +42,7 @@ Tensor Tensor::uninitialized(Shape shape) {
   // 64-byte aligned (whole cache lines): the scans write the `states` stacks with streaming stores,
   // which need aligned addresses (new float[] gives 16).
   const size_t bytes = (sizeof(float) * static_cast<size_t>(t.numel_ > 0 ? t.numel_ : 1) + 63) / 64 * 64;
-  if (bytes >= detail::kBigMinBytes) {  // the `states` stacks: reuse freed blocks' pages (runtime/arena.h)
+  if (bytes >= detail::kBigMinBytes) {  // the `states` stacks: reuse freed blocks' pages (ops/arena.h)
     void* p = nullptr;
     t.storage_ = detail::big_alloc(bytes, &p);
     t.data_ = p;
@@ -68,7 +68,7 @@ Tensor Tensor::uninitialized(Shape shape) {
 Tensor::Tensor(Shape shape, float fill) : shape_(std::move(shape)) {
   numel_ = shape_numel(shape_);
   float* buf = nullptr;
-  storage_ = detail::arena_alloc(numel_, &buf);  // large buffers recycle pages (runtime/arena.h)
+  storage_ = detail::arena_alloc(numel_, &buf);  // large buffers recycle pages (ops/arena.h)
   data_ = buf;
   if (fill == 0.0f)
     std::memset(buf, 0, sizeof(float) * static_cast<size_t>(numel_));

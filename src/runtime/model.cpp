@@ -15,8 +15,9 @@
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/family.h"
+#include "models/registry.h"
+#include "ops/arena.h"
 #include "ops/ops.h"
-#include "runtime/arena.h"
 #include "runtime/model_access.h"
 #include "runtime/sampling.h"
 #include "runtime/trace_listener.h"
@@ -124,11 +125,9 @@ std::map<std::string, KernelRoute>& routes() {
 
 // A misspelt family would silently route nothing, or read as routed by default.
 void check_route_family(const char* fn, const std::string& family) {
-  static const std::vector<std::string> families = {"mamba2", "mamba", "qwen3_5", "qwen3_next",
-                                                     "nemotron_h", "bamba", "falcon_h1"};
+  const std::vector<std::string>& families = detail::family_names();
   if (std::find(families.begin(), families.end(), family) == families.end())
-    throw InputError(std::string(fn) + ": unknown family '" + family +
-                     "' (known: mamba2, mamba, qwen3_5, qwen3_next, nemotron_h, bamba, falcon_h1)");
+    throw InputError(std::string(fn) + ": unknown family '" + family + "' (known: " + detail::join_names(families) + ")");
 }
 }  // namespace
 
@@ -240,29 +239,6 @@ void check_no_extra_layers(const io::WeightStore& weights, int64_t num_layers, c
       break;
     }
   }
-}
-
-std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights) {
-  const std::string type = config.get<std::string>("model_type");
-  // Ranges first: no family computes with a wrapped, absurd or non-finite field.
-  validate_config(config);
-  // One line per family (src/models/<family>.cpp).
-  static const std::vector<std::pair<std::string, FamilyFactory>> registry = {
-      {"mamba", make_mamba},
-      {"mamba2", make_mamba2},
-      {"qwen3_5", make_qwen3_5},
-      {"qwen3_5_text", make_qwen3_5},
-      {"qwen3_next", make_qwen3_next},
-      {"nemotron_h", make_nemotron_h},
-      {"bamba", make_bamba},
-      {"falcon_h1", make_falcon_h1},
-  };
-  std::string known;
-  for (const auto& [name, make] : registry) {
-    if (name == type) return make(config, weights);
-    known += (known.empty() ? "" : ", ") + name;
-  }
-  throw UnsupportedError(detail::where(config) + ": model_type '" + type + "' is not supported (supported: " + known + ")");
 }
 }  // namespace detail
 
@@ -429,6 +405,7 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
   ctx.batch = in.batch;
   ctx.seq = in.seq;
   ctx.fresh = st.seen == 0;
+  ctx.first = st.seen;
   ctx.kernel = impl.family->kernel_for(st, in.seq);
   ctx.cancel = cancel;
   ctx.check_cancel();
@@ -512,6 +489,7 @@ Tensor detail::ModelAccess::chunked_prefill(const Model& m, const Batch& in, Cac
     CallCtx ctx = call;
     ctx.seq = n;
     ctx.fresh = st.seen == 0;
+    ctx.first = st.seen;
     ctx.kernel = fam.kernel_for(st, n);
     ctx.check_cancel();
     logits = fam.forward(piece, st, listener, ctx, all_logits);

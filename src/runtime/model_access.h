@@ -3,8 +3,8 @@
 #pragma once
 #include <vector>
 
+#include "hooks/listener.h"
 #include "mixlens/model.h"
-#include "runtime/listener.h"
 
 namespace mixlens::detail {
 

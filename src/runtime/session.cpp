@@ -15,12 +15,12 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "hooks/listener.h"
 #include "mixlens/errors.h"
-#include "ops/ops.h"
 #include "models/family.h"
-#include "runtime/arena.h"
+#include "ops/arena.h"
+#include "ops/ops.h"
 #include "runtime/fiber.h"
-#include "runtime/listener.h"
 #include "runtime/model_access.h"
 #include "runtime/trace_listener.h"
 
@@ -97,7 +97,7 @@ struct Session::Impl {
       std::unique_lock<std::mutex> lk(s_.mu);
       ctx_ = ctx;
       num_layers_ = num_layers;
-      s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
+      s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel, ctx.first});
       s_.pos = {ctx.step, kCallStart, -1};
       s_.stash.clear();
       s_.wait_while_paused(lk);

@@ -9,7 +9,8 @@
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
 #include "models/family.h"
-#include "runtime/env.h"
+#include "ops/env.h"
+#include "runtime/model_access.h"
 #include "runtime/trace_listener.h"
 
 namespace mixlens {
@@ -199,6 +200,41 @@ Tensor Trace::grad(std::string_view path) const {
 
 const std::map<std::string, Tensor>& Trace::grads() const { return impl_->grads; }
 
+MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) {
+  const ModelInfo& info = model.info();
+  const int n = static_cast<int>(info.layer_kinds.size());
+  if (layer < 0 || layer >= n)
+    throw InputError("mixer_identity: layer " + std::to_string(layer) + " out of range (the model has " +
+                     std::to_string(n) + " layers)");
+  if (prompt_seq < 1) throw InputError("mixer_identity: prompt_seq must be >= 1, got " + std::to_string(prompt_seq));
+  MixerIdentity id;
+  switch (info.layer_kinds[static_cast<size_t>(layer)]) {
+    case LayerKind::mamba2:
+    case LayerKind::hybrid:  // Falcon-H1: the block's recurrent mixer is Mamba-2's
+      id.kind = "ssd";
+      id.state_op = "selective_state_update";
+      break;
+    case LayerKind::mamba:
+      id.kind = "selective_scan";
+      id.state_op = "selective_state_update";
+      break;
+    case LayerKind::gated_deltanet:
+      id.kind = "gated_delta";
+      id.state_op = "gated_delta_rule";
+      break;
+    default:
+      throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +
+                             std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(layer)])) +
+                             ": it has no recurrent mixer (layers." + std::to_string(layer) + ".linear_attn)");
+  }
+  // The prompt kernel is the family's own choice for a fresh cache (Mamba-1 picks by length); a decode
+  // step runs the recurrent kernel unless the route forces the chunked one (route_kernels).
+  const detail::FamilyModel& fam = detail::ModelAccess::family(model);
+  id.prompt_kernel = fam.kernel_for(*fam.new_cache(1), prompt_seq);
+  id.step_kernel = kernel_route(info.family) == KernelRoute::chunked ? "chunked" : "recurrent";
+  return id;
+}
+
 namespace detail {
 
 bool GradAccess::enabled(const Trace& t) { return t.impl_->grad_on; }
@@ -349,7 +385,7 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
     }
     for (const Site& s : sites_[i]) mask_[static_cast<size_t>(s.layer + 1)] |= 1u << static_cast<unsigned>(s.value);
   }
-  trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel});
+  trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel, ctx.first});
 }
 
 void TraceListener::end_call() {}

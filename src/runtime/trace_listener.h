@@ -3,8 +3,8 @@
 #include <string>
 #include <vector>
 
+#include "hooks/listener.h"
 #include "mixlens/trace.h"
-#include "runtime/listener.h"
 
 namespace mixlens::detail {
 

@@ -58,9 +58,12 @@ std::string Tokenizer::StreamDecoder::push(int32_t id) {
   if (im.decoder.kind == Decoder::Kind::Join && any_token_) pending_ += ' ';
   im.token_bytes(*t, pending_);
   any_token_ = true;
+  // HF's rule: the pending text goes out whole once it does not end in U+FFFD (EF BF BD), whether
+  // that is an incomplete character (decoded lossily here) or an invalid byte.
   std::string out;
-  const size_t used = utf8_lossy(out, pending_, false);
-  pending_.erase(0, used);
+  utf8_lossy(out, pending_, true);
+  if (out.size() >= 3 && out.compare(out.size() - 3, 3, "\xEF\xBF\xBD") == 0) return {};
+  pending_.clear();
   return out;
 }
 

@@ -50,7 +50,7 @@ inline double max_abs_diff(const Tensor& a, const Tensor& b) {
 /// differ only in FMA contraction) at layers.3.linear_attn.attention_output of the 4-layer,
 /// 70-token qwen3_5/hv_eq_hk_chunks case. 3e-5 leaves 2.5x headroom over that and stays far below
 /// what a real defect gives (a wrong gate, chunk carry or token offset moves values by 1e-3 or more).
-/// Logits add the lm_head's vocabulary-wide sums on top. tests/python/conftest.py uses the same.
+/// Logits add the lm_head's vocabulary-wide sums on top. dev/mixlens_dev/common.py (rel_rms) uses the same.
 inline constexpr double kValueTolerance = 3e-5;
 inline constexpr double kLogitsTolerance = 1e-4;
 inline double tolerance_for(const std::string& key) {
@@ -123,6 +123,24 @@ inline std::vector<Tensor> run_recorded_steps(const GoldenCase& c, Trace* trace)
     b.mask.assign(b.ids.size(), 1);
   }
   return logits;
+}
+
+// Kernel identity (docs/values.md): each call's `first` is the positions the calls before it pushed
+// through; the mixer's kinds and kernels are what the calls record.
+inline void expect_kernel_identity(const Model& m, const Trace& t, const std::string& kind) {
+  int64_t pushed = 0;
+  for (const CallRecord& call : t.calls()) {
+    EXPECT_EQ(call.first, pushed) << "step " << call.step;
+    pushed += call.seq;
+  }
+  int layer = 0;
+  while (m.info().layer_kinds[static_cast<size_t>(layer)] == LayerKind::attention) ++layer;
+  const MixerIdentity id = mixer_identity(m, layer, t.calls().at(0).seq);
+  EXPECT_EQ(id.kind, kind);
+  EXPECT_EQ(id.state_op, kind == "gated_delta" ? "gated_delta_rule" : "selective_state_update");
+  EXPECT_EQ(id.prompt_kernel, t.calls()[0].kernel);
+  for (const CallRecord& call : t.calls())
+    if (!call.fresh && call.seq == 1) EXPECT_EQ(call.kernel, id.step_kernel) << "step " << call.step;
 }
 
 inline void save_all_values(const Model& m, Trace& t) {

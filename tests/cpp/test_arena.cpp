@@ -1,4 +1,4 @@
-// The big-block cache behind Tensor storage (runtime/arena.h, big_alloc): freed blocks of 32 MiB and
+// The big-block cache behind Tensor storage (ops/arena.h, big_alloc): freed blocks of 32 MiB and
 // more (the `states` stacks) are reused whole, without page faults, within a byte and block cap, by
 // one owner at a time, from any thread.
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "mixlens/tensor.h"
-#include "runtime/arena.h"
+#include "ops/arena.h"
 
 using namespace mixlens;
 

@@ -1,5 +1,5 @@
 // The Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1): parity with transformers through the golden
-// fixtures (scripts/make_fixtures_hybrids.py), the values.md invariants, support() / block kinds,
+// fixtures (scripts/make_fixtures.py), the values.md invariants, support() / block kinds,
 // and load-time errors.
 #include <gtest/gtest.h>
 

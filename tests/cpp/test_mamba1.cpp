@@ -1,4 +1,4 @@
-// Mamba-1 parity with transformers (golden fixtures from scripts/make_fixtures_mamba.py), both
+// Mamba-1 parity with transformers (golden fixtures from scripts/make_fixtures.py --family mamba), both
 // selective-scan algorithms, the values.md invariants, edits and the Mamba-1 decays write rule.
 #include <gtest/gtest.h>
 
@@ -42,6 +42,7 @@ TEST_P(Mamba1Fixture, EveryValueEveryStepMatchesTransformers) {
     EXPECT_EQ(t.calls()[static_cast<size_t>(s)].kernel, "recurrent") << "decode steps use the single-token update";
     EXPECT_EQ(t.calls()[static_cast<size_t>(s)].seq, 1);
   }
+  expect_kernel_identity(c.model, t, "selective_scan");
   EXPECT_FALSE(t.has("layers.0.linear_attn.state_input", 0)) << "state_input is None on a fresh prompt";
 }
 
@@ -54,6 +55,7 @@ TEST_P(Mamba1Fixture, BothScanAlgorithmsMatchTransformers) {
     run_recorded_steps(c, &t);
     expect_values_match(c, t, c.name + " route " + route);
     for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, route);
+    expect_kernel_identity(c.model, t, "selective_scan");
   }
   // Short chunks: the prompt spans several chunks, so the carry between chunks is exercised.
   for (int64_t chunk : {1, 3, 4}) {

@@ -31,6 +31,7 @@ TEST_P(Mamba2Fixture, EveryValueEveryStepMatchesTransformers) {
   EXPECT_TRUE(t.calls()[0].fresh);
   EXPECT_EQ(t.calls()[1].kernel, "recurrent");
   EXPECT_EQ(t.calls()[1].seq, 1);
+  expect_kernel_identity(c.model, t, "ssd");
   EXPECT_FALSE(t.has("layers.0.linear_attn.state_input", 0)) << "state_input is None on a fresh prompt";
 }
 
@@ -41,6 +42,7 @@ TEST_P(Mamba2Fixture, ForcedKernelPathsMatchTransformersToo) {
     Trace t;
     save_all_values(c.model, t);
     run_recorded_steps(c, &t);
+    expect_kernel_identity(c.model, t, "ssd");
     route_kernels("mamba2", "default");
     expect_values_match(c, t, c.name + " route " + route);
     for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, route);

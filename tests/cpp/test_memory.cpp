@@ -9,7 +9,7 @@
 #include "fixture_util.h"
 #include "mixlens/errors.h"
 #include "mixlens/session.h"
-#include "runtime/arena.h"
+#include "ops/arena.h"
 
 using namespace mixlens;
 using namespace mixlens::test;

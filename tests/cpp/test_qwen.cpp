@@ -1,5 +1,5 @@
 // Qwen3.5 / Qwen3-Next (gated DeltaNet hybrids) parity with transformers (golden fixtures from
-// scripts/make_fixtures.py -> scripts/qwen_fixtures.py), the values.md invariants, the two
+// scripts/make_fixtures.py, dev/mixlens_dev/fixtures/qwen.py), the values.md invariants, the two
 // delta-rule kernels agreeing, and load-time errors.
 #include <gtest/gtest.h>
 
@@ -45,6 +45,7 @@ TEST_P(QwenFixture, EveryValueEveryStepMatchesTransformers) {
   // A multi-token continuation runs the chunked kernel from the cached state; one token decodes.
   EXPECT_EQ(t.calls()[1].kernel, t.calls()[1].seq > 1 ? "chunked" : "recurrent");
   EXPECT_FALSE(t.calls()[1].fresh);
+  expect_kernel_identity(c.model, t, "gated_delta");
   EXPECT_FALSE(t.has("layers.0.linear_attn.state_input", 0)) << "state_input is None on a fresh prompt";
 }
 
@@ -55,6 +56,7 @@ TEST_P(QwenFixture, ForcedKernelPathsMatchTransformersToo) {
     Trace t;
     save_all_values(c.model, t);
     run_recorded_steps(c, &t);
+    expect_kernel_identity(c.model, t, "gated_delta");
     route_kernels(GetParam().family, "default");
     EXPECT_GT(expect_golden_values(c.golden, t, c.name + " route " + route), 100);
     for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, route);

@@ -9,11 +9,11 @@
 #include <cstring>
 
 #include "fixture_util.h"
+#include "hooks/listener.h"
 #include "mixlens/errors.h"
 #include "mixlens/model.h"
 #include "mixlens/session.h"
 #include "mixlens/trace.h"
-#include "runtime/listener.h"
 #include "runtime/model_access.h"
 
 using namespace mixlens;

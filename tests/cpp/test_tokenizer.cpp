@@ -300,6 +300,34 @@ TEST(TokenizerStreamDecoder, ConcatenationEqualsDecodeOnCorpus) {
   }
 }
 
+// HF DecodeStream's rule: after each id, the text so far is either all out (decode of the ids so far,
+// which then does not end in U+FFFD) or held back because that decode ends in U+FFFD.
+TEST(TokenizerStreamDecoder, EmitsAsHfDecodeStream) {
+  const std::string fffd = "\xEF\xBF\xBD";
+  for (const std::string name : {"gpt-neox-20b", "qwen3"}) {
+    const Tokenizer& t = get(name);
+    int held = 0;
+    for (const std::string& s : corpus()) {
+      const auto ids = t.encode(s);
+      Tokenizer::StreamDecoder sd(t);
+      std::string out;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const std::string piece = sd.push(ids[i]);
+        out += piece;
+        const std::string so_far = t.decode(std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(i) + 1));
+        const bool ends_fffd = so_far.size() >= 3 && so_far.compare(so_far.size() - 3, 3, fffd) == 0;
+        if (ends_fffd) {
+          ASSERT_EQ(piece, "") << name << " " << show(s) << " at id " << i;
+          ++held;
+        } else {
+          ASSERT_EQ(out, so_far) << name << " " << show(s) << " at id " << i;
+        }
+      }
+    }
+    EXPECT_GT(held, 0) << name << ": the corpus never split a character";
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Bad files
 // ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO, rel_rms
+from mixlens_dev.common import REPO, rel_rms
 
 PROMPT = "Once upon a time, there was a little"
 FIXTURE = REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO, SHIPPED_MODEL
+from mixlens_dev.common import REPO, SHIPPED_MODEL
 
 PROMPT = "Once upon a time, there was a little"
 QWEN = REPO / "models" / "qwen3_5-tinystories"

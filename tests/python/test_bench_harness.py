@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 
-from conftest import REPO
+from mixlens_dev.common import REPO
 
 
 def _harness():

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import oracle_mamba2 as om
-from conftest import REPO, SHIPPED_MODEL, rel_rms, tolerance
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.common import REPO, SHIPPED_MODEL, rel_rms, tolerance
 
 PROMPT = "Once upon a time, there was a little"
 

@@ -19,7 +19,7 @@ import pytest
 
 import mixlens
 from mixlens import _extract
-from conftest import SHIPPED_MODEL
+from mixlens_dev.common import SHIPPED_MODEL
 
 PROMPTS = [
     "Once upon a time, there was a little",

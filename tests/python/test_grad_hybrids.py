@@ -1,10 +1,10 @@
 """Native gradients (issue 12) of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) against torch
-autograd on transformers' pure-torch models (tests/python/oracle_grad_hybrids.py): every value's
+autograd on transformers' pure-torch models (mixlens_dev/oracle_grad_hybrids.py): every value's
 gradient (residual stream, block values, Mamba-2 mixer values, attention queries / keys / values /
 outputs, MLP and MoE outputs), both kernel paths (chunked, and routed to the token recurrence),
 relative RMS <= 1e-4 in float32; left-padded batches; set_index edits.
 
-The models are scripts/make_fixtures_hybrids.py's builder with seeds distinct from the committed
+The models are mixlens_dev.fixtures.hybrids' builder with seeds distinct from the committed
 fixtures; together they cover the grouped gated norm (Nemotron-H, Falcon-H1), the full-width gated
 norm (Bamba), norm-then-gate and no norm (Falcon-H1), every Falcon-H1 µP multiplier, partial RoPE
 (Bamba), no positional encoding (Nemotron-H), GQA, relu2 MLPs, SwiGLU MLPs and a MoE block with
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import mixlens
-import oracle_grad_hybrids as og
-from conftest import rel_rms
-from grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
+from mixlens_dev import oracle_grad_hybrids as og
+from mixlens_dev.common import rel_rms
+from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
 
 PAD = 0
 
@@ -27,7 +27,7 @@ MIXER = ("attention_queries", "attention_keys", "attention_values", "betas", "de
          "attention_head_outputs", "attention_output")
 ATTN = ("attention_queries", "attention_keys", "attention_values", "attention_output")
 
-# family, builder config (on make_fixtures_hybrids.BASE), seed, prompt lengths
+# family, builder config (on mixlens_dev.fixtures.hybrids.BASE), seed, prompt lengths
 CASES = {
     "nemotron_h_g2": dict(family="nemotron_h", config={}, seed=71, lens=[19]),
     "nemotron_h_padded": dict(family="nemotron_h", config=dict(hybrid_override_pattern="M-*M", n_groups=1,
@@ -50,7 +50,7 @@ CASES = {
 
 class Case:
     def __init__(self, name, tmp_path):
-        import make_fixtures_hybrids as mh
+        from mixlens_dev.fixtures import hybrids as mh
 
         spec = CASES[name]
         self.name, self.family = name, spec["family"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import mixlens
-import oracle_grad_mamba as og
-from grad_common import TOL, compare
+from mixlens_dev import oracle_grad_mamba as og
+from mixlens_dev.grad_common import TOL, compare
 
 
 
@@ -33,8 +33,8 @@ MIXER = ("attention_queries", "attention_keys", "attention_values", "betas", "de
 
 class Case:
     def __init__(self, name, tmp_path):
-        import make_fixtures as mf
-        import make_fixtures_mamba as mfm
+        from mixlens_dev import fixtures as mf
+        from mixlens_dev.fixtures import mamba as mfm
 
         spec = CASES[name]
         self.torch_model = mfm.build_model({"seed": spec["seed"], "config": spec["config"]})
@@ -196,7 +196,7 @@ def test_continuation_state_input_matches_torch(case, route, new_tokens):
 
 def test_oracle_is_transformers():
     """The oracle's explicit recurrence gives transformers' own logits (fresh prompt and decode)."""
-    import make_fixtures_mamba as mfm
+    from mixlens_dev.fixtures import mamba as mfm
     import oracle_mamba2 as om2
 
     tm = mfm.build_model({"seed": 61, "config": dict(num_hidden_layers=2)})

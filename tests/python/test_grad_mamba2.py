@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import mixlens
-import oracle_grad_mamba2 as og
-from conftest import SHIPPED_MODEL, build_mamba2, rel_rms
-from grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
+from mixlens_dev import oracle_grad_mamba2 as og
+from mixlens_dev.common import SHIPPED_MODEL, build_mamba2, rel_rms
+from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads as grads_of
 
 
 CASES = {
@@ -30,7 +30,7 @@ MIXER = ("attention_queries", "attention_keys", "attention_values", "betas", "de
 
 class Case:
     def __init__(self, name, tmp_path):
-        import make_fixtures as mf
+        from mixlens_dev import fixtures as mf
 
         spec = CASES[name]
         self.torch_model = build_mamba2(tmp_path, spec["seed"], spec["config"], spec.get("dt_bias"))

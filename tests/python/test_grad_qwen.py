@@ -16,9 +16,9 @@ import torch
 import transformers
 
 import mixlens
-import oracle_grad_qwen as og
-from conftest import REPO, rel_rms
-from grad_common import TOL, compare, mixlens_edits, mixlens_grads
+from mixlens_dev import oracle_grad_qwen as og
+from mixlens_dev.common import REPO, rel_rms
+from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads
 
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",

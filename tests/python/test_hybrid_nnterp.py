@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mixlens
-from conftest import REPO, rel_rms
+from mixlens_dev.common import REPO, rel_rms
 
 MODEL = REPO / "models" / "qwen3_5-tinystories"
 PROMPTS = ["Once upon a time, there was a little", "The cat sat"]
@@ -119,7 +119,7 @@ def test_attentions_and_mlps_output_follow_the_block_kind(ml, hf):
     ("falcon_h1", dict()),  # every µP multiplier away from 1: lm_head_multiplier in project_on_vocab
 ])
 def test_mamba2_hybrids_attention_probabilities_and_projection(family, config, tmp_path):
-    import make_fixtures_hybrids as mh
+    from mixlens_dev.fixtures import hybrids as mh
 
     model = mh.build_model(family, config, seed=61)
     model.save_pretrained(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mixlens
-from conftest import SHIPPED_MODEL, rel_rms
+from mixlens_dev.common import SHIPPED_MODEL, rel_rms
 
 A, B = "Once upon a time, there was a little", "The cat sat"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixlens
-from conftest import SHIPPED_MODEL
+from mixlens_dev.common import SHIPPED_MODEL
 
 A, B = "Once upon a time, there was a little", "The cat sat"
 

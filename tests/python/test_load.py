@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO
+from mixlens_dev.common import REPO
 
 FIXTURE = REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import SHIPPED_MODEL
-from test_cli import cli, find_cli
+from mixlens_dev.common import SHIPPED_MODEL
+from mixlens_dev.cli import find_cli
 
 IDS = [5, 17, 300, 42, 7, 99, 1000, 3, 64, 12, 8, 2048, 77]
 

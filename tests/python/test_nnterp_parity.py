@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixlens
-from conftest import SHIPPED_MODEL, rel_rms
+from mixlens_dev.common import SHIPPED_MODEL, rel_rms
 
 nnterp = pytest.importorskip("nnterp")
 from nnterp.interventions import TargetPrompt as NnTargetPrompt  # noqa: E402

@@ -1,29 +1,23 @@
-"""Tests of the Mamba-1 oracle (tests/python/oracle_mamba.py) and of the committed goldens in
+"""Tests of the Mamba-1 oracle (mixlens_dev/oracle_mamba.py) and of the committed goldens in
 tests/fixtures/mamba: they still agree with the installed transformers, the patching is transparent
 and cannot silently stop taking effect, and the captured values mean what values.md says."""
 
-import json
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-import oracle_mamba as om
 import transformers.models.mamba.modeling_mamba as mm
-from safetensors.numpy import load_file
 from transformers import MambaForCausalLM
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "mamba"
-CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
+from mixlens_dev import fixtures
+from mixlens_dev import oracle_mamba as om
+
+CASES = fixtures.committed_cases("mamba")
 
 
 def load_case(name):
-    d = FIXTURES / name
-    case = json.loads((d / "case.json").read_text())
-    model = MambaForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-    return case, model, load_file(str(d / "golden.safetensors"))
+    return fixtures.load_committed("mamba", name, MambaForCausalLM)
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +33,7 @@ def test_fixture_cases_present():
 def test_live_capture_matches_golden(name):
     case, model, golden = load_case(name)
     live = om.capture(model, case["prompts"], case["n_steps"], case["edits"])
-    assert set(live) == set(golden)
-    for k, ref in golden.items():
-        got = live[k]
-        assert got.dtype == ref.dtype and got.shape == ref.shape, k
-        if ref.dtype.kind in "iu":
-            np.testing.assert_array_equal(got, ref, err_msg=k)
-        else:
-            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=k)
+    fixtures.assert_matches_golden(live, golden)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -1,31 +1,25 @@
-"""Tests of the Mamba-2 oracle (tests/python/oracle_mamba2.py) and of the committed goldens.
+"""Tests of the Mamba-2 oracle (mixlens_dev/oracle_mamba2.py) and of the committed goldens.
 
 The goldens in tests/fixtures/mamba2 are what the C++ tests compare against; these tests make
 sure they still agree with the installed transformers, and that the oracle's capture and edit
 machinery means what values.md says.
 """
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-import oracle_mamba2 as om
 import transformers.models.mamba2.modeling_mamba2 as mm2
-from safetensors.numpy import load_file
 from transformers import Mamba2ForCausalLM
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "mamba2"
-CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
+from mixlens_dev import fixtures
+from mixlens_dev import oracle_mamba2 as om
+
+CASES = fixtures.committed_cases("mamba2")
 
 
 def load_case(name):
-    d = FIXTURES / name
-    case = json.loads((d / "case.json").read_text())
-    model = Mamba2ForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-    return case, model, load_file(str(d / "golden.safetensors"))
+    return fixtures.load_committed("mamba2", name, Mamba2ForCausalLM)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +37,7 @@ def test_live_capture_matches_golden(name):
     case, model, golden = load_case(name)
     assert case["versions"]["transformers"], "case.json records the transformers version"
     live = om.capture(model, case["prompts"], case["n_steps"], case["edits"])
-    assert set(live) == set(golden)
-    for k, ref in golden.items():
-        got = live[k]
-        assert got.dtype == ref.dtype and got.shape == ref.shape, k
-        if ref.dtype.kind in "iu":
-            np.testing.assert_array_equal(got, ref, err_msg=k)
-        else:
-            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=k)
+    fixtures.assert_matches_golden(live, golden)
 
 
 @pytest.mark.parametrize("name", CASES)

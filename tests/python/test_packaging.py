@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import mixlens
-from conftest import REPO
+from mixlens_dev.common import REPO
 
 CMAKE_VERSION = re.search(r"project\(mixlens VERSION ([0-9.]+)", (REPO / "CMakeLists.txt").read_text()).group(1)
 # The wheel is packaged from `make build`'s CMake folder (build/py, same sources and flags: nothing to

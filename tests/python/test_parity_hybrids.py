@@ -1,8 +1,8 @@
 """Live parity of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) with transformers 5.18.
 
-Fresh random models built with scripts/make_fixtures_hybrids.py's builder (seeds distinct from the
+Fresh random models built with mixlens_dev.fixtures.hybrids' builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, through mixer, attention
-and MLP blocks) read through the Python API and compared with tests/python/oracle_hybrids.py;
+and MLP blocks) read through the Python API and compared with mixlens_dev/oracle_hybrids.py;
 8 greedy tokens; left-padded batches; chunk sizes smaller than the prompt; n_groups 1 and 2; edits
 (betas, decays, state_input, attention_values, a self_attn value) against transformers running the
 same modification, teacher-forced with the unedited tokens, on every value.
@@ -12,13 +12,12 @@ Tolerance: relative RMS <= 1e-5 per value, 1e-4 on logits (float32 on both sides
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import mixlens
-import oracle_hybrids as oh
-from conftest import rel_rms
-from test_parity_mamba2 import apply_op, compare, read_every_value
+from mixlens_dev import oracle_hybrids as oh
+from mixlens_dev.common import rel_rms
+from mixlens_dev.parity import ParityCase, assert_edit_moves_logits, compare, edited_run, read_every_value, saved_values
 
 N_STEPS = 8
 PAD = 0
@@ -78,9 +77,10 @@ CASES = {
 }
 
 
-class Case:
+class Case(ParityCase):
     def __init__(self, name, tmp_path):
-        import make_fixtures_hybrids as mh
+        from mixlens_dev import fixtures as mf
+        from mixlens_dev.fixtures import hybrids as mh
 
         spec = CASES[name]
         self.name, self.spec = name, spec
@@ -92,18 +92,11 @@ class Case:
         mh.check_against_plain_hf(self.torch_model, self.prompts, self.ref)
         self.mixer_layers = mh.mixer_layers(self.torch_model)
         oh.check_invariants(self.ref, self.mixer_layers, N_STEPS)
-        assert mh.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
+        assert mf.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
-        self._edited = {}
 
-    def forced(self):
-        return self.ref["tokens"][:, : N_STEPS - 1].tolist()
-
-    def edited_ref(self, edit):
-        if edit["name"] not in self._edited:
-            feeds = [[[t] for t in col] for col in np.array(self.forced()).T.tolist()]
-            self._edited[edit["name"]], _ = oh.run(self.torch_model, self.prompts, PAD, N_STEPS, [edit], feeds=feeds)
-        return self._edited[edit["name"]]
+    def oracle_run(self, edits, feeds):
+        return oh.run(self.torch_model, self.prompts, PAD, N_STEPS, edits, feeds=feeds)[0]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -126,7 +119,7 @@ def test_every_value_every_step(case):
 def test_pre_registered_saves_match(case):
     run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
                               saves=[v["path"] for v in case.model.values()]).run()
-    got = {oh.key(p, k): v for p, per in run.saved.items() for k, v in enumerate(per) if v is not None}
+    got = saved_values(run)
     compare(got, case.ref, case.name + " saves")
     assert run.saved[mix(case.mixer_layers[0], "state_input")][0] is None
     assert run.tokens == case.ref["tokens"].tolist()
@@ -138,21 +131,12 @@ def test_edits_match_transformers_with_the_same_modification(case, how):
         ref = case.edited_ref(edit)
         label = f"{case.name} {edit['name']} ({how})"
         edited_key = oh.key(edit["path"], edit["step"])
-        if how == "interleaved":
-            with case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced()) as tracer:
-                got = read_every_value(case.model, tracer, edit)
-        else:
-            tracer = case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced(),
-                                         saves=[v["path"] for v in case.model.values()],
-                                         edits={edited_key: lambda v, e=edit: apply_op(v, e)}).run()
-            got = {oh.key(p, k): v for p, per in tracer.saved.items() for k, v in enumerate(per) if v is not None}
+        tracer, got = edited_run(case, edit, how)
         # Read-after-write: saves and reads hold what the forward used (the edited site; betas after a
         # decays write is the implied dt), so nothing is exempt from the comparison.
         assert edited_key in got, label
         compare(got, ref, label)
-        diffs = [rel_rms(tracer.logits[k], case.ref[oh.key("logits", k)]) for k in range(N_STEPS)]
-        assert all(d <= 1e-4 for d in diffs[: edit["step"]]) and any(d > 1e-4 for d in diffs[edit["step"]:]), \
-            (label, diffs)
+        assert_edit_moves_logits(tracer, case.ref, edit, label)
 
 
 def _per_layer(entry, n):

@@ -13,7 +13,6 @@ Tolerance: relative RMS <= 1e-5 per value, 1e-4 on logits (float32 on both sides
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +20,9 @@ import pytest
 import torch
 
 import mixlens
-import oracle_mamba as om
-from conftest import REPO, rel_rms, tolerance
-from test_parity_mamba2 import apply_op, compare, read_every_value
+from mixlens_dev import oracle_mamba as om
+from mixlens_dev.common import REPO, rel_rms, tolerance
+from mixlens_dev.parity import ParityCase, compare, edited_run, read_every_value
 
 N_STEPS = 8
 SHIPPED = REPO / "models" / "mamba-tinystories"
@@ -65,16 +64,16 @@ CASES = {
 
 
 def build(tmp_path: Path, seed: int, config: dict):
-    import make_fixtures_mamba as mfm
+    from mixlens_dev.fixtures import mamba as mfm
 
     model = mfm.build_model({"seed": seed, "config": config})
     model.save_pretrained(str(tmp_path))
     return mfm.load_model(tmp_path)
 
 
-class Case:
+class Case(ParityCase):
     def __init__(self, name: str, tmp_path):
-        import make_fixtures as mf
+        from mixlens_dev import fixtures as mf
 
         spec = CASES[name]
         self.name, self.spec = name, spec
@@ -85,9 +84,6 @@ class Case:
         assert margin > 1e-2, f"{name}: greedy margin {margin:.2e}; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
         self.n_layers = self.torch_model.config.num_hidden_layers
-
-    def forced(self) -> list[list[int]]:
-        return self.ref["tokens"][:, : N_STEPS - 1].tolist()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -148,11 +144,7 @@ def test_edits_match_transformers_with_the_same_modification(case, route):
             compare(got, ref, f"{case.name} {edit['name']} ({algorithm})")
             assert any(rel_rms(tracer.logits[k], case.ref[om.key("logits", k)]) > 1e-4 for k in range(N_STEPS))
             # Pre-registered: saves of every value hold what the forward used, edited site included.
-            key = f"{edit['path']}@step{edit['step']}"
-            run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced(),
-                                      saves=[v["path"] for v in case.model.values()],
-                                      edits={key: lambda v, e=edit: apply_op(v, e)}).run()
-            saved = {om.key(p, k): v for p, per in run.saved.items() for k, v in enumerate(per) if v is not None}
+            _, saved = edited_run(case, edit, "pre_registered")
             compare(saved, ref, f"{case.name} {edit['name']} ({algorithm}, pre-registered)")
 
 
@@ -195,8 +187,7 @@ def test_continuation_from_the_cache_equals_the_whole_prompt(tmp_path):
 
 @pytest.fixture(scope="module")
 def published_layout():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_published_layout as mpl
+    from mixlens_dev import published_layout as mpl
 
     path = mpl.cached_mamba1_130m(REPO / "build" / "published")
     assert not mpl.check_mamba1(path)

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import mixlens
-import oracle_mamba2 as om
-from conftest import build_mamba2, rel_rms, tolerance
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.common import build_mamba2, rel_rms
+from mixlens_dev.parity import ParityCase, compare, edited_run, read_every_value, saved_values
 
 N_STEPS = 8
 
@@ -57,9 +58,9 @@ CASES = {
 }
 
 
-class Case:
+class Case(ParityCase):
     def __init__(self, name: str, tmp_path):
-        import make_fixtures as mf
+        from mixlens_dev import fixtures as mf
 
         spec = CASES[name]
         self.name, self.spec = name, spec
@@ -72,58 +73,10 @@ class Case:
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
         self.n_layers = self.torch_model.config.num_hidden_layers
 
-    def forced(self) -> list[list[int]]:
-        """The tokens fed after steps 0..N-2 (the unedited greedy run), per row."""
-        return self.ref["tokens"][:, : N_STEPS - 1].tolist()
-
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     return Case(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def read_every_value(model, tracer, edit=None) -> dict:
-    """Inside a generate block: every value of every step, read in forward order; `edit` (an oracle
-    edit dict) is written at its site when the forward gets there."""
-    got = {}
-    for step in tracer.iter[:]:
-        for v in model.values():
-            path = v["path"]
-            value = model._read(path)
-            if edit is not None and edit["step"] == step and edit["path"] == path:
-                model._write(path, apply_op(value, edit))
-                value = model._read(path)  # the written value, as the rest of the forward sees it
-                if path.endswith(".decays"):
-                    # Read-after-write: betas (one dt with decays) now reads the dt the write implies,
-                    # which transformers records as that step's dt.
-                    betas = path.replace(".decays", ".betas")
-                    got[om.key(betas, step)] = model._read(betas)
-            if value is None:
-                assert step == 0 and path.endswith("state_input"), f"{path}@step{step} is None"
-                continue
-            got[om.key(path, step)] = value
-    return got
-
-
-def apply_op(value: np.ndarray, edit: dict) -> np.ndarray:
-    if edit["op"] == "scale":
-        return value * np.float32(edit["factor"])
-    out = value.copy()
-    out[:, edit["index"]] = edit["value"]
-    return out
-
-
-def compare(got: dict, ref: dict, label: str, skip=()) -> int:
-    keys = [k for k in ref if "@step" in k and not k.startswith("edit/") and k not in skip]
-    missing = sorted(set(keys) - set(got))
-    assert not missing, f"{label}: not produced: {missing[:5]}"
-    bad = []
-    for k in keys:
-        err = rel_rms(got[k], ref[k])
-        if not err <= tolerance(k):
-            bad.append(f"{k}: rel RMS {err:.2e}")
-    assert not bad, f"{label}: {len(bad)} values differ from transformers: {bad[:8]}"
-    return len(keys)
 
 
 def test_every_value_every_step_through_the_block(case):
@@ -140,7 +93,7 @@ def test_every_value_every_step_through_the_block(case):
 def test_pre_registered_saves_match(case):
     run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
                               saves=[v["path"] for v in case.model.values()]).run()
-    got = {om.key(p, k): v for p, per_step in run.saved.items() for k, v in enumerate(per_step) if v is not None}
+    got = saved_values(run)
     compare(got, case.ref, case.name + " saves")
     assert run.saved[mix(0, "state_input")][0] is None
 
@@ -161,15 +114,7 @@ def test_edits_match_transformers_with_the_same_modification(case, how):
         ref = om.run(case.torch_model, case.prompts, N_STEPS, [edit], forced_tokens=np.array(case.forced()).T)
         label = f"{case.name} {edit['name']} ({how})"
         edited_key = om.key(edit["path"], edit["step"])
-        if how == "interleaved":
-            with case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced()) as tracer:
-                got = read_every_value(case.model, tracer, edit)
-        else:
-            key = f"{edit['path']}@step{edit['step']}"
-            tracer = case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced(),
-                                         saves=[v["path"] for v in case.model.values()],
-                                         edits={key: lambda v, e=edit: apply_op(v, e)}).run()
-            got = {om.key(p, k): v for p, per in tracer.saved.items() for k, v in enumerate(per) if v is not None}
+        tracer, got = edited_run(case, edit, how)
         # Read-after-write: saves and reads hold what the forward used, the edited site (and, after a
         # decays write, the implied betas) included, so nothing is exempt from the comparison.
         assert edited_key in got, label

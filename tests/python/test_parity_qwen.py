@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import mixlens
-import oracle_qwen as oq
-from conftest import REPO, rel_rms
-from test_parity_mamba2 import apply_op, compare, read_every_value
+from mixlens_dev import oracle_qwen as oq
+from mixlens_dev.common import REPO, rel_rms
+from mixlens_dev.parity import ParityCase, assert_edit_moves_logits, compare, edited_run, read_every_value, saved_values
 
 N_STEPS = 8
 PAD = 0
@@ -72,37 +72,28 @@ CASES = {
 }
 
 
-class Case:
+class Case(ParityCase):
     def __init__(self, name: str, tmp_path):
-        import make_fixtures as mf
-        import qwen_fixtures as qf
+        from mixlens_dev import fixtures as mf
+        from mixlens_dev.fixtures import qwen as qf
 
         spec = CASES[name]
         self.name, self.spec = name, spec
         model = qf.build_model(spec["family"], spec)
         model.save_pretrained(tmp_path)
         self.torch_model = type(model).from_pretrained(tmp_path).eval()
-        self.prompts = qf.prompts_for(spec, self.torch_model.config.vocab_size)
+        self.prompts = mf.torch_prompts(spec, self.torch_model.config.vocab_size)
         self.ref, rec = oq.run(self.torch_model, self.prompts, PAD, N_STEPS)
         # The patched oracle is transformers itself: same greedy tokens and logits as plain generate.
-        qf.check_against_plain_hf(self.torch_model, self.prompts, self.ref, PAD, None)
+        qf.check_against_plain_hf(self.torch_model, self.ref, greedy=True)
         assert {k for s, _, k in rec.kernel_log if s == 0} == {"chunked"}
         margin = mf.greedy_margin(self.ref, N_STEPS)
         assert margin > 1e-2, f"{name}: greedy margin {margin:.2e}; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
         self.n_layers = self.torch_model.config.num_hidden_layers
-        self._edited = {}
 
-    def forced(self) -> list[list[int]]:
-        """The tokens fed after steps 0..N-2 (the unedited greedy run), per row."""
-        return self.ref["tokens"][:, : N_STEPS - 1].tolist()
-
-    def edited_ref(self, edit: dict) -> dict:
-        """transformers with the same edit, teacher-forced with the unedited tokens (cached per edit)."""
-        if edit["name"] not in self._edited:
-            feeds = [[[t] for t in col] for col in np.array(self.forced()).T.tolist()]
-            self._edited[edit["name"]], _ = oq.run(self.torch_model, self.prompts, PAD, N_STEPS, [edit], feeds=feeds)
-        return self._edited[edit["name"]]
+    def oracle_run(self, edits, feeds):
+        return oq.run(self.torch_model, self.prompts, PAD, N_STEPS, edits, feeds=feeds)[0]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -125,7 +116,7 @@ def test_every_value_every_step_through_the_block(case):
 def test_pre_registered_saves_match(case):
     run = case.model.generate(case.prompts, max_new_tokens=N_STEPS, eos_token_id=-1,
                               saves=[v["path"] for v in case.model.values()]).run()
-    got = {oq.key(p, k): v for p, per_step in run.saved.items() for k, v in enumerate(per_step) if v is not None}
+    got = saved_values(run)
     compare(got, case.ref, case.name + " saves")
     assert run.saved[mix(0, "state_input")][0] is None
     assert run.tokens == case.ref["tokens"].tolist()
@@ -137,23 +128,12 @@ def test_edits_match_transformers_with_the_same_modification(case, how):
         ref = case.edited_ref(edit)
         label = f"{case.name} {edit['name']} ({how})"
         edited_key = oq.key(edit["path"], edit["step"])
-        if how == "interleaved":
-            with case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced()) as tracer:
-                got = read_every_value(case.model, tracer, edit)
-            skip = set()
-        else:
-            tracer = case.model.generate(case.prompts, max_new_tokens=N_STEPS, forced_tokens=case.forced(),
-                                         saves=[v["path"] for v in case.model.values()],
-                                         edits={edited_key: lambda v, e=edit: apply_op(v, e)}).run()
-            got = {oq.key(p, k): v for p, per in tracer.saved.items() for k, v in enumerate(per) if v is not None}
-            # Read-after-write: the save of the edited site holds the edited value the forward used.
-            assert edited_key in got, label
-            skip = set()
-        compare(got, ref, label, skip=skip)
-        # The edit changed the logits from its step on, not before (the comparison is not vacuous).
-        diffs = [rel_rms(tracer.logits[k], case.ref[oq.key("logits", k)]) for k in range(N_STEPS)]
-        assert all(d <= 1e-4 for d in diffs[: edit["step"]]) and any(d > 1e-4 for d in diffs[edit["step"]:]), \
-            (label, diffs)
+        tracer, got = edited_run(case, edit, how)
+        # Read-after-write: saves and reads hold what the forward used (the edited site; betas after a
+        # decays write is the implied dt), so nothing is exempt from the comparison.
+        assert edited_key in got, label
+        compare(got, ref, label)
+        assert_edit_moves_logits(tracer, case.ref, edit, label)
 
 
 @pytest.mark.parametrize("name", ["short_prompt", "padded_batch"])  # last block: softmax attention / GDN

@@ -1,5 +1,5 @@
 """Published Mamba-2 hybrid layouts (random weights, bfloat16, made by transformers 5.18 with the
-configs of scripts/make_published_hybrids.py, where each config's source is written down):
+configs of dev/mixlens_dev/published_hybrids.py, where each config's source is written down):
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers. Built once under build/published/ (a few
 minutes and 1-3 GB each; later runs reuse them). mixlens loads each, matches transformers' float32
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import rel_rms
+from mixlens_dev.common import rel_rms
 
 PROMPT = [1, 17, 923, 4051, 12, 7, 30000, 2, 511, 64, 9001, 3]
 
@@ -59,7 +59,7 @@ BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers"}
 def layout(request):
     import os
 
-    import make_published_hybrids as mph
+    from mixlens_dev import published_hybrids as mph
 
     if request.param in BIG and os.environ.get("MIXLENS_BIG_LAYOUTS") != "1":
         pytest.skip("big reduced layout: set MIXLENS_BIG_LAYOUTS=1 to run it")

@@ -1,6 +1,6 @@
 """The published AntonV/mamba2-130m-hf layout (24 layers, 768 wide, state 128, vocab 50288, tied
-embeddings, gpt-neox tokenizer) with random weights (scripts/make_published_layout.py, cached under
-build/ by scripts/published_layout_cache.py): it loads, tokenizes like HF, and its logits match
+embeddings, gpt-neox tokenizer) with random weights (dev/mixlens_dev/published_layout.py, cached under
+build/ by its cached_layout()): it loads, tokenizes like HF, and its logits match
 transformers on a 16-token prompt."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO, rel_rms
+from mixlens_dev.common import REPO, rel_rms
 
 PROMPT = "The little fox ran across the snowy field to find her friends before dark"
 
 
 @pytest.fixture(scope="module")
 def layout_dir():
-    import published_layout_cache
+    from mixlens_dev import published_layout as published_layout_cache
 
     return published_layout_cache.cached_layout(REPO / "build")
 

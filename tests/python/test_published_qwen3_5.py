@@ -1,6 +1,6 @@
 """The published Qwen/Qwen3.5-0.8B layout at full size (random weights, bfloat16, the VLM checkpoint
 layout: model_type qwen3_5, text_config, model.language_model.*, vision tower present):
-scripts/make_published_layout.py builds it once under build/published/ (~1.8 GB, a few minutes;
+dev/mixlens_dev/published_layout.py builds it once under build/published/ (~1.8 GB, a few minutes;
 later runs reuse it). mixlens loads it through the CLI and matches transformers' logits; the GDN
 values have the published widths (16 heads of 128).
 
@@ -14,8 +14,8 @@ import gc
 import numpy as np
 import pytest
 
-from conftest import rel_rms
-from qwen_cli import REPO, run_values
+from mixlens_dev.common import rel_rms
+from mixlens_dev.cli import REPO, run_values
 
 # Token ids, not text: the Qwen tokenizer is not available offline. Spread over the vocabulary
 # (including ids past 151k, the part a Qwen3-sized table would not have).
@@ -24,7 +24,7 @@ PROMPT = [9707, 11, 1879, 0, 248000, 151643, 42, 77, 12345, 200001, 3, 248319]
 
 @pytest.fixture(scope="module")
 def layout_dir():
-    import make_published_layout as mpl
+    from mixlens_dev import published_layout as mpl
 
     return mpl.cached_qwen3_5_0_8b(REPO / "build" / "published")
 

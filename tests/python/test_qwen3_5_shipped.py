@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qwen_cli import REPO, cli
+from mixlens_dev.cli import REPO, cli
 
 MODEL = REPO / "models" / "qwen3_5-tinystories"
 PROMPT = "Once upon a time"

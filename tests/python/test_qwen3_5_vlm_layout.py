@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from conftest import rel_rms
-from qwen_cli import cli, run_values
+from mixlens_dev.common import rel_rms
+from mixlens_dev.cli import cli, run_values
 
 LIN, FULL = "linear_attention", "full_attention"
 TEXT = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4,

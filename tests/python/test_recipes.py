@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from mixlens_dev.common import REPO
 
 RECIPES = sorted((REPO / "docs" / "recipes").glob("*.py"))
 

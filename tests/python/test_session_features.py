@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO, rel_rms
+from mixlens_dev.common import REPO, rel_rms
 
 FAMILIES = ["mamba/basic", "mamba2/g1_chunks", "qwen3_5/hv_2hk", "qwen3_next/moe_hv_2hk", "nemotron_h/groups2_edits",
             "bamba/groups2_edits", "falcon_h1/norm_before_gate"]
@@ -396,7 +396,7 @@ def test_an_interrupt_while_a_block_exits_never_leaves_the_model_locked(monkeypa
     """A Ctrl-C landing in the tracer's release (here: unmounting torch's `.save`, its first step) left the
     model's lock held with no open tracer: every later trace waited forever. The lock is released in a
     `finally`, and by the tracer's __del__ when it dies still holding it."""
-    import mixlens._model as mm
+    import mixlens._tracer as mm  # the tracer module releases the model (mixlens._model re-exports Tracer)
 
     m = mixlens.load(str(REPO / "tests" / "fixtures" / "mamba2" / "g1_chunks"))
     original = mm.unmount_tensor_save

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import mixlens
-import oracle_mamba as om1
-import oracle_mamba2 as om2
-import oracle_qwen as oq
-from conftest import build_mamba2, rel_rms
+from mixlens_dev import oracle_mamba as om1
+from mixlens_dev import oracle_mamba2 as om2
+from mixlens_dev import oracle_qwen as oq
+from mixlens_dev.common import build_mamba2, rel_rms
 
 STATE_TOL, LOGIT_TOL = 1e-5, 1e-4
 QWEN_PAD = 0
@@ -39,7 +39,7 @@ class Family:
     """A fresh random model of one family, with its oracle and chunk length."""
 
     def __init__(self, name: str, tmp_path):
-        import make_fixtures as mf
+        from mixlens_dev import fixtures as mf
 
         self.name = name
         if name == "mamba2":
@@ -47,14 +47,14 @@ class Family:
                                                                tie_word_embeddings=True))
             self.chunk, self.route_family, self.layers = 4, "mamba2", [0, 1]
         elif name == "mamba":
-            import make_fixtures_mamba as mfm
+            from mixlens_dev.fixtures import mamba as mfm
 
             model = mfm.build_model({"seed": 82, "config": dict(num_hidden_layers=2, tie_word_embeddings=True)})
             model.save_pretrained(str(tmp_path))
             self.torch_model = mfm.load_model(tmp_path)
             self.chunk, self.route_family, self.layers = 64, "mamba", [0, 1]
         else:
-            import qwen_fixtures as qf
+            from mixlens_dev.fixtures import qwen as qf
 
             spec = dict(seed=83, prompts=[1], config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
                                                             linear_num_key_heads=2, linear_num_value_heads=4))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import mixlens  # noqa: E402
-from conftest import REPO, rel_rms  # noqa: E402
+from mixlens_dev.common import REPO, rel_rms  # noqa: E402
 
 CHECKPOINTS = {
     "mamba2": (REPO / "tests/fixtures/mamba2/g1_chunks", [1, 3, 8, 64]),  # config chunk 8; no dt clamp

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import mixlens
-from conftest import NEOX_TOKENIZER, REPO
+from mixlens_dev.common import NEOX_TOKENIZER, REPO
 
 CORPUS = REPO / "tests" / "fixtures" / "tokenizer" / "corpus.jsonl"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mixlens
-from conftest import rel_rms
+from mixlens_dev.common import rel_rms
 
 PROMPT = "Once upon a time, there was a little"
 

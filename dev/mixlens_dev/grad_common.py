@@ -1,0 +1,112 @@
+"""Helpers shared by the gradient oracles (oracle_grad_*.py: torch autograd on transformers'
+pure-torch models) and the gradient tests (test_grad_*.py), issue 12: keeping a value for its
+``.grad``, the set_index edit, collecting the gradients as numpy, and the relative-RMS comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mixlens_dev.common import rel_rms
+
+TOL = 1e-4  # relative RMS of every gradient against torch autograd, float32 (issue 12)
+
+
+def keep(store: dict, path: str, t: torch.Tensor) -> torch.Tensor:
+    """Store ``t`` under ``path`` and keep its ``.grad`` after backward (non-leaf tensors)."""
+    if t.requires_grad:
+        t.retain_grad()
+    store[path] = t
+    return t
+
+
+def set_index(t: torch.Tensor, edit: dict) -> torch.Tensor:
+    """The oracle's write: ``out = t.clone(); out[:, index] = value`` (written elements are constants)."""
+    out = t.clone()
+    out[:, int(edit["index"])] = float(edit["value"])
+    return out
+
+
+def mixlens_edits(edits) -> dict:
+    """The same set_index edits as mixlens edit functions ({path: fn}, in place on the served value)."""
+    def setter(e):
+        def f(v):
+            v[:, e["index"]] = e["value"]
+            return v
+        return f
+
+    return {e["path"]: setter(e) for e in edits}
+
+
+def scan_dt(a: dict) -> torch.Tensor:
+    """The dt transformers' mamba2_chunk_scan uses, from its bound arguments: (+ dt_bias), softplus, clamp."""
+    dt = a["dt"]
+    if a["dt_bias"] is not None:
+        dt = dt + a["dt_bias"].to(dt.dtype)
+    if a["dt_softplus"]:
+        dt = torch.nn.functional.softplus(dt)
+    return torch.clamp(dt, min=a["dt_limit"][0], max=a["dt_limit"][1])
+
+
+def leaf(store: dict, out: torch.Tensor) -> torch.Tensor:
+    """The embeddings as the graph's leaf (the weights are frozen): every value downstream requires grad."""
+    return keep(store, "embed_tokens.output", out.detach().requires_grad_(True))
+
+
+def hook_ssm_backbone(bb, store: dict, handles: list, mixer_pre, mixer_post) -> None:
+    """Hooks of a Mamba / Mamba-2 backbone: the embeddings leaf, each block's layer_input / layer_output,
+    the given mixer pre / post hooks (with_kwargs, bound to the layer index ``i``), and norm_f."""
+    handles.append(bb.embeddings.register_forward_hook(lambda mod, args, out: leaf(store, out)))
+    for i, block in enumerate(bb.layers):
+        def pre(mod, args, kwargs, i=i):
+            keep(store, f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
+
+        def post(mod, args, kwargs, out, i=i):
+            return keep(store, f"layers.{i}.layer_output", out)
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+        handles.append(block.mixer.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: mixer_pre(mod, args, kwargs, i), with_kwargs=True))
+        handles.append(block.mixer.register_forward_hook(
+            lambda mod, args, kwargs, out, i=i: mixer_post(mod, args, kwargs, out, i), with_kwargs=True))
+    handles.append(bb.norm_f.register_forward_hook(lambda mod, args, out: keep(store, "ln_final.output", out)))
+
+
+def collect(store: dict, states: dict, metric: torch.Tensor, transpose_states: bool = False) -> dict[str, np.ndarray]:
+    """The gradients as numpy (zeros where nothing flowed): every kept tensor, each per-token state list
+    stacked on axis 1 (``transpose_states``: its last two axes swapped, to the served key-side-first
+    layout), and ``metric``'s value."""
+    grads = {}
+    for path, sts in states.items():
+        g = torch.stack([s.grad if s.grad is not None else torch.zeros_like(s) for s in sts], 1)
+        grads[path] = (g.transpose(-1, -2) if transpose_states else g).contiguous().numpy().copy()
+    for path, t in store.items():
+        g = t.grad if t.grad is not None else torch.zeros_like(t)
+        grads[path] = g.detach().float().contiguous().numpy().copy()
+    grads["metric"] = np.array(float(metric.detach()))
+    return grads
+
+
+def mixlens_grads(model, prompts, paths, metric, edits=None, **trace_kwargs):
+    """mixlens' gradients of ``metric(logits)`` for ``paths`` in one recorded call, and the trace."""
+    with model.trace(prompts, saves=paths, edits=edits, grad=True, **trace_kwargs) as tr:
+        pass
+    tr.backward(metric(tr.logits))
+    return {p: tr.grad(p).numpy() for p in paths}, tr
+
+
+def compare(got: dict, ref: dict, label: str, paths=None, skip=()) -> int:
+    """Assert every gradient of ``ref`` (or of ``paths``) matches ``got`` to TOL relative RMS; returns
+    how many were compared."""
+    bad, n = [], 0
+    for path in (paths if paths is not None else ref):
+        if path == "metric" or path in skip:
+            continue
+        assert path in got, f"{label}: mixlens served no gradient for {path}"
+        err = rel_rms(got[path], ref[path])
+        n += 1
+        if not err <= TOL:
+            bad.append(f"{path}: rel RMS {err:.2e}")
+    assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
+    return n

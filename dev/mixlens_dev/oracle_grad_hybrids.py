@@ -1,0 +1,207 @@
+"""Gradient oracle for the Mamba-2 hybrids (issue 12): torch autograd on transformers 5.18's
+pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM with every value of
+values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
+
+* Mixer values: the module-global ``mamba2_chunk_scan`` of each hybrid's modeling module is
+  replaced as in oracle_grad_mamba2.py (``scan="hf"``: transformers' own chunked scan runs on the
+  retained x, B, C, dt; ``scan="recurrence"``: the explicit token recurrence with ``decays = A dt``
+  and the per-token ``states`` as tensors of their own).
+* Attention: queries / keys after RoPE from the patched ``apply_rotary_pos_emb`` (Bamba,
+  Falcon-H1: after key_multiplier, as mixlens serves them) or from the q / k projections
+  (Nemotron-H: no positional encoding); values from v_proj; outputs from the attention module.
+* Where mixlens serves a value after a µP multiplier that transformers applies outside the module
+  (Falcon-H1: embeddings, mixer output, attention output), the retained tensor is the multiplied
+  one and the module returns it divided back, so the graph is transformers' own.
+* Edits are ``set_index`` writes (``v = v.clone(); v[:, idx] = c``) on linear_attn and self_attn
+  values: the written elements are constants, as mixlens documents for writes.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from mixlens_dev import oracle_hybrids as oh
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.grad_common import collect, scan_dt, set_index as _set_index
+
+
+class _Grad:
+    def __init__(self, model, scan, edits):
+        assert scan in ("hf", "recurrence")
+        self.model, self.scan, self.edits = model, scan, list(edits)
+        self.mod = oh.module_for(model)
+        self.tm = model.model
+        self.cfg = model.config
+        self.falcon = self.mod is oh.mf
+        self.nemotron = self.mod is oh.mn
+        self.keep: dict[str, torch.Tensor] = {}
+        self.keep_states: dict[str, list] = {}
+        self.block = None
+        self.applied = {id(e): 0 for e in self.edits}
+        self.handles = []
+
+    def put(self, path, t):
+        if path in self.keep:
+            raise RuntimeError(f"{path} kept twice")
+        if t.requires_grad:
+            t.retain_grad()
+        self.keep[path] = t
+        return t
+
+    def edit(self, comp, name, t):
+        for e in self.edits:
+            if e["path"] == f"layers.{self.block}.{comp}.{name}":
+                t = _set_index(t, e)
+                self.applied[id(e)] += 1
+        return t
+
+    # ---- the Mamba-2 scan ------------------------------------------------------------------
+    def chunk_scan(self, *args, **kwargs):
+        ba = self.sig.bind(*args, **kwargs)
+        ba.apply_defaults()
+        a = ba.arguments
+        if a["initial_states"] is not None:
+            raise NotImplementedError("the gradient oracle runs fresh prompts")
+        base = f"layers.{self.block}.linear_attn."
+        dt = scan_dt(a)
+        ed = lambda n, t: self.edit("linear_attn", n, t)  # noqa: E731
+        x = self.put(base + "attention_values", ed("attention_values", a["hidden_states"]))
+        Bm = self.put(base + "attention_keys", ed("attention_keys", a["B"]))
+        Cm = self.put(base + "attention_queries", ed("attention_queries", a["C"]))
+        dt = self.put(base + "betas", ed("betas", dt))
+        A = a["A"].float()
+        if self.scan == "hf":
+            y, S = self.orig_scan(x, dt, a["A"], Bm, Cm, a["chunk_size"], D=a["D"], dt_bias=None, dt_softplus=False,
+                                  dt_limit=(0.0, float("inf")), return_final_states=True)
+        else:
+            dec = self.put(base + "decays", ed("decays", A * dt.float()))
+            b, T, H, P = x.shape
+            G, N = Bm.shape[2], Bm.shape[3]
+            Bh = Bm.float().repeat_interleave(H // G, dim=2)
+            Ch = Cm.float().repeat_interleave(H // G, dim=2)
+            S = torch.zeros(b, H, P, N)
+            states = []
+            for t in range(T):
+                S = S * torch.exp(dec[:, t, :, None, None]) + (dt[:, t, :, None, None] * Bh[:, t, :, None, :]) * \
+                    x[:, t, :, :, None].float()
+                S.retain_grad()  # total derivative: S_t feeds y_t and S_{t+1}
+                states.append(S)
+            self.keep_states[base + "states"] = states
+            st = torch.stack(states, 1)  # [B,T,H,P,N]
+            y = (st * Ch[:, :, :, None, :]).sum(-1) + a["D"].float()[None, None, :, None] * x.float()
+            S = st[:, -1]
+        y = self.put(base + "attention_head_outputs", ed("attention_head_outputs", y))
+        return (y, S) if a["return_final_states"] else y
+
+    # ---- RoPE (Bamba, Falcon-H1) -------------------------------------------------------------
+    def rope(self, q, k, cos, sin, *args, **kwargs):
+        qe, ke = self.orig_rope(q, k, cos, sin, *args, **kwargs)
+        p = f"layers.{self.block}.self_attn."
+        qt = self.put(p + "attention_queries", self.edit("self_attn", "attention_queries", qe.transpose(1, 2)))
+        kt = self.put(p + "attention_keys", self.edit("self_attn", "attention_keys", ke.transpose(1, 2)))
+        return qt.transpose(1, 2), kt.transpose(1, 2)
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def install(self):
+        tm, H, cfg = self.tm, self.handles, self.cfg
+        emb = tm.embeddings if self.nemotron else tm.embed_tokens
+        em = float(cfg.embedding_multiplier) if self.falcon else 1.0
+
+        def emb_hook(m, a, o):
+            # The graph's leaf (the weights are frozen): every value downstream requires grad.
+            leaf = self.put("embed_tokens.output", (o * em).detach().requires_grad_(True))
+            return leaf / em if em != 1.0 else leaf
+
+        H.append(emb.register_forward_hook(emb_hook))
+        ssm_out = float(cfg.ssm_out_multiplier) if self.falcon else 1.0
+        attn_out = float(cfg.attention_out_multiplier) if self.falcon else 1.0
+        for i, layer in enumerate(tm.layers):
+            def pre(m, args, kwargs, i=i):
+                self.block = i
+                self.put(f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
+
+            def post(m, args, kwargs, out, i=i):
+                self.put(f"layers.{i}.layer_output", oh._one(out))
+                self.block = None
+
+            H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            H.append(layer.register_forward_hook(post, with_kwargs=True))
+            mamba, attn, mlp = oh.block_parts(layer, self.nemotron)
+            if mamba is not None:
+                def mpost(m, args, kwargs, out, i=i):
+                    o3 = out[:, None] if out.dim() == 2 else out
+                    kept = self.put(f"layers.{i}.linear_attn.attention_output",
+                                    self.edit("linear_attn", "attention_output", o3 * ssm_out))
+                    return (kept / ssm_out if ssm_out != 1.0 else kept).reshape(out.shape)
+
+                H.append(mamba.register_forward_hook(mpost, with_kwargs=True))
+            if attn is not None:
+                hd = attn.head_dim
+
+                def heads(name, i=i, hd=hd):
+                    def f(m, a, o):
+                        b, t, _ = o.shape
+                        kept = self.put(f"layers.{i}.self_attn.{name}",
+                                        self.edit("self_attn", name, o.view(b, t, -1, hd)))
+                        return kept.reshape(b, t, -1)
+                    return f
+
+                H.append(attn.v_proj.register_forward_hook(heads("attention_values")))
+                if self.nemotron:  # no RoPE: q and k straight from the projections
+                    H.append(attn.q_proj.register_forward_hook(heads("attention_queries")))
+                    H.append(attn.k_proj.register_forward_hook(heads("attention_keys")))
+
+                def apost(m, a, o, i=i):
+                    kept = self.put(f"layers.{i}.self_attn.attention_output",
+                                    self.edit("self_attn", "attention_output", o[0] * attn_out))
+                    return (kept / attn_out if attn_out != 1.0 else kept,) + tuple(o[1:])
+
+                H.append(attn.register_forward_hook(apost))
+            if mlp is not None:
+                H.append(mlp.register_forward_hook(
+                    lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", oh._one(o))))
+        fn = tm.norm_f if self.nemotron else tm.final_layernorm
+        H.append(fn.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
+
+    def __enter__(self):
+        m = self.mod
+        self.orig_scan = m.mamba2_chunk_scan
+        self.sig = inspect.signature(self.orig_scan)
+        m.mamba2_chunk_scan = self.chunk_scan
+        if not self.nemotron:
+            self.orig_rope = m.apply_rotary_pos_emb
+            m.apply_rotary_pos_emb = self.rope
+        self.install()
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.mamba2_chunk_scan = self.orig_scan
+        if not self.nemotron:
+            self.mod.apply_rotary_pos_emb = self.orig_rope
+        for h in self.handles:
+            h.remove()
+        return False
+
+
+def run(model, prompts, metric, pad_id=0, scan="hf", edits=()) -> dict[str, np.ndarray]:
+    """Gradients (numpy, served layouts) of ``metric(logits)`` for every value of one prompt call
+    (left-padded batch, position ids and mask as generate builds them)."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ids, mask = om.pad_prompts(prompts, pad_id)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    g = _Grad(model, scan, edits)
+    with g, torch.enable_grad():
+        cache = oh.mn.DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        logits = g.put("logits", out.logits.float())
+        m = metric(logits)
+        m.backward()
+    bad = [e["path"] for e in g.edits if g.applied[id(e)] != 1]
+    if bad:
+        raise RuntimeError(f"edits {bad} were not applied exactly once")
+    return collect(g.keep, g.keep_states, m, transpose_states=True)

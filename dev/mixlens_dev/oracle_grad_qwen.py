@@ -1,0 +1,199 @@
+"""Gradient oracle for Qwen3.5 / Qwen3-Next (issue 12): torch autograd on transformers' pure-torch
+Qwen3_5ForCausalLM / Qwen3NextForCausalLM with every value of values.md kept (``retain_grad``), so
+its ``.grad`` can be compared with mixlens' native backward.
+
+The gated-delta kernels are module globals of ``modeling_qwen3_5`` / ``modeling_qwen3_next``
+(oracle_qwen.py relies on the same); the wrapper makes the kernel's inputs (q, k per value head before
+the in-kernel L2 norm, v, g, beta, the initial state) retained tensors and runs one of three scans,
+whatever kernel transformers picked for the call:
+
+* ``scan="chunk"``: transformers' ``torch_chunk_gated_delta_rule`` (autograd through the chunked
+  algorithm); every value except the per-token ``states``, which it never forms.
+* ``scan="recurrent"``: transformers' ``torch_recurrent_gated_delta_rule``; same values.
+* ``scan="explicit"``: the token recurrence written out here with every ``S_t`` retained; every value.
+
+Attention values: q / k after RoPE (the patched ``apply_rotary_pos_emb``), v and the output-gate
+logits from the q_proj / v_proj outputs, the attention output. Edits are ``set_index`` writes
+(``out = v.clone(); out[:, idx] = c``): the written elements are constants, as mixlens documents.
+A continuation runs the prompt without gradients first (its cache is a constant) and differentiates
+the second call, with the GDN ``state_input`` a leaf.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from mixlens_dev import oracle_qwen as oq
+from mixlens_dev.grad_common import collect, keep as _keep, set_index as _set_index
+
+_PATH = re.compile(r"^layers\.(\d+)\.(linear_attn|mlp|self_attn)\.([a-z_]+)$")
+
+
+def explicit_rule(q, k, v, g, beta, S0, keep_states):
+    """The gated delta rule token by token ([B,T,H,*] layouts), each state retained."""
+    q = oq.mq35.l2norm(q.float(), dim=-1, eps=1e-6) / (q.shape[-1] ** 0.5)
+    k = oq.mq35.l2norm(k.float(), dim=-1, eps=1e-6)
+    b, T, H, Dk = k.shape
+    S = torch.zeros(b, H, Dk, v.shape[-1]) if S0 is None else S0.float()
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].float().exp()[..., None, None]
+        mem = (S * k[:, t, :, :, None]).sum(-2)
+        delta = (v[:, t].float() - mem) * beta[:, t].float()[..., None]
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        S.retain_grad()
+        keep_states.append(S)
+        outs.append((S * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=None):
+    """Gradients (numpy, served layouts) of ``metric(logits)`` for every value of the differentiated call:
+    the prompt, or (``continuation``: [B, n] ids) the call continuing it."""
+    assert scan in ("chunk", "recurrent", "explicit")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    mod = oq.mq35 if "qwen3_5" in type(model).__module__ else oq.mqn
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    keep, states = {}, {}
+    cur = {"layer": None, "grad": False}
+    edits = list(edits)
+    orig = {n: getattr(mod, n) for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                                         "apply_rotary_pos_emb")}
+
+    def edit(path, t):
+        for e in edits:
+            if e["path"] == path:
+                t = _set_index(t, e)
+        return t
+
+    def delta_rule(query, key, value, g=None, beta=None, **kw):
+        if not cur["grad"]:
+            return orig["torch_chunk_gated_delta_rule"](query, key, value, g=g, beta=beta, **kw)
+        base = f"layers.{cur['layer']}.linear_attn."
+
+        def k_(name, t):
+            return _keep(keep, base + name, edit(base + name, t))
+
+        query, key, value = k_("attention_queries", query), k_("attention_keys", key), k_("attention_values", value)
+        beta, g = k_("betas", beta), k_("decays", g)
+        init = kw.pop("initial_state", None)
+        if init is not None:
+            init = k_("state_input", init.detach().clone().requires_grad_(True))
+        if scan == "explicit":
+            sts = states[base + "states"] = []
+            out, S = explicit_rule(query, key, value, g, beta, init, sts)
+        else:
+            f = orig["torch_chunk_gated_delta_rule" if scan == "chunk" else "torch_recurrent_gated_delta_rule"]
+            out, S = f(query, key, value, g=g, beta=beta, initial_state=init, **kw)
+        out = k_("attention_head_outputs", out)
+        return out, S
+
+    def rope(q, k, cos, sin, *a, **kw):
+        qe, ke = orig["apply_rotary_pos_emb"](q, k, cos, sin, *a, **kw)
+        if cur["grad"]:
+            base = f"layers.{cur['layer']}.self_attn."
+            qe = _keep(keep, base + "attention_queries", qe)  # [B,H,T,d]: transposed when served
+            ke = _keep(keep, base + "attention_keys", ke)
+        return qe, ke
+
+    handles = []
+
+    def hook(module, fn, **kw):
+        handles.append(module.register_forward_hook(fn, **kw))
+
+    def emb_hook(m, a, o):
+        if not cur["grad"]:
+            return o
+        return _keep(keep, "embed_tokens.output", o.detach().requires_grad_(True))
+
+    hook(text.embed_tokens, emb_hook)
+    for i, layer in enumerate(text.layers):
+        def pre(m, args, kwargs, i=i):
+            cur["layer"] = i
+            if cur["grad"]:
+                _keep(keep, f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
+
+        def post(m, a, o, i=i):
+            if cur["grad"]:
+                _keep(keep, f"layers.{i}.layer_output", o[0] if isinstance(o, tuple) else o)
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        hook(layer, post)
+
+        def mlp_post(m, a, o, i=i):
+            if not cur["grad"]:
+                return o
+            return _keep(keep, f"layers.{i}.mlp.output", edit(f"layers.{i}.mlp.output", o))
+
+        hook(layer.mlp, mlp_post)
+        if hasattr(layer, "linear_attn"):
+            def lin_post(m, a, o, i=i):
+                if not cur["grad"]:
+                    return o
+                p = f"layers.{i}.linear_attn.attention_output"
+                return _keep(keep, p, edit(p, o))
+
+            hook(layer.linear_attn, lin_post)
+        else:
+            at = layer.self_attn
+
+            def qproj(m, a, o, i=i):
+                return _keep(keep, f"layers.{i}.self_attn.#q_proj", o) if cur["grad"] else o
+
+            def vproj(m, a, o, i=i):
+                return _keep(keep, f"layers.{i}.self_attn.attention_values", o) if cur["grad"] else o
+
+            def att_post(m, a, o, i=i):
+                if not cur["grad"]:
+                    return o
+                p = f"layers.{i}.self_attn.attention_output"
+                return (_keep(keep, p, edit(p, o[0])),) + tuple(o[1:])
+
+            hook(at.q_proj, qproj)
+            hook(at.v_proj, vproj)
+            hook(at, att_post)
+    hook(text.norm, lambda m, a, o: _keep(keep, "ln_final.output", o) if cur["grad"] else o)
+
+    mod.torch_chunk_gated_delta_rule = delta_rule
+    mod.torch_recurrent_gated_delta_rule = delta_rule
+    mod.apply_rotary_pos_emb = rope
+    try:
+        ids, mask = oq.pad_prompts(prompts, pad_id)
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = oq.mq35.DynamicCache(config=model.config.get_text_config())
+        if continuation is not None:
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            x = torch.as_tensor(continuation, dtype=torch.long)
+            pos = pos[:, -1:] + torch.arange(1, x.shape[1] + 1)[None]
+            mask = torch.cat([mask, torch.ones_like(x)], 1)
+            ids = x
+        cur["grad"] = True
+        with torch.enable_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits = _keep(keep, "logits", out.logits.float())
+            m = metric(logits)
+            m.backward()
+    finally:
+        for n, f in orig.items():
+            setattr(mod, n, f)
+        for h in handles:
+            h.remove()
+    grads = collect(keep, states, m)
+    hd = text.config.head_dim
+    for path in [p for p in grads if p != "metric"]:
+        g, mt = grads[path], _PATH.match(path)
+        if path.endswith("#q_proj"):  # per head [query | gate]: the gate half is the gate logits' gradient
+            b, T, _ = g.shape
+            grads[path.replace("#q_proj", "gate")] = np.ascontiguousarray(g.reshape(b, T, -1, 2 * hd)[..., hd:].reshape(b, T, -1))
+            del grads[path]
+        elif mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys"):
+            grads[path] = np.ascontiguousarray(g.transpose(0, 2, 1, 3))  # [B,H,T,d] -> served [B,T,H,d]
+        elif mt and mt.group(2) == "self_attn" and mt.group(3) == "attention_values":
+            grads[path] = g.reshape(g.shape[0], g.shape[1], -1, hd)
+    return grads

@@ -1,0 +1,267 @@
+"""Mamba-2 hybrids oracle (Nemotron-H, Bamba, Falcon-H1): every value of transformers 5.18's
+pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM.
+
+The Mamba-2 mixer values come from the same kernel patching as oracle_mamba2 (``mamba2_chunk_scan``
+and ``mamba2_selective_state_update`` are module globals of each hybrid's modeling module, resolved
+at call time; the recorder checks every mixer went through exactly one patched call). Attention
+queries/keys come from the patched ``apply_rotary_pos_emb`` (Bamba, Falcon-H1) or the q/k
+projections (Nemotron-H: no positional encoding); values from v_proj; the rest from module hooks.
+
+Where mixlens serves a value after a µP multiplier that transformers applies outside the module
+(Falcon-H1: embeddings * embedding_multiplier, mamba output * ssm_out_multiplier, attention output *
+attention_out_multiplier), the oracle records the multiplied tensor: what the block adds.
+
+Keys: ``"<path>@step<k>"`` as oracle_mamba2, plus ``layers.{i}.self_attn.<value>`` and
+``layers.{i}.mlp.output``. Edits: any linear_attn value oracle_mamba2 edits, plus
+``self_attn.attention_values`` and ``self_attn.attention_output``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import transformers.models.bamba.modeling_bamba as mb
+import transformers.models.falcon_h1.modeling_falcon_h1 as mf
+import transformers.models.nemotron_h.modeling_nemotron_h as mn
+
+from mixlens_dev import oracle_mamba2 as om
+from mixlens_dev.oracle_loop import run_steps
+
+key = om.key
+_np = om._np
+_PATH_RE = re.compile(r"^layers\.(\d+)\.(linear_attn|self_attn)\.([a-z_]+)$")
+
+
+def module_for(model):
+    name = type(model).__module__
+    return mn if "nemotron_h" in name else mb if "bamba" in name else mf
+
+
+def _one(o):
+    return o[0] if isinstance(o, tuple) else o
+
+
+def block_parts(layer, nemotron: bool):
+    """(Mamba-2 mixer, attention, MLP / MoE) modules of one decoder layer, None where absent:
+    a Nemotron-H block holds one of them (by block_type), Bamba / Falcon-H1 layers several."""
+    if nemotron:
+        kind = layer.block_type
+        return (layer.mixer if kind == "linear_attention" else None, layer.mixer if kind == "full_attention" else None,
+                layer.mixer if kind in ("mlp", "moe") else None)
+    return getattr(layer, "mamba", None), getattr(layer, "self_attn", None), layer.feed_forward
+
+
+class Recorder(om._Recorder):
+    """oracle_mamba2's kernel patching and edits, with the hybrid block structure's hooks."""
+
+    def __init__(self, model, edits: Sequence[dict] = (), record: bool = True):
+        # Not calling the parent __init__: it expects model.backbone.
+        self.model = model
+        self.mod = module_for(model)
+        self.tm = model.model
+        self.cfg = model.config
+        self.n_layers = len(self.tm.layers)
+        self.edits = list(edits)
+        self.record = record
+        self.values = {}
+        self.step = 0
+        self.cur_layer = None
+        self.block = None
+        self.kernel_calls = {}
+        self.rope_calls = {}
+        self.applied = {e["name"]: 0 for e in self.edits}
+        self.kernel_log = []
+        self.max_recurrence_err = 0.0
+        self._handles = []
+        self.falcon = self.mod is mf
+
+    # ---- edits -----------------------------------------------------------------------------
+    def _edits_for(self, value, comp="linear_attn"):
+        layer = self.cur_layer if comp == "linear_attn" else self.block
+        out = []
+        for e in self.edits:
+            m = _PATH_RE.match(e["path"])
+            if m is None:
+                raise ValueError(f"edit {e['name']!r}: path {e['path']!r} is not a linear_attn/self_attn value")
+            if int(m.group(1)) == layer and m.group(2) == comp and m.group(3) == value and int(e["step"]) == self.step:
+                out.append(e)
+        return out
+
+    def _edit(self, value, tensor, comp="linear_attn"):
+        edits = self._edits_for(value, comp)
+        for e in edits:
+            tensor = om._apply_op(tensor, e).to(tensor.dtype)
+            self.applied[e["name"]] += 1
+        return tensor, bool(edits)
+
+    def _state_update(self, *args, **kwargs):
+        # torch's vectorised softplus on the head-dim-expanded dt can differ by one ulp between the
+        # SIMD body and the scalar tail (Falcon-H1 head_dim 12), so HF's decode dt is not exactly
+        # constant over head_dim. Compute it once per head (as mixlens and the chunked path do)
+        # and pass it pre-activated; the state update itself is unchanged.
+        ba = self._update_sig.bind(*args, **kwargs)
+        ba.apply_defaults()
+        a = ba.arguments
+        dt = a["dt"][..., :1]
+        if a["dt_bias"] is not None:
+            dt = dt + a["dt_bias"][..., :1].to(dt.dtype)
+        if a["dt_softplus"]:
+            dt = torch.nn.functional.softplus(dt)
+        a["dt"], a["dt_bias"], a["dt_softplus"] = dt.expand_as(a["dt"]), None, False
+        return super()._state_update(*ba.args, **ba.kwargs)
+
+    # ---- patched RoPE --------------------------------------------------------------------------
+    def _rope(self, q, k, cos, sin, *args, **kwargs):
+        self.rope_calls.setdefault(self.block, []).append("rope")
+        qe, ke = self._orig_rope(q, k, cos, sin, *args, **kwargs)
+        p = f"layers.{self.block}.self_attn."
+        self.put(p + "attention_queries", qe.transpose(1, 2))
+        self.put(p + "attention_keys", ke.transpose(1, 2))
+        return qe, ke
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _install_hooks(self):
+        tm, H = self.tm, self._handles
+        emb = tm.embeddings if self.mod is mn else tm.embed_tokens
+        em = float(getattr(self.cfg, "embedding_multiplier", 1.0)) if self.falcon else 1.0
+        H.append(emb.register_forward_hook(lambda m, a, o: self.put("embed_tokens.output", o * em)))
+        ssm_out = float(self.cfg.ssm_out_multiplier) if self.falcon else 1.0
+        attn_out = float(self.cfg.attention_out_multiplier) if self.falcon else 1.0
+
+        for i, layer in enumerate(tm.layers):
+            def pre(m, args, kwargs, i=i):
+                self.block = i
+                self.put(f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
+
+            def post(m, args, kwargs, out, i=i):
+                self.put(f"layers.{i}.layer_output", _one(out))
+                self.block = None
+
+            H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            H.append(layer.register_forward_hook(post, with_kwargs=True))
+            mamba, attn, mlp = block_parts(layer, self.mod is mn)
+            if mamba is not None:
+                def mpre(m, args, kwargs, i=i):
+                    self.cur_layer = i
+
+                def mpost(m, args, kwargs, out, i=i):
+                    # FalconH1RMSNormGated drops the token axis of a one-token call ([B, D]); the
+                    # block broadcasts it back. Record it as [B, 1, D].
+                    o3 = out[:, None] if out.dim() == 2 else out
+                    scaled, w = self._edit("attention_output", o3 * ssm_out)
+                    self.put(f"layers.{i}.linear_attn.attention_output", scaled)
+                    if len(self.kernel_calls.get(i, [])) != 1:
+                        raise RuntimeError(f"layer {i} step {self.step}: patched kernel calls "
+                                           f"{self.kernel_calls.get(i)}; the patching did not take")
+                    self.cur_layer = None
+                    return (scaled / ssm_out).reshape(out.shape) if w else out
+
+                H.append(mamba.register_forward_pre_hook(mpre, with_kwargs=True))
+                H.append(mamba.register_forward_hook(mpost, with_kwargs=True))
+            if attn is not None:
+                hd = attn.head_dim
+
+                def vproj(m, a, o, i=i, hd=hd):
+                    b, t, _ = o.shape
+                    v, w = self._edit("attention_values", o.view(b, t, -1, hd), "self_attn")
+                    self.put(f"layers.{i}.self_attn.attention_values", v)
+                    return v.reshape(b, t, -1) if w else o
+
+                H.append(attn.v_proj.register_forward_hook(vproj))
+                if self.mod is mn:  # no RoPE: q and k straight from the projections
+                    H.append(attn.q_proj.register_forward_hook(
+                        lambda m, a, o, i=i, hd=hd: self.put(f"layers.{i}.self_attn.attention_queries",
+                                                             o.view(o.shape[0], o.shape[1], -1, hd))))
+                    H.append(attn.k_proj.register_forward_hook(
+                        lambda m, a, o, i=i, hd=hd: self.put(f"layers.{i}.self_attn.attention_keys",
+                                                             o.view(o.shape[0], o.shape[1], -1, hd))))
+
+                def apost(m, a, o, i=i):
+                    out, w = self._edit("attention_output", o[0] * attn_out, "self_attn")
+                    self.put(f"layers.{i}.self_attn.attention_output", out)
+                    return (out / attn_out,) + tuple(o[1:]) if w else o
+
+                H.append(attn.register_forward_hook(apost))
+            if mlp is not None:
+                H.append(mlp.register_forward_hook(lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", _one(o))))
+        fn = tm.norm_f if self.mod is mn else tm.final_layernorm
+        H.append(fn.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
+
+    def begin_step(self, step):
+        super().begin_step(step)
+        self.rope_calls = {}
+
+    def end_step(self):
+        for i, layer in enumerate(self.tm.layers):
+            has_mamba = (layer.block_type == "linear_attention") if self.mod is mn else hasattr(layer, "mamba")
+            has_rope = self.mod is not mn and hasattr(layer, "self_attn")
+            if has_mamba and len(self.kernel_calls.get(i, [])) != 1:
+                raise RuntimeError(f"step {self.step} layer {i}: mixer did not go through the patched kernels")
+            if has_rope and self.rope_calls.get(i) != ["rope"]:
+                raise RuntimeError(f"step {self.step} layer {i}: attention did not go through the patched RoPE")
+
+    def __enter__(self):
+        m = self.mod
+        self._orig_chunk = m.mamba2_chunk_scan
+        self._orig_update = m.mamba2_selective_state_update
+        self._chunk_sig = inspect.signature(self._orig_chunk)
+        self._update_sig = inspect.signature(self._orig_update)
+        m.mamba2_chunk_scan = self._chunk_scan
+        m.mamba2_selective_state_update = self._state_update
+        if m is not mn:
+            self._orig_rope = m.apply_rotary_pos_emb
+            m.apply_rotary_pos_emb = self._rope
+        self._install_hooks()
+        return self
+
+    def __exit__(self, *exc):
+        m = self.mod
+        m.mamba2_chunk_scan = self._orig_chunk
+        m.mamba2_selective_state_update = self._orig_update
+        if m is not mn:
+            m.apply_rotary_pos_emb = self._orig_rope
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+pad_prompts = om.pad_prompts
+
+
+def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
+    """Prompt (step 0), then n_steps-1 single-token steps (greedy, or feeds[k-1] [B,1] when given),
+    through a DynamicCache. Position ids and the growing attention mask as generate builds them."""
+    ids, mask = pad_prompts(prompts, pad_id)
+    cache = mn.DynamicCache(config=model.config)
+    with Recorder(model, edits, record) as rec, torch.no_grad():
+        out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
+    bad = [n for n, c in rec.applied.items() if c != 1]
+    if bad:
+        raise RuntimeError(f"edits {bad} applied {[rec.applied[n] for n in bad]} times (expected 1)")
+    values = dict(rec.values) if record else out_values
+    values["input_ids"] = ids.numpy()
+    values["attention_mask"] = mask.numpy()
+    values["tokens"] = torch.stack(tokens, 1).numpy()
+    return values, rec
+
+
+def check_invariants(values, layers_with_mixer, n_steps):
+    """values.md invariants on the mixer layers (see oracle_mamba2.check_invariants)."""
+    for i in layers_with_mixer:
+        base = f"layers.{i}.linear_attn."
+        for k in range(n_steps):
+            st, so = values[key(base + "states", k)], values[key(base + "state_output", k)]
+            if k == 0:
+                err = float(np.abs(st[:, -1] - so).max()) / max(float(np.abs(so).max()), 1e-30)
+                assert err <= om.RECURRENCE_RTOL * 10, (i, k, err)
+            else:
+                assert np.array_equal(st[:, -1], so), (i, k)
+            if k + 1 < n_steps:
+                assert np.array_equal(so, values[key(base + "state_input", k + 1)]), (i, k)
+            assert bool((values[key(base + "decays", k)] <= 0).all()) and bool((values[key(base + "betas", k)] >= 0).all())

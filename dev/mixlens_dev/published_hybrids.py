@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Random-weight stand-ins for published Mamba-2 hybrid checkpoints, made by transformers 5.18
+(save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
+
+    .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
+
+Where the configs come from (no internet here; the hub files could not be fetched)
+----------------------------------------------------------------------------------
+* tiiuae/Falcon-H1-0.5B-Base, FULL size (36 layers). Every field below is quoted identically by
+  three independent ports found with the search tool: mlx-lm's falcon_h1 ``ModelArgs`` defaults,
+  NVIDIA Megatron-Bridge's ``FalconH1ModelProvider500M`` ("Based on tiiuae/Falcon-H1-0.5B-Instruct,
+  model architecture from config.json") and a research config ("Source of truth: the published
+  Falcon-H1-0.5B-Base config"): hidden 1024, 36 layers, intermediate 2048, 8 heads / 2 KV heads,
+  head_dim 64, mamba_d_ssm 1536, 24 mamba heads of 64, d_state 128, 1 group, d_conv 4, chunk 128,
+  mamba_rms_norm false, norm_before_gate false, vocab 32784, rope_theta 1e11, untied head
+  (Megatron-Bridge), and the µP multipliers.
+* nvidia/Nemotron-H-8B-Base-8K, exact widths, REDUCED to its first 8 blocks ("M-M-M-M*" of the
+  published 52-block pattern "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", which holds
+  every block kind): hidden 4096, 32 heads / 8 KV heads of 128, 128 mamba heads of 64, state 128,
+  8 groups, conv 4, vocab 131072 (quoted by two parameter-counting projects' copies of the
+  config.json); intermediate 21504, chunk 128, time_step_min 0.001, relu2 are NemotronHConfig's
+  defaults, which are the 8B's (the class was written for it). Full depth would be 8.1B params.
+* ibm-ai-platform/Bamba-9B, exact widths, REDUCED to 2 layers (attention on layer 1; the
+  release has 32 layers with attention on 9, 18, 27): hidden 4096, 32 heads, mamba_d_state 128,
+  attn_layer_indices [9, 18, 27] are quoted by a config survey; 8 KV heads, intermediate 14336,
+  128 mamba heads (d_head 64), 1 group, d_conv 4, expand 2, chunk 256 are BambaConfig's defaults,
+  which match the 9B; vocab 128256, rope_theta 10000, bos/eos 128000/128001, pad 0 and
+  partial_rotary_factor 0.5 agree with a published tiny-random config derived from
+  ibm-fms/Bamba-9B (yujiepan/bamba-tiny-random, whose config.json names it as its source).
+* Falcon-H1-Tiny: no config could be found offline; not built.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from mixlens_dev import published_layout
+from mixlens_dev.common import REPO
+
+FALCON_H1_0_5B = dict(
+    vocab_size=32784, hidden_size=1024, num_hidden_layers=36, intermediate_size=2048, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=64, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False,
+    max_position_embeddings=16384, rope_theta=1e11, attention_bias=False, mlp_bias=False, projectors_bias=False,
+    mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=128, mamba_conv_bias=True, mamba_proj_bias=False, mamba_rms_norm=False,
+    mamba_norm_before_gate=False, embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625,
+    key_multiplier=0.39062499999999994, attention_in_multiplier=1.0, attention_out_multiplier=0.9375,
+    ssm_in_multiplier=1.25, ssm_out_multiplier=0.23570226039551587,
+    mlp_multipliers=[0.8838834764831844, 0.5859375],
+    ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+    pad_token_id=0, bos_token_id=1, eos_token_id=11,
+)
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_H_8B_8BLOCKS = dict(
+    vocab_size=131072, hidden_size=4096, hybrid_override_pattern=NEMOTRON_H_8B_PATTERN[:8],
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
+    ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2, intermediate_size=21504, chunk_size=128,
+    mlp_hidden_act="relu2", layer_norm_epsilon=1e-5, tie_word_embeddings=False, max_position_embeddings=8192,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+BAMBA_9B_2LAYERS = dict(
+    vocab_size=128256, hidden_size=4096, num_hidden_layers=2, attn_layer_indices=[1], num_attention_heads=32,
+    num_key_value_heads=8, intermediate_size=14336, mamba_n_heads=128, mamba_d_head=64, mamba_d_state=128,
+    mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, bos_token_id=128000, eos_token_id=128001,
+)
+LAYOUTS = {
+    "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
+    "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
+    "bamba_9b_2layers": ("BambaForCausalLM", "BambaConfig", BAMBA_9B_2LAYERS),
+}
+
+
+def make(name: str, out_dir, seed: int = 0) -> dict:
+    """save_pretrained a random model of layout `name` in bfloat16 (transformers' own init, rounded
+    once; a float32 reference must load the file and widen it so both sides see the same weights)."""
+    import torch
+    import transformers
+
+    model_cls, cfg_cls, cfg = LAYOUTS[name]
+    t0 = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg)).to(torch.bfloat16).eval()
+    model.save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return {"out_dir": str(out), "parameters": n, "total_s": round(time.time() - t0, 1)}
+
+
+def cached(name: str, root=REPO / "build" / "published") -> Path:
+    """The `name` folder, built once under `root` and reused (published_layout.cached)."""
+    return published_layout.cached(root, name, lambda out: make(name, out), Path(__file__))
+
+
+if __name__ == "__main__":
+    print(make(sys.argv[1], sys.argv[2]))

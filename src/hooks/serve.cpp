@@ -1,0 +1,130 @@
+#include "hooks/serve.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "mixlens/errors.h"
+
+namespace mixlens::detail {
+
+namespace {
+// Index of the first NaN / inf in p[0, n), or -1. Blocks are screened with an integer OR over the
+// exponent bits (vectorizes without -ffast-math, unlike a float test); only a hit is located.
+int64_t first_non_finite(const float* p, int64_t n) {
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    uint32_t hit = 0;
+    for (int64_t i = b; i < e; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + i, sizeof bits);
+      hit |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    if (hit)
+      for (int64_t i = b; i < e; ++i)
+        if (!std::isfinite(p[i])) return i;
+  }
+  return -1;
+}
+}  // namespace
+
+void FiniteWatch::check(int layer, Value v, const Tensor& t) {
+  if (!first_.empty() || !t.defined()) return;
+  const float* p = t.begin();
+  const int64_t bad = first_non_finite(p, t.numel());
+  if (bad < 0) {
+    last_finite_ = Site{layer, v};  // its path only for the message (every layer passes here)
+    return;
+  }
+  const std::string path = site_path({layer, v});
+  // Row-major index -> coordinates, for the message.
+  std::string at;
+  int64_t rest = bad;
+  std::vector<int64_t> idx(t.shape().size());
+  for (size_t d = t.shape().size(); d-- > 0;) {
+    idx[d] = rest % t.shape()[d];
+    rest /= t.shape()[d];
+  }
+  for (size_t d = 0; d < idx.size(); ++d) at += (d ? ", " : "") + std::to_string(idx[d]);
+  const float x = p[bad];
+  first_ = path + " = " + (std::isnan(x) ? "NaN" : x > 0 ? "inf" : "-inf") + " at [" + at + "]";
+}
+
+void FiniteWatch::finish(const Tensor& logits) const {
+  const float* p = logits.begin();
+  int64_t bad = 0;
+  if (first_non_finite(p, logits.numel()) >= 0)
+    for (int64_t i = 0; i < logits.numel(); ++i) bad += !std::isfinite(p[i]);
+  // Also when the logits computed stayed finite (e.g. only the last position's): the NaN is in the
+  // cache or in values that full logits would show, so the call's results are not trustworthy.
+  if (bad == 0 && first_.empty()) return;
+  std::string msg = bad ? family_ + ": forward produced non-finite logits (" + std::to_string(bad) + " of " +
+                              std::to_string(logits.numel()) + " entries are NaN or inf)"
+                        : family_ + ": forward produced a non-finite value (the logits computed stayed finite)";
+  if (!first_.empty()) {
+    msg += "; the first non-finite value was " + first_;
+    if (last_finite_) msg += " (" + site_path(*last_finite_) + " before it was finite)";
+  } else {
+    msg += "; every value before the lm_head was finite (logits overflowed float32)";
+  }
+  msg += ". A written value or input of extreme magnitude (e.g. 3e38) overflows float32; check the edits of this call";
+  throw NumericError(msg);
+}
+
+void apply_row_mask(Tensor& t, const Batch& in) {
+  const int64_t rows = in.batch * in.seq;
+  const int64_t width = t.numel() / rows;
+  float* p = t.data();
+  for (int64_t r = 0; r < rows; ++r)
+    if (!in.mask[static_cast<size_t>(r)]) std::memset(p + r * width, 0, sizeof(float) * static_cast<size_t>(width));
+}
+
+ValueInfo global_value(Value v, Shape shape, std::string meaning) {
+  ValueInfo i;
+  i.site = {-1, v};
+  i.path = site_path(i.site);
+  i.shape = std::move(shape);
+  i.meaning = std::move(meaning);
+  return i;
+}
+
+ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::string meaning) {
+  ValueInfo i;
+  i.site = {layer, v};
+  i.path = site_path(i.site);
+  i.shape = std::move(shape);
+  i.per_token = per_token;
+  // The token axis is a property of the value: the single-state values have none, states has one
+  // (family tables once passed 'writable' here for them).
+  if (v == Value::state_input || v == Value::state_output || v == Value::state) i.per_token = false;
+  if (v == Value::states) i.per_token = true;
+  i.meaning = std::move(meaning);
+  return i;
+}
+
+void copy_state_into(const Tensor& state, Tensor& states, int64_t t) {
+  const int64_t B = states.size(0), T = states.size(1), per = state.numel() / B;
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(state.data() + b * per, state.data() + (b + 1) * per, states.data() + (b * T + t) * per);
+}
+
+void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,
+                       const std::function<Tensor(const Tensor&)>& serve,
+                       const std::function<void(const Tensor&, Tensor&)>& store) {
+  if (ls && ls->wants(li, Value::state_input)) {
+    Tensor served = has_state ? serve(S) : Tensor();
+    Shape shape{S.size(0)};
+    for (int64_t d : served_row) shape.push_back(d);
+    if (ls->visit(li, Value::state_input, served, shape) && served.defined()) store(served, S);
+  }
+}
+
+void visit_state_output(int li, Tensor& S, Listener* ls, const std::function<Tensor(const Tensor&)>& serve,
+                        const std::function<void(const Tensor&, Tensor&)>& store) {
+  if (!ls || !ls->wants(li, Value::state_output)) return;
+  Tensor served = serve(S);
+  if (ls->visit(li, Value::state_output, served, served.shape())) store(served, S);
+}
+
+}  // namespace mixlens::detail

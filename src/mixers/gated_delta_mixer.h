@@ -1,0 +1,67 @@
+// The gated DeltaNet mixer (in_proj -> causal conv + SiLU -> gated delta rule scan -> gated RMSNorm
+// -> out_proj) as one component: the Qwen hybrids (models/qwen_hybrid.cpp) run it in their linear
+// attention blocks. Reference: transformers Qwen3_5GatedDeltaNet.forward; model-math.md §3.3. Its
+// backward: grad/gated_delta_mixer_grad.cpp.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "hooks/kept.h"
+#include "hooks/listener.h"
+#include "io/weights.h"
+#include "mixlens/model.h"
+
+namespace mixlens::detail {
+
+/// GDN sizes of one model (model-math.md §3.3.2).
+struct GdnDims {
+  int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0;
+  int64_t key_dim() const { return HK * Dk; }
+  int64_t value_dim() const { return HV * Dv; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+  /// Rows of the combined input projection [q | k | v | z | b | a].
+  int64_t proj_rows() const { return conv_dim() + value_dim() + 2 * HV; }
+};
+
+/// One layer's weights.
+struct GatedDeltaMixerWeights {
+  Tensor in_proj;  // [proj_rows, D]
+  Tensor conv_wT;  // [K, conv_dim]
+  Tensor neg_A;    // [HV] -exp(A_log)
+  Tensor dt_bias;  // [HV]
+  Tensor gnorm;    // [Dv] plain weight
+  Tensor out_proj; // [D, value_dim]
+};
+
+/// What one mixer call reads and updates besides its input.
+struct GatedDeltaMixerCall {
+  int layer = 0;
+  Tensor* conv = nullptr;  ///< [B, K, conv_dim] last K pre-conv inputs (updated)
+  Tensor* ssm = nullptr;   ///< [B, HV, Dk, Dv] state; the served layout is this one (updated)
+  bool has_state = false;  ///< conv/ssm hold a previous call's state
+  bool chunked = true;     ///< the chunked kernel (else the token recurrence)
+  Listener* ls = nullptr;
+  /// A call recorded for gradients: the forward keeps in_proj's output, and on a whole chunked scan
+  /// the chunk entry states and o (grad::Kept), which the backward would otherwise recompute.
+  grad::KeptTensors* tape = nullptr;
+};
+
+class GatedDeltaMixer {
+ public:
+  GatedDeltaMixer() = default;
+  GatedDeltaMixer(const GdnDims& g, int64_t K, float eps) : g_(g), D_(g.D), K_(K), eps_(eps) {}
+  /// Every weight under the mixer prefix `m` but in_proj, whose row layout the family decides
+  /// (QwenHybridSpec::load_gdn_in_proj).
+  void load(const io::WeightStore& w, const std::string& m, GatedDeltaMixerWeights& l) const;
+  /// One call on the normed block input [B,T,D]; `masked`: zero the padding rows of the input first
+  /// (apply_mask_to_padding_states). Returns what the block adds to the residual.
+  Tensor forward(const GatedDeltaMixerWeights& l, const Tensor& n_in, const Batch& in, bool masked,
+                 const GatedDeltaMixerCall& call) const;
+
+ private:
+  GdnDims g_;
+  int64_t D_ = 0, K_ = 4;
+  float eps_ = 1e-6f;
+};
+
+}  // namespace mixlens::detail

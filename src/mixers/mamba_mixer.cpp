@@ -1,0 +1,207 @@
+#include "mixers/mamba_mixer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+#include "hooks/serve.h"
+#include "mixers/selective_scan.h"
+#include "mixers/ssm_kernels.h"
+#include "mixlens/errors.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+// f(r) for every token row r < rows, on the worker pool: the mixer's elementwise passes
+// (softplus, gate) cost as much as a GEMM's share when run on one thread.
+void for_rows(int64_t rows, const std::function<void(int64_t)>& f) {
+  constexpr int64_t kRows = 8;
+  ops::parallel_for((rows + kRows - 1) / kRows, [&](int64_t blk) {
+    for (int64_t r = blk * kRows; r < std::min(rows, (blk + 1) * kRows); ++r) f(r);
+  });
+}
+
+}  // namespace
+
+MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& p) const {
+  MambaMixerWeights l;
+  l.in_proj = w.get_matmul(p + "in_proj.weight", {2 * E_, D_});
+  if (use_bias_) l.in_proj_bias = w.get(p + "in_proj.bias", {2 * E_});
+  l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {E_, 1, K_}));
+  l.conv_bias = use_conv_bias_ ? w.get(p + "conv1d.bias", {E_}) : Tensor({E_});
+  l.x_proj = w.get_matmul(p + "x_proj.weight", {R_ + 2 * N_, E_});
+  l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
+  l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
+  const Tensor A_log = w.get(p + "A_log", {E_, N_});
+  l.A = Tensor({E_, N_});
+  for (int64_t k = 0; k < E_ * N_; ++k) l.A[k] = -std::exp(A_log[k]);
+  l.D = w.get(p + "D", {E_});
+  l.out_proj = w.get_matmul(p + "out_proj.weight", {D_, E_});
+  if (use_bias_) l.out_proj_bias = w.get(p + "out_proj.bias", {D_});
+  return l;
+}
+
+std::string MambaMixer::prompt_kernel(int64_t seq) const {
+  const int64_t channel_blocks = (E_ + 31) / 32;
+  return channel_blocks < ops::num_threads() && seq >= 4 * chunk_ ? "chunked" : "recurrent";
+}
+
+void MambaMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
+  v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj (shared by all channels), as the scan reads the state"));
+  v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj (shared by all channels), where each token writes"));
+  v.push_back(layer_value(i, Value::attention_values, {B, T, E_}, true, "u = silu(conv1d(x)) after the padding mask, as the scan receives it (x_proj has already read it: writes change what tokens write and the D skip, not dt/B/C)"));
+  v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, "dt = softplus(dt_proj(dt_low)); write >= 0"));
+  v.push_back(layer_value(i, Value::decays, {B, T, E_, N_}, true, "A*dt (A = -exp(A_log)) per channel and state index; a write sets dt = decays / A and must imply one dt per (token, channel) across the state axis"));
+  v.push_back(layer_value(i, Value::state_input, {B, E_, N_}, true, "SSM state the call starts from; None on a fresh prompt"));
+  auto s = layer_value(i, Value::states, {B, T, E_, N_}, false, "SSM state after every token (computed only when asked)");
+  s.writable = false;
+  v.push_back(s);
+  v.push_back(layer_value(i, Value::state_output, {B, E_, N_}, true, "SSM state after the call's last token (goes to the cache)"));
+  v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, E_}, true, "y = C.S + D*u per channel, before the silu(z) gate"));
+  v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(y * silu(z)), added to the residual"));
+}
+
+Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, const Batch& in,
+                           const MambaMixerCall& call) const {
+  const int li = call.layer;
+  Listener* ls = call.ls;
+  const int64_t B = in.batch, T = in.seq, BT = B * T, XR = R_ + 2 * N_;
+  // transformers applies the 2-D mask whenever one is given (generate gives it on the prompt
+  // only); an all-ones mask is a no-op, so "has padding" is the same condition.
+  const bool masked = in.has_padding();
+  const float* n = n_in.data();
+  Tensor nm;
+  if (masked) {
+    nm = n_in.clone();
+    apply_row_mask(nm, in);
+    n = nm.data();
+  }
+  Tensor xz({B, T, 2 * E_});
+  ops::linear(n, BT, D_, lw.in_proj, xz.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
+
+  // Causal depthwise conv over x with the cached K inputs as left context (zeros on a fresh
+  // prompt, so a prompt shorter than K sees zero padding), then SiLU and the mask again.
+  Tensor u({B, T, E_});
+  ops::causal_conv1d(xz.data(), 2 * E_, B, T, E_, K_, lw.conv_wT.data(), lw.conv_bias.data(),
+                     call.conv->data(), u.data(), true);
+  if (masked) apply_row_mask(u, in);
+
+  // x_proj -> dt_low | B | C; dt = softplus(dt_proj.weight @ dt_low + dt_proj.bias).
+  Tensor dbc({B, T, XR});
+  ops::linear(u.data(), BT, E_, lw.x_proj, dbc.data());
+  Tensor Bm({B, T, N_}), Cm({B, T, N_}), dt({B, T, E_});
+  for (int64_t r = 0; r < BT; ++r) {
+    std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));
+    std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
+  }
+  // dt_proj and the softplus per block of rows on the pool (one sgemm call runs on one thread).
+  const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
+  ops::parallel_for(dt_blocks, [&](int64_t blk) {
+    const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;
+    ops::gemm(false, true, r1 - r0, E_, R_, 1.0f, dbc.data() + r0 * XR, XR, lw.dt_proj.data(), R_, 0.0f,
+              dt.data() + r0 * E_, E_);
+    for (int64_t r = r0; r < r1; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
+  });
+
+  visit_if(ls, li, Value::attention_queries, Cm);
+  visit_if(ls, li, Value::attention_keys, Bm);
+  visit_if(ls, li, Value::attention_values, u);
+  visit_if(ls, li, Value::betas, dt);
+  if (ls && ls->wants(li, Value::decays)) visit_decays(li, lw, dt, ls);
+
+  Tensor& S = call.begin_state();
+  Tensor y({B, T, E_});
+  Tensor states;
+  if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, E_, N_});
+  const bool chunked = call.chunked;
+  // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted.
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t b = 0; b < B; ++b) {
+      SelectiveScanArgs a;
+      a.T = t1 - t0; a.E = E_; a.N = N_;
+      a.u = u.data() + (b * T + t0) * E_;
+      a.dt = dt.data() + (b * T + t0) * E_;
+      a.B = Bm.data() + (b * T + t0) * N_;
+      a.C = Cm.data() + (b * T + t0) * N_;
+      a.A = lw.A.data();
+      a.D = lw.D.data();
+      a.S = S.data() + b * E_ * N_;
+      a.y = y.data() + (b * T + t0) * E_;
+      a.states = states.defined() ? states.data() + (b * T + t0) * E_ * N_ : nullptr;
+      a.chunk = chunk_;
+      if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
+    }
+  };
+  scan_with_stops(ls, li, T, run, [&](int64_t t) { call.state_at(t, states); });
+  if (states.defined()) {
+    ls->visit(li, Value::states, states, states.shape());
+    ls->recycle_stack(std::move(states));
+  }
+  call.end_state();
+  visit_if(ls, li, Value::attention_head_outputs, y);
+
+  Tensor g({B, T, E_});
+  for_rows(BT, [&](int64_t r) { ops::mul_silu(y.data() + r * E_, xz.data() + r * 2 * E_ + E_, g.data() + r * E_, E_); });
+  Tensor out({B, T, D_});
+  ops::linear(g.data(), BT, E_, lw.out_proj, out.data(), lw.out_proj_bias.defined() ? lw.out_proj_bias.data() : nullptr);
+  visit_if(ls, li, Value::attention_output, out);
+  return out;
+}
+
+// decays = A*dt has a state axis that dt lacks. A write is mapped back to the one dt per
+// (token, channel): rows left bit-identical keep their dt exactly; a changed row must imply the
+// same dt = decays[n] / A[e, n] for every n (within kDecayAgreement, relative), and dt is their
+// mean. Anything else has no dt that produces it, so it is refused rather than approximated.
+Tensor MambaMixer::decays_of(const MambaMixerWeights& lw, const Tensor& dt) const {
+  const int64_t B = dt.size(0), T = dt.size(1);
+  Tensor dec({B, T, E_, N_});
+  for (int64_t r = 0; r < B * T; ++r)
+    for (int64_t e = 0; e < E_; ++e)
+      for (int64_t k = 0; k < N_; ++k) dec[(r * E_ + e) * N_ + k] = lw.A[e * N_ + k] * dt[r * E_ + e];
+  return dec;
+}
+
+void MambaMixer::visit_decays(int li, const MambaMixerWeights& lw, Tensor& dt, Listener* ls) const {
+  Tensor dec = decays_of(lw, dt);
+  if (!ls->visit(li, Value::decays, dec, dec.shape())) return;
+  dt = betas_for_decays(li, lw, dt, dec);
+  ls->revised(li, Value::betas, dt);  // a save / copy of betas now holds the dt in use
+}
+
+Tensor MambaMixer::betas_for_decays(int li, const MambaMixerWeights& lw, const Tensor& betas_before,
+                                    const Tensor& dec) const {
+  constexpr double kDecayAgreement = 1e-5;
+  const int64_t B = betas_before.size(0), T = betas_before.size(1);
+  const Tensor before = decays_of(lw, betas_before);
+  Tensor dt = betas_before.clone();
+  for (int64_t r = 0; r < B * T; ++r)
+    for (int64_t e = 0; e < E_; ++e) {
+      const float* d = dec.data() + (r * E_ + e) * N_;
+      if (std::memcmp(d, before.data() + (r * E_ + e) * N_, sizeof(float) * static_cast<size_t>(N_)) == 0) continue;
+      double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
+      for (int64_t k = 0; k < N_; ++k) {
+        const double v = static_cast<double>(d[k]) / lw.A[e * N_ + k];
+        lo = std::min(lo, v), hi = std::max(hi, v), sum += v;
+      }
+      auto where_at = [&] {
+        return "write to 'layers." + std::to_string(li) + ".linear_attn.decays': at batch " + std::to_string(r / T) +
+               ", token " + std::to_string(r % T) + ", channel " + std::to_string(e);
+      };
+      if (!std::isfinite(lo) || !std::isfinite(hi))
+        throw WriteError(where_at() + " the written decays give a non-finite dt = decays / A");
+      if (hi - lo > kDecayAgreement * std::max(std::fabs(hi), std::fabs(lo)))
+        throw WriteError(where_at() + ": Mamba-1 decays [B,T,d_inner,state] is A*dt with one dt per (token, "
+                         "channel), but the written values imply dt = decays/A from " +
+                         std::to_string(lo) + " to " + std::to_string(hi) +
+                         " across the state axis; change whole (token, channel) rows consistently (e.g. scale them) "
+                         "or write betas instead");
+      dt[r * E_ + e] = static_cast<float>(sum / static_cast<double>(N_));
+    }
+  return dt;
+}
+
+}  // namespace mixlens::detail

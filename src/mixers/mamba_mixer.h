@@ -1,0 +1,80 @@
+// The Mamba-1 mixer (in_proj -> causal conv + SiLU -> x_proj / dt_proj -> selective scan -> silu(z)
+// gate -> out_proj) as one component, as mixers/mamba2_mixer.h is for Mamba-2: the family files
+// (models/mamba.cpp) hold the blocks around it. Reference: transformers 5.18 MambaMixer.forward;
+// model-math.md §3.1. Its backward: grad/mamba_mixer_grad.cpp.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "hooks/listener.h"
+#include "io/weights.h"
+#include "mixlens/model.h"
+
+namespace mixlens::detail {
+
+/// Sizes and options of one Mamba-1 mixer (MambaConfig).
+struct MambaMixerDims {
+  int64_t D = 0, E = 0, N = 0, R = 0, K = 4;  ///< hidden, intermediate, state, dt rank, conv kernel
+  bool use_bias = false, use_conv_bias = true;
+};
+
+/// One layer's weights (HF names under the layer's mixer prefix).
+struct MambaMixerWeights {
+  Tensor in_proj;        // [2E, D]: rows 0..E-1 -> x, E..2E-1 -> gate z
+  Tensor in_proj_bias;   // optional (use_bias)
+  Tensor conv_wT;        // [K, E] (transposed from [E, 1, K])
+  Tensor conv_bias;      // [E] (zeros when use_conv_bias is false)
+  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C
+  Tensor dt_proj;        // [E, R]
+  Tensor dt_proj_bias;   // [E]
+  Tensor A;              // [E, N] = -exp(A_log)
+  Tensor D;              // [E]
+  Tensor out_proj;       // [D, E]
+  Tensor out_proj_bias;  // optional (use_bias)
+};
+
+/// What one mixer call reads and updates besides its input. The state sites belong to the
+/// skeleton that owns the cache (models/ssm_lm.h begin_state / serve_state_at / end_state).
+struct MambaMixerCall {
+  int layer = 0;
+  Tensor* conv = nullptr;  ///< [B, K, E] last K pre-conv inputs (updated)
+  bool chunked = true;     ///< the chunked scan (else the token loop)
+  Listener* ls = nullptr;
+  std::function<Tensor&()> begin_state;                  ///< serves state_input; the [B,E,N] state to scan from
+  std::function<void(int64_t, Tensor&)> state_at;        ///< serves the state after token t (states: the stack)
+  std::function<void()> end_state;                       ///< serves state_output
+};
+
+class MambaMixer {
+ public:
+  /// Default chunk length of the chunked scan.
+  static constexpr int64_t kChunk = 64;
+  MambaMixer() = default;
+  explicit MambaMixer(const MambaMixerDims& dims) : D_(dims.D), E_(dims.E), N_(dims.N), R_(dims.R), K_(dims.K),
+                                                    use_bias_(dims.use_bias), use_conv_bias_(dims.use_conv_bias) {}
+  /// One layer's weights under `p` ("backbone.layers.3.mixer.").
+  MambaMixerWeights load(const io::WeightStore& w, const std::string& p) const;
+  /// The linear_attn values of layer `i`, in forward order.
+  void values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const;
+  /// One call on the normed block input [B,T,D]; returns what the block adds to the residual.
+  Tensor forward(const MambaMixerWeights& lw, const Tensor& n_in, const Batch& in, const MambaMixerCall& call) const;
+  /// The betas (dt) implied by a decays write (FamilyModel::betas_for_decays); WriteError when none does.
+  Tensor betas_for_decays(int li, const MambaMixerWeights& lw, const Tensor& betas_before, const Tensor& dec) const;
+  /// The algorithm of a call without a cached state (or a multi-token continuation).
+  std::string prompt_kernel(int64_t seq) const;
+  /// The chunked scan's chunk length (0 restores the default). It changes no value beyond float
+  /// rounding; tests use short chunks to cover the carry between chunks.
+  void set_chunk(int64_t c) { chunk_ = c > 0 ? c : kChunk; }
+  int64_t chunk() const { return chunk_; }
+
+ private:
+  Tensor decays_of(const MambaMixerWeights& lw, const Tensor& dt) const;
+  void visit_decays(int li, const MambaMixerWeights& lw, Tensor& dt, Listener* ls) const;
+
+  int64_t D_ = 0, E_ = 0, N_ = 0, R_ = 0, K_ = 4, chunk_ = kChunk;
+  bool use_bias_ = false, use_conv_bias_ = true;
+};
+
+}  // namespace mixlens::detail

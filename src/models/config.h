@@ -1,0 +1,60 @@
+// Reading config.json safely: the range validation every family's config passes before any factory
+// runs (build_family), the checks the factories share, and the readers of fields several families
+// spell alike (one place to fix a default for all of them).
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "io/json.h"
+#include "mixers/mamba2_mixer.h"
+
+namespace mixlens::detail {
+
+/// "config.json (<path>)" for messages.
+std::string where(const io::Config& cfg);
+/// ConfigError naming the first field that is not in [1, kMaxConfigDim].
+void require_positive(const io::Config& cfg, std::initializer_list<std::pair<const char*, int64_t>> fields);
+
+// ---- Config range validation (every family; run by build_family before any factory) ------------
+/// Largest value of any one size field (hidden_size, vocab_size, heads, head dims, state sizes...).
+/// Real checkpoints stay under 2^18; the bound makes every product of two sizes fit int64 exactly.
+inline constexpr int64_t kMaxConfigDim = int64_t{1} << 24;
+/// Largest product of sizes that becomes one tensor (matches the safetensors / Tensor numel limit).
+inline constexpr int64_t kMaxConfigNumel = int64_t{1} << 40;
+/// Largest SSD / scan chunk length: the chunked kernels hold [chunk, chunk] blocks per head (cost
+/// and memory grow with its square: 16384 took 89 s and 3.2 GB for 4 tokens). Published models use
+/// 64-256.
+inline constexpr int64_t kMaxChunkSize = 2048;
+
+/// Validates the ranges of config.json (and its text_config / rope_parameters) before a family reads
+/// it, so no family computes with a wrapped, absurd or non-finite number. ConfigError naming the field:
+///  - size fields (hidden_size, vocab_size, *_size, *_dim, *_heads, *_layers, n_groups, ...): an
+///    integer in [0, kMaxConfigDim] ("field 'X' = V is out of range: a size must be in [0, 16777216]");
+///  - chunk sizes (chunk_size, *_chunk_size): an integer in [1, kMaxChunkSize];
+///  - rope_theta, *eps* fields, expand / *_expand: finite and > 0; partial_rotary_factor in (0, 1];
+///    time_step_* floats finite and >= 0;
+///  - products of sizes that the families allocate (num_heads * head_dim, expand * hidden_size,
+///    vocab_size * hidden_size, chunk_size^2 * num_heads, ...) at most kMaxConfigNumel, computed
+///    without overflow;
+///  - token ids (bos / eos / pad_token_id; an int or a list of ints; null allowed): in [0, vocab_size).
+void validate_config(const io::Config& cfg);
+/// An overflow-checked product of sizes; ConfigError naming `what` when it exceeds `limit`.
+int64_t checked_size_product(const io::Config& cfg, const std::string& what, std::initializer_list<int64_t> factors,
+                             int64_t limit = kMaxConfigNumel);
+
+// ---- Shared readers ----------------------------------------------------------------------------
+/// time_step_limit ([min, max], either may be absent) into dims.dt_lo / dt_hi; ConfigError otherwise.
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims);
+/// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
+/// fields; UnsupportedError for any rope_type other than "default".
+void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
+/// The Mamba-2 mixer dims a hybrid spells with the mamba_* fields (BambaConfig, FalconH1Config):
+/// mamba_n_heads, the width (mamba_d_ssm when `d_ssm` is set and the field given, else
+/// int(mamba_expand * D)), mamba_d_head (absent, null or "auto": width / heads), mamba_d_state,
+/// mamba_n_groups, mamba_d_conv, mamba_chunk_size, and `eps`. The gated norm, the biases, the dt
+/// clamp and any multipliers stay with the family (they differ between families).
+void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, bool d_ssm, Mamba2MixerDims& d);
+
+}  // namespace mixlens::detail

@@ -1,0 +1,47 @@
+// The one list of model families: config.json model_type -> factory. Model::load builds through it
+// and every message or check that names the families (route_kernels, the default backward) reads
+// it, so a new family is one line in registry.cpp (docs/architecture.md).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/json.h"
+#include "io/weights.h"
+#include "models/family.h"
+
+namespace mixlens::detail {
+
+using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;
+
+struct FamilyEntry {
+  std::string model_type;  ///< config.json model_type
+  std::string family;      ///< ModelInfo::family, the route_kernels name (several model_types may share one)
+  FamilyFactory make;
+  bool backward = false;   ///< overrides FamilyModel::backward (docs/gradients.md)
+};
+
+/// Every supported model_type, in the order messages list them.
+const std::vector<FamilyEntry>& family_registry();
+/// The distinct family names, in registry order.
+const std::vector<std::string>& family_names();
+/// The family names with a backward, in registry order.
+std::vector<std::string> backward_family_names();
+/// "a, b, c" (for messages).
+std::string join_names(const std::vector<std::string>& names);
+
+/// Validates the config's ranges (validate_config), then builds the family of its model_type;
+/// UnsupportedError listing the supported model_types otherwise.
+std::unique_ptr<FamilyModel> build_family(const io::Config& config, const io::WeightStore& weights);
+
+// Factories, one per family file (src/models/<family>.cpp).
+std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_mamba2(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_qwen3_5(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_qwen3_next(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_bamba(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& config, const io::WeightStore& weights);
+
+}  // namespace mixlens::detail
