@@ -135,16 +135,18 @@ class _Envoy:
     def _state_after(self, t: int) -> "ValueArray":
         """The state after token `t` of the current call (negative counts from the end), served key side
         first: ``[B, ...]`` as ``state_output`` (Mamba-2 ``[B,heads,state_dim,head_dim]``, Mamba-1
-        ``[B,d_inner,state_dim]``, gated DeltaNet ``[B,HV,Dk,Dv]``), float32. The scan stops at `t` (no
-        token loop). Read inside a trace; a layer's tokens go in increasing order (OutOfOrderError
-        otherwise). Equals ``states[:, t]`` within float tolerance."""
+        ``[B,d_inner,state_dim]``, gated DeltaNet ``[B,HV,Dk,Dv]``), float32, computed on the side from the
+        state entering t's chunk (no token loop; nothing else in the call changes). Read inside a trace;
+        a layer's tokens go in increasing order (OutOfOrderError otherwise); after the layer's ``states``
+        it is its row. Equals ``states[:, t]`` exactly (and ``state_output`` at the last token)."""
         t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
         return self._model._read(self._state_path(t))
 
     def _set_state_after(self, t: int, value) -> None:
         """Replace the state after token `t` (shape and dtype as ``state_after(t)``); tokens t+1.. continue
         from it: their values, ``states``, ``state_output``, the logits and the cache follow. WriteError on
-        a wrong shape / NaN. Writes at several tokens of one layer go in increasing token order."""
+        a wrong shape / NaN. Writes at several tokens of one layer go in increasing token order, before the
+        layer's ``states`` is read (which then holds the written states)."""
         t = _check_int("t", t, -_INT32_MAX, _INT32_MAX)
         self._model._write(self._state_path(t), value)
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -162,22 +163,146 @@ class ChainListener final : public Listener {
   Listener& second_;
 };
 
-/// Splits a scan over tokens [0, T) at every token where `ls` wants `layer`'s per-token state:
-/// run(t0, t1) scans tokens [t0, t1) from the current state (the kernel restarts there, chunked or
-/// not: no token loop), at(t) serves the state after token t and lays a write back before the scan
-/// resumes at t + 1. With no listener interest this is one run(0, T).
-template <class Run, class At>
-void scan_with_stops(Listener* ls, int layer, int64_t T, Run&& run, At&& at) {
-  int64_t t0 = 0;
-  if (ls && ls->wants(layer, Value::state)) {
-    for (int64_t t = ls->next_state_token(layer, -1); t >= t0 && t < T; t = ls->next_state_token(layer, t)) {
-      run(t0, t + 1);
-      at(t);
-      t0 = t + 1;
+/// One recurrent layer's scan as the per-token state machinery drives it (values.md "state_after",
+/// "One number per value"). Rows are scanned one at a time from their first real token (left
+/// padding: a row's chunk grid starts at its own first token, so its values do not depend on the
+/// batch; padded tokens neither write nor decay the state). Everything works on float rows:
+/// `row_numel` floats per row's state, in the kernel's layout (`S`), served through serve/store.
+struct RowScan {
+  int64_t B = 0, T = 0;
+  int64_t row_numel = 0;        ///< floats of one row's state
+  float* S = nullptr;           ///< [B, row_numel] the live state, kernel layout (in: start, out: end)
+  std::vector<int64_t> first;   ///< per row: its first real token (0 without padding)
+  /// Chunked kernels: the chunk size Q of the grid (anchored at the row's segment start); 0 for a
+  /// token loop (the state after t is the live state once tokens up to t ran).
+  int64_t chunk = 0;
+  /// Runs row b's kernel over tokens [t0, t1) from `S_row` (kernel layout, updated in place).
+  /// `y_scratch`: write the head outputs of those tokens there ([T, ...] of the row, absolute token
+  /// index) instead of the real output; `states_row`: the row's [T, ...] stack (absolute token
+  /// index) or null. t0 is always a grid point of the row's current segment.
+  std::function<void(int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row)> run;
+  /// Floats of one row's head outputs over all T tokens (the size of a y_scratch).
+  int64_t y_row_numel = 0;
+  /// Kernel layout -> served layout and back (one row).
+  std::function<void(const float* S_row, float* served)> serve;
+  std::function<void(const float* served, float* S_row)> store;
+  /// Chunked kernels: row b's state after token t (served layout) from the state `S_ck` entering
+  /// the chunk that starts at ck and holds t, with the same arithmetic the kernel uses for that
+  /// chunk's states and end state (so the three agree bitwise). Called right after run(b, ck, ce).
+  std::function<void(int64_t b, int64_t ck, const float* S_ck, int64_t t, float* served)> state_at;
+};
+
+/// Runs `rs` over tokens [0, T), serving the per-token state where `ls` wants it and the `states`
+/// stack when wanted (also when it is first wanted at a pause: the tokens already scanned are
+/// scanned again, on the side, from the kept segment starts). A READ of the state after t is
+/// computed on the side from the chunk-start state: the kernel runs whole chunks of its grid, so
+/// reading changes no other number of the call. Only a WRITE splits the scan: the row restarts at
+/// t + 1 from the written state. Returns the stack (undefined when nobody wanted it); its rows are
+/// the same numbers state_after / state_output give.
+inline Tensor scan_rows(Listener* ls, int layer, RowScan& rs, const Shape& stack_shape) {
+  const int64_t B = rs.B, T = rs.T, n = rs.row_numel;
+  const auto row = [&](int64_t b) { return rs.S + b * n; };
+  Tensor states;
+  if (ls && ls->wants(layer, Value::states)) states = ls->stack_buffer(stack_shape);
+  const auto stack_row = [&](int64_t b) { return states.defined() ? states.data() + b * T * n : nullptr; };
+  // Per row: the segment starts (token, state entering it; a write at t starts one at t + 1), how far
+  // the kernel ran, and the last chunk's start and entering state (chunked kernels).
+  struct Seg {
+    int64_t start;
+    std::vector<float> S;
+  };
+  std::vector<std::vector<Seg>> segs(static_cast<size_t>(B));
+  std::vector<int64_t> anchor(static_cast<size_t>(B)), cur(static_cast<size_t>(B)), ck(static_cast<size_t>(B), -1);
+  std::vector<std::vector<float>> Sck(static_cast<size_t>(B));
+  const bool stops = ls && ls->wants(layer, Value::state);
+  // The stack's rows for tokens [t0, t1) that hold a state without scanning it (left padding).
+  const auto hold = [&](int64_t b, int64_t t0, int64_t t1, const float* S_row) {
+    if (!states.defined() || t0 >= t1) return;
+    float* base = stack_row(b);
+    rs.serve(S_row, base + t0 * n);
+    for (int64_t t = t0 + 1; t < t1; ++t) std::copy(base + t0 * n, base + (t0 + 1) * n, base + t * n);
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    const size_t i = static_cast<size_t>(b);
+    anchor[i] = cur[i] = std::min(rs.first[i], T);
+    if (stops) segs[i].push_back({0, std::vector<float>(row(b), row(b) + n)});
+    hold(b, 0, anchor[i], row(b));
+  }
+  // The tokens scanned so far into a stack first wanted at a pause: each segment again from its start.
+  const auto fill_late = [&]() {
+    std::vector<float> S(static_cast<size_t>(n)), y(static_cast<size_t>(rs.y_row_numel));
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& sg = segs[static_cast<size_t>(b)];
+      for (size_t k = 0; k < sg.size(); ++k) {
+        const int64_t s0 = sg[k].start;
+        const int64_t a0 = std::max(s0, std::min(rs.first[static_cast<size_t>(b)], T));
+        // Through the written token (its state is then replaced), so the pieces are those of the scan.
+        const int64_t end = k + 1 < sg.size() ? sg[k + 1].start : cur[static_cast<size_t>(b)];  // exclusive
+        std::copy(sg[k].S.begin(), sg[k].S.end(), S.begin());
+        hold(b, s0, std::min(a0, end), S.data());
+        if (a0 < end) rs.run(b, a0, end, S.data(), y.data(), stack_row(b));
+        if (k + 1 < sg.size()) rs.serve(sg[k + 1].S.data(), stack_row(b) + (sg[k + 1].start - 1) * n);
+      }
+    }
+  };
+  if (stops) {
+    Tensor served = Tensor::uninitialized([&] {
+      Shape s{B};
+      for (size_t d = 2; d < stack_shape.size(); ++d) s.push_back(stack_shape[d]);
+      return s;
+    }());
+    for (int64_t t = ls->next_state_token(layer, -1); t >= 0 && t < T; t = ls->next_state_token(layer, t)) {
+      for (int64_t b = 0; b < B; ++b) {
+        const size_t i = static_cast<size_t>(b);
+        float* out = served.data() + b * n;
+        if (t < anchor[i]) {  // a padded token: the state is held
+          rs.serve(row(b), out);
+        } else if (rs.chunk <= 0) {  // token loop: run up to t, the live state is the state after t
+          rs.run(b, cur[i], t + 1, row(b), nullptr, stack_row(b));
+          cur[i] = t + 1;
+          rs.serve(row(b), out);
+        } else {
+          const int64_t cs = anchor[i] + (t - anchor[i]) / rs.chunk * rs.chunk;
+          if (ck[i] != cs) {
+            if (cur[i] < cs) rs.run(b, cur[i], cs, row(b), nullptr, stack_row(b));
+            Sck[i].assign(row(b), row(b) + n);
+            ck[i] = cs;
+            cur[i] = std::min(cs + rs.chunk, T);
+            rs.run(b, cs, cur[i], row(b), nullptr, stack_row(b));
+          }
+          rs.state_at(b, cs, Sck[i].data(), t, out);
+        }
+      }
+      const bool written = ls->visit_state(layer, t, served, served.shape());
+      if (written) {
+        for (int64_t b = 0; b < B; ++b) {
+          const size_t i = static_cast<size_t>(b);
+          // The row's tokens after t were scanned from the old state: scan the chunk again up to t
+          // (its outputs through t are the call's), then continue from the written state.
+          if (t >= anchor[i] && rs.chunk > 0 && cur[i] > t + 1) {
+            std::copy(Sck[i].begin(), Sck[i].end(), row(b));
+            rs.run(b, ck[i], t + 1, row(b), nullptr, stack_row(b));
+          }
+          rs.store(served.data() + b * n, row(b));
+          anchor[i] = cur[i] = std::max(t + 1, std::min(rs.first[i], T));
+          ck[i] = -1;
+          segs[i].push_back({t + 1, std::vector<float>(row(b), row(b) + n)});
+          if (states.defined()) std::copy(served.data() + b * n, served.data() + (b + 1) * n, stack_row(b) + t * n);
+          hold(b, t + 1, anchor[i], row(b));
+        }
+      }
+      if (!states.defined() && ls->wants(layer, Value::states)) {  // asked for at this pause
+        states = ls->stack_buffer(stack_shape);
+        fill_late();
+      }
       if (!ls->wants(layer, Value::state)) break;
     }
   }
-  if (t0 < T) run(t0, T);
+  for (int64_t b = 0; b < B; ++b) {
+    const size_t i = static_cast<size_t>(b);
+    if (cur[i] < T) rs.run(b, cur[i], T, row(b), nullptr, stack_row(b));
+  }
+  return states;
 }
 
 /// Shorthand used by the forward code: visit only when wanted.

@@ -80,6 +80,17 @@ void apply_row_mask(Tensor& t, const Batch& in) {
     if (!in.mask[static_cast<size_t>(r)]) std::memset(p + r * width, 0, sizeof(float) * static_cast<size_t>(width));
 }
 
+std::vector<int64_t> first_real_tokens(const Batch& in) {
+  std::vector<int64_t> first(static_cast<size_t>(in.batch), 0);
+  if (in.mask.empty()) return first;
+  for (int64_t b = 0; b < in.batch; ++b) {
+    int64_t t = 0;
+    while (t < in.seq && !in.mask[static_cast<size_t>(b * in.seq + t)]) ++t;
+    first[static_cast<size_t>(b)] = t;
+  }
+  return first;
+}
+
 ValueInfo global_value(Value v, Shape shape, std::string meaning) {
   ValueInfo i;
   i.site = {-1, v};
@@ -101,12 +112,6 @@ ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::stri
   if (v == Value::states) i.per_token = true;
   i.meaning = std::move(meaning);
   return i;
-}
-
-void copy_state_into(const Tensor& state, Tensor& states, int64_t t) {
-  const int64_t B = states.size(0), T = states.size(1), per = state.numel() / B;
-  for (int64_t b = 0; b < B; ++b)
-    std::copy(state.data() + b * per, state.data() + (b + 1) * per, states.data() + (b * T + t) * per);
 }
 
 void visit_state_input(int li, Tensor& S, bool has_state, Listener* ls, const Shape& served_row,

@@ -38,12 +38,12 @@ class FiniteWatch {
 
 /// Multiplies each [B,T,...] row by the batch's 0/1 mask (apply_mask_to_padding_states).
 void apply_row_mask(Tensor& t, const Batch& in);
+/// Per row, its first real token (the number of left-padding positions; 0 without a mask): where a
+/// recurrent layer's scan of the row starts (RowScan::first).
+std::vector<int64_t> first_real_tokens(const Batch& in);
 
 ValueInfo global_value(Value v, Shape shape, std::string meaning);
 ValueInfo layer_value(int layer, Value v, Shape shape, bool per_token, std::string meaning);
-/// Copies one state per row, `state` [B,...], into token t of `states` [B,T,...] (a written
-/// per-token state is what `states` then reports at t).
-void copy_state_into(const Tensor& state, Tensor& states, int64_t t);
 /// The state_input site of a recurrent layer: serves the kernel-layout state S [B,...] as serve(S)
 /// with row shape `served_row` (None on a fresh call: S is the cache's zeros, every cache starts
 /// zeroed and one whose call stopped midway refuses further calls), and lays a write back with

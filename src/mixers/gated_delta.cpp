@@ -49,7 +49,54 @@ inline void step(float* S, const float* q, const float* k, const float* v, float
   }
 }
 
+// The chunked kernel's state recurrence, one head: S_i = exp(g_i) S_{i-1} + k_i delta_i^T over L
+// tokens (S [Dk,Dv], deltas = the chunk's V_new rows), in place from S0 = cur allowed; out (optional)
+// gets every token's state. The chunk end state, the `states` stack and a per-token read all come
+// from here, so they are one number each (values.md "One number per value").
+void replay(const float* S0, const float* dec, const float* kn, const float* delta, int64_t L, int64_t Dk, int64_t Dv,
+            float* cur, float* out, int64_t ld_out, bool avx2) {
+#if defined(__x86_64__)
+  if (avx2) return ssd_states_replay_avx2(S0, dec, kn, Dk, delta, L, Dk, Dv, cur, out, ld_out);
+#endif
+  (void)avx2;
+  const float* prev = S0;
+  for (int64_t i = 0; i < L; ++i) {
+    const float e = dec[i];
+    for (int64_t d = 0; d < Dk; ++d) {
+      const float* Sp = prev + d * Dv;
+      float* Sd = cur + d * Dv;
+      const float kd = kn[i * Dk + d];
+      const float* di = delta + i * Dv;
+      for (int64_t c = 0; c < Dv; ++c) Sd[c] = Sp[c] * e + kd * di[c];  // the AVX2 kernel's order
+    }
+    if (out) std::memcpy(out + i * ld_out, cur, sizeof(float) * static_cast<size_t>(Dk * Dv));
+    prev = cur;
+  }
+}
+
+bool use_avx2() {
+#if defined(__x86_64__)
+  return ops::isa() != ops::Isa::scalar;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+void gated_delta_state_at(const GatedDeltaArgs& a, int64_t t, float* out) {
+  const int64_t H = a.H, Dk = a.Dk, Dv = a.Dv, C = a.chunk < 1 ? 1 : a.chunk;
+  const int64_t L = t - a.t_begin + 1;
+  const bool avx2 = use_avx2();
+  ops::parallel_for(a.B * H, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H;
+    std::vector<float> dec(static_cast<size_t>(L));
+    for (int64_t i = 0; i < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[(b * a.T + a.t_begin + i) * H + h]);
+    float* o = out + bh * Dk * Dv;
+    std::memcpy(o, a.S + bh * Dk * Dv, sizeof(float) * static_cast<size_t>(Dk * Dv));
+    replay(o, dec.data(), a.last_kn + bh * C * Dk, a.last_delta + bh * C * Dv, L, Dk, Dv, o, nullptr, 0, avx2);
+  });
+}
 
 void gated_delta_recurrent(const GatedDeltaArgs& a) {
   const int64_t H = a.H, Dk = a.Dk, Dv = a.Dv;
@@ -74,18 +121,14 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
   const int64_t C = a.chunk < 1 ? 1 : a.chunk;
   const int64_t R = Dv + Dk;  // right-hand sides of the UT solve: [Vb | Kb exp(G)]
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
-#if defined(__x86_64__)
-  const bool avx2 = ops::isa() != ops::Isa::scalar;
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = use_avx2();
   ops::parallel_for(a.B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H;
     float* S = a.S + bh * Dk * Dv;
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C),
                        P = buf(C * C), Dm = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv),
-                       dec = buf(C), Sr;
+                       dec = buf(C);
     std::vector<double> Kd(static_cast<size_t>(C * Dk)), M(static_cast<size_t>(C * C)), Rd(static_cast<size_t>(C * R));
     const int64_t t_end = a.t_end < 0 ? T : a.t_end;
     const int64_t nch = (t_end - a.t_begin + C - 1) / C;
@@ -140,7 +183,6 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
         for (int64_t e = 0; e < Dv; ++e) Uf[i * Dv + e] = static_cast<float>(Ri[e]);
         for (int64_t d = 0; d < Dk; ++d) Wf[i * Dk + d] = static_cast<float>(Ri[Dv + d]);
       }
-      if (a.states) Sr.assign(S, S + Dk * Dv);  // chunk-entry state for the replay below
       // V_new = U - W S (in U);  O = (Q exp(G)) S + P V_new.
       ops::gemm(false, false, L, Dv, Dk, -1.0f, Wf.data(), Dk, S, Dv, 1.0f, Uf.data(), Dv);
       ops::gemm(false, false, L, Dv, Dk, 1.0f, qn.data(), Dk, S, Dv, 0.0f, tmp.data(), Dv);
@@ -151,36 +193,17 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       ops::gemm(false, false, L, Dv, L, 1.0f, P.data(), C, Uf.data(), Dv, 1.0f, tmp.data(), Dv);
       for (int64_t i = 0; i < L; ++i)
         std::memcpy(a.o + ((b * T + t0 + i) * H + h) * Dv, tmp.data() + i * Dv, sizeof(float) * static_cast<size_t>(Dv));
-      // S = exp(G_last) S + (K exp(G_last - G))^T V_new.
-      const float last = gam[L - 1];
-      for (int64_t i = 0; i < L; ++i) {
-        const float e = Dm[(L - 1) * C + i];  // exp(G_last - G_i)
-        for (int64_t d = 0; d < Dk; ++d) Wf[i * Dk + d] = kn[i * Dk + d] * e;
-      }
-      ops::gemm(true, false, Dk, Dv, L, 1.0f, Wf.data(), Dk, Uf.data(), Dv, std::exp(last), S, Dv);
-      if (a.states) {
-        // S_i = exp(g_i) S_{i-1} + k_i delta_i^T, delta = V_new (the rows of U above): the chunk's own
-        // deltas make the replay one rank-1 pass per token (no second pass for (e S)^T k), so it runs
-        // at about the speed of its streamed writes.
-        const int64_t r0 = (b * T + t0) * H + h;  // row of the chunk's first token
-        for (int64_t i = 0; i + 1 < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
-#if defined(__x86_64__)
-        if (avx2 && L > 1)
-          ssd_states_replay_avx2(Sr.data(), dec.data(), kn.data(), Dk, Uf.data(), L - 1, Dk, Dv, Sr.data(),
-                                 a.states + r0 * Dk * Dv, H * Dk * Dv);
-#endif
-        for (int64_t i = 0; i + 1 < L && !avx2; ++i) {
-          const float e = dec[static_cast<size_t>(i)];
-          for (int64_t d = 0; d < Dk; ++d) {
-            float* Sd = Sr.data() + d * Dv;
-            const float kd = kn[i * Dk + d];
-            const float* di = Uf.data() + i * Dv;
-            for (int64_t c = 0; c < Dv; ++c) Sd[c] = Sd[c] * e + kd * di[c];  // the AVX2 kernel's order
-          }
-          std::memcpy(a.states + (r0 + i * H) * Dk * Dv, Sr.data(), sizeof(float) * static_cast<size_t>(Dk * Dv));
-        }
-        const int64_t r = (b * T + t0 + L - 1) * H + h;
-        std::memcpy(a.states + r * Dk * Dv, S, sizeof(float) * static_cast<size_t>(Dk * Dv));
+      // S_end by the token recurrence with the chunk's deltas (V_new, the rows of U above), not
+      // exp(G_last) S + (K exp(G_last - G))^T V_new: the per-token states (one rank-1 update each) and
+      // a per-token read (gated_delta_state_at) use the same arithmetic, so states[:, t],
+      // state_after(t) and state_output are one number, and a token with beta = g = 0 keeps the state.
+      const int64_t r0 = (b * T + t0) * H + h;  // row of the chunk's first token
+      for (int64_t i = 0; i < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
+      replay(S, dec.data(), kn.data(), Uf.data(), L, Dk, Dv, S, a.states ? a.states + r0 * Dk * Dv : nullptr,
+             H * Dk * Dv, avx2);
+      if (a.last_kn) {  // what gated_delta_state_at needs of this (the last) chunk
+        std::memcpy(a.last_kn + bh * C * Dk, kn.data(), sizeof(float) * static_cast<size_t>(L * Dk));
+        std::memcpy(a.last_delta + bh * C * Dv, Uf.data(), sizeof(float) * static_cast<size_t>(L * Dv));
       }
     }
   });

@@ -25,6 +25,10 @@ struct GatedDeltaArgs {
   /// each chunk, chunk c starting at t_begin + c * chunk (a gradient call keeps them: the backward's
   /// checkpoints, so it need not run this scan again).
   float* chunk_entry = nullptr;
+  /// [B,H,chunk,Dk] / [B,H,chunk,Dv] optional (chunked kernel): the normalised keys and the deltas
+  /// (V_new) of the call's last chunk, for gated_delta_state_at.
+  float* last_kn = nullptr;
+  float* last_delta = nullptr;
   int64_t chunk = 64;           ///< chunk size (transformers' default; the mixer does not pass one)
   int64_t t_begin = 0;          ///< scan tokens [t_begin, t_end) of each row, from S (a split scan)
   int64_t t_end = -1;           ///< -1: T
@@ -34,8 +38,13 @@ struct GatedDeltaArgs {
 void gated_delta_recurrent(const GatedDeltaArgs& a);
 /// Chunked (UT transform) algorithm; BLAS for the chunk products, parallel over (batch, head).
 /// `states`, when asked for, are replayed token by token from each chunk's entering state with the
-/// chunk's deltas (S_t = exp(g_t) S_{t-1} + k_t delta_t^T, one rank-1 update each); the last token
-/// of each chunk gets the chunk's own end state, so states[:, -1] == final state exactly.
+/// chunk's deltas (S_t = exp(g_t) S_{t-1} + k_t delta_t^T, one rank-1 update each), the same
+/// recurrence that gives each chunk's end state. Calls over consecutive whole chunks equal one call.
 void gated_delta_chunked(const GatedDeltaArgs& a);
+/// The state after token t [B,H,Dk,Dv] into `out`, where a.S is the state entering the chunk that
+/// starts at a.t_begin and holds t, and a.last_kn / a.last_delta hold that chunk as the last
+/// gated_delta_chunked call (over [a.t_begin, chunk end)) left them: the kernel's own arithmetic
+/// for that chunk's states and end state, so the three agree bitwise (a read computed on the side).
+void gated_delta_state_at(const GatedDeltaArgs& a, int64_t t, float* out);
 
 }  // namespace mixlens::detail

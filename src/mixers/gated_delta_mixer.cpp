@@ -1,5 +1,6 @@
 #include "mixers/gated_delta_mixer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -70,32 +71,61 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
                     [](const Tensor& o, Tensor& s) {
                       std::memcpy(s.data(), o.data(), sizeof(float) * static_cast<size_t>(s.numel()));
                     });
-  Tensor o = Tensor::uninitialized({B, T, HV, Dv}), states;
-  if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, HV, Dk, Dv});
+  Tensor o = Tensor::uninitialized({B, T, HV, Dv});
+  const int64_t SN = HV * Dk * Dv;  // one row's state
   GatedDeltaArgs a;
-  a.B = B; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
-  a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = g.data(); a.beta = beta.data();
-  a.S = S.data(); a.o = o.data();
-  a.states = states.defined() ? states.data() : nullptr;
+  a.B = 1; a.T = T; a.H = HV; a.Dk = Dk; a.Dv = Dv;
+  // Row b's arguments: the kernel sees one row (its own chunk grid, from its first real token).
+  const auto row_args = [&](int64_t b, float* S_row) {
+    GatedDeltaArgs r = a;
+    r.q = q.data() + b * T * HV * Dk; r.k = k.data() + b * T * HV * Dk; r.v = v.data() + b * T * vd;
+    r.g = g.data() + b * T * HV; r.beta = beta.data() + b * T * HV;
+    r.S = S_row;
+    return r;
+  };
+  RowScan rs;
+  rs.B = B; rs.T = T; rs.row_numel = SN; rs.S = S.data(); rs.y_row_numel = T * vd;
+  rs.first = first_real_tokens(in);
+  const bool chunked = call.chunked;
+  rs.chunk = chunked ? a.chunk : 0;
   // A gradient call keeps the state entering every chunk (with o below) when the scan runs whole on
-  // the chunked kernel (no per-token stops): the backward's checkpoints, so it does not rerun the scan.
+  // the chunked kernel from token 0 (no per-token stops, no padding): the backward's checkpoints,
+  // so it does not rerun the scan.
   Tensor entry;
-  if (call.tape && call.chunked && !(ls && ls->wants(li, Value::state))) {
+  const bool unpadded = std::all_of(rs.first.begin(), rs.first.end(), [](int64_t f) { return f == 0; });
+  if (call.tape && chunked && unpadded && !(ls && ls->wants(li, Value::state)))
     entry = Tensor::uninitialized({B, HV, (T + a.chunk - 1) / a.chunk, Dk, Dv});
-    a.chunk_entry = entry.data();
+  // The last chunk's keys and deltas per row, for a per-token read (gated_delta_state_at).
+  std::vector<float> last_kn, last_delta;
+  if (chunked && ls && ls->wants(li, Value::state)) {
+    last_kn.resize(static_cast<size_t>(B * HV * a.chunk * Dk));
+    last_delta.resize(static_cast<size_t>(B * HV * a.chunk * Dv));
   }
-  // The scan stops where the per-token state is wanted; the served layout is the cache's.
-  scan_with_stops(
-      ls, li, T,
-      [&](int64_t t0, int64_t t1) {
-        a.t_begin = t0;
-        a.t_end = t1;
-        if (call.chunked) gated_delta_chunked(a); else gated_delta_recurrent(a);
-      },
-      [&](int64_t t) {
-        if (ls->visit_state(li, t, S, S.shape()) && states.defined()) copy_state_into(S, states, t);
-        a.S = S.data();  // a write may have replaced the tensor
-      });
+  rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
+    GatedDeltaArgs r = row_args(b, S_row);
+    r.o = y_scratch ? y_scratch : o.data() + b * T * vd;
+    r.states = states_row;
+    r.t_begin = t0;
+    r.t_end = t1;
+    if (entry.defined()) r.chunk_entry = entry.data() + b * HV * ((T + a.chunk - 1) / a.chunk) * Dk * Dv;
+    if (!last_kn.empty() && !y_scratch) {
+      r.last_kn = last_kn.data() + b * HV * a.chunk * Dk;
+      r.last_delta = last_delta.data() + b * HV * a.chunk * Dv;
+    }
+    if (chunked) gated_delta_chunked(r); else gated_delta_recurrent(r);
+  };
+  rs.serve = [&](const float* S_row, float* out) { std::memcpy(out, S_row, sizeof(float) * static_cast<size_t>(SN)); };
+  rs.store = rs.serve;
+  rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
+    GatedDeltaArgs r = row_args(b, const_cast<float*>(S_ck));
+    r.t_begin = ck;
+    r.last_kn = last_kn.data() + b * HV * a.chunk * Dk;
+    r.last_delta = last_delta.data() + b * HV * a.chunk * Dv;
+    gated_delta_state_at(r, t, out);
+  };
+  for (int64_t b = 0; b < B; ++b)  // padded tokens read nothing (q = 0)
+    std::fill(o.data() + b * T * vd, o.data() + (b * T + std::min(rs.first[static_cast<size_t>(b)], T)) * vd, 0.0f);
+  Tensor states = scan_rows(ls, li, rs, {B, T, HV, Dk, Dv});
   if (states.defined()) {
     ls->visit(li, Value::states, states, states.shape());
     ls->recycle_stack(std::move(states));

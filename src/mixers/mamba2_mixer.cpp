@@ -156,33 +156,44 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   visit_state_input(li, S, call.has_state, ls, served_state_shape(), serve, store);
 
   Tensor y = Tensor::uninitialized({B, T, H, P});
-  Tensor states;
-  if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, H, N, P});
-  // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted and resumes
-  // from the (possibly written) state (values.md "state_after").
-  auto run = [&](int64_t t0, int64_t t1) {
-    for (int64_t b = 0; b < B; ++b) {
-      SsdArgs a;
-      a.T = t1 - t0; a.H = H; a.P = P; a.G = G; a.N = N;
-      a.x = x.data() + (b * T + t0) * E;
-      a.B = Bm.data() + (b * T + t0) * G * N;
-      a.C = Cm.data() + (b * T + t0) * G * N;
-      a.dt = dt.data() + (b * T + t0) * H;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
-      a.S = S.data() + b * H * P * N;
-      a.y = y.data() + (b * T + t0) * E;
-      a.states = states.defined() ? states.data() + (b * T + t0) * H * N * P : nullptr;
-      a.chunk = d_.chunk;
-      if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
-    }
+  // Row by row from the row's first real token (left padding: the chunk grid is the row's own, so
+  // a row's values are the same alone and in a batch); padded tokens read nothing (x = C = 0).
+  RowScan rs;
+  rs.B = B; rs.T = T; rs.row_numel = H * P * N; rs.S = S.data(); rs.y_row_numel = T * E;
+  rs.first = first_real_tokens(in);
+  rs.chunk = call.chunked ? d_.chunk : 0;
+  const auto args = [&](int64_t b, int64_t t0, int64_t t1, float* S_row) {
+    SsdArgs a;
+    a.T = t1 - t0; a.H = H; a.P = P; a.G = G; a.N = N;
+    a.x = x.data() + (b * T + t0) * E;
+    a.B = Bm.data() + (b * T + t0) * G * N;
+    a.C = Cm.data() + (b * T + t0) * G * N;
+    a.dt = dt.data() + (b * T + t0) * H;
+    a.A = lw.A.data();
+    a.D = lw.D.data();
+    a.S = S_row;
+    a.chunk = d_.chunk;
+    return a;
   };
-  scan_with_stops(ls, li, T, run, [&](int64_t t) {
-    Tensor served = served_state(S);
-    if (!ls->visit_state(li, t, served, served.shape())) return;
-    store_served_state(served, S);
-    if (states.defined()) copy_state_into(served, states, t);
-  });
+  rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
+    SsdArgs a = args(b, t0, t1, S_row);
+    a.y = y_scratch ? y_scratch + t0 * E : y.data() + (b * T + t0) * E;
+    a.states = states_row ? states_row + t0 * H * N * P : nullptr;
+    if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
+  };
+  rs.serve = [&](const float* S_row, float* out) {
+    for (int64_t h = 0; h < H; ++h) ops::transpose(S_row + h * P * N, P, N, out + h * N * P);
+  };
+  rs.store = [&](const float* in_row, float* S_row) {
+    for (int64_t h = 0; h < H; ++h) ops::transpose(in_row + h * N * P, N, P, S_row + h * P * N);
+  };
+  rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
+    ssd_state_at(args(b, ck, std::min(ck + d_.chunk, T), const_cast<float*>(S_ck)), t - ck + 1,
+                 std::min(ck + d_.chunk, T) - ck, out);
+  };
+  for (int64_t b = 0; b < B; ++b)
+    std::fill(y.data() + b * T * E, y.data() + (b * T + std::min(rs.first[static_cast<size_t>(b)], T)) * E, 0.0f);
+  Tensor states = scan_rows(ls, li, rs, {B, T, H, N, P});
   if (states.defined()) {
     ls->visit(li, Value::states, states, states.shape());
     ls->recycle_stack(std::move(states));

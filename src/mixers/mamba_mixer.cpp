@@ -46,8 +46,11 @@ MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& 
 }
 
 std::string MambaMixer::prompt_kernel(int64_t seq) const {
-  const int64_t channel_blocks = (E_ + 31) / 32;
-  return channel_blocks < ops::num_threads() && seq >= 4 * chunk_ ? "chunked" : "recurrent";
+  // The token loop by default whatever the thread count and the batch (a row's values must not
+  // depend on either, and the two algorithms round differently); route_kernels("mamba",
+  // "chunked") selects the chunked scan.
+  (void)seq;
+  return "recurrent";
 }
 
 void MambaMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
@@ -114,29 +117,39 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   if (ls && ls->wants(li, Value::decays)) visit_decays(li, lw, dt, ls);
 
   Tensor& S = call.begin_state();
-  Tensor y({B, T, E_});
-  Tensor states;
-  if (ls && ls->wants(li, Value::states)) states = ls->stack_buffer({B, T, E_, N_});
+  Tensor y({B, T, E_});  // zeros: padded tokens read nothing (u = 0, C = 0 there)
   const bool chunked = call.chunked;
-  // Tokens [t0, t1) of every row; the scan stops where the per-token state is wanted.
-  auto run = [&](int64_t t0, int64_t t1) {
-    for (int64_t b = 0; b < B; ++b) {
-      SelectiveScanArgs a;
-      a.T = t1 - t0; a.E = E_; a.N = N_;
-      a.u = u.data() + (b * T + t0) * E_;
-      a.dt = dt.data() + (b * T + t0) * E_;
-      a.B = Bm.data() + (b * T + t0) * N_;
-      a.C = Cm.data() + (b * T + t0) * N_;
-      a.A = lw.A.data();
-      a.D = lw.D.data();
-      a.S = S.data() + b * E_ * N_;
-      a.y = y.data() + (b * T + t0) * E_;
-      a.states = states.defined() ? states.data() + (b * T + t0) * E_ * N_ : nullptr;
-      a.chunk = chunk_;
-      if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
-    }
+  // Row by row from the row's first real token (values.md "One number per value"); the scan
+  // pauses where the per-token state is wanted (scan_rows: a read on the side, a write splits).
+  const auto args = [&](int64_t b, int64_t t0, int64_t t1, float* S_row) {
+    SelectiveScanArgs a;
+    a.T = t1 - t0; a.E = E_; a.N = N_;
+    a.u = u.data() + (b * T + t0) * E_;
+    a.dt = dt.data() + (b * T + t0) * E_;
+    a.B = Bm.data() + (b * T + t0) * N_;
+    a.C = Cm.data() + (b * T + t0) * N_;
+    a.A = lw.A.data();
+    a.D = lw.D.data();
+    a.S = S_row;
+    a.chunk = chunk_;
+    return a;
   };
-  scan_with_stops(ls, li, T, run, [&](int64_t t) { call.state_at(t, states); });
+  RowScan rs;
+  rs.B = B; rs.T = T; rs.row_numel = E_ * N_; rs.S = S.data(); rs.y_row_numel = T * E_;
+  rs.first = first_real_tokens(in);
+  rs.chunk = chunked ? chunk_ : 0;
+  rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
+    SelectiveScanArgs a = args(b, t0, t1, S_row);
+    a.y = y_scratch ? y_scratch + t0 * E_ : y.data() + (b * T + t0) * E_;
+    a.states = states_row ? states_row + t0 * E_ * N_ : nullptr;
+    if (chunked) selective_scan_chunked(a); else selective_scan_recurrent(a);
+  };
+  rs.serve = [&](const float* S_row, float* out) { std::copy(S_row, S_row + E_ * N_, out); };
+  rs.store = rs.serve;
+  rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
+    selective_scan_state_at(args(b, ck, t + 1, const_cast<float*>(S_ck)), t - ck + 1, out);
+  };
+  Tensor states = scan_rows(ls, li, rs, {B, T, E_, N_});
   if (states.defined()) {
     ls->visit(li, Value::states, states, states.shape());
     ls->recycle_stack(std::move(states));

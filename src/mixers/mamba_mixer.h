@@ -36,14 +36,13 @@ struct MambaMixerWeights {
 };
 
 /// What one mixer call reads and updates besides its input. The state sites belong to the
-/// skeleton that owns the cache (models/ssm_lm.h begin_state / serve_state_at / end_state).
+/// skeleton that owns the cache (models/ssm_lm.h begin_state / end_state).
 struct MambaMixerCall {
   int layer = 0;
   Tensor* conv = nullptr;  ///< [B, K, E] last K pre-conv inputs (updated)
   bool chunked = true;     ///< the chunked scan (else the token loop)
   Listener* ls = nullptr;
   std::function<Tensor&()> begin_state;                  ///< serves state_input; the [B,E,N] state to scan from
-  std::function<void(int64_t, Tensor&)> state_at;        ///< serves the state after token t (states: the stack)
   std::function<void()> end_state;                       ///< serves state_output
 };
 

@@ -91,6 +91,35 @@ void selective_scan_recurrent(const SelectiveScanArgs& a) {
   });
 }
 
+void selective_scan_state_at(const SelectiveScanArgs& a, int64_t upto, float* out) {
+  const int64_t E = a.E, N = a.N;
+  const int64_t blocks = (E + kBlock - 1) / kBlock;
+  // selective_scan_chunked's arithmetic for one chunk: the scan from zero (pass 1) plus the carried
+  // state's contribution (pass 3), per block of channels as there.
+  ops::parallel_for(blocks, [&](int64_t blk) {
+    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock);
+    const float* S0 = a.S;
+    const bool carried = std::any_of(S0 + e0 * N, S0 + e1 * N, [](float v) { return v != 0.0f; });
+    std::vector<float> P(static_cast<size_t>((e1 - e0) * N), 1.0f), dA(static_cast<size_t>(N));
+    float* loc = out + e0 * N;
+    std::fill(loc, out + e1 * N, 0.0f);
+    for (int64_t t = 0; t < upto; ++t)
+      for (int64_t e = e0; e < e1; ++e) {
+        const float dt = a.dt[t * E + e], u = a.u[t * E + e];
+        discretize(a.A + e * N, dt, N, dA.data());
+        update(out + e * N, dA.data(), a.B + t * N, dt, u, N);
+        float* Pe = P.data() + (e - e0) * N;
+        for (int64_t n = 0; n < N; ++n) Pe[n] *= dA[n];
+      }
+    if (carried)
+      for (int64_t e = e0; e < e1; ++e)
+        for (int64_t n = 0; n < N; ++n) {
+          const float carry = P[static_cast<size_t>((e - e0) * N + n)] * S0[e * N + n];
+          out[e * N + n] += carry;
+        }
+  });
+}
+
 void selective_scan_chunked(const SelectiveScanArgs& a) {
   const int64_t T = a.T, E = a.E, N = a.N;
   const int64_t Q = std::max<int64_t>(1, a.chunk);

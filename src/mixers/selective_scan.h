@@ -54,5 +54,9 @@ void selective_scan_recurrent(const SelectiveScanArgs& a);
 /// across chunks; (3) each chunk adds the carried state's contribution,
 /// C_t . (prod_{k<=t} exp(A dt_k)) S_enter, to y and to the per-token states.
 void selective_scan_chunked(const SelectiveScanArgs& a);
+/// The state after token upto - 1 [E,N] into `out`, tokens [0, upto) of one chunk of
+/// selective_scan_chunked from a.S (the state entering that chunk, not changed): that kernel's
+/// arithmetic for the chunk's per-token states and end state, so the three agree bitwise.
+void selective_scan_state_at(const SelectiveScanArgs& a, int64_t upto, float* out);
 
 }  // namespace mixlens::detail

@@ -33,7 +33,93 @@ inline void step_head(float* S, const float* x, const float* Bv, const float* Cv
   }
 }
 
+// The chunked kernel's state recurrence, one head, in the served layout [N,P]:
+//   cur_l = exp(A dt_l) * cur_{l-1} + B_l ⊗ (x_l dt_l)   (cur_{-1} = S0; two roundings, no FMA)
+// over L tokens; out (optional) gets every token's state. The chunk-end state, the `states` stack
+// and a per-token read all come from here, so they are one number each, and a token with dt = 0
+// (decay exp(0) = 1, input 0) keeps the state bit for bit.
+void replay(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt, int64_t L, int64_t N,
+            int64_t P, float* cur, float* out, int64_t ld_out, bool avx2) {
+#if defined(__x86_64__)
+  if (avx2) return ssd_states_replay_avx2(S0, decay, B, ldb, xdt, L, N, P, cur, out, ld_out);
+#endif
+  (void)avx2;
+  const float* prev = S0;
+  for (int64_t l = 0; l < L; ++l) {
+    const float e = decay[l];
+    const float* Bl = B + l * ldb;
+    const float* xl = xdt + l * P;
+    for (int64_t n = 0; n < N; ++n) {
+      const float bn = Bl[n];
+      const float* pr = prev + n * P;
+      float* c = cur + n * P;
+      for (int64_t p = 0; p < P; ++p) c[p] = pr[p] * e + bn * xl[p];
+    }
+    if (out) std::copy(cur, cur + N * P, out + l * ld_out);
+    prev = cur;
+  }
+}
+
+// The chunk end state in the chunk form, S = exp(Acum_last) S + sum_l exp(Acum_last - Acum_l) xdt_l ⊗ B_l
+// (one product), S [P,N] in place; da = A dt of the chunk's L tokens, tmp [L,P] scratch. Acum is
+// the running sum of da, as the kernel forms it.
+void chunk_end(const float* da, const float* xdt, const float* Bc, int64_t ldbc, int64_t L, int64_t P, int64_t N,
+               float* S, float* tmp) {
+  float last = 0.0f;
+  for (int64_t l = 0; l < L; ++l) last += da[l];
+  float acc = 0.0f;
+  for (int64_t l = 0; l < L; ++l) {
+    acc += da[l];
+    const float e = std::exp(last - acc);
+    for (int64_t p = 0; p < P; ++p) tmp[l * P + p] = xdt[l * P + p] * e;
+  }
+  ops::gemm(true, false, P, N, L, 1.0f, tmp, P, Bc, ldbc, std::exp(last), S, N);
+}
+
+// Whether the chunk end comes from the token recurrence: when a token of the chunk has dt = 0 (the
+// "skip token" write), so that token keeps the state bit for bit (exp(0) * S + 0); otherwise the
+// one-product chunk form, which is faster (the per-token states of the chunk's other tokens are the
+// recurrence's either way).
+bool end_by_recurrence(const float* dt, int64_t ld, int64_t L) {
+  for (int64_t l = 0; l < L; ++l)
+    if (dt[l * ld] == 0.0f) return true;
+  return false;
+}
+
+bool use_avx2() {
+#if defined(__x86_64__)
+  return ops::isa() != ops::Isa::scalar;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+void ssd_state_at(const SsdArgs& a, int64_t upto, int64_t chunk_len, float* served) {
+  const int64_t H = a.H, P = a.P, N = a.N, heads_per_group = a.H / a.G;
+  const bool avx2 = use_avx2();
+  ops::parallel_for(H, [&](int64_t h) {
+    const int64_t g = h / heads_per_group;
+    const float A = a.A[h];
+    std::vector<float> da(static_cast<size_t>(upto)), decay(static_cast<size_t>(upto)), xdt(static_cast<size_t>(upto * P));
+    for (int64_t l = 0; l < upto; ++l) {  // as ssd_chunked forms them
+      const float dt = a.dt[l * H + h];
+      da[static_cast<size_t>(l)] = A * dt;
+      decay[static_cast<size_t>(l)] = std::exp(da[static_cast<size_t>(l)]);
+      for (int64_t p = 0; p < P; ++p) xdt[static_cast<size_t>(l * P + p)] = a.x[l * H * P + h * P + p] * dt;
+    }
+    float* out = served + h * N * P;
+    if (upto == chunk_len && !end_by_recurrence(a.dt + h, H, chunk_len)) {  // the kernel's chunk end
+      std::vector<float> S(a.S + h * P * N, a.S + (h + 1) * P * N), tmp(static_cast<size_t>(upto * P));
+      chunk_end(da.data(), xdt.data(), a.B + g * N, a.G * N, upto, P, N, S.data(), tmp.data());
+      store_state(S.data(), P, N, out);
+      return;
+    }
+    store_state(a.S + h * P * N, P, N, out);
+    replay(out, decay.data(), a.B + g * N, a.G * N, xdt.data(), upto, N, P, out, nullptr, 0, avx2);
+  });
+}
 
 void ssd_recurrent(const SsdArgs& a) {
   const int64_t heads_per_group = a.H / a.G;
@@ -59,22 +145,21 @@ void ssd_chunked(const SsdArgs& a) {
   // once per group. A short prompt has one group and one chunk: split into row blocks (rows l of a
   // block need columns s <= l only) so the product does not run on one thread while the rest wait.
   const int64_t Qe = std::min(Q, T);
-  const int64_t rb = G * nchunks >= 2 * ops::num_threads() || Qe < 64 ? 1 : std::min<int64_t>(4, Qe / 32);
+  // The split depends on the chunk size only (not on the thread count or the prompt length), so a
+  // chunk's products are the same whatever ran with it.
+  const int64_t rb = Q < 64 ? 1 : std::min<int64_t>(4, Q / 32);
   std::vector<float> CB(static_cast<size_t>(G * nchunks * Qe * Qe));
   ops::parallel_for(G * nchunks * rb, [&](int64_t job) {
     const int64_t gc = job / rb, blk = job % rb;
     const int64_t g = gc / nchunks, c = gc % nchunks;
     const int64_t t0 = c * Q, L = std::min(Q, T - t0);
     const int64_t r0 = L * blk / rb, r1 = L * (blk + 1) / rb;
+    if (r1 <= r0) return;
     ops::gemm(false, true, r1 - r0, r1, N, 1.0f, a.C + (t0 + r0) * ldbc + g * N, ldbc, a.B + t0 * ldbc + g * N, ldbc,
               0.0f, CB.data() + gc * Qe * Qe + r0 * Qe, Qe);
   });
 
-#if defined(__x86_64__)
-  const bool avx2 = ops::isa() != ops::Isa::scalar;
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = use_avx2();
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / heads_per_group;
     const float A = a.A[h], D = a.D[h];
@@ -86,7 +171,7 @@ void ssd_chunked(const SsdArgs& a) {
     constexpr size_t kKeepFloats = size_t{1} << 20;
     thread_local std::vector<float> kept;
     std::vector<float> own;
-    const size_t need = static_cast<size_t>(3 * Qe + Qe * Qe + 2 * Qe * P + (a.states ? P * N + Qe : 0));
+    const size_t need = static_cast<size_t>(3 * Qe + Qe * Qe + 2 * Qe * P + P * N + Qe);
     std::vector<float>& scratch = need <= kKeepFloats ? kept : own;
     if (scratch.size() < need) scratch.resize(need);
     float* const acum = scratch.data();
@@ -145,43 +230,23 @@ void ssd_chunked(const SsdArgs& a) {
         else
           for (int64_t p = 0; p < P; ++p) yc[l * ldx + p] += e * tmp[l * P + p] + D * xc[l * ldx + p];
       }
-      if (a.states) {
-        // Replay the recurrence inside the chunk straight in the served layout [N,P]: each token's
-        // state is the previous one (already written) decayed plus B_l ⊗ xdt_l, vectorised over p,
-        // so the per-token states cost one streaming write each and no transposes.
-        for (int64_t p = 0; p < P; ++p)
-          for (int64_t n = 0; n < N; ++n) Sr[n * P + p] = S[p * N + n];
-#if defined(__x86_64__)
-        if (avx2) {
-          // Sr is both the entering state and the running one; the stack is written with
-          // streaming stores (it is not read back here, so no read-for-ownership of its lines).
-          for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
-          ssd_states_replay_avx2(Sr, decay, Bc, ldbc, xdt, L, N, P, Sr,
-                                 a.states + (t0 * H + h) * N * P, H * N * P);
-        }
-#endif
-        const float* prev = Sr;
-        for (int64_t l = 0; l < L && !avx2; ++l) {
-          const float e = std::exp(da[l]);
-          const float* Bl = Bc + l * ldbc;
-          const float* xl = xdt + l * P;
-          float* out = a.states + ((t0 + l) * H + h) * N * P;
-          for (int64_t n = 0; n < N; ++n) {
-            const float bn = Bl[n];
-            const float* pr = prev + n * P;
-            float* o = out + n * P;
-            for (int64_t p = 0; p < P; ++p) o[p] = pr[p] * e + bn * xl[p];
-          }
-          prev = out;
-        }
+      // Per-token states by the token recurrence from the chunk's entering state; the chunk end by
+      // the chunk form, or by the recurrence when a token has dt = 0 (end_by_recurrence). The last
+      // token's state is the chunk end itself, and ssd_state_at makes the same choice, so
+      // states[:, t], state_after(t) and state_output are one number (values.md).
+      const bool by_rec = end_by_recurrence(a.dt + t0 * H + h, H, L);
+      float* st = a.states ? a.states + (t0 * H + h) * N * P : nullptr;
+      if (a.states || by_rec) {
+        store_state(S, P, N, Sr);
+        for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
+        replay(Sr, decay, Bc, ldbc, xdt, by_rec ? L : L - 1, N, P, Sr, st, H * N * P, avx2);
       }
-      // Chunk end state: S = exp(Acum_last) S + sum_l exp(Acum_last - Acum_l) xdt_l ⊗ B_l.
-      const float last = acum[L - 1];
-      for (int64_t l = 0; l < L; ++l) {
-        const float e = std::exp(last - acum[l]);
-        for (int64_t p = 0; p < P; ++p) tmp[l * P + p] = xdt[l * P + p] * e;
+      if (by_rec) {
+        ops::transpose(Sr, N, P, S);
+      } else {
+        chunk_end(da, xdt, Bc, ldbc, L, P, N, S, tmp);
+        if (st) store_state(S, P, N, st + (L - 1) * H * N * P);
       }
-      ops::gemm(true, false, P, N, L, 1.0f, tmp, P, Bc, ldbc, std::exp(last), S, N);
     }
   });
 }

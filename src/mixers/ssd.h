@@ -26,8 +26,14 @@ struct SsdArgs {
 void ssd_recurrent(const SsdArgs& a);
 /// Chunked SSD: intra-chunk quadratic form + inter-chunk state passing, BLAS for the products.
 /// `states`, when asked for, are replayed from each chunk's entering state directly in the served
-/// layout (vectorised over head_dim, no per-token transposes). A scan split at token t is two calls
-/// (tokens [0,t], then [t+1,T) from the state S left by the first).
+/// layout (vectorised over head_dim, no per-token transposes); the last token's is the chunk end state
+/// (one product, or the token recurrence when a token of the chunk has dt = 0, so a skipped token
+/// keeps the state exactly). Calls over consecutive whole chunks equal one call, bit for bit.
 void ssd_chunked(const SsdArgs& a);
+/// The state after token upto - 1 of `a` (tokens [0, upto) of a chunk of `chunk_len` tokens, from
+/// a.S = the state entering that chunk, kernel layout, not changed), served layout [H,N,P] into
+/// `served`: the same arithmetic ssd_chunked uses for that chunk's per-token states and end state,
+/// so the three agree bitwise (a per-token read computed on the side, without splitting the scan).
+void ssd_state_at(const SsdArgs& a, int64_t upto, int64_t chunk_len, float* served);
 
 }  // namespace mixlens::detail

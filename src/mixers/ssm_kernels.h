@@ -22,7 +22,8 @@ void selective_scan_block_avx2(const SelectiveScanArgs& a, int64_t e0, int64_t e
 void softplus_bias_avx2(const float* x, const float* bias, float* y, int64_t n);
 /// One Mamba-2 head's per-token states within a chunk, in the served layout [N,P] per token:
 /// out_l = exp(da[l]) * out_{l-1} + B_l ⊗ xdt_l (out_{-1} = S0, [N,P]); `cur` [N*P] is scratch that
-/// ends holding out_{L-1}. The outputs go out with streaming stores (they are not read back here).
+/// ends holding out_{L-1}. The outputs go out with streaming stores (they are not read back here);
+/// `out` may be null (only the running state). No FMA anywhere (the scalar replay's roundings).
 /// Also a gated-delta head's states (mixers/gated_delta.cpp): N = Dk, P = Dv, B = keys, xdt = deltas.
 void ssd_states_replay_avx2(const float* S0, const float* da, const float* B, int64_t ldb, const float* xdt,
                             int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out);

@@ -157,21 +157,29 @@ void ssd_states_replay_avx2(const float* S0, const float* decay, const float* B,
     const __m256 ev = _mm256_set1_ps(decay[l]);
     const float* Bl = B + l * ldb;
     const float* xl = xdt + l * P;
-    float* o = out + l * ld_out;
-    const bool aligned = (reinterpret_cast<uintptr_t>(o) & 31u) == 0 && p8;
+    float* o = out ? out + l * ld_out : nullptr;
+    const bool aligned = o && (reinterpret_cast<uintptr_t>(o) & 31u) == 0 && p8;
     for (int64_t n = 0; n < N; ++n) {
       const __m256 bn = _mm256_set1_ps(Bl[n]);
       const float* pr = prev + n * P;
       float* c = cur + n * P;
-      float* on = o + n * P;
+      float* on = o ? o + n * P : nullptr;
       int64_t p = 0;
       for (; p + 8 <= P; p += 8) {
         // prev * e + B_n x_p, as the scalar replay (two roundings, no FMA: same values as before).
         const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(pr + p), ev), _mm256_mul_ps(bn, _mm256_loadu_ps(xl + p)));
         _mm256_storeu_ps(c + p, v);
+        if (!on) continue;
         if (aligned) _mm256_stream_ps(on + p, v); else _mm256_storeu_ps(on + p, v);
       }
-      for (; p < P; ++p) c[p] = on[p] = pr[p] * decay[l] + Bl[n] * xl[p];
+      if (p < P) {  // the tail through the same vector ops (a scalar a * b + c here may be contracted to an FMA)
+        float pb[8] = {}, xb[8] = {}, vb[8];
+        for (int64_t j = p; j < P; ++j) pb[j - p] = pr[j], xb[j - p] = xl[j];
+        _mm256_storeu_ps(vb, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(pb), ev), _mm256_mul_ps(bn, _mm256_loadu_ps(xb))));
+        for (int64_t j = p; j < P; ++j) c[j] = vb[j - p];
+        if (on)
+          for (int64_t j = p; j < P; ++j) on[j] = vb[j - p];
+      }
     }
     prev = cur;
   }

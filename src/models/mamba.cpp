@@ -91,7 +91,6 @@ class MambaModel final : public SsmLm {
     call.chunked = ctx.kernel == "chunked";
     call.ls = ls;
     call.begin_state = [&]() -> Tensor& { return begin_state(li, cache, ls); };
-    call.state_at = [&](int64_t t, Tensor& states) { serve_state_at(li, t, cache, ls, states); };
     call.end_state = [&] { end_state(li, cache, ls); };
     return mixer_.forward(layers_[static_cast<size_t>(li)], n, in, call);
   }

@@ -136,14 +136,6 @@ Tensor& SsmLm::begin_state(int li, SsmCache& cache, Listener* ls) const {
   return S;
 }
 
-void SsmLm::serve_state_at(int li, int64_t t, SsmCache& cache, Listener* ls, Tensor& states) const {
-  Tensor& S = cache.ssm[static_cast<size_t>(li)];
-  Tensor served = served_state(S);
-  if (!ls->visit_state(li, t, served, served.shape())) return;
-  store_served_state(served, S);
-  if (states.defined()) copy_state_into(served, states, t);
-}
-
 void SsmLm::end_state(int li, SsmCache& cache, Listener* ls) const {
   visit_state_output(li, cache.ssm[static_cast<size_t>(li)], ls, [this](const Tensor& s) { return served_state(s); },
                      [this](const Tensor& o, Tensor& s) { store_served_state(o, s); });

@@ -60,10 +60,6 @@ class SsmLm : public FamilyModel {
   /// Zeroes the layer's state on a fresh call, then serves state_input (None when fresh) and
   /// lays a written value back into the cache. Returns the kernel-layout state to scan from.
   Tensor& begin_state(int layer, SsmCache& cache, Listener* ls) const;
-  /// Serves the per-token `state` after token t (the scan is stopped there, its state in
-  /// cache.ssm) and lays a written value back, so the scan resumes from it; a written state also
-  /// replaces token t of `states` [B,T,...] when that is being collected.
-  void serve_state_at(int layer, int64_t t, SsmCache& cache, Listener* ls, Tensor& states) const;
   /// Serves state_output from the cache and lays a written value back (the next call sees it).
   void end_state(int layer, SsmCache& cache, Listener* ls) const;
 

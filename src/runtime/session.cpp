@@ -422,11 +422,10 @@ struct Session::Impl {
   // The rule for one layer's `states` and its per-token `state` in one block, and why (values.md).
   static std::string stack_or_tokens_rule(int layer) {
     const std::string base = "layers." + std::to_string(layer) + ".linear_attn.";
-    return "in one block, read a layer's `states` or its per-token `state` (state_after / set_state_after / "
-           "tracer.iter), not both: the per-token state is served during the layer's scan, the `states` stack "
-           "after the scan ends, and the stack is computed only if it was asked for before the scan started. "
-           "Use states[:, t] for the state after token t, or pre-register the stack (Python saves=['" +
-           base + "states'], C++ Trace::save) and read or write the per-token state in the block";
+    return "a layer's per-token `state` can be read after its `states` (it is states[:, t]) but written only "
+           "before: the per-token state is written during the layer's scan and the `states` stack is served "
+           "when the scan ends. Write the state (set_state_after) before reading `states`, or pre-register the "
+           "write (Python edits={'" + base + "state@t<t>': v}, C++ Trace::set)";
   }
 
   [[noreturn]] void not_served(const Target& t, const std::string& path, const char* verb, Arrival a) const {
@@ -434,9 +433,6 @@ struct Session::Impl {
     // A layer's stack after its per-token state in this call, or the reverse: say the rule, not only
     // "not produced" / "passed".
     const auto read_other = [&](Value other) { return touched.count({t.pos.step, t.site.layer, static_cast<int>(other)}) > 0; };
-    if (t.site.value == Value::states && a != Arrival::passed && read_other(Value::state))
-      throw OutOfOrderError(asked + ": this block already read or wrote that layer's per-token state at this step; " +
-                            stack_or_tokens_rule(t.site.layer));
     if (t.site.value == Value::state && a == Arrival::passed && read_other(Value::states))
       throw OutOfOrderError(asked + ": this block already read that layer's `states` at this step; " +
                             stack_or_tokens_rule(t.site.layer));
@@ -496,6 +492,12 @@ struct Session::Impl {
   // (step, layer, value) of the `states` / per-token `state` the caller read or wrote, for the error
   // that states the one-or-the-other rule.
   std::set<std::tuple<int, int, int>> touched;
+  // The last `states` stack read (step, layer, the stack): a per-token state of that layer read after
+  // it is its row (the same number by construction), until the caller asks for anything else.
+  struct KeptStack {
+    int step = -1, layer = -1;
+    Tensor stack;
+  } kept_stack;
   Tensor* live = nullptr;  // the value the worker is paused at (its own tensor)
   Shape live_shape;
   bool live_written = false;
@@ -676,7 +678,20 @@ void Session::Impl::settle_handed(const Target* keep) {
 
 Tensor Session::Impl::read_at(const Target& t, std::string_view path, bool* at_live) {
   std::unique_lock<std::mutex> lk(mu);
+  const bool of_kept = t.site.value == Value::state && kept_stack.step == t.pos.step && kept_stack.layer == t.site.layer;
+  if (!of_kept) kept_stack = {};  // held no longer than needed: the forward reuses a dropped stack
   const Arrival a = advance_to(lk, t);
+  // A per-token state after its layer's `states` was read: that stack's row (states[:, t]).
+  if (a == Arrival::passed && of_kept && kept_stack.stack.defined()) {
+    const Tensor& st = kept_stack.stack;
+    const int64_t B = st.size(0), T = st.size(1), per = st.numel() / (B * T);
+    Shape shape{B};
+    for (size_t d = 2; d < st.shape().size(); ++d) shape.push_back(st.shape()[d]);
+    Tensor out = Tensor::uninitialized(shape);
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(out.data() + b * per, st.data() + (b * T + t.pos.token) * per, sizeof(float) * static_cast<size_t>(per));
+    return out;
+  }
   if (at_live) *at_live = a == Arrival::at_target && paused && live != nullptr;
   if (a == Arrival::at_target) {
     if (t.site.value == Value::states || t.site.value == Value::state)
@@ -684,7 +699,10 @@ Tensor Session::Impl::read_at(const Target& t, std::string_view path, bool* at_l
     if (!live->defined()) return Tensor();
     // `states` is read-only and the forward drops it after this visit: hand over the stack itself
     // rather than copying hundreds of MiB (the caller still owns an independent value).
-    if (t.site.value == Value::states) return *live;
+    if (t.site.value == Value::states) {
+      kept_stack = {t.pos.step, t.site.layer, *live};
+      return *live;
+    }
     return copy_of(*live);
   }
   // Passed, but an earlier value of the moment the forward is in: served from its copy.
@@ -714,6 +732,7 @@ void Session::Impl::write_at(const Target& t, std::string_view path, const Tenso
                      "self_attn.attention_queries / attention_keys instead");
   settle_handed(&t);
   std::unique_lock<std::mutex> lk(mu);
+  kept_stack = {};
   const Arrival a = advance_to(lk, t);
   if (a != Arrival::at_target) {
     if (a == Arrival::passed && t.pos.step == pos.step && stash.count(t.site))
