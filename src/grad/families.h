@@ -1,10 +1,12 @@
-// Family backwards (issue 12): the pieces a family's FamilyModel::backward override calls.
+// Backwards of the pure SSM LMs (issue 12): the skeleton's and its mixers' (FamilyModel::backward,
+// src/grad/backward.cpp, runs them from the family's SsmLmParts).
 #pragma once
 #include <functional>
 #include <vector>
 
 #include "grad/tape.h"
 #include "mixers/mamba2_mixer.h"
+#include "models/ssm_lm.h"
 
 namespace mixlens::grad {
 
@@ -24,6 +26,11 @@ using MixerBackward = std::function<void(int layer, const Tensor& n, const Tenso
 /// Backward of embeddings -> blocks h += mixer(RMSNorm(h)) -> RMSNorm -> lm_head (SsmLm::forward).
 void ssm_lm_backward(const SsmBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink,
                      const MixerBackward& mixer);
+
+/// Backward of a loaded SSM LM: ssm_lm_backward with the backward of the mixer `p` names (Mamba-1
+/// or Mamba-2). `model` maps a decays write back to dt (FamilyModel::betas_for_decays).
+void ssm_lm_backward(const detail::FamilyModel& model, const detail::SsmLmParts& p, const Tape& tape,
+                     const Tensor& dlogits, GradSink& sink);
 
 /// What a Mamba-2 mixer call read from its cache (constants of the backward).
 struct Mamba2CallState {

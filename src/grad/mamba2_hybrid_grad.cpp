@@ -39,7 +39,7 @@ void add_into(Tensor& h, const Tensor& x) {
 
 class HybridBackward {
  public:
-  HybridBackward(const HybridModelView& m, const Tape& tape, GradSink& sink)
+  HybridBackward(const detail::Mamba2HybridParts& m, const Tape& tape, GradSink& sink)
       : m_(m), s_(*m.spec), tape_(tape), sink_(sink), in_(tape.batch), B_(in_.batch), T_(in_.seq), BT_(B_ * T_),
         cache_(static_cast<const detail::HybridCache&>(*tape.cache_before)) {
     // Positions and the key mask as the forward built them (the cache before the call, advanced).
@@ -300,7 +300,7 @@ class HybridBackward {
     return o;
   }
 
-  const HybridModelView& m_;
+  const detail::Mamba2HybridParts& m_;
   const Mamba2HybridSpec& s_;
   const Tape& tape_;
   GradSink& sink_;
@@ -313,7 +313,7 @@ class HybridBackward {
 
 }  // namespace
 
-void mamba2_hybrid_backward(const HybridModelView& m, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
+void mamba2_hybrid_backward(const detail::Mamba2HybridParts& m, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
   HybridBackward(m, tape, sink).run(dlogits);
 }
 

@@ -7,20 +7,10 @@
 
 namespace mixlens::grad {
 
-/// What the backward reads of a loaded hybrid (all owned by the model).
-struct HybridModelView {
-  const detail::Mamba2HybridSpec* spec = nullptr;
-  const detail::Mamba2Mixer* mixer = nullptr;
-  const std::vector<float>* inv_freq = nullptr;  ///< RoPE (empty without)
-  const Tensor* norm_f = nullptr;
-  const Tensor* lm_head = nullptr;
-  const std::vector<detail::HybridBlockWeights>* blocks = nullptr;
-};
-
 /// LM head (and lm_head_multiplier), final norm, then every block from the last: recomputed from
 /// its recorded input with the tape's writes re-applied, differentiated (second branch MLP, then
 /// the first branch's Mamba-2 mixer / attention / MLP / MoE), down to the embeddings. Puts the
 /// gradient of every wanted value into `sink`.
-void mamba2_hybrid_backward(const HybridModelView& m, const Tape& tape, const Tensor& dlogits, GradSink& sink);
+void mamba2_hybrid_backward(const detail::Mamba2HybridParts& m, const Tape& tape, const Tensor& dlogits, GradSink& sink);
 
 }  // namespace mixlens::grad

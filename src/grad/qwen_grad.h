@@ -1,6 +1,6 @@
 // Backward of the Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; issue 12, docs/gradients.md):
-// views of a QwenHybrid's weights (models/qwen_hybrid.cpp keeps them private) and the pieces its
-// FamilyModel::backward runs. Each mixer is recomputed from its normed input with the tape's writes
+// the pieces FamilyModel::backward runs on a QwenHybridParts (views of a QwenHybrid's weights,
+// models/qwen_hybrid.h). Each mixer is recomputed from its normed input with the tape's writes
 // re-applied (output() is the mixer output as the forward added it), then differentiated.
 #pragma once
 #include <cstdint>
@@ -9,60 +9,17 @@
 
 #include "grad/tape.h"
 #include "models/hybrid_cache.h"
+#include "models/qwen_hybrid.h"
 
 namespace mixlens::grad {
 
-/// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (models/qwen_hybrid.h GdnDims).
-struct GdnView {
-  int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0, K = 0;
-  float eps = 1e-6f;
-  const Tensor* in_proj = nullptr;   ///< [proj_rows, D]
-  const Tensor* conv_wT = nullptr;   ///< [K, conv_dim]
-  const Tensor* neg_A = nullptr;     ///< [HV] -exp(A_log)
-  const Tensor* dt_bias = nullptr;   ///< [HV]
-  const Tensor* gnorm = nullptr;     ///< [Dv]
-  const Tensor* out_proj = nullptr;  ///< [D, HV*Dv]
-};
-
-/// Qwen3_5Attention: q_proj gives per head [query | gate], q_norm / k_norm ((1 + w)), partial RoPE, GQA.
-struct AttnView {
-  int64_t D = 0, H = 0, Hkv = 0, hd = 0, rot = 0;
-  float eps = 1e-6f;
-  const std::vector<float>* inv_freq = nullptr;
-  const Tensor *q_proj = nullptr, *k_proj = nullptr, *v_proj = nullptr, *o_proj = nullptr, *q_norm = nullptr,
-               *k_norm = nullptr;
-};
-
-/// SwiGLU MLP (dense) or Qwen3NextSparseMoeBlock.
-struct MlpView {
-  bool moe = false;
-  int64_t D = 0, I = 0, Is = 0, topk = 0;
-  bool norm_topk = true;
-  const Tensor *gate_up = nullptr, *down = nullptr;  ///< dense: [2I, D] (gate | up), [D, I]
-  const Tensor* router = nullptr;                    ///< [E, D]
-  const std::vector<Tensor>* expert_gate_up = nullptr;
-  const std::vector<Tensor>* expert_down = nullptr;
-  const Tensor *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
-};
-
-struct QwenLayerView {
-  bool linear = true;
-  const Tensor *in_norm = nullptr, *post_norm = nullptr;  ///< zero-centred (1 + w)
-  GdnView gdn;
-  AttnView attn;
-  MlpView mlp;
-};
-
-struct QwenBackbone {
-  const Tensor* norm = nullptr;     ///< final (1 + w) RMSNorm
-  const Tensor* lm_head = nullptr;  ///< [V, D]
-  float eps = 1e-6f;
-  int64_t D = 0, L = 0, V = 0;
-  std::vector<QwenLayerView> layers;
-};
+using detail::AttnView;
+using detail::GdnView;
+using detail::MlpView;
+using detail::QwenLayerView;
 
 /// Backward of QwenHybrid::forward: LM head, final norm, blocks (mixer, MLP) from last to first.
-void qwen_hybrid_backward(const QwenBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink);
+void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink);
 
 /// The gated DeltaNet mixer of one layer, recomputed for its backward.
 class GdnMixerGrad {

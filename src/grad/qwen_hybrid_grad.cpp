@@ -160,7 +160,7 @@ void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
                   gu_kept);
 }
 
-void qwen_hybrid_backward(const QwenBackbone& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
+void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, const Tensor& dlogits, GradSink& sink) {
   const int64_t B = tape.batch.batch, T = tape.batch.seq, D = bb.D, BT = B * T;
   const Tensor dhf = head_backward(tape, dlogits, *bb.lm_head, 1.0f, sink);
   // Written whole before read (norms, row passes, the backwards): uninitialized.

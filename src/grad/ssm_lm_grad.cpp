@@ -5,6 +5,7 @@
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
+#include "mixlens/errors.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {
@@ -30,6 +31,39 @@ void ssm_lm_backward(const SsmBackbone& bb, const Tape& tape, const Tensor& dlog
     tape.block(li, Value::layer_input, dh);
   }
   sink.put(-1, Value::embed_output, dh);
+}
+
+void ssm_lm_backward(const detail::FamilyModel& model, const detail::SsmLmParts& p, const Tape& tape,
+                     const Tensor& dlogits, GradSink& sink) {
+  const auto& cache = static_cast<const detail::SsmCache&>(*tape.cache_before);
+  const SsmBackbone bb{p.norm_f, p.lm_head, p.norms, p.eps, p.D, p.L, p.V};
+  if (p.mamba) {  // Mamba-1 (src/grad/mamba_mixer_grad.cpp)
+    const detail::MambaMixerDims d = p.mamba->dims();
+    ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
+      const size_t i = static_cast<size_t>(li);
+      const detail::MambaMixerWeights& l = (*p.mamba_layers)[i];
+      MambaMixerView w;
+      w.D = p.D; w.E = d.E; w.N = d.N; w.R = d.R; w.K = d.K; w.chunk = p.mamba->chunk();
+      w.in_proj = &l.in_proj; w.in_proj_bias = &l.in_proj_bias; w.conv_wT = &l.conv_wT; w.conv_bias = &l.conv_bias;
+      w.x_proj = &l.x_proj; w.dt_proj = &l.dt_proj; w.dt_proj_bias = &l.dt_proj_bias; w.A = &l.A; w.Dskip = &l.D;
+      w.out_proj = &l.out_proj;
+      MambaCallState call;
+      call.conv = &cache.conv[i];
+      call.ssm = &cache.ssm[i];
+      call.has_state = cache.has_state;
+      call.chunked = tape.kernel == "chunked";
+      call.betas_for_decays = [&](const Tensor& b, const Tensor& dec) { return model.betas_for_decays(li, b, dec); };
+      mamba_mixer_backward(w, li, n, call, tape, dout, dn, sink);
+    });
+  } else if (p.mamba2) {  // Mamba-2 (src/grad/mamba2_mixer_grad.cpp)
+    ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
+      const size_t i = static_cast<size_t>(li);
+      const Mamba2CallState call{&cache.conv[i], &cache.ssm[i], cache.has_state, tape.kernel == "chunked"};
+      mamba2_mixer_backward(*p.mamba2, (*p.mamba2_layers)[i], li, n, call, tape, dout, dn, sink);
+    });
+  } else {
+    throw UnsupportedError("backward: the " + model.info.family + " family's mixer has no backward (docs/gradients.md)");
+  }
 }
 
 }  // namespace mixlens::grad

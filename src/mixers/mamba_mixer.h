@@ -67,6 +67,8 @@ class MambaMixer {
   /// rounding; tests use short chunks to cover the carry between chunks.
   void set_chunk(int64_t c) { chunk_ = c > 0 ? c : kChunk; }
   int64_t chunk() const { return chunk_; }
+  /// The sizes and options it was built with (its backward reads them).
+  MambaMixerDims dims() const { return {D_, E_, N_, R_, K_, use_bias_, use_conv_bias_}; }
 
  private:
   Tensor decays_of(const MambaMixerWeights& lw, const Tensor& dt) const;

@@ -42,6 +42,13 @@ struct CacheState {
   }
 };
 
+/// What a skeleton's backward reads of a loaded model (pointers into it). Each skeleton header
+/// derives its own (SsmLmParts, Mamba2HybridParts, QwenHybridParts); src/grad/backward.cpp picks the
+/// backward by that type, so models/ never includes grad/ (docs/architecture.md).
+struct BackwardParts {
+  virtual ~BackwardParts() = default;
+};
+
 class FamilyModel {
  public:
   virtual ~FamilyModel() = default;
@@ -101,10 +108,13 @@ class FamilyModel {
   /// with a wrong norm.
   virtual Head head() const;
 
+  /// The parts its skeleton's backward reads; null (the default) for a skeleton without one.
+  virtual std::unique_ptr<BackwardParts> backward_parts() const { return nullptr; }
   /// Trace::backward (issue 12, docs/gradients.md): given dMetric/dLogits of the call recorded in
-  /// `tape`, puts the gradient of every value `sink` asks for. UnsupportedError by default, naming
-  /// the family, so a family without a backward never returns wrong gradients.
-  virtual void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const;
+  /// `tape`, puts the gradient of every value `sink` asks for. Defined in src/grad/backward.cpp: runs
+  /// the backward of backward_parts()' skeleton when the registry line says the family has one;
+  /// UnsupportedError naming the family otherwise, so a family never returns wrong gradients.
+  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const;
 
  private:
   mutable std::once_flag table_once_;

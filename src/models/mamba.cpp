@@ -12,7 +12,6 @@
 // "prefix + continuation == whole prompt"; decode steps (one token) agree with it exactly.
 #include <string>
 
-#include "grad/families.h"
 #include "mixers/mamba_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -50,26 +49,12 @@ class MambaModel final : public SsmLm {
   /// rounding; tests use short chunks to cover the carry between chunks.
   void set_chunk_size(int64_t c) override { mixer_.set_chunk(c); }
 
-  // Gradients (src/grad/mamba_mixer_grad.cpp, docs/gradients.md).
-  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
-    const auto& cache = static_cast<const SsmCache&>(*tape.cache_before);
-    const grad::SsmBackbone bb{&norm_f_, &lm_head_, &norms_, eps_, D_, L_, V_};
-    grad::ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
-      const size_t i = static_cast<size_t>(li);
-      const MambaMixerWeights& l = layers_[i];
-      grad::MambaMixerView w;
-      w.D = D_; w.E = E_; w.N = N_; w.R = R_; w.K = K_; w.chunk = mixer_.chunk();
-      w.in_proj = &l.in_proj; w.in_proj_bias = &l.in_proj_bias; w.conv_wT = &l.conv_wT; w.conv_bias = &l.conv_bias;
-      w.x_proj = &l.x_proj; w.dt_proj = &l.dt_proj; w.dt_proj_bias = &l.dt_proj_bias; w.A = &l.A; w.Dskip = &l.D;
-      w.out_proj = &l.out_proj;
-      grad::MambaCallState call;
-      call.conv = &cache.conv[i];
-      call.ssm = &cache.ssm[i];
-      call.has_state = cache.has_state;
-      call.chunked = tape.kernel == "chunked";
-      call.betas_for_decays = [&](const Tensor& b, const Tensor& d) { return betas_for_decays(li, b, d); };
-      grad::mamba_mixer_backward(w, li, n, call, tape, dout, dn, sink);
-    });
+  // Gradients (src/grad/ssm_lm_grad.cpp and src/grad/mamba_mixer_grad.cpp, docs/gradients.md).
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto p = backbone_parts();
+    p->mamba = &mixer_;
+    p->mamba_layers = &layers_;
+    return p;
   }
 
  private:

@@ -2,7 +2,6 @@
 // (src/mixers/mamba2_mixer.*, shared with the Mamba-2 hybrids).
 // Reference: transformers models/mamba2/modeling_mamba2.py (Mamba2Mixer.torch_forward, Mamba2Block,
 // Mamba2Model, Mamba2ForCausalLM); math in shared/spec/model-math.md §3.2.
-#include "grad/families.h"
 #include "mixers/mamba2_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -58,15 +57,12 @@ class Mamba2Model final : public SsmLm {
     return mixer_.betas_for_decays(layers_[static_cast<size_t>(li)], betas_before, decays);
   }
 
-  // Gradients (src/grad/mamba2_mixer_grad.cpp, docs/gradients.md).
-  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
-    const auto& cache = static_cast<const SsmCache&>(*tape.cache_before);
-    const grad::SsmBackbone bb{&norm_f_, &lm_head_, &norms_, eps_, D_, L_, V_};
-    grad::ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
-      const size_t i = static_cast<size_t>(li);
-      const grad::Mamba2CallState call{&cache.conv[i], &cache.ssm[i], cache.has_state, tape.kernel == "chunked"};
-      grad::mamba2_mixer_backward(mixer_, layers_[i], li, n, call, tape, dout, dn, sink);
-    });
+  // Gradients (src/grad/ssm_lm_grad.cpp and src/grad/mamba2_mixer_grad.cpp, docs/gradients.md).
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto p = backbone_parts();
+    p->mamba2 = &mixer_;
+    p->mamba2_layers = &layers_;
+    return p;
   }
 
  private:

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "grad/mamba2_hybrid_grad.h"
 #include "mixers/attention.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -361,8 +360,15 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
   // Gradients (src/grad/mamba2_hybrid_grad.cpp, docs/gradients.md).
-  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
-    grad::mamba2_hybrid_backward({&s_, &mixer_, &inv_freq_, &norm_f_, &lm_head_, &blocks_}, tape, dlogits, sink);
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto p = std::make_unique<Mamba2HybridParts>();
+    p->spec = &s_;
+    p->mixer = &mixer_;
+    p->inv_freq = &inv_freq_;
+    p->norm_f = &norm_f_;
+    p->lm_head = &lm_head_;
+    p->blocks = &blocks_;
+    return p;
   }
 
   Head head() const override { return {&embed_, &norm_f_, &lm_head_, s_.eps, false, s_.lm_head_multiplier}; }

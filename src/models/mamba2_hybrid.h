@@ -112,6 +112,16 @@ Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const fl
 /// relu2 MLP with explicit weights (experts, shared expert): down(relu(up x)^2), x [rows, in].
 Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I);
 
+/// What the backward (src/grad/mamba2_hybrid_grad.cpp) reads of a loaded hybrid (all owned by the model).
+struct Mamba2HybridParts : BackwardParts {
+  const Mamba2HybridSpec* spec = nullptr;
+  const Mamba2Mixer* mixer = nullptr;
+  const std::vector<float>* inv_freq = nullptr;  ///< RoPE (empty without)
+  const Tensor* norm_f = nullptr;
+  const Tensor* lm_head = nullptr;
+  const std::vector<HybridBlockWeights>* blocks = nullptr;
+};
+
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);
 

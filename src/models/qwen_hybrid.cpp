@@ -9,7 +9,6 @@
 #include <cstring>
 #include <numeric>
 
-#include "grad/qwen_grad.h"
 #include "mixers/attention.h"
 #include "mixers/gated_delta_mixer.h"
 #include "mixlens/errors.h"
@@ -267,8 +266,9 @@ class QwenHybrid final : public FamilyModel {
   }
 
   // Gradients (src/grad/qwen_hybrid_grad.cpp and the mixers' backwards, docs/gradients.md).
-  void backward(const grad::Tape& tape, const Tensor& dlogits, grad::GradSink& sink) const override {
-    grad::QwenBackbone bb;
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto parts = std::make_unique<QwenHybridParts>();
+    QwenHybridParts& bb = *parts;
     bb.norm = &norm_;
     bb.lm_head = &lm_head_;
     bb.eps = eps_;
@@ -276,7 +276,7 @@ class QwenHybrid final : public FamilyModel {
     bb.L = L_;
     bb.V = V_;
     for (const Layer& l : layers_) {
-      grad::QwenLayerView v;
+      QwenLayerView v;
       v.linear = l.linear;
       v.in_norm = &l.in_norm;
       v.post_norm = &l.post_norm;
@@ -302,7 +302,7 @@ class QwenHybrid final : public FamilyModel {
       v.mlp.shared_gate = &m.shared_gate;
       bb.layers.push_back(v);
     }
-    grad::qwen_hybrid_backward(bb, tape, dlogits, sink);
+    return parts;
   }
 
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, true}; }

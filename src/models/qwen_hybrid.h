@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "io/json.h"
 #include "io/weights.h"
@@ -19,6 +20,56 @@ struct QwenHybridSpec {
   /// Returns layer `prefix`'s GDN input projections as one [proj_rows, D] matrix with rows in the
   /// order q (HK*Dk, head-major) | k | v (HV*Dv) | z (HV*Dv) | b (HV) | a (HV).
   std::function<Tensor(const io::WeightStore&, const std::string& prefix, const GdnDims&)> load_gdn_in_proj;
+};
+
+/// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (GdnDims).
+struct GdnView {
+  int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0, K = 0;
+  float eps = 1e-6f;
+  const Tensor* in_proj = nullptr;   ///< [proj_rows, D]
+  const Tensor* conv_wT = nullptr;   ///< [K, conv_dim]
+  const Tensor* neg_A = nullptr;     ///< [HV] -exp(A_log)
+  const Tensor* dt_bias = nullptr;   ///< [HV]
+  const Tensor* gnorm = nullptr;     ///< [Dv]
+  const Tensor* out_proj = nullptr;  ///< [D, HV*Dv]
+};
+
+/// Qwen3_5Attention: q_proj gives per head [query | gate], q_norm / k_norm ((1 + w)), partial RoPE, GQA.
+struct AttnView {
+  int64_t D = 0, H = 0, Hkv = 0, hd = 0, rot = 0;
+  float eps = 1e-6f;
+  const std::vector<float>* inv_freq = nullptr;
+  const Tensor *q_proj = nullptr, *k_proj = nullptr, *v_proj = nullptr, *o_proj = nullptr, *q_norm = nullptr,
+               *k_norm = nullptr;
+};
+
+/// SwiGLU MLP (dense) or Qwen3NextSparseMoeBlock.
+struct MlpView {
+  bool moe = false;
+  int64_t D = 0, I = 0, Is = 0, topk = 0;
+  bool norm_topk = true;
+  const Tensor *gate_up = nullptr, *down = nullptr;  ///< dense: [2I, D] (gate | up), [D, I]
+  const Tensor* router = nullptr;                    ///< [E, D]
+  const std::vector<Tensor>* expert_gate_up = nullptr;
+  const std::vector<Tensor>* expert_down = nullptr;
+  const Tensor *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
+};
+
+struct QwenLayerView {
+  bool linear = true;
+  const Tensor *in_norm = nullptr, *post_norm = nullptr;  ///< zero-centred (1 + w)
+  GdnView gdn;
+  AttnView attn;
+  MlpView mlp;
+};
+
+/// What the backward (src/grad/qwen_hybrid_grad.cpp) reads of a loaded model (pointers into it).
+struct QwenHybridParts : BackwardParts {
+  const Tensor* norm = nullptr;     ///< final (1 + w) RMSNorm
+  const Tensor* lm_head = nullptr;  ///< [V, D]
+  float eps = 1e-6f;
+  int64_t D = 0, L = 0, V = 0;
+  std::vector<QwenLayerView> layers;
 };
 
 /// Builds the model. `text` is the text-model config (text_config of a VLM config, else the

@@ -1,5 +1,5 @@
 // The one list of model families: config.json model_type -> factory. Model::load builds through it
-// and every message or check that names the families (route_kernels, the default backward) reads
+// and every message or check that names the families (route_kernels, FamilyModel::backward) reads
 // it, so a new family is one line in registry.cpp (docs/architecture.md).
 #pragma once
 #include <functional>
@@ -19,7 +19,7 @@ struct FamilyEntry {
   std::string model_type;  ///< config.json model_type
   std::string family;      ///< ModelInfo::family, the route_kernels name (several model_types may share one)
   FamilyFactory make;
-  bool backward = false;   ///< overrides FamilyModel::backward (docs/gradients.md)
+  bool backward = false;   ///< has a backward: FamilyModel::backward runs its skeleton's (docs/gradients.md)
 };
 
 /// Every supported model_type, in the order messages list them.

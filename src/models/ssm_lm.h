@@ -4,9 +4,12 @@
 // state_output sites. A family file supplies only its mixer (model-math.md §3.1, §3.2).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "mixers/mamba2_mixer.h"
+#include "mixers/mamba_mixer.h"
 #include "models/family.h"
 
 namespace mixlens::detail {
@@ -21,6 +24,20 @@ struct SsmCache : CacheState {
     deep_copy(c->ssm);
     return c;
   }
+};
+
+/// What the backward (src/grad/ssm_lm_grad.cpp) reads of a loaded SSM LM: the tensors around the
+/// blocks and the blocks' mixer, exactly one kind set (pointers into the model).
+struct SsmLmParts : BackwardParts {
+  const Tensor* norm_f = nullptr;
+  const Tensor* lm_head = nullptr;
+  const std::vector<Tensor>* norms = nullptr;  ///< per layer [D]
+  float eps = 1e-5f;
+  int64_t D = 0, L = 0, V = 0;
+  const MambaMixer* mamba = nullptr;  ///< Mamba-1, with its layers' weights
+  const std::vector<MambaMixerWeights>* mamba_layers = nullptr;
+  const Mamba2Mixer* mamba2 = nullptr;  ///< Mamba-2, with its layers' weights
+  const std::vector<Mamba2MixerWeights>* mamba2_layers = nullptr;
 };
 
 class SsmLm : public FamilyModel {
@@ -40,6 +57,18 @@ class SsmLm : public FamilyModel {
   /// conv_kernel, layer_norm_epsilon, tie_word_embeddings with `tie_default` when absent; the
   /// embeddings under either HF name, norm_f, per-layer norm, lm_head when untied).
   void load_backbone(const io::Config& cfg, const io::WeightStore& w, const std::string& family, bool tie_default);
+  /// The backbone's parts (the family's backward_parts() adds its mixer).
+  std::unique_ptr<SsmLmParts> backbone_parts() const {
+    auto p = std::make_unique<SsmLmParts>();
+    p->norm_f = &norm_f_;
+    p->lm_head = &lm_head_;
+    p->norms = &norms_;
+    p->eps = eps_;
+    p->D = D_;
+    p->L = L_;
+    p->V = V_;
+    return p;
+  }
 
   /// One mixer call on the normed block input n [B,T,D]; returns what is added to the residual.
   virtual Tensor mixer(int layer, const Tensor& n, const Batch& in, SsmCache& cache, Listener* ls,
