@@ -1,9 +1,8 @@
 """Batch- and thread-invariant numerics (issue 23 item 2), the guarantee of ``deterministic=True``:
 every value of a row is bitwise the same alone and inside left-padded batches of other rows, and on
-1, 2 or 4 threads. The families run with the token-by-token (recurrent) scan on every call: its
-per-token step has no chunk grid, so what is checked here is everything else of the forward (the
-matrix products, attention, norms, conv, MoE expert grouping: src/ops, src/mixers/attention.cpp).
-The chunked scans' own invariance under left padding is the scan side of the issue.
+1, 2 or 4 threads. Each test runs on both scan routes: the token-by-token (recurrent) scan, and the
+default route (chunked prompts), whose chunk grid starts at each row's own first real token
+(tests/python/test_invariance_scan.py checks the scans alone).
 """
 
 from __future__ import annotations
@@ -39,12 +38,12 @@ def _model(name):
     return _models[name]
 
 
-@pytest.fixture(autouse=True)
-def _recurrent_route():
+@pytest.fixture(autouse=True, params=["recurrent", "default"])
+def _route(request):
     families = {_model(n).info["family"] for n in MODELS}
     for f in families:
-        mixlens.route_kernels(f, "recurrent")
-    yield
+        mixlens.route_kernels(f, request.param)
+    yield request.param
     for f in families:
         mixlens.route_kernels(f, "default")
 
@@ -135,7 +134,7 @@ import numpy as np
 import mixlens
 name, path = sys.argv[1], sys.argv[2]
 m = mixlens.load(path, deterministic=True, output="numpy")
-mixlens.route_kernels(m.info["family"], "recurrent")
+mixlens.route_kernels(m.info["family"], sys.argv[3])
 rng = np.random.default_rng(11)
 hi = min(int(m.info["vocab_size"]), 1000)
 rows = [[int(t) for t in rng.integers(3, hi, n)] for n in (21, 37, 5)]
@@ -149,11 +148,11 @@ print(json.dumps(got))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_value_is_the_same_on_1_2_and_4_threads(name):
+def test_every_value_is_the_same_on_1_2_and_4_threads(name, _route):
     got = {}
     for n in ("1", "2", "4"):
         env = dict(os.environ, MIXLENS_NUM_THREADS=n)
-        r = subprocess.run([sys.executable, "-c", _CHILD, name, str(MODELS[name])], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, "-c", _CHILD, name, str(MODELS[name]), _route], env=env, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         got[n] = json.loads(r.stdout.strip().splitlines()[-1])
