@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from conftest import REPO
+from mixlens_dev.common import REPO
 
 FAMILIES = {
     "mamba2": "mamba2/g1_chunks",
