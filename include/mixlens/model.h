@@ -144,8 +144,9 @@ struct LoadOptions {
   /// (MIXLENS_NUM_THREADS) and with any prefill chunking, for the layers whose scans are invariant
   /// (README "Batch invariance"). Prompts run slower (bench/results/invariance.md). Default false:
   /// prompts of more than 4 rows then go to BLAS, and a row's values may move by float rounding
-  /// with the batch. MIXLENS_DETERMINISTIC=1 makes true the default of a process.
-  bool deterministic = false;
+  /// with the batch. Unset (std::nullopt): MIXLENS_DETERMINISTIC, "1" or "0" (InputError for any
+  /// other value), else false; an explicit true / false wins over the variable.
+  std::optional<bool> deterministic;
 };
 
 class Model {

@@ -70,6 +70,9 @@ class Tokenizer {
     explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = false);
     /// Unknown ids decode to nothing, as in decode().
     std::string push(int32_t id);
+    /// Several ids as one step (HF DecodeStream.step with a list): the text of all of them, or ""
+    /// while it would end in U+FFFD (then all of it is held back).
+    std::string push(const std::vector<int32_t>& ids);
     /// Emits what is held back (an incomplete character becomes U+FFFD) and resets the stream.
     std::string flush();
 

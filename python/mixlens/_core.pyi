@@ -83,9 +83,9 @@ class Cache:
 class StreamDecoder:
     """Incremental decoding (mixlens/tokenizer.h Tokenizer::StreamDecoder)."""
 
-    def push(self, id: int) -> str:
+    def push(self, ids: Sequence[int]) -> str:
         """
-        The text of the ids since the last non-empty return, or '' while it would end in U+FFFD (a split UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to nothing.
+        One step of `ids`: the text of the ids since the last non-empty return, or '' while it would end in U+FFFD (a split UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to nothing.
         """
 
     def flush(self) -> str:
@@ -95,9 +95,9 @@ class StreamDecoder:
 
 class Model:
     @staticmethod
-    def load(path: str, dtype: str = 'float32', deterministic: bool = False) -> Model:
+    def load(path: str, dtype: str = 'float32', deterministic: bool | None = None) -> Model:
         """
-        Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype); deterministic: batch-invariant numerics (LoadOptions::deterministic).
+        Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype); deterministic: batch-invariant numerics (LoadOptions::deterministic; None: MIXLENS_DETERMINISTIC).
         """
 
     @property

@@ -68,21 +68,24 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin):
 
     def __init__(self, path_or_hub_id: Optional[str] = None, *, cache_dir: Optional[str] = None,
                  revision: Optional[str] = None, use_hub: bool = False, output: Optional[str] = None,
-                 dtype: Any = "float32", deterministic: bool = False):
+                 dtype: Any = "float32", deterministic: Optional[bool] = None):
         """``dtype``: the dtype the matmul weights (projections, embeddings, lm_head, experts) are kept
         in and multiplied as, with float32 accumulation: ``"float32"`` (default, widened at load: exact
         parity with transformers in float32), ``"bfloat16"``, ``"float16"``, or ``"auto"`` (each weight's
         checkpoint dtype); ``torch.float32`` / ``torch.bfloat16`` / ``torch.float16`` are accepted too.
         States, gates, decays, norms and every value served stay float32. ValueError otherwise.
         ``deterministic``: batch-invariant numerics (README "Batch invariance"): a row's values are bitwise
-        the same alone or in any left-padded batch and on any thread count; prompts run slower."""
+        the same alone or in any left-padded batch and on any thread count; prompts run slower. None
+        (default): ``$MIXLENS_DETERMINISTIC`` (``1`` on, ``0`` off, InputError for anything else), else
+        False; True / False win over the variable."""
         self._output = resolve_output(output)
         dtype = _dtype_name(dtype)
         path = default_model_path() if path_or_hub_id is None else os.fspath(path_or_hub_id)
         if use_hub or cache_dir is not None or revision is not None:
             path = hub.resolve(path, revision=revision, cache_dir=cache_dir)
         try:
-            self._core = _core.Model.load(path, dtype, _check_bool("deterministic", deterministic))
+            self._core = _core.Model.load(
+                path, dtype, None if deterministic is None else _check_bool("deterministic", deterministic))
         except MixlensError as e:
             if path_or_hub_id is None and os.environ.get("MIXLENS_MODEL"):
                 # Otherwise a stale variable reads as if the shipped model were broken.

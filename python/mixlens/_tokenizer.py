@@ -47,9 +47,7 @@ class DecodeStream:
         became complete, None when there is none yet (also for an id skipped as a special token, or one
         with no token, which decodes to nothing as in ``decode``). InputError for an id that is not an
         integer in [0, 2^31)."""
-        push = self._core.push
-        text = "".join([push(i) for i in _id_list(id, "token id")])
-        return text or None
+        return self._core.push(_id_list(id, "token id")) or None
 
     def flush(self) -> Optional[str]:
         """End of the stream: the bytes held back (an incomplete character becomes U+FFFD, as ``decode``
@@ -95,14 +93,15 @@ class Tokenizer:
     def stream(self, ids: Optional[Sequence[int]] = None, skip_special_tokens: bool = False) -> DecodeStream:
         """A :class:`DecodeStream` for decoding generated ids one at a time (HF's
         ``DecodeStream(ids, skip_special_tokens)``; here ``stream.step(id)`` needs no tokenizer argument).
-        `ids`: a prompt already shown, fed first without output, so the first step's text is what
-        follows it. `skip_special_tokens` drops special tokens as in :meth:`decode`. TokenizerError
+        `ids`: a prompt already shown, fed first as one step without output, so a step's text is
+        what follows it; where the prompt ends inside a character, the first complete piece repeats the
+        prompt's held-back text, as HF's does. `skip_special_tokens` drops special tokens as in :meth:`decode`. TokenizerError
         without tokenizer.json; InputError for ids that are not integers in [0, 2^31)."""
         skip = _check_bool("skip_special_tokens", skip_special_tokens)
         prompt = [] if ids is None else _id_list(ids, "ids")
         stream = DecodeStream(self._core.stream_decoder(skip))
-        for i in prompt:
-            stream._core.push(i)
+        if prompt:
+            stream._core.push(prompt)
         return stream
 
     def token_to_id(self, token: str) -> Optional[int]:

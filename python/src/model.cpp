@@ -126,25 +126,26 @@ void init_model(nb::module_& m) {
   // checks the ids; the decoder holds the tokenizer's tables, so it outlives the Model.
   nb::class_<Tokenizer::StreamDecoder>(m, "StreamDecoder",
                                        "Incremental decoding (mixlens/tokenizer.h Tokenizer::StreamDecoder).")
-      .def("push", &Tokenizer::StreamDecoder::push, nb::arg("id"),
-           "The text of the ids since the last non-empty return, or '' while it would end in U+FFFD (a split "
-           "UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to nothing.")
+      .def("push", nb::overload_cast<const std::vector<int32_t>&>(&Tokenizer::StreamDecoder::push), nb::arg("ids"),
+           "One step of `ids`: the text of the ids since the last non-empty return, or '' while it would end in "
+           "U+FFFD (a split UTF-8 character held back; HF DecodeStream's rule); an id with no token decodes to "
+           "nothing.")
       .def("flush", &Tokenizer::StreamDecoder::flush,
            "What is held back (an incomplete character as U+FFFD); the stream starts over.");
 
   nb::class_<Model>(m, "Model")
       .def_static(
           "load",
-          [](const std::string& path, const std::string& dtype, bool deterministic) {
+          [](const std::string& path, const std::string& dtype, std::optional<bool> deterministic) {
             nb::gil_scoped_release r;
             LoadOptions o;
             o.dtype = dtype;
             o.deterministic = deterministic;
             return Model::load(path, o);
           },
-          nb::arg("path"), nb::arg("dtype") = "float32", nb::arg("deterministic") = false,
+          nb::arg("path"), nb::arg("dtype") = "float32", nb::arg("deterministic") = nb::none(),
           "Load a checkpoint; dtype: 'float32' (default), 'bfloat16', 'float16' or 'auto' (LoadOptions::dtype); "
-          "deterministic: batch-invariant numerics (LoadOptions::deterministic).")
+          "deterministic: batch-invariant numerics (LoadOptions::deterministic; None: MIXLENS_DETERMINISTIC).")
       .def_prop_ro("info", &info_dict)
       .def("values", &values_list, nb::arg("batch") = 1, nb::arg("seq") = 1)
       .def("support", &Model::support)

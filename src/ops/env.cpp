@@ -23,4 +23,13 @@ uint64_t env_mib(const char* name, uint64_t default_mib, bool allow_zero) {
   return mib << 20;
 }
 
+bool env_flag(const char* name, bool default_on) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return default_on;
+  const std::string s(v);
+  if (s == "1") return true;
+  if (s == "0") return false;
+  throw InputError(std::string(name) + "='" + s + "' must be 1 (on) or 0 (off)");
+}
+
 }  // namespace mixlens::detail

@@ -16,6 +16,7 @@
 
 #include "mixlens/errors.h"
 #include "ops/dtype.h"
+#include "ops/env.h"
 #include "ops/gemm16.h"
 #include "ops/kernels.h"
 
@@ -71,11 +72,9 @@ thread_local int tl_deterministic = -1;  // -1: the process default
 }  // namespace
 
 bool deterministic() {
-  static const bool by_env = [] {
-    const char* s = std::getenv("MIXLENS_DETERMINISTIC");
-    return s && *s && std::string(s) != "0";
-  }();
-  return tl_deterministic < 0 ? by_env : tl_deterministic != 0;
+  if (tl_deterministic >= 0) return tl_deterministic != 0;
+  static const bool by_env = ::mixlens::detail::env_flag("MIXLENS_DETERMINISTIC", false);  // throws on a typo (retried)
+  return by_env;
 }
 int deterministic_state() { return tl_deterministic; }
 void set_deterministic_state(int state) { tl_deterministic = state; }

@@ -17,6 +17,7 @@
 #include "models/family.h"
 #include "models/registry.h"
 #include "ops/arena.h"
+#include "ops/env.h"
 #include "ops/ops.h"
 #include "runtime/model_access.h"
 #include "runtime/sampling.h"
@@ -265,7 +266,9 @@ Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options)
   detail::check_no_extra_layers(weights, m.impl_->family->info.num_layers, config);
   m.impl_->family->info.path = dir.string();
   m.impl_->family->info.dtype = options.dtype;
-  m.impl_->family->info.deterministic = options.deterministic || ops::deterministic();
+  // Read even when the option decides, so a mistyped MIXLENS_DETERMINISTIC is refused, never ignored.
+  const bool deterministic_by_env = detail::env_flag("MIXLENS_DETERMINISTIC", false);
+  m.impl_->family->info.deterministic = options.deterministic.value_or(deterministic_by_env);
   m.impl_->family->info.weight_dtypes = weights.matmul_dtypes_kept();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the

@@ -51,15 +51,19 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
 Tokenizer::StreamDecoder::StreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens)
     : impl_(tokenizer.impl_), skip_special_(skip_special_tokens) {}
 
-std::string Tokenizer::StreamDecoder::push(int32_t id) {
+std::string Tokenizer::StreamDecoder::push(int32_t id) { return push(std::vector<int32_t>{id}); }
+
+std::string Tokenizer::StreamDecoder::push(const std::vector<int32_t>& ids) {
   const Impl& im = *impl_;
-  const std::string* t = im.token_of(id);
-  if (!t || (skip_special_ && im.is_special_content(*t))) return {};
-  if (im.decoder.kind == Decoder::Kind::Join && any_token_) pending_ += ' ';
-  im.token_bytes(*t, pending_);
-  any_token_ = true;
-  // HF's rule: the pending text goes out whole once it does not end in U+FFFD (EF BF BD), whether
-  // that is an incomplete character (decoded lossily here) or an invalid byte.
+  for (const int32_t id : ids) {
+    const std::string* t = im.token_of(id);
+    if (!t || (skip_special_ && im.is_special_content(*t))) continue;
+    if (im.decoder.kind == Decoder::Kind::Join && any_token_) pending_ += ' ';
+    im.token_bytes(*t, pending_);
+    any_token_ = true;
+  }
+  // HF's rule, once per step (a step of several ids is held back whole, as HF's): the pending text
+  // goes out whole once it does not end in U+FFFD (EF BF BD), an incomplete character or an invalid byte.
   std::string out;
   utf8_lossy(out, pending_, true);
   if (out.size() >= 3 && out.compare(out.size() - 3, 3, "\xEF\xBF\xBD") == 0) return {};

@@ -198,3 +198,33 @@ def test_cli_deterministic_runs_a_prompt_alone_and_batched_alike(tmp_path):
     assert np.array_equal(la[0], lb[0, lb.shape[1] - la.shape[1]:])
     r = cli("tokenize", "--model", model, "--deterministic", "hi")
     assert r.returncode == 2 and "--deterministic" in r.stderr, r
+
+
+_ENV_CHILD = r"""
+import sys, mixlens
+arg = {"none": None, "true": True, "false": False}[sys.argv[2]]
+try:
+    print(mixlens.load(sys.argv[1], deterministic=arg).info["deterministic"])
+except mixlens.InputError as e:
+    print("InputError:", e)
+"""
+
+
+@pytest.mark.parametrize("env, arg, want", [
+    (None, "none", "False"), ("1", "none", "True"), ("0", "none", "False"),
+    ("1", "false", "False"), ("0", "true", "True"),  # an explicit argument wins over the variable
+    ("false", "none", "InputError: MIXLENS_DETERMINISTIC='false' must be 1 (on) or 0 (off)"),
+    ("yes", "true", None), (" 1", "none", None),  # a typo is refused even where the argument decides
+])
+def test_mixlens_deterministic_is_1_or_0_and_an_explicit_argument_wins(env, arg, want):
+    e = {k: v for k, v in os.environ.items() if k != "MIXLENS_DETERMINISTIC"}
+    if env is not None:
+        e["MIXLENS_DETERMINISTIC"] = env
+    r = subprocess.run([sys.executable, "-c", _ENV_CHILD, str(MODELS["mamba2"]), arg], env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = r.stdout.strip().splitlines()[-1]
+    if want is None:
+        assert got.startswith("InputError: MIXLENS_DETERMINISTIC="), got
+    else:
+        assert got == want

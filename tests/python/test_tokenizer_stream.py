@@ -167,3 +167,35 @@ def test_a_stream_outlives_its_model(tmp_path):
 
     gc.collect()
     assert "".join(p for p in (s.step(i) for i in ids) if p) == "東京 👋"
+
+
+def _cut_points(hf, text):
+    """The ids of `text` and every split point k at which ids[:k] ends inside a character."""
+    ids = hf.encode(text, add_special_tokens=False).ids
+    return ids, [k for k in range(1, len(ids)) if hf.decode(ids[:k]).endswith("\ufffd")]
+
+
+def test_a_list_step_ending_inside_a_character_is_held_back_whole_as_hf(pair):
+    """HF's step with a list decodes the ids as one step: text that ends inside a character is held back
+    whole (None), not the part before it (found by a fresh-user trial: 'Hello ' came out early)."""
+    name, mine, hf = pair
+    ids, cuts = _cut_points(hf, "Hello 😀 world 日本")
+    if not cuts:
+        pytest.skip(f"{name}: no character split across tokens")
+    for k in cuts:
+        ours, theirs = mine.stream(), DecodeStream(skip_special_tokens=False)
+        got = [ours.step(ids[:k]), ours.step(ids[k:])]
+        want = [theirs.step(hf, ids[:k]), theirs.step(hf, ids[k:])]
+        assert got == want, f"{name}: split at {k} of {ids}: mixlens {got}, HF {want}"
+        assert got[0] is None
+
+
+def test_a_prompt_ending_inside_a_character_streams_as_hf(pair):
+    """A prompt cut inside a character: the first complete piece holds the prompt's held-back text, as HF's."""
+    name, mine, hf = pair
+    ids, cuts = _cut_points(hf, "Hello 😀 world")
+    if not cuts:
+        pytest.skip(f"{name}: no character split across tokens")
+    for k in cuts + [1]:
+        got, want, _ = streams(mine, hf, ids[k:], prompt=ids[:k])
+        assert got == want, f"{name}: prompt {ids[:k]}, then {ids[k:]}: mixlens {got}, HF {want}"
