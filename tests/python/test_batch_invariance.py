@@ -28,6 +28,8 @@ MODELS = {
     "qwen3_5": REPO / "models/qwen3_5-tinystories",
     "qwen3_next": REPO / "tests/fixtures/qwen3_next/padded_batch",
     "nemotron_h": REPO / "tests/fixtures/nemotron_h/padded_batch",
+    "bamba": REPO / "tests/fixtures/bamba/padded_batch",
+    "falcon_h1": REPO / "tests/fixtures/falcon_h1/norm_before_gate",
 }
 _models: dict = {}
 
@@ -83,7 +85,7 @@ def test_default_is_not_deterministic_and_the_option_is_reported():
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(name=st.sampled_from(sorted(MODELS)), lens=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+@given(name=st.sampled_from(sorted(MODELS)), lens=st.lists(st.integers(1, 40), min_size=1, max_size=8),
        seed=st.integers(0, 2**16))
 def test_every_value_of_a_row_alone_equals_it_in_a_padded_batch(name, lens, seed):
     m = _model(name)
