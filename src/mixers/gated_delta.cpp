@@ -49,30 +49,6 @@ inline void step(float* S, const float* q, const float* k, const float* v, float
   }
 }
 
-// The chunked kernel's state recurrence, one head: S_i = exp(g_i) S_{i-1} + k_i delta_i^T over L
-// tokens (S [Dk,Dv], deltas = the chunk's V_new rows), in place from S0 = cur allowed; out (optional)
-// gets every token's state. The chunk end state, the `states` stack and a per-token read all come
-// from here, so they are one number each (values.md "One number per value").
-void replay(const float* S0, const float* dec, const float* kn, const float* delta, int64_t L, int64_t Dk, int64_t Dv,
-            float* cur, float* out, int64_t ld_out, bool avx2) {
-#if defined(__x86_64__)
-  if (avx2) return ssd_states_replay_avx2(S0, dec, kn, Dk, delta, L, Dk, Dv, cur, out, ld_out);
-#endif
-  (void)avx2;
-  const float* prev = S0;
-  for (int64_t i = 0; i < L; ++i) {
-    const float e = dec[i];
-    for (int64_t d = 0; d < Dk; ++d) {
-      const float* Sp = prev + d * Dv;
-      float* Sd = cur + d * Dv;
-      const float kd = kn[i * Dk + d];
-      const float* di = delta + i * Dv;
-      for (int64_t c = 0; c < Dv; ++c) Sd[c] = Sp[c] * e + kd * di[c];  // the AVX2 kernel's order
-    }
-    if (out) std::memcpy(out + i * ld_out, cur, sizeof(float) * static_cast<size_t>(Dk * Dv));
-    prev = cur;
-  }
-}
 
 bool use_avx2() {
 #if defined(__x86_64__)
@@ -94,7 +70,7 @@ void gated_delta_state_at(const GatedDeltaArgs& a, int64_t t, float* out) {
     for (int64_t i = 0; i < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[(b * a.T + a.t_begin + i) * H + h]);
     float* o = out + bh * Dk * Dv;
     std::memcpy(o, a.S + bh * Dk * Dv, sizeof(float) * static_cast<size_t>(Dk * Dv));
-    replay(o, dec.data(), a.last_kn + bh * C * Dk, a.last_delta + bh * C * Dv, L, Dk, Dv, o, nullptr, 0, avx2);
+    states_replay(o, dec.data(), a.last_kn + bh * C * Dk, Dk, a.last_delta + bh * C * Dv, L, Dk, Dv, o, nullptr, 0, avx2);
   });
 }
 
@@ -199,7 +175,7 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       // state_after(t) and state_output are one number, and a token with beta = g = 0 keeps the state.
       const int64_t r0 = (b * T + t0) * H + h;  // row of the chunk's first token
       for (int64_t i = 0; i < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
-      replay(S, dec.data(), kn.data(), Uf.data(), L, Dk, Dv, S, a.states ? a.states + r0 * Dk * Dv : nullptr,
+      states_replay(S, dec.data(), kn.data(), Dk, Uf.data(), L, Dk, Dv, S, a.states ? a.states + r0 * Dk * Dv : nullptr,
              H * Dk * Dv, avx2);
       if (a.last_kn) {  // what gated_delta_state_at needs of this (the last) chunk
         std::memcpy(a.last_kn + bh * C * Dk, kn.data(), sizeof(float) * static_cast<size_t>(L * Dk));

@@ -10,6 +10,29 @@
 
 namespace mixlens::detail {
 
+// ssm_kernels.h; the portable loop keeps the AVX2 kernel's two roundings (no FMA).
+void states_replay(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt, int64_t L,
+                   int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool avx2) {
+#if defined(__x86_64__)
+  if (avx2) return ssd_states_replay_avx2(S0, decay, B, ldb, xdt, L, N, P, cur, out, ld_out);
+#endif
+  (void)avx2;
+  const float* prev = S0;
+  for (int64_t l = 0; l < L; ++l) {
+    const float e = decay[l];
+    const float* Bl = B + l * ldb;
+    const float* xl = xdt + l * P;
+    for (int64_t n = 0; n < N; ++n) {
+      const float bn = Bl[n];
+      const float* pr = prev + n * P;
+      float* c = cur + n * P;
+      for (int64_t p = 0; p < P; ++p) c[p] = pr[p] * e + bn * xl[p];
+    }
+    if (out) std::copy(cur, cur + N * P, out + l * ld_out);
+    prev = cur;
+  }
+}
+
 namespace {
 
 constexpr int64_t kTriRows = 64;  // row block of the intra-chunk product (ssd_chunked)
@@ -33,32 +56,6 @@ inline void step_head(float* S, const float* x, const float* Bv, const float* Cv
   }
 }
 
-// The chunked kernel's state recurrence, one head, in the served layout [N,P]:
-//   cur_l = exp(A dt_l) * cur_{l-1} + B_l ⊗ (x_l dt_l)   (cur_{-1} = S0; two roundings, no FMA)
-// over L tokens; out (optional) gets every token's state. The chunk-end state, the `states` stack
-// and a per-token read all come from here, so they are one number each, and a token with dt = 0
-// (decay exp(0) = 1, input 0) keeps the state bit for bit.
-void replay(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt, int64_t L, int64_t N,
-            int64_t P, float* cur, float* out, int64_t ld_out, bool avx2) {
-#if defined(__x86_64__)
-  if (avx2) return ssd_states_replay_avx2(S0, decay, B, ldb, xdt, L, N, P, cur, out, ld_out);
-#endif
-  (void)avx2;
-  const float* prev = S0;
-  for (int64_t l = 0; l < L; ++l) {
-    const float e = decay[l];
-    const float* Bl = B + l * ldb;
-    const float* xl = xdt + l * P;
-    for (int64_t n = 0; n < N; ++n) {
-      const float bn = Bl[n];
-      const float* pr = prev + n * P;
-      float* c = cur + n * P;
-      for (int64_t p = 0; p < P; ++p) c[p] = pr[p] * e + bn * xl[p];
-    }
-    if (out) std::copy(cur, cur + N * P, out + l * ld_out);
-    prev = cur;
-  }
-}
 
 // The chunk end state in the chunk form, S = exp(Acum_last) S + sum_l exp(Acum_last - Acum_l) xdt_l ⊗ B_l
 // (one product), S [P,N] in place; da = A dt of the chunk's L tokens, tmp [L,P] scratch. Acum is
@@ -117,7 +114,7 @@ void ssd_state_at(const SsdArgs& a, int64_t upto, int64_t chunk_len, float* serv
       return;
     }
     store_state(a.S + h * P * N, P, N, out);
-    replay(out, decay.data(), a.B + g * N, a.G * N, xdt.data(), upto, N, P, out, nullptr, 0, avx2);
+    states_replay(out, decay.data(), a.B + g * N, a.G * N, xdt.data(), upto, N, P, out, nullptr, 0, avx2);
   });
 }
 
@@ -239,7 +236,7 @@ void ssd_chunked(const SsdArgs& a) {
       if (a.states || by_rec) {
         store_state(S, P, N, Sr);
         for (int64_t l = 0; l < L; ++l) decay[l] = std::exp(da[l]);
-        replay(Sr, decay, Bc, ldbc, xdt, by_rec ? L : L - 1, N, P, Sr, st, H * N * P, avx2);
+        states_replay(Sr, decay, Bc, ldbc, xdt, by_rec ? L : L - 1, N, P, Sr, st, H * N * P, avx2);
       }
       if (by_rec) {
         ops::transpose(Sr, N, P, S);

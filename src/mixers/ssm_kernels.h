@@ -15,6 +15,15 @@ void softplus_bias(const float* x, const float* bias, float* y, int64_t n);
 /// Whether the AVX2 Mamba-1 token loop can run `a` (the ISA level allows it and N % 8 == 0).
 bool selective_scan_avx2_ok(const SelectiveScanArgs& a);
 
+/// One head's state recurrence over L tokens of a chunk, cur_l = decay[l] * cur_{l-1} + B_l ⊗ xdt_l
+/// (cur_{-1} = S0, [N,P]; two roundings, no FMA), in place from S0 = cur allowed; `out` (optional)
+/// gets every token's state at stride ld_out. Mamba-2's SSD (B = keys [L, ldb], xdt = x dt) and the
+/// gated delta rule (N = Dk, P = Dv, B = normed keys, xdt = the deltas) both run it, so a chunk end,
+/// the `states` stack and a per-token read are one number each; a token with decay 1 and input 0
+/// keeps the state bit for bit. `avx2`: ssd_states_replay_avx2 (same roundings).
+void states_replay(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt, int64_t L,
+                   int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool avx2);
+
 #if defined(__x86_64__)
 /// The token loop for channels [e0, e1) (selective_scan_recurrent's block), N % 8 == 0.
 void selective_scan_block_avx2(const SelectiveScanArgs& a, int64_t e0, int64_t e1);
