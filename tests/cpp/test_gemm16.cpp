@@ -11,18 +11,12 @@
 #include "ops/dtype.h"
 #include "ops/gemm16.h"
 #include "ops/kernels.h"
+#include "kernel_test_util.h"
 
 using namespace mixlens;
+using namespace mixlens::test_util;
 
 namespace {
-
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(g);
-  return v;
-}
 
 struct GemmShape {
   int64_t rows, n, K;

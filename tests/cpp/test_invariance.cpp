@@ -14,29 +14,13 @@
 #include "ops/dtype.h"
 #include "ops/kernels.h"
 #include "ops/ops.h"
+#include "kernel_test_util.h"
 
 using namespace mixlens;
+using namespace mixlens::test_util;
 
 namespace {
 
-std::vector<ops::Isa> levels() {
-  std::vector<ops::Isa> out;
-  for (ops::Isa i : {ops::Isa::scalar, ops::Isa::avx2, ops::Isa::avx512, ops::Isa::avx512bf16})
-    if (ops::isa_supported(i)) out.push_back(i);
-  return out;
-}
-struct IsaGuard {
-  ops::Isa saved = ops::isa();
-  ~IsaGuard() { ops::set_isa(saved); }
-};
-std::shared_ptr<const void> unowned(const void* p) { return std::shared_ptr<const void>(p, [](const void*) {}); }
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(g);
-  return v;
-}
 bool same_bits(const float* a, const float* b, int64_t n) { return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0; }
 
 // The weight of one test case in each dtype (narrow ones rounded from the float32 draw).

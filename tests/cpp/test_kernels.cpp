@@ -24,35 +24,14 @@
 #include "ops/dtype.h"
 #include "ops/kernels.h"
 #include "ops/ops.h"
+#include "kernel_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mixlens;
+using namespace mixlens::test_util;
 
 namespace {
 
-std::vector<ops::Isa> levels() {
-  std::vector<ops::Isa> out;
-  for (ops::Isa i : {ops::Isa::scalar, ops::Isa::avx2, ops::Isa::avx512, ops::Isa::avx512bf16})
-    if (ops::isa_supported(i)) out.push_back(i);
-  return out;
-}
-
-// Restores the level in use after a test forces one.
-struct IsaGuard {
-  ops::Isa saved = ops::isa();
-  ~IsaGuard() { ops::set_isa(saved); }
-};
-
-// A non-owning owner (a Tensor with a null owner counts as undefined).
-std::shared_ptr<const void> unowned(const void* p) { return std::shared_ptr<const void>(p, [](const void*) {}); }
-
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(g);
-  return v;
-}
 
 }  // namespace
 
