@@ -46,8 +46,9 @@ constexpr const char* kOptModel = R"(  --model      checkpoint folder or hub id 
                (default: $MIXLENS_MODEL, else the model shipped with mixlens)
 )";
 constexpr const char* kOptSaveOut = R"(  --save PATH  a value path, e.g. layers.3.linear_attn.states or layers.*.linear_attn.state_output;
-               layers.1.linear_attn.state@t5 is the state after token 5 (@t-1: the last token)
-               (repeatable; `mixlens inspect` lists them all)
+               layers.1.linear_attn.state@t5 is the state after token 5 (@t-1: the last token);
+               PATH@step{k} saves step k alone (0: the prompt, k >= 1: the k-th decode step), e.g.
+               layers.0.linear_attn.state@t0@step2 (repeatable; `mixlens inspect` lists them all)
   --out FILE   safetensors file: one tensor per saved path (generate: PATH@step{k}),
                with a JSON "mixlens" metadata entry (model, prompts, token ids)
   --ids        PROMPT is comma-separated token ids instead of text
@@ -500,6 +501,16 @@ int run_command(const Args& a) {
       usage_error(e.what());
     }
   }
+  // Save keys as every front end takes them (the library's split_step: "@step<k>" names one step).
+  mixlens::Trace trace;
+  for (const auto& s : a.saves) {
+    try {
+      const mixlens::StepPath sp = mixlens::split_step(s);
+      trace.save(sp.path, sp.steps);
+    } catch (const mixlens::InputError& e) {
+      usage_error(std::string("--save: ") + e.what());
+    }
+  }
   mixlens::Model m = load_model(a, model_path);
   if (!a.out.empty()) {
     try {
@@ -545,8 +556,6 @@ int run_command(const Args& a) {
       }
     }
   }
-  mixlens::Trace trace;
-  for (const auto& s : a.saves) trace.save(s);
 
   std::vector<std::vector<int32_t>> generated;
   if (a.command == "run") {

@@ -30,6 +30,17 @@ struct Steps {
   bool contains(int s) const { return s >= first && s <= last; }
 };
 
+/// A save / edit key and the steps it names: "path@step3" -> {"path", Steps::only(3)}; a key without
+/// the suffix -> {key, Steps::all()}. The one parser of the "@step<k>" suffix (Python saves= / edits=
+/// keys, CLI --save; saved values are keyed the same way): "layers.0.linear_attn.state@t0@step2" is
+/// the state after the only token of step 2's call. InputError on a malformed suffix ("@step",
+/// "@stepx", "@step-1", a step above INT_MAX).
+struct StepPath {
+  std::string path;
+  Steps steps;
+};
+StepPath split_step(std::string_view key);
+
 /// Where an edit is being applied.
 struct SiteContext {
   Site site;
@@ -100,7 +111,7 @@ class Trace {
   /// Per-token state: "layers.1.linear_attn.state@t5" is the state after token 5 of the call
   /// ([B, ...state], served layout), "@t-1" after its last token; saved and fetched under the path
   /// as spelled. A write (edit / set) there replaces it, and tokens 6.. continue from it (the scan
-  /// is split at t, chunked or not). A token out of range for a call raises InputError before it
+  /// is split at t, chunked or not, in the rows whose state the write changes). A token out of range for a call raises InputError before it
   /// runs (restrict `steps` for decode steps, which have one token).
   Trace& save(std::string_view path, Steps steps = Steps::all());
   /// Modify a value before it is consumed; everything computed after it follows.

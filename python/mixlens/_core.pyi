@@ -37,6 +37,11 @@ def resolve_hub_id(hub_id: str, cache_dir: str = '') -> str:
 def hub_cache_dir() -> str:
     """The HuggingFace cache resolve_hub_id uses by default, read now."""
 
+def split_step(key: str) -> tuple[str, int, int]:
+    """
+    mixlens::split_step: 'path@step3' -> (path, 3, 3), 'path' -> (path, 0, 2**31 - 1) (every step); the one parser of the '@step<k>' suffix (InputError when malformed).
+    """
+
 def route_kernels(family: str, route: str) -> None:
     """
     Force the recurrent-mixer algorithm of a family process-wide: 'recurrent', 'chunked' or 'default'.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
+from . import _core
 from ._args import check_strs as _check_strs
 from ._convert import as_float32, to_output
 from ._inplace import _Live
@@ -130,12 +131,8 @@ def _check_rows(rows: list, what: str = "token id") -> list:
 
 
 def _steps_of(key: str) -> tuple[str, int, int]:
-    """'path' -> every step; 'path@step3' -> step 3 only."""
-    m = _STEP_KEY.match(key)
-    if m:
-        step = int(m.group("step"))
-        return m.group("path"), step, step
-    return key, *_ALL_STEPS
+    """'path' -> every step; 'path@step3' -> step 3 only (the C++ split_step, which the CLI's --save uses too)."""
+    return _core.split_step(key)
 
 
 def _save_specs(saves: Optional[Iterable[str]]) -> list:

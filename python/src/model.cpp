@@ -2,6 +2,7 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings.h"
@@ -94,6 +95,15 @@ void init_model(nb::module_& m) {
         "Snapshot folder of 'owner/name[@revision]' in the local HuggingFace cache (the C++ resolver "
         "Model.load uses; never leaves the cache). CheckpointError when absent.");
   m.def("hub_cache_dir", &hub_cache_dir, "The HuggingFace cache resolve_hub_id uses by default, read now.");
+  m.def(
+      "split_step",
+      [](const std::string& key) {
+        const StepPath sp = split_step(key);
+        return std::make_tuple(sp.path, sp.steps.first, sp.steps.last);
+      },
+      nb::arg("key"),
+      "mixlens::split_step: 'path@step3' -> (path, 3, 3), 'path' -> (path, 0, 2**31 - 1) (every step); the "
+      "one parser of the '@step<k>' suffix (InputError when malformed).");
   m.def("route_kernels", &route_kernels, nb::arg("family"), nb::arg("route"),
         "Force the recurrent-mixer algorithm of a family process-wide: 'recurrent', 'chunked' or 'default'.");
   m.def(

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -64,7 +65,8 @@ class Listener {
   /// wants(layer, Value::state); asked again after each visit_state, so the answer may change.
   virtual int64_t next_state_token(int /*layer*/, int64_t /*after*/) const { return -1; }
   /// Hands over the state after token `t` (served layout [B, ...state], key side first); the
-  /// listener may read it or write it (same contract as visit()); the scan resumes from it.
+  /// listener may read it or write it (same contract as visit()); the scan resumes from it (a row
+  /// whose state a write left bit for bit as served resumes as if unwritten: scan_rows).
   virtual bool visit_state(int /*layer*/, int64_t /*t*/, Tensor& /*value*/, const Shape& /*shape*/) { return false; }
   /// Per layer (index layer + 1) bit set of the wanted values, as filled by begin_call.
   const std::vector<uint32_t>& mask() const { return mask_; }
@@ -196,9 +198,11 @@ struct RowScan {
 /// stack when wanted (also when it is first wanted at a pause: the tokens already scanned are
 /// scanned again, on the side, from the kept segment starts). A READ of the state after t is
 /// computed on the side from the chunk-start state: the kernel runs whole chunks of its grid, so
-/// reading changes no other number of the call. Only a WRITE splits the scan: the row restarts at
-/// t + 1 from the written state. Returns the stack (undefined when nobody wanted it); its rows are
-/// the same numbers state_after / state_output give.
+/// reading changes no other number of the call. Only a WRITE that changes a row's state (any bit)
+/// splits that row's scan: it restarts at t + 1 from the written state, its outputs through t kept
+/// as the whole chunk gave them; every other row (and a row written with its own state) runs on as
+/// if nothing was written. Returns the stack (undefined when nobody wanted it); its rows are the
+/// same numbers state_after / state_output give.
 inline Tensor scan_rows(Listener* ls, int layer, RowScan& rs, const Shape& stack_shape) {
   const int64_t B = rs.B, T = rs.T, n = rs.row_numel;
   const auto row = [&](int64_t b) { return rs.S + b * n; };
@@ -236,8 +240,14 @@ inline Tensor scan_rows(Listener* ls, int layer, RowScan& rs, const Shape& stack
       for (size_t k = 0; k < sg.size(); ++k) {
         const int64_t s0 = sg[k].start;
         const int64_t a0 = std::max(s0, std::min(rs.first[static_cast<size_t>(b)], T));
-        // Through the written token (its state is then replaced), so the pieces are those of the scan.
-        const int64_t end = k + 1 < sg.size() ? sg[k + 1].start : cur[static_cast<size_t>(b)];  // exclusive
+        // A written segment as the scan ran it: on through the end of the grid chunk holding the
+        // written token (later rows are then rescanned by the next segment, the written token's
+        // replaced), so the per-token states are those of the scan whatever the chunk length does.
+        int64_t end = cur[static_cast<size_t>(b)];  // exclusive
+        if (k + 1 < sg.size()) {
+          end = sg[k + 1].start;
+          if (rs.chunk > 0 && a0 < end) end = std::min(T, a0 + (end - 1 - a0) / rs.chunk * rs.chunk + rs.chunk);
+        }
         std::copy(sg[k].S.begin(), sg[k].S.end(), S.begin());
         hold(b, s0, std::min(a0, end), S.data());
         if (a0 < end) rs.run(b, a0, end, S.data(), y.data(), stack_row(b));
@@ -251,6 +261,7 @@ inline Tensor scan_rows(Listener* ls, int layer, RowScan& rs, const Shape& stack
       for (size_t d = 2; d < stack_shape.size(); ++d) s.push_back(stack_shape[d]);
       return s;
     }());
+    std::vector<float> before(static_cast<size_t>(B * n));  // what each row was served at a pause
     for (int64_t t = ls->next_state_token(layer, -1); t >= 0 && t < T; t = ls->next_state_token(layer, t)) {
       for (int64_t b = 0; b < B; ++b) {
         const size_t i = static_cast<size_t>(b);
@@ -273,16 +284,17 @@ inline Tensor scan_rows(Listener* ls, int layer, RowScan& rs, const Shape& stack
           rs.state_at(b, cs, Sck[i].data(), t, out);
         }
       }
+      std::copy(served.data(), served.data() + B * n, before.begin());
       const bool written = ls->visit_state(layer, t, served, served.shape());
       if (written) {
         for (int64_t b = 0; b < B; ++b) {
           const size_t i = static_cast<size_t>(b);
-          // The row's tokens after t were scanned from the old state: scan the chunk again up to t
-          // (its outputs through t are the call's), then continue from the written state.
-          if (t >= anchor[i] && rs.chunk > 0 && cur[i] > t + 1) {
-            std::copy(Sck[i].begin(), Sck[i].end(), row(b));
-            rs.run(b, ck[i], t + 1, row(b), nullptr, stack_row(b));
-          }
+          // A row whose state is bit for bit what was served is not split (a write on another row,
+          // or of the state read): its scan goes on as if no write existed, so its numbers are those
+          // of the unwritten run. A split row's tokens through t keep the outputs and states of the
+          // whole chunk (the unwritten run's); tokens after t are scanned again from the written state.
+          if (std::memcmp(served.data() + b * n, before.data() + b * n, sizeof(float) * static_cast<size_t>(n)) == 0)
+            continue;
           rs.store(served.data() + b * n, row(b));
           anchor[i] = cur[i] = std::max(t + 1, std::min(rs.first[i], T));
           ck[i] = -1;

@@ -377,7 +377,7 @@ struct Session::Impl {
                (site = site_of(base + "s")) != nullptr) {
       found.push_back({site->layer, Value::state});
     } else {
-      found = detail::resolve_path(family, base);
+      found = detail::resolve_path(family, base, path);
     }
     if (found.size() != 1) throw InputError(std::string(verb) + " '" + path + "': names " + std::to_string(found.size()) + " values");
     check_step(step, path, verb);

@@ -63,6 +63,20 @@ Trace& Trace::set(std::string_view path, Tensor value, Steps steps) {
   return *this;
 }
 
+StepPath split_step(std::string_view key) {
+  static constexpr std::string_view kStep = "@step";
+  const size_t at = key.rfind(kStep);
+  if (at == std::string_view::npos) return {std::string(key), Steps::all()};
+  const std::string_view num = key.substr(at + kStep.size());
+  const bool digits = !num.empty() && num.size() <= 10 &&
+                      std::all_of(num.begin(), num.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const long long k = digits ? std::stoll(std::string(num)) : -1;
+  if (!digits || k > INT_MAX || at == 0)
+    throw InputError("'" + std::string(key) + "': a step suffix is '@step<k>' at the end of a value path (k = 0 for " +
+                     "the prompt, k >= 1 for the k-th decode step, e.g. 'layers.0.linear_attn.betas@step2')");
+  return {std::string(key.substr(0, at)), Steps::only(static_cast<int>(k))};
+}
+
 uint64_t save_budget_bytes() {
   // Read per call (cheap): tests and long-running processes may change it.
   return detail::env_mib("MIXLENS_SAVE_BUDGET_MB", kDefaultSaveBudgetBytes >> 20, false);
@@ -154,7 +168,7 @@ void Trace::backward(const Tensor& dlogits, const std::vector<std::string>& path
   for (const std::string& p : patterns) {
     std::string base = p;
     const std::optional<int64_t> token = split_token(base);
-    for (const Site& s : detail::resolve_path(*impl.tape->family, base)) {
+    for (const Site& s : detail::resolve_path(*impl.tape->family, base, p)) {
       if (!token) {
         wanted.push_back(s);
         asked.push_back(site_path(s));
@@ -260,14 +274,20 @@ std::string with_star(const std::string& path, std::string* layer = nullptr) {
 
 }  // namespace
 
-std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern) {
+std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern, const std::string& shown) {
+  const std::string& said = shown.empty() ? pattern : shown;  // the path as the caller spelled it
   // The per-token "state" is not a separate entry of values(): it addresses `states` by token, so it
-  // exists exactly where `states` does.
+  // exists exactly where `states` does. Where it does not, the errors below name `state` (what was
+  // asked for), not `states`.
   static constexpr std::string_view kState = ".linear_attn.state";
   if (pattern.size() > kState.size() && pattern.compare(pattern.size() - kState.size(), kState.size(), kState) == 0) {
-    std::vector<Site> sites = resolve_path(model, pattern + "s");
+    std::vector<Site> sites;
+    try {
+      sites = resolve_path(model, pattern + "s");
+    } catch (const UnknownValueError&) {
+    }
     for (Site& s : sites) s.value = Value::state;
-    return sites;
+    if (!sites.empty()) return sites;
   }
   const auto& values = model.value_table().values;
   std::vector<Site> out;
@@ -282,10 +302,10 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
   if (!layer.empty() && !wildcard) {
     bool numeric = !layer.empty() && std::all_of(layer.begin(), layer.end(), ::isdigit);
     if (!numeric || layer.size() > 9)
-      throw UnknownValueError("value path '" + pattern + "': layer index '" + layer + "' is not a number or '*'");
+      throw UnknownValueError("value path '" + said + "': layer index '" + layer + "' is not a number or '*'");
     const int li = std::stoi(layer);
     if (li >= L)
-      throw UnknownValueError("value path '" + pattern + "': layer " + layer + " is out of range (the model has " +
+      throw UnknownValueError("value path '" + said + "': layer " + layer + " is out of range (the model has " +
                               std::to_string(L) + " layers, 0.." + std::to_string(L - 1) + ")");
     // A component this block does not have: name the block's kind (values.md).
     const std::string rest = starred.substr(9);  // after "layers.*."
@@ -295,7 +315,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
     if (it != support.end()) {
       auto r = it->second.find(li);
       if (r != it->second.end() && !r->second.empty())
-        throw UnknownValueError("value path '" + pattern + "': " + r->second);
+        throw UnknownValueError("value path '" + said + "': " + r->second);
     }
     if (comp == "self_attn" || comp == "mlp" || comp == "linear_attn") {
       std::string kind(layer_kind_name(model.info.layer_kinds[static_cast<size_t>(li)]));
@@ -303,7 +323,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
       for (const auto& v : values)
         if (with_star(v.path).rfind("layers.*." + comp + ".", 0) == 0) has_comp = true;
       if (!has_comp)
-        throw UnknownValueError("value path '" + pattern + "': block " + layer + (kind[0] == 'a' ? " is an " : " is a ") + kind + " block and has no " +
+        throw UnknownValueError("value path '" + said + "': block " + layer + (kind[0] == 'a' ? " is an " : " is a ") + kind + " block and has no " +
                                 comp);
     }
   }
@@ -317,7 +337,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
     size_t d = io::edit_distance(pattern, cand);
     if (d < best_d) best_d = d, best = cand;
   }
-  throw UnknownValueError("unknown value path '" + pattern + "' for this " + model.info.family +
+  throw UnknownValueError("unknown value path '" + said + "' for this " + model.info.family +
                           " model; did you mean '" + best + "'? (`mixlens inspect` lists every value)");
 }
 
@@ -347,7 +367,7 @@ TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
   for (auto& r : impl.regs) {
     r.base = r.path;
     r.token = split_token(r.base);
-    impl.bound.push_back(resolve_path(model, r.base));
+    impl.bound.push_back(resolve_path(model, r.base, r.path));
     for (const Site& s : impl.bound.back()) {
       if (r.kind != Trace::Impl::Kind::save && s.value == Value::states)
         throw WriteError("'" + site_path(s) +

@@ -12,8 +12,9 @@ class FamilyModel;
 
 /// Resolves `pattern` ("layers.*.linear_attn.betas", "logits", ...) to canonical sites of `model`.
 /// UnknownValueError naming the problem (unknown name with the nearest suggestion, layer out of
-/// range, a component the block does not have, named by the block's kind).
-std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern);
+/// range, a component the block does not have, named by the block's kind). The messages name the path
+/// as `shown` (the caller's spelling, e.g. with its "@t5" suffix) when given, else `pattern`.
+std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern, const std::string& shown = {});
 
 class TraceListener final : public Listener {
  public:

@@ -10,6 +10,7 @@
 #include "io/safetensors.h"
 #include "mixlens/errors.h"
 #include "mixlens/extract.h"
+#include "mixlens/trace.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
@@ -311,4 +312,43 @@ TEST(Settings, ATextFieldOnAPlainTextPromptsFileIsRefused) {
   EXPECT_EQ(read_prompts_file(path.string()).size(), 2u);
   EXPECT_THROW(read_prompts_file(path.string(), "body"), InputError);
   std::filesystem::remove(path);
+}
+
+TEST(Paths, AStepSuffixIsParsedOnceForEveryFrontEnd) {
+  // split_step is what Python's saves= / edits= keys and the CLI's --save go through.
+  const StepPath per = split_step("layers.0.linear_attn.state@t0@step2");
+  EXPECT_EQ(per.path, "layers.0.linear_attn.state@t0");
+  EXPECT_EQ(per.steps.first, 2);
+  EXPECT_EQ(per.steps.last, 2);
+  const StepPath all = split_step("layers.0.linear_attn.betas");
+  EXPECT_EQ(all.path, "layers.0.linear_attn.betas");
+  EXPECT_EQ(all.steps.first, Steps::all().first);
+  EXPECT_EQ(all.steps.last, Steps::all().last);
+  EXPECT_EQ(split_step("logits@step0").steps.last, 0);
+  for (const char* bad : {"logits@step", "logits@stepx", "logits@step-1", "logits@step2x", "logits@step99999999999", "@step1"})
+    EXPECT_THROW(split_step(bad), InputError) << bad;
+}
+
+TEST(Paths, AStatePathOnAnAttentionBlockNamesStateAndTheBlock) {
+  // Qwen3.5 fixture: layer 1 is full attention. The error named `states`, not what was asked for.
+  Model m = Model::load(fixture("qwen3_5/hv_2hk").string());
+  for (const char* asked : {"layers.1.linear_attn.state@t0", "layers.1.linear_attn.state@t-1"}) {
+    const std::string path = asked;
+    Trace t;
+    t.save(path);
+    try {
+      m.run({{5, 6, 7}}, &t);
+      FAIL() << path << " was accepted on an attention block";
+    } catch (const UnknownValueError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("'" + path + "'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("attention block"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("self_attn"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("states"), std::string::npos) << msg;
+    }
+  }
+  Trace ok;  // the same path on a gated DeltaNet block is served
+  ok.save("layers.0.linear_attn.state@t0");
+  m.run({{5, 6, 7}}, &ok);
+  EXPECT_TRUE(ok.has("layers.0.linear_attn.state@t0"));
 }

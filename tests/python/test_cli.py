@@ -319,3 +319,43 @@ def test_a_text_field_on_a_plain_text_prompts_file_is_refused_not_ignored(tmp_pa
     r = cli("extract", "--model", text_model_dir, tmp_path / "p.txt", "--values", "logits", "--out", tmp_path / "x",
             "--text-field", "body")
     _one_line_error(r, "a text field ('body') needs a .jsonl file")
+
+
+def test_generate_save_takes_per_step_paths_as_python_generate_does(tmp_path, text_model_dir):
+    """`--save PATH@step{k}` (issue 23's trial: refused while Python's generate(saves=...) took it): one
+    parser for both (mixlens::split_step), the same numbers; a malformed suffix is a usage error, a step
+    the generation never makes an error before it runs."""
+    import mixlens
+    from safetensors.numpy import load_file
+
+    n, out = 3, tmp_path / "steps.safetensors"
+    keys = ["layers.1.linear_attn.state@t0@step2", "layers.1.linear_attn.betas@step2", "layers.0.linear_attn.states@step0"]
+    r = cli("generate", "--model", text_model_dir, PROMPT, "--max-new-tokens", n, "--greedy",
+            *sum((["--save", k] for k in keys), []), "--out", out)
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    assert set(got) == set(keys) | {"input_ids", "attention_mask"}
+    m = mixlens.StandardizedTransformer(str(text_model_dir), output="numpy")
+    saved = m.generate(PROMPT, max_new_tokens=n, saves=keys).run().saved
+    for key in keys:
+        path, step = key.rsplit("@step", 1)
+        np.testing.assert_array_equal(got[key], np.asarray(saved[path][int(step)]), err_msg=key)
+
+    r = cli("generate", "--model", text_model_dir, PROMPT, "--max-new-tokens", n, "--save",
+            "layers.1.linear_attn.betas@stepx")
+    assert r.returncode == 2, r
+    _one_line_error(r, "layers.1.linear_attn.betas@stepx", "'@step<k>'")
+    r = cli("generate", "--model", text_model_dir, PROMPT, "--max-new-tokens", n, "--save",
+            "layers.1.linear_attn.betas@step5")
+    assert r.returncode == 1, r
+    _one_line_error(r, "never makes step 5")
+
+
+def test_a_per_token_state_on_an_attention_layer_names_state_and_the_block(tmp_path):
+    """`--save layers.1.linear_attn.state@t0` where layer 1 is softmax attention named `states`; it names
+    the path asked for and says the block is attention and what it has instead (self_attn values)."""
+    model = REPO / "tests" / "fixtures" / "qwen3_5" / "hv_2hk"  # layer 1 is full attention
+    r = cli("run", "--model", model, "--ids", "5,6,7", "--save", "layers.1.linear_attn.state@t0", "--out", tmp_path / "x")
+    assert r.returncode == 1, r
+    _one_line_error(r, "'layers.1.linear_attn.state@t0'", "attention block", "use self_attn values")
+    assert "states" not in r.stderr, r.stderr

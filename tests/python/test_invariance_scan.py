@@ -136,6 +136,53 @@ def test_states_and_per_token_state_in_any_order_in_one_block(name):
     np.testing.assert_array_equal(np.asarray(s2), plain[:, 2])
 
 
+@pytest.mark.parametrize("route", ["chunked", "recurrent"])
+def test_a_write_on_one_row_leaves_the_other_rows_and_writing_back_the_state_is_no_write(name, route):
+    """Issue 23's fresh-user trial: a per-token state written on row 1 of a left-padded batch of three
+    moved rows 0 and 2 (the scan was split at t for every row), and set_state_after(t, state_after(t))
+    moved later values. Now rows 0 and 2 are bitwise the run without the write (every mixer layer's
+    states, state_output, head outputs, and the logits), row 1 keeps its values through t, and the state
+    written back unchanged is bitwise no write; pre-registered and in the block."""
+    m = _model(name)
+    q = _chunk(name)
+    T = 2 * q + 1
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(3, 97, size=n).tolist() for n in (T, T - 2, T - 3)]
+    layers = _linear(m)
+    layer = layers[0]
+    saves = ["logits"] + [f"layers.{i}.linear_attn.{v}" for i in layers
+                          for v in ("states", "state_output", "attention_head_outputs")]
+
+    def half_row_1(v):
+        v[1] *= 0.5
+
+    mixlens.route_kernels(name, route)
+    try:
+        plain = m.run(prompts, saves=saves)
+        for t in (q + 1, q + q // 2):  # row 1 (padded by 2): the last token of its first chunk; mid-chunk
+            edited = m.run(prompts, saves=saves, edits={f"layers.{layer}.linear_attn.state@t{t}": half_row_1})
+            with m.trace(prompts) as tracer:
+                mix = m.layers[layer].linear_attn
+                v = np.array(mix.state_after(t))
+                v[1] *= 0.5
+                mix.set_state_after(t, v)
+            with m.trace(prompts, saves=saves) as back:
+                mix = m.layers[layer].linear_attn
+                mix.set_state_after(t, mix.state_after(t))
+            for key in saves:
+                a, b = np.asarray(edited[key]), np.asarray(plain[key])
+                for row in (0, 2):
+                    np.testing.assert_array_equal(a[row], b[row], err_msg=f"{route} t={t} row {row}: {key}")
+                if key == "logits" or key.endswith("attention_head_outputs"):
+                    np.testing.assert_array_equal(a[1, : t + 1], b[1, : t + 1], err_msg=f"{route} t={t}: {key}")
+                np.testing.assert_array_equal(np.asarray(back.saved[key]), b, err_msg=f"{route} t={t} written back: {key}")
+            got = np.asarray(tracer.logits)
+            np.testing.assert_array_equal(got, np.asarray(edited["logits"]))
+            assert np.abs(got[1, t + 1:] - np.asarray(plain["logits"])[1, t + 1:]).max() > 0  # the write did something
+    finally:
+        mixlens.route_kernels(name, "default")
+
+
 def test_a_write_after_states_was_read_names_the_rule():
     m = _model("mamba2")
     prompt = _prompt(m, 6)

@@ -112,12 +112,11 @@ def test_state_after_every_token_matches_transformers(fam, route):
         mixlens.route_kernels(fam.route_family, "default")
 
 
-def _write_case(fam, lens, t, factor, layer, how):
-    """mixlens with the state after token t of `layer` scaled by `factor`, and transformers doing the
-    same through its cache; compares every logit and the states after t."""
-    prompts = fam.prompts_of(lens, seed=7)
-    T = max(lens)
-    pads = [T - n for n in lens]
+def _ref_write(fam, prompts, t, factor, layer):
+    """transformers with the state after token t of `layer` scaled by `factor` through its cache:
+    (its values, its logits of every token, the tokens after t)."""
+    T = max(len(p) for p in prompts)
+    pads = [T - len(p) for p in prompts]
     assert t >= max(pads), "the oracle's prefix must hold a real token in every row"
     prefix = [p[: t + 1 - pad] for p, pad in zip(prompts, pads)]
     rest = [p[t + 1 - pad:] for p, pad in zip(prompts, pads)]
@@ -130,6 +129,14 @@ def _write_case(fam, lens, t, factor, layer, how):
         feeds = [[[r[k]] for r in rest] for k in range(R)]
         ref = fam.ref(prefix, 1 + R, [edit] if R else [], feeds=feeds)
         ref_logits = np.concatenate([ref[om2.key("logits", k)] for k in range(1 + R)], axis=1)
+    return ref, ref_logits, R
+
+
+def _write_case(fam, lens, t, factor, layer, how):
+    """mixlens with the state after token t of `layer` scaled by `factor`, and transformers doing the
+    same through its cache; compares every logit and the states after t."""
+    prompts = fam.prompts_of(lens, seed=7)
+    ref, ref_logits, R = _ref_write(fam, prompts, t, factor, layer)
 
     path = f"{mix(layer, 'state')}@t{t}"
     if how == "interleaved":
@@ -158,6 +165,38 @@ def test_write_at_t_matches_transformers_cache_replacement(fam, how):
         if t >= pad:
             _write_case(fam, lens, t, 0.25, fam.layers[-1], how)
     _write_case(fam, [q + 1], q // 2, -1.5, fam.layers[0], how)
+
+
+@pytest.mark.parametrize("route", ["chunked", "recurrent"])
+def test_a_write_on_one_row_matches_transformers_there_and_leaves_the_other_row(fam, route):
+    """Issue 23's trial: in a left-padded batch, a state written on row 1 alone splits row 1 only. Row 1
+    matches transformers writing that row's state (the oracle on the row alone, unpadded); row 0 and
+    row 1's tokens through t are bitwise the run without the write."""
+    q = fam.chunk
+    lens = [2 * q + 1, q + 2]
+    pad = lens[0] - lens[1]
+    t, factor, layer = 2 * q - 1, 0.25, fam.layers[-1]
+    prompts = fam.prompts_of(lens, seed=15)
+    mixlens.route_kernels(fam.route_family, route)
+    try:
+        plain = np.asarray(fam.model.run(prompts)["logits"])
+        with fam.model.trace(prompts) as tracer:
+            mb = fam.model.layers[layer].linear_attn
+            v = np.array(mb.state_after(t), dtype=np.float32)
+            v[1] *= factor
+            mb.set_state_after(t, v)
+            out_state = np.array(mb.state_output)
+        logits = np.asarray(tracer.logits)
+    finally:
+        mixlens.route_kernels(fam.route_family, "default")
+    np.testing.assert_array_equal(logits[0], plain[0])
+    np.testing.assert_array_equal(logits[1, : t + 1], plain[1, : t + 1])
+    ref, ref_logits, R = _ref_write(fam, [prompts[1]], t - pad, factor, layer)
+    err = rel_rms(logits[1:, pad:], ref_logits)
+    assert err <= LOGIT_TOL, f"{fam.name} {route} row 1 written at t={t}: logits rel rms {err:.2e}"
+    last = 1 if (R and fam.name == "qwen3_5") else R
+    assert rel_rms(out_state[1:], ref[oq.key(mix(layer, "state_output"), last)]) <= STATE_TOL
+    assert np.abs(logits[1, t + 1:] - plain[1, t + 1:]).max() > 1e-3  # the write did something
 
 
 def test_write_changes_only_tokens_after_t_and_the_cache_follows(fam):
