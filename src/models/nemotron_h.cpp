@@ -99,11 +99,11 @@ std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& cfg, const io::We
   if (mact != "silu" && mact != "swish")
     throw UnsupportedError(where(cfg) + ": mamba_hidden_act '" + mact + "' is not supported (Nemotron-H uses silu)");
 
-  s.H = cfg.get_or<int64_t>("num_attention_heads", 32);
-  s.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.H);
-  s.hd = cfg.get_or<int64_t>("head_dim", 128);  // NemotronHConfig's default, not hidden/heads
-  require_positive(cfg, {{"num_attention_heads", s.H}, {"num_key_value_heads", s.Hkv}, {"head_dim", s.hd}});
-  s.rope = false;  // NemotronHAttention has no positional encoding
+  s.attn.H = cfg.get_or<int64_t>("num_attention_heads", 32);
+  s.attn.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.attn.H);
+  s.attn.hd = cfg.get_or<int64_t>("head_dim", 128);  // NemotronHConfig's default, not hidden/heads
+  require_positive(cfg, {{"num_attention_heads", s.attn.H}, {"num_key_value_heads", s.attn.Hkv}, {"head_dim", s.attn.hd}});
+  s.attn.rope = false;  // NemotronHAttention has no positional encoding
 
   s.mlp = HybridMlp::relu2;
   s.I = cfg.get_or<int64_t>("intermediate_size", 21504);
