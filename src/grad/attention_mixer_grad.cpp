@@ -1,6 +1,6 @@
 // Backward of the attention mixer (mixers/attention_mixer.*): recomputed from the normed input with
 // the recorded writes re-applied (or taken from what a recorded forward kept), then o_proj and
-// out_multiplier, the sigmoid output gate, causal GQA attention (keys cached before the call are
+// out_multiplier, the sigmoid output gate, causal GQA attention at the mixer's scale (keys cached before the call are
 // constants), RoPE, the q / k norms, key_multiplier, the q / k / v projections and in_multiplier.
 // The attention and RoPE backwards are the shared core (grad/attention_grad.cpp).
 #include <cstring>
@@ -92,7 +92,8 @@ AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, cons
     return;
   }
   att_ = Tensor::uninitialized({B, T, H, d});
-  detail::causal_attention(std::as_const(q_).data(), B, T, H, Hkv, d, past_, kv_, *call.key_mask, att_.data());
+  detail::causal_attention(std::as_const(q_).data(), B, T, H, Hkv, d, past_, kv_, *call.key_mask, att_.data(), nullptr,
+                           d_.scale);
   Tensor ag = att_;
   if (d_.gate) {
     ag = Tensor::uninitialized({BT, H * d});
@@ -135,7 +136,7 @@ void AttentionMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& s
   Tensor dq = Tensor::uninitialized({B, T, H, d}), dk = Tensor::uninitialized({B, T, Hkv, d}),
          dv = Tensor::uninitialized({B, T, Hkv, d});
   causal_attention_backward(q_.data(), B, T, H, Hkv, d, past_, kv_, *call_.key_mask, datt.data(), dq.data(),
-                            dk.data(), dv.data());
+                            dk.data(), dv.data(), d_.scale);
   sink.put(li, Value::attn_queries, dq);
   sink.put(li, Value::attn_keys, dk);
   sink.put(li, Value::attn_values, dv);

@@ -33,6 +33,8 @@ AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string
                         std::to_string(d_.hd) + "]");
     inv_freq_ = rope_inv_freq(d_.rot, d_.theta);
   }
+  if (!(d_.scale >= 0.0f) || !std::isfinite(d_.scale))
+    throw ConfigError(where + ": the attention softmax scale must be a finite number >= 0 (0: 1/sqrt(head_dim))");
   if (d_.qk_norm != AttentionQkNorm::none && (!(d_.eps > 0.0f) || !std::isfinite(d_.eps)))
     throw ConfigError(where + ": the q / k norm epsilon must be a finite number > 0");
   for (float m : {d_.in_multiplier, d_.key_multiplier, d_.out_multiplier})
@@ -153,7 +155,7 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
   Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
   causal_attention(q.data(), B, Tq, H, Hkv, d, past + T - Tq, kv, *call.key_mask, att.data(),
-                   probs.defined() ? probs.data() : nullptr);
+                   probs.defined() ? probs.data() : nullptr, d_.scale);
   if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
   if (tape) tape->keep(li, grad::Kept::attn_core, d_.gate ? att.clone() : att);  // gated in place below
   if (d_.gate) {

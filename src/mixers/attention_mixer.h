@@ -10,6 +10,8 @@
 //  - rope, rot, theta: rotate-half RoPE on the first `rot` dims of each head (rot < hd: partial
 //    rotary, Bamba, Qwen); rope = false: no positional encoding (Nemotron-H, Jamba, Granite 4.0-H
 //    "nope" layouts).
+//  - scale: the softmax scale, 0 for 1/sqrt(hd) (Granite 4.0-H: attention_multiplier; Zamba:
+//    (hd / 2)^-0.5).
 //  - gate: q_proj gives per head [query | gate] and the output is o_proj(attention * sigmoid(gate))
 //    (Qwen's gated attention).
 //  - qk_norm: RMSNorm of q and k after the projections (Qwen: per head over hd),
@@ -44,6 +46,7 @@ struct AttentionMixerDims {
   bool rope = true;               ///< RoPE on q and k (else no positional encoding)
   int64_t rot = 0;                ///< rotary dims per head (even, in (0, hd]) when rope
   double theta = 10000.0;         ///< RoPE base
+  float scale = 0.0f;             ///< softmax scale (0: 1/sqrt(hd), SDPA's default)
   bool gate = false;              ///< sigmoid output gate: q_proj rows per head [query | gate]
   AttentionQkNorm qk_norm = AttentionQkNorm::none;
   bool qk_norm_centred = false;   ///< q / k norm weight (1 + w) (else w)
@@ -88,7 +91,8 @@ class AttentionMixer {
  public:
   AttentionMixer() = default;
   /// Checks the sizes and options (ConfigError naming `where`): positive sizes, H % Hkv == 0, an even
-  /// rotary dim in (0, hd] with RoPE, a finite eps > 0 with q / k norms, finite multipliers.
+  /// rotary dim in (0, hd] with RoPE, a finite scale >= 0, a finite eps > 0 with q / k norms, finite
+  /// multipliers.
   AttentionMixer(const AttentionMixerDims& dims, const std::string& where);
   const AttentionMixerDims& dims() const { return d_; }
   /// RoPE inverse frequencies [rot / 2] (empty without RoPE).
