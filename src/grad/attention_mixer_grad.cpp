@@ -70,8 +70,10 @@ AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, cons
   if (norm) {
     q_ = Tensor::uninitialized({B, T, H, d});
     k_ = Tensor::uninitialized({B, T, Hkv, d});
-    ops::rmsnorm(std::as_const(qpre_).data(), w.q_norm.data(), q_.data(), BT * H, d, d_.eps, d_.qk_norm_centred);
-    ops::rmsnorm(std::as_const(kpre_).data(), w.k_norm.data(), k_.data(), BT * Hkv, d, d_.eps, d_.qk_norm_centred);
+    const int64_t gq = d_.qk_norm == detail::AttentionQkNorm::whole ? H : 1, gk = gq == 1 ? 1 : Hkv;
+    ops::rmsnorm(std::as_const(qpre_).data(), w.q_norm.data(), q_.data(), BT * H / gq, gq * d, d_.eps, d_.qk_norm_centred);
+    ops::rmsnorm(std::as_const(kpre_).data(), w.k_norm.data(), k_.data(), BT * Hkv / gk, gk * d, d_.eps,
+                 d_.qk_norm_centred);
   } else {
     q_ = qpre_.clone();
     k_ = kpre_.clone();
@@ -151,9 +153,11 @@ void AttentionMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& s
   if (norm) {
     dqpre = Tensor::uninitialized({B, T, H, d});
     dkpre = Tensor::uninitialized({B, T, Hkv, d});
-    rmsnorm_backward(qpre_.data(), w_.q_norm.data(), dq.data(), dqpre.data(), BT * H, d, d_.eps, d_.qk_norm_centred, false);
-    rmsnorm_backward(kpre_.data(), w_.k_norm.data(), dk.data(), dkpre.data(), BT * Hkv, d, d_.eps, d_.qk_norm_centred,
-                     false);
+    const int64_t gq = d_.qk_norm == detail::AttentionQkNorm::whole ? H : 1, gk = gq == 1 ? 1 : Hkv;  // rows of g heads
+    rmsnorm_backward(qpre_.data(), w_.q_norm.data(), dq.data(), dqpre.data(), BT * H / gq, gq * d, d_.eps,
+                     d_.qk_norm_centred, false);
+    rmsnorm_backward(kpre_.data(), w_.k_norm.data(), dk.data(), dkpre.data(), BT * Hkv / gk, gk * d, d_.eps,
+                     d_.qk_norm_centred, false);
   }
   scale_by(dkpre, d_.key_multiplier);
   if (d_.gate) {

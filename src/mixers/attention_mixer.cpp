@@ -54,9 +54,10 @@ AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::
     a.v_bias = w.get(m + "v_proj.bias", {kd});
     a.o_bias = w.get(m + "o_proj.bias", {D});
   }
-  if (d_.qk_norm == AttentionQkNorm::per_head) {
-    a.q_norm = w.get(m + "q_norm.weight", {d_.hd});
-    a.k_norm = w.get(m + "k_norm.weight", {d_.hd});
+  if (d_.qk_norm != AttentionQkNorm::none) {
+    const bool whole = d_.qk_norm == AttentionQkNorm::whole;
+    a.q_norm = w.get(m + "q_norm.weight", {whole ? d_.H * d_.hd : d_.hd});
+    a.k_norm = w.get(m + "k_norm.weight", {whole ? kd : d_.hd});
   }
   return a;
 }
@@ -135,13 +136,19 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
             std::memcpy(gate.data() + (row * H + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
           }
       float* qr = q.data() + r0 * H * d;
-      if (norm) ops::rmsnorm(qr, w.q_norm.data(), qr, (r1 - r0) * H, d, d_.eps, d_.qk_norm_centred);
+      if (norm) {  // per head: rows of d; whole: rows of H * d
+        const int64_t g = d_.qk_norm == AttentionQkNorm::whole ? H : 1;
+        ops::rmsnorm(qr, w.q_norm.data(), qr, (r1 - r0) * H / g, g * d, d_.eps, d_.qk_norm_centred);
+      }
       if (d_.rope) apply_rope(qr, r1 - r0, H, d, d_.rot, qp_pos + r0, inv_freq_);
     });
   if (norm || d_.rope)
     ops::parallel_rows(BT, 2 * Hkv * d, [&](int64_t r0, int64_t r1) {
       float* kr = k.data() + r0 * Hkv * d;
-      if (norm) ops::rmsnorm(kr, w.k_norm.data(), kr, (r1 - r0) * Hkv, d, d_.eps, d_.qk_norm_centred);
+      if (norm) {
+        const int64_t g = d_.qk_norm == AttentionQkNorm::whole ? Hkv : 1;
+        ops::rmsnorm(kr, w.k_norm.data(), kr, (r1 - r0) * Hkv / g, g * d, d_.eps, d_.qk_norm_centred);
+      }
       if (d_.rope) apply_rope(kr, r1 - r0, Hkv, d, d_.rot, pos.data() + r0, inv_freq_);
     });
   visit_if(ls, li, Value::attn_queries, q);

@@ -14,8 +14,9 @@
 //    (hd / 2)^-0.5).
 //  - gate: q_proj gives per head [query | gate] and the output is o_proj(attention * sigmoid(gate))
 //    (Qwen's gated attention).
-//  - qk_norm: RMSNorm of q and k after the projections (Qwen: per head over hd),
-//    qk_norm_centred for the (1 + w) weight (Qwen) or the plain w.
+//  - qk_norm: RMSNorm of q and k after the projections (Qwen: per head over hd; OLMo-Hybrid: over
+//    the whole projection, H * hd and Hkv * hd), qk_norm_centred for the (1 + w) weight (Qwen) or
+//    the plain w (OLMo-Hybrid).
 //  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid).
 //  - in_multiplier, key_multiplier, out_multiplier: Falcon-H1 µP (input, keys after k_proj, output).
 // Not expressed: Zamba's concatenated [h, h0] input of width 2D, Zamba2's per-depth LoRA adapters on
@@ -37,6 +38,7 @@ namespace mixlens::detail {
 enum class AttentionQkNorm {
   none,      ///< no q_norm / k_norm
   per_head,  ///< over each head's hd dims, weights [hd] (Qwen3.5, Qwen3-Next)
+  whole,     ///< over all heads at once, weights [H * hd] and [Hkv * hd] (OLMo-Hybrid)
 };
 
 /// Sizes and options of one model's attention mixers (all its attention layers share them).
@@ -67,7 +69,7 @@ struct AttentionMixerWeights {
   Tensor k_proj, v_proj;  ///< [Hkv * hd, D]
   Tensor o_proj;          ///< [D, H * hd]
   Tensor q_bias, k_bias, v_bias, o_bias;  ///< with bias: [q_rows], [Hkv * hd], [Hkv * hd], [D]
-  Tensor q_norm, k_norm;  ///< per_head: [hd]
+  Tensor q_norm, k_norm;  ///< per_head: [hd]; whole: [H * hd], [Hkv * hd]
 };
 
 /// What one mixer call reads and updates besides its input.
