@@ -189,8 +189,13 @@ void validate_config(const io::Config& cfg) {
   }
 }
 
-void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d) {
-  if (!cfg.has("time_step_limit") || cfg.is_null("time_step_limit")) return;
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d, bool nullable) {
+  if (!cfg.has("time_step_limit")) return;
+  if (cfg.is_null("time_step_limit")) {
+    if (nullable) return;
+    throw ConfigError(where(cfg) + ": time_step_limit is null; this model_type takes a list [min, max] "
+                      "(transformers refuses null here too); leave the field out for the default (0, inf)");
+  }
   auto lim = cfg.get<std::vector<double>>("time_step_limit");
   if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
   d.dt_lo = static_cast<float>(lim[0]);

@@ -46,8 +46,11 @@ int64_t checked_size_product(const io::Config& cfg, const std::string& what, std
                              int64_t limit = kMaxConfigNumel);
 
 // ---- Shared readers ----------------------------------------------------------------------------
-/// time_step_limit ([min, max], either may be absent) into dims.dt_lo / dt_hi; ConfigError otherwise.
-void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims);
+/// time_step_limit ([min, max]) into dims.dt_lo / dt_hi; absent: the default (0, inf), no clamp.
+/// `nullable` (BambaConfig, FalconH1Config: an Optional field): null is that default too; otherwise
+/// (Mamba2Config, whose strict field takes only a list) null is a ConfigError, as transformers
+/// refuses it. ConfigError for a list that is not [min, max] with 0 <= min <= max.
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims, bool nullable = true);
 /// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
 /// fields; UnsupportedError for any rope_type other than "default".
 void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
