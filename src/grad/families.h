@@ -1,10 +1,13 @@
 // Backwards of the pure SSM LMs (issue 12): the skeleton's and its mixers' (FamilyModel::backward,
-// src/grad/backward.cpp, runs them from the family's SsmLmParts).
+// src/grad/backward.cpp, runs them from the family's SsmLmParts); the mixers' backwards the hybrid
+// skeletons share (Mamba-2, attention).
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <vector>
 
 #include "grad/tape.h"
+#include "mixers/attention_mixer.h"
 #include "mixers/mamba2_mixer.h"
 #include "models/ssm_lm.h"
 
@@ -54,6 +57,38 @@ using MixerDout = std::function<Tensor(const Tensor& out)>;
 void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& w, int layer,
                            const Tensor& n, const Mamba2CallState& call, const Tape& tape, const MixerDout& dout_of,
                            Tensor& dn, GradSink& sink);
+/// What an attention mixer call read (constants of the backward; pointers into the caller's copies).
+struct AttentionCallState {
+  const detail::KvCache* kv = nullptr;  ///< the layer's keys and values before the call
+  /// Per row, 1 for every real token up to the call's last (the cache advanced by the call).
+  const std::vector<std::vector<uint8_t>>* key_mask = nullptr;
+  const std::vector<int64_t>* pos = nullptr;  ///< [B * T] the call's position ids
+};
+
+/// One attention mixer call (AttentionMixer::forward), recomputed for its backward from the normed
+/// block input n with the tape's writes re-applied, or taken from what the forward kept
+/// (grad::Kept::attn_*). The block reads output() (e.g. for a second branch) before backward().
+class AttentionMixerGrad {
+ public:
+  AttentionMixerGrad(const detail::AttentionMixer& mixer, const detail::AttentionMixerWeights& w, int layer,
+                     const Tensor& n, const AttentionCallState& call, const Tape& tape);
+  /// The mixer output as the forward added it (attn_output, writes applied).
+  const Tensor& output() const { return out_; }
+  /// dn [B,T,D] (overwritten) from dL/d(output); puts the self_attn values' gradients.
+  void backward(const Tensor& dout, Tensor& dn, GradSink& sink) const;
+
+ private:
+  const detail::AttentionMixerDims& d_;
+  const std::vector<float>& inv_freq_;
+  const detail::AttentionMixerWeights& w_;
+  int li_;
+  const Tape& tape_;
+  AttentionCallState call_;
+  int64_t past_ = 0;
+  Tensor qpre_, kpre_, q_, k_, v_, gate_, att_, out_;  ///< q / k before their norm; gate undefined without
+  detail::KvCache kv_;  ///< the cache before the call with the call's keys and values appended
+};
+
 /// The weights of one Mamba-1 mixer (models/mamba.cpp MambaLayer), as its backward reads them.
 struct MambaMixerView {
   int64_t D = 0, E = 0, N = 0, R = 0, K = 0;

@@ -2,18 +2,18 @@
 // Falcon-H1): LM head (* lm_head_multiplier), final RMSNorm, then each block from the last,
 // recomputed from its recorded input with the recorded writes re-applied and differentiated:
 // the second branch (pre_ff RMSNorm + SwiGLU MLP), then the first branch's Mamba-2 mixer
-// (grad/mamba2_mixer_grad.cpp), softmax attention (projections, key / in / out multipliers, RoPE,
-// grad/attention_grad.cpp), relu2 MLP or MoE (straight-through of the chosen experts: the routing
-// is a constant, the chosen experts' weights are differentiated), and the block's input norm.
+// (grad/mamba2_mixer_grad.cpp), the attention mixer (grad/attention_mixer_grad.cpp), relu2 MLP
+// or MoE (straight-through of the chosen experts: the routing is a constant, the chosen experts'
+// weights are differentiated), and the block's input norm.
 #include "grad/mamba2_hybrid_grad.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
-#include "mixers/attention.h"
 #include "models/common.h"
 #include "models/hybrid_cache.h"
 #include "ops/ops.h"
@@ -79,15 +79,17 @@ class HybridBackward {
     const size_t i = static_cast<size_t>(li);
     const Mamba2CallState call{b.mamba ? &cache_.conv[i] : nullptr, b.mamba ? &cache_.ssm[i] : nullptr,
                                cache_.has_state, tape_.kernel == "chunked"};
-    Attn att;
-    if (b.attn) att = attn_forward(li, w.attn, n);
+    std::unique_ptr<AttentionMixerGrad> att;
+    if (b.attn)
+      att = std::make_unique<AttentionMixerGrad>(*m_.attn, w.attn, li, n, AttentionCallState{&cache_.kv[i], &key_mask_, &pos_},
+                                                 tape_);
 
     // Second branch: h = h1 + MLP(RMSNorm(h1)), h1 = layer_input + first branch; gives dL/dh1.
     Tensor dh1 = dh;
     const auto second_branch = [&](const Tensor* mixer_out) {
       Tensor h1 = hin.clone();
       if (mixer_out) add_into(h1, *mixer_out);
-      if (b.attn) add_into(h1, att.out);
+      if (b.attn) add_into(h1, att->output());
       if (b.branch_mlp) add_into(h1, branch_mlp_forward(li, b, w, n));
       Tensor n2({B_, T_, D});
       ops::rmsnorm(h1.data(), w.ff_norm.data(), n2.data(), BT_, D, s_.eps);
@@ -113,7 +115,7 @@ class HybridBackward {
       add_into(dn, part);
     }
     if (b.attn) {
-      attn_backward(li, w.attn, att, dh1, part);
+      att->backward(dh1, part, sink_);
       add_into(dn, part);
     }
     if (b.branch_mlp) {
@@ -128,72 +130,6 @@ class HybridBackward {
     rmsnorm_backward(hin.data(), w.in_norm.data(), dn.data(), dh.data(), BT_, D, s_.eps, false, true);
     sink_.put(li, Value::layer_input, dh);
     tape_.block(li, Value::layer_input, dh);
-  }
-
-  // ---- attention (NemotronHAttention / BambaAttention / FalconH1Attention) ----------------------
-  struct Attn {
-    Tensor q, k, v, out;  // q [B,T,H,d] and k, v [B,T,Hkv,d] as consumed (RoPE, multipliers, writes)
-    detail::KvCache kv;   // the cache before the call with k, v appended
-    int64_t past = 0;
-  };
-
-  Attn attn_forward(int li, const detail::HybridAttnWeights& a, const Tensor& n_in) const {
-    const int64_t d = s_.hd, H = s_.H, Hkv = s_.Hkv, D = s_.D;
-    Tensor x = n_in.clone();
-    scale(x, s_.attention_in_multiplier);
-    Attn r;
-    r.q = Tensor({B_, T_, H, d});
-    r.k = Tensor({B_, T_, Hkv, d});
-    r.v = Tensor({B_, T_, Hkv, d});
-    ops::linear(x.data(), BT_, D, a.q, r.q.data(), opt(a.qb));
-    ops::linear(x.data(), BT_, D, a.k, r.k.data(), opt(a.kb));
-    ops::linear(x.data(), BT_, D, a.v, r.v.data(), opt(a.vb));
-    scale(r.k, s_.key_multiplier);
-    if (s_.rope) {
-      detail::apply_rope(r.q.data(), BT_, H, d, s_.rot, pos_.data(), *m_.inv_freq);
-      detail::apply_rope(r.k.data(), BT_, Hkv, d, s_.rot, pos_.data(), *m_.inv_freq);
-    }
-    tape_.apply(li, Value::attn_queries, r.q);
-    tape_.apply(li, Value::attn_keys, r.k);
-    tape_.apply(li, Value::attn_values, r.v);
-    r.kv = cache_.kv[static_cast<size_t>(li)];
-    r.past = r.kv.len;
-    r.kv.append(r.k.data(), r.v.data(), B_, T_, Hkv * d);
-    Tensor att({B_, T_, H, d});
-    detail::causal_attention(r.q.data(), B_, T_, H, Hkv, d, r.past, r.kv, key_mask_, att.data());
-    r.out = Tensor({B_, T_, D});
-    ops::linear(att.data(), BT_, H * d, a.o, r.out.data(), opt(a.ob));
-    scale(r.out, s_.attention_out_multiplier);
-    tape_.apply(li, Value::attn_output, r.out);
-    return r;
-  }
-
-  void attn_backward(int li, const detail::HybridAttnWeights& a, const Attn& r, const Tensor& dout_in, Tensor& dn) {
-    const int64_t d = s_.hd, H = s_.H, Hkv = s_.Hkv, D = s_.D;
-    Tensor dout = dout_in.clone();
-    sink_.put(li, Value::attn_output, dout);
-    tape_.block(li, Value::attn_output, dout);
-    scale(dout, s_.attention_out_multiplier);
-    Tensor datt({B_, T_, H, d});
-    linear_backward(dout.data(), BT_, D, a.o, datt.data(), false);
-    Tensor dq({B_, T_, H, d}), dk({B_, T_, Hkv, d}), dv({B_, T_, Hkv, d});
-    causal_attention_backward(r.q.data(), B_, T_, H, Hkv, d, r.past, r.kv, key_mask_, datt.data(), dq.data(), dk.data(),
-                              dv.data());
-    sink_.put(li, Value::attn_queries, dq);
-    sink_.put(li, Value::attn_keys, dk);
-    sink_.put(li, Value::attn_values, dv);
-    tape_.block(li, Value::attn_queries, dq);
-    tape_.block(li, Value::attn_keys, dk);
-    tape_.block(li, Value::attn_values, dv);
-    if (s_.rope) {
-      apply_rope_backward(dq.data(), BT_, H, d, s_.rot, pos_.data(), *m_.inv_freq);
-      apply_rope_backward(dk.data(), BT_, Hkv, d, s_.rot, pos_.data(), *m_.inv_freq);
-    }
-    scale(dk, s_.key_multiplier);
-    linear_backward(dq.data(), BT_, H * d, a.q, dn.data(), false);
-    linear_backward(dk.data(), BT_, Hkv * d, a.k, dn.data(), true);
-    linear_backward(dv.data(), BT_, Hkv * d, a.v, dn.data(), true);
-    scale(dn, s_.attention_in_multiplier);
   }
 
   // ---- MLPs (forwards: models/mamba2_hybrid.cpp) -------------------------------------------------

@@ -1,6 +1,7 @@
 // Backward of the Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; issue 12, docs/gradients.md):
 // the pieces FamilyModel::backward runs on a QwenHybridParts (views of a QwenHybrid's weights,
-// models/qwen_hybrid.h). Each mixer is recomputed from its normed input with the tape's writes
+// models/qwen_hybrid.h). The attention layers' backward is the attention mixer's
+// (AttentionMixerGrad, grad/families.h). Each mixer is recomputed from its normed input with the tape's writes
 // re-applied (output() is the mixer output as the forward added it), then differentiated.
 #pragma once
 #include <cstdint>
@@ -13,7 +14,6 @@
 
 namespace mixlens::grad {
 
-using detail::AttnView;
 using detail::GdnView;
 using detail::MlpView;
 using detail::QwenLayerView;
@@ -38,26 +38,6 @@ class GdnMixerGrad {
   static constexpr int64_t kChunk = 64;  ///< the forward kernel's chunk (GatedDeltaArgs' default)
   Tensor proj_, u_, q_, k_, v_, beta_, g_, S0_, o_, out_, ckpt_;
   Tensor su_, sz_;  ///< sigmoid of the conv output u_ [B,T,cd] and of the gate z [B,T,HV*Dv] (vectorized once)
-};
-
-/// The gated softmax attention of one layer, recomputed for its backward.
-class AttnMixerGrad {
- public:
-  AttnMixerGrad(const AttnView& w, int layer, const Tensor& n, const detail::HybridCache& before,
-                const std::vector<int64_t>& pos, const Tape& tape);
-  const Tensor& output() const { return out_; }
-  void backward(const Tensor& dout, Tensor& dn, GradSink& sink) const;
-
- private:
-  const AttnView& w_;
-  int li_;
-  const Tape& tape_;
-  const detail::HybridCache& before_;
-  const std::vector<int64_t>& pos_;
-  std::vector<std::vector<uint8_t>> key_mask_;
-  int64_t past_ = 0;
-  Tensor n_, qpre_, kpre_, q_, k_, v_, gate_, att_, out_;
-  detail::KvCache kv_;
 };
 
 /// Backward of one layer's MLP at x [B,T,D] (recomputed): dx (overwritten) from dL/d(output).

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <utility>
 
+#include "grad/families.h"
 #include "grad/ops_grad.h"
 #include "grad/qwen_grad.h"
 #include "ops/ops.h"
@@ -182,9 +183,10 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
     const Tensor& h0 = tape.layer_inputs[static_cast<size_t>(i)];
     ops::rmsnorm(h0.data(), l.in_norm->data(), n1.data(), BT, D, bb.eps, true);
     std::unique_ptr<GdnMixerGrad> gdn;
-    std::unique_ptr<AttnMixerGrad> att;
+    std::unique_ptr<AttentionMixerGrad> att;
     if (l.linear) gdn = std::make_unique<GdnMixerGrad>(l.gdn, li, n1, before, tape);
-    else att = std::make_unique<AttnMixerGrad>(l.attn, li, n1, before, pos, tape);
+    else att = std::make_unique<AttentionMixerGrad>(*bb.attn, *l.attn, li, n1,
+                                                    AttentionCallState{&before.kv[static_cast<size_t>(i)], &before.key_mask, &pos}, tape);
     const Tensor& out = l.linear ? gdn->output() : att->output();
     for (int64_t k = 0; k < h1.numel(); ++k) h1[k] = h0[k] + out[k];
     // MLP: h2 = h1 + mlp(norm2(h1)).

@@ -11,11 +11,13 @@ namespace mixlens::grad {
 /// Forward intermediates a family may keep for its backward (Tape::keep): the large products the
 /// backward would otherwise recompute from the block's input. head_outputs: the Mamba-2 scan's
 /// output y as the norm read it (after writes), so the backward need not rerun the scan forward.
-/// attn_*: a softmax attention layer's q_proj output (per head [query | gate]), k_proj's output
-/// before k_norm, the values (after writes) and the attention output before the sigmoid gate.
+/// attn_*: an attention mixer's q_proj output (per head [query | gate] with the gate), k_proj's output
+/// before k_norm and RoPE, the values (after writes), the attention output before the sigmoid gate
+/// and the mixer's output (after writes).
 /// chunk_states: a gated DeltaNet scan's state entering every chunk of 64 tokens (with head_outputs,
 /// its o after writes): the backward's checkpoints, so it does not run the scan again.
-enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core, chunk_states };
+enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core, attn_output,
+                  chunk_states };
 
 struct KeptTensors {
   /// (layer, Kept) -> the forward's own tensor (shared, not copied). What is kept, and why, is the

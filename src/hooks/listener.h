@@ -30,7 +30,6 @@ struct CallCtx {
   int step = 0;
   int64_t batch = 0;
   int64_t seq = 0;
-  bool fresh = true;           ///< no cached recurrent state before this call
   int64_t first = 0;           ///< positions earlier calls on this cache pushed through (CallRecord::first)
   std::string kernel;          ///< "chunked" or "recurrent"
   /// Set by another thread to stop the run (Ctrl-C, Session::abort); may be null.
@@ -38,6 +37,8 @@ struct CallCtx {
   /// A call recorded for gradients (src/grad): the forward may keep there intermediates its backward
   /// would otherwise recompute (grad::KeptTensors::keep, the grad::Tape's); null otherwise.
   grad::KeptTensors* tape = nullptr;
+  /// No cached recurrent state before this call: nothing was pushed through the cache yet.
+  bool fresh() const { return first == 0; }
   /// Called by the forwards between layers: InterruptedError once `cancel` is set.
   void check_cancel() const {
     if (tl_poll != nullptr) tl_poll(tl_poll_arg);

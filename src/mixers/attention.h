@@ -1,7 +1,8 @@
-// Softmax attention pieces of the hybrid families (Qwen3.5 / Qwen3-Next gated attention): partial
-// rotate-half RoPE, a per-row KV cache and causal GQA attention with a key padding mask
-// (model-math.md §6.1; transformers Qwen3_5Attention with SDPA).
+// Softmax attention kernels (the attention mixer's, mixers/attention_mixer.h): partial rotate-half
+// RoPE, a per-row KV cache and causal GQA attention with a key padding mask (model-math.md §6.1;
+// transformers' sdpa_attention_forward).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -23,6 +24,11 @@ struct KvCache {
   void append(const float* kn, const float* vn, int64_t B, int64_t T, int64_t width);
 };
 
+/// The softmax scale the attention kernels use: `scale` when > 0, else 1/sqrt(d) (SDPA's default).
+inline float attention_scale(int64_t d, float scale) {
+  return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(d));
+}
+
 /// Causal GQA softmax attention: query t of row b sits at cache position past + t and attends
 /// the cached keys j <= past + t whose key_mask[b][j] is 1 (left padding is masked out).
 /// q [B,T,H,d] (RoPE applied), out [B,T,H,d]. Query head h reads KV head h / (H / Hkv).
@@ -32,9 +38,10 @@ struct KvCache {
 /// keys (transformers' eager attention weights, nnterp's attention_probabilities). The output is
 /// always flash_causal_attention's (reading the probabilities never changes it); with `probs`, an
 /// explicit per-query softmax materializes the weights as well.
+/// `scale`: the softmax scale (attention_scale: 0 is 1/sqrt(d)).
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                      float* probs = nullptr);
+                      float* probs = nullptr, float scale = 0.0f);
 
 /// The attention output, tiled (flash-attention style): per query tile and head, key tiles of
 /// scores (register-blocked dots, ops/tile_kernels.h), an online softmax (running max and sum,
@@ -43,6 +50,7 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 /// row's first real key: key tiles start there), so a prompt split into calls, or a row alone and
 /// behind any left padding, gives bitwise the same outputs. Same results as the explicit softmax to float32 rounding.
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
-                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out);
+                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
+                            float scale = 0.0f);
 
 }  // namespace mixlens::detail

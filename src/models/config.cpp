@@ -189,8 +189,13 @@ void validate_config(const io::Config& cfg) {
   }
 }
 
-void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d) {
-  if (!cfg.has("time_step_limit") || cfg.is_null("time_step_limit")) return;
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d, bool nullable) {
+  if (!cfg.has("time_step_limit")) return;
+  if (cfg.is_null("time_step_limit")) {
+    if (nullable) return;
+    throw ConfigError(where(cfg) + ": time_step_limit is null; this model_type takes a list [min, max] "
+                      "(transformers refuses null here too); leave the field out for the default (0, inf)");
+  }
   auto lim = cfg.get<std::vector<double>>("time_step_limit");
   if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
   d.dt_lo = static_cast<float>(lim[0]);
@@ -214,21 +219,48 @@ void read_rope(const io::Config& cfg, double default_partial, double& theta, dou
   if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
 }
 
-void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, bool d_ssm, Mamba2MixerDims& d) {
+namespace {
+// The first of `names` present and not null, else `fallback`; `used` names the field read (or the
+// first name) for messages.
+int64_t first_of(const io::Config& cfg, const std::vector<std::string>& names, int64_t fallback, std::string& used) {
+  used = names.front();
+  for (const std::string& n : names)
+    if (cfg.has(n) && !cfg.is_null(n)) {
+      used = n;
+      return cfg.get<int64_t>(n);
+    }
+  return fallback;
+}
+}  // namespace
+
+void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, const Mamba2Spelling& f, Mamba2MixerDims& d) {
+  std::string used;
   d.D = D;
-  d.H = cfg.get_or<int64_t>("mamba_n_heads", 128);
-  require_positive(cfg, {{"mamba_n_heads", d.H}});
-  // mamba_d_ssm when given, else int(mamba_expand * hidden_size) (FalconH1Mixer.intermediate_size).
-  d.E = d_ssm && cfg.has("mamba_d_ssm") && !cfg.is_null("mamba_d_ssm")
-            ? cfg.get<int64_t>("mamba_d_ssm")
-            : static_cast<int64_t>(cfg.get_double_or("mamba_expand", 2.0) * static_cast<double>(D));
-  const bool auto_head = !cfg.has("mamba_d_head") || cfg.is_null("mamba_d_head") || cfg.json().at("mamba_d_head").is_string();
-  d.P = auto_head ? d.E / d.H : cfg.get<int64_t>("mamba_d_head");
-  d.N = cfg.get_or<int64_t>("mamba_d_state", 256);
-  d.G = cfg.get_or<int64_t>("mamba_n_groups", 1);
-  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
-  d.chunk = cfg.get_or<int64_t>("mamba_chunk_size", 256);
+  d.H = first_of(cfg, f.heads, f.heads_default, used);
+  require_positive(cfg, {{used.c_str(), d.H}});
+  if (f.width_from_heads) {
+    d.P = first_of(cfg, f.head_dim, f.head_dim_default, used);
+    d.E = d.H * d.P;
+  } else {
+    // mamba_d_ssm when given, else int(mamba_expand * hidden_size) (FalconH1Mixer.intermediate_size).
+    d.E = f.d_ssm && cfg.has("mamba_d_ssm") && !cfg.is_null("mamba_d_ssm")
+              ? cfg.get<int64_t>("mamba_d_ssm")
+              : static_cast<int64_t>(cfg.get_double_or("mamba_expand", 2.0) * static_cast<double>(D));
+    const std::string& hn = f.head_dim.front();
+    const bool auto_head = !cfg.has(hn) || cfg.is_null(hn) || cfg.json().at(hn).is_string();
+    d.P = auto_head ? d.E / d.H : cfg.get<int64_t>(hn);
+  }
+  d.N = first_of(cfg, f.state, f.state_default, used);
+  d.G = first_of(cfg, f.groups, f.groups_default, used);
+  d.K = first_of(cfg, f.conv, f.conv_default, used);
+  d.chunk = first_of(cfg, f.chunk, f.chunk_default, used);
   d.eps = eps;
+}
+
+void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, bool d_ssm, Mamba2MixerDims& d) {
+  Mamba2Spelling f;
+  f.d_ssm = d_ssm;
+  read_mamba2_dims(cfg, D, eps, f, d);
 }
 
 }  // namespace mixlens::detail

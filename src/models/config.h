@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "io/json.h"
 #include "mixers/mamba2_mixer.h"
@@ -45,16 +46,37 @@ int64_t checked_size_product(const io::Config& cfg, const std::string& what, std
                              int64_t limit = kMaxConfigNumel);
 
 // ---- Shared readers ----------------------------------------------------------------------------
-/// time_step_limit ([min, max], either may be absent) into dims.dt_lo / dt_hi; ConfigError otherwise.
-void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims);
+/// time_step_limit ([min, max]) into dims.dt_lo / dt_hi; absent: the default (0, inf), no clamp.
+/// `nullable` (BambaConfig, FalconH1Config: an Optional field): null is that default too; otherwise
+/// (Mamba2Config, whose strict field takes only a list) null is a ConfigError, as transformers
+/// refuses it. ConfigError for a list that is not [min, max] with 0 <= min <= max.
+void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims, bool nullable = true);
 /// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
 /// fields; UnsupportedError for any rope_type other than "default".
 void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
-/// The Mamba-2 mixer dims a hybrid spells with the mamba_* fields (BambaConfig, FalconH1Config):
-/// mamba_n_heads, the width (mamba_d_ssm when `d_ssm` is set and the field given, else
-/// int(mamba_expand * D)), mamba_d_head (absent, null or "auto": width / heads), mamba_d_state,
-/// mamba_n_groups, mamba_d_conv, mamba_chunk_size, and `eps`. The gated norm, the biases, the dt
-/// clamp and any multipliers stay with the family (they differ between families).
+/// How a family spells the Mamba-2 size fields (read_mamba2_dims): per field the names tried in
+/// order (the first present and not null is read; a later name is an older spelling) and the
+/// default when none is. The defaults are BambaConfig / FalconH1Config's mamba_* fields.
+struct Mamba2Spelling {
+  std::vector<std::string> heads{"mamba_n_heads"}, head_dim{"mamba_d_head"}, state{"mamba_d_state"},
+      groups{"mamba_n_groups"}, conv{"mamba_d_conv"}, chunk{"mamba_chunk_size"};
+  int64_t heads_default = 128, state_default = 256, groups_default = 1, conv_default = 4, chunk_default = 256;
+  /// The width E. false: int(mamba_expand * D), or mamba_d_ssm first when `d_ssm` (FalconH1Mixer);
+  /// head_dim absent, null or "auto" is then width / heads. true (NemotronHConfig): heads * head_dim,
+  /// head_dim defaulting to head_dim_default.
+  bool width_from_heads = false;
+  bool d_ssm = false;
+  int64_t head_dim_default = 64;
+};
+
+/// The Mamba-2 mixer dims a hybrid's config spells as `names` says, and `eps`; ConfigError naming
+/// the field for a head count that is not positive (the other sizes are checked by the mixer).
+/// The gated norm, the biases, the dt clamp and any multipliers stay with the family (they differ
+/// between families).
+void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, const Mamba2Spelling& names, Mamba2MixerDims& d);
+/// The mamba_* spelling (BambaConfig, FalconH1Config): mamba_n_heads, the width (mamba_d_ssm when
+/// `d_ssm` is set and the field given, else int(mamba_expand * D)), mamba_d_head (absent, null or
+/// "auto": width / heads), mamba_d_state, mamba_n_groups, mamba_d_conv, mamba_chunk_size.
 void read_mamba2_dims(const io::Config& cfg, int64_t D, float eps, bool d_ssm, Mamba2MixerDims& d);
 
 }  // namespace mixlens::detail

@@ -78,19 +78,19 @@ std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& cfg, const io::Wei
   const auto sm = multipliers(cfg, "ssm_multipliers", 5);
   for (size_t k = 0; k < 5; ++k) d.proj_multipliers[k] = static_cast<float>(sm[k]);
 
-  s.H = cfg.get<int64_t>("num_attention_heads");
-  s.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.H);
-  require_positive(cfg, {{"num_attention_heads", s.H}, {"num_key_value_heads", s.Hkv}});
-  if (!cfg.has("head_dim") && s.D % s.H != 0)
+  s.attn.H = cfg.get<int64_t>("num_attention_heads");
+  s.attn.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.attn.H);
+  require_positive(cfg, {{"num_attention_heads", s.attn.H}, {"num_key_value_heads", s.attn.Hkv}});
+  if (!cfg.has("head_dim") && s.D % s.attn.H != 0)
     throw ConfigError(where(cfg) + ": hidden_size is not divisible by num_attention_heads and head_dim is not given");
-  s.hd = cfg.get_or<int64_t>("head_dim", s.D / s.H);
+  s.attn.hd = cfg.get_or<int64_t>("head_dim", s.D / s.attn.H);
   double partial = 1.0;
-  read_rope(cfg, 1.0, s.theta, partial);
-  s.rot = s.hd;  // FalconH1RotaryEmbedding ignores partial_rotary_factor
-  s.attn_bias = cfg.get_or<bool>("attention_bias", false);
-  s.key_multiplier = scalar(cfg, "key_multiplier");
-  s.attention_in_multiplier = scalar(cfg, "attention_in_multiplier");
-  s.attention_out_multiplier = scalar(cfg, "attention_out_multiplier");
+  read_rope(cfg, 1.0, s.attn.theta, partial);
+  s.attn.rot = s.attn.hd;  // FalconH1RotaryEmbedding ignores partial_rotary_factor
+  s.attn.bias = cfg.get_or<bool>("attention_bias", false);
+  s.attn.key_multiplier = scalar(cfg, "key_multiplier");
+  s.attn.in_multiplier = scalar(cfg, "attention_in_multiplier");
+  s.attn.out_multiplier = scalar(cfg, "attention_out_multiplier");
   s.embedding_multiplier = scalar(cfg, "embedding_multiplier");
   s.lm_head_multiplier = scalar(cfg, "lm_head_multiplier");
 

@@ -50,4 +50,14 @@ std::string hybrid_kernel(const std::string& family, const CacheState& cache, in
   return static_cast<const HybridCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
 }
 
+AttentionMixerCall HybridCache::attention_call(int layer, const std::vector<int64_t>& pos, Listener* ls) {
+  AttentionMixerCall call;
+  call.layer = layer;
+  call.kv = &kv[static_cast<size_t>(layer)];
+  call.key_mask = &key_mask;
+  call.pos = &pos;
+  call.ls = ls;
+  return call;
+}
+
 }  // namespace mixlens::detail

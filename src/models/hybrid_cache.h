@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "mixers/attention.h"
+#include "mixers/attention_mixer.h"
 #include "models/family.h"
 
 namespace mixlens::detail {
@@ -28,6 +28,9 @@ struct HybridCache : CacheState {
   /// tokens, 0 at padding), continuing from each row's real-token count; appends the call's mask
   /// to key_mask so padding stays out of every later attention call.
   std::vector<int64_t> advance_positions(const Batch& in);
+  /// Attention layer `layer`'s mixer call over this cache (its KV cache, the key mask) at the call's
+  /// positions `pos` (advance_positions' result, which must outlive the call).
+  AttentionMixerCall attention_call(int layer, const std::vector<int64_t>& pos, Listener* ls);
 };
 
 /// route_kernels(family) when forced; otherwise "recurrent" for a one-token call over a cached

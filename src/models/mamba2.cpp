@@ -5,6 +5,7 @@
 #include "mixers/mamba2_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
+#include "models/config.h"
 #include "models/registry.h"
 #include "models/ssm_lm.h"
 
@@ -34,15 +35,9 @@ class Mamba2Model final : public SsmLm {
     if (d.E != d.H * d.P)
       throw ConfigError(where(cfg) + ": hidden_size * expand (" + std::to_string(d.E) +
                         ") must equal num_heads * head_dim (" + std::to_string(d.H * d.P) + ")");
-    if (cfg.has("time_step_limit")) {
-      auto lim = cfg.get<std::vector<double>>("time_step_limit");
-      if (lim.size() != 2) throw ConfigError(where(cfg) + ": time_step_limit must have 2 entries");
-      d.dt_lo = static_cast<float>(lim[0]);
-      d.dt_hi = static_cast<float>(lim[1]);
-      if (!(d.dt_lo >= 0.0f && d.dt_lo <= d.dt_hi))
-        throw ConfigError(where(cfg) + ": time_step_limit [" + std::to_string(lim[0]) + ", " + std::to_string(lim[1]) +
-                          "] must satisfy 0 <= min <= max");
-    }
+    // Absent: Mamba2Config's default (0, inf), no clamp; null is refused, as Mamba2Config's strict
+    // field (a list or tuple, not Optional) refuses it.
+    read_time_step_limit(cfg, d, false);
     d.norm = Mamba2Norm::gated_full;  // MambaRMSNormGated ignores n_groups
     d.in_proj_bias = d.out_proj_bias = cfg.get_or<bool>("use_bias", false);
     d.conv_bias = cfg.get_or<bool>("use_conv_bias", true);

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "mixers/attention.h"
+#include "mixers/attention_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/hybrid_cache.h"
@@ -163,7 +163,6 @@ Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const fl
 
 namespace {
 
-using AttnW = HybridAttnWeights;
 using BlockW = HybridBlockWeights;
 
 
@@ -189,17 +188,8 @@ class Mamba2Hybrid final : public FamilyModel {
       any_mlp |= b.branch_mlp || b.ff;
     }
     if (any_mamba) mixer_ = Mamba2Mixer(s_.mamba, where(cfg));
-    if (any_attn) {
-      if (s_.H % s_.Hkv != 0)
-        throw ConfigError(where(cfg) + ": num_attention_heads (" + std::to_string(s_.H) +
-                          ") is not divisible by num_key_value_heads (" + std::to_string(s_.Hkv) + ")");
-      if (s_.rope) {
-        if (s_.rot <= 0 || s_.rot > s_.hd || s_.rot % 2 != 0)
-          throw ConfigError(where(cfg) + ": rotary dim " + std::to_string(s_.rot) + " must be even and in (0, head_dim = " +
-                            std::to_string(s_.hd) + "]");
-        inv_freq_ = rope_inv_freq(s_.rot, s_.theta);
-      }
-    }
+    s_.attn.D = s_.D;
+    if (any_attn) attn_ = AttentionMixer(s_.attn, where(cfg));
     // The first prefix under which the embeddings exist names the layout (published vs saved).
     std::string p;
     for (const auto& cand : s_.prefixes)
@@ -208,26 +198,14 @@ class Mamba2Hybrid final : public FamilyModel {
     embed_ = w.get_matmul(p + s_.embed, {s_.V, s_.D});
     norm_f_ = w.get(p + s_.final_norm, {s_.D});
     lm_head_ = s_.tie ? embed_ : w.get_matmul("lm_head.weight", {s_.V, s_.D});
-    const int64_t qd = s_.H * s_.hd, kd = s_.Hkv * s_.hd, I = s_.I;
+    const int64_t I = s_.I;
     for (int64_t i = 0; i < L_; ++i) {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       const std::string lp = p + "layers." + std::to_string(i) + ".";
       BlockW bw;
       bw.in_norm = w.get(lp + s_.in_norm, {s_.D});
       if (b.mamba) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
-      if (b.attn) {
-        const std::string m = lp + s_.attn_mod + ".";
-        bw.attn.q = w.get_matmul(m + "q_proj.weight", {qd, s_.D});
-        bw.attn.k = w.get_matmul(m + "k_proj.weight", {kd, s_.D});
-        bw.attn.v = w.get_matmul(m + "v_proj.weight", {kd, s_.D});
-        bw.attn.o = w.get_matmul(m + "o_proj.weight", {s_.D, qd});
-        if (s_.attn_bias) {
-          bw.attn.qb = w.get(m + "q_proj.bias", {qd});
-          bw.attn.kb = w.get(m + "k_proj.bias", {kd});
-          bw.attn.vb = w.get(m + "v_proj.bias", {kd});
-          bw.attn.ob = w.get(m + "o_proj.bias", {s_.D});
-        }
-      }
+      if (b.attn) bw.attn = attn_.load(w, lp + s_.attn_mod + ".");
       if (b.moe) {
         const std::string m = lp + s_.mlp_mod + ".";
         const int64_t E = s_.n_experts, in = s_.latent > 0 ? s_.latent : s_.D;
@@ -322,7 +300,9 @@ class Mamba2Hybrid final : public FamilyModel {
         add_into(branch, out);
       }
       if (b.attn) {
-        Tensor out = attention(li, bw.attn, n, in, pos, cache, ls);
+        // No tape: the backward recomputes the attention from the block input (what a hybrid
+        // gradient call keeps is unchanged by the move to the attention mixer).
+        Tensor out = attn_.forward(bw.attn, n, in, cache.attention_call(li, pos, ls));
         watch.check(li, Value::attn_output, out);
         add_into(branch, out);
       }
@@ -364,7 +344,7 @@ class Mamba2Hybrid final : public FamilyModel {
     auto p = std::make_unique<Mamba2HybridParts>();
     p->spec = &s_;
     p->mixer = &mixer_;
-    p->inv_freq = &inv_freq_;
+    p->attn = &attn_;
     p->norm_f = &norm_f_;
     p->lm_head = &lm_head_;
     p->blocks = &blocks_;
@@ -382,21 +362,7 @@ class Mamba2Hybrid final : public FamilyModel {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::layer_input, {B, T, D}, true, "residual stream entering the block"));
       if (b.mamba) mixer_.values(i, B, T, v);
-      if (b.attn) {
-        const std::string rope = s_.rope ? " and RoPE" : " (no positional encoding)";
-        v.push_back(layer_value(i, Value::attn_queries, {B, T, s_.H, s_.hd}, true, "q after q_proj" + rope));
-        v.push_back(layer_value(i, Value::attn_keys, {B, T, s_.Hkv, s_.hd}, true,
-                                std::string(s_.key_multiplier != 1.0f ? "k * key_multiplier" : "k") + rope + " (as cached)"));
-        v.push_back(layer_value(i, Value::attn_values, {B, T, s_.Hkv, s_.hd}, true, "v (as cached)"));
-        ValueInfo p = layer_value(i, Value::attn_probs, {B, s_.H, T, T}, true,
-                                  "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
-                                  "masked and future keys; transformers' eager attn_weights), read-only");
-        p.writable = false;
-        v.push_back(p);
-        v.push_back(layer_value(i, Value::attn_output, {B, T, D}, true,
-                                s_.attention_out_multiplier != 1.0f ? "o_proj(attention) * attention_out_multiplier, added to the residual"
-                                                                    : "o_proj(attention), added to the residual"));
-      }
+      if (b.attn) attn_.values(i, B, T, v);
       if (b.branch_mlp || b.ff)
         v.push_back(layer_value(i, Value::mlp_output, {B, T, D}, true,
                                 b.moe ? "MoE output: routed relu2 experts + shared expert"
@@ -434,51 +400,10 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
  private:
-  // Causal GQA attention over the KV cache (NemotronHAttention / BambaAttention / FalconH1Attention).
-  Tensor attention(int li, const AttnW& a, const Tensor& n_in, const Batch& in, const std::vector<int64_t>& pos,
-                   HybridCache& cache, Listener* ls) const {
-    const int64_t B = in.batch, T = in.seq, BT = B * T, d = s_.hd, H = s_.H, Hkv = s_.Hkv, D = s_.D;
-    const float* n = n_in.data();
-    Tensor nm;
-    if (s_.attention_in_multiplier != 1.0f) {  // Falcon-H1: self_attn(hidden_states * attention_in_multiplier)
-      nm = n_in.clone();
-      for (int64_t k = 0; k < nm.numel(); ++k) nm[k] *= s_.attention_in_multiplier;
-      n = nm.data();
-    }
-    Tensor q({B, T, H, d}), k({B, T, Hkv, d}), v({B, T, Hkv, d});
-    ops::linear(n, BT, D, a.q, q.data(), opt(a.qb));
-    ops::linear(n, BT, D, a.k, k.data(), opt(a.kb));
-    ops::linear(n, BT, D, a.v, v.data(), opt(a.vb));
-    if (s_.key_multiplier != 1.0f)
-      for (int64_t e = 0; e < k.numel(); ++e) k[e] *= s_.key_multiplier;
-    if (s_.rope) {
-      apply_rope(q.data(), BT, H, d, s_.rot, pos.data(), inv_freq_);
-      apply_rope(k.data(), BT, Hkv, d, s_.rot, pos.data(), inv_freq_);
-    }
-    visit_if(ls, li, Value::attn_queries, q);
-    visit_if(ls, li, Value::attn_keys, k);
-    visit_if(ls, li, Value::attn_values, v);
-    KvCache& kv = cache.kv[static_cast<size_t>(li)];
-    const int64_t past = kv.len;
-    kv.append(k.data(), v.data(), B, T, Hkv * d);
-    Tensor att({B, T, H, d});
-    // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
-    Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
-    causal_attention(q.data(), B, T, H, Hkv, d, past, kv, cache.key_mask, att.data(),
-                     probs.defined() ? probs.data() : nullptr);
-    if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
-    Tensor out({B, T, D});
-    ops::linear(att.data(), BT, H * d, a.o, out.data(), opt(a.ob));
-    if (s_.attention_out_multiplier != 1.0f)
-      for (int64_t e = 0; e < out.numel(); ++e) out[e] *= s_.attention_out_multiplier;
-    visit_if(ls, li, Value::attn_output, out);
-    return out;
-  }
-
   Mamba2HybridSpec s_;
   int64_t L_ = 0, config_chunk_ = 256;
   Mamba2Mixer mixer_;
-  std::vector<float> inv_freq_;
+  AttentionMixer attn_;
   Tensor embed_, norm_f_, lm_head_;
   std::vector<BlockW> blocks_;
 };

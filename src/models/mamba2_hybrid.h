@@ -1,6 +1,6 @@
 // Shared implementation of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1): pre-norm residual
 // blocks whose first branch runs the Mamba-2 mixer (src/mixers/mamba2_mixer.*), softmax attention
-// (src/mixers/attention.*), both side by side (Falcon-H1, summed), or an MLP (Nemotron-H MLP
+// (src/mixers/attention_mixer.*), both side by side (Falcon-H1, summed), or an MLP (Nemotron-H MLP
 // blocks); optionally a second branch pre_ff norm + MLP (Bamba, Falcon-H1). The family files
 // (nemotron_h.cpp, bamba.cpp, falcon_h1.cpp) read their configs into a Mamba2HybridSpec.
 // Cache: conv window + SSM state for mixer layers, a KV cache for attention layers.
@@ -12,6 +12,7 @@
 
 #include "io/json.h"
 #include "io/weights.h"
+#include "mixers/attention_mixer.h"
 #include "mixers/mamba2_mixer.h"
 #include "models/family.h"
 
@@ -42,10 +43,9 @@ struct Mamba2HybridSpec {
   std::string embed, final_norm, in_norm, ff_norm, mamba_mod, attn_mod, mlp_mod;
 
   Mamba2MixerDims mamba;
-  // attention (model-math.md §6.1): GQA, optional RoPE on the first `rot` dims of each head
-  int64_t H = 0, Hkv = 0, hd = 0, rot = 0;
-  double theta = 10000.0;
-  bool rope = true, attn_bias = false;
+  /// The attention blocks' options (GQA, RoPE, biases, Falcon-H1's attention / key multipliers);
+  /// D is set by the skeleton.
+  AttentionMixerDims attn;
   // MLP
   HybridMlp mlp = HybridMlp::swiglu;
   int64_t I = 0;
@@ -56,8 +56,7 @@ struct Mamba2HybridSpec {
   bool norm_topk = true;
   float routed_scaling = 1.0f;
   // Falcon-H1 µP multipliers (1 elsewhere), applied where transformers applies them.
-  float embedding_multiplier = 1.0f, lm_head_multiplier = 1.0f, key_multiplier = 1.0f;
-  float attention_in_multiplier = 1.0f, attention_out_multiplier = 1.0f;
+  float embedding_multiplier = 1.0f, lm_head_multiplier = 1.0f;
   float mlp_gate_multiplier = 1.0f, mlp_down_multiplier = 1.0f;
 };
 
@@ -72,14 +71,10 @@ struct HybridMoeWeights {
   Tensor shared_up, shared_down; ///< [Is, D], [D, Is]
   Tensor fc1, fc1_b, fc2, fc2_b; ///< optional latent projections [latent, D], [D, latent]
 };
-struct HybridAttnWeights {
-  Tensor q, k, v, o;      ///< [H*hd, D], [Hkv*hd, D], [Hkv*hd, D], [D, H*hd]
-  Tensor qb, kb, vb, ob;  ///< optional biases
-};
 struct HybridBlockWeights {
   Tensor in_norm, ff_norm;
   Mamba2MixerWeights mamba;
-  HybridAttnWeights attn;
+  AttentionMixerWeights attn;
   HybridMlpWeights mlp;
   HybridMoeWeights moe;
 };
@@ -116,7 +111,7 @@ Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64
 struct Mamba2HybridParts : BackwardParts {
   const Mamba2HybridSpec* spec = nullptr;
   const Mamba2Mixer* mixer = nullptr;
-  const std::vector<float>* inv_freq = nullptr;  ///< RoPE (empty without)
+  const AttentionMixer* attn = nullptr;
   const Tensor* norm_f = nullptr;
   const Tensor* lm_head = nullptr;
   const std::vector<HybridBlockWeights>* blocks = nullptr;

@@ -80,16 +80,24 @@ std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& cfg, const io::We
   s.in_norm = "norm.weight";
   s.mamba_mod = s.attn_mod = s.mlp_mod = "mixer";
 
+  // NemotronHConfig's names and defaults (the mamba_* names are its older spellings); the width is
+  // mamba_num_heads * mamba_head_dim, not an expand factor.
+  Mamba2Spelling f;
+  f.heads = {"mamba_num_heads"};
+  f.head_dim = {"mamba_head_dim"};
+  f.state = {"ssm_state_size"};
+  f.groups = {"n_groups", "mamba_n_groups"};
+  f.conv = {"conv_kernel", "mamba_d_conv"};
+  f.chunk = {"chunk_size", "mamba_chunk_size"};
+  f.heads_default = 128;
+  f.head_dim_default = 64;
+  f.state_default = 128;
+  f.groups_default = 8;
+  f.conv_default = 4;
+  f.chunk_default = 128;
+  f.width_from_heads = true;
   Mamba2MixerDims& d = s.mamba;
-  d.D = s.D;
-  d.H = cfg.get_or<int64_t>("mamba_num_heads", 128);
-  d.P = cfg.get_or<int64_t>("mamba_head_dim", 64);
-  d.E = d.H * d.P;
-  d.N = cfg.get_or<int64_t>("ssm_state_size", 128);
-  d.G = cfg.get_or<int64_t>("n_groups", cfg.get_or<int64_t>("mamba_n_groups", 8));
-  d.K = cfg.get_or<int64_t>("conv_kernel", cfg.get_or<int64_t>("mamba_d_conv", 4));
-  d.chunk = cfg.get_or<int64_t>("chunk_size", cfg.get_or<int64_t>("mamba_chunk_size", 128));
-  d.eps = s.eps;
+  read_mamba2_dims(cfg, s.D, s.eps, f, d);
   d.norm = Mamba2Norm::gated_grouped;
   d.in_proj_bias = d.out_proj_bias = cfg.get_or<bool>("use_bias", false);
   d.conv_bias = cfg.get_or<bool>("use_conv_bias", cfg.get_or<bool>("mamba_conv_bias", true));
@@ -99,11 +107,11 @@ std::unique_ptr<FamilyModel> make_nemotron_h(const io::Config& cfg, const io::We
   if (mact != "silu" && mact != "swish")
     throw UnsupportedError(where(cfg) + ": mamba_hidden_act '" + mact + "' is not supported (Nemotron-H uses silu)");
 
-  s.H = cfg.get_or<int64_t>("num_attention_heads", 32);
-  s.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.H);
-  s.hd = cfg.get_or<int64_t>("head_dim", 128);  // NemotronHConfig's default, not hidden/heads
-  require_positive(cfg, {{"num_attention_heads", s.H}, {"num_key_value_heads", s.Hkv}, {"head_dim", s.hd}});
-  s.rope = false;  // NemotronHAttention has no positional encoding
+  s.attn.H = cfg.get_or<int64_t>("num_attention_heads", 32);
+  s.attn.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.attn.H);
+  s.attn.hd = cfg.get_or<int64_t>("head_dim", 128);  // NemotronHConfig's default, not hidden/heads
+  require_positive(cfg, {{"num_attention_heads", s.attn.H}, {"num_key_value_heads", s.attn.Hkv}, {"head_dim", s.attn.hd}});
+  s.attn.rope = false;  // NemotronHAttention has no positional encoding
 
   s.mlp = HybridMlp::relu2;
   s.I = cfg.get_or<int64_t>("intermediate_size", 21504);

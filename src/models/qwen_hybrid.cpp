@@ -9,7 +9,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "mixers/attention.h"
+#include "mixers/attention_mixer.h"
 #include "mixers/gated_delta_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -34,8 +34,7 @@ struct Mlp {
 struct Layer : GatedDeltaMixerWeights {
   bool linear = true;  // gated DeltaNet (else softmax attention)
   Tensor in_norm, post_norm;
-  // attention
-  Tensor q_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+  AttentionMixerWeights attn;  // attention layers
   Mlp mlp;
 };
 
@@ -58,29 +57,26 @@ class QwenHybrid final : public FamilyModel {
     D_ = cfg.get<int64_t>("hidden_size");
     L_ = cfg.get<int64_t>("num_hidden_layers");
     V_ = cfg.get<int64_t>("vocab_size");
-    H_ = cfg.get<int64_t>("num_attention_heads");
-    Hkv_ = cfg.get_or<int64_t>("num_key_value_heads", H_);
+    const int64_t H = cfg.get<int64_t>("num_attention_heads");
+    const int64_t Hkv = cfg.get_or<int64_t>("num_key_value_heads", H);
     require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_},
-                           {"num_attention_heads", H_}, {"num_key_value_heads", Hkv_}});
-    if (!cfg.has("head_dim") && D_ % H_ != 0)
+                           {"num_attention_heads", H}, {"num_key_value_heads", Hkv}});
+    if (!cfg.has("head_dim") && D_ % H != 0)
       throw ConfigError(where(cfg) + ": hidden_size (" + std::to_string(D_) + ") is not divisible by num_attention_heads (" +
-                        std::to_string(H_) + ") and head_dim is not given");
-    hd_ = cfg.get_or<int64_t>("head_dim", D_ / H_);
+                        std::to_string(H) + ") and head_dim is not given");
+    const int64_t hd = cfg.get_or<int64_t>("head_dim", D_ / H);
     g_.D = D_;
     g_.HK = cfg.get<int64_t>("linear_num_key_heads");
     g_.HV = cfg.get<int64_t>("linear_num_value_heads");
     g_.Dk = cfg.get<int64_t>("linear_key_head_dim");
     g_.Dv = cfg.get<int64_t>("linear_value_head_dim");
     K_ = cfg.get_or<int64_t>("linear_conv_kernel_dim", 4);
-    require_positive(cfg, {{"head_dim", hd_}, {"linear_num_key_heads", g_.HK}, {"linear_num_value_heads", g_.HV},
+    require_positive(cfg, {{"head_dim", hd}, {"linear_num_key_heads", g_.HK}, {"linear_num_value_heads", g_.HV},
                            {"linear_key_head_dim", g_.Dk}, {"linear_value_head_dim", g_.Dv},
                            {"linear_conv_kernel_dim", K_}});
     if (g_.HV % g_.HK != 0)
       throw ConfigError(where(cfg) + ": linear_num_value_heads (" + std::to_string(g_.HV) +
                         ") is not divisible by linear_num_key_heads (" + std::to_string(g_.HK) + ")");
-    if (H_ % Hkv_ != 0)
-      throw ConfigError(where(cfg) + ": num_attention_heads (" + std::to_string(H_) +
-                        ") is not divisible by num_key_value_heads (" + std::to_string(Hkv_) + ")");
     eps_ = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-6));
     if (!(eps_ > 0.0f) || !std::isfinite(eps_))
       throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
@@ -111,11 +107,14 @@ class QwenHybrid final : public FamilyModel {
     // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
     double theta = 0.0, partial = 1.0;
     read_rope(cfg, 1.0, theta, partial);
-    rot_ = static_cast<int64_t>(static_cast<double>(hd_) * partial);
-    if (rot_ <= 0 || rot_ > hd_ || rot_ % 2 != 0)
-      throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot_) +
+    const int64_t rot = static_cast<int64_t>(static_cast<double>(hd) * partial);
+    if (rot <= 0 || rot > hd || rot % 2 != 0)
+      throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot) +
                         " must be even and in (0, head_dim]");
-    inv_freq_ = rope_inv_freq(rot_, theta);
+    // Qwen3_5Attention: gated, per-head (1 + w) q / k norms, partial RoPE.
+    attn_ = AttentionMixer({.D = D_, .H = H, .Hkv = Hkv, .hd = hd, .rope = true, .rot = rot, .theta = theta, .gate = true,
+                            .qk_norm = AttentionQkNorm::per_head, .qk_norm_centred = true, .eps = eps_},
+                           where(cfg));
 
     // MoE fields (Qwen3-Next; absent in dense Qwen3.5).
     const int64_t E = cfg.get_or<int64_t>("num_experts", 0);
@@ -150,13 +149,7 @@ class QwenHybrid final : public FamilyModel {
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
         gdn_.load(w, m, l);
       } else {
-        const std::string m = lp + "self_attn.";
-        l.q_proj = w.get_matmul(m + "q_proj.weight", {H_ * hd_ * 2, D_});
-        l.k_proj = w.get_matmul(m + "k_proj.weight", {Hkv_ * hd_, D_});
-        l.v_proj = w.get_matmul(m + "v_proj.weight", {Hkv_ * hd_, D_});
-        l.o_proj = w.get_matmul(m + "o_proj.weight", {D_, H_ * hd_});
-        l.q_norm = w.get(m + "q_norm.weight", {hd_});
-        l.k_norm = w.get(m + "k_norm.weight", {hd_});
+        l.attn = attn_.load(w, lp + "self_attn.");
       }
       const bool moe = E > 0 && std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() &&
                        (i + 1) % sparse_step == 0;
@@ -275,6 +268,7 @@ class QwenHybrid final : public FamilyModel {
     bb.D = D_;
     bb.L = L_;
     bb.V = V_;
+    bb.attn = &attn_;
     for (const Layer& l : layers_) {
       QwenLayerView v;
       v.linear = l.linear;
@@ -283,7 +277,7 @@ class QwenHybrid final : public FamilyModel {
       if (l.linear) {
         v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, eps_, &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
       } else {
-        v.attn = {D_, H_, Hkv_, hd_, rot_, eps_, &inv_freq_, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.q_norm, &l.k_norm};
+        v.attn = &l.attn;
       }
       const Mlp& m = l.mlp;
       v.mlp.moe = m.moe;
@@ -329,16 +323,7 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, HV, Dv}, true, "gated delta rule output per value head, before the gated RMSNorm"));
         v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(o, z)), added to the residual"));
       } else {
-        v.push_back(layer_value(i, Value::attn_queries, {B, T, H_, hd_}, true, "q after q_norm and RoPE"));
-        v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv_, hd_}, true, "k after k_norm and RoPE (as cached)"));
-        v.push_back(layer_value(i, Value::attn_values, {B, T, Hkv_, hd_}, true, "v (as cached)"));
-        ValueInfo p = layer_value(i, Value::attn_probs, {B, H_, T, T}, true,
-                                  "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
-                                  "masked and future keys; transformers' eager attn_weights), read-only");
-        p.writable = false;
-        v.push_back(p);
-        v.push_back(layer_value(i, Value::attn_gate, {B, T, H_ * hd_}, true, "output-gate logits before the sigmoid"));
-        v.push_back(layer_value(i, Value::attn_output, {B, T, D_}, true, "o_proj(attention * sigmoid(gate)), added to the residual"));
+        attn_.values(i, B, T, v);
       }
       v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
                               layers_[static_cast<size_t>(i)].mlp.moe ? "sparse MoE + gated shared expert output" : "SwiGLU MLP output"));
@@ -509,88 +494,24 @@ class QwenHybrid final : public FamilyModel {
     return gdn_.forward(l, n_in, in, masked, call);
   }
 
-  // Gated softmax attention (Qwen3_5Attention).
+  // Gated softmax attention (Qwen3_5Attention, src/mixers/attention_mixer.cpp).
   // `last_only` (last_block_on_last_rows): queries, attention and o_proj for the last row of each
   // sequence only ([B,1,D] out, nothing visited); keys and values for every row, into the cache.
   Tensor attention(int li, const Layer& l, const Tensor& n, const Batch& in, const std::vector<int64_t>& pos,
                    HybridCache& cache, Listener* ls, grad::KeptTensors* tape, bool last_only = false) const {
-    const int64_t B = in.batch, T = in.seq, BT = B * T, d = hd_;
-    const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
-    Tensor qg = Tensor::uninitialized({BTq, H_ * 2 * d});
-    if (last_only) {
-      Tensor xl = Tensor::uninitialized({B, D_});
-      for (int64_t b = 0; b < B; ++b)
-        std::memcpy(xl.data() + b * D_, n.data() + (b * T + T - 1) * D_, sizeof(float) * static_cast<size_t>(D_));
-      ops::linear(xl.data(), B, D_, l.q_proj, qg.data());
-    } else {
-      ops::linear(n.data(), BT, D_, l.q_proj, qg.data());
-    }
-    // A gradient call (never last_only) keeps the projections and the attention output
-    // (grad::Kept::attn_*): the backward then runs no product of its forward again.
-    if (tape) tape->keep(li, grad::Kept::attn_q_gate, qg);  // read-only from here on
-    Tensor q = Tensor::uninitialized({B, Tq, H_, d}), gate = Tensor::uninitialized({B, Tq, H_ * d}), k = Tensor::uninitialized({B, T, Hkv_, d}),
-           v = Tensor::uninitialized({B, T, Hkv_, d});
-    ops::linear(n.data(), BT, D_, l.k_proj, k.data());
-    ops::linear(n.data(), BT, D_, l.v_proj, v.data());
-    if (tape) tape->keep(li, grad::Kept::attn_k, k.clone());  // k_norm below works in place
-    std::vector<int64_t> qpos;
-    if (last_only)
-      for (int64_t b = 0; b < B; ++b) qpos.push_back(pos[static_cast<size_t>(b * T + T - 1)]);
-    const int64_t* qp = last_only ? qpos.data() : pos.data();
-    // Per head [query | gate] split, q_norm and RoPE, then k_norm and RoPE: row blocks on the pool
-    // (these were serial passes between the projections); every row computed as before.
-    ops::parallel_rows(BTq, 3 * H_ * d, [&](int64_t r0, int64_t r1) {
-      for (int64_t row = r0; row < r1; ++row)
-        for (int64_t h = 0; h < H_; ++h) {
-          const float* src = qg.data() + (row * H_ + h) * 2 * d;
-          std::memcpy(q.data() + (row * H_ + h) * d, src, sizeof(float) * static_cast<size_t>(d));
-          std::memcpy(gate.data() + (row * H_ + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
-        }
-      float* qr = q.data() + r0 * H_ * d;
-      ops::rmsnorm(qr, l.q_norm.data(), qr, (r1 - r0) * H_, d, eps_, true);
-      apply_rope(qr, r1 - r0, H_, d, rot_, qp + r0, inv_freq_);
-    });
-    ops::parallel_rows(BT, 2 * Hkv_ * d, [&](int64_t r0, int64_t r1) {
-      float* kr = k.data() + r0 * Hkv_ * d;
-      ops::rmsnorm(kr, l.k_norm.data(), kr, (r1 - r0) * Hkv_, d, eps_, true);
-      apply_rope(kr, r1 - r0, Hkv_, d, rot_, pos.data() + r0, inv_freq_);
-    });
-    visit_if(ls, li, Value::attn_queries, q);
-    visit_if(ls, li, Value::attn_keys, k);
-    visit_if(ls, li, Value::attn_values, v);
-    if (tape) tape->keep(li, grad::Kept::attn_v, v);
-    KvCache& kv = cache.kv[static_cast<size_t>(li)];
-    const int64_t past = kv.len;
-    kv.append(k.data(), v.data(), B, T, Hkv_ * d);
-    Tensor att = Tensor::uninitialized({B, Tq, H_, d});
-    // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
-    Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H_, T, past + T}) : Tensor();
-    causal_attention(q.data(), B, Tq, H_, Hkv_, d, past + T - Tq, kv, cache.key_mask, att.data(),
-                     probs.defined() ? probs.data() : nullptr);
-    if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
-    if (tape) tape->keep(li, grad::Kept::attn_core, att.clone());  // gated in place below
-    visit_if(ls, li, Value::attn_gate, gate);
-    {
-      Tensor sg = Tensor::uninitialized(gate.shape());  // gate is served: sigmoid into a copy, vectorized
-      const int64_t w = H_ * d;
-      ops::parallel_rows(BTq, w, [&](int64_t r0, int64_t r1) {
-        ops::sigmoid(gate.data() + r0 * w, sg.data() + r0 * w, (r1 - r0) * w);
-        for (int64_t e = r0 * w; e < r1 * w; ++e) att[e] *= sg[e];
-      });
-    }
-    Tensor out = Tensor::uninitialized({B, Tq, D_});
-    ops::linear(att.data(), BTq, H_ * d, l.o_proj, out.data());
-    visit_if(ls, li, Value::attn_output, out);
-    return out;
+    AttentionMixerCall call = cache.attention_call(li, pos, ls);
+    call.last_rows_only = last_only;
+    call.tape = tape;
+    return attn_.forward(l.attn, n, in, call);
   }
 
   QwenHybridSpec spec_;
-  int64_t D_ = 0, L_ = 0, V_ = 0, H_ = 0, Hkv_ = 0, hd_ = 0, K_ = 0, rot_ = 0, topk_ = 0;
+  int64_t D_ = 0, L_ = 0, V_ = 0, K_ = 0, topk_ = 0;
   bool norm_topk_ = true;
   GdnDims g_;
   GatedDeltaMixer gdn_;
+  AttentionMixer attn_;
   float eps_ = 1e-6f;
-  std::vector<float> inv_freq_;
   Tensor embed_, norm_, lm_head_;
   std::vector<Layer> layers_;
 };

@@ -10,6 +10,7 @@
 
 #include "io/json.h"
 #include "io/weights.h"
+#include "mixers/attention_mixer.h"
 #include "mixers/gated_delta_mixer.h"
 #include "models/family.h"
 
@@ -34,15 +35,6 @@ struct GdnView {
   const Tensor* out_proj = nullptr;  ///< [D, HV*Dv]
 };
 
-/// Qwen3_5Attention: q_proj gives per head [query | gate], q_norm / k_norm ((1 + w)), partial RoPE, GQA.
-struct AttnView {
-  int64_t D = 0, H = 0, Hkv = 0, hd = 0, rot = 0;
-  float eps = 1e-6f;
-  const std::vector<float>* inv_freq = nullptr;
-  const Tensor *q_proj = nullptr, *k_proj = nullptr, *v_proj = nullptr, *o_proj = nullptr, *q_norm = nullptr,
-               *k_norm = nullptr;
-};
-
 /// SwiGLU MLP (dense) or Qwen3NextSparseMoeBlock.
 struct MlpView {
   bool moe = false;
@@ -59,7 +51,7 @@ struct QwenLayerView {
   bool linear = true;
   const Tensor *in_norm = nullptr, *post_norm = nullptr;  ///< zero-centred (1 + w)
   GdnView gdn;
-  AttnView attn;
+  const AttentionMixerWeights* attn = nullptr;  ///< attention layers
   MlpView mlp;
 };
 
@@ -69,6 +61,7 @@ struct QwenHybridParts : BackwardParts {
   const Tensor* lm_head = nullptr;  ///< [V, D]
   float eps = 1e-6f;
   int64_t D = 0, L = 0, V = 0;
+  const AttentionMixer* attn = nullptr;  ///< Qwen3_5Attention (gated, per-head (1 + w) q / k norms, partial RoPE)
   std::vector<QwenLayerView> layers;
 };
 

@@ -411,7 +411,6 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
   ctx.step = st.steps;
   ctx.batch = in.batch;
   ctx.seq = in.seq;
-  ctx.fresh = st.seen == 0;
   ctx.first = st.seen;
   ctx.kernel = impl.family->kernel_for(st, in.seq);
   ctx.cancel = cancel;
@@ -495,8 +494,7 @@ Tensor detail::ModelAccess::chunked_prefill(const Model& m, const Batch& in, Cac
     }
     CallCtx ctx = call;
     ctx.seq = n;
-    ctx.fresh = st.seen == 0;
-    ctx.first = st.seen;
+      ctx.first = st.seen;
     ctx.kernel = fam.kernel_for(st, n);
     ctx.check_cancel();
     logits = fam.forward(piece, st, listener, ctx, all_logits);

@@ -97,7 +97,7 @@ struct Session::Impl {
       std::unique_lock<std::mutex> lk(s_.mu);
       ctx_ = ctx;
       num_layers_ = num_layers;
-      s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel, ctx.first});
+      s_.calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh(), ctx.kernel, ctx.first});
       s_.pos = {ctx.step, kCallStart, -1};
       s_.stash.clear();
       s_.wait_while_paused(lk);

@@ -405,7 +405,7 @@ void TraceListener::begin_call(const CallCtx& ctx, int num_layers) {
     }
     for (const Site& s : sites_[i]) mask_[static_cast<size_t>(s.layer + 1)] |= 1u << static_cast<unsigned>(s.value);
   }
-  trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh, ctx.kernel, ctx.first});
+  trace_.impl_->calls.push_back({ctx.step, ctx.batch, ctx.seq, ctx.fresh(), ctx.kernel, ctx.first});
 }
 
 void TraceListener::end_call() {}

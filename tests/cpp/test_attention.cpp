@@ -20,8 +20,9 @@ struct Case {
   int64_t B, T, H, Hkv, d, past;
 };
 
+// `scale` 0: SDPA's default 1/sqrt(d).
 void reference(const std::vector<float>& q, const Case& c, const KvCache& kv, const std::vector<std::vector<uint8_t>>& mask,
-               std::vector<double>& out) {
+               std::vector<double>& out, double scale = 0.0) {
   const int64_t rep = c.H / c.Hkv, width = c.Hkv * c.d;
   out.assign(static_cast<size_t>(c.B * c.T * c.H * c.d), 0.0);
   for (int64_t b = 0; b < c.B; ++b)
@@ -36,7 +37,8 @@ void reference(const std::vector<float>& q, const Case& c, const KvCache& kv, co
           const float* kj = kv.k[static_cast<size_t>(b)].data() + j * width + (h / rep) * c.d;
           double s = 0;
           for (int64_t e = 0; e < c.d; ++e) s += static_cast<double>(qt[e]) * kj[e];
-          s /= std::sqrt(static_cast<double>(c.d));
+          if (scale > 0.0) s *= scale;
+          else s /= std::sqrt(static_cast<double>(c.d));
           w.push_back(s);
           js.push_back(j);
           mx = std::max(mx, s);
@@ -155,4 +157,52 @@ TEST(TileKernels, BlockingInvariantAndMatchScalar) {
       ASSERT_NEAR(O[i], Osc[i], 1e-4 * std::sqrt(static_cast<double>(d)));
     }
   }
+}
+
+// An explicit softmax scale (Granite's attention_multiplier, Zamba's (d/2)^-0.5) in both paths, and
+// 0 as the default 1/sqrt(d), bitwise.
+TEST(FlashAttention, ExplicitSoftmaxScale) {
+  const Case c{2, 70, 4, 2, 16, 9};
+  const int64_t Tk = c.past + c.T, width = c.Hkv * c.d;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(c.B * c.T * c.H * c.d)), k(static_cast<size_t>(c.B * Tk * width)), v(k.size());
+  for (float& x : q) x = 2.0f * nd(gen);
+  for (float& x : k) x = nd(gen);
+  for (float& x : v) x = nd(gen);
+  KvCache kv;
+  kv.append(k.data(), v.data(), c.B, Tk, width);
+  std::vector<std::vector<uint8_t>> mask(static_cast<size_t>(c.B), std::vector<uint8_t>(static_cast<size_t>(Tk), 1));
+  for (int64_t j = 0; j < 12; ++j) mask[1][static_cast<size_t>(j)] = 0;
+  std::vector<float> dflt(q.size()), same(q.size());
+  flash_causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, dflt.data());
+  flash_causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, same.data(), attention_scale(c.d, 0.0f));
+  for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(same[i], dflt[i]);
+  const float scale = 0.0078125f * 40.0f;  // not 1/sqrt(16) = 0.25
+  std::vector<float> flash(q.size()), expl(q.size()), probs(static_cast<size_t>(c.B * c.H * c.T * Tk), 0.0f);
+  flash_causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, flash.data(), scale);
+  causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, expl.data(), probs.data(), scale);
+  std::vector<double> ref;
+  reference(q, c, kv, mask, ref, scale);
+  double worst = 0, moved = 0;
+  for (size_t i = 0; i < q.size(); ++i) {
+    ASSERT_EQ(expl[i], flash[i]);
+    worst = std::max(worst, std::fabs(flash[i] - ref[i]));
+    moved = std::max(moved, static_cast<double>(std::fabs(flash[i] - dflt[i])));
+  }
+  EXPECT_LT(worst, 5e-6);
+  EXPECT_GT(moved, 1e-3) << "the scale must change the output";
+  // The probabilities at that scale: row 0, head 0, the last query, against the reference softmax.
+  const int64_t t = c.T - 1, n = c.past + t + 1;
+  std::vector<double> w(static_cast<size_t>(n));
+  double mx = -1e300, sum = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    double s = 0.0;
+    for (int64_t e = 0; e < c.d; ++e) s += static_cast<double>(q[static_cast<size_t>(t * c.H * c.d + e)]) * k[static_cast<size_t>(j * width + e)];
+    w[static_cast<size_t>(j)] = s * scale;
+    mx = std::max(mx, w[static_cast<size_t>(j)]);
+  }
+  for (double& x : w) sum += (x = std::exp(x - mx));
+  for (int64_t j = 0; j < n; ++j)
+    EXPECT_NEAR(probs[static_cast<size_t>(t * Tk + j)], w[static_cast<size_t>(j)] / sum, 1e-6) << j;
 }

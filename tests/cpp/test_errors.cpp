@@ -2,6 +2,8 @@
 // and a one-line message with a non-zero exit from the CLI.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -170,6 +172,36 @@ TEST_F(BadInput, NaNWeightsAndNonsenseConfigValues) {
   EXPECT_NE(load_error<ConfigError>().find("layer_norm_epsilon"), std::string::npos);
   with_field("time_step_limit", {1.0, 0.5});
   EXPECT_NE(load_error<ConfigError>().find("time_step_limit"), std::string::npos);
+}
+
+// Mamba2Config's time_step_limit defaults to (0, inf) when absent (no clamp) and its strict field
+// refuses null, as mixlens does (with the field named); a real limit clamps, so the comparison of
+// the absent case with [0, inf] can tell.
+TEST_F(BadInput, TimeStepLimitAsMamba2ConfigTakesIt) {
+  const nlohmann::json good = read_json(dir_ / "config.json");
+  auto set_limit = [&](const nlohmann::json* value) {
+    nlohmann::json c = good;
+    if (value) c["time_step_limit"] = *value;
+    else c.erase("time_step_limit");
+    write(dir_ / "config.json", c.dump());
+  };
+  const std::vector<std::vector<int32_t>> prompt{{3, 1, 4, 1, 5, 9}};
+  // transformers writes the infinite bound as {"__float__": "Infinity"} (JSON has no inf).
+  const nlohmann::json unlimited = nlohmann::json::array({0.0, {{"__float__", "Infinity"}}}), null = nullptr,
+                       tight = nlohmann::json::array({0.5, 0.6});
+  set_limit(&unlimited);
+  const Tensor ref = Model::load(dir_.string()).run(prompt);
+  set_limit(nullptr);
+  const Tensor absent = Model::load(dir_.string()).run(prompt);
+  ASSERT_EQ(absent.numel(), ref.numel());
+  for (int64_t i = 0; i < ref.numel(); ++i) ASSERT_EQ(absent[i], ref[i]) << "absent at " << i;
+  set_limit(&tight);
+  const Tensor clamped = Model::load(dir_.string()).run(prompt);
+  double diff = 0.0;
+  for (int64_t i = 0; i < ref.numel(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(clamped[i] - ref[i])));
+  EXPECT_GT(diff, 1e-6) << "a real time_step_limit must clamp dt";
+  set_limit(&null);
+  EXPECT_NE(load_error<ConfigError>().find("time_step_limit is null"), std::string::npos) << load_error<ConfigError>();
 }
 
 TEST_F(BadInput, InfiniteWritesAreRefused) {

@@ -22,6 +22,8 @@ using namespace mixlens::grad_check;
 // the inputs. Row 1's padding hides its whole cache and first new token: that query sees no key
 // (output 0, gradient 0) and the masked keys get no gradient.
 TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
+  // scale 0: the default 1/sqrt(d); 0.7: an explicit softmax scale (the attention mixer's `scale`).
+  for (double scale : {0.0, 0.7})
   for (int64_t past : {0, 3}) {
     const int64_t B = 2, T = 5, H = 4, Hkv = 2, d = 3, rep = H / Hkv, Tk = past + T, W = Hkv * d;
     auto q = rnd(B * T * H * d, 21, -1.5, 1.5), kn = rnd(B * T * W, 22, -1.5, 1.5), vn = rnd(B * T * W, 23),
@@ -54,7 +56,7 @@ TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
               if (!mask[b][j]) continue;
               double sc = 0;
               for (int64_t e = 0; e < d; ++e) sc += qq[((b * T + t) * H + h) * d + e] * key(b, j, g, e);
-              w[j] = sc / std::sqrt(static_cast<double>(d));
+              w[j] = scale > 0.0 ? sc * scale : sc / std::sqrt(static_cast<double>(d));
               mx = std::max(mx, w[j]);
             }
             if (mx == -1e300) continue;
@@ -73,7 +75,7 @@ TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
     kv.append(f32(kn).data(), f32(vn).data(), B, T, W);
     std::vector<float> dq(q.size()), dk(kn.size()), dv(vn.size());
     grad::causal_attention_backward(f32(q).data(), B, T, H, Hkv, d, past, kv, mask, f32(dout).data(), dq.data(),
-                                    dk.data(), dv.data());
+                                    dk.data(), dv.data(), static_cast<float>(scale));
     EXPECT_LT(rel_rms(dq, std::vector<double>(ref.begin(), ref.begin() + q.size())), kTol) << "dq past " << past;
     EXPECT_LT(rel_rms(dk, std::vector<double>(ref.begin() + q.size(), ref.begin() + q.size() + kn.size())), kTol)
         << "dk past " << past;
@@ -81,7 +83,8 @@ TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
     for (int64_t e = 0; e < H * d; ++e) EXPECT_EQ(dq[T * H * d + e], 0.0f) << "row 1's fully masked query";
     // The forward it inverts: flash_causal_attention's output matches the double reference.
     std::vector<float> out(q.size());
-    detail::causal_attention(f32(q).data(), B, T, H, Hkv, d, past, kv, mask, out.data());
+    detail::causal_attention(f32(q).data(), B, T, H, Hkv, d, past, kv, mask, out.data(), nullptr,
+                             static_cast<float>(scale));
     double lhs = 0;
     for (size_t i = 0; i < out.size(); ++i) lhs += dout[i] * out[i];
     EXPECT_NEAR(lhs, s(all), 1e-4 * std::abs(lhs) + 1e-5);

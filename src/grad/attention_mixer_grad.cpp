@@ -1,0 +1,180 @@
+// Backward of the attention mixer (mixers/attention_mixer.*): recomputed from the normed input with
+// the recorded writes re-applied (or taken from what a recorded forward kept), then o_proj and
+// out_multiplier, the sigmoid output gate, causal GQA attention at the mixer's scale (keys cached before the call are
+// constants), RoPE, the q / k norms, key_multiplier, the q / k / v projections and in_multiplier.
+// The attention and RoPE backwards are the shared core (grad/attention_grad.cpp).
+#include <cstring>
+#include <utility>
+
+#include "grad/families.h"
+#include "grad/ops_grad.h"
+#include "ops/ops.h"
+
+namespace mixlens::grad {
+
+namespace {
+const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
+
+void scale_by(Tensor& t, float s) {
+  if (s == 1.0f) return;
+  for (int64_t e = 0; e < t.numel(); ++e) t[e] *= s;
+}
+}  // namespace
+
+AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, const detail::AttentionMixerWeights& w,
+                                       int li, const Tensor& n, const AttentionCallState& call, const Tape& tape)
+    : d_(mixer.dims()), inv_freq_(mixer.inv_freq()), w_(w), li_(li), tape_(tape), call_(call) {
+  const int64_t B = tape.batch.batch, T = tape.batch.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D;
+  const bool norm = d_.qk_norm != detail::AttentionQkNorm::none;
+  const std::vector<int64_t>& pos = *call.pos;
+  // A recorded call kept the projections, the attention output and the mixer output (Kept::attn_*):
+  // then no product is run again; otherwise everything is recomputed from n.
+  const Tensor* kqp = tape.kept_of(li, Kept::attn_q_gate);
+  const Tensor* kk = tape.kept_of(li, Kept::attn_k);
+  const Tensor* kv = tape.kept_of(li, Kept::attn_v);
+  const Tensor* katt = tape.kept_of(li, Kept::attn_core);
+  const Tensor* kout = tape.kept_of(li, Kept::attn_output);
+  const bool kept = kqp && kk && kv && katt && kout;
+  Tensor x, qp;
+  if (kept) {
+    qp = *kqp;
+  } else {
+    x = n.clone();
+    scale_by(x, d_.in_multiplier);
+    qp = d_.gate ? Tensor::uninitialized({BT, d_.q_rows()}) : Tensor::uninitialized({B, T, H, d});
+    ops::linear(std::as_const(x).data(), BT, D, w.q_proj, qp.data(), opt(w.q_bias));
+  }
+  if (d_.gate) {
+    qpre_ = Tensor::uninitialized({B, T, H, d});
+    gate_ = Tensor::uninitialized({B, T, H * d});
+    for (int64_t row = 0; row < BT; ++row)
+      for (int64_t h = 0; h < H; ++h) {  // per head [query | gate]
+        const float* src = std::as_const(qp).data() + (row * H + h) * 2 * d;
+        std::memcpy(qpre_.data() + (row * H + h) * d, src, sizeof(float) * static_cast<size_t>(d));
+        std::memcpy(gate_.data() + (row * H + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
+      }
+  } else {
+    qpre_ = qp.reshape({B, T, H, d});  // read only
+  }
+  if (kept) {
+    kpre_ = *kk;
+    v_ = *kv;  // as the forward used it (after writes)
+  } else {
+    kpre_ = Tensor::uninitialized({B, T, Hkv, d});
+    v_ = Tensor::uninitialized({B, T, Hkv, d});
+    ops::linear(std::as_const(x).data(), BT, D, w.k_proj, kpre_.data(), opt(w.k_bias));
+    ops::linear(std::as_const(x).data(), BT, D, w.v_proj, v_.data(), opt(w.v_bias));
+    scale_by(kpre_, d_.key_multiplier);
+    tape.apply(li, Value::attn_values, v_);
+  }
+  if (norm) {
+    q_ = Tensor::uninitialized({B, T, H, d});
+    k_ = Tensor::uninitialized({B, T, Hkv, d});
+    const int64_t gq = d_.qk_norm == detail::AttentionQkNorm::whole ? H : 1, gk = gq == 1 ? 1 : Hkv;
+    ops::rmsnorm(std::as_const(qpre_).data(), w.q_norm.data(), q_.data(), BT * H / gq, gq * d, d_.eps, d_.qk_norm_centred);
+    ops::rmsnorm(std::as_const(kpre_).data(), w.k_norm.data(), k_.data(), BT * Hkv / gk, gk * d, d_.eps,
+                 d_.qk_norm_centred);
+  } else {
+    q_ = qpre_.clone();
+    k_ = kpre_.clone();
+  }
+  if (d_.rope) {
+    detail::apply_rope(q_.data(), BT, H, d, d_.rot, pos.data(), inv_freq_);
+    detail::apply_rope(k_.data(), BT, Hkv, d, d_.rot, pos.data(), inv_freq_);
+  }
+  tape.apply(li, Value::attn_queries, q_);
+  tape.apply(li, Value::attn_keys, k_);
+  kv_ = *call.kv;
+  past_ = kv_.len;
+  kv_.append(std::as_const(k_).data(), std::as_const(v_).data(), B, T, Hkv * d);
+  if (d_.gate) tape.apply(li, Value::attn_gate, gate_);
+  if (kept) {
+    att_ = *katt;
+    out_ = *kout;
+    return;
+  }
+  att_ = Tensor::uninitialized({B, T, H, d});
+  detail::causal_attention(std::as_const(q_).data(), B, T, H, Hkv, d, past_, kv_, *call.key_mask, att_.data(), nullptr,
+                           d_.scale);
+  Tensor ag = att_;
+  if (d_.gate) {
+    ag = Tensor::uninitialized({BT, H * d});
+    for (int64_t e = 0; e < ag.numel(); ++e) ag[e] = att_[e] * ops::sigmoid(gate_[e]);
+  }
+  out_ = Tensor::uninitialized({B, T, D});
+  ops::linear(std::as_const(ag).data(), BT, H * d, w.o_proj, out_.data(), opt(w.o_bias));
+  scale_by(out_, d_.out_multiplier);
+  tape.apply(li, Value::attn_output, out_);
+}
+
+void AttentionMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) const {
+  const int li = li_;
+  const int64_t B = tape_.batch.batch, T = tape_.batch.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D;
+  const bool norm = d_.qk_norm != detail::AttentionQkNorm::none;
+  const std::vector<int64_t>& pos = *call_.pos;
+  Tensor dout = dout_in.clone();
+  sink.put(li, Value::attn_output, dout);
+  tape_.block(li, Value::attn_output, dout);
+  scale_by(dout, d_.out_multiplier);
+  // Every buffer below is written whole (products, row passes, the attention backward): uninitialized.
+  Tensor dag = Tensor::uninitialized({B, T, H, d});
+  linear_backward(dout.data(), BT, D, w_.o_proj, dag.data(), false);
+  Tensor datt = dag, dgate;
+  if (d_.gate) {
+    dgate = Tensor::uninitialized({B, T, H * d});
+    datt = Tensor::uninitialized({B, T, H, d});
+    ops::parallel_rows(BT, H * d, [&](int64_t r0, int64_t r1) {  // vectorized sigmoid, rows on the pool
+      const int64_t e0 = r0 * H * d, e1 = r1 * H * d;
+      ops::sigmoid(gate_.data() + e0, datt.data() + e0, e1 - e0);
+      for (int64_t e = e0; e < e1; ++e) {
+        const float s = datt[e];
+        dgate[e] = dag[e] * att_[e] * sigmoid_d(s);
+        datt[e] = dag[e] * s;
+      }
+    });
+    sink.put(li, Value::attn_gate, dgate);
+    tape_.block(li, Value::attn_gate, dgate);
+  }
+  Tensor dq = Tensor::uninitialized({B, T, H, d}), dk = Tensor::uninitialized({B, T, Hkv, d}),
+         dv = Tensor::uninitialized({B, T, Hkv, d});
+  causal_attention_backward(q_.data(), B, T, H, Hkv, d, past_, kv_, *call_.key_mask, datt.data(), dq.data(),
+                            dk.data(), dv.data(), d_.scale);
+  sink.put(li, Value::attn_queries, dq);
+  sink.put(li, Value::attn_keys, dk);
+  sink.put(li, Value::attn_values, dv);
+  tape_.block(li, Value::attn_queries, dq);
+  tape_.block(li, Value::attn_keys, dk);
+  tape_.block(li, Value::attn_values, dv);
+  if (d_.rope) {
+    apply_rope_backward(dq.data(), BT, H, d, d_.rot, pos.data(), inv_freq_);
+    apply_rope_backward(dk.data(), BT, Hkv, d, d_.rot, pos.data(), inv_freq_);
+  }
+  Tensor dqpre = dq, dkpre = dk;
+  if (norm) {
+    dqpre = Tensor::uninitialized({B, T, H, d});
+    dkpre = Tensor::uninitialized({B, T, Hkv, d});
+    const int64_t gq = d_.qk_norm == detail::AttentionQkNorm::whole ? H : 1, gk = gq == 1 ? 1 : Hkv;  // rows of g heads
+    rmsnorm_backward(qpre_.data(), w_.q_norm.data(), dq.data(), dqpre.data(), BT * H / gq, gq * d, d_.eps,
+                     d_.qk_norm_centred, false);
+    rmsnorm_backward(kpre_.data(), w_.k_norm.data(), dk.data(), dkpre.data(), BT * Hkv / gk, gk * d, d_.eps,
+                     d_.qk_norm_centred, false);
+  }
+  scale_by(dkpre, d_.key_multiplier);
+  if (d_.gate) {
+    Tensor dqg = Tensor::uninitialized({BT, H * 2 * d});
+    for (int64_t row = 0; row < BT; ++row)
+      for (int64_t h = 0; h < H; ++h) {
+        float* dst = dqg.data() + (row * H + h) * 2 * d;
+        std::memcpy(dst, dqpre.data() + (row * H + h) * d, sizeof(float) * static_cast<size_t>(d));
+        std::memcpy(dst + d, dgate.data() + (row * H + h) * d, sizeof(float) * static_cast<size_t>(d));
+      }
+    linear_backward(dqg.data(), BT, H * 2 * d, w_.q_proj, dn.data(), false);
+  } else {
+    linear_backward(dqpre.data(), BT, H * d, w_.q_proj, dn.data(), false);
+  }
+  linear_backward(dkpre.data(), BT, Hkv * d, w_.k_proj, dn.data(), true);
+  linear_backward(dv.data(), BT, Hkv * d, w_.v_proj, dn.data(), true);
+  scale_by(dn, d_.in_multiplier);
+}
+
+}  // namespace mixlens::grad

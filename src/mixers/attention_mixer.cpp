@@ -1,0 +1,185 @@
+#include "mixers/attention_mixer.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "hooks/serve.h"
+#include "mixlens/errors.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+namespace {
+const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
+
+void scale_by(Tensor& t, float s) {
+  for (int64_t e = 0; e < t.numel(); ++e) t[e] *= s;
+}
+}  // namespace
+
+AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string& where) : d_(dims) {
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"hidden_size", d_.D}, {"num_attention_heads", d_.H}, {"num_key_value_heads", d_.Hkv}, {"head_dim", d_.hd}};
+  for (const auto& [name, v] : sizes)
+    if (v <= 0 || v > (int64_t{1} << 32))
+      throw ConfigError(where + ": attention " + name + " = " + std::to_string(v) + " is out of range (must be a positive size)");
+  if (d_.H % d_.Hkv != 0)
+    throw ConfigError(where + ": num_attention_heads (" + std::to_string(d_.H) + ") is not divisible by num_key_value_heads (" +
+                      std::to_string(d_.Hkv) + ")");
+  if (d_.rope) {
+    if (d_.rot <= 0 || d_.rot > d_.hd || d_.rot % 2 != 0)
+      throw ConfigError(where + ": rotary dim " + std::to_string(d_.rot) + " must be even and in (0, head_dim = " +
+                        std::to_string(d_.hd) + "]");
+    inv_freq_ = rope_inv_freq(d_.rot, d_.theta);
+  }
+  if (!(d_.scale >= 0.0f) || !std::isfinite(d_.scale))
+    throw ConfigError(where + ": the attention softmax scale must be a finite number >= 0 (0: 1/sqrt(head_dim))");
+  if (d_.qk_norm != AttentionQkNorm::none && (!(d_.eps > 0.0f) || !std::isfinite(d_.eps)))
+    throw ConfigError(where + ": the q / k norm epsilon must be a finite number > 0");
+  for (float m : {d_.in_multiplier, d_.key_multiplier, d_.out_multiplier})
+    if (!std::isfinite(m)) throw ConfigError(where + ": attention multipliers must be finite");
+}
+
+AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::string& m) const {
+  const int64_t qr = d_.q_rows(), kd = d_.Hkv * d_.hd, D = d_.D;
+  AttentionMixerWeights a;
+  a.q_proj = w.get_matmul(m + "q_proj.weight", {qr, D});
+  a.k_proj = w.get_matmul(m + "k_proj.weight", {kd, D});
+  a.v_proj = w.get_matmul(m + "v_proj.weight", {kd, D});
+  a.o_proj = w.get_matmul(m + "o_proj.weight", {D, d_.H * d_.hd});
+  if (d_.bias) {
+    a.q_bias = w.get(m + "q_proj.bias", {qr});
+    a.k_bias = w.get(m + "k_proj.bias", {kd});
+    a.v_bias = w.get(m + "v_proj.bias", {kd});
+    a.o_bias = w.get(m + "o_proj.bias", {D});
+  }
+  if (d_.qk_norm != AttentionQkNorm::none) {
+    const bool whole = d_.qk_norm == AttentionQkNorm::whole;
+    a.q_norm = w.get(m + "q_norm.weight", {whole ? d_.H * d_.hd : d_.hd});
+    a.k_norm = w.get(m + "k_norm.weight", {whole ? kd : d_.hd});
+  }
+  return a;
+}
+
+void AttentionMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
+  const int64_t D = d_.D, H = d_.H, Hkv = d_.Hkv, hd = d_.hd;
+  const bool norm = d_.qk_norm != AttentionQkNorm::none;
+  const std::string rope = d_.rope ? " and RoPE" : " (no positional encoding)";
+  v.push_back(layer_value(i, Value::attn_queries, {B, T, H, hd}, true, std::string(norm ? "q after q_norm" : "q after q_proj") + rope));
+  const std::string k = norm ? "k after k_norm" : d_.key_multiplier != 1.0f ? "k * key_multiplier" : "k";
+  v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv, hd}, true, k + rope + " (as cached)"));
+  v.push_back(layer_value(i, Value::attn_values, {B, T, Hkv, hd}, true, "v (as cached)"));
+  ValueInfo p = layer_value(i, Value::attn_probs, {B, H, T, T}, true,
+                            "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
+                            "masked and future keys; transformers' eager attn_weights), read-only");
+  p.writable = false;
+  v.push_back(p);
+  if (d_.gate) v.push_back(layer_value(i, Value::attn_gate, {B, T, H * hd}, true, "output-gate logits before the sigmoid"));
+  v.push_back(layer_value(i, Value::attn_output, {B, T, D}, true,
+                          d_.gate ? "o_proj(attention * sigmoid(gate)), added to the residual"
+                          : d_.out_multiplier != 1.0f ? "o_proj(attention) * attention_out_multiplier, added to the residual"
+                                                      : "o_proj(attention), added to the residual"));
+}
+
+// Qwen3_5Attention / NemotronHAttention / BambaAttention / FalconH1Attention with SDPA.
+Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_in, const Batch& in,
+                               const AttentionMixerCall& call) const {
+  const int li = call.layer;
+  Listener* ls = call.ls;
+  grad::KeptTensors* tape = call.tape;
+  const bool last_only = call.last_rows_only;
+  const std::vector<int64_t>& pos = *call.pos;
+  const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D;
+  const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
+  const bool norm = d_.qk_norm != AttentionQkNorm::none;
+  const float* x = x_in.data();
+  Tensor xm;
+  if (d_.in_multiplier != 1.0f) {  // Falcon-H1: self_attn(hidden_states * attention_in_multiplier)
+    xm = x_in.clone();
+    scale_by(xm, d_.in_multiplier);
+    x = xm.data();
+  }
+  // q_proj's output; without the gate it is q itself (normed and rotated in place below).
+  Tensor qp = d_.gate ? Tensor::uninitialized({BTq, d_.q_rows()}) : Tensor::uninitialized({B, Tq, H, d});
+  if (last_only) {
+    Tensor xl = Tensor::uninitialized({B, D});
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(xl.data() + b * D, x + (b * T + T - 1) * D, sizeof(float) * static_cast<size_t>(D));
+    ops::linear(xl.data(), B, D, w.q_proj, qp.data(), opt(w.q_bias));
+  } else {
+    ops::linear(x, BT, D, w.q_proj, qp.data(), opt(w.q_bias));
+  }
+  // A gradient call (never last_only) keeps the projections and the attention output
+  // (grad::Kept::attn_*): the backward then runs no product of its forward again.
+  if (tape) tape->keep(li, grad::Kept::attn_q_gate, d_.gate ? qp : qp.clone());  // read-only from here on
+  Tensor q = d_.gate ? Tensor::uninitialized({B, Tq, H, d}) : qp;
+  Tensor gate = d_.gate ? Tensor::uninitialized({B, Tq, H * d}) : Tensor();
+  Tensor k = Tensor::uninitialized({B, T, Hkv, d}), v = Tensor::uninitialized({B, T, Hkv, d});
+  ops::linear(x, BT, D, w.k_proj, k.data(), opt(w.k_bias));
+  ops::linear(x, BT, D, w.v_proj, v.data(), opt(w.v_bias));
+  if (d_.key_multiplier != 1.0f) scale_by(k, d_.key_multiplier);
+  if (tape) tape->keep(li, grad::Kept::attn_k, k.clone());  // k_norm and RoPE below work in place
+  std::vector<int64_t> qpos;
+  if (last_only)
+    for (int64_t b = 0; b < B; ++b) qpos.push_back(pos[static_cast<size_t>(b * T + T - 1)]);
+  const int64_t* qp_pos = last_only ? qpos.data() : pos.data();
+  // Per head [query | gate] split, q_norm and RoPE, then k_norm and RoPE: row blocks on the pool;
+  // every row is computed on its own, so the blocks do not change its result.
+  if (d_.gate || norm || d_.rope)
+    ops::parallel_rows(BTq, 3 * H * d, [&](int64_t r0, int64_t r1) {
+      if (d_.gate)
+        for (int64_t row = r0; row < r1; ++row)
+          for (int64_t h = 0; h < H; ++h) {
+            const float* src = qp.data() + (row * H + h) * 2 * d;
+            std::memcpy(q.data() + (row * H + h) * d, src, sizeof(float) * static_cast<size_t>(d));
+            std::memcpy(gate.data() + (row * H + h) * d, src + d, sizeof(float) * static_cast<size_t>(d));
+          }
+      float* qr = q.data() + r0 * H * d;
+      if (norm) {  // per head: rows of d; whole: rows of H * d
+        const int64_t g = d_.qk_norm == AttentionQkNorm::whole ? H : 1;
+        ops::rmsnorm(qr, w.q_norm.data(), qr, (r1 - r0) * H / g, g * d, d_.eps, d_.qk_norm_centred);
+      }
+      if (d_.rope) apply_rope(qr, r1 - r0, H, d, d_.rot, qp_pos + r0, inv_freq_);
+    });
+  if (norm || d_.rope)
+    ops::parallel_rows(BT, 2 * Hkv * d, [&](int64_t r0, int64_t r1) {
+      float* kr = k.data() + r0 * Hkv * d;
+      if (norm) {
+        const int64_t g = d_.qk_norm == AttentionQkNorm::whole ? Hkv : 1;
+        ops::rmsnorm(kr, w.k_norm.data(), kr, (r1 - r0) * Hkv / g, g * d, d_.eps, d_.qk_norm_centred);
+      }
+      if (d_.rope) apply_rope(kr, r1 - r0, Hkv, d, d_.rot, pos.data() + r0, inv_freq_);
+    });
+  visit_if(ls, li, Value::attn_queries, q);
+  visit_if(ls, li, Value::attn_keys, k);
+  visit_if(ls, li, Value::attn_values, v);
+  if (tape) tape->keep(li, grad::Kept::attn_v, v);
+  KvCache& kv = *call.kv;
+  const int64_t past = kv.len;
+  kv.append(k.data(), v.data(), B, T, Hkv * d);
+  Tensor att = Tensor::uninitialized({B, Tq, H, d});
+  // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
+  Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
+  causal_attention(q.data(), B, Tq, H, Hkv, d, past + T - Tq, kv, *call.key_mask, att.data(),
+                   probs.defined() ? probs.data() : nullptr, d_.scale);
+  if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
+  if (tape) tape->keep(li, grad::Kept::attn_core, d_.gate ? att.clone() : att);  // gated in place below
+  if (d_.gate) {
+    visit_if(ls, li, Value::attn_gate, gate);
+    Tensor sg = Tensor::uninitialized(gate.shape());  // gate is served: sigmoid into a copy, vectorized
+    const int64_t wd = H * d;
+    ops::parallel_rows(BTq, wd, [&](int64_t r0, int64_t r1) {
+      ops::sigmoid(gate.data() + r0 * wd, sg.data() + r0 * wd, (r1 - r0) * wd);
+      for (int64_t e = r0 * wd; e < r1 * wd; ++e) att[e] *= sg[e];
+    });
+  }
+  Tensor out = Tensor::uninitialized({B, Tq, D});
+  ops::linear(att.data(), BTq, H * d, w.o_proj, out.data(), opt(w.o_bias));
+  if (d_.out_multiplier != 1.0f) scale_by(out, d_.out_multiplier);
+  visit_if(ls, li, Value::attn_output, out);
+  if (tape) tape->keep(li, grad::Kept::attn_output, out);
+  return out;
+}
+
+}  // namespace mixlens::detail

@@ -1,0 +1,119 @@
+// Softmax attention as one mixer kind: the self_attn block of every hybrid (q / k / v projections,
+// optional q / k RMS norms, optional RoPE, causal GQA attention over the layer's KV cache, optional
+// sigmoid output gate, o_proj). The Qwen hybrids (models/qwen_hybrid.cpp) and the Mamba-2 hybrids
+// (models/mamba2_hybrid.cpp) run it; its kernels are mixers/attention.h, its backward
+// grad/attention_mixer_grad.cpp. References: transformers 5.18 Qwen3_5Attention, NemotronHAttention,
+// BambaAttention, FalconH1Attention; model-math.md §6.1.
+//
+// What a family sets (AttentionMixerDims), and who sets it:
+//  - GQA: H query heads, Hkv key / value heads (H % Hkv == 0), head_dim hd (given, not D / H).
+//  - rope, rot, theta: rotate-half RoPE on the first `rot` dims of each head (rot < hd: partial
+//    rotary, Bamba, Qwen); rope = false: no positional encoding (Nemotron-H, Jamba, Granite 4.0-H
+//    "nope" layouts).
+//  - scale: the softmax scale, 0 for 1/sqrt(hd) (Granite 4.0-H: attention_multiplier; Zamba:
+//    (hd / 2)^-0.5).
+//  - gate: q_proj gives per head [query | gate] and the output is o_proj(attention * sigmoid(gate))
+//    (Qwen's gated attention).
+//  - qk_norm: RMSNorm of q and k after the projections (Qwen: per head over hd; OLMo-Hybrid: over
+//    the whole projection, H * hd and Hkv * hd), qk_norm_centred for the (1 + w) weight (Qwen) or
+//    the plain w (OLMo-Hybrid).
+//  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid).
+//  - in_multiplier, key_multiplier, out_multiplier: Falcon-H1 µP (input, keys after k_proj, output).
+// Not expressed: Zamba's concatenated [h, h0] input of width 2D, Zamba2's per-depth LoRA adapters on
+// q / k / v, Kimi-Linear's latent (MLA) attention; those families bring an option or a mixer of their own.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hooks/kept.h"
+#include "hooks/listener.h"
+#include "io/weights.h"
+#include "mixers/attention.h"
+#include "mixlens/model.h"
+
+namespace mixlens::detail {
+
+/// Where the q / k RMS norms act (AttentionMixerDims::qk_norm).
+enum class AttentionQkNorm {
+  none,      ///< no q_norm / k_norm
+  per_head,  ///< over each head's hd dims, weights [hd] (Qwen3.5, Qwen3-Next)
+  whole,     ///< over all heads at once, weights [H * hd] and [Hkv * hd] (OLMo-Hybrid)
+};
+
+/// Sizes and options of one model's attention mixers (all its attention layers share them).
+struct AttentionMixerDims {
+  int64_t D = 0;                  ///< hidden_size (input and output width)
+  int64_t H = 0, Hkv = 0, hd = 0; ///< query heads, key / value heads, head_dim
+  bool rope = true;               ///< RoPE on q and k (else no positional encoding)
+  int64_t rot = 0;                ///< rotary dims per head (even, in (0, hd]) when rope
+  double theta = 10000.0;         ///< RoPE base
+  float scale = 0.0f;             ///< softmax scale (0: 1/sqrt(hd), SDPA's default)
+  bool gate = false;              ///< sigmoid output gate: q_proj rows per head [query | gate]
+  AttentionQkNorm qk_norm = AttentionQkNorm::none;
+  bool qk_norm_centred = false;   ///< q / k norm weight (1 + w) (else w)
+  float eps = 1e-6f;              ///< q / k norm epsilon
+  bool bias = false;              ///< q / k / v / o_proj biases
+  /// Falcon-H1 µP: the input is scaled by in_multiplier before the projections, k_proj's output by
+  /// key_multiplier (before any k norm and RoPE), the output by out_multiplier (before attn_output
+  /// is served, so attn_output is what the block adds).
+  float in_multiplier = 1.0f, key_multiplier = 1.0f, out_multiplier = 1.0f;
+
+  /// Rows of q_proj: H * hd, twice that with the gate.
+  int64_t q_rows() const { return H * hd * (gate ? 2 : 1); }
+};
+
+/// One layer's weights (HF names under the layer's attention prefix; optional tensors undefined).
+struct AttentionMixerWeights {
+  Tensor q_proj;          ///< [q_rows, D] (per head [query | gate] with the gate)
+  Tensor k_proj, v_proj;  ///< [Hkv * hd, D]
+  Tensor o_proj;          ///< [D, H * hd]
+  Tensor q_bias, k_bias, v_bias, o_bias;  ///< with bias: [q_rows], [Hkv * hd], [Hkv * hd], [D]
+  Tensor q_norm, k_norm;  ///< per_head: [hd]; whole: [H * hd], [Hkv * hd]
+};
+
+/// What one mixer call reads and updates besides its input.
+struct AttentionMixerCall {
+  int layer = 0;
+  KvCache* kv = nullptr;  ///< the layer's keys and values (the call's are appended)
+  /// Per row, 1 for every real token up to the call's last (HybridCache::key_mask, advanced).
+  const std::vector<std::vector<uint8_t>>* key_mask = nullptr;
+  const std::vector<int64_t>* pos = nullptr;  ///< [B * T] position ids (HybridCache::advance_positions)
+  /// Queries, attention and o_proj for the last position of each row only ([B,1,D] out, nothing
+  /// visited: the caller checks that nobody observes the call); keys and values for every position.
+  bool last_rows_only = false;
+  Listener* ls = nullptr;
+  /// A call recorded for gradients: the forward keeps q_proj's and k_proj's outputs, the values (after
+  /// writes), the attention output and the mixer output (grad::Kept::attn_*), so the backward runs
+  /// no product of the forward again. Null: the backward recomputes them from the block input.
+  grad::KeptTensors* tape = nullptr;
+};
+
+class AttentionMixer {
+ public:
+  AttentionMixer() = default;
+  /// Checks the sizes and options (ConfigError naming `where`): positive sizes, H % Hkv == 0, an even
+  /// rotary dim in (0, hd] with RoPE, a finite scale >= 0, a finite eps > 0 with q / k norms, finite
+  /// multipliers.
+  AttentionMixer(const AttentionMixerDims& dims, const std::string& where);
+  const AttentionMixerDims& dims() const { return d_; }
+  /// RoPE inverse frequencies [rot / 2] (empty without RoPE).
+  const std::vector<float>& inv_freq() const { return inv_freq_; }
+
+  /// Loads `prefix`q_proj / k_proj / v_proj / o_proj.weight (and .bias), q_norm / k_norm.weight as the
+  /// dims ask, checked against their shapes.
+  AttentionMixerWeights load(const io::WeightStore& w, const std::string& prefix) const;
+
+  /// The self_attn values of layer `layer`, in forward order.
+  void values(int layer, int64_t B, int64_t T, std::vector<ValueInfo>& out) const;
+
+  /// One call on the mixer input x [B,T,D] (the normed block input); returns what the block adds to
+  /// the residual [B,T,D] ([B,1,D] with last_rows_only), visiting every self_attn value on the way.
+  Tensor forward(const AttentionMixerWeights& w, const Tensor& x, const Batch& in, const AttentionMixerCall& call) const;
+
+ private:
+  AttentionMixerDims d_;
+  std::vector<float> inv_freq_;
+};
+
+}  // namespace mixlens::detail
