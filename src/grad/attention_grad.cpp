@@ -17,14 +17,14 @@ namespace mixlens::grad {
 
 void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                                const detail::KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask,
-                               const float* dout, float* dq, float* dk, float* dv) {
+                               const float* dout, float* dq, float* dk, float* dv, float scale_in) {
   if (Hkv <= 0 || H % Hkv != 0) throw InputError("causal_attention_backward: heads must be a multiple of kv heads");
   if (kv.len != past + T || static_cast<int64_t>(kv.k.size()) < B || static_cast<int64_t>(key_mask.size()) < B)
     throw InputError("causal_attention_backward: the KV cache must hold past + T tokens for every row (the call's "
                      "keys appended), got len " + std::to_string(kv.len) + " for past " + std::to_string(past) +
                      " + T " + std::to_string(T));
   const int64_t rep = H / Hkv, width = Hkv * d, ldq = H * d;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = detail::attention_scale(scale_in, d);
   constexpr int64_t QB = 64;  // queries per block: the score matrices are QB x (past + T)
   std::fill(dk, dk + B * T * width, 0.0f);
   std::fill(dv, dv + B * T * width, 0.0f);

@@ -72,7 +72,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a);
 /// head: T/chunk states and a few chunk x chunk matrices).
 void ssd_backward_chunked(const SsdGradArgs& a);
 
-/// Backward of detail::causal_attention (GQA, scale 1/sqrt(d), causal over the cache, key padding
+/// Backward of detail::causal_attention (GQA, scale 1/sqrt(d) or `scale`, causal over the cache, key padding
 /// mask; a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw
 /// them: q [B,T,H,d] (after RoPE), `kv` holding past + T tokens per row (the cache before the call
 /// with the call's k / v [B,T,Hkv,d] appended, after any writes), key_mask[b] of length >= past + T,
@@ -82,7 +82,7 @@ void ssd_backward_chunked(const SsdGradArgs& a);
 /// not a multiple of Hkv.
 void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                                const detail::KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask,
-                               const float* dout, float* dq, float* dk, float* dv);
+                               const float* dout, float* dq, float* dk, float* dv, float scale = 0.0f);
 
 /// Backward of detail::apply_rope (rotate-half on the first rotary_dim dims of each head of
 /// [rows, heads, head_dim], the rest passing through), in place: g := R(pos)^T g, the inverse

@@ -55,14 +55,14 @@ void KvCache::append(const float* kn, const float* vn, int64_t B, int64_t T, int
 
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                      float* probs) {
+                      float* probs, float scale_in) {
   // The output always comes from the tiled kernel, so asking for the probabilities never changes
   // it; the explicit softmax below only materializes them.
-  flash_causal_attention(q, B, T, H, Hkv, d, past, kv, key_mask, out);
+  flash_causal_attention(q, B, T, H, Hkv, d, past, kv, key_mask, out, scale_in);
   if (!probs) return;
   const int64_t Tk = past + T;
   const int64_t rep = H / Hkv, width = Hkv * d;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = attention_scale(scale_in, d);
   ops::parallel_for(B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H, g = h / rep;
     const float* K = kv.k[static_cast<size_t>(b)].data();
@@ -97,7 +97,8 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 }
 
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
-                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out) {
+                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
+                            float scale_in) {
   // Per query tile and head: a [kBq, kBk] tile of scores (register-blocked dots, each in an order
   // that does not depend on the tile, so a prompt split into calls gives the same outputs), an
   // online softmax per query (running max and sum, rescaling the partial output) and O += P V for
@@ -105,7 +106,7 @@ void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int
   constexpr int64_t kBq = 32, kBk = 128;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t rep = H / Hkv, width = Hkv * d;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = attention_scale(scale_in, d);
   const int64_t qtiles = (T + kBq - 1) / kBq;
   const ops::KernelTable& kt = ops::kernels();
   const ops::TileKernels& tk = ops::tile_kernels();

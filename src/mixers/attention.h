@@ -2,6 +2,7 @@
 // rotate-half RoPE, a per-row KV cache and causal GQA attention with a key padding mask
 // (model-math.md §6.1; transformers Qwen3_5Attention with SDPA).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -32,9 +33,10 @@ struct KvCache {
 /// keys (transformers' eager attention weights, nnterp's attention_probabilities). The output is
 /// always flash_causal_attention's (reading the probabilities never changes it); with `probs`, an
 /// explicit per-query softmax materializes the weights as well.
+/// `scale` multiplies q.k before the softmax; 0 means 1/sqrt(d) (Granite passes attention_multiplier).
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                      float* probs = nullptr);
+                      float* probs = nullptr, float scale = 0.0f);
 
 /// The attention output, tiled (flash-attention style): per query tile and head, key tiles of
 /// scores (register-blocked dots, ops/tile_kernels.h), an online softmax (running max and sum,
@@ -43,6 +45,10 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 /// row's first real key: key tiles start there), so a prompt split into calls, or a row alone and
 /// behind any left padding, gives bitwise the same outputs. Same results as the explicit softmax to float32 rounding.
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
-                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out);
+                            const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
+                            float scale = 0.0f);
+
+/// The softmax scale causal_attention uses: `scale`, or 1/sqrt(d) when it is 0.
+inline float attention_scale(float scale, int64_t d) { return scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(d)); }
 
 }  // namespace mixlens::detail
