@@ -41,7 +41,7 @@ class _Grad:
         self.falcon = self.mod is oh.mf
         self.nemotron = self.mod is oh.mn
         self.granite = self.mod is oh.mg
-        self.rope = oh.has_rope(model)
+        self.uses_rope = oh.has_rope(model)
         self.keep: dict[str, torch.Tensor] = {}
         self.keep_states: dict[str, list] = {}
         self.block = None
@@ -101,7 +101,7 @@ class _Grad:
         y = self.put(base + "attention_head_outputs", ed("attention_head_outputs", y))
         return (y, S) if a["return_final_states"] else y
 
-    # ---- RoPE (Bamba, Falcon-H1, Granite "rope") -------------------------------------------------------------
+    # ---- RoPE (Bamba, Falcon-H1, Granite "rope") ---------------------------------------------
     def rope(self, q, k, cos, sin, *args, **kwargs):
         qe, ke = self.orig_rope(q, k, cos, sin, *args, **kwargs)
         p = f"layers.{self.block}.self_attn."
@@ -153,7 +153,7 @@ class _Grad:
                     return f
 
                 H.append(attn.v_proj.register_forward_hook(heads("attention_values")))
-                if not self.rope:  # no RoPE: q and k straight from the projections
+                if not self.uses_rope:  # no RoPE: q and k straight from the projections
                     H.append(attn.q_proj.register_forward_hook(heads("attention_queries")))
                     H.append(attn.k_proj.register_forward_hook(heads("attention_keys")))
 
@@ -180,7 +180,7 @@ class _Grad:
         self.orig_scan = m.mamba2_chunk_scan
         self.sig = inspect.signature(self.orig_scan)
         m.mamba2_chunk_scan = self.chunk_scan
-        if self.rope:
+        if self.uses_rope:
             self.orig_rope = m.apply_rotary_pos_emb
             m.apply_rotary_pos_emb = self.rope
         self.install()
@@ -188,7 +188,7 @@ class _Grad:
 
     def __exit__(self, *exc):
         self.mod.mamba2_chunk_scan = self.orig_scan
-        if self.rope:
+        if self.uses_rope:
             self.mod.apply_rotary_pos_emb = self.orig_rope
         for h in self.handles:
             h.remove()

@@ -29,7 +29,9 @@ struct Fixture {
 const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemotron_h/padded_batch", "nemotron_h"},
                              {"nemotron_h/moe_latent", "nemotron_h"},    {"bamba/groups2_edits", "bamba"},
                              {"bamba/padded_batch", "bamba"},            {"falcon_h1/norm_gate_first_edits", "falcon_h1"},
-                             {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"}};
+                             {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"},
+                             {"granitemoehybrid/rope_moe_edits", "granitemoehybrid"},
+                             {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"}};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
 std::vector<std::string> paths_of(const Model& m, bool decode) {
@@ -40,7 +42,9 @@ std::vector<std::string> paths_of(const Model& m, bool decode) {
     const std::string k(layer_kind_name(kinds[static_cast<size_t>(i)]));
     if (attn < 0 && (k == "attention" || k == "hybrid")) attn = i;
     if (mix < 0 && (k == "mamba2" || k == "hybrid")) mix = i;
-    if (mlp < 0 && (k == "mlp" || k == "moe" || k == "hybrid" || m.info().family == "bamba")) mlp = i;
+    if (mlp < 0 && (k == "mlp" || k == "moe" || k == "hybrid" || m.info().family == "bamba" ||
+                    m.info().family == "granitemoehybrid"))
+      mlp = i;
   }
   const std::string a = "layers." + std::to_string(attn) + ".self_attn.", x = "layers." + std::to_string(mix) + ".linear_attn.";
   for (const char* v : {"attention_queries", "attention_keys", "attention_values"}) p.push_back(a + v);
