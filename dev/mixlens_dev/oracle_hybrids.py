@@ -62,7 +62,9 @@ def multipliers(model):
 
 def has_rope(model) -> bool:
     mod = module_for(model)
-    return mod not in (mn, mg) or model.config.position_embedding_type == "rope"
+    if mod is mg:
+        return model.config.position_embedding_type == "rope"
+    return mod is not mn
 
 
 def final_norm(model):

@@ -25,12 +25,16 @@ namespace {
 struct Fixture {
   const char* dir;
   const char* family;
+  /// Granite's softmax top-2 of 4 experts: a prompt-wide FD step flips some token's routing (the two
+  /// central differences disagree), so its prompt is checked against torch autograd only
+  /// (tests/python/test_grad_hybrids.py, routing held constant); its decode step is checked here.
+  bool prompt_routing_flips = false;
 };
 const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemotron_h/padded_batch", "nemotron_h"},
                              {"nemotron_h/moe_latent", "nemotron_h"},    {"bamba/groups2_edits", "bamba"},
                              {"bamba/padded_batch", "bamba"},            {"falcon_h1/norm_gate_first_edits", "falcon_h1"},
                              {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"},
-                             {"granitemoehybrid/rope_moe_edits", "granitemoehybrid"},
+                             {"granitemoehybrid/rope_moe_edits", "granitemoehybrid", true},
                              {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"}};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
@@ -98,6 +102,7 @@ const std::vector<int32_t> kShort{14, 6, 22, 9, 3};
 
 TEST(GradHybrids, PromptMatchesDirectionalFiniteDifferencesOnBothKernels) {
   for (const auto& fx : kFixtures) {
+    if (fx.prompt_routing_flips) continue;
     Model m = Model::load(test::fixture(fx.dir).string());
     const Batch in = Batch::left_padded({kLong, kShort}, 0);
     for (const char* route : {"chunked", "recurrent"}) {

@@ -83,7 +83,7 @@ CASES = {
                dict(name="betas_zero_tok2", path=mix(2, "betas"), step=0, op="set_index", index=2, value=0.0)]),
     # No positional encoding (the published "nope"), no experts (the shared MLP alone), n_groups 1.
     "granite_nope_dense": dict(
-        family="granitemoehybrid", seed=63, prompts=[13, 6], config=dict(
+        family="granitemoehybrid", seed=67, prompts=[13, 6], config=dict(
             position_embedding_type="nope", num_local_experts=0, num_experts_per_tok=0, mamba_n_groups=1,
             layer_types=["attention", "mamba", "mamba"], tie_word_embeddings=False),
         edits=[dict(name="state_in_head2_s2", path=mix(1, "state_input"), step=2, op="set_index", index=2, value=0.0),
