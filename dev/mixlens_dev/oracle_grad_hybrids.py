@@ -1,5 +1,6 @@
 """Gradient oracle for the Mamba-2 hybrids (issue 12): torch autograd on transformers 5.18's
-pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM with every value of
+pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
+GraniteMoeHybridForCausalLM with every value of
 values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
 
 * Mixer values: the module-global ``mamba2_chunk_scan`` of each hybrid's modeling module is
@@ -10,8 +11,10 @@ values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens'
   Falcon-H1: after key_multiplier, as mixlens serves them) or from the q / k projections
   (Nemotron-H: no positional encoding); values from v_proj; outputs from the attention module.
 * Where mixlens serves a value after a µP multiplier that transformers applies outside the module
-  (Falcon-H1: embeddings, mixer output, attention output), the retained tensor is the multiplied
-  one and the module returns it divided back, so the graph is transformers' own.
+  (Falcon-H1: embeddings, mixer output, attention output; Granite: embeddings and every branch
+  output * residual_multiplier), the retained tensor is the multiplied one and the module returns it
+  divided back, so the graph is transformers' own. Granite's mlp.output ((MoE + shared MLP) *
+  residual_multiplier) is retained at the shared MLP, which returns kept / rm - moe.
 * Edits are ``set_index`` writes (``v = v.clone(); v[:, idx] = c``) on linear_attn and self_attn
   values: the written elements are constants, as mixlens documents for writes.
 """
@@ -37,6 +40,8 @@ class _Grad:
         self.cfg = model.config
         self.falcon = self.mod is oh.mf
         self.nemotron = self.mod is oh.mn
+        self.granite = self.mod is oh.mg
+        self.uses_rope = oh.has_rope(model)
         self.keep: dict[str, torch.Tensor] = {}
         self.keep_states: dict[str, list] = {}
         self.block = None
@@ -96,7 +101,7 @@ class _Grad:
         y = self.put(base + "attention_head_outputs", ed("attention_head_outputs", y))
         return (y, S) if a["return_final_states"] else y
 
-    # ---- RoPE (Bamba, Falcon-H1) -------------------------------------------------------------
+    # ---- RoPE (Bamba, Falcon-H1, Granite "rope") ---------------------------------------------
     def rope(self, q, k, cos, sin, *args, **kwargs):
         qe, ke = self.orig_rope(q, k, cos, sin, *args, **kwargs)
         p = f"layers.{self.block}.self_attn."
@@ -108,7 +113,7 @@ class _Grad:
     def install(self):
         tm, H, cfg = self.tm, self.handles, self.cfg
         emb = tm.embeddings if self.nemotron else tm.embed_tokens
-        em = float(cfg.embedding_multiplier) if self.falcon else 1.0
+        em, ssm_out, attn_out, mlp_out = oh.multipliers(self.model)
 
         def emb_hook(m, a, o):
             # The graph's leaf (the weights are frozen): every value downstream requires grad.
@@ -116,8 +121,6 @@ class _Grad:
             return leaf / em if em != 1.0 else leaf
 
         H.append(emb.register_forward_hook(emb_hook))
-        ssm_out = float(cfg.ssm_out_multiplier) if self.falcon else 1.0
-        attn_out = float(cfg.attention_out_multiplier) if self.falcon else 1.0
         for i, layer in enumerate(tm.layers):
             def pre(m, args, kwargs, i=i):
                 self.block = i
@@ -150,7 +153,7 @@ class _Grad:
                     return f
 
                 H.append(attn.v_proj.register_forward_hook(heads("attention_values")))
-                if self.nemotron:  # no RoPE: q and k straight from the projections
+                if not self.uses_rope:  # no RoPE: q and k straight from the projections
                     H.append(attn.q_proj.register_forward_hook(heads("attention_queries")))
                     H.append(attn.k_proj.register_forward_hook(heads("attention_keys")))
 
@@ -160,18 +163,24 @@ class _Grad:
                     return (kept / attn_out if attn_out != 1.0 else kept,) + tuple(o[1:])
 
                 H.append(attn.register_forward_hook(apost))
-            if mlp is not None:
+            if mlp is not None and self.granite:
+                def granite_mlp(tot, moe, o, i=i):
+                    kept = self.put(f"layers.{i}.mlp.output", tot * mlp_out)
+                    back = kept / mlp_out if mlp_out != 1.0 else kept
+                    return back if moe is None else back - moe
+
+                H.extend(oh.granite_mlp_hooks(layer, granite_mlp))
+            elif mlp is not None:
                 H.append(mlp.register_forward_hook(
                     lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", oh._one(o))))
-        fn = tm.norm_f if self.nemotron else tm.final_layernorm
-        H.append(fn.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
+        H.append(oh.final_norm(self.model).register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
 
     def __enter__(self):
         m = self.mod
         self.orig_scan = m.mamba2_chunk_scan
         self.sig = inspect.signature(self.orig_scan)
         m.mamba2_chunk_scan = self.chunk_scan
-        if not self.nemotron:
+        if self.uses_rope:
             self.orig_rope = m.apply_rotary_pos_emb
             m.apply_rotary_pos_emb = self.rope
         self.install()
@@ -179,7 +188,7 @@ class _Grad:
 
     def __exit__(self, *exc):
         self.mod.mamba2_chunk_scan = self.orig_scan
-        if not self.nemotron:
+        if self.uses_rope:
             self.mod.apply_rotary_pos_emb = self.orig_rope
         for h in self.handles:
             h.remove()

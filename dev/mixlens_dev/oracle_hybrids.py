@@ -1,15 +1,20 @@
-"""Mamba-2 hybrids oracle (Nemotron-H, Bamba, Falcon-H1): every value of transformers 5.18's
-pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM.
+"""Mamba-2 hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H): every value of transformers
+5.18's pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
+GraniteMoeHybridForCausalLM.
 
 The Mamba-2 mixer values come from the same kernel patching as oracle_mamba2 (``mamba2_chunk_scan``
 and ``mamba2_selective_state_update`` are module globals of each hybrid's modeling module, resolved
 at call time; the recorder checks every mixer went through exactly one patched call). Attention
-queries/keys come from the patched ``apply_rotary_pos_emb`` (Bamba, Falcon-H1) or the q/k
-projections (Nemotron-H: no positional encoding); values from v_proj; the rest from module hooks.
+queries/keys come from the patched ``apply_rotary_pos_emb`` (Bamba, Falcon-H1, Granite with
+position_embedding_type "rope") or the q/k projections (Nemotron-H, Granite "nope": no positional
+encoding); values from v_proj; the rest from module hooks.
 
 Where mixlens serves a value after a µP multiplier that transformers applies outside the module
 (Falcon-H1: embeddings * embedding_multiplier, mamba output * ssm_out_multiplier, attention output *
-attention_out_multiplier), the oracle records the multiplied tensor: what the block adds.
+attention_out_multiplier; Granite: embeddings * embedding_multiplier, every branch output *
+residual_multiplier), the oracle records the multiplied tensor: what the block adds. Granite's
+``mlp.output`` is ``(block_sparse_moe(x) + shared_mlp(x)) * residual_multiplier`` (the shared MLP
+alone when num_local_experts is 0), computed as GraniteMoeHybridDecoderLayer does.
 
 Keys: ``"<path>@step<k>"`` as oracle_mamba2, plus ``layers.{i}.self_attn.<value>`` and
 ``layers.{i}.mlp.output``. Edits: any linear_attn value oracle_mamba2 edits, plus
@@ -27,6 +32,7 @@ import torch
 
 import transformers.models.bamba.modeling_bamba as mb
 import transformers.models.falcon_h1.modeling_falcon_h1 as mf
+import transformers.models.granitemoehybrid.modeling_granitemoehybrid as mg
 import transformers.models.nemotron_h.modeling_nemotron_h as mn
 
 from mixlens_dev import oracle_mamba2 as om
@@ -39,7 +45,48 @@ _PATH_RE = re.compile(r"^layers\.(\d+)\.(linear_attn|self_attn)\.([a-z_]+)$")
 
 def module_for(model):
     name = type(model).__module__
-    return mn if "nemotron_h" in name else mb if "bamba" in name else mf
+    return mn if "nemotron_h" in name else mb if "bamba" in name else mg if "granitemoehybrid" in name else mf
+
+
+def multipliers(model):
+    """(embedding, mixer output, attention output, MLP output) factors the oracle records values
+    after: Falcon-H1's µP multipliers, Granite's embedding_multiplier and residual_multiplier."""
+    cfg, mod = model.config, module_for(model)
+    if mod is mf:
+        return (float(cfg.embedding_multiplier), float(cfg.ssm_out_multiplier), float(cfg.attention_out_multiplier), 1.0)
+    if mod is mg:
+        rm = float(cfg.residual_multiplier)
+        return float(cfg.embedding_multiplier), rm, rm, rm
+    return 1.0, 1.0, 1.0, 1.0
+
+
+def has_rope(model) -> bool:
+    mod = module_for(model)
+    if mod is mg:
+        return model.config.position_embedding_type == "rope"
+    return mod is not mn
+
+
+def final_norm(model):
+    tm = model.model
+    return tm.norm_f if hasattr(tm, "norm_f") else tm.norm if hasattr(tm, "norm") else tm.final_layernorm
+
+
+def granite_mlp_hooks(layer, on_output):
+    """Hooks giving ``on_output(moe + shared)`` (GraniteMoeHybridDecoderLayer's MLP branch before
+    residual_multiplier; the shared MLP alone without experts) from block_sparse_moe and shared_mlp
+    (which runs second); ``on_output`` may return a replacement for the shared MLP's output."""
+    stash = {}
+    handles = []
+    if layer.block_sparse_moe is not None:
+        handles.append(layer.block_sparse_moe.register_forward_hook(lambda m, a, o: stash.__setitem__("moe", o)))
+
+    def shared(m, a, o):
+        moe = stash.pop("moe", None)
+        return on_output(o if moe is None else moe + o, moe, o)
+
+    handles.append(layer.shared_mlp.register_forward_hook(shared))
+    return handles
 
 
 def _one(o):
@@ -53,6 +100,8 @@ def block_parts(layer, nemotron: bool):
         kind = layer.block_type
         return (layer.mixer if kind == "linear_attention" else None, layer.mixer if kind == "full_attention" else None,
                 layer.mixer if kind in ("mlp", "moe") else None)
+    if hasattr(layer, "shared_mlp"):  # Granite: mamba / self_attn is None on the other kind
+        return layer.mamba, layer.self_attn, layer.shared_mlp
     return getattr(layer, "mamba", None), getattr(layer, "self_attn", None), layer.feed_forward
 
 
@@ -79,6 +128,8 @@ class Recorder(om._Recorder):
         self.max_recurrence_err = 0.0
         self._handles = []
         self.falcon = self.mod is mf
+        self.granite = self.mod is mg
+        self.rope = has_rope(model)
 
     # ---- edits -----------------------------------------------------------------------------
     def _edits_for(self, value, comp="linear_attn"):
@@ -128,10 +179,8 @@ class Recorder(om._Recorder):
     def _install_hooks(self):
         tm, H = self.tm, self._handles
         emb = tm.embeddings if self.mod is mn else tm.embed_tokens
-        em = float(getattr(self.cfg, "embedding_multiplier", 1.0)) if self.falcon else 1.0
+        em, ssm_out, attn_out, mlp_out = multipliers(self.model)
         H.append(emb.register_forward_hook(lambda m, a, o: self.put("embed_tokens.output", o * em)))
-        ssm_out = float(self.cfg.ssm_out_multiplier) if self.falcon else 1.0
-        attn_out = float(self.cfg.attention_out_multiplier) if self.falcon else 1.0
 
         for i, layer in enumerate(tm.layers):
             def pre(m, args, kwargs, i=i):
@@ -173,7 +222,7 @@ class Recorder(om._Recorder):
                     return v.reshape(b, t, -1) if w else o
 
                 H.append(attn.v_proj.register_forward_hook(vproj))
-                if self.mod is mn:  # no RoPE: q and k straight from the projections
+                if not self.rope:  # no RoPE: q and k straight from the projections
                     H.append(attn.q_proj.register_forward_hook(
                         lambda m, a, o, i=i, hd=hd: self.put(f"layers.{i}.self_attn.attention_queries",
                                                              o.view(o.shape[0], o.shape[1], -1, hd))))
@@ -187,10 +236,11 @@ class Recorder(om._Recorder):
                     return (out / attn_out,) + tuple(o[1:]) if w else o
 
                 H.append(attn.register_forward_hook(apost))
-            if mlp is not None:
+            if mlp is not None and self.granite:
+                H.extend(granite_mlp_hooks(layer, lambda tot, moe, o, i=i: self.put(f"layers.{i}.mlp.output", tot * mlp_out)))
+            elif mlp is not None:
                 H.append(mlp.register_forward_hook(lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", _one(o))))
-        fn = tm.norm_f if self.mod is mn else tm.final_layernorm
-        H.append(fn.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
+        H.append(final_norm(self.model).register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
 
     def begin_step(self, step):
         super().begin_step(step)
@@ -198,8 +248,9 @@ class Recorder(om._Recorder):
 
     def end_step(self):
         for i, layer in enumerate(self.tm.layers):
-            has_mamba = (layer.block_type == "linear_attention") if self.mod is mn else hasattr(layer, "mamba")
-            has_rope = self.mod is not mn and hasattr(layer, "self_attn")
+            mamba, attn, _ = block_parts(layer, self.mod is mn)
+            has_mamba = mamba is not None
+            has_rope = self.rope and attn is not None
             if has_mamba and len(self.kernel_calls.get(i, [])) != 1:
                 raise RuntimeError(f"step {self.step} layer {i}: mixer did not go through the patched kernels")
             if has_rope and self.rope_calls.get(i) != ["rope"]:
@@ -213,7 +264,7 @@ class Recorder(om._Recorder):
         self._update_sig = inspect.signature(self._orig_update)
         m.mamba2_chunk_scan = self._chunk_scan
         m.mamba2_selective_state_update = self._state_update
-        if m is not mn:
+        if self.rope:
             self._orig_rope = m.apply_rotary_pos_emb
             m.apply_rotary_pos_emb = self._rope
         self._install_hooks()
@@ -223,7 +274,7 @@ class Recorder(om._Recorder):
         m = self.mod
         m.mamba2_chunk_scan = self._orig_chunk
         m.mamba2_selective_state_update = self._orig_update
-        if m is not mn:
+        if self.rope:
             m.apply_rotary_pos_emb = self._orig_rope
         for h in self._handles:
             h.remove()

@@ -27,6 +27,17 @@ Where the configs come from (no internet here; the hub files could not be fetche
   which match the 9B; vocab 128256, rope_theta 10000, bos/eos 128000/128001, pad 0 and
   partial_rotary_factor 0.5 agree with a published tiny-random config derived from
   ibm-fms/Bamba-9B (yujiepan/bamba-tiny-random, whose config.json names it as its source).
+* ibm-granite/granite-4.0-h-350m, FULL size (32 layers, ~340M parameters). The config.json is
+  quoted field by field in a Rust MLX port's unit test (Lablup's granitemoehybrid config tests,
+  "a trimmed granite-4.0-h-350m config ... values mirror the real checkpoint", validated there against
+  mlx-community/granite-4.0-h-350m-4bit): hidden 768, 32 layers with attention at 10, 13, 17, 27,
+  12 heads / 4 KV heads, 48 mamba heads of 32, d_state 128, 1 group, d_conv 4, conv bias, no proj
+  bias, no experts (num_local_experts 0) and a 2048-wide shared MLP, position_embedding_type "nope",
+  embedding_multiplier 12, attention_multiplier 0.015625, residual_multiplier 0.246,
+  logits_scaling 3, rms_norm_eps 1e-5, tied embeddings, vocab 100352, eos 100257. A second source
+  (a Go port's Granite guide: 12 query / 4 KV heads, 48 SSM heads, state 128, NoPE, 28 Mamba-2 + 4
+  attention layers) agrees on what it states. mamba_chunk_size (256) and mamba_expand (2, = 48 * 32
+  / 768) are GraniteMoeHybridConfig's defaults.
 * Falcon-H1-Tiny: no config could be found offline; not built.
 """
 
@@ -66,10 +77,22 @@ BAMBA_9B_2LAYERS = dict(
     mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, rms_norm_eps=1e-5,
     tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, bos_token_id=128000, eos_token_id=128001,
 )
+GRANITE_350M_LAYER_TYPES = ["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)]
+GRANITE_4_0_H_350M = dict(
+    vocab_size=100352, hidden_size=768, num_hidden_layers=32, layer_types=GRANITE_350M_LAYER_TYPES,
+    intermediate_size=2048, shared_intermediate_size=2048, num_local_experts=0, num_experts_per_tok=0,
+    num_attention_heads=12, num_key_value_heads=4, attention_bias=False, hidden_act="silu",
+    mamba_n_heads=48, mamba_d_head=32, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+    mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False, position_embedding_type="nope",
+    embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.246, logits_scaling=3.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=10000.0,
+    pad_token_id=100256, bos_token_id=100257, eos_token_id=100257,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
     "bamba_9b_2layers": ("BambaForCausalLM", "BambaConfig", BAMBA_9B_2LAYERS),
+    "granite_4_0_h_350m": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_4_0_H_350M),
 }
 
 

@@ -1,10 +1,11 @@
 // Backward of the Mamba-2 hybrid skeleton (models/mamba2_hybrid.cpp; Nemotron-H, Bamba,
-// Falcon-H1): LM head (* lm_head_multiplier), final RMSNorm, then each block from the last,
-// recomputed from its recorded input with the recorded writes re-applied and differentiated:
-// the second branch (pre_ff RMSNorm + SwiGLU MLP), then the first branch's Mamba-2 mixer
-// (grad/mamba2_mixer_grad.cpp), the attention mixer (grad/attention_mixer_grad.cpp), relu2 MLP
-// or MoE (straight-through of the chosen experts: the routing is a constant, the chosen experts'
-// weights are differentiated), and the block's input norm.
+// Falcon-H1, Granite 4.0-H): LM head (* lm_head_multiplier), final RMSNorm, then each block from
+// the last, recomputed from its recorded input with the recorded writes re-applied and
+// differentiated: the second branch (pre_ff RMSNorm + SwiGLU MLP, Granite's routed experts + shared
+// MLP, * residual_multiplier), then the first branch's Mamba-2 mixer (grad/mamba2_mixer_grad.cpp),
+// the attention mixer (grad/attention_mixer_grad.cpp), relu2 MLP or MoE (straight-through of the
+// chosen experts: the routing is a constant, the chosen experts' weights are differentiated), and
+// the block's input norm.
 #include "grad/mamba2_hybrid_grad.h"
 
 #include <algorithm>
@@ -96,8 +97,14 @@ class HybridBackward {
       Tensor dm = dh.clone();
       sink_.put(li, Value::mlp_output, dm);
       tape_.block(li, Value::mlp_output, dm);
+      scale(dm, s_.residual_multiplier);
       Tensor dn2({B_, T_, D});
       mlp_backward(w.mlp, n2, dm, dn2);
+      if (b.moe) {  // Granite: routed experts beside the shared MLP on the same input
+        Tensor dmoe({B_, T_, D});
+        moe_backward(w.moe, n2, dm, dmoe);
+        add_into(dn2, dmoe);
+      }
       dh1 = dh.clone();
       rmsnorm_backward(h1.data(), w.ff_norm.data(), dn2.data(), dh1.data(), BT_, D, s_.eps, false, true);
       return dh1;
@@ -122,6 +129,7 @@ class HybridBackward {
       Tensor dm = dh1.clone();
       sink_.put(li, Value::mlp_output, dm);
       tape_.block(li, Value::mlp_output, dm);
+      scale(dm, s_.residual_multiplier);
       if (b.moe) moe_backward(w.moe, n, dm, part);
       else mlp_backward(w.mlp, n, dm, part);
       add_into(dn, part);
@@ -167,9 +175,27 @@ class HybridBackward {
     linear_backward(du.data(), rows, I, up_w, dx, accumulate);
   }
 
-  // NemotronHMoE: the routing (which experts) is a constant; the chosen experts' weights
-  // w_k = s_k / (sum_j s_j + 1e-20) * routed_scaling (s = sigmoid(router x)) and the experts are
-  // differentiated, as torch autograd does through topk_weights.
+  // SwiGLU with explicit weights (Granite experts): dx (+)= d/dx of dy . down(up x * silu(gate x)).
+  static void swiglu_backward(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w, const float* x,
+                              const float* dy, int64_t rows, int64_t in, int64_t I, float* dx, bool accumulate) {
+    Tensor g({rows, I}), u({rows, I}), da({rows, I});
+    ops::linear(x, rows, in, gate_w, g.data());
+    ops::linear(x, rows, in, up_w, u.data());
+    linear_backward(dy, rows, down_w.size(0), down_w, da.data(), false);
+    for (int64_t k = 0; k < rows * I; ++k) {
+      const float a = da[k], gg = g[k];
+      g[k] = a * u[k] * silu_grad(gg);  // d gate projection
+      u[k] = a * ops::silu(gg);         // d up projection
+    }
+    linear_backward(u.data(), rows, I, up_w, dx, accumulate);
+    linear_backward(g.data(), rows, I, gate_w, dx, true);
+  }
+
+  // The MoE: the routing (which experts) is a constant; the chosen experts' weights and the experts
+  // are differentiated, as torch autograd does through topk_weights. NemotronHMoE:
+  // w_k = s_k / (sum_j s_j + 1e-20) * routed_scaling (s = sigmoid(router x)), relu2 experts, latent
+  // projections and the shared expert; Granite: w = softmax of the chosen logits, SwiGLU experts (the
+  // shared MLP is the block's MLP, differentiated by the caller).
   void moe_backward(const detail::HybridMoeWeights& m, const Tensor& x_in, const Tensor& dout_in, Tensor& dx) const {
     const int64_t E = s_.n_experts, D = s_.D, K = s_.topk, lat = s_.latent, in = lat > 0 ? lat : D, rows = BT_;
     const float* x = x_in.data();
@@ -189,11 +215,10 @@ class HybridBackward {
       const int64_t nt = static_cast<int64_t>(toks.size());
       const Tensor xs = detail::gather_routed_rows(xe, in, toks);
       Tensor dys({nt, in}), dxs({nt, in});
-      const Tensor y = detail::relu2_mlp(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), nt, in,
-                                         s_.moe_I);
+      const Tensor y = detail::hybrid_expert(s_, m, e, xs.data(), nt);
       for (int64_t j = 0; j < nt; ++j) {
         const auto [r, k] = toks[static_cast<size_t>(j)];
-        const float wg = rt.weight(s_, r, k);
+        const float wg = rt.weight(r, k);
         double dot = 0.0;
         for (int64_t c = 0; c < in; ++c) {
           dot += static_cast<double>(dacc[r * in + c]) * y[j * in + c];
@@ -201,15 +226,31 @@ class HybridBackward {
         }
         dw[static_cast<size_t>(r * K + k)] = static_cast<float>(dot);
       }
-      relu2_backward(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(), dys.data(), nt, in,
-                     s_.moe_I, dxs.data(), false);
+      const size_t ei = static_cast<size_t>(e);
+      if (s_.moe_kind == detail::HybridMoeKind::granite)
+        swiglu_backward(m.gate[ei], m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
+      else
+        relu2_backward(m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
       for (int64_t j = 0; j < nt; ++j) {
         const int64_t r = toks[static_cast<size_t>(j)].first;
         for (int64_t c = 0; c < in; ++c) dxe[r * in + c] += dxs[j * in + c];
       }
     }
-    // dw -> the sigmoid scores of the chosen experts -> router logits -> x.
     Tensor dlog({rows, E});
+    if (s_.moe_kind == detail::HybridMoeKind::granite) {
+      // dw -> the chosen logits through the softmax over them: dl_k = w_k (dw_k - sum_j w_j dw_j).
+      for (int64_t r = 0; r < rows; ++r) {
+        double wdw = 0.0;
+        for (int64_t k = 0; k < K; ++k) wdw += static_cast<double>(rt.weight(r, k)) * dw[static_cast<size_t>(r * K + k)];
+        for (int64_t k = 0; k < K; ++k)
+          dlog[r * E + rt.chosen[static_cast<size_t>(r * K + k)]] +=
+              rt.weight(r, k) * static_cast<float>(dw[static_cast<size_t>(r * K + k)] - wdw);
+      }
+      linear_backward(dlog.data(), rows, E, m.router, dx.data(), false);
+      add_into(dx, dxe);
+      return;
+    }
+    // dw -> the sigmoid scores of the chosen experts -> router logits -> x.
     for (int64_t r = 0; r < rows; ++r) {
       const float S = rt.total[static_cast<size_t>(r)] + 1e-20f;
       double sdw = 0.0;  // sum_k dw_k s_k
@@ -232,6 +273,7 @@ class HybridBackward {
 
   Tensor branch_mlp_forward(int li, const HybridBlock& b, const HybridBlockWeights& w, const Tensor& n) const {
     Tensor o = (b.moe ? detail::hybrid_moe(s_, w.moe, n.data(), BT_) : detail::hybrid_mlp(s_, w.mlp, n.data(), BT_)).reshape({B_, T_, s_.D});
+    scale(o, s_.residual_multiplier);
     tape_.apply(li, Value::mlp_output, o);
     return o;
   }

@@ -78,7 +78,7 @@ void AttentionMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>&
   if (d_.gate) v.push_back(layer_value(i, Value::attn_gate, {B, T, H * hd}, true, "output-gate logits before the sigmoid"));
   v.push_back(layer_value(i, Value::attn_output, {B, T, D}, true,
                           d_.gate ? "o_proj(attention * sigmoid(gate)), added to the residual"
-                          : d_.out_multiplier != 1.0f ? "o_proj(attention) * attention_out_multiplier, added to the residual"
+                          : d_.out_multiplier != 1.0f ? "o_proj(attention) * out multiplier (Falcon-H1 attention_out_multiplier, Granite residual_multiplier), added to the residual"
                                                       : "o_proj(attention), added to the residual"));
 }
 

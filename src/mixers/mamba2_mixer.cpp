@@ -69,7 +69,7 @@ void Mamba2Mixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v)
                           d_.norm == Mamba2Norm::none ? "y = C.S + D*x per head; on a decode step already * silu(z) (transformers gates inside the decode kernel when mamba_rms_norm is off)"
                                                       : "y = C.S + D*x per head, before the gated norm"));
   v.push_back(layer_value(i, Value::attention_output, {B, T, d_.D}, true,
-                          d_.out_multiplier != 1.0f ? "out_proj(gated norm(y, z)) * ssm_out_multiplier, added to the residual"
+                          d_.out_multiplier != 1.0f ? "out_proj(gated norm(y, z)) * the µP output multiplier (Falcon-H1 ssm_out_multiplier, Granite residual_multiplier), added to the residual"
                                                     : "out_proj(gated RMSNorm(y, z)), added to the residual"));
 }
 

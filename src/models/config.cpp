@@ -36,7 +36,7 @@ bool ends_with(const std::string& s, const char* suffix) {
 
 // Field names that hold a tensor dimension or a count, across the families' HF configs.
 bool is_size_field(const std::string& k) {
-  static const char* const exact[] = {"n_groups", "mamba_n_groups", "num_experts", "num_experts_per_tok",
+  static const char* const exact[] = {"n_groups", "mamba_n_groups", "num_experts", "num_local_experts", "num_experts_per_tok",
                                       "conv_kernel", "mamba_d_conv", "mamba_d_state", "mamba_d_head",
                                       "mamba_n_heads", "mamba_d_ssm", "time_step_rank", "decoder_sparse_step",
                                       "full_attention_interval"};
@@ -145,6 +145,7 @@ void validate_level(const io::Config& cfg, const std::string& prefix, std::optio
   product({"linear_num_value_heads", "linear_value_head_dim"}, kMaxConfigDim);
   product({"linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"});
   product({"num_experts", "moe_intermediate_size", "hidden_size"});
+  product({"num_local_experts", "intermediate_size", "hidden_size"});  // Granite's fused experts (x2)
   product({"chunk_size", "chunk_size", "num_heads"});
   product({"mamba_chunk_size", "mamba_chunk_size", "mamba_n_heads"});
   product({"num_hidden_layers", "hidden_size"});

@@ -1,13 +1,17 @@
 // Mamba-2 hybrids. References: transformers 5.18 models/nemotron_h/modeling_nemotron_h.py
 // (NemotronHBlock, NemotronHAttention, NemotronHMLP), models/bamba/modeling_bamba.py
 // (BambaDecoderLayer, BambaAttention, BambaMLP), models/falcon_h1/modeling_falcon_h1.py
-// (FalconH1DecoderLayer, FalconH1Attention, FalconH1MLP, FalconH1Model, FalconH1ForCausalLM).
+// (FalconH1DecoderLayer, FalconH1Attention, FalconH1MLP, FalconH1Model, FalconH1ForCausalLM),
+// models/granitemoehybrid/modeling_granitemoehybrid.py (GraniteMoeHybridDecoderLayer,
+// GraniteMoeHybridMoE, GraniteMoeHybridMLP, GraniteMoeHybridModel).
 // Everything runs in float32.
 #include "models/mamba2_hybrid.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
+#include <memory>
 
 #include "mixers/attention_mixer.h"
 #include "mixlens/errors.h"
@@ -52,6 +56,23 @@ std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, c
   return ei;
 }
 
+Tensor swiglu_mlp(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows,
+                  int64_t in, int64_t I) {
+  Tensor g({rows, I}), u({rows, I}), out({rows, down_w.size(0)});
+  ops::linear(x, rows, in, gate_w, g.data());
+  ops::linear(x, rows, in, up_w, u.data());
+  ops::mul_silu(u.data(), g.data(), u.data(), rows * I);  // silu(gate) * up
+  ops::linear(u.data(), rows, I, down_w, out.data());
+  return out;
+}
+
+Tensor hybrid_expert(const Mamba2HybridSpec& s, const HybridMoeWeights& m, int64_t e, const float* xs, int64_t rows) {
+  const size_t i = static_cast<size_t>(e);
+  const int64_t in = s.latent > 0 ? s.latent : s.D;
+  return s.moe_kind == HybridMoeKind::granite ? swiglu_mlp(m.gate[i], m.up[i], m.down[i], xs, rows, in, s.moe_I)
+                                              : relu2_mlp(m.up[i], m.down[i], xs, rows, in, s.moe_I);
+}
+
 Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I) {
   Tensor u({rows, I}), out({rows, down_w.size(0)});
   ops::linear(x, rows, in, up_w, u.data());
@@ -85,24 +106,47 @@ Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const fl
   return out;
 }
 
-float HybridMoeRouting::weight(const Mamba2HybridSpec& s, int64_t r, int64_t k) const {
-  const float sc = scores[static_cast<size_t>(r * s.n_experts + chosen[static_cast<size_t>(r * s.topk + k)])];
-  return (s.norm_topk ? sc / (total[static_cast<size_t>(r)] + 1e-20f) : sc) * s.routed_scaling;
-}
-
 // NemotronHMoE: fp32 sigmoid router; choice scores + e_score_correction_bias; the topk_group
 // groups with the largest sum of their top-2 choice scores stay eligible; top-k experts by choice
 // score, weighted by their plain sigmoid scores (renormalised when norm_topk_prob, + 1e-20),
-// times routed_scaling_factor.
+// times routed_scaling_factor. GraniteMoeHybridTopKRouter: top-k of the fp32 logits, weighted by
+// the softmax over those k logits.
 HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows) {
   const int64_t E = s.n_experts, K = s.topk;
   Tensor logits({rows, E});
   ops::linear(x, rows, s.D, m.router, logits.data());
   HybridMoeRouting rt;
+  rt.topk = K;
   rt.scores.resize(static_cast<size_t>(rows * E));
   rt.chosen.resize(static_cast<size_t>(rows * K));
+  rt.weights.resize(static_cast<size_t>(rows * K));
   rt.total.resize(static_cast<size_t>(rows));
   rt.routed.resize(static_cast<size_t>(E));
+  if (s.moe_kind == HybridMoeKind::granite) {
+    std::vector<int64_t> ei(static_cast<size_t>(E));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* lg = logits.data() + r * E;
+      std::copy(lg, lg + E, rt.scores.begin() + r * E);
+      for (int64_t e = 0; e < E; ++e) ei[static_cast<size_t>(e)] = e;
+      std::partial_sort(ei.begin(), ei.begin() + K, ei.end(),
+                        [&](int64_t a, int64_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
+      // softmax over the chosen logits (the first is the largest)
+      const float mx = lg[ei[0]];
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float ex = std::exp(lg[ei[static_cast<size_t>(k)]] - mx);
+        rt.weights[static_cast<size_t>(r * K + k)] = ex;
+        sum += ex;
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = ei[static_cast<size_t>(k)];
+        rt.weights[static_cast<size_t>(r * K + k)] /= sum;
+        rt.chosen[static_cast<size_t>(r * K + k)] = e;
+        rt.routed[static_cast<size_t>(e)].push_back({r, k});
+      }
+    }
+    return rt;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float* sc = rt.scores.data() + r * E;
     for (int64_t e = 0; e < E; ++e) sc[e] = ops::sigmoid(logits[r * E + e]);
@@ -115,6 +159,10 @@ HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeig
       rt.routed[static_cast<size_t>(e)].push_back({r, k});
     }
     rt.total[static_cast<size_t>(r)] = tot;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = sc[rt.chosen[static_cast<size_t>(r * K + k)]];
+      rt.weights[static_cast<size_t>(r * K + k)] = (s.norm_topk ? v / (tot + 1e-20f) : v) * s.routed_scaling;
+    }
   }
   return rt;
 }
@@ -126,6 +174,17 @@ Tensor hybrid_moe_input(const Mamba2HybridSpec& s, const HybridMoeWeights& m, co
   return xin;
 }
 
+Tensor ff_branch(const Mamba2HybridSpec& s, const HybridBlockWeights& w, const HybridBlock& b, const float* x, int64_t rows) {
+  Tensor out = hybrid_mlp(s, w.mlp, x, rows);
+  if (b.moe) {  // GraniteMoeHybridDecoderLayer: block_sparse_moe(x) + shared_mlp(x)
+    const Tensor moe = hybrid_moe(s, w.moe, x, rows);
+    for (int64_t k = 0; k < out.numel(); ++k) out[k] = moe[k] + out[k];
+  }
+  if (s.residual_multiplier != 1.0f)
+    for (int64_t k = 0; k < out.numel(); ++k) out[k] *= s.residual_multiplier;
+  return out;
+}
+
 Tensor gather_routed_rows(const float* x, int64_t in, const std::vector<std::pair<int64_t, int64_t>>& toks) {
   const int64_t nt = static_cast<int64_t>(toks.size());
   Tensor xs({nt, in});
@@ -134,7 +193,8 @@ Tensor gather_routed_rows(const float* x, int64_t in, const std::vector<std::pai
   return xs;
 }
 
-// Experts summed in expert order (as index_add_), then fc2, plus the shared expert.
+// Experts summed in expert order (as index_add_), then fc2, plus the shared expert (Nemotron-H; a
+// Granite block adds its shared MLP itself).
 Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows) {
   const int64_t E = s.n_experts, D = s.D, in = s.latent > 0 ? s.latent : D;
   const HybridMoeRouting rt = hybrid_moe_route(s, m, x, rows);
@@ -145,17 +205,17 @@ Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const fl
     const auto& toks = rt.routed[static_cast<size_t>(e)];
     if (toks.empty()) continue;
     const Tensor xs = gather_routed_rows(xe, in, toks);
-    const Tensor y = relu2_mlp(m.up[static_cast<size_t>(e)], m.down[static_cast<size_t>(e)], xs.data(),
-                               static_cast<int64_t>(toks.size()), in, s.moe_I);
+    const Tensor y = hybrid_expert(s, m, e, xs.data(), static_cast<int64_t>(toks.size()));
     for (size_t j = 0; j < toks.size(); ++j) {
       const auto [r, k] = toks[j];
-      const float wgt = rt.weight(s, r, k);
+      const float wgt = rt.weight(r, k);
       for (int64_t d = 0; d < in; ++d) acc[r * in + d] += y[static_cast<int64_t>(j) * in + d] * wgt;
     }
   }
   Tensor out({rows, D});
   if (s.latent > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
   else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
+  if (s.moe_kind == HybridMoeKind::granite) return out;
   const Tensor sh = relu2_mlp(m.shared_up, m.shared_down, x, rows, D, s.shared_I);
   for (int64_t k = 0; k < rows * D; ++k) out[k] += sh[k];
   return out;
@@ -166,10 +226,35 @@ namespace {
 using BlockW = HybridBlockWeights;
 
 
+void scale_by(Tensor& t, float f) {
+  if (f == 1.0f) return;
+  for (int64_t k = 0; k < t.numel(); ++k) t[k] *= f;
+}
+
 void add_into(Tensor& h, const Tensor& x) {
   float* hp = h.data();
   const float* xp = x.data();
   for (int64_t k = 0; k < h.numel(); ++k) hp[k] += xp[k];
+}
+
+// Rows [first, first + shape[0]) of a loaded weight t [R, C] (or of one matrix of a stacked
+// [E, R, C] tensor) as a read-only Tensor sharing t's storage (fused expert and MLP weights are
+// split without a copy; float32 or the narrow matmul dtype alike).
+Tensor row_block(const Tensor& t, int64_t first, Shape shape) {
+  const int64_t cols = shape.back();
+  auto owner = std::make_shared<const Tensor>(t);
+  const size_t elem = t.dtype() == ScalarType::float32 ? sizeof(float) : sizeof(uint16_t);
+  const void* p = static_cast<const char*>(t.raw()) + static_cast<size_t>(first * cols) * elem;
+  return t.dtype() == ScalarType::float32 ? Tensor::borrow(std::move(shape), static_cast<const float*>(p), owner)
+                                          : Tensor::narrow(std::move(shape), t.dtype(), p, owner);
+}
+
+// The first of `names` the checkpoint holds (transformers-saved and published spellings); the
+// first name when none is there, so that w.get names a missing tensor as expected.
+std::string first_present(const io::WeightStore& w, std::initializer_list<std::string> names) {
+  for (const auto& n : names)
+    if (w.has(n)) return n;
+  return *names.begin();
 }
 
 std::string kind_phrase(LayerKind k) {
@@ -181,6 +266,10 @@ class Mamba2Hybrid final : public FamilyModel {
  public:
   Mamba2Hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg, const io::WeightStore& w) : s_(spec) {
     L_ = static_cast<int64_t>(s_.blocks.size());
+    // Granite's residual_multiplier on the mixer and attention branches: the served attention_output
+    // values are what the block adds.
+    s_.mamba.out_multiplier *= s_.residual_multiplier;
+    s_.attn.out_multiplier *= s_.residual_multiplier;
     bool any_mamba = false, any_attn = false, any_mlp = false;
     for (const auto& b : s_.blocks) {
       any_mamba |= b.mamba;
@@ -206,7 +295,22 @@ class Mamba2Hybrid final : public FamilyModel {
       bw.in_norm = w.get(lp + s_.in_norm, {s_.D});
       if (b.mamba) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
       if (b.attn) bw.attn = attn_.load(w, lp + s_.attn_mod + ".");
-      if (b.moe) {
+      if (b.moe && s_.moe_kind == HybridMoeKind::granite) {
+        // GraniteMoeHybridMoE: router [E, D]; experts gate_up [E, 2I, D] (gate rows first), down [E, D, I].
+        // transformers 5.18 renames the published block_sparse_moe.{router.layer, input_linear,
+        // output_linear} on load (conversion_mapping "granitemoe"); both spellings are read.
+        const std::string m = lp + (s_.moe_mod.empty() ? s_.mlp_mod : s_.moe_mod) + ".";
+        const int64_t E = s_.n_experts, Ie = s_.moe_I, D = s_.D;
+        bw.moe.router = w.get(first_present(w, {m + "router.weight", m + "router.layer.weight"}), {E, D});
+        const Tensor gu = w.get_matmul(first_present(w, {m + "experts.gate_up_proj", m + "input_linear.weight"}), {E, 2 * Ie, D});
+        const Tensor dn = w.get_matmul(first_present(w, {m + "experts.down_proj", m + "output_linear.weight"}), {E, D, Ie});
+        for (int64_t e = 0; e < E; ++e) {
+          bw.moe.gate.push_back(row_block(gu, e * 2 * Ie, {Ie, D}));
+          bw.moe.up.push_back(row_block(gu, e * 2 * Ie + Ie, {Ie, D}));
+          bw.moe.down.push_back(row_block(dn, e * D, {D, Ie}));
+        }
+      }
+      if (b.moe && s_.moe_kind == HybridMoeKind::nemotron_h) {
         const std::string m = lp + s_.mlp_mod + ".";
         const int64_t E = s_.n_experts, in = s_.latent > 0 ? s_.latent : s_.D;
         bw.moe.router = w.get(m + "gate.weight", {E, s_.D});
@@ -229,10 +333,17 @@ class Mamba2Hybrid final : public FamilyModel {
       } else if (b.branch_mlp || b.ff) {
         if (b.ff) bw.ff_norm = w.get(lp + s_.ff_norm, {s_.D});
         const std::string m = lp + s_.mlp_mod + ".";
-        if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get_matmul(m + "gate_proj.weight", {I, s_.D});
-        bw.mlp.up = w.get_matmul(m + "up_proj.weight", {I, s_.D});
-        bw.mlp.down = w.get_matmul(m + "down_proj.weight", {s_.D, I});
-        if (s_.mlp_bias) {
+        if (s_.mlp_fused) {  // GraniteMoeHybridMLP: input_linear [2I, D] = gate | up, output_linear [D, I]
+          const Tensor gu = w.get_matmul(m + "input_linear.weight", {2 * I, s_.D});
+          bw.mlp.gate = row_block(gu, 0, {I, s_.D});
+          bw.mlp.up = row_block(gu, I, {I, s_.D});
+          bw.mlp.down = w.get_matmul(m + "output_linear.weight", {s_.D, I});
+        } else {
+          if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get_matmul(m + "gate_proj.weight", {I, s_.D});
+          bw.mlp.up = w.get_matmul(m + "up_proj.weight", {I, s_.D});
+          bw.mlp.down = w.get_matmul(m + "down_proj.weight", {s_.D, I});
+        }
+        if (s_.mlp_bias && !s_.mlp_fused) {
           if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate_b = w.get(m + "gate_proj.bias", {I});
           bw.mlp.up_b = w.get(m + "up_proj.bias", {I});
           bw.mlp.down_b = w.get(m + "down_proj.bias", {s_.D});
@@ -271,8 +382,9 @@ class Mamba2Hybrid final : public FamilyModel {
     const int64_t B = in.batch, T = in.seq, BT = B * T, D = s_.D;
     const std::vector<int64_t> pos = cache.advance_positions(in);
     Tensor h = embed_tokens(embed_, in, s_.family.c_str());
-    // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given.
-    if (s_.embedding_multiplier != 1.0f && !in.embeds.defined())
+    // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given (GraniteMoeHybridModel
+    // multiplies both).
+    if (s_.embedding_multiplier != 1.0f && (!in.embeds.defined() || s_.embedding_multiplier_on_embeds))
       for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
     visit_if(ls, -1, Value::embed_output, h);
     FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
@@ -308,6 +420,7 @@ class Mamba2Hybrid final : public FamilyModel {
       }
       if (b.branch_mlp) {
         Tensor m = (b.moe ? hybrid_moe(s_, bw.moe, n.data(), BT) : hybrid_mlp(s_, bw.mlp, n.data(), BT)).reshape({B, T, D});
+        scale_by(m, s_.residual_multiplier);
         visit_if(ls, li, Value::mlp_output, m);
         watch.check(li, Value::mlp_output, m);
         add_into(branch, m);
@@ -315,7 +428,7 @@ class Mamba2Hybrid final : public FamilyModel {
       add_into(h, branch);
       if (b.ff) {
         ops::rmsnorm(h.data(), bw.ff_norm.data(), n.data(), BT, D, s_.eps);
-        Tensor m = hybrid_mlp(s_, bw.mlp, n.data(), BT).reshape({B, T, D});
+        Tensor m = ff_branch(s_, bw, b, n.data(), BT).reshape({B, T, D});
         visit_if(ls, li, Value::mlp_output, m);
         watch.check(li, Value::mlp_output, m);
         add_into(h, m);
@@ -363,15 +476,20 @@ class Mamba2Hybrid final : public FamilyModel {
       v.push_back(layer_value(i, Value::layer_input, {B, T, D}, true, "residual stream entering the block"));
       if (b.mamba) mixer_.values(i, B, T, v);
       if (b.attn) attn_.values(i, B, T, v);
-      if (b.branch_mlp || b.ff)
-        v.push_back(layer_value(i, Value::mlp_output, {B, T, D}, true,
-                                b.moe ? "MoE output: routed relu2 experts + shared expert"
-                                      : s_.mlp == HybridMlp::relu2 ? "relu2 MLP output" : "SwiGLU MLP output"));
+      if (b.branch_mlp || b.ff) {
+        std::string what = b.moe && s_.moe_kind == HybridMoeKind::granite ? "MoE output: routed SwiGLU experts (softmax top-k) + shared SwiGLU MLP"
+                           : b.moe                                        ? "MoE output: routed relu2 experts + shared expert"
+                           : s_.mlp == HybridMlp::relu2                   ? "relu2 MLP output"
+                           : s_.mlp_fused                                 ? "shared SwiGLU MLP output"
+                                                                          : "SwiGLU MLP output";
+        if (s_.residual_multiplier != 1.0f) what += " * residual_multiplier, added to the residual";
+        v.push_back(layer_value(i, Value::mlp_output, {B, T, D}, true, what));
+      }
       v.push_back(layer_value(i, Value::layer_output, {B, T, D}, true, "residual stream leaving the block"));
     }
     v.push_back(global_value(Value::ln_final_output, {B, T, D}, "final RMSNorm output"));
     v.push_back(global_value(Value::logits, {B, T, s_.V},
-                             s_.lm_head_multiplier != 1.0f ? "lm_head logits * lm_head_multiplier" : "lm_head logits"));
+                             s_.lm_head_multiplier != 1.0f ? "lm_head logits * the µP logit multiplier (Falcon-H1 lm_head_multiplier, Granite 1 / logits_scaling)" : "lm_head logits"));
     return v;
   }
 

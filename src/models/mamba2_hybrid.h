@@ -1,8 +1,9 @@
-// Shared implementation of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1): pre-norm residual
-// blocks whose first branch runs the Mamba-2 mixer (src/mixers/mamba2_mixer.*), softmax attention
-// (src/mixers/attention_mixer.*), both side by side (Falcon-H1, summed), or an MLP (Nemotron-H MLP
-// blocks); optionally a second branch pre_ff norm + MLP (Bamba, Falcon-H1). The family files
-// (nemotron_h.cpp, bamba.cpp, falcon_h1.cpp) read their configs into a Mamba2HybridSpec.
+// Shared implementation of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H):
+// pre-norm residual blocks whose first branch runs the Mamba-2 mixer (src/mixers/mamba2_mixer.*),
+// softmax attention (src/mixers/attention_mixer.*), both side by side (Falcon-H1, summed), or an MLP
+// (Nemotron-H MLP blocks); optionally a second branch pre_ff norm + MLP (Bamba, Falcon-H1), or
+// norm + routed experts + the MLP as a shared MLP (Granite). The family files (nemotron_h.cpp,
+// bamba.cpp, falcon_h1.cpp, granitemoehybrid.cpp) read their configs into a Mamba2HybridSpec.
 // Cache: conv window + SSM state for mixer layers, a KV cache for attention layers.
 #pragma once
 #include <memory>
@@ -19,13 +20,21 @@
 namespace mixlens::detail {
 
 enum class HybridMlp { swiglu, relu2 };
+/// The MoE's router and experts.
+enum class HybridMoeKind {
+  nemotron_h,  ///< NemotronHMoE: sigmoid router + e_score_correction_bias, group-limited top-k, relu2
+               ///< experts (optional latent projections), one relu2 shared expert inside the MoE
+  granite,     ///< GraniteMoeHybridMoE: softmax over the top-k router logits, SwiGLU experts (fused
+               ///< gate_up, gate rows first); the block's MLP is the shared MLP, added by the block
+};
 
 /// What one block holds (weights are looked up under the spec's names).
 struct HybridBlock {
   bool mamba = false;       ///< the Mamba-2 mixer on the first branch (values linear_attn.*)
   bool attn = false;        ///< softmax attention on the first branch (values self_attn.*)
   bool branch_mlp = false;  ///< Nemotron-H MLP block: the MLP is the first branch (mlp.output)
-  bool moe = false;         ///< with branch_mlp: a Nemotron-H MoE block (NemotronHMoE) instead of the MLP
+  bool moe = false;         ///< with branch_mlp: a Nemotron-H MoE block (NemotronHMoE) instead of the MLP;
+                            ///< with ff: Granite's routed experts added to the MLP (the shared MLP)
   bool ff = false;          ///< second residual branch: ff norm + MLP (mlp.output)
   LayerKind kind = LayerKind::mamba2;
 };
@@ -41,6 +50,10 @@ struct Mamba2HybridSpec {
   // <prefix>layers.<i>.<mamba_mod> / <attn_mod> / <mlp_mod>, <prefix><final_norm>, lm_head.weight.
   std::vector<std::string> prefixes;  ///< tried in order (published and transformers-saved layouts)
   std::string embed, final_norm, in_norm, ff_norm, mamba_mod, attn_mod, mlp_mod;
+  std::string moe_mod;    ///< the MoE module when it is not mlp_mod (Granite: block_sparse_moe beside shared_mlp)
+  /// The MLP's gate and up projections are one input_linear [2I, D] (gate rows first) and its down
+  /// projection is output_linear (GraniteMoeHybridMLP), instead of gate_proj / up_proj / down_proj.
+  bool mlp_fused = false;
 
   Mamba2MixerDims mamba;
   /// The attention blocks' options (GQA, RoPE, biases, Falcon-H1's attention / key multipliers);
@@ -50,14 +63,22 @@ struct Mamba2HybridSpec {
   HybridMlp mlp = HybridMlp::swiglu;
   int64_t I = 0;
   bool mlp_bias = false;
-  // Nemotron-H MoE (NemotronHMoE / NemotronHTopkRouter): sigmoid router + e_score_correction_bias,
+  // MoE. Nemotron-H (NemotronHMoE / NemotronHTopkRouter): sigmoid router + e_score_correction_bias,
   // group-limited top-k, relu2 experts (up/down, optional latent projections), one shared expert.
+  // Granite (GraniteMoeHybridMoE): softmax over the top-k logits, SwiGLU experts of width moe_I.
+  HybridMoeKind moe_kind = HybridMoeKind::nemotron_h;
   int64_t n_experts = 0, topk = 0, n_group = 1, topk_group = 1, moe_I = 0, shared_I = 0, latent = 0;
   bool norm_topk = true;
   float routed_scaling = 1.0f;
   // Falcon-H1 µP multipliers (1 elsewhere), applied where transformers applies them.
   float embedding_multiplier = 1.0f, lm_head_multiplier = 1.0f;
   float mlp_gate_multiplier = 1.0f, mlp_down_multiplier = 1.0f;
+  // Granite µP (GraniteMoeHybridDecoderLayer): every branch's output * residual_multiplier before it
+  // is added (the served attention_output / mlp.output include it: what the block adds; the mixer's
+  // factor is folded into mamba.out_multiplier and attn.out_multiplier by make_mamba2_hybrid). GraniteMoeHybridModel scales
+  // inputs_embeds by embedding_multiplier too (Falcon-H1: looked-up ids only).
+  float residual_multiplier = 1.0f;
+  bool embedding_multiplier_on_embeds = false;
 };
 
 /// One block's weights (shapes as loaded by make_mamba2_hybrid; optional tensors undefined).
@@ -66,8 +87,9 @@ struct HybridMlpWeights {
   Tensor gate_b, up_b, down_b;  ///< optional biases
 };
 struct HybridMoeWeights {
-  Tensor router, bias;           ///< [E, D], [E] e_score_correction_bias
+  Tensor router, bias;           ///< [E, D], [E] e_score_correction_bias (Nemotron-H only)
   std::vector<Tensor> up, down;  ///< per expert [I, in], [in, I] (in = latent or D)
+  std::vector<Tensor> gate;      ///< Granite: per expert [I, D] (views into the fused gate_up tensor)
   Tensor shared_up, shared_down; ///< [Is, D], [D, Is]
   Tensor fc1, fc1_b, fc2, fc2_b; ///< optional latent projections [latent, D], [D, latent]
 };
@@ -84,26 +106,40 @@ struct HybridBlockWeights {
 /// forward and the backward (src/grad/mamba2_hybrid_grad.cpp) so both route identically.
 std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc);
 
-/// NemotronHMoE's routing of `rows` tokens x [rows, D] (fp32 sigmoid router, moe_choose per token).
+/// The MoE's routing of `rows` tokens x [rows, D]: NemotronHMoE (fp32 sigmoid router, moe_choose per
+/// token) or GraniteMoeHybridTopKRouter (fp32 logits, top-k, softmax over the k chosen logits).
 /// The forward and the backward (src/grad/mamba2_hybrid_grad.cpp) share it: identical routing.
 struct HybridMoeRouting {
-  std::vector<float> scores;    ///< [rows, E] sigmoid(router x)
+  std::vector<float> scores;    ///< [rows, E] sigmoid(router x) (Nemotron-H) or the router logits (Granite)
   std::vector<int64_t> chosen;  ///< [rows, topk] expert ids, best first
-  std::vector<float> total;     ///< [rows] sum of the chosen experts' scores
+  std::vector<float> total;     ///< [rows] sum of the chosen experts' scores (Nemotron-H)
+  /// [rows, topk] routing weights: score / (total + 1e-20) when norm_topk, * routed_scaling (Nemotron-H);
+  /// softmax over the chosen logits (Granite).
+  std::vector<float> weights;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> routed;  ///< per expert: (row, k), rows ascending
-  /// Routing weight of row r's k-th expert: its score (/ (total + 1e-20) when norm_topk) * routed_scaling.
-  float weight(const Mamba2HybridSpec& s, int64_t r, int64_t k) const;
+  /// Routing weight of row r's k-th expert.
+  float weight(int64_t r, int64_t k) const { return weights[static_cast<size_t>(r * topk + k)]; }
+  int64_t topk = 0;
 };
 HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows);
 /// The experts' input [rows, latent] = fc1(x) with latent projections; undefined without (the experts read x).
 Tensor hybrid_moe_input(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows);
 /// Rows `toks[j].first` of x [*, in] gathered into [toks.size(), in] (one expert's tokens).
 Tensor gather_routed_rows(const float* x, int64_t in, const std::vector<std::pair<int64_t, int64_t>>& toks);
-/// NemotronHMoE forward: x [rows, D] -> [rows, D] (routed experts, fc2, + the shared expert).
+/// The MoE forward: x [rows, D] -> [rows, D]. NemotronHMoE: routed relu2 experts, fc2, + the shared
+/// expert; Granite: the routed SwiGLU experts only (the block adds its shared MLP).
 Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows);
+/// One expert e on its gathered rows xs [rows, in]: relu2 (Nemotron-H) or SwiGLU (Granite).
+Tensor hybrid_expert(const Mamba2HybridSpec& s, const HybridMoeWeights& m, int64_t e, const float* xs, int64_t rows);
+/// A block's second branch on its normed input x [rows, D] -> [rows, D]: the MLP, plus the routed
+/// experts when b.moe (Granite: the MLP is the shared MLP), * residual_multiplier: mlp.output.
+Tensor ff_branch(const Mamba2HybridSpec& s, const HybridBlockWeights& w, const HybridBlock& b, const float* x, int64_t rows);
 /// The block MLP: swiglu down(up x * silu(gate x * gate_mult)) * down_mult, or relu2 down(relu(up x)^2);
 /// x [rows, D] -> [rows, D].
 Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const float* x, int64_t rows);
+/// SwiGLU MLP with explicit weights (Granite experts): down(up x * silu(gate x)), x [rows, in].
+Tensor swiglu_mlp(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows,
+                  int64_t in, int64_t I);
 /// relu2 MLP with explicit weights (experts, shared expert): down(relu(up x)^2), x [rows, in].
 Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows, int64_t in, int64_t I);
 

@@ -18,6 +18,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"nemotron_h", "nemotron_h", make_nemotron_h, true},
       {"bamba", "bamba", make_bamba, true},
       {"falcon_h1", "falcon_h1", make_falcon_h1, true},
+      {"granitemoehybrid", "granitemoehybrid", make_granitemoehybrid, true},
   };
   return registry;
 }

@@ -25,11 +25,17 @@ namespace {
 struct Fixture {
   const char* dir;
   const char* family;
+  /// Granite's softmax top-2 of 4 experts: a prompt-wide FD step flips some token's routing (the two
+  /// central differences disagree), so its prompt is checked against torch autograd only
+  /// (tests/python/test_grad_hybrids.py, routing held constant); its decode step is checked here.
+  bool prompt_routing_flips = false;
 };
 const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemotron_h/padded_batch", "nemotron_h"},
                              {"nemotron_h/moe_latent", "nemotron_h"},    {"bamba/groups2_edits", "bamba"},
                              {"bamba/padded_batch", "bamba"},            {"falcon_h1/norm_gate_first_edits", "falcon_h1"},
-                             {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"}};
+                             {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"},
+                             {"granitemoehybrid/rope_moe_edits", "granitemoehybrid", true},
+                             {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"}};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
 std::vector<std::string> paths_of(const Model& m, bool decode) {
@@ -40,7 +46,9 @@ std::vector<std::string> paths_of(const Model& m, bool decode) {
     const std::string k(layer_kind_name(kinds[static_cast<size_t>(i)]));
     if (attn < 0 && (k == "attention" || k == "hybrid")) attn = i;
     if (mix < 0 && (k == "mamba2" || k == "hybrid")) mix = i;
-    if (mlp < 0 && (k == "mlp" || k == "moe" || k == "hybrid" || m.info().family == "bamba")) mlp = i;
+    if (mlp < 0 && (k == "mlp" || k == "moe" || k == "hybrid" || m.info().family == "bamba" ||
+                    m.info().family == "granitemoehybrid"))
+      mlp = i;
   }
   const std::string a = "layers." + std::to_string(attn) + ".self_attn.", x = "layers." + std::to_string(mix) + ".linear_attn.";
   for (const char* v : {"attention_queries", "attention_keys", "attention_values"}) p.push_back(a + v);
@@ -94,6 +102,7 @@ const std::vector<int32_t> kShort{14, 6, 22, 9, 3};
 
 TEST(GradHybrids, PromptMatchesDirectionalFiniteDifferencesOnBothKernels) {
   for (const auto& fx : kFixtures) {
+    if (fx.prompt_routing_flips) continue;
     Model m = Model::load(test::fixture(fx.dir).string());
     const Batch in = Batch::left_padded({kLong, kShort}, 0);
     for (const char* route : {"chunked", "recurrent"}) {

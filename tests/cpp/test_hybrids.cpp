@@ -1,4 +1,4 @@
-// The Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1): parity with transformers through the golden
+// The Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H): parity with transformers through the golden
 // fixtures (scripts/make_fixtures.py), the values.md invariants, support() / block kinds,
 // and load-time errors.
 #include <gtest/gtest.h>
@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include "fixture_util.h"
+#include "io/safetensors.h"
+#include "io/weights.h"
 #include "mixlens/errors.h"
 #include "recurrent_checks.h"
 
@@ -24,7 +26,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"nemotron_h", "bamba", "falcon_h1"})
+  for (const char* f : {"nemotron_h", "bamba", "falcon_h1", "granitemoehybrid"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -187,6 +189,74 @@ TEST(Hybrids, BadConfigsGiveClearErrors) {
                     "ssm_multipliers must have 5 entries (got 2)");
   EXPECT_LOAD_ERROR(ConfigError, patched_copy("falcon_h1/norm_before_gate", "dssm", [](nlohmann::json& c) { c["mamba_d_head"] = 16; }),
                     "intermediate width (48) must equal num_heads * head_dim (64)");
+  // Granite: a layer type it does not have, a layer list of the wrong length, a positional
+  // encoding it does not know, a µP multiplier that is not positive, more experts chosen than exist,
+  // experts where the checkpoint has none.
+  const std::string g = "granitemoehybrid/rope_moe_edits", gd = "granitemoehybrid/nope_dense_padded";
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(g, "gtype", [](nlohmann::json& c) { c["layer_types"][1] = "conv"; }),
+                    "layer_types[1] is 'conv'");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(g, "glen", [](nlohmann::json& c) { c["num_hidden_layers"] = 4; }),
+                    "layer_types has 3 entries but num_hidden_layers is 4");
+  EXPECT_LOAD_ERROR(UnsupportedError, patched_copy(g, "gpe", [](nlohmann::json& c) { c["position_embedding_type"] = "alibi"; }),
+                    "position_embedding_type 'alibi' is not supported");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(g, "gmul", [](nlohmann::json& c) { c["residual_multiplier"] = 0.0; }),
+                    "residual_multiplier must be a finite number > 0");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(g, "gtopk", [](nlohmann::json& c) { c["num_experts_per_tok"] = 5; }),
+                    "num_experts_per_tok (5) exceeds num_local_experts (4)");
+  EXPECT_LOAD_ERROR(Error, patched_copy(gd, "gexp", [](nlohmann::json& c) {
+                      c["num_local_experts"] = 2;
+                      c["num_experts_per_tok"] = 1;
+                    }),
+                    "layers.0.block_sparse_moe.router.weight");
+}
+
+// Granite: the published checkpoints spell layer_types with the legacy "mamba" / "attention" (which
+// transformers 5.18 reads as linear_attention / full_attention); mixlens reads both alike.
+TEST(Hybrids, GraniteLegacyLayerTypesReadAlike) {
+  GoldenCase c("granitemoehybrid", "nope_dense_padded");
+  const fs::path legacy = patched_copy("granitemoehybrid/nope_dense_padded", "glegacy", [](nlohmann::json& j) {
+    for (auto& t : j["layer_types"]) t = t == "full_attention" ? "attention" : "mamba";
+  });
+  Model m = Model::load(legacy.string());
+  EXPECT_EQ(m.info().layer_kinds, c.model.info().layer_kinds);
+  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
+  ASSERT_EQ(a.numel(), b.numel());
+  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
+}
+
+// Granite: the published checkpoints spell the experts block_sparse_moe.input_linear /
+// output_linear / router.layer, which transformers 5.18 renames on load (experts.gate_up_proj /
+// experts.down_proj / router.weight); mixlens reads either spelling to the same logits.
+TEST(Hybrids, GraniteReadsBothExpertWeightSpellings) {
+  GoldenCase c("granitemoehybrid", "rope_moe_edits");
+  const io::WeightStore w = io::WeightStore::open(c.dir);
+  const std::pair<std::string, std::string> spellings[] = {
+      {"block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"},
+      {"block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"},
+      {"block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"}};
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  int renamed = 0;
+  for (const std::string& n : w.names()) {
+    std::string m = n;
+    for (const auto& [a, b] : spellings)
+      for (const auto& [from, to] : {std::pair{a, b}, std::pair{b, a}})
+        if (m.size() > from.size() && m.compare(m.size() - from.size(), from.size(), from) == 0) {
+          m = m.substr(0, m.size() - from.size()) + to;
+          ++renamed;
+        }
+    tensors.emplace_back(m, w.get(n));
+  }
+  EXPECT_EQ(renamed, 3 * 3);  // three MoE tensors in each of the three layers
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_granite_spelling_" + std::to_string(::getpid()));
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  fs::copy_file(c.dir / "config.json", dst / "config.json");
+  io::write_safetensors(dst / "model.safetensors", tensors);
+  Model m = Model::load(dst.string());
+  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
+  ASSERT_EQ(a.numel(), b.numel());
+  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
+  fs::remove_all(dst);
 }
 
 TEST(Hybrids, ChunkSizeChangesNothingButTheAlgorithm) {

@@ -30,6 +30,7 @@ MODELS = {
     "nemotron_h": REPO / "tests/fixtures/nemotron_h/padded_batch",
     "bamba": REPO / "tests/fixtures/bamba/padded_batch",
     "falcon_h1": REPO / "tests/fixtures/falcon_h1/norm_before_gate",
+    "granitemoehybrid": REPO / "tests/fixtures/granitemoehybrid/rope_moe_edits",
 }
 _models: dict = {}
 

@@ -1,4 +1,4 @@
-"""Native gradients (issue 12) of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) against torch
+"""Native gradients (issue 12) of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H) against torch
 autograd on transformers' pure-torch models (mixlens_dev/oracle_grad_hybrids.py): every value's
 gradient (residual stream, block values, Mamba-2 mixer values, attention queries / keys / values /
 outputs, MLP and MoE outputs), both kernel paths (chunked, and routed to the token recurrence),
@@ -7,8 +7,10 @@ relative RMS <= 1e-4 in float32; left-padded batches; set_index edits.
 The models are mixlens_dev.fixtures.hybrids' builder with seeds distinct from the committed
 fixtures; together they cover the grouped gated norm (Nemotron-H, Falcon-H1), the full-width gated
 norm (Bamba), norm-then-gate and no norm (Falcon-H1), every Falcon-H1 µP multiplier, partial RoPE
-(Bamba), no positional encoding (Nemotron-H), GQA, relu2 MLPs, SwiGLU MLPs and a MoE block with
-group-limited routing, a latent projection and a shared expert."""
+(Bamba), no positional encoding (Nemotron-H, Granite "nope"), GQA, relu2 MLPs, SwiGLU MLPs, a MoE
+block with group-limited routing, a latent projection and a shared expert, and Granite's softmax
+top-k routed SwiGLU experts beside its shared MLP with its µP multipliers (embedding, residual,
+attention softmax scale, logits scaling)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ CASES = {
                                      seed=76, lens=[11, 4]),
     "falcon_h1_norm_before_gate": dict(family="falcon_h1", config=dict(mamba_norm_before_gate=True, mamba_n_groups=1),
                                        seed=77, lens=[10]),
+    "granite_rope_moe": dict(family="granitemoehybrid", config={}, seed=79, lens=[17]),
+    "granite_nope_dense_padded": dict(family="granitemoehybrid", config=dict(
+        position_embedding_type="nope", num_local_experts=0, num_experts_per_tok=0, mamba_n_groups=1,
+        layer_types=["attention", "mamba", "mamba"], tie_word_embeddings=False), seed=80, lens=[12, 5]),
 }
 
 
@@ -73,7 +79,7 @@ class Case:
             out += [f"layers.{i}.linear_attn.{v}" for v in MIXER]
         if kind in ("attention", "hybrid"):
             out += [f"layers.{i}.self_attn.{v}" for v in ATTN]
-        if kind in ("mlp", "moe", "hybrid") or self.family == "bamba":
+        if kind in ("mlp", "moe", "hybrid") or self.family in ("bamba", "granitemoehybrid"):
             out.append(f"layers.{i}.mlp.output")
         return out
 

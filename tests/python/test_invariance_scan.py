@@ -21,6 +21,7 @@ FAMILIES = {
     "nemotron_h": "nemotron_h/groups2_edits",
     "bamba": "bamba/groups2_edits",
     "falcon_h1": "falcon_h1/norm_before_gate",
+    "granitemoehybrid": "granitemoehybrid/rope_moe_edits",
 }
 _models: dict = {}
 

@@ -1,4 +1,4 @@
-"""Live parity of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1) with transformers 5.18.
+"""Live parity of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H) with transformers 5.18.
 
 Fresh random models built with mixlens_dev.fixtures.hybrids' builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, through mixer, attention
@@ -74,6 +74,20 @@ CASES = {
         family="falcon_h1", seed=57, prompts=[13], config=dict(mamba_norm_before_gate=True, mamba_n_groups=1,
                                                                tie_word_embeddings=False),
         edits=[dict(name="state_in_x0p5_s1", path=mix(0, "state_input"), step=1, op="scale", factor=0.5)]),
+    # Granite 4.0-H: RoPE, routed SwiGLU experts (softmax top-2) + shared MLP, every µP multiplier
+    # (embedding, residual, attention softmax scale, logits scaling), left-padded batch, chunk 4.
+    "granite_rope_moe_padded": dict(
+        family="granitemoehybrid", seed=61, prompts=[18, 7], config=dict(mamba_chunk_size=4),
+        edits=[dict(name="decays_half_s1", path=mix(0, "decays"), step=1, op="scale", factor=0.5),
+               dict(name="attn_out_x2_s3", path=att(1, "attention_output"), step=3, op="scale", factor=2.0),
+               dict(name="betas_zero_tok2", path=mix(2, "betas"), step=0, op="set_index", index=2, value=0.0)]),
+    # No positional encoding (the published "nope"), no experts (the shared MLP alone), n_groups 1.
+    "granite_nope_dense": dict(
+        family="granitemoehybrid", seed=67, prompts=[13, 6], config=dict(
+            position_embedding_type="nope", num_local_experts=0, num_experts_per_tok=0, mamba_n_groups=1,
+            layer_types=["attention", "mamba", "mamba"], tie_word_embeddings=False),
+        edits=[dict(name="state_in_head2_s2", path=mix(1, "state_input"), step=2, op="set_index", index=2, value=0.0),
+               dict(name="attn_v_x2_s1", path=att(0, "attention_values"), step=1, op="scale", factor=2.0)]),
 }
 
 
@@ -149,7 +163,7 @@ def test_support_and_block_kinds(case):
             with pytest.raises(mixlens.UnknownValueError, match=f"block {i} is an? {kinds[i]} block"):
                 case.model.generate(case.prompts, max_new_tokens=1, saves=[mix(i, "states")]).run()
     expected = {"nemotron_h": {"mamba2", "attention", "mlp"} if "moe" not in kinds else {"mamba2", "attention", "moe"}, "bamba": {"mamba2", "attention"},
-                "falcon_h1": {"hybrid"}}[case.spec["family"]]
+                "falcon_h1": {"hybrid"}, "granitemoehybrid": {"mamba2", "attention"}}[case.spec["family"]]
     assert set(kinds) == expected
 
 
@@ -165,3 +179,20 @@ def test_chunk_size_smaller_than_prompt_agrees_with_recurrent_kernel(case):
             mixlens.route_kernels(case.spec["family"], "default")
     for p in paths:
         assert rel_rms(runs[0].saved[p][0], runs[1].saved[p][0]) <= 1e-5, p
+
+
+def test_granite_inputs_embeds_are_multiplied_as_transformers_does(case):
+    """GraniteMoeHybridModel scales inputs_embeds by embedding_multiplier too (Falcon-H1 does not):
+    the raw embedding rows given as inputs_embeds reproduce the ids' logits, on both sides."""
+    if case.spec["family"] != "granitemoehybrid":
+        pytest.skip("Granite only")
+    import numpy as np
+    import torch
+
+    ids = case.prompts[0]
+    raw = case.torch_model.model.embed_tokens(torch.tensor([ids])).detach()
+    with torch.no_grad():
+        want = case.torch_model(inputs_embeds=raw).logits.numpy()
+    got = case.model.run(inputs_embeds=raw.numpy())["logits"]
+    assert rel_rms(got, want) <= 1e-5
+    np.testing.assert_allclose(got, case.model.run([ids])["logits"], rtol=0, atol=1e-5)
