@@ -176,7 +176,7 @@ TEST(TlNames, WildcardKeysWritesAndSessions) {
   EXPECT_THROW(c.model.run(c.prompts, &none), UnknownValueError);
 
   // A write through a TL name is the canonical write: same logits, and read back under the TL name.
-  const auto zero_beta = [](Tensor& v, const SiteContext&) { std::fill(v.begin(), v.end(), 0.0f); };
+  const auto zero_beta = [](Tensor& v, const SiteContext&) { std::fill(v.data(), v.data() + v.numel(), 0.0f); };
   Trace tl_edit, canon_edit;
   tl_edit.edit("blocks.1.linear_attn.hook_beta", zero_beta).save("blocks.1.linear_attn.hook_beta");
   canon_edit.edit("layers.1.linear_attn.betas", zero_beta);
