@@ -58,6 +58,10 @@ def main() -> None:
                 converted.append((f"blocks.{i}.linear_attn.{h}", f"layers.{i}.linear_attn.{v}", "[:, :, ::r]"))
         elif k == "attention":
             names += [f"blocks.{i}.attn.hook_pattern", f"blocks.{i}.hook_attn_out"]
+            # Refused by mixlens (not checked to be the same quantity on every family): shown for the record.
+            for h, v in (("hook_v", "attention_values"), ("hook_rot_q", "attention_queries"),
+                         ("hook_rot_k", "attention_keys")):
+                converted.append((f"blocks.{i}.attn.{h}", f"layers.{i}.self_attn.{v}", ""))
     ml = model.run([ids], saves=names + [p for _, p, _ in converted])
     worst = 0.0
     for n in names:
@@ -75,8 +79,11 @@ def main() -> None:
             print(f"{tl:48s} not in TL's cache")
             continue
         ref = ml[path]
-        r = ref.shape[2] // cache[tl].shape[2]
-        worst = max(worst, compare(f"{tl} = {path}{conv} (r={r})", cache[tl], ref[:, :, ::r]))
+        if conv:
+            r = ref.shape[2] // cache[tl].shape[2]
+            worst = max(worst, compare(f"{tl} = {path}{conv} (r={r})", cache[tl], ref[:, :, ::r]))
+        else:  # not an alias: printed, not counted
+            compare(f"{tl} vs {path} (no alias)", cache[tl], ref)
     print(f"model {cfg['family']} {MODEL.name}: worst rel_rms {worst:.3g}")
 
 
