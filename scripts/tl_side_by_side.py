@@ -37,7 +37,7 @@ def compare(name: str, tl: torch.Tensor, ml: np.ndarray) -> float:
 
 
 def main() -> None:
-    model = mixlens.StandardizedTransformer(str(MODEL))
+    model = mixlens.StandardizedTransformer(str(MODEL), output="numpy")
     ids = model.tokenizer.encode(PROMPT)
     kinds = model.info["layer_kinds"]
     bridge = TransformerBridge.boot_transformers(str(MODEL), dtype=torch.float32, device="cpu")
