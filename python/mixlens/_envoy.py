@@ -281,3 +281,37 @@ class _LayerValue:
 
     def __setitem__(self, i: int, value) -> None:
         self._model._write(self._path(i), value)
+
+
+class _TlEnvoy(_Envoy):
+    """``model.blocks[i].hook_resid_post``, ``model.blocks[i].linear_attn.hook_beta``: TransformerLens 4 hook
+    names (docs/transformer_lens.md), read and written inside a trace as the mixlens values they alias. The core
+    resolves each name (src/runtime/tl_names.cpp) and raises for one without an exact alias, saying why."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name.startswith("hook_"):
+            return self._model._read(self._prefix + name)
+        return _TlEnvoy(self._model, f"{self._prefix}{name}.")  # a component: blocks[i].mixer, .attn, ...
+
+
+class _TlBlocks(Sequence):
+    """``model.blocks``: one TransformerLens-named envoy per block (``blocks.{i}.``)."""
+
+    def __init__(self, model: "StandardizedTransformer"):
+        self._model = model
+
+    def __len__(self) -> int:
+        return self._model.num_layers
+
+    def __getitem__(self, i):
+        n = len(self)
+        if type(i) is not int:
+            raise InputError(f"model.blocks[{i!r}]: a block index is an integer")
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise LayerIndexError(f"block {i} out of range (the model has {n} blocks)")
+        return _TlEnvoy(self._model, f"blocks.{j}.")

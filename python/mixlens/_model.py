@@ -16,7 +16,7 @@ from . import _core, _extract, _invoke, _nnterp, hub
 from ._args import ModelBase, check_bool as _check_bool, check_float as _check_float, check_int as _check_int
 from ._cache import Cache
 from ._convert import ValueArray, resolve_output, to_plain
-from ._envoy import _Envoy, _Layers, _LayerValue
+from ._envoy import _Envoy, _Layers, _LayerValue, _TlBlocks
 from ._inputs import (_INT32_MAX, _NO_MASK_WITH_CACHE, _STEP_KEY, _UINT64_MAX, Prompt, _all_logits, _check_rows,
                       _check_saved_steps, _check_steps_reachable, _dtype_name, _edit_specs, _embeds_input,
                       _ids_input, _save_specs)
@@ -96,6 +96,7 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin):
         self._value_paths: Optional[frozenset] = None
         self._num_layers: int = self._core.info["num_layers"]  # info builds a dict: not per read
         self.layers = _Layers(self)
+        self.blocks = _TlBlocks(self)  # TransformerLens 4 names (docs/transformer_lens.md)
         self.embed_tokens = _Envoy(self, "embed_tokens.")
         self.ln_final = _Envoy(self, "ln_final.")
         self.layers_input = _LayerValue(self, "layer_input")

@@ -78,6 +78,9 @@ class FamilyModel {
   const ValueTable& value_table() const;
   /// values.md support(): value name -> per layer reason ("" when available).
   virtual std::map<std::string, std::map<int, std::string>> support() const = 0;
+  /// Gated DeltaNet: value heads per key head (linear_num_value_heads / linear_num_key_heads), 1 for
+  /// every other mixer. TransformerLens names q / k before that repetition (docs/transformer_lens.md).
+  virtual int64_t key_head_repeat() const { return 1; }
   /// Model::set_chunk_size (range already checked): the chunked kernel's chunk length, 0 = the
   /// default. A family whose chunk is fixed refuses any other length (never a silent no-op).
   virtual void set_chunk_size(int64_t c) {

@@ -340,6 +340,8 @@ class QwenHybrid final : public FamilyModel {
                              "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' "
                              "torch_chunk_gated_delta_rule; per-token states are served on any chunk (0 keeps the default)");
   }
+  int64_t key_head_repeat() const override { return g_.HV / g_.HK; }
+
   std::map<std::string, std::map<int, std::string>> support() const override {
     std::map<std::string, std::map<int, std::string>> s;
     for (int i = 0; i < static_cast<int>(L_); ++i) {

@@ -11,6 +11,7 @@
 #include "models/family.h"
 #include "ops/env.h"
 #include "runtime/model_access.h"
+#include "runtime/tl_names.h"
 #include "runtime/trace_listener.h"
 
 namespace mixlens {
@@ -25,6 +26,7 @@ struct Trace::Impl {
     Steps steps;
     std::optional<int64_t> token;  // "...state@t5": the per-token state after token 5 (may be < 0)
     std::string base;              // path without the "@t" suffix
+    bool tl = false;               // `base` is a TransformerLens name: saved under it (tl_key), not the canonical path
   };
   std::vector<Reg> regs;
   std::vector<std::pair<std::string, Tensor>> saved;
@@ -276,6 +278,18 @@ std::string with_star(const std::string& path, std::string* layer = nullptr) {
 
 std::vector<Site> resolve_path(const FamilyModel& model, const std::string& pattern, const std::string& shown) {
   const std::string& said = shown.empty() ? pattern : shown;  // the path as the caller spelled it
+  // A TransformerLens name addresses the canonical values it is an exact alias of (tl_names.h).
+  if (is_tl_name(pattern)) {
+    std::vector<Site> out;
+    for (const std::string& canonical : tl_canonical_paths(model, pattern)) {
+      try {
+        for (const Site& s : resolve_path(model, canonical)) out.push_back(s);
+      } catch (const UnknownValueError& e) {
+        throw UnknownValueError("'" + pattern + "' (TransformerLens name of '" + canonical + "'): " + e.what());
+      }
+    }
+    return out;
+  }
   // The per-token "state" is not a separate entry of values(): it addresses `states` by token, so it
   // exists exactly where `states` does. Where it does not, the errors below name `state` (what was
   // asked for), not `states`.
@@ -367,6 +381,7 @@ TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
   for (auto& r : impl.regs) {
     r.base = r.path;
     r.token = split_token(r.base);
+    r.tl = is_tl_name(r.base);
     impl.bound.push_back(resolve_path(model, r.base, r.path));
     for (const Site& s : impl.bound.back()) {
       if (r.kind != Trace::Impl::Kind::save && s.value == Value::states)
@@ -481,22 +496,25 @@ void TraceListener::settled_state(int layer, int64_t t, const Tensor& value) {
 void TraceListener::revised(int layer, Value v, const Tensor& value) { record_saves({layer, v}, -1, value, true); }
 
 // For Value::state, the registrations whose token resolves to `token`, each stored under its path
-// as spelled ("...state@t-1@step0"), so get() finds what was asked for.
+// as spelled ("...state@t-1@step0"), so get() finds what was asked for. A TransformerLens name is
+// stored under that name too ("blocks.3.hook_resid_post@step0"): one copy per distinct key.
 void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, bool only_existing) {
   auto& impl = *trace_.impl_;
   if (!value.defined()) return;  // None (state_input of a fresh prompt) is not stored
+  std::vector<std::string> stored;  // keys stored by this call (registrations naming one site share a key)
   for (size_t i = 0; i < impl.regs.size(); ++i) {
     const auto& r = impl.regs[i];
     if (r.kind != Trace::Impl::Kind::save || !r.steps.contains(ctx_.step)) continue;
     if (std::find(sites_[i].begin(), sites_[i].end(), site) == sites_[i].end()) continue;
-    std::string key = site_path(site);
+    std::string key = r.tl ? tl_key(r.base, site.layer) : site_path(site);
     if (site.value == Value::state) {
       if (!r.token || !token_in_call(*r.token, ctx_.seq) || resolve_token(*r.token, ctx_.seq, r.path) != token) continue;
       key += "@t" + std::to_string(*r.token);
     }
     key += "@step" + std::to_string(ctx_.step);
+    if (std::find(stored.begin(), stored.end(), key) != stored.end()) continue;
     auto it = impl.index.find(key);
-    if (it == impl.index.end() && only_existing) return;
+    if (it == impl.index.end() && only_existing) continue;
     const uint64_t bytes = static_cast<uint64_t>(value.numel()) * sizeof(float);
     const uint64_t replaced =
         it != impl.index.end() ? static_cast<uint64_t>(impl.saved[it->second].second.numel()) * sizeof(float) : 0;
@@ -515,9 +533,9 @@ void TraceListener::record_saves(Site site, int64_t token, const Tensor& value, 
     if (it != impl.index.end()) impl.saved[it->second].second = std::move(kept);
     else {
       impl.index[key] = impl.saved.size();
-      impl.saved.emplace_back(std::move(key), std::move(kept));
+      impl.saved.emplace_back(key, std::move(kept));
     }
-    if (site.value != Value::state) return;  // one stored copy per (site, step), however many registrations name it
+    stored.push_back(std::move(key));
   }
 }
 
