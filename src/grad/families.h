@@ -54,7 +54,7 @@ using MixerDout = std::function<Tensor(const Tensor& out)>;
 void mamba2_mixer_backward(const detail::Mamba2Mixer& mixer, const detail::Mamba2MixerWeights& w, int layer,
                            const Tensor& n, const Mamba2CallState& call, const Tape& tape, const MixerDout& dout_of,
                            Tensor& dn, GradSink& sink);
-/// The weights of one Mamba-1 mixer (models/mamba.cpp MambaLayer), as its backward reads them.
+/// The weights and options of one Mamba-1 mixer (mixers/mamba_mixer.h), as its backward reads them.
 struct MambaMixerView {
   int64_t D = 0, E = 0, N = 0, R = 0, K = 0;
   int64_t chunk = 64;                   ///< the chunked scan's chunk length (recomputation as the forward)
@@ -68,6 +68,8 @@ struct MambaMixerView {
   const Tensor* A = nullptr;            ///< [E, N] = -exp(A_log)
   const Tensor* Dskip = nullptr;        ///< [E]
   const Tensor* out_proj = nullptr;     ///< [D, E]
+  bool bcdt_rms_norm = false;           ///< FalconMamba: weightless RMS norms on dt_low, B, C
+  float mixer_rms_eps = 1e-6f;
 };
 
 /// What a Mamba-1 mixer call read from its cache (constants of the backward), and how the family
