@@ -18,6 +18,9 @@ const std::vector<FamilyEntry>& family_registry() {
       {"nemotron_h", "nemotron_h", make_nemotron_h, true},
       {"bamba", "bamba", make_bamba, true},
       {"falcon_h1", "falcon_h1", make_falcon_h1, true},
+      {"falcon_mamba", "falcon_mamba", make_falcon_mamba, true},
+      {"qwen3_5_moe", "qwen3_5_moe", make_qwen3_5_moe, true},
+      {"qwen3_5_moe_text", "qwen3_5_moe", make_qwen3_5_moe, true},
   };
   return registry;
 }
