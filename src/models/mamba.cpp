@@ -30,15 +30,18 @@ class MambaModel final : public SsmLm {
   MambaModel(const io::Config& cfg, const io::WeightStore& w, const std::string& family, const MambaMixerDims& opts) {
     load_backbone(cfg, w, family, true);
     N_ = cfg.get<int64_t>("state_size");
-    // MambaConfig.__post_init__: intermediate_size = int(expand * hidden_size) (a stored
-    // intermediate_size is overwritten), time_step_rank "auto" = ceil(hidden_size / 16).
-    E_ = static_cast<int64_t>(cfg.get_double_or("expand", 2.0) * static_cast<double>(D_));
+    // MambaConfig / FalconMambaConfig.__post_init__: intermediate_size = int(expand * hidden_size),
+    // then PreTrainedConfig sets the file's other keys over it, so a stored intermediate_size wins
+    // (falcon-mamba-7b stores expand 16 next to intermediate_size 8192 = 2 * hidden_size);
+    // time_step_rank "auto" = ceil(hidden_size / 16).
+    E_ = cfg.get_or<int64_t>("intermediate_size",
+                             static_cast<int64_t>(cfg.get_double_or("expand", 2.0) * static_cast<double>(D_)));
     const nlohmann::json rank = cfg.has("time_step_rank") ? cfg.json()["time_step_rank"] : nlohmann::json("auto");
     if (rank.is_string() && rank.get<std::string>() == "auto") R_ = (D_ + 15) / 16;
     else if (rank.is_number_integer()) R_ = rank.get<int64_t>();
     else
       throw ConfigError(where(cfg) + ": field 'time_step_rank' must be an integer or \"auto\", got " + rank.dump());
-    require_positive(cfg, {{"state_size", N_}, {"intermediate_size (expand * hidden_size)", E_}, {"time_step_rank", R_}});
+    require_positive(cfg, {{"state_size", N_}, {"intermediate_size (else expand * hidden_size)", E_}, {"time_step_rank", R_}});
     const bool use_bias = cfg.get_or<bool>("use_bias", false);
     const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);
     MambaMixerDims dims = opts;

@@ -15,7 +15,7 @@ namespace mixlens::detail {
 /// Reads the sizes every Mamba-1 config has (hidden_size, state_size, expand, time_step_rank,
 /// conv_kernel, use_bias, use_conv_bias, ...) and loads the weights; `family` names the family
 /// (route_kernels, messages) and `options` carries the mixer options the family sets (its size
-/// fields are ignored). ConfigError / LoadError as the fields and tensors require.
+/// fields are ignored). ConfigError / CheckpointError as the fields and tensors require.
 std::unique_ptr<FamilyModel> make_mamba_lm(const io::Config& config, const io::WeightStore& weights,
                                            const std::string& family, const MambaMixerDims& options);
 
