@@ -27,7 +27,10 @@ CASES = {
     "bias_untied": dict(seed=72, config=dict(num_hidden_layers=2, hidden_size=48, time_step_rank=4, use_bias=True,
                                              use_conv_bias=False, tie_word_embeddings=False), lens=[9]),
     "padded_batch": dict(seed=64, config=dict(num_hidden_layers=2, tie_word_embeddings=True), lens=[11, 4]),
-    "falcon_basic_t19": dict(family="falcon_mamba", seed=66,
+    # Seed 66 made layer 1's one-token attention_keys gradient (C * sum_e of terms that nearly cancel)
+    # 2,700x smaller than its neighbours, where float32 rounding alone (mixlens' two routes differ by
+    # 1.7e-4) exceeds TOL; 69 does not.
+    "falcon_basic_t19": dict(family="falcon_mamba", seed=69,
                              config=dict(num_hidden_layers=2, state_size=16, tie_word_embeddings=True), lens=[19]),
     "falcon_padded_eps": dict(family="falcon_mamba", seed=67,
                               config=dict(num_hidden_layers=2, hidden_size=48, time_step_rank=4, use_conv_bias=False,

@@ -71,7 +71,7 @@ CASES = {
     ),
     # Qwen3.5-MoE: the MoE on every layer (top-k always renormalised), HV = 2*HK, two chunks, padded batch.
     "qwen3_5_moe_chunks_padded": dict(
-        family="qwen3_5_moe", seed=33, prompts=[67, 20],
+        family="qwen3_5_moe", seed=35, prompts=[67, 20],
         config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
                     linear_num_value_heads=4, tie_word_embeddings=False, **dict(MOE, num_experts_per_tok=3)),
         edits=[
