@@ -1,10 +1,11 @@
-"""Gradient oracle for Mamba-1 (issue 12): torch autograd on transformers' pure-torch MambaForCausalLM,
+"""Gradient oracle for Mamba-1 (issue 12): torch autograd on transformers' pure-torch MambaForCausalLM
+(and FalconMambaForCausalLM, whose mixer norms dt_low, B and C before the kernels: autograd takes those norms),
 with every value of values.md kept (``retain_grad``) so its ``.grad`` can be compared with mixlens'
 native backward.
 
 Values around the mixer come from module hooks (embeddings, each block's input and output, the mixer
 output, norm_f, logits). Both Mamba-1 kernels (module globals of modeling_mamba, as in
-oracle_mamba.py) are replaced by one explicit recurrence with every value an explicit tensor:
+oracle_mamba.py; of the model's own modeling module) are replaced by one explicit recurrence with every value an explicit tensor:
 ``mamba_selective_scan`` (multi-token calls) and ``mamba_selective_state_update`` (decode). Per token,
 in transformers' operation order: ``S_t = exp(decays_t) S_{t-1} + (dt_t B_t) u_t``, ``y_t = S_t C_t
 + D u_t``, gated ``y * silu(z)``.
@@ -29,9 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-import transformers.models.mamba.modeling_mamba as mm
-
 from mixlens_dev import oracle_mamba2 as om2
+from mixlens_dev.oracle_mamba import modeling_module
 from mixlens_dev.grad_common import collect, hook_ssm_backbone, keep as _keep
 
 
@@ -74,6 +74,7 @@ def run(model, prompts, metric, edits=(), prefix=None) -> dict[str, np.ndarray]:
     keep_states: dict[str, list] = {}
     cur = {"layer": None, "cache": None, "edits": []}
     handles = []
+    mm = modeling_module(model)
     orig_scan, orig_update = mm.mamba_selective_scan, mm.mamba_selective_state_update
 
     def edit(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 Qwen3_5ForCausalLM / Qwen3NextForCausalLM with every value of values.md kept (``retain_grad``), so
 its ``.grad`` can be compared with mixlens' native backward.
 
-The gated-delta kernels are module globals of ``modeling_qwen3_5`` / ``modeling_qwen3_next``
+The gated-delta kernels are module globals of ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next``
 (oracle_qwen.py relies on the same); the wrapper makes the kernel's inputs (q, k per value head before
 the in-kernel L2 norm, v, g, beta, the initial state) retained tensors and runs one of three scans,
 whatever kernel transformers picked for the call:
@@ -22,6 +22,7 @@ the second call, with the GDN ``state_input`` a leaf.
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    mod = oq.mq35 if "qwen3_5" in type(model).__module__ else oq.mqn
+    mod = sys.modules[type(model).__module__]  # the model's own modeling module (its globals are what it calls)
     text = model.model.language_model if hasattr(model.model, "language_model") else model.model
     keep, states = {}, {}
     cur = {"layer": None, "grad": False}

@@ -1,4 +1,5 @@
-"""Mamba-1 numerical oracle: every mixer value of transformers' pure-torch MambaForCausalLM.
+"""Mamba-1 numerical oracle: every mixer value of transformers' pure-torch MambaForCausalLM and
+FalconMambaForCausalLM (the same mixer with weightless RMS norms on dt_low, B and C).
 
 The reference the C++ tests compare against (through the committed goldens in
 tests/fixtures/mamba, built by scripts/make_fixtures_mamba.py). It imports no test framework and
@@ -16,7 +17,8 @@ wrappers whose implementation is the pure-torch function when ``mamba_ssm`` is a
   starting from a zero state), and
 * ``mamba_selective_state_update`` for a single-token call over a cached state (decode).
 
-The recorder replaces both. It receives the kernel inputs (u after conv+SiLU and the padding mask,
+The recorder replaces both, in the modeling module of the model it runs (``modeling_mamba`` or
+``modeling_falcon_mamba``, which defines the same two functions). It receives the kernel inputs (u after conv+SiLU and the padding mask,
 the raw dt before dt bias and softplus, A, B, C, D, z), applies the edits to them in the served
 layout, calls the original kernel **with z=None** so that y (incl. the D skip) comes back before
 the gate, applies edits to y, then gates with ``y * silu(z)`` exactly as the kernel does (same op,
@@ -31,17 +33,19 @@ Served layouts: C, B ``[B,T,N]``; u, dt, y ``[B,T,E]``; decays ``A*dt`` ``[B,T,E
 (token, channel): rows left unchanged keep their dt; a changed row must give the same
 ``decays[n] / A[e,n]`` for every n within DECAY_AGREEMENT (relative), and dt is their mean
 (float64, then float32) -- the rule mixlens implements.
+
+FalconMamba: ``FalconMambaMixer.forward`` norms dt_low, B and C before it calls the kernels, so the
+kernels' B / C (served as attention_keys / attention_queries) and dt are already the normed ones.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import transformers.models.mamba.modeling_mamba as mm
-
 from mixlens_dev import oracle_mamba2 as om2
 
 MIXER_VALUES = om2.MIXER_VALUES
@@ -86,6 +90,15 @@ def dt_from_decays(written: torch.Tensor, before: torch.Tensor, A: torch.Tensor,
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"decays write at (batch, token, channel) {idx} implies different dt across the state axis")
     return torch.where(changed, ratio.mean(-1).float(), dt)
+
+
+def modeling_module(model):
+    """The transformers modeling module whose globals ``model``'s mixers resolve the kernels from
+    (modeling_mamba for MambaForCausalLM, modeling_falcon_mamba for FalconMambaForCausalLM)."""
+    mod = sys.modules[type(model).__module__]
+    if not hasattr(mod, "mamba_selective_scan"):
+        raise TypeError(f"{type(model).__name__} is not a Mamba-1 model of transformers")
+    return mod
 
 
 class _Recorder(om2._Recorder):
@@ -210,20 +223,21 @@ class _Recorder(om2._Recorder):
         return y
 
     def __enter__(self):
-        if isinstance(getattr(mm.mamba_selective_scan, "__self__", None), _Recorder):
+        self.mod = modeling_module(self.model)
+        if isinstance(getattr(self.mod.mamba_selective_scan, "__self__", None), _Recorder):
             raise RuntimeError("mamba kernels are already patched (nested oracle run?)")
-        self._orig_scan = mm.mamba_selective_scan
-        self._orig_update = mm.mamba_selective_state_update
+        self._orig_scan = self.mod.mamba_selective_scan
+        self._orig_update = self.mod.mamba_selective_state_update
         self._scan_sig = inspect.signature(self._orig_scan)
         self._update_sig = inspect.signature(self._orig_update)
-        mm.mamba_selective_scan = self._scan
-        mm.mamba_selective_state_update = self._update
+        self.mod.mamba_selective_scan = self._scan
+        self.mod.mamba_selective_state_update = self._update
         self._install_hooks()
         return self
 
     def __exit__(self, *exc):
-        mm.mamba_selective_scan = self._orig_scan
-        mm.mamba_selective_state_update = self._orig_update
+        self.mod.mamba_selective_scan = self._orig_scan
+        self.mod.mamba_selective_state_update = self._orig_update
         for hnd in self._handles:
             hnd.remove()
         self._handles.clear()

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3-Next numerical oracle: every value of transformers' pure-torch hybrids.
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next numerical oracle: every value of transformers' pure-torch hybrids.
 
 The reference the C++ tests compare against (through the goldens in tests/fixtures/qwen3_5 and
 tests/fixtures/qwen3_next, built by scripts/make_fixtures.py). Imports no test framework.
@@ -6,7 +6,7 @@ tests/fixtures/qwen3_next, built by scripts/make_fixtures.py). Imports no test f
 How values are captured
 -----------------------
 transformers 5.18 resolves the gated-DeltaNet kernels as *module globals* of
-``modeling_qwen3_5`` / ``modeling_qwen3_next`` at call time: ``torch_chunk_gated_delta_rule``
+``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next`` at call time: ``torch_chunk_gated_delta_rule``
 (prompts and multi-token continuations), ``torch_recurrent_gated_delta_rule`` (single-token decode),
 ``causal_conv1d_fn`` / ``causal_conv1d_update`` and ``apply_rotary_pos_emb`` (attention). The
 ``use_kernelized_func`` decorator is the identity without the ``kernels`` package, so replacing the
@@ -23,13 +23,13 @@ Keys: ``"<path>@step<k>"`` (``embed_tokens.output``, ``layers.{i}.layer_input`` 
 from __future__ import annotations
 
 import re
+import sys
 from typing import Sequence
 
 import numpy as np
 import torch
 
 import transformers.models.qwen3_5.modeling_qwen3_5 as mq35
-import transformers.models.qwen3_next.modeling_qwen3_next as mqn
 
 from mixlens_dev.oracle_loop import run_steps
 
@@ -78,7 +78,8 @@ class _Recorder:
 
     def __init__(self, model, edits: Sequence[dict] = (), record: bool = True):
         self.model = model
-        self.mod = mq35 if "qwen3_5" in type(model).__module__ else mqn
+        # The model's own modeling module (qwen3_5, qwen3_5_moe, qwen3_next): its globals are what it calls.
+        self.mod = sys.modules[type(model).__module__]
         self.text = model.model.language_model if hasattr(model.model, "language_model") else model.model
         self.n_layers = len(self.text.layers)
         self.edits = list(edits)

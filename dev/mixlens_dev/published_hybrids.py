@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Random-weight stand-ins for published Mamba-2 hybrid checkpoints, made by transformers 5.18
+"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba) checkpoints, made by transformers 5.18
 (save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
 
     .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
@@ -38,6 +38,16 @@ Where the configs come from (no internet here; the hub files could not be fetche
   (a Go port's Granite guide: 12 query / 4 KV heads, 48 SSM heads, state 128, NoPE, 28 Mamba-2 + 4
   attention layers) agrees on what it states. mamba_chunk_size (256) and mamba_expand (2, = 48 * 32
   / 768) are GraniteMoeHybridConfig's defaults.
+* tiiuae/falcon-mamba-7b, exact widths, REDUCED to 2 of its 64 layers. Its config.json is quoted
+  verbatim (every key, "transformers_version": "4.43.0.dev0") by two independent public code bases
+  found with the search tool: an ONNX-export test helper whose docstring links
+  https://huggingface.co/tiiuae/falcon-mamba-7b/blob/main/config.json, and a benchmark script's
+  ``falcon_mamba_config``; a parameter-counting table quotes the same widths (hidden 4096, 64
+  layers, intermediate 8192, vocab 65024, state 16, conv 4, time_step_rank 256, expand 16, untied
+  head). The file says both ``expand`` 16 and ``intermediate_size`` 8192: transformers 5.18 sets
+  intermediate_size = expand * hidden_size in ``__post_init__`` and then applies the stored key
+  (config kwargs are set last), so the model is 8192 wide, as the released weights are. The file
+  has no ``mixer_rms_eps`` (FalconMambaConfig's default 1e-6 applies).
 * Falcon-H1-Tiny: no config could be found offline; not built.
 """
 
@@ -88,11 +98,19 @@ GRANITE_4_0_H_350M = dict(
     rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=10000.0,
     pad_token_id=100256, bos_token_id=100257, eos_token_id=100257,
 )
+FALCON_MAMBA_7B_2LAYERS = dict(
+    vocab_size=65024, hidden_size=4096, num_hidden_layers=2, intermediate_size=8192, expand=16, state_size=16,
+    conv_kernel=4, time_step_rank=256, layer_norm_epsilon=1e-5, hidden_act="silu", initializer_range=0.1,
+    residual_in_fp32=True, rescale_prenorm_residual=False, time_step_floor=1e-4, time_step_init_scheme="random",
+    time_step_max=0.1, time_step_min=0.001, time_step_scale=1.0, use_bias=False, use_conv_bias=True,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=11, pad_token_id=11,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
     "bamba_9b_2layers": ("BambaForCausalLM", "BambaConfig", BAMBA_9B_2LAYERS),
     "granite_4_0_h_350m": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_4_0_H_350M),
+    "falcon_mamba_7b_2layers": ("FalconMambaForCausalLM", "FalconMambaConfig", FALCON_MAMBA_7B_2LAYERS),
 }
 
 

@@ -89,7 +89,7 @@ class AttentionMixerGrad {
   detail::KvCache kv_;  ///< the cache before the call with the call's keys and values appended
 };
 
-/// The weights of one Mamba-1 mixer (models/mamba.cpp MambaLayer), as its backward reads them.
+/// The weights and options of one Mamba-1 mixer (mixers/mamba_mixer.h), as its backward reads them.
 struct MambaMixerView {
   int64_t D = 0, E = 0, N = 0, R = 0, K = 0;
   int64_t chunk = 64;                   ///< the chunked scan's chunk length (recomputation as the forward)
@@ -103,6 +103,8 @@ struct MambaMixerView {
   const Tensor* A = nullptr;            ///< [E, N] = -exp(A_log)
   const Tensor* Dskip = nullptr;        ///< [E]
   const Tensor* out_proj = nullptr;     ///< [D, E]
+  bool bcdt_rms_norm = false;           ///< FalconMamba: weightless RMS norms on dt_low, B, C
+  float mixer_rms_eps = 1e-6f;
 };
 
 /// What a Mamba-1 mixer call read from its cache (constants of the backward), and how the family

@@ -1,14 +1,18 @@
 // Backward of the Mamba-1 mixer (models/mamba.cpp MambaModel::mixer): the call is recomputed from its
 // normed input with the recorded writes re-applied, then differentiated op by op: out_proj, the
 // silu(z) gate, the selective scan with its D skip (grad/selective_scan_grad.cpp), dt's softplus and
-// dt_proj, x_proj, the causal conv + SiLU (grad/conv1d_grad.cpp), in_proj.
-// Reference: transformers MambaMixer.forward (pure-torch path, mamba_selective_scan).
+// dt_proj, FalconMamba's RMS norms on dt_low / B / C (grad/rmsnorm_grad.cpp), x_proj, the causal
+// conv + SiLU (grad/conv1d_grad.cpp), in_proj.
+// Reference: transformers MambaMixer.forward and FalconMambaMixer.forward (pure-torch paths).
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
 #include "hooks/serve.h"
+#include "mixers/mamba_mixer.h"
 #include "mixers/selective_scan.h"
 #include "ops/ops.h"
 
@@ -45,6 +49,11 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   }
   Tensor dbc({B, T, XR});
   ops::linear(u.data(), BT, E, *w.x_proj, dbc.data());
+  Tensor dbc_raw;  // x_proj's output before FalconMamba's norms (their backward reads it)
+  if (w.bcdt_rms_norm) {
+    dbc_raw = dbc.clone();
+    detail::norm_dt_b_c(dbc.data(), BT, R, N, w.mixer_rms_eps);
+  }
   Tensor Bm({B, T, N}), Cm({B, T, N}), dt_pre({B, T, E}), dt({B, T, E});
   for (int64_t r = 0; r < BT; ++r) {
     std::memcpy(Bm.data() + r * N, dbc.data() + r * XR + R, sizeof(float) * static_cast<size_t>(N));
@@ -182,6 +191,21 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   for (int64_t r = 0; r < BT; ++r) {
     std::memcpy(ddbc.data() + r * XR + R, dB.data() + r * N, sizeof(float) * static_cast<size_t>(N));
     std::memcpy(ddbc.data() + r * XR + R + N, dC.data() + r * N, sizeof(float) * static_cast<size_t>(N));
+  }
+  if (w.bcdt_rms_norm) {
+    // Each section of a row is normed on its own: gather it, differentiate, lay it back.
+    const std::vector<float> ones(static_cast<size_t>(std::max(R, N)), 1.0f);
+    const std::pair<int64_t, int64_t> sections[] = {{0, R}, {R, N}, {R + N, N}};  // (offset, width)
+    for (const auto& [off, dim] : sections) {
+      Tensor x({BT, dim}), dy({BT, dim}), dx({BT, dim});
+      for (int64_t r = 0; r < BT; ++r) {
+        std::memcpy(x.data() + r * dim, dbc_raw.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
+        std::memcpy(dy.data() + r * dim, ddbc.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
+      }
+      rmsnorm_backward(x.data(), ones.data(), dy.data(), dx.data(), BT, dim, w.mixer_rms_eps, false, false);
+      for (int64_t r = 0; r < BT; ++r)
+        std::memcpy(ddbc.data() + r * XR + off, dx.data() + r * dim, sizeof(float) * static_cast<size_t>(dim));
+    }
   }
   // u feeds both x_proj and (unless a write replaced it) the scan.
   linear_backward(ddbc.data(), BT, XR, *w.x_proj, du.data(), true);

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "hooks/serve.h"
 #include "mixers/selective_scan.h"
@@ -26,6 +28,19 @@ void for_rows(int64_t rows, const std::function<void(int64_t)>& f) {
 }
 
 }  // namespace
+
+void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps) {
+  const int64_t XR = R + 2 * N;
+  const std::vector<float> ones(static_cast<size_t>(std::max(R, N)), 1.0f);  // the norms have no weight
+  ops::parallel_rows(rows, XR, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = dbc + r * XR;
+      ops::rmsnorm(row, ones.data(), row, 1, R, eps);
+      ops::rmsnorm(row + R, ones.data(), row + R, 1, N, eps);
+      ops::rmsnorm(row + R + N, ones.data(), row + R + N, 1, N, eps);
+    }
+  });
+}
 
 MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& p) const {
   MambaMixerWeights l;
@@ -54,10 +69,11 @@ std::string MambaMixer::prompt_kernel(int64_t seq) const {
 }
 
 void MambaMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
-  v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj (shared by all channels), as the scan reads the state"));
-  v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj (shared by all channels), where each token writes"));
+  const std::string normed = dims_.bcdt_rms_norm ? " after its weightless RMS norm" : "";
+  v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj" + normed + " (shared by all channels), as the scan reads the state"));
+  v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj" + normed + " (shared by all channels), where each token writes"));
   v.push_back(layer_value(i, Value::attention_values, {B, T, E_}, true, "u = silu(conv1d(x)) after the padding mask, as the scan receives it (x_proj has already read it: writes change what tokens write and the D skip, not dt/B/C)"));
-  v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, "dt = softplus(dt_proj(dt_low)); write >= 0"));
+  v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, dims_.bcdt_rms_norm ? "dt = softplus(dt_proj(rmsnorm(dt_low))); write >= 0" : "dt = softplus(dt_proj(dt_low)); write >= 0"));
   v.push_back(layer_value(i, Value::decays, {B, T, E_, N_}, true, "A*dt (A = -exp(A_log)) per channel and state index; a write sets dt = decays / A and must imply one dt per (token, channel) across the state axis"));
   v.push_back(layer_value(i, Value::state_input, {B, E_, N_}, true, "SSM state the call starts from; None on a fresh prompt"));
   auto s = layer_value(i, Value::states, {B, T, E_, N_}, false, "SSM state after every token (computed only when asked)");
@@ -93,9 +109,11 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
                      call.conv->data(), u.data(), true);
   if (masked) apply_row_mask(u, in);
 
-  // x_proj -> dt_low | B | C; dt = softplus(dt_proj.weight @ dt_low + dt_proj.bias).
+  // x_proj -> dt_low | B | C (FalconMamba: each RMS-normed); dt = softplus(dt_proj.weight @ dt_low +
+  // dt_proj.bias). B and C are served as the scan reads them, after any norm.
   Tensor dbc({B, T, XR});
   ops::linear(u.data(), BT, E_, lw.x_proj, dbc.data());
+  if (dims_.bcdt_rms_norm) norm_dt_b_c(dbc.data(), BT, R_, N_, dims_.mixer_rms_eps);
   Tensor Bm({B, T, N_}), Cm({B, T, N_}), dt({B, T, E_});
   for (int64_t r = 0; r < BT; ++r) {
     std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));

@@ -1,6 +1,7 @@
 // The Mamba-1 mixer (in_proj -> causal conv + SiLU -> x_proj / dt_proj -> selective scan -> silu(z)
 // gate -> out_proj) as one component, as mixers/mamba2_mixer.h is for Mamba-2: the family files
-// (models/mamba.cpp) hold the blocks around it. Reference: transformers 5.18 MambaMixer.forward;
+// (models/mamba.cpp, models/falcon_mamba.cpp) hold the blocks around it. Reference: transformers
+// 5.18 MambaMixer.forward and FalconMambaMixer.forward (the same with RMS norms on dt_low, B and C);
 // model-math.md §3.1. Its backward: grad/mamba_mixer_grad.cpp.
 #pragma once
 #include <cstdint>
@@ -14,11 +15,20 @@
 
 namespace mixlens::detail {
 
-/// Sizes and options of one Mamba-1 mixer (MambaConfig).
+/// Sizes and options of one Mamba-1 mixer (MambaConfig, FalconMambaConfig).
 struct MambaMixerDims {
   int64_t D = 0, E = 0, N = 0, R = 0, K = 4;  ///< hidden, intermediate, state, dt rank, conv kernel
   bool use_bias = false, use_conv_bias = true;
+  /// FalconMamba: weightless RMS norms (eps mixer_rms_eps) on x_proj's three outputs dt_low [R],
+  /// B [N] and C [N] before dt_proj and the scan read them (FalconMambaMixer.forward).
+  bool bcdt_rms_norm = false;
+  float mixer_rms_eps = 1e-6f;
 };
+
+/// In place on x_proj's output rows [rows, R + 2N] (dt_low | B | C): each of the three sections
+/// becomes x / sqrt(mean(x^2) + eps) (FalconMambaWeightlessRMSNorm). The forward and its backward's
+/// recompute both call it, so the two see the same numbers.
+void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps);
 
 /// One layer's weights (HF names under the layer's mixer prefix).
 struct MambaMixerWeights {
@@ -51,8 +61,9 @@ class MambaMixer {
   /// Default chunk length of the chunked scan.
   static constexpr int64_t kChunk = 64;
   MambaMixer() = default;
-  explicit MambaMixer(const MambaMixerDims& dims) : D_(dims.D), E_(dims.E), N_(dims.N), R_(dims.R), K_(dims.K),
-                                                    use_bias_(dims.use_bias), use_conv_bias_(dims.use_conv_bias) {}
+  explicit MambaMixer(const MambaMixerDims& dims) : dims_(dims), D_(dims.D), E_(dims.E), N_(dims.N), R_(dims.R),
+                                                    K_(dims.K), use_bias_(dims.use_bias),
+                                                    use_conv_bias_(dims.use_conv_bias) {}
   /// One layer's weights under `p` ("backbone.layers.3.mixer.").
   MambaMixerWeights load(const io::WeightStore& w, const std::string& p) const;
   /// The linear_attn values of layer `i`, in forward order.
@@ -68,12 +79,13 @@ class MambaMixer {
   void set_chunk(int64_t c) { chunk_ = c > 0 ? c : kChunk; }
   int64_t chunk() const { return chunk_; }
   /// The sizes and options it was built with (its backward reads them).
-  MambaMixerDims dims() const { return {D_, E_, N_, R_, K_, use_bias_, use_conv_bias_}; }
+  const MambaMixerDims& dims() const { return dims_; }
 
  private:
   Tensor decays_of(const MambaMixerWeights& lw, const Tensor& dt) const;
   void visit_decays(int li, const MambaMixerWeights& lw, Tensor& dt, Listener* ls) const;
 
+  MambaMixerDims dims_;
   int64_t D_ = 0, E_ = 0, N_ = 0, R_ = 0, K_ = 4, chunk_ = kChunk;
   bool use_bias_ = false, use_conv_bias_ = true;
 };

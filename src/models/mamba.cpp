@@ -12,6 +12,8 @@
 // "prefix + continuation == whole prompt"; decode steps (one token) agree with it exactly.
 #include <string>
 
+#include "models/mamba.h"
+
 #include "mixers/mamba_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
@@ -25,21 +27,27 @@ namespace {
 // SSM state: [B, E, N] in the kernel, the cache and the served values (values.md Mamba-1 column).
 class MambaModel final : public SsmLm {
  public:
-  MambaModel(const io::Config& cfg, const io::WeightStore& w) {
-    load_backbone(cfg, w, "mamba", true);
+  MambaModel(const io::Config& cfg, const io::WeightStore& w, const std::string& family, const MambaMixerDims& opts) {
+    load_backbone(cfg, w, family, true);
     N_ = cfg.get<int64_t>("state_size");
-    // MambaConfig.__post_init__: intermediate_size = int(expand * hidden_size) (a stored
-    // intermediate_size is overwritten), time_step_rank "auto" = ceil(hidden_size / 16).
-    E_ = static_cast<int64_t>(cfg.get_double_or("expand", 2.0) * static_cast<double>(D_));
+    // MambaConfig / FalconMambaConfig.__post_init__: intermediate_size = int(expand * hidden_size),
+    // then PreTrainedConfig sets the file's other keys over it, so a stored intermediate_size wins
+    // (falcon-mamba-7b stores expand 16 next to intermediate_size 8192 = 2 * hidden_size);
+    // time_step_rank "auto" = ceil(hidden_size / 16).
+    E_ = cfg.get_or<int64_t>("intermediate_size",
+                             static_cast<int64_t>(cfg.get_double_or("expand", 2.0) * static_cast<double>(D_)));
     const nlohmann::json rank = cfg.has("time_step_rank") ? cfg.json()["time_step_rank"] : nlohmann::json("auto");
     if (rank.is_string() && rank.get<std::string>() == "auto") R_ = (D_ + 15) / 16;
     else if (rank.is_number_integer()) R_ = rank.get<int64_t>();
     else
       throw ConfigError(where(cfg) + ": field 'time_step_rank' must be an integer or \"auto\", got " + rank.dump());
-    require_positive(cfg, {{"state_size", N_}, {"intermediate_size (expand * hidden_size)", E_}, {"time_step_rank", R_}});
+    require_positive(cfg, {{"state_size", N_}, {"intermediate_size (else expand * hidden_size)", E_}, {"time_step_rank", R_}});
     const bool use_bias = cfg.get_or<bool>("use_bias", false);
     const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);
-    mixer_ = MambaMixer(MambaMixerDims{D_, E_, N_, R_, K_, use_bias, use_conv_bias});
+    MambaMixerDims dims = opts;
+    dims.D = D_, dims.E = E_, dims.N = N_, dims.R = R_, dims.K = K_;
+    dims.use_bias = use_bias, dims.use_conv_bias = use_conv_bias;
+    mixer_ = MambaMixer(dims);
     for (int64_t i = 0; i < L_; ++i)
       layers_.push_back(mixer_.load(w, "backbone.layers." + std::to_string(i) + ".mixer."));
     info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mamba);
@@ -91,8 +99,13 @@ class MambaModel final : public SsmLm {
 
 }  // namespace
 
+std::unique_ptr<FamilyModel> make_mamba_lm(const io::Config& config, const io::WeightStore& weights,
+                                           const std::string& family, const MambaMixerDims& options) {
+  return std::make_unique<MambaModel>(config, weights, family, options);
+}
+
 std::unique_ptr<FamilyModel> make_mamba(const io::Config& config, const io::WeightStore& weights) {
-  return std::make_unique<MambaModel>(config, weights);
+  return make_mamba_lm(config, weights, "mamba", MambaMixerDims{});
 }
 
 }  // namespace mixlens::detail

@@ -19,6 +19,9 @@ const std::vector<FamilyEntry>& family_registry() {
       {"bamba", "bamba", make_bamba, true},
       {"falcon_h1", "falcon_h1", make_falcon_h1, true},
       {"granitemoehybrid", "granitemoehybrid", make_granitemoehybrid, true},
+      {"falcon_mamba", "falcon_mamba", make_falcon_mamba, true},
+      {"qwen3_5_moe", "qwen3_5_moe", make_qwen3_5_moe, true},
+      {"qwen3_5_moe_text", "qwen3_5_moe", make_qwen3_5_moe, true},
   };
   return registry;
 }

@@ -179,20 +179,25 @@ TEST(Grad, MetricHelpersMatchFiniteDifferences) {
 // the default single chunk), directional finite differences on the embeddings.
 namespace {
 struct Mamba1Route {
-  explicit Mamba1Route(const char* r) { route_kernels("mamba", r); }
-  ~Mamba1Route() { route_kernels("mamba", "default"); }
+  std::string family;
+  Mamba1Route(const char* r, std::string f = "mamba") : family(std::move(f)) { route_kernels(family, r); }
+  ~Mamba1Route() { route_kernels(family, "default"); }
 };
+
+class Mamba1Grad : public ::testing::TestWithParam<const char*> {};
 }  // namespace
 
-TEST(Grad, Mamba1EmbeddingsMatchDirectionalFiniteDifferences) {
-  Model m = Model::load(test::fixture("mamba/basic").string());
+// Mamba-1 and FalconMamba (whose backward also differentiates the norms on dt_low, B and C).
+TEST_P(Mamba1Grad, EmbeddingsMatchDirectionalFiniteDifferences) {
+  const std::string family = GetParam();
+  Model m = Model::load(test::fixture(family + "/basic").string());
   Trace probe;
   probe.save("embed_tokens.output");
   m.run({kIds}, &probe);
   const Tensor E = probe.get("embed_tokens.output");
   for (const char* route : {"chunked", "recurrent"})
     for (int64_t chunk : {int64_t{0}, int64_t{5}}) {
-      Mamba1Route guard(route);
+      Mamba1Route guard(route, family);
       m.set_chunk_size(chunk);
       Trace tr;
       tr.save("embed_tokens.output").save("layers.*.linear_attn.betas").enable_grad();
@@ -219,8 +224,8 @@ TEST(Grad, Mamba1EmbeddingsMatchDirectionalFiniteDifferences) {
 // Continuations (a multi-token call and a decode step): the conv window and the state come from the
 // cache; state_input's gradient against finite differences of a written state_input, and (the
 // multi-token call) the betas gradient against finite differences of a written betas.
-TEST(Grad, Mamba1ContinuationStateInputMatchesFiniteDifferences) {
-  Model m = Model::load(test::fixture("mamba/basic").string());
+TEST_P(Mamba1Grad, ContinuationStateInputMatchesFiniteDifferences) {
+  Model m = Model::load(test::fixture(std::string(GetParam()) + "/basic").string());
   Cache cache = m.new_cache(1);
   m.forward(Batch::left_padded({kIds}, 0), cache);
   for (const std::vector<int32_t>& toks : {std::vector<int32_t>{7, 3, 12, 5, 1}, std::vector<int32_t>{9}}) {
@@ -260,3 +265,5 @@ TEST(Grad, Mamba1ContinuationStateInputMatchesFiniteDifferences) {
     for (float x : tr.grad("layers.1.linear_attn.state_output")) EXPECT_EQ(x, 0.0f);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, Mamba1Grad, ::testing::Values("mamba", "falcon_mamba"));

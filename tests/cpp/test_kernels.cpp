@@ -365,7 +365,7 @@ TEST_P(NarrowModel, AutoOnFloat32CheckpointIsFloat32AndBf16IsClose) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, NarrowModel,
-                         ::testing::Values("mamba2/short_prompt", "mamba/short_prompt", "qwen3_5/short_prompt",
+                         ::testing::Values("mamba2/short_prompt", "mamba/short_prompt", "falcon_mamba/short_prompt", "qwen3_5/short_prompt",
                                            "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "bamba/padded_batch",
                                            "nemotron_h/moe_latent", "falcon_h1/norm_before_gate"),
                          [](const auto& p) {

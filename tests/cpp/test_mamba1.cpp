@@ -1,4 +1,5 @@
-// Mamba-1 parity with transformers (golden fixtures from scripts/make_fixtures.py --family mamba), both
+// Mamba-1 parity with transformers (golden fixtures from scripts/make_fixtures.py --family mamba and
+// --family falcon_mamba: FalconMamba is the same mixer with RMS norms on dt_low, B and C), both
 // selective-scan algorithms, the values.md invariants, edits and the Mamba-1 decays write rule.
 #include <gtest/gtest.h>
 
@@ -17,21 +18,37 @@ using namespace mixlens::test;
 
 namespace {
 
-// A Mamba-1 golden case (tests/fixtures/mamba/<name>).
+// A Mamba-1 golden case (tests/fixtures/<family>/<name>, family "mamba" unless named).
 struct Case : GoldenCase {
-  explicit Case(const std::string& n) : GoldenCase("mamba", n) {}
+  std::string family;
+  explicit Case(const std::string& n, const std::string& f = "mamba") : GoldenCase(f, n), family(f) {}
 };
 
-// Forces a route (and optionally the chunked scan's chunk length) for one scope.
+// Forces a family's route for one scope.
 struct Routed {
-  Routed(const char* route) { route_kernels("mamba", route); }
-  ~Routed() { route_kernels("mamba", "default"); }
+  std::string family;
+  explicit Routed(const char* route, std::string f = "mamba") : family(std::move(f)) { route_kernels(family, route); }
+  ~Routed() { route_kernels(family, "default"); }
 };
 
-class Mamba1Fixture : public ::testing::TestWithParam<std::string> {};
+struct Param {
+  std::string family, name;
+};
+std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.param.family + "_" + p.param.name; }
+std::vector<Param> all_cases() {
+  std::vector<Param> out;
+  for (const char* f : {"mamba", "falcon_mamba"})
+    for (const auto& n : fixture_cases(f)) out.push_back({f, n});
+  return out;
+}
+
+class Mamba1Fixture : public ::testing::TestWithParam<Param> {
+ protected:
+  Case make() const { return Case(GetParam().name, GetParam().family); }
+};
 
 TEST_P(Mamba1Fixture, EveryValueEveryStepMatchesTransformers) {
-  Case c(GetParam());
+  Case c = make();
   Trace t;
   save_all_values(c.model, t);
   run_recorded_steps(c, &t);
@@ -47,9 +64,9 @@ TEST_P(Mamba1Fixture, EveryValueEveryStepMatchesTransformers) {
 }
 
 TEST_P(Mamba1Fixture, BothScanAlgorithmsMatchTransformers) {
-  Case c(GetParam());
+  Case c = make();
   for (const char* route : {"recurrent", "chunked"}) {
-    Routed r(route);
+    Routed r(route, c.family);
     Trace t;
     save_all_values(c.model, t);
     run_recorded_steps(c, &t);
@@ -59,7 +76,7 @@ TEST_P(Mamba1Fixture, BothScanAlgorithmsMatchTransformers) {
   }
   // Short chunks: the prompt spans several chunks, so the carry between chunks is exercised.
   for (int64_t chunk : {1, 3, 4}) {
-    Routed r("chunked");
+    Routed r("chunked", c.family);
     c.model.set_chunk_size(chunk);
     Trace t;
     save_all_values(c.model, t);
@@ -70,7 +87,7 @@ TEST_P(Mamba1Fixture, BothScanAlgorithmsMatchTransformers) {
 }
 
 TEST_P(Mamba1Fixture, GreedyTokensMatch) {
-  Case c(GetParam());
+  Case c = make();
   GenerateOptions o;
   o.max_new_tokens = c.n_steps;
   o.eos_token_id = -1;  // fixtures record greedy tokens without an EOS stop
@@ -82,25 +99,25 @@ TEST_P(Mamba1Fixture, GreedyTokensMatch) {
 TEST_P(Mamba1Fixture, Invariants) {
   {
     // The token loop stores the very state it carries: states[:, -1] == state_output exactly.
-    Routed r("recurrent");
-    expect_state_invariants(Case(GetParam()), 0.0);
+    Routed r("recurrent", GetParam().family);
+    expect_state_invariants(make(), 0.0);
   }
-  Routed r("chunked");
-  Case c(GetParam());
+  Routed r("chunked", GetParam().family);
+  Case c = make();
   c.model.set_chunk_size(3);
   expect_state_invariants(c, 1e-6);
 }
 
 TEST_P(Mamba1Fixture, EditsMatchTransformersWithTheSameModification) {
-  Case c(GetParam());
+  Case c = make();
   if (c.spec["edits"].empty()) GTEST_SKIP() << "case has no edits";
   EXPECT_GT(expect_edits_match(c), 0);
-  Routed r("chunked");
+  Routed r("chunked", c.family);
   c.model.set_chunk_size(4);
   EXPECT_GT(expect_edits_match(c), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, Mamba1Fixture, ::testing::ValuesIn(fixture_cases("mamba")));
+INSTANTIATE_TEST_SUITE_P(Fixtures, Mamba1Fixture, ::testing::ValuesIn(all_cases()), param_name);
 
 // ---- the two scan algorithms, directly -------------------------------------------------------
 
@@ -335,6 +352,28 @@ TEST(Mamba1, BadTimeStepRankIsAConfigError) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Mamba1, StoredIntermediateSizeWinsOverExpand) {
+  // transformers 5.18 computes intermediate_size = expand * hidden_size, then sets the file's own
+  // intermediate_size over it (falcon-mamba-7b: expand 16, intermediate_size 8192 = 2 * hidden).
+  for (const char* f : {"mamba", "falcon_mamba"}) {
+    Case c("short_prompt", f);
+    const auto dir = std::filesystem::temp_directory_path() / ("mixlens_m1_inter_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    std::filesystem::copy_file(c.dir / "model.safetensors", dir / "model.safetensors",
+                               std::filesystem::copy_options::overwrite_existing);
+    nlohmann::json cfg = read_json(c.dir / "config.json");
+    ASSERT_EQ(cfg["intermediate_size"].get<int64_t>(), 2 * cfg["hidden_size"].get<int64_t>()) << f;
+    cfg["expand"] = 16;
+    std::ofstream(dir / "config.json") << cfg.dump();
+    EXPECT_LE(rel_rms(Model::load(dir.string()).run(c.prompts), c.golden.get_f32("logits@step0")), 1e-4) << f;
+    // Without the stored size, expand decides (and the weights no longer fit).
+    cfg.erase("intermediate_size");
+    std::ofstream(dir / "config.json") << cfg.dump();
+    EXPECT_THROW(Model::load(dir.string()), CheckpointError) << f;
+    std::filesystem::remove_all(dir);
+  }
+}
+
 TEST(Mamba1, UnknownValuePathsSuggestTheNearest) {
   Case c("basic");
   auto message = [&](const std::string& path) { return unknown_path_message(c.model, c.prompts, path); };
@@ -344,8 +383,50 @@ TEST(Mamba1, UnknownValuePathsSuggestTheNearest) {
 }
 
 TEST(Mamba1, WritingBackUnchangedValuesChangesNothing) {
-  Case c("basic");
-  expect_unchanged_writes_change_nothing(c.model, c.prompts);
+  for (const char* f : {"mamba", "falcon_mamba"}) {
+    Case c("basic", f);
+    expect_unchanged_writes_change_nothing(c.model, c.prompts);
+  }
+}
+
+// ---- FalconMamba: the norms on dt_low, B and C ------------------------------------------------
+
+TEST(FalconMamba, KeysAndQueriesAreServedAfterTheirRmsNorm) {
+  Case c("basic", "falcon_mamba");
+  EXPECT_EQ(c.model.info().family, "falcon_mamba");
+  EXPECT_EQ(c.model.info().layer_kinds[0], LayerKind::mamba);
+  Trace t;
+  t.save("layers.*.linear_attn.attention_keys").save("layers.*.linear_attn.attention_queries");
+  c.model.run(c.prompts, &t);
+  // A weightless RMS norm leaves every token's row at mean square 1 / (1 + eps / ms(raw)); eps is 1e-6.
+  for (const char* v : {"attention_keys", "attention_queries"}) {
+    const Tensor x = t.get(std::string("layers.1.linear_attn.") + v);
+    const int64_t N = x.size(2);
+    for (int64_t r = 0; r < x.size(0) * x.size(1); ++r) {
+      double ms = 0;
+      for (int64_t n = 0; n < N; ++n) ms += static_cast<double>(x[r * N + n]) * x[r * N + n];
+      EXPECT_NEAR(ms / static_cast<double>(N), 1.0, 1e-3) << v << " row " << r;
+    }
+  }
+}
+
+TEST(FalconMamba, MixerRmsEpsIsRead) {
+  // The padded case sets mixer_rms_eps 0.05 (its goldens depend on it); another eps changes the logits.
+  Case c("padded_untied_eps", "falcon_mamba");
+  const auto dir = std::filesystem::temp_directory_path() / ("mixlens_fm_eps_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(c.dir / "model.safetensors", dir / "model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  nlohmann::json cfg = read_json(c.dir / "config.json");
+  ASSERT_EQ(cfg["mixer_rms_eps"].get<double>(), 0.05);
+  EXPECT_LE(rel_rms(c.model.run(c.prompts), c.golden.get_f32("logits@step0")), 1e-4);
+  cfg["mixer_rms_eps"] = 1e-6;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  EXPECT_GT(rel_rms(Model::load(dir.string()).run(c.prompts), c.golden.get_f32("logits@step0")), 1e-3);
+  cfg["mixer_rms_eps"] = -1.0;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  EXPECT_THROW(Model::load(dir.string()), ConfigError);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

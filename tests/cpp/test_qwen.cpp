@@ -27,7 +27,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"qwen3_5", "qwen3_next"})
+  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -313,7 +313,8 @@ TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
     const char *family, *name;
   };
   for (const Case k : {Case{"qwen3_5", "padded_batch"}, Case{"qwen3_5", "short_prompt"},
-                       Case{"qwen3_next", "padded_batch"}, Case{"qwen3_next", "moe_hv_2hk"}}) {
+                       Case{"qwen3_next", "padded_batch"}, Case{"qwen3_next", "moe_hv_2hk"},
+                       Case{"qwen3_5_moe", "moe_hv_2hk"}}) {
     const std::string what = std::string(k.family) + "/" + k.name;
     GoldenCase c(k.family, k.name);
     const Batch in = Batch::left_padded(c.prompts, 0);
@@ -342,7 +343,7 @@ TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
 }
 
 TEST(Qwen, BatchedEqualsUnbatchedUnderLeftPadding) {
-  for (const char* family : {"qwen3_5", "qwen3_next"}) {
+  for (const char* family : {"qwen3_5", "qwen3_5_moe", "qwen3_next"}) {
     GoldenCase c(family, "padded_batch");
     Trace batched;
     batched.save("logits").save("layers.0.linear_attn.states");

@@ -25,8 +25,10 @@ from mixlens_dev.common import REPO  # noqa: E402
 MODELS = {
     "mamba2": REPO / "models/mamba2-tinystories",
     "mamba": REPO / "models/mamba-tinystories",
+    "falcon_mamba": REPO / "tests/fixtures/falcon_mamba/padded_untied_eps",
     "qwen3_5": REPO / "models/qwen3_5-tinystories",
     "qwen3_next": REPO / "tests/fixtures/qwen3_next/padded_batch",
+    "qwen3_5_moe": REPO / "tests/fixtures/qwen3_5_moe/padded_batch",
     "nemotron_h": REPO / "tests/fixtures/nemotron_h/padded_batch",
     "bamba": REPO / "tests/fixtures/bamba/padded_batch",
     "falcon_h1": REPO / "tests/fixtures/falcon_h1/norm_before_gate",

@@ -22,7 +22,8 @@ from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads
 
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
-         "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch"]
+         "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "qwen3_5_moe/moe_hv_2hk", "qwen3_5_moe/padded_batch"]
+CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 GDN = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "states",
        "attention_head_outputs", "attention_output")
 ATTN = ("attention_queries", "attention_keys", "attention_values", "gate", "attention_output")
@@ -33,7 +34,7 @@ class Case:
         self.family, self.case = name.split("/")
         d = FIX / self.family / self.case
         spec = json.loads((d / "case.json").read_text())
-        cls = transformers.Qwen3_5ForCausalLM if self.family == "qwen3_5" else transformers.Qwen3NextForCausalLM
+        cls = getattr(transformers, CLASSES[self.family])
         self.torch_model = cls.from_pretrained(str(d)).eval()
         self.model = mixlens.StandardizedTransformer(str(d), output="torch")
         self.prompts = spec["prompts"]

@@ -16,8 +16,10 @@ from mixlens_dev.common import REPO
 FAMILIES = {
     "mamba2": "mamba2/g1_chunks",
     "mamba": "mamba/basic",
+    "falcon_mamba": "falcon_mamba/basic",
     "qwen3_5": "qwen3_5/hv_2hk",
     "qwen3_next": "qwen3_next/moe_hv_2hk",
+    "qwen3_5_moe": "qwen3_5_moe/moe_hv_2hk",
     "nemotron_h": "nemotron_h/groups2_edits",
     "bamba": "bamba/groups2_edits",
     "falcon_h1": "falcon_h1/norm_before_gate",

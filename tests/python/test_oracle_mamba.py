@@ -1,5 +1,5 @@
 """Tests of the Mamba-1 oracle (mixlens_dev/oracle_mamba.py) and of the committed goldens in
-tests/fixtures/mamba: they still agree with the installed transformers, the patching is transparent
+tests/fixtures/mamba and tests/fixtures/falcon_mamba: they still agree with the installed transformers, the patching is transparent
 and cannot silently stop taking effect, and the captured values mean what values.md says."""
 
 import types
@@ -8,16 +8,18 @@ import numpy as np
 import pytest
 import torch
 import transformers.models.mamba.modeling_mamba as mm
-from transformers import MambaForCausalLM
+from transformers import FalconMambaForCausalLM, MambaForCausalLM
 
 from mixlens_dev import fixtures
 from mixlens_dev import oracle_mamba as om
 
 CASES = fixtures.committed_cases("mamba")
+CLASSES = {"mamba": MambaForCausalLM, "falcon_mamba": FalconMambaForCausalLM}
+ALL_CASES = [(f, n) for f in CLASSES for n in fixtures.committed_cases(f)]
 
 
-def load_case(name):
-    return fixtures.load_committed("mamba", name, MambaForCausalLM)
+def load_case(name, family="mamba"):
+    return fixtures.load_committed(family, name, CLASSES[family])
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +29,19 @@ def basic():
 
 def test_fixture_cases_present():
     assert set(CASES) >= {"basic", "bias_untied", "short_prompt", "padded_batch", "padded_bias"}
+    assert set(fixtures.committed_cases("falcon_mamba")) >= {"basic", "padded_untied_eps", "short_prompt"}
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_live_capture_matches_golden(name):
-    case, model, golden = load_case(name)
+@pytest.mark.parametrize("family, name", ALL_CASES)
+def test_live_capture_matches_golden(family, name):
+    case, model, golden = load_case(name, family)
     live = om.capture(model, case["prompts"], case["n_steps"], case["edits"])
     fixtures.assert_matches_golden(live, golden)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_golden_keys_shapes_and_invariants(name):
-    case, model, golden = load_case(name)
+@pytest.mark.parametrize("family, name", ALL_CASES)
+def test_golden_keys_shapes_and_invariants(family, name):
+    case, model, golden = load_case(name, family)
     cfg = model.config
     n_layers, n_steps = cfg.num_hidden_layers, case["n_steps"]
     assert set(golden) == om.expected_keys(n_layers, n_steps, [e["name"] for e in case["edits"]])
@@ -160,3 +163,30 @@ def test_continuation_is_refused_because_transformers_restarts_the_scan(basic):
         rec.begin_step(1)
         with pytest.raises(NotImplementedError, match="continuation"):
             model(input_ids=torch.tensor([case["prompts"][0][5:9]]), cache_params=out.cache_params, use_cache=True)
+
+
+def test_falcon_keys_queries_betas_are_the_normed_x_proj_outputs():
+    """FalconMamba goldens: attention_keys / attention_queries are x_proj(u)'s B / C after the weightless
+    RMS norm (what the kernels read), betas is softplus(dt_proj(rmsnorm(dt_low))) -- recomputed here from
+    the served u (unedited run) with the case's mixer_rms_eps."""
+    case, model, golden = load_case("padded_untied_eps", "falcon_mamba")
+    eps = model.config.mixer_rms_eps
+    assert eps == 0.05
+
+    def rms(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    for i, blk in enumerate(model.backbone.layers):
+        mx = blk.mixer
+        R, N = mx.time_step_rank, mx.ssm_state_size
+        for k in (0, 3):
+            m = f"layers.{i}.linear_attn."
+            u = torch.as_tensor(golden[f"{m}attention_values@step{k}"])
+            with torch.no_grad():
+                dt_low, B, C = torch.split(mx.x_proj(u), [R, N, N], dim=-1)
+                dt = torch.nn.functional.softplus(rms(dt_low) @ mx.dt_proj.weight.T + mx.dt_proj.bias)
+            np.testing.assert_allclose(golden[f"{m}attention_keys@step{k}"], rms(B).numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(golden[f"{m}attention_queries@step{k}"], rms(C).numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(golden[f"{m}betas@step{k}"], dt.numpy(), rtol=1e-5, atol=1e-6)
+            # Not vacuous: the raw B is not unit-RMS.
+            assert float((B.pow(2).mean(-1) - 1).abs().max()) > 0.1

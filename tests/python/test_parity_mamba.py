@@ -1,4 +1,5 @@
-"""Live parity of the Mamba-1 family with transformers 5.18 (MambaForCausalLM, pure-torch path).
+"""Live parity of the Mamba-1 families with transformers 5.18 (MambaForCausalLM and FalconMambaForCausalLM,
+pure-torch path; the FalconMamba cases carry family="falcon_mamba").
 
 Fresh random models built here (seeds distinct from the committed fixtures), every value at every
 step (prompt + 7 decode steps) read through the Python API and compared with
@@ -60,15 +61,40 @@ CASES = {
         seed=64, config=dict(num_hidden_layers=2, tie_word_embeddings=True), lens=[11, 4],
         edits=[dict(name="betas_x2_s1", path=mix(0, "betas"), step=1, op="scale", factor=2.0)],
     ),
+    # FalconMamba: the same mixer with RMS norms on dt_low, B and C (mixer_rms_eps).
+    "falcon_basic_t19": dict(
+        family="falcon_mamba", seed=66, config=dict(num_hidden_layers=2, state_size=16, tie_word_embeddings=True),
+        lens=[19],
+        edits=[
+            dict(name="decays_half", path=mix(0, "decays"), step=0, op="scale", factor=0.5),
+            dict(name="keys_x1p5", path=mix(1, "attention_keys"), step=0, op="scale", factor=1.5),
+            dict(name="queries_zero_t3", path=mix(0, "attention_queries"), step=0, op="set_index", index=3, value=0.0),
+            dict(name="state_in_x0p5_s3", path=mix(1, "state_input"), step=3, op="scale", factor=0.5),
+            dict(name="values_x2_s2", path=mix(0, "attention_values"), step=2, op="scale", factor=2.0),
+            dict(name="y_x0p5_s1", path=mix(1, "attention_head_outputs"), step=1, op="scale", factor=0.5),
+        ],
+    ),
+    "falcon_padded_eps": dict(
+        family="falcon_mamba", seed=67,
+        config=dict(num_hidden_layers=2, hidden_size=48, time_step_rank=4, use_conv_bias=False,
+                    tie_word_embeddings=False, mixer_rms_eps=0.05),
+        lens=[11, 4],
+        edits=[dict(name="betas_x2_s1", path=mix(0, "betas"), step=1, op="scale", factor=2.0),
+               dict(name="skip_t6", path=mix(1, "betas"), step=0, op="set_index", index=6, value=0.0)],
+    ),
+    "falcon_short_prompt": dict(
+        family="falcon_mamba", seed=68, config=dict(num_hidden_layers=2, tie_word_embeddings=True), lens=[3],
+        edits=[dict(name="keys_zero_t1", path=mix(0, "attention_keys"), step=0, op="set_index", index=1, value=0.0)],
+    ),
 }
 
 
-def build(tmp_path: Path, seed: int, config: dict):
+def build(tmp_path: Path, seed: int, config: dict, family: str = "mamba"):
     from mixlens_dev.fixtures import mamba as mfm
 
-    model = mfm.build_model({"seed": seed, "config": config})
+    model = mfm.build_model({"seed": seed, "config": config}, family)
     model.save_pretrained(str(tmp_path))
-    return mfm.load_model(tmp_path)
+    return mfm.load_model(tmp_path, family)
 
 
 class Case(ParityCase):
@@ -77,12 +103,14 @@ class Case(ParityCase):
 
         spec = CASES[name]
         self.name, self.spec = name, spec
-        self.torch_model = build(tmp_path, spec["seed"], spec["config"])
+        self.family = spec.get("family", "mamba")
+        self.torch_model = build(tmp_path, spec["seed"], spec["config"], self.family)
         self.prompts = mf.make_prompts(spec["seed"], spec["lens"], self.torch_model.config.vocab_size)
         self.ref = om.run(self.torch_model, self.prompts, N_STEPS)
         margin = mf.greedy_margin(self.ref, N_STEPS)
         assert margin > 1e-2, f"{name}: greedy margin {margin:.2e}; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
+        assert self.model.info["family"] == self.family
         self.n_layers = self.torch_model.config.num_hidden_layers
 
 
@@ -92,18 +120,18 @@ def case(request, tmp_path_factory):
 
 
 @pytest.fixture
-def route():
-    """Sets the Mamba-1 route (and chunk length) for one test and restores the defaults."""
+def route(case):
+    """Sets the case family's route (and chunk length) for one test and restores the defaults."""
     models = []
 
     def set_route(name: str, model=None, chunk_per_token: bool = False):
-        mixlens.route_kernels("mamba", name)
+        mixlens.route_kernels(case.family, name)
         if model is not None:
             mixlens.chunk_per_token(model, chunk_per_token)
             models.append(model)
 
     yield set_route
-    mixlens.route_kernels("mamba", "default")
+    mixlens.route_kernels(case.family, "default")
     for m in models:
         mixlens.chunk_per_token(m, False)
 

@@ -69,6 +69,17 @@ CASES = {
             dict(name="betas_x0p3_s1", path=mix(0, "betas"), step=1, op="scale", factor=0.3),
         ],
     ),
+    # Qwen3.5-MoE: the MoE on every layer (top-k always renormalised), HV = 2*HK, two chunks, padded batch.
+    "qwen3_5_moe_chunks_padded": dict(
+        family="qwen3_5_moe", seed=35, prompts=[67, 20],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
+                    linear_num_value_heads=4, tie_word_embeddings=False, **dict(MOE, num_experts_per_tok=3)),
+        edits=[
+            dict(name="decays_half", path=mix(0, "decays"), step=0, op="scale", factor=0.5),
+            dict(name="state_in_x2_s3", path=mix(2, "state_input"), step=3, op="scale", factor=2.0),
+            dict(name="values_x2_s1", path=mix(2, "attention_values"), step=1, op="scale", factor=2.0),
+        ],
+    ),
 }
 
 

@@ -3,7 +3,8 @@ config.json has model_type "qwen3_5" with the text model (and its token ids) in 
 weights live under model.language_model.* next to a vision tower (model.visual.*) that mixlens
 ignores. A tiny one (tiny text_config and vision_config) is built with transformers and saved with
 save_pretrained; mixlens must load it, match transformers' text logits, and stop generation at the
-eos_token_id that only text_config carries."""
+eos_token_id that only text_config carries. Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration, model_type
+"qwen3_5_moe") is published the same way and runs the same checks."""
 
 from __future__ import annotations
 
@@ -24,22 +25,27 @@ TEXT = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_lay
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
 VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=24, out_hidden_size=32, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)
+MOE_TEXT = dict({k: v for k, v in TEXT.items() if k != "intermediate_size"}, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, shared_expert_intermediate_size=24)
+FAMILIES = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT),
+            "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", MOE_TEXT)}
 # Vision token ids must lie inside the tiny vocabulary; the prompt never uses them.
 TOP = dict(image_token_id=97, video_token_id=98, vision_start_token_id=99, vision_end_token_id=100,
            tie_word_embeddings=True)
 PROMPT = [5, 17, 33, 8, 60, 42, 11, 90, 3, 25, 71, 14, 6, 50]
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    """(folder, model): a seeded random tiny VLM; its norm weights and GDN A_log/dt_bias are
-    perturbed away from their init (zeros/ones) so a loader that skipped them would show."""
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm(request, tmp_path_factory):
+    """(folder, model): a seeded random tiny VLM of the family; its norm weights and GDN A_log/dt_bias
+    are perturbed away from their init (zeros/ones) so a loader that skipped them would show."""
     import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    import transformers
 
-    d = tmp_path_factory.mktemp("qwen3_5_vlm")
+    cfg_cls, model_cls, text = (getattr(transformers, n) if isinstance(n, str) else n for n in FAMILIES[request.param])
+    d = tmp_path_factory.mktemp(request.param + "_vlm")
     torch.manual_seed(7)
-    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(TEXT), vision_config=dict(VISION), **TOP))
+    model = model_cls(cfg_cls(text_config=dict(text), vision_config=dict(VISION), **TOP))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "language_model" in name and ("norm" in name or "A_log" in name or "dt_bias" in name):
@@ -53,7 +59,8 @@ def test_layout_is_the_vlm_one(vlm):
 
     d, _ = vlm
     cfg = json.loads((d / "config.json").read_text())
-    assert cfg["model_type"] == "qwen3_5" and cfg["text_config"]["model_type"] == "qwen3_5_text"
+    family = cfg["model_type"]
+    assert family in FAMILIES and cfg["text_config"]["model_type"] == family + "_text"
     with safe_open(str(d / "model.safetensors"), "np") as f:
         names = list(f.keys())
     assert any(n.startswith("model.language_model.layers.0.linear_attn.") for n in names)
@@ -79,7 +86,6 @@ def test_generation_stops_at_the_text_config_eos(tmp_path, vlm):
     import shutil
 
     import torch
-    from transformers import Qwen3_5ForConditionalGeneration
 
     src, model = vlm
     with torch.no_grad():
@@ -94,7 +100,7 @@ def test_generation_stops_at_the_text_config_eos(tmp_path, vlm):
     gen["eos_token_id"] = first
     (d / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
-    ref = Qwen3_5ForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32).eval()
+    ref = type(model).from_pretrained(str(d), dtype=torch.float32).eval()
     with torch.no_grad():
         out = ref.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out[0, len(PROMPT):].tolist() == [first]

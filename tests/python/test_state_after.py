@@ -46,13 +46,13 @@ class Family:
             self.torch_model = build_mamba2(tmp_path, 81, dict(num_hidden_layers=2, n_groups=1, chunk_size=4,
                                                                tie_word_embeddings=True))
             self.chunk, self.route_family, self.layers = 4, "mamba2", [0, 1]
-        elif name == "mamba":
+        elif name in ("mamba", "falcon_mamba"):
             from mixlens_dev.fixtures import mamba as mfm
 
-            model = mfm.build_model({"seed": 82, "config": dict(num_hidden_layers=2, tie_word_embeddings=True)})
+            model = mfm.build_model({"seed": 82, "config": dict(num_hidden_layers=2, tie_word_embeddings=True)}, name)
             model.save_pretrained(str(tmp_path))
-            self.torch_model = mfm.load_model(tmp_path)
-            self.chunk, self.route_family, self.layers = 64, "mamba", [0, 1]
+            self.torch_model = mfm.load_model(tmp_path, name)
+            self.chunk, self.route_family, self.layers = 64, name, [0, 1]
         else:
             from mixlens_dev.fixtures import qwen as qf
 
@@ -76,7 +76,7 @@ class Family:
         return oracle.run(self.torch_model, prompts, n_steps, list(edits), forced_tokens=forced)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "mamba", "qwen3_5"])
+@pytest.fixture(scope="module", params=["mamba2", "mamba", "falcon_mamba", "qwen3_5"])
 def fam(request, tmp_path_factory):
     return Family(request.param, tmp_path_factory.mktemp(request.param))
 
