@@ -54,12 +54,7 @@ std::unique_ptr<FamilyModel> make_bamba(const io::Config& cfg, const io::WeightS
   d.conv_bias = cfg.get_or<bool>("mamba_conv_bias", true);
   read_time_step_limit(cfg, d);
 
-  s.attn.H = cfg.get<int64_t>("num_attention_heads");
-  s.attn.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.attn.H);
-  require_positive(cfg, {{"num_attention_heads", s.attn.H}, {"num_key_value_heads", s.attn.Hkv}});
-  if (!cfg.has("head_dim") && s.D % s.attn.H != 0)
-    throw ConfigError(where(cfg) + ": hidden_size is not divisible by num_attention_heads and head_dim is not given");
-  s.attn.hd = cfg.get_or<int64_t>("head_dim", s.D / s.attn.H);
+  read_attention_heads(cfg, s.D, s.attn);
   double partial = 0.5;
   read_rope(cfg, 0.5, s.attn.theta, partial);  // BambaConfig hard-codes partial_rotary_factor 0.5
   s.attn.rot = static_cast<int64_t>(static_cast<double>(s.attn.hd) * partial);

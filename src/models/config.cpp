@@ -220,6 +220,17 @@ void read_rope(const io::Config& cfg, double default_partial, double& theta, dou
   if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
 }
 
+void read_attention_heads(const io::Config& cfg, int64_t hidden, AttentionMixerDims& d) {
+  d.H = cfg.get<int64_t>("num_attention_heads");
+  d.Hkv = cfg.has("num_key_value_heads") && !cfg.is_null("num_key_value_heads") ? cfg.get<int64_t>("num_key_value_heads") : d.H;
+  require_positive(cfg, {{"num_attention_heads", d.H}, {"num_key_value_heads", d.Hkv}});
+  if (!cfg.has("head_dim") && hidden % d.H != 0)
+    throw ConfigError(where(cfg) + ": hidden_size (" + std::to_string(hidden) + ") is not divisible by num_attention_heads (" +
+                      std::to_string(d.H) + ") and head_dim is not given");
+  d.hd = cfg.get_or<int64_t>("head_dim", hidden / d.H);
+  require_positive(cfg, {{"head_dim", d.hd}});
+}
+
 namespace {
 // The first of `names` present and not null, else `fallback`; `used` names the field read (or the
 // first name) for messages.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "io/json.h"
+#include "mixers/attention_mixer.h"
 #include "mixers/mamba2_mixer.h"
 
 namespace mixlens::detail {
@@ -54,6 +55,11 @@ void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims, bool nul
 /// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
 /// fields; UnsupportedError for any rope_type other than "default".
 void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
+/// The attention heads every hybrid config spells alike into d.H / d.Hkv / d.hd:
+/// num_attention_heads, num_key_value_heads (absent or null: num_attention_heads), head_dim (absent:
+/// hidden / num_attention_heads). ConfigError naming the field when one is not positive, or when
+/// hidden is not divisible by the heads and head_dim is not given.
+void read_attention_heads(const io::Config& cfg, int64_t hidden, AttentionMixerDims& d);
 /// How a family spells the Mamba-2 size fields (read_mamba2_dims): per field the names tried in
 /// order (the first present and not null is read; a later name is an older spelling) and the
 /// default when none is. The defaults are BambaConfig / FalconH1Config's mamba_* fields.

@@ -78,12 +78,7 @@ std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& cfg, const io::Wei
   const auto sm = multipliers(cfg, "ssm_multipliers", 5);
   for (size_t k = 0; k < 5; ++k) d.proj_multipliers[k] = static_cast<float>(sm[k]);
 
-  s.attn.H = cfg.get<int64_t>("num_attention_heads");
-  s.attn.Hkv = cfg.get_or<int64_t>("num_key_value_heads", s.attn.H);
-  require_positive(cfg, {{"num_attention_heads", s.attn.H}, {"num_key_value_heads", s.attn.Hkv}});
-  if (!cfg.has("head_dim") && s.D % s.attn.H != 0)
-    throw ConfigError(where(cfg) + ": hidden_size is not divisible by num_attention_heads and head_dim is not given");
-  s.attn.hd = cfg.get_or<int64_t>("head_dim", s.D / s.attn.H);
+  read_attention_heads(cfg, s.D, s.attn);
   double partial = 1.0;
   read_rope(cfg, 1.0, s.attn.theta, partial);
   s.attn.rot = s.attn.hd;  // FalconH1RotaryEmbedding ignores partial_rotary_factor

@@ -93,13 +93,7 @@ std::unique_ptr<FamilyModel> make_granitemoehybrid(const io::Config& cfg, const 
   d.conv_bias = cfg.get_or<bool>("mamba_conv_bias", true);
   read_time_step_limit(cfg, d);
 
-  s.attn.H = cfg.get<int64_t>("num_attention_heads");
-  s.attn.Hkv = cfg.has("num_key_value_heads") && !cfg.is_null("num_key_value_heads") ? cfg.get<int64_t>("num_key_value_heads") : s.attn.H;
-  require_positive(cfg, {{"num_attention_heads", s.attn.H}, {"num_key_value_heads", s.attn.Hkv}});
-  if (!cfg.has("head_dim") && s.D % s.attn.H != 0)
-    throw ConfigError(where(cfg) + ": hidden_size is not divisible by num_attention_heads and head_dim is not given");
-  s.attn.hd = cfg.get_or<int64_t>("head_dim", s.D / s.attn.H);
-  require_positive(cfg, {{"head_dim", s.attn.hd}});
+  read_attention_heads(cfg, s.D, s.attn);
   s.attn.bias = cfg.get_or<bool>("attention_bias", false);
   // GraniteMoeHybridModel builds its rotary embedding only for "rope"; null (the class default) and
   // the published "nope" mean no positional encoding.

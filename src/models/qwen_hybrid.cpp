@@ -57,21 +57,17 @@ class QwenHybrid final : public FamilyModel {
     D_ = cfg.get<int64_t>("hidden_size");
     L_ = cfg.get<int64_t>("num_hidden_layers");
     V_ = cfg.get<int64_t>("vocab_size");
-    const int64_t H = cfg.get<int64_t>("num_attention_heads");
-    const int64_t Hkv = cfg.get_or<int64_t>("num_key_value_heads", H);
-    require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_},
-                           {"num_attention_heads", H}, {"num_key_value_heads", Hkv}});
-    if (!cfg.has("head_dim") && D_ % H != 0)
-      throw ConfigError(where(cfg) + ": hidden_size (" + std::to_string(D_) + ") is not divisible by num_attention_heads (" +
-                        std::to_string(H) + ") and head_dim is not given");
-    const int64_t hd = cfg.get_or<int64_t>("head_dim", D_ / H);
+    require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_}});
+    AttentionMixerDims ad;
+    read_attention_heads(cfg, D_, ad);
+    const int64_t H = ad.H, Hkv = ad.Hkv, hd = ad.hd;
     g_.D = D_;
     g_.HK = cfg.get<int64_t>("linear_num_key_heads");
     g_.HV = cfg.get<int64_t>("linear_num_value_heads");
     g_.Dk = cfg.get<int64_t>("linear_key_head_dim");
     g_.Dv = cfg.get<int64_t>("linear_value_head_dim");
     K_ = cfg.get_or<int64_t>("linear_conv_kernel_dim", 4);
-    require_positive(cfg, {{"head_dim", hd}, {"linear_num_key_heads", g_.HK}, {"linear_num_value_heads", g_.HV},
+    require_positive(cfg, {{"linear_num_key_heads", g_.HK}, {"linear_num_value_heads", g_.HV},
                            {"linear_key_head_dim", g_.Dk}, {"linear_value_head_dim", g_.Dv},
                            {"linear_conv_kernel_dim", K_}});
     if (g_.HV % g_.HK != 0)
