@@ -197,12 +197,12 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
     const std::vector<float> ones(static_cast<size_t>(std::max(R, N)), 1.0f);
     const std::pair<int64_t, int64_t> sections[] = {{0, R}, {R, N}, {R + N, N}};  // (offset, width)
     for (const auto& [off, dim] : sections) {
-      Tensor x({BT, dim}), dy({BT, dim}), dx({BT, dim});
+      Tensor x({BT, dim}), dnormed({BT, dim}), dx({BT, dim});
       for (int64_t r = 0; r < BT; ++r) {
         std::memcpy(x.data() + r * dim, dbc_raw.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
-        std::memcpy(dy.data() + r * dim, ddbc.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
+        std::memcpy(dnormed.data() + r * dim, ddbc.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
       }
-      rmsnorm_backward(x.data(), ones.data(), dy.data(), dx.data(), BT, dim, w.mixer_rms_eps, false, false);
+      rmsnorm_backward(x.data(), ones.data(), dnormed.data(), dx.data(), BT, dim, w.mixer_rms_eps, false, false);
       for (int64_t r = 0; r < BT; ++r)
         std::memcpy(ddbc.data() + r * XR + off, dx.data() + r * dim, sizeof(float) * static_cast<size_t>(dim));
     }
