@@ -139,8 +139,11 @@ inline void expect_kernel_identity(const Model& m, const Trace& t, const std::st
   EXPECT_EQ(id.kind, kind);
   EXPECT_EQ(id.state_op, kind == "gated_delta" ? "gated_delta_rule" : "selective_state_update");
   EXPECT_EQ(id.prompt_kernel, t.calls()[0].kernel);
-  for (const CallRecord& call : t.calls())
-    if (!call.fresh && call.seq == 1) EXPECT_EQ(call.kernel, id.step_kernel) << "step " << call.step;
+  for (const CallRecord& call : t.calls()) {
+    if (!call.fresh && call.seq == 1) {
+      EXPECT_EQ(call.kernel, id.step_kernel) << "step " << call.step;
+    }
+  }
 }
 
 inline void save_all_values(const Model& m, Trace& t) {

@@ -135,8 +135,9 @@ void expect_identities(const Trace& t, const Model& m, int64_t T, int step, cons
     EXPECT_TRUE(same(token_of(states, T - 1), t.get(mix(l, "state_output"), step)))
         << label << " layer " << l << ": states[:, -1] vs state_output";
     for (int64_t k = 0; k < T; ++k)
-      if (t.has(at(l, k), step))
+      if (t.has(at(l, k), step)) {
         EXPECT_TRUE(same(token_of(states, k), t.get(at(l, k), step))) << label << " layer " << l << " t=" << k;
+      }
   }
 }
 

@@ -119,7 +119,10 @@ std::string build_file(const std::vector<RawTensor>& ts, const std::string& meta
   for (const auto& t : ts) {
     if (header.size() > 1) header += ",";
     std::string shape;
-    for (size_t i = 0; i < t.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(t.shape[i]);
+    for (size_t i = 0; i < t.shape.size(); ++i) {
+      if (i) shape += ",";  // two appends: GCC 12 -O3 warns (-Wrestrict, falsely) on "," + to_string(...)
+      shape += std::to_string(t.shape[i]);
+    }
     header += "\"" + t.name + "\":{\"dtype\":\"" + t.dtype + "\",\"shape\":[" + shape +
               "],\"data_offsets\":[" + std::to_string(data.size()) + "," +
               std::to_string(data.size() + t.bytes.size()) + "]}";
