@@ -26,7 +26,9 @@ struct Slots {
   std::string_view mixer, attn, mlp;
 };
 Slots slots_of(const std::string& family) {
-  if (family == "qwen3_5" || family == "qwen3_next") return {"linear_attn", "attn", "mlp"};
+  if (family == "qwen3_5" || family == "qwen3_5_moe" || family == "qwen3_next") return {"linear_attn", "attn", "mlp"};
+  // granitemoehybrid: TL's MLP branch is shared_mlp (+ moe), and neither is mixlens's mlp.output.
+  if (family == "granitemoehybrid") return {"mixer", "attn", ""};
   if (family == "falcon_h1") return {"mamba", "attn", "mlp"};
   if (family == "bamba") return {"mixer", "attn", "mlp"};
   if (family == "nemotron_h") return {"mixer", "mixer", "mixer"};  // one mixer slot per block, any kind
@@ -38,6 +40,15 @@ bool recurrent(LayerKind k) {
 }
 bool has_attention(LayerKind k) { return k == LayerKind::attention || k == LayerKind::hybrid; }
 bool is_falcon(const FamilyModel& m) { return m.info.family == "falcon_h1"; }
+bool is_granite(const FamilyModel& m) { return m.info.family == "granitemoehybrid"; }
+
+// Granite 4.0-H scales every branch by residual_multiplier (and the embeddings, logits) outside the
+// modules TL hooks; mixlens's values are what the block adds, so those hooks are not aliases.
+Mapped granite_scaled(const std::string& what, const std::string& read) {
+  return no(what + "; Granite 4.0-H applies residual_multiplier (embedding_multiplier, logits_scaling) outside "
+            "the module TransformerLens hooks, while mixlens serves what the block adds (multiplier included, "
+            "docs/values.md): read " + read);
+}
 
 const std::string kFalconScaled =
     "Falcon-H1 applies its multiplier outside the module TransformerLens hooks, while mixlens serves what the "
@@ -48,6 +59,8 @@ Mapped recurrent_hook(const FamilyModel& m, LayerKind kind, std::string_view h) 
   if (h == "hook_out" || h == "hook_ssm_out" || (kind == LayerKind::gated_deltanet && h == "hook_linear_attn_out")) {
     if (is_falcon(m)) return no("its hook_out is the mixer's output before ssm_out_multiplier; " + kFalconScaled +
                                 ": read linear_attn.attention_output (= hook_out * ssm_out_multiplier)");
+    if (is_granite(m)) return granite_scaled("its hook_out is the mixer's output before residual_multiplier",
+                                             "linear_attn.attention_output (= hook_out * residual_multiplier)");
     return to("linear_attn.attention_output");
   }
   if (h == "hook_in" || h == "hook_linear_attn_in")
@@ -115,6 +128,8 @@ Mapped attention_hook(const FamilyModel& m, std::string_view h) {
   if (h == "hook_out") {
     if (is_falcon(m)) return no("its hook_out is before attention_out_multiplier; " + kFalconScaled +
                                 ": read self_attn.attention_output");
+    if (is_granite(m)) return granite_scaled("its hook_out is o_proj's output before residual_multiplier",
+                                             "self_attn.attention_output (= hook_out * residual_multiplier)");
     return to("self_attn.attention_output");
   }
   if (h == "hook_pattern") return to("self_attn.attention_probabilities");
@@ -163,6 +178,9 @@ Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
       return attention_hook(m, "hook_out");
     }
     if (rest == "hook_mlp_out") {
+      if (is_granite(m))
+        return granite_scaled("TransformerLens 4.3 fires hook_mlp_out only without experts, on shared_mlp's output",
+                              "mlp.output (= (experts + shared_mlp) * residual_multiplier)");
       if (kind == LayerKind::mlp || kind == LayerKind::moe || (!s.mlp.empty() && s.mlp != "mixer")) return to("mlp.output");
       return no(kind_phrase(layer, kind) + " without an MLP");
     }
@@ -181,6 +199,9 @@ Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
     return no("the hooks of TransformerLens's submodules (in_proj, conv1d, q, ...) are not mixlens values");
   if (slot == "ln1" || slot == "ln2" || slot == "norm")
     return no("the block's norms are not mixlens values");
+  if (is_granite(m) && (slot == "shared_mlp" || slot == "moe"))
+    return granite_scaled("TransformerLens's " + std::string(slot) + " is one part of the MLP branch, before residual_multiplier",
+                          "mlp.output (= (experts + shared_mlp) * residual_multiplier)");
   if (slot == s.mixer && recurrent(kind)) return recurrent_hook(m, kind, h);
   if (!s.attn.empty() && slot == s.attn && has_attention(kind)) return attention_hook(m, h);
   if (!s.mlp.empty() && slot == s.mlp) {
@@ -203,6 +224,8 @@ Mapped global_name(const FamilyModel& m, std::string_view p) {
   if (p == "hook_embed" || p == "embed.hook_out") {
     if (is_falcon(m)) return no("its hook_embed is the embedding before embedding_multiplier; " + kFalconScaled +
                                 ": read embed_tokens.output (= hook_embed * embedding_multiplier)");
+    if (is_granite(m)) return granite_scaled("its hook_embed is the embedding before embedding_multiplier",
+                                             "embed_tokens.output (= hook_embed * embedding_multiplier)");
     return to("embed_tokens.output");
   }
   if (p == "ln_final.hook_out") return to("ln_final.output");
@@ -213,6 +236,7 @@ Mapped global_name(const FamilyModel& m, std::string_view p) {
     return no("not a mixlens value; ln_final.output is the norm's output, the last block's layer_output its input");
   if (p == "hook_unembed" || p == "unembed.hook_out") {
     if (is_falcon(m)) return no("it is lm_head's output before lm_head_multiplier; mixlens's logits include it");
+    if (is_granite(m)) return no("it is lm_head's output before the division by logits_scaling; mixlens's logits include it");
     return to("logits");
   }
   return no("TransformerLens name '" + std::string(p) + "' is not a mixlens value (embedding: hook_embed, final "

@@ -156,6 +156,28 @@ TEST(TlNames, Mamba2Hybrids) {
     EXPECT_HAS(tl_error("falcon_h1/no_rms_norm_padded", p), "multiplier");
   EXPECT_HAS(tl_error("falcon_h1/no_rms_norm_padded", "hook_unembed"), "lm_head_multiplier");
   EXPECT_HAS(tl_error("falcon_h1/no_rms_norm_padded", "blocks.0.mixer.hook_out"), "its components: mamba,attn,mlp");
+  // Granite 4.0-H: mixer / attn slots; residual_multiplier (and embedding / logits scaling) sit
+  // outside TL's hooks, so the branch outputs, embeddings and logits are refused with the reason.
+  expect_aliases("granitemoehybrid/rope_moe_edits",
+                 {{"blocks.1.attn.hook_pattern", "layers.1.self_attn.attention_probabilities"},
+                  {"blocks.2.hook_resid_post", "layers.2.layer_output"},
+                  {"ln_final.hook_out", "ln_final.output"}});
+  for (const char* p : {"hook_embed", "blocks.0.mixer.hook_ssm_out", "blocks.1.attn.hook_out", "blocks.1.hook_attn_out",
+                        "blocks.0.hook_mlp_out", "blocks.0.shared_mlp.hook_out", "blocks.2.hook_mixer_out"})
+    EXPECT_HAS(tl_error("granitemoehybrid/rope_moe_edits", p), "residual_multiplier");
+  EXPECT_HAS(tl_error("granitemoehybrid/rope_moe_edits", "hook_unembed"), "logits_scaling");
+  EXPECT_HAS(tl_error("granitemoehybrid/rope_moe_edits", "blocks.1.mixer.hook_out"), "its components: attn");
+}
+
+TEST(TlNames, NewFamiliesUseTheirTlComponents) {
+  // Qwen3.5-MoE is Qwen3.5's stack: linear_attn / attn / mlp (the sparse MoE) in every block.
+  expect_aliases("qwen3_5_moe/padded_batch", {{"blocks.0.linear_attn.hook_beta", "layers.0.linear_attn.betas"},
+                                              {"blocks.0.hook_mlp_out", "layers.0.mlp.output"},
+                                              {"blocks.1.attn.hook_pattern", "layers.1.self_attn.attention_probabilities"},
+                                              {"blocks.1.mlp.hook_out", "layers.1.mlp.output"}});
+  // FalconMamba is a Mamba-1 model to TL (its `mixer`).
+  expect_aliases("falcon_mamba/basic", {{"blocks.0.mixer.hook_ssm_out", "layers.0.linear_attn.attention_output"},
+                                        {"blocks.1.hook_resid_pre", "layers.1.layer_input"}});
 }
 
 TEST(TlNames, WildcardKeysWritesAndSessions) {
