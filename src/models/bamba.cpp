@@ -16,13 +16,7 @@ std::unique_ptr<FamilyModel> make_bamba(const io::Config& cfg, const io::WeightS
   Mamba2HybridSpec s;
   s.family = "bamba";
   s.pretty = "Bamba";
-  s.D = cfg.get<int64_t>("hidden_size");
-  s.V = cfg.get<int64_t>("vocab_size");
-  const int64_t L = cfg.get<int64_t>("num_hidden_layers");
-  require_positive(cfg, {{"hidden_size", s.D}, {"vocab_size", s.V}, {"num_hidden_layers", L}});
-  s.eps = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-5));
-  if (!(s.eps > 0.0f) || !std::isfinite(s.eps)) throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
-  s.tie = cfg.get_or<bool>("tie_word_embeddings", false);
+  const int64_t L = read_hybrid_sizes(cfg, s, 1e-5);
   const auto attn = cfg.has("attn_layer_indices") && !cfg.is_null("attn_layer_indices")
                         ? cfg.get<std::vector<int64_t>>("attn_layer_indices") : std::vector<int64_t>{};
   for (int64_t i : attn)

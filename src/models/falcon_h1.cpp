@@ -40,13 +40,7 @@ std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& cfg, const io::Wei
   Mamba2HybridSpec s;
   s.family = "falcon_h1";
   s.pretty = "Falcon-H1";
-  s.D = cfg.get<int64_t>("hidden_size");
-  s.V = cfg.get<int64_t>("vocab_size");
-  const int64_t L = cfg.get<int64_t>("num_hidden_layers");
-  require_positive(cfg, {{"hidden_size", s.D}, {"vocab_size", s.V}, {"num_hidden_layers", L}});
-  s.eps = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-5));
-  if (!(s.eps > 0.0f) || !std::isfinite(s.eps)) throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
-  s.tie = cfg.get_or<bool>("tie_word_embeddings", false);
+  const int64_t L = read_hybrid_sizes(cfg, s, 1e-5);
   for (int64_t i = 0; i < L; ++i) {
     HybridBlock b;
     b.mamba = b.attn = b.ff = true;

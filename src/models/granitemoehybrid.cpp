@@ -31,13 +31,7 @@ std::unique_ptr<FamilyModel> make_granitemoehybrid(const io::Config& cfg, const 
   Mamba2HybridSpec s;
   s.family = "granitemoehybrid";
   s.pretty = "Granite 4.0-H";
-  s.D = cfg.get<int64_t>("hidden_size");
-  s.V = cfg.get<int64_t>("vocab_size");
-  const int64_t L = cfg.get<int64_t>("num_hidden_layers");
-  require_positive(cfg, {{"hidden_size", s.D}, {"vocab_size", s.V}, {"num_hidden_layers", L}});
-  s.eps = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-6));
-  if (!(s.eps > 0.0f) || !std::isfinite(s.eps)) throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
-  s.tie = cfg.get_or<bool>("tie_word_embeddings", false);
+  const int64_t L = read_hybrid_sizes(cfg, s, 1e-6);
 
   // layer_types (layers_block_type is its attribute_map alias); transformers 5.18 reads the legacy
   // "mamba" / "attention" as "linear_attention" / "full_attention". Absent: every layer is Mamba-2.

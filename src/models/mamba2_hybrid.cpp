@@ -16,6 +16,7 @@
 #include "mixers/attention_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
+#include "models/config.h"
 #include "models/hybrid_cache.h"
 #include "ops/ops.h"
 
@@ -527,6 +528,17 @@ class Mamba2Hybrid final : public FamilyModel {
 };
 
 }  // namespace
+
+int64_t read_hybrid_sizes(const io::Config& cfg, Mamba2HybridSpec& s, double default_eps) {
+  s.D = cfg.get<int64_t>("hidden_size");
+  s.V = cfg.get<int64_t>("vocab_size");
+  const int64_t L = cfg.get<int64_t>("num_hidden_layers");
+  require_positive(cfg, {{"hidden_size", s.D}, {"vocab_size", s.V}, {"num_hidden_layers", L}});
+  s.eps = static_cast<float>(cfg.get_double_or("rms_norm_eps", default_eps));
+  if (!(s.eps > 0.0f) || !std::isfinite(s.eps)) throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
+  s.tie = cfg.get_or<bool>("tie_word_embeddings", false);
+  return L;
+}
 
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights) {

@@ -153,6 +153,13 @@ struct Mamba2HybridParts : BackwardParts {
   const std::vector<HybridBlockWeights>* blocks = nullptr;
 };
 
+/// The sizes every Mamba-2 hybrid config spells alike (Bamba, Falcon-H1, Granite 4.0-H; Nemotron-H
+/// names its eps layer_norm_epsilon): hidden_size, vocab_size into s.D / s.V, rms_norm_eps (absent:
+/// `default_eps`, the family config's default) into s.eps, tie_word_embeddings into s.tie. Returns
+/// num_hidden_layers. ConfigError naming the field when a size is not positive or eps is not a
+/// finite number > 0.
+int64_t read_hybrid_sizes(const io::Config& cfg, Mamba2HybridSpec& s, double default_eps);
+
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);
 
