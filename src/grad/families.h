@@ -103,9 +103,16 @@ struct MambaMixerView {
   const Tensor* A = nullptr;            ///< [E, N] = -exp(A_log)
   const Tensor* Dskip = nullptr;        ///< [E]
   const Tensor* out_proj = nullptr;     ///< [D, E]
+  const Tensor* out_proj_bias = nullptr;  ///< [D] or undefined (the recomputed output adds it)
   bool bcdt_rms_norm = false;           ///< FalconMamba: weightless RMS norms on dt_low, B, C
   float mixer_rms_eps = 1e-6f;
+  /// Jamba: those norms' weights [R], [N], [N] (nullptr: weightless).
+  const float* dt_norm = nullptr;
+  const float* b_norm = nullptr;
+  const float* c_norm = nullptr;
 };
+/// The view of a loaded mixer's layer `l` (pointers into `mixer` and `l`).
+MambaMixerView mamba_mixer_view(const detail::MambaMixer& mixer, const detail::MambaMixerWeights& l);
 
 /// What a Mamba-1 mixer call read from its cache (constants of the backward), and how the family
 /// maps a decays write back to dt (MambaModel::betas_for_decays: one dt per (token, channel)).
@@ -120,5 +127,8 @@ struct MambaCallState {
 /// Backward of MambaModel::mixer (recomputed from n with the tape's writes re-applied).
 void mamba_mixer_backward(const MambaMixerView& w, int layer, const Tensor& n, const MambaCallState& call,
                           const Tape& tape, const Tensor& dout, Tensor& dn, GradSink& sink);
+/// As above, with dout obtained from the recomputed output (a hybrid block's second branch reads it).
+void mamba_mixer_backward(const MambaMixerView& w, int layer, const Tensor& n, const MambaCallState& call,
+                          const Tape& tape, const MixerDout& dout_of, Tensor& dn, GradSink& sink);
 
 }  // namespace mixlens::grad

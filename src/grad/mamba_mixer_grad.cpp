@@ -18,8 +18,37 @@
 
 namespace mixlens::grad {
 
+MambaMixerView mamba_mixer_view(const detail::MambaMixer& mixer, const detail::MambaMixerWeights& l) {
+  const detail::MambaMixerDims& d = mixer.dims();
+  const auto opt = [](const Tensor& t) { return t.defined() ? t.data() : nullptr; };
+  MambaMixerView w;
+  w.D = d.D; w.E = d.E; w.N = d.N; w.R = d.R; w.K = d.K; w.chunk = mixer.chunk();
+  w.in_proj = &l.in_proj; w.in_proj_bias = &l.in_proj_bias; w.conv_wT = &l.conv_wT; w.conv_bias = &l.conv_bias;
+  w.x_proj = &l.x_proj; w.dt_proj = &l.dt_proj; w.dt_proj_bias = &l.dt_proj_bias; w.A = &l.A; w.Dskip = &l.D;
+  w.out_proj = &l.out_proj; w.out_proj_bias = &l.out_proj_bias;
+  w.bcdt_rms_norm = d.bcdt_rms_norm; w.mixer_rms_eps = d.mixer_rms_eps;
+  w.dt_norm = opt(l.dt_norm); w.b_norm = opt(l.b_norm); w.c_norm = opt(l.c_norm);
+  return w;
+}
+
+static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, const MambaCallState& call,
+                                 const Tape& tape, const MixerDout& dout_of, const Tensor* dout_given, Tensor& dn,
+                                 GradSink& sink);
+
 void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, const MambaCallState& call,
                           const Tape& tape, const Tensor& dout_in, Tensor& dn, GradSink& sink) {
+  mamba_mixer_backward(w, li, n_in, call, tape, MixerDout(), &dout_in, dn, sink);
+}
+
+void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, const MambaCallState& call,
+                          const Tape& tape, const MixerDout& dout_of, Tensor& dn, GradSink& sink) {
+  mamba_mixer_backward(w, li, n_in, call, tape, dout_of, nullptr, dn, sink);
+}
+
+// The one implementation: dout is *dout_given, or dout_of(the recomputed output).
+static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, const MambaCallState& call,
+                                 const Tape& tape, const MixerDout& dout_of, const Tensor* dout_given, Tensor& dn,
+                                 GradSink& sink) {
   const Batch& in = tape.batch;
   const int64_t B = in.batch, T = in.seq, BT = B * T;
   const int64_t D = w.D, E = w.E, N = w.N, R = w.R, K = w.K, XR = R + 2 * N;
@@ -52,7 +81,7 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   Tensor dbc_raw;  // x_proj's output before FalconMamba's norms (their backward reads it)
   if (w.bcdt_rms_norm) {
     dbc_raw = dbc.clone();
-    detail::norm_dt_b_c(dbc.data(), BT, R, N, w.mixer_rms_eps);
+    detail::norm_dt_b_c(dbc.data(), BT, R, N, w.mixer_rms_eps, w.dt_norm, w.b_norm, w.c_norm);
   }
   Tensor Bm({B, T, N}), Cm({B, T, N}), dt_pre({B, T, E}), dt({B, T, E});
   for (int64_t r = 0; r < BT; ++r) {
@@ -107,8 +136,18 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   }
   tape.apply(li, Value::attention_head_outputs, y);
 
+  Tensor dout;
+  if (dout_given) {
+    dout = dout_given->clone();
+  } else {  // the mixer's output (MambaMixer::forward's tail), for dout_of
+    Tensor g({B, T, E}), out({B, T, D});
+    for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * silu_s(z[k], sz[k]);
+    ops::linear(g.data(), BT, E, *w.out_proj, out.data(), w.out_proj_bias && w.out_proj_bias->defined() ? w.out_proj_bias->data() : nullptr);
+    tape.apply(li, Value::attention_output, out);
+    dout = dout_of(out);
+  }
+
   // ---- backward -----------------------------------------------------------------------------
-  Tensor dout = dout_in.clone();
   sink.put(li, Value::attention_output, dout);
   tape.block(li, Value::attention_output, dout);
   Tensor dg({B, T, E});
@@ -195,14 +234,17 @@ void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, c
   if (w.bcdt_rms_norm) {
     // Each section of a row is normed on its own: gather it, differentiate, lay it back.
     const std::vector<float> ones(static_cast<size_t>(std::max(R, N)), 1.0f);
-    const std::pair<int64_t, int64_t> sections[] = {{0, R}, {R, N}, {R + N, N}};  // (offset, width)
-    for (const auto& [off, dim] : sections) {
+    struct Section { int64_t off, dim; const float* weight; };
+    const Section sections[] = {{0, R, w.dt_norm ? w.dt_norm : ones.data()},
+                                {R, N, w.b_norm ? w.b_norm : ones.data()},
+                                {R + N, N, w.c_norm ? w.c_norm : ones.data()}};
+    for (const auto& [off, dim, weight] : sections) {
       Tensor x({BT, dim}), dnormed({BT, dim}), dx({BT, dim});
       for (int64_t r = 0; r < BT; ++r) {
         std::memcpy(x.data() + r * dim, dbc_raw.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
         std::memcpy(dnormed.data() + r * dim, ddbc.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
       }
-      rmsnorm_backward(x.data(), ones.data(), dnormed.data(), dx.data(), BT, dim, w.mixer_rms_eps, false, false);
+      rmsnorm_backward(x.data(), weight, dnormed.data(), dx.data(), BT, dim, w.mixer_rms_eps, false, false);
       for (int64_t r = 0; r < BT; ++r)
         std::memcpy(ddbc.data() + r * XR + off, dx.data() + r * dim, sizeof(float) * static_cast<size_t>(dim));
     }

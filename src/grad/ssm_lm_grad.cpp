@@ -38,16 +38,9 @@ void ssm_lm_backward(const detail::FamilyModel& model, const detail::SsmLmParts&
   const auto& cache = static_cast<const detail::SsmCache&>(*tape.cache_before);
   const SsmBackbone bb{p.norm_f, p.lm_head, p.norms, p.eps, p.D, p.L, p.V};
   if (p.mamba) {  // Mamba-1 (src/grad/mamba_mixer_grad.cpp)
-    const detail::MambaMixerDims& d = p.mamba->dims();
     ssm_lm_backward(bb, tape, dlogits, sink, [&](int li, const Tensor& n, const Tensor& dout, Tensor& dn) {
       const size_t i = static_cast<size_t>(li);
-      const detail::MambaMixerWeights& l = (*p.mamba_layers)[i];
-      MambaMixerView w;
-      w.D = p.D; w.E = d.E; w.N = d.N; w.R = d.R; w.K = d.K; w.chunk = p.mamba->chunk();
-      w.in_proj = &l.in_proj; w.in_proj_bias = &l.in_proj_bias; w.conv_wT = &l.conv_wT; w.conv_bias = &l.conv_bias;
-      w.x_proj = &l.x_proj; w.dt_proj = &l.dt_proj; w.dt_proj_bias = &l.dt_proj_bias; w.A = &l.A; w.Dskip = &l.D;
-      w.out_proj = &l.out_proj;
-      w.bcdt_rms_norm = d.bcdt_rms_norm; w.mixer_rms_eps = d.mixer_rms_eps;
+      const MambaMixerView w = mamba_mixer_view(*p.mamba, (*p.mamba_layers)[i]);
       MambaCallState call;
       call.conv = &cache.conv[i];
       call.ssm = &cache.ssm[i];

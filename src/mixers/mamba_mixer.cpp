@@ -27,17 +27,23 @@ void for_rows(int64_t rows, const std::function<void(int64_t)>& f) {
   });
 }
 
+const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
+
 }  // namespace
 
-void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps) {
+void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, const float* dt_w, const float* b_w,
+                 const float* c_w) {
   const int64_t XR = R + 2 * N;
-  const std::vector<float> ones(static_cast<size_t>(std::max(R, N)), 1.0f);  // the norms have no weight
+  const std::vector<float> ones(static_cast<size_t>(std::max(R, N)), 1.0f);  // a norm without weight
+  const float* wd = dt_w ? dt_w : ones.data();
+  const float* wb = b_w ? b_w : ones.data();
+  const float* wc = c_w ? c_w : ones.data();
   ops::parallel_rows(rows, XR, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = dbc + r * XR;
-      ops::rmsnorm(row, ones.data(), row, 1, R, eps);
-      ops::rmsnorm(row + R, ones.data(), row + R, 1, N, eps);
-      ops::rmsnorm(row + R + N, ones.data(), row + R + N, 1, N, eps);
+      ops::rmsnorm(row, wd, row, 1, R, eps);
+      ops::rmsnorm(row + R, wb, row + R, 1, N, eps);
+      ops::rmsnorm(row + R + N, wc, row + R + N, 1, N, eps);
     }
   });
 }
@@ -57,6 +63,11 @@ MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& 
   l.D = w.get(p + "D", {E_});
   l.out_proj = w.get_matmul(p + "out_proj.weight", {D_, E_});
   if (use_bias_) l.out_proj_bias = w.get(p + "out_proj.bias", {D_});
+  if (dims_.bcdt_norm_weights) {
+    l.dt_norm = w.get(p + "dt_layernorm.weight", {R_});
+    l.b_norm = w.get(p + "b_layernorm.weight", {N_});
+    l.c_norm = w.get(p + "c_layernorm.weight", {N_});
+  }
   return l;
 }
 
@@ -69,7 +80,7 @@ std::string MambaMixer::prompt_kernel(int64_t seq) const {
 }
 
 void MambaMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
-  const std::string normed = dims_.bcdt_rms_norm ? " after its weightless RMS norm" : "";
+  const std::string normed = !dims_.bcdt_rms_norm ? "" : dims_.bcdt_norm_weights ? " after its RMS norm (b_layernorm / c_layernorm)" : " after its weightless RMS norm";
   v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj" + normed + " (shared by all channels), as the scan reads the state"));
   v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj" + normed + " (shared by all channels), where each token writes"));
   v.push_back(layer_value(i, Value::attention_values, {B, T, E_}, true, "u = silu(conv1d(x)) after the padding mask, as the scan receives it (x_proj has already read it: writes change what tokens write and the D skip, not dt/B/C)"));
@@ -113,7 +124,8 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   // dt_proj.bias). B and C are served as the scan reads them, after any norm.
   Tensor dbc({B, T, XR});
   ops::linear(u.data(), BT, E_, lw.x_proj, dbc.data());
-  if (dims_.bcdt_rms_norm) norm_dt_b_c(dbc.data(), BT, R_, N_, dims_.mixer_rms_eps);
+  if (dims_.bcdt_rms_norm)
+    norm_dt_b_c(dbc.data(), BT, R_, N_, dims_.mixer_rms_eps, opt(lw.dt_norm), opt(lw.b_norm), opt(lw.c_norm));
   Tensor Bm({B, T, N_}), Cm({B, T, N_}), dt({B, T, E_});
   for (int64_t r = 0; r < BT; ++r) {
     std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));

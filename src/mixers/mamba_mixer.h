@@ -1,7 +1,8 @@
 // The Mamba-1 mixer (in_proj -> causal conv + SiLU -> x_proj / dt_proj -> selective scan -> silu(z)
 // gate -> out_proj) as one component, as mixers/mamba2_mixer.h is for Mamba-2: the family files
-// (models/mamba.cpp, models/falcon_mamba.cpp) hold the blocks around it. Reference: transformers
-// 5.18 MambaMixer.forward and FalconMambaMixer.forward (the same with RMS norms on dt_low, B and C);
+// (models/mamba.cpp, models/falcon_mamba.cpp, and Jamba's Mamba blocks through models/mamba2_hybrid.*)
+// hold the blocks around it. Reference: transformers 5.18 MambaMixer.forward, FalconMambaMixer.forward
+// (the same with RMS norms on dt_low, B and C) and JambaMambaMixer.forward (those norms with weights);
 // model-math.md §3.1. Its backward: grad/mamba_mixer_grad.cpp.
 #pragma once
 #include <cstdint>
@@ -23,12 +24,16 @@ struct MambaMixerDims {
   /// B [N] and C [N] before dt_proj and the scan read them (FalconMambaMixer.forward).
   bool bcdt_rms_norm = false;
   float mixer_rms_eps = 1e-6f;
+  /// Jamba: those norms carry weights (dt_layernorm / b_layernorm / c_layernorm.weight, JambaRMSNorm).
+  bool bcdt_norm_weights = false;
 };
 
 /// In place on x_proj's output rows [rows, R + 2N] (dt_low | B | C): each of the three sections
-/// becomes x / sqrt(mean(x^2) + eps) (FalconMambaWeightlessRMSNorm). The forward and its backward's
-/// recompute both call it, so the two see the same numbers.
-void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps);
+/// becomes x / sqrt(mean(x^2) + eps) (FalconMambaWeightlessRMSNorm), times its weight [R] / [N] / [N]
+/// where given (Jamba; null: none). The forward and its backward's recompute both call it, so the
+/// two see the same numbers.
+void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, const float* dt_w = nullptr,
+                 const float* b_w = nullptr, const float* c_w = nullptr);
 
 /// One layer's weights (HF names under the layer's mixer prefix).
 struct MambaMixerWeights {
@@ -43,6 +48,7 @@ struct MambaMixerWeights {
   Tensor D;              // [E]
   Tensor out_proj;       // [D, E]
   Tensor out_proj_bias;  // optional (use_bias)
+  Tensor dt_norm, b_norm, c_norm;  // [R], [N], [N] with bcdt_norm_weights (Jamba), else undefined
 };
 
 /// What one mixer call reads and updates besides its input. The state sites belong to the

@@ -190,6 +190,13 @@ void validate_config(const io::Config& cfg) {
   }
 }
 
+int64_t read_dt_rank(const io::Config& cfg, const char* field, int64_t hidden) {
+  const nlohmann::json rank = cfg.has(field) ? cfg.json()[field] : nlohmann::json("auto");
+  if (rank.is_string() && rank.get<std::string>() == "auto") return (hidden + 15) / 16;
+  if (rank.is_number_integer()) return rank.get<int64_t>();
+  throw ConfigError(where(cfg) + ": field '" + field + "' must be an integer or \"auto\", got " + rank.dump());
+}
+
 void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& d, bool nullable) {
   if (!cfg.has("time_step_limit")) return;
   if (cfg.is_null("time_step_limit")) {

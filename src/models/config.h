@@ -52,6 +52,9 @@ int64_t checked_size_product(const io::Config& cfg, const std::string& what, std
 /// (Mamba2Config, whose strict field takes only a list) null is a ConfigError, as transformers
 /// refuses it. ConfigError for a list that is not [min, max] with 0 <= min <= max.
 void read_time_step_limit(const io::Config& cfg, Mamba2MixerDims& dims, bool nullable = true);
+/// A Mamba-1 dt rank field (MambaConfig time_step_rank, JambaConfig mamba_dt_rank): an integer, or
+/// "auto" (also when absent) = ceil(hidden / 16). ConfigError naming the field for anything else.
+int64_t read_dt_rank(const io::Config& cfg, const char* field, int64_t hidden);
 /// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
 /// fields; UnsupportedError for any rope_type other than "default".
 void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);

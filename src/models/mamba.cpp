@@ -17,6 +17,7 @@
 #include "mixers/mamba_mixer.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
+#include "models/config.h"
 #include "models/registry.h"
 #include "models/ssm_lm.h"
 
@@ -36,11 +37,7 @@ class MambaModel final : public SsmLm {
     // time_step_rank "auto" = ceil(hidden_size / 16).
     E_ = cfg.get_or<int64_t>("intermediate_size",
                              static_cast<int64_t>(cfg.get_double_or("expand", 2.0) * static_cast<double>(D_)));
-    const nlohmann::json rank = cfg.has("time_step_rank") ? cfg.json()["time_step_rank"] : nlohmann::json("auto");
-    if (rank.is_string() && rank.get<std::string>() == "auto") R_ = (D_ + 15) / 16;
-    else if (rank.is_number_integer()) R_ = rank.get<int64_t>();
-    else
-      throw ConfigError(where(cfg) + ": field 'time_step_rank' must be an integer or \"auto\", got " + rank.dump());
+    R_ = read_dt_rank(cfg, "time_step_rank", D_);
     require_positive(cfg, {{"state_size", N_}, {"intermediate_size (else expand * hidden_size)", E_}, {"time_step_rank", R_}});
     const bool use_bias = cfg.get_or<bool>("use_bias", false);
     const bool use_conv_bias = cfg.get_or<bool>("use_conv_bias", true);
