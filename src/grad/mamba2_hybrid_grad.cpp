@@ -1,8 +1,9 @@
 // Backward of the Mamba-2 hybrid skeleton (models/mamba2_hybrid.cpp; Nemotron-H, Bamba,
-// Falcon-H1, Granite 4.0-H): LM head (* lm_head_multiplier), final RMSNorm, then each block from
+// Falcon-H1, Granite 4.0-H; Jamba with the Mamba-1 mixer): LM head (* lm_head_multiplier), final RMSNorm, then each block from
 // the last, recomputed from its recorded input with the recorded writes re-applied and
 // differentiated: the second branch (pre_ff RMSNorm + SwiGLU MLP, Granite's routed experts + shared
-// MLP, * residual_multiplier), then the first branch's Mamba-2 mixer (grad/mamba2_mixer_grad.cpp),
+// MLP, * residual_multiplier; Jamba's experts alone), then the first branch's Mamba-2 mixer
+// (grad/mamba2_mixer_grad.cpp) or Mamba-1 mixer (grad/mamba_mixer_grad.cpp),
 // the attention mixer (grad/attention_mixer_grad.cpp), relu2 MLP or MoE (straight-through of the
 // chosen experts: the routing is a constant, the chosen experts' weights are differentiated), and
 // the block's input norm.
@@ -99,8 +100,11 @@ class HybridBackward {
       tape_.block(li, Value::mlp_output, dm);
       scale(dm, s_.residual_multiplier);
       Tensor dn2({B_, T_, D});
-      mlp_backward(w.mlp, n2, dm, dn2);
-      if (b.moe) {  // Granite: routed experts beside the shared MLP on the same input
+      const bool moe_only = b.moe && s_.moe_kind == detail::HybridMoeKind::jamba;
+      if (!moe_only) mlp_backward(w.mlp, n2, dm, dn2);
+      if (moe_only) {
+        moe_backward(w.moe, n2, dm, dn2);
+      } else if (b.moe) {  // Granite: routed experts beside the shared MLP on the same input
         Tensor dmoe({B_, T_, D});
         moe_backward(w.moe, n2, dm, dmoe);
         add_into(dn2, dmoe);
@@ -113,7 +117,22 @@ class HybridBackward {
     // First branch: h1 = layer_input + sum of the branch outputs on n = RMSNorm(layer_input). With a
     // second branch, the mixer's recompute supplies its output to it before differentiating.
     Tensor dn({B_, T_, D}), part({B_, T_, D});
-    if (b.mamba) {
+    if (b.mamba && s_.mixer == detail::HybridMixer::mamba1) {
+      const MambaMixerView mv = mamba_mixer_view(*m_.mixer1, w.mamba1);
+      MambaCallState mc;
+      mc.conv = &cache_.conv[i];
+      mc.ssm = &cache_.ssm[i];
+      mc.has_state = cache_.has_state;
+      mc.chunked = tape_.kernel == "chunked";
+      mc.betas_for_decays = [&](const Tensor& bet, const Tensor& dec) {
+        return m_.mixer1->betas_for_decays(li, w.mamba1, bet, dec);
+      };
+      if (b.ff)
+        mamba_mixer_backward(mv, li, n, mc, tape_, [&](const Tensor& out) { return second_branch(&out); }, part, sink_);
+      else
+        mamba_mixer_backward(mv, li, n, mc, tape_, dh1, part, sink_);
+      add_into(dn, part);
+    } else if (b.mamba) {
       if (b.ff)
         mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_,
                               [&](const Tensor& out) { return second_branch(&out); }, part, sink_);
@@ -227,7 +246,7 @@ class HybridBackward {
         dw[static_cast<size_t>(r * K + k)] = static_cast<float>(dot);
       }
       const size_t ei = static_cast<size_t>(e);
-      if (s_.moe_kind == detail::HybridMoeKind::granite)
+      if (s_.moe_kind != detail::HybridMoeKind::nemotron_h)
         swiglu_backward(m.gate[ei], m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
       else
         relu2_backward(m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
@@ -237,6 +256,19 @@ class HybridBackward {
       }
     }
     Tensor dlog({rows, E});
+    if (s_.moe_kind == detail::HybridMoeKind::jamba) {
+      // w_k = p[e_k], p = softmax over all logits (rt.scores): dl_j = p_j ([j chosen] dw_j - sum_k w_k dw_k).
+      for (int64_t r = 0; r < rows; ++r) {
+        double wdw = 0.0;
+        for (int64_t k = 0; k < K; ++k) wdw += static_cast<double>(rt.weight(r, k)) * dw[static_cast<size_t>(r * K + k)];
+        for (int64_t e = 0; e < E; ++e) dlog[r * E + e] = -rt.scores[static_cast<size_t>(r * E + e)] * static_cast<float>(wdw);
+        for (int64_t k = 0; k < K; ++k)
+          dlog[r * E + rt.chosen[static_cast<size_t>(r * K + k)]] += rt.weight(r, k) * dw[static_cast<size_t>(r * K + k)];
+      }
+      linear_backward(dlog.data(), rows, E, m.router, dx.data(), false);
+      add_into(dx, dxe);
+      return;
+    }
     if (s_.moe_kind == detail::HybridMoeKind::granite) {
       // dw -> the chosen logits through the softmax over them: dl_k = w_k (dw_k - sum_j w_j dw_j).
       for (int64_t r = 0; r < rows; ++r) {

@@ -3,7 +3,8 @@
 // (BambaDecoderLayer, BambaAttention, BambaMLP), models/falcon_h1/modeling_falcon_h1.py
 // (FalconH1DecoderLayer, FalconH1Attention, FalconH1MLP, FalconH1Model, FalconH1ForCausalLM),
 // models/granitemoehybrid/modeling_granitemoehybrid.py (GraniteMoeHybridDecoderLayer,
-// GraniteMoeHybridMoE, GraniteMoeHybridMLP, GraniteMoeHybridModel).
+// GraniteMoeHybridMoE, GraniteMoeHybridMLP, GraniteMoeHybridModel), models/jamba/modeling_jamba.py
+// (JambaMambaDecoderLayer, JambaAttentionDecoderLayer, JambaSparseMoeBlock, JambaMLP).
 // Everything runs in float32.
 #include "models/mamba2_hybrid.h"
 
@@ -14,6 +15,7 @@
 #include <memory>
 
 #include "mixers/attention_mixer.h"
+#include "hooks/serve.h"
 #include "mixlens/errors.h"
 #include "models/common.h"
 #include "models/config.h"
@@ -70,7 +72,7 @@ Tensor swiglu_mlp(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w
 Tensor hybrid_expert(const Mamba2HybridSpec& s, const HybridMoeWeights& m, int64_t e, const float* xs, int64_t rows) {
   const size_t i = static_cast<size_t>(e);
   const int64_t in = s.latent > 0 ? s.latent : s.D;
-  return s.moe_kind == HybridMoeKind::granite ? swiglu_mlp(m.gate[i], m.up[i], m.down[i], xs, rows, in, s.moe_I)
+  return s.moe_kind != HybridMoeKind::nemotron_h ? swiglu_mlp(m.gate[i], m.up[i], m.down[i], xs, rows, in, s.moe_I)
                                               : relu2_mlp(m.up[i], m.down[i], xs, rows, in, s.moe_I);
 }
 
@@ -111,7 +113,8 @@ Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const fl
 // groups with the largest sum of their top-2 choice scores stay eligible; top-k experts by choice
 // score, weighted by their plain sigmoid scores (renormalised when norm_topk_prob, + 1e-20),
 // times routed_scaling_factor. GraniteMoeHybridTopKRouter: top-k of the fp32 logits, weighted by
-// the softmax over those k logits.
+// the softmax over those k logits. JambaSparseMoeBlock: top-k of the softmax over all E logits,
+// weighted by those probabilities as they are.
 HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const float* x, int64_t rows) {
   const int64_t E = s.n_experts, K = s.topk;
   Tensor logits({rows, E});
@@ -123,25 +126,32 @@ HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeig
   rt.weights.resize(static_cast<size_t>(rows * K));
   rt.total.resize(static_cast<size_t>(rows));
   rt.routed.resize(static_cast<size_t>(E));
-  if (s.moe_kind == HybridMoeKind::granite) {
+  if (s.moe_kind != HybridMoeKind::nemotron_h) {
+    const bool jamba = s.moe_kind == HybridMoeKind::jamba;
     std::vector<int64_t> ei(static_cast<size_t>(E));
     for (int64_t r = 0; r < rows; ++r) {
-      const float* lg = logits.data() + r * E;
+      float* lg = logits.data() + r * E;
+      if (jamba) {  // Jamba ranks and weights by the softmax over all E (float32, as torch's)
+        const float mx = *std::max_element(lg, lg + E);
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; ++e) sum += (lg[e] = std::exp(lg[e] - mx));
+        for (int64_t e = 0; e < E; ++e) lg[e] /= sum;
+      }
       std::copy(lg, lg + E, rt.scores.begin() + r * E);
       for (int64_t e = 0; e < E; ++e) ei[static_cast<size_t>(e)] = e;
       std::partial_sort(ei.begin(), ei.begin() + K, ei.end(),
                         [&](int64_t a, int64_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
-      // softmax over the chosen logits (the first is the largest)
+      // Granite: softmax over the chosen logits (the first is the largest)
       const float mx = lg[ei[0]];
       float sum = 0.0f;
       for (int64_t k = 0; k < K; ++k) {
-        const float ex = std::exp(lg[ei[static_cast<size_t>(k)]] - mx);
+        const float ex = jamba ? lg[ei[static_cast<size_t>(k)]] : std::exp(lg[ei[static_cast<size_t>(k)]] - mx);
         rt.weights[static_cast<size_t>(r * K + k)] = ex;
         sum += ex;
       }
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = ei[static_cast<size_t>(k)];
-        rt.weights[static_cast<size_t>(r * K + k)] /= sum;
+        if (!jamba) rt.weights[static_cast<size_t>(r * K + k)] /= sum;
         rt.chosen[static_cast<size_t>(r * K + k)] = e;
         rt.routed[static_cast<size_t>(e)].push_back({r, k});
       }
@@ -176,6 +186,7 @@ Tensor hybrid_moe_input(const Mamba2HybridSpec& s, const HybridMoeWeights& m, co
 }
 
 Tensor ff_branch(const Mamba2HybridSpec& s, const HybridBlockWeights& w, const HybridBlock& b, const float* x, int64_t rows) {
+  if (b.moe && s.moe_kind == HybridMoeKind::jamba) return hybrid_moe(s, w.moe, x, rows);  // experts instead of the MLP
   Tensor out = hybrid_mlp(s, w.mlp, x, rows);
   if (b.moe) {  // GraniteMoeHybridDecoderLayer: block_sparse_moe(x) + shared_mlp(x)
     const Tensor moe = hybrid_moe(s, w.moe, x, rows);
@@ -216,7 +227,7 @@ Tensor hybrid_moe(const Mamba2HybridSpec& s, const HybridMoeWeights& m, const fl
   Tensor out({rows, D});
   if (s.latent > 0) ops::linear(acc.data(), rows, in, m.fc2, out.data(), opt(m.fc2_b));
   else std::memcpy(out.data(), acc.data(), sizeof(float) * static_cast<size_t>(rows * D));
-  if (s.moe_kind == HybridMoeKind::granite) return out;
+  if (s.moe_kind != HybridMoeKind::nemotron_h) return out;
   const Tensor sh = relu2_mlp(m.shared_up, m.shared_down, x, rows, D, s.shared_I);
   for (int64_t k = 0; k < rows * D; ++k) out[k] += sh[k];
   return out;
@@ -277,7 +288,9 @@ class Mamba2Hybrid final : public FamilyModel {
       any_attn |= b.attn;
       any_mlp |= b.branch_mlp || b.ff;
     }
-    if (any_mamba) mixer_ = Mamba2Mixer(s_.mamba, where(cfg));
+    const bool m1 = s_.mixer == HybridMixer::mamba1;
+    if (any_mamba && m1) mixer1_ = MambaMixer(s_.mamba1);
+    if (any_mamba && !m1) mixer_ = Mamba2Mixer(s_.mamba, where(cfg));
     s_.attn.D = s_.D;
     if (any_attn) attn_ = AttentionMixer(s_.attn, where(cfg));
     // The first prefix under which the embeddings exist names the layout (published vs saved).
@@ -294,21 +307,34 @@ class Mamba2Hybrid final : public FamilyModel {
       const std::string lp = p + "layers." + std::to_string(i) + ".";
       BlockW bw;
       bw.in_norm = w.get(lp + s_.in_norm, {s_.D});
-      if (b.mamba) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
+      if (b.mamba && m1) bw.mamba1 = mixer1_.load(w, lp + s_.mamba_mod + ".");
+      if (b.mamba && !m1) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
       if (b.attn) bw.attn = attn_.load(w, lp + s_.attn_mod + ".");
-      if (b.moe && s_.moe_kind == HybridMoeKind::granite) {
+      const bool moe_only = b.moe && s_.moe_kind == HybridMoeKind::jamba;  // experts in place of the MLP
+      if (b.moe && s_.moe_kind != HybridMoeKind::nemotron_h) {
         // GraniteMoeHybridMoE: router [E, D]; experts gate_up [E, 2I, D] (gate rows first), down [E, D, I].
         // transformers 5.18 renames the published block_sparse_moe.{router.layer, input_linear,
-        // output_linear} on load (conversion_mapping "granitemoe"); both spellings are read.
+        // output_linear} on load (conversion_mapping "granitemoe"); both spellings are read. Jamba
+        // (JambaSparseMoeBlock) stores router / experts.gate_up_proj / experts.down_proj alike.
         const std::string m = lp + (s_.moe_mod.empty() ? s_.mlp_mod : s_.moe_mod) + ".";
         const int64_t E = s_.n_experts, Ie = s_.moe_I, D = s_.D;
         bw.moe.router = w.get(first_present(w, {m + "router.weight", m + "router.layer.weight"}), {E, D});
-        const Tensor gu = w.get_matmul(first_present(w, {m + "experts.gate_up_proj", m + "input_linear.weight"}), {E, 2 * Ie, D});
-        const Tensor dn = w.get_matmul(first_present(w, {m + "experts.down_proj", m + "output_linear.weight"}), {E, D, Ie});
-        for (int64_t e = 0; e < E; ++e) {
-          bw.moe.gate.push_back(row_block(gu, e * 2 * Ie, {Ie, D}));
-          bw.moe.up.push_back(row_block(gu, e * 2 * Ie + Ie, {Ie, D}));
-          bw.moe.down.push_back(row_block(dn, e * D, {D, Ie}));
+        if (s_.moe_kind == HybridMoeKind::jamba && !w.has(m + "experts.gate_up_proj")) {
+          // Jamba as published and as transformers 5.18 saves it: one gate_proj / up_proj / down_proj per expert.
+          for (int64_t e = 0; e < E; ++e) {
+            const std::string ep = m + "experts." + std::to_string(e) + ".";
+            bw.moe.gate.push_back(w.get_matmul(ep + "gate_proj.weight", {Ie, D}));
+            bw.moe.up.push_back(w.get_matmul(ep + "up_proj.weight", {Ie, D}));
+            bw.moe.down.push_back(w.get_matmul(ep + "down_proj.weight", {D, Ie}));
+          }
+        } else {
+          const Tensor gu = w.get_matmul(first_present(w, {m + "experts.gate_up_proj", m + "input_linear.weight"}), {E, 2 * Ie, D});
+          const Tensor dn = w.get_matmul(first_present(w, {m + "experts.down_proj", m + "output_linear.weight"}), {E, D, Ie});
+          for (int64_t e = 0; e < E; ++e) {
+            bw.moe.gate.push_back(row_block(gu, e * 2 * Ie, {Ie, D}));
+            bw.moe.up.push_back(row_block(gu, e * 2 * Ie + Ie, {Ie, D}));
+            bw.moe.down.push_back(row_block(dn, e * D, {D, Ie}));
+          }
         }
       }
       if (b.moe && s_.moe_kind == HybridMoeKind::nemotron_h) {
@@ -334,17 +360,17 @@ class Mamba2Hybrid final : public FamilyModel {
       } else if (b.branch_mlp || b.ff) {
         if (b.ff) bw.ff_norm = w.get(lp + s_.ff_norm, {s_.D});
         const std::string m = lp + s_.mlp_mod + ".";
-        if (s_.mlp_fused) {  // GraniteMoeHybridMLP: input_linear [2I, D] = gate | up, output_linear [D, I]
+        if (s_.mlp_fused && !moe_only) {  // GraniteMoeHybridMLP: input_linear [2I, D] = gate | up, output_linear [D, I]
           const Tensor gu = w.get_matmul(m + "input_linear.weight", {2 * I, s_.D});
           bw.mlp.gate = row_block(gu, 0, {I, s_.D});
           bw.mlp.up = row_block(gu, I, {I, s_.D});
           bw.mlp.down = w.get_matmul(m + "output_linear.weight", {s_.D, I});
-        } else {
+        } else if (!moe_only) {  // (Jamba's experts block has no MLP beside them)
           if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate = w.get_matmul(m + "gate_proj.weight", {I, s_.D});
           bw.mlp.up = w.get_matmul(m + "up_proj.weight", {I, s_.D});
           bw.mlp.down = w.get_matmul(m + "down_proj.weight", {s_.D, I});
         }
-        if (s_.mlp_bias && !s_.mlp_fused) {
+        if (s_.mlp_bias && !s_.mlp_fused && !moe_only) {
           if (s_.mlp == HybridMlp::swiglu) bw.mlp.gate_b = w.get(m + "gate_proj.bias", {I});
           bw.mlp.up_b = w.get(m + "up_proj.bias", {I});
           bw.mlp.down_b = w.get(m + "down_proj.bias", {s_.D});
@@ -362,19 +388,29 @@ class Mamba2Hybrid final : public FamilyModel {
     config_chunk_ = s_.mamba.chunk;
   }
 
-  void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : config_chunk_); }
+  void set_chunk_size(int64_t c) override {
+    mixer1_.set_chunk(c);  // 0 restores the Mamba-1 default
+    mixer_.set_chunk(c > 0 ? c : config_chunk_);
+  }
   Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& decays) const override {
-    return mixer_.betas_for_decays(blocks_[static_cast<size_t>(li)].mamba, betas_before, decays);
+    const BlockW& bw = blocks_[static_cast<size_t>(li)];
+    if (mamba1()) return mixer1_.betas_for_decays(li, bw.mamba1, betas_before, decays);
+    return mixer_.betas_for_decays(bw.mamba, betas_before, decays);
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
     std::vector<bool> is_mixer;
     for (const HybridBlock& b : s_.blocks) is_mixer.push_back(b.mamba);
+    // Mamba-1: a conv window over the E channels and a state [E, N] (the served layout).
+    if (mamba1()) return std::make_unique<HybridCache>(batch, is_mixer, s_.mamba1.K, s_.mamba1.E, Shape{s_.mamba1.E, s_.mamba1.N});
     return std::make_unique<HybridCache>(batch, is_mixer, s_.mamba.K, s_.mamba.conv_dim(), mixer_.state_shape());
   }
 
   std::string kernel_for(const CacheState& cache, int64_t seq) const override {
-    return hybrid_kernel(s_.family, cache, seq);
+    const std::string k = hybrid_kernel(s_.family, cache, seq);
+    // Mamba-1 prompts take the mixer's own default (the token loop), as on the Mamba-1 LMs.
+    if (mamba1() && k == "chunked" && kernel_route(s_.family) == KernelRoute::default_route) return mixer1_.prompt_kernel(seq);
+    return k;
   }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
@@ -399,7 +435,11 @@ class Mamba2Hybrid final : public FamilyModel {
       visit_if(ls, li, Value::layer_input, h);
       ops::rmsnorm(h.data(), bw.in_norm.data(), n.data(), BT, D, s_.eps);
       Tensor branch({B, T, D});
-      if (b.mamba) {
+      if (b.mamba && mamba1()) {
+        Tensor out = mamba1_forward(li, bw, n, in, cache, ls, ctx);
+        watch.check(li, Value::attention_output, out);
+        add_into(branch, out);
+      } else if (b.mamba) {
         Mamba2MixerCall call;
         call.layer = li;
         call.conv = &cache.conv[static_cast<size_t>(i)];
@@ -458,6 +498,7 @@ class Mamba2Hybrid final : public FamilyModel {
     auto p = std::make_unique<Mamba2HybridParts>();
     p->spec = &s_;
     p->mixer = &mixer_;
+    p->mixer1 = &mixer1_;
     p->attn = &attn_;
     p->norm_f = &norm_f_;
     p->lm_head = &lm_head_;
@@ -475,10 +516,12 @@ class Mamba2Hybrid final : public FamilyModel {
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::layer_input, {B, T, D}, true, "residual stream entering the block"));
-      if (b.mamba) mixer_.values(i, B, T, v);
+      if (b.mamba && mamba1()) mixer1_.values(i, B, T, v);
+      else if (b.mamba) mixer_.values(i, B, T, v);
       if (b.attn) attn_.values(i, B, T, v);
       if (b.branch_mlp || b.ff) {
-        std::string what = b.moe && s_.moe_kind == HybridMoeKind::granite ? "MoE output: routed SwiGLU experts (softmax top-k) + shared SwiGLU MLP"
+        std::string what = b.moe && s_.moe_kind == HybridMoeKind::jamba   ? "MoE output: routed SwiGLU experts (top-k of the router softmax)"
+                           : b.moe && s_.moe_kind == HybridMoeKind::granite ? "MoE output: routed SwiGLU experts (softmax top-k) + shared SwiGLU MLP"
                            : b.moe                                        ? "MoE output: routed relu2 experts + shared expert"
                            : s_.mlp == HybridMlp::relu2                   ? "relu2 MLP output"
                            : s_.mlp_fused                                 ? "shared SwiGLU MLP output"
@@ -504,7 +547,7 @@ class Mamba2Hybrid final : public FamilyModel {
         const Component c = value_component(val);
         if (c == Component::linear_attn)
           sup["linear_attn." + std::string(value_name(val))][i] =
-              b.mamba ? "" : block + ", which has no Mamba-2 mixer (linear_attn)" + (b.attn ? ": use self_attn values" : "");
+              b.mamba ? "" : block + ", which has no " + (mamba1() ? "Mamba" : "Mamba-2") + " mixer (linear_attn)" + (b.attn ? ": use self_attn values" : "");
         else if (c == Component::self_attn) {
           std::string r;
           if (!b.attn) r = block + ", which has no softmax attention (self_attn)" + (b.mamba ? ": use linear_attn values" : "");
@@ -519,8 +562,32 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
  private:
+  bool mamba1() const { return s_.mixer == HybridMixer::mamba1; }
+
+  // One Mamba-1 mixer call (Jamba) over the layer's cache slots; its state is served as the cache
+  // holds it ([B, E, N]), a state_input / state_output write laid back in.
+  Tensor mamba1_forward(int li, const BlockW& bw, const Tensor& n, const Batch& in, HybridCache& cache, Listener* ls,
+                        const CallCtx& ctx) const {
+    const size_t i = static_cast<size_t>(li);
+    Tensor& S = cache.ssm[i];
+    const auto serve = [](const Tensor& s) { return s.clone(); };
+    const auto store = [](const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); };
+    MambaMixerCall call;
+    call.layer = li;
+    call.conv = &cache.conv[i];
+    call.chunked = ctx.kernel == "chunked";
+    call.ls = ls;
+    call.begin_state = [&]() -> Tensor& {
+      visit_state_input(li, S, cache.has_state, ls, {s_.mamba1.E, s_.mamba1.N}, serve, store);
+      return S;
+    };
+    call.end_state = [&] { visit_state_output(li, S, ls, serve, store); };
+    return mixer1_.forward(bw.mamba1, n, in, call);
+  }
+
   Mamba2HybridSpec s_;
   int64_t L_ = 0, config_chunk_ = 256;
+  MambaMixer mixer1_;
   Mamba2Mixer mixer_;
   AttentionMixer attn_;
   Tensor embed_, norm_f_, lm_head_;

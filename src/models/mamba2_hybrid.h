@@ -1,9 +1,11 @@
-// Shared implementation of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H):
-// pre-norm residual blocks whose first branch runs the Mamba-2 mixer (src/mixers/mamba2_mixer.*),
+// Shared implementation of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H on Mamba-2;
+// Jamba on Mamba-1): pre-norm residual blocks whose first branch runs the recurrent mixer
+// (src/mixers/mamba2_mixer.*, or src/mixers/mamba_mixer.* when the spec's mixer is mamba1),
 // softmax attention (src/mixers/attention_mixer.*), both side by side (Falcon-H1, summed), or an MLP
 // (Nemotron-H MLP blocks); optionally a second branch pre_ff norm + MLP (Bamba, Falcon-H1), or
-// norm + routed experts + the MLP as a shared MLP (Granite). The family files (nemotron_h.cpp,
-// bamba.cpp, falcon_h1.cpp, granitemoehybrid.cpp) read their configs into a Mamba2HybridSpec.
+// norm + routed experts + the MLP as a shared MLP (Granite), or norm + routed experts in place of the
+// MLP (Jamba). The family files (nemotron_h.cpp, bamba.cpp, falcon_h1.cpp, granitemoehybrid.cpp,
+// jamba.cpp) read their configs into a Mamba2HybridSpec.
 // Cache: conv window + SSM state for mixer layers, a KV cache for attention layers.
 #pragma once
 #include <memory>
@@ -15,26 +17,35 @@
 #include "io/weights.h"
 #include "mixers/attention_mixer.h"
 #include "mixers/mamba2_mixer.h"
+#include "mixers/mamba_mixer.h"
 #include "models/family.h"
 
 namespace mixlens::detail {
 
 enum class HybridMlp { swiglu, relu2 };
+/// The recurrent mixer of the blocks with `mamba` set (one kind per model).
+enum class HybridMixer {
+  mamba2,  ///< Mamba2Mixer (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H)
+  mamba1,  ///< MambaMixer (Jamba: JambaMambaMixer, Mamba-1 with weighted RMS norms on dt_low, B, C)
+};
 /// The MoE's router and experts.
 enum class HybridMoeKind {
   nemotron_h,  ///< NemotronHMoE: sigmoid router + e_score_correction_bias, group-limited top-k, relu2
                ///< experts (optional latent projections), one relu2 shared expert inside the MoE
   granite,     ///< GraniteMoeHybridMoE: softmax over the top-k router logits, SwiGLU experts (fused
                ///< gate_up, gate rows first); the block's MLP is the shared MLP, added by the block
+  jamba,       ///< JambaSparseMoeBlock: top-k of the softmax over all router logits, weighted by those
+               ///< probabilities (not renormalised), SwiGLU experts as Granite's; no MLP beside them
 };
 
 /// What one block holds (weights are looked up under the spec's names).
 struct HybridBlock {
-  bool mamba = false;       ///< the Mamba-2 mixer on the first branch (values linear_attn.*)
+  bool mamba = false;       ///< the recurrent mixer on the first branch (values linear_attn.*)
   bool attn = false;        ///< softmax attention on the first branch (values self_attn.*)
   bool branch_mlp = false;  ///< Nemotron-H MLP block: the MLP is the first branch (mlp.output)
   bool moe = false;         ///< with branch_mlp: a Nemotron-H MoE block (NemotronHMoE) instead of the MLP;
-                            ///< with ff: Granite's routed experts added to the MLP (the shared MLP)
+                            ///< with ff: Granite's routed experts added to the MLP (the shared MLP),
+                            ///< Jamba's routed experts instead of the MLP
   bool ff = false;          ///< second residual branch: ff norm + MLP (mlp.output)
   LayerKind kind = LayerKind::mamba2;
 };
@@ -56,6 +67,8 @@ struct Mamba2HybridSpec {
   bool mlp_fused = false;
 
   Mamba2MixerDims mamba;
+  HybridMixer mixer = HybridMixer::mamba2;
+  MambaMixerDims mamba1;  ///< the Mamba-1 mixer's sizes and options when mixer is mamba1 (Jamba)
   /// The attention blocks' options (GQA, RoPE, biases, Falcon-H1's attention / key multipliers);
   /// D is set by the skeleton.
   AttentionMixerDims attn;
@@ -96,6 +109,7 @@ struct HybridMoeWeights {
 struct HybridBlockWeights {
   Tensor in_norm, ff_norm;
   Mamba2MixerWeights mamba;
+  MambaMixerWeights mamba1;  ///< Jamba's Mamba-1 blocks
   AttentionMixerWeights attn;
   HybridMlpWeights mlp;
   HybridMoeWeights moe;
@@ -147,6 +161,7 @@ Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64
 struct Mamba2HybridParts : BackwardParts {
   const Mamba2HybridSpec* spec = nullptr;
   const Mamba2Mixer* mixer = nullptr;
+  const MambaMixer* mixer1 = nullptr;  ///< HybridMixer::mamba1
   const AttentionMixer* attn = nullptr;
   const Tensor* norm_f = nullptr;
   const Tensor* lm_head = nullptr;
