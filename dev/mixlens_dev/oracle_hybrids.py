@@ -1,6 +1,10 @@
-"""Mamba-2 hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H): every value of transformers
+"""Mamba hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba): every value of transformers
 5.18's pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
-GraniteMoeHybridForCausalLM.
+GraniteMoeHybridForCausalLM / JambaForCausalLM.
+
+Jamba's mixer is Mamba-1 (JambaMambaMixer): its values come from oracle_mamba's patching of
+``mamba_selective_scan`` / ``mamba_selective_state_update`` (module globals of modeling_jamba, the
+same signatures as Mamba-1's), through JambaRecorder; everything else as for the Mamba-2 hybrids.
 
 The Mamba-2 mixer values come from the same kernel patching as oracle_mamba2 (``mamba2_chunk_scan``
 and ``mamba2_selective_state_update`` are module globals of each hybrid's modeling module, resolved
@@ -33,8 +37,10 @@ import torch
 import transformers.models.bamba.modeling_bamba as mb
 import transformers.models.falcon_h1.modeling_falcon_h1 as mf
 import transformers.models.granitemoehybrid.modeling_granitemoehybrid as mg
+import transformers.models.jamba.modeling_jamba as mj
 import transformers.models.nemotron_h.modeling_nemotron_h as mn
 
+from mixlens_dev import oracle_mamba as om1
 from mixlens_dev import oracle_mamba2 as om
 from mixlens_dev.oracle_loop import run_steps
 
@@ -45,6 +51,8 @@ _PATH_RE = re.compile(r"^layers\.(\d+)\.(linear_attn|self_attn)\.([a-z_]+)$")
 
 def module_for(model):
     name = type(model).__module__
+    if "jamba" in name:
+        return mj
     return mn if "nemotron_h" in name else mb if "bamba" in name else mg if "granitemoehybrid" in name else mf
 
 
@@ -64,7 +72,7 @@ def has_rope(model) -> bool:
     mod = module_for(model)
     if mod is mg:
         return model.config.position_embedding_type == "rope"
-    return mod is not mn
+    return mod is not mn and mod is not mj  # JambaAttention has no positional encoding
 
 
 def final_norm(model):
@@ -282,6 +290,35 @@ class Recorder(om._Recorder):
         return False
 
 
+class JambaRecorder(Recorder, om1._Recorder):
+    """The hybrid hooks with oracle_mamba's Mamba-1 kernel patching (its _scan / _update /
+    _record_mixer) in place of the Mamba-2 kernels."""
+
+    def __enter__(self):
+        m = self.mod
+        self._orig_scan = m.mamba_selective_scan
+        self._orig_update = m.mamba_selective_state_update
+        self._scan_sig = inspect.signature(self._orig_scan)
+        self._update_sig = inspect.signature(self._orig_update)
+        m.mamba_selective_scan = self._scan
+        m.mamba_selective_state_update = self._update
+        self._install_hooks()
+        return self
+
+    def __exit__(self, *exc):
+        m = self.mod
+        m.mamba_selective_scan = self._orig_scan
+        m.mamba_selective_state_update = self._orig_update
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+def recorder_for(model):
+    return JambaRecorder if module_for(model) is mj else Recorder
+
+
 pad_prompts = om.pad_prompts
 
 
@@ -290,7 +327,7 @@ def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
     through a DynamicCache. Position ids and the growing attention mask as generate builds them."""
     ids, mask = pad_prompts(prompts, pad_id)
     cache = mn.DynamicCache(config=model.config)
-    with Recorder(model, edits, record) as rec, torch.no_grad():
+    with recorder_for(model)(model, edits, record) as rec, torch.no_grad():
         out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
     bad = [n for n, c in rec.applied.items() if c != 1]
     if bad:

@@ -29,13 +29,21 @@ struct Fixture {
   /// central differences disagree), so its prompt is checked against torch autograd only
   /// (tests/python/test_grad_hybrids.py, routing held constant); its decode step is checked here.
   bool prompt_routing_flips = false;
+  /// Jamba's top-k of a softmax over every router logit flips a routing within the step of the
+  /// decode / continuation points along the embeddings' direction (measured on a grid: a jump at
+  /// h = +4e-4 on padded_bias; the derivative at h -> 0, 2.0 / 313.7 / 131.7, agrees with the
+  /// backward's 2.02 / 313.97 / 131.2), so those two checks skip embed_tokens.output there; every
+  /// later value is checked, and torch autograd checks the prompt's (test_grad_hybrids.py).
+  bool decode_embed_routing_flips = false;
 };
 const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemotron_h/padded_batch", "nemotron_h"},
                              {"nemotron_h/moe_latent", "nemotron_h"},    {"bamba/groups2_edits", "bamba"},
                              {"bamba/padded_batch", "bamba"},            {"falcon_h1/norm_gate_first_edits", "falcon_h1"},
                              {"falcon_h1/no_rms_norm_padded", "falcon_h1"}, {"falcon_h1/norm_before_gate", "falcon_h1"},
                              {"granitemoehybrid/rope_moe_edits", "granitemoehybrid", true},
-                             {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"}};
+                             {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"},
+                             {"jamba/moe_edits", "jamba", true, true},
+                             {"jamba/padded_bias", "jamba", false, true}};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
 std::vector<std::string> paths_of(const Model& m, bool decode) {
@@ -45,9 +53,9 @@ std::vector<std::string> paths_of(const Model& m, bool decode) {
   for (int i = 0; i < static_cast<int>(kinds.size()); ++i) {
     const std::string k(layer_kind_name(kinds[static_cast<size_t>(i)]));
     if (attn < 0 && (k == "attention" || k == "hybrid")) attn = i;
-    if (mix < 0 && (k == "mamba2" || k == "hybrid")) mix = i;
+    if (mix < 0 && (k == "mamba2" || k == "mamba" || k == "hybrid")) mix = i;
     if (mlp < 0 && (k == "mlp" || k == "moe" || k == "hybrid" || m.info().family == "bamba" ||
-                    m.info().family == "granitemoehybrid"))
+                    m.info().family == "granitemoehybrid" || m.info().family == "jamba"))
       mlp = i;
   }
   const std::string a = "layers." + std::to_string(attn) + ".self_attn.", x = "layers." + std::to_string(mix) + ".linear_attn.";
@@ -121,9 +129,11 @@ TEST(GradHybrids, DecodeAndContinuationMatchDirectionalFiniteDifferences) {
     Cache cache = m.new_cache(2);
     m.forward(Batch::left_padded({kLong, kShort}, 0), cache);
     const Batch step = Batch::left_padded({{7}, {3}}, 0);
-    check_paths(m, step, &cache, paths_of(m, true), std::string(fx.dir) + " decode");
+    std::vector<std::string> paths = paths_of(m, true);
+    if (fx.decode_embed_routing_flips) paths.erase(paths.begin());  // embed_tokens.output (see Fixture)
+    check_paths(m, step, &cache, paths, std::string(fx.dir) + " decode");
     // A multi-token continuation (chunked kernel from a cached state, attention over past keys).
     const Batch cont = Batch::left_padded({{7, 12, 4}, {3, 8, 1}}, 0);
-    check_paths(m, cont, &cache, paths_of(m, true), std::string(fx.dir) + " continuation");
+    check_paths(m, cont, &cache, paths, std::string(fx.dir) + " continuation");
   }
 }
