@@ -290,6 +290,45 @@ TEST(Hybrids, GraniteReadsBothExpertWeightSpellings) {
   fs::remove_all(dst);
 }
 
+// Jamba: transformers 5.18 saves (and the releases store) one gate_proj / up_proj / down_proj per
+// expert; its in-memory JambaExperts are fused (experts.gate_up_proj [E, 2I, D], gate rows first,
+// experts.down_proj [E, D, I]). mixlens reads either to the same logits.
+TEST(Hybrids, JambaReadsPerExpertAndFusedExpertWeightsAlike) {
+  GoldenCase c("jamba", "moe_edits");
+  const io::WeightStore w = io::WeightStore::open(c.dir);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  int fused = 0;
+  for (const std::string& n : w.names())
+    if (n.find(".experts.") == std::string::npos) tensors.emplace_back(n, w.get(n));
+  for (int l = 0; l < c.model.info().num_layers; ++l) {
+    const std::string m = "model.layers." + std::to_string(l) + ".feed_forward.experts.";
+    if (!w.has(m + "0.gate_proj.weight")) continue;
+    const int64_t E = 4, I = w.get(m + "0.gate_proj.weight").size(0), D = w.get(m + "0.gate_proj.weight").size(1);
+    Tensor gu({E, 2 * I, D}), dn({E, D, I});
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string ep = m + std::to_string(e) + ".";
+      const Tensor g = w.get(ep + "gate_proj.weight"), u = w.get(ep + "up_proj.weight"), d = w.get(ep + "down_proj.weight");
+      std::copy(g.begin(), g.end(), gu.data() + e * 2 * I * D);
+      std::copy(u.begin(), u.end(), gu.data() + e * 2 * I * D + I * D);
+      std::copy(d.begin(), d.end(), dn.data() + e * D * I);
+    }
+    tensors.emplace_back(m + "gate_up_proj", gu);
+    tensors.emplace_back(m + "down_proj", dn);
+    ++fused;
+  }
+  EXPECT_EQ(fused, 3);  // the expert layers 0, 2, 4
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_jamba_fused_" + std::to_string(::getpid()));
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  fs::copy_file(c.dir / "config.json", dst / "config.json");
+  io::write_safetensors(dst / "model.safetensors", tensors);
+  Model m = Model::load(dst.string());
+  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
+  ASSERT_EQ(a.numel(), b.numel());
+  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
+  fs::remove_all(dst);
+}
+
 TEST(Hybrids, ChunkSizeChangesNothingButTheAlgorithm) {
   GoldenCase c("nemotron_h", "groups2_edits");
   Trace a, b;
