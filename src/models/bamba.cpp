@@ -30,17 +30,9 @@ std::unique_ptr<FamilyModel> make_bamba(const io::Config& cfg, const io::WeightS
     b.kind = b.attn ? LayerKind::attention : LayerKind::mamba2;
     s.blocks.push_back(b);
   }
-  s.prefixes = {"model."};
-  s.embed = "embed_tokens.weight";
-  s.final_norm = "final_layernorm.weight";
-  s.in_norm = "input_layernorm.weight";
-  s.ff_norm = "pre_ff_layernorm.weight";
-  s.mamba_mod = "mamba";
-  s.attn_mod = "self_attn";
-  s.mlp_mod = "feed_forward";
+  use_feed_forward_layout(s);
 
-  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
-  if (act != "silu" && act != "swish") throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Bamba uses silu)");
+  require_silu(cfg, s);
   Mamba2MixerDims& d = s.mamba;
   read_mamba2_dims(cfg, s.D, s.eps, false, d);  // BambaConfig has no mamba_d_ssm
   d.norm = Mamba2Norm::gated_full;

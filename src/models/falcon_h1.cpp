@@ -47,18 +47,9 @@ std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& cfg, const io::Wei
     b.kind = LayerKind::hybrid;
     s.blocks.push_back(b);
   }
-  s.prefixes = {"model."};
-  s.embed = "embed_tokens.weight";
-  s.final_norm = "final_layernorm.weight";
-  s.in_norm = "input_layernorm.weight";
-  s.ff_norm = "pre_ff_layernorm.weight";
-  s.mamba_mod = "mamba";
-  s.attn_mod = "self_attn";
-  s.mlp_mod = "feed_forward";
+  use_feed_forward_layout(s);
 
-  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
-  if (act != "silu" && act != "swish")
-    throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Falcon-H1 uses silu)");
+  require_silu(cfg, s);
   Mamba2MixerDims& d = s.mamba;
   read_mamba2_dims(cfg, s.D, s.eps, true, d);
   if (!cfg.get_or<bool>("mamba_rms_norm", false)) d.norm = Mamba2Norm::none;

@@ -77,9 +77,7 @@ std::unique_ptr<FamilyModel> make_granitemoehybrid(const io::Config& cfg, const 
   s.mlp_fused = true;
 
   // hidden_act is the mixer's conv activation, the shared MLP's and the experts' gate activation.
-  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
-  if (act != "silu" && act != "swish")
-    throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Granite 4.0-H uses silu)");
+  require_silu(cfg, s);
   Mamba2MixerDims& d = s.mamba;
   read_mamba2_dims(cfg, s.D, s.eps, false, d);  // GraniteMoeHybridConfig has no mamba_d_ssm
   d.norm = Mamba2Norm::gated_full;

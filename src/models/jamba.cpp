@@ -51,20 +51,11 @@ std::unique_ptr<FamilyModel> make_jamba(const io::Config& cfg, const io::WeightS
     b.moe = E > 1 && i % exp_p == exp_o;  // layers_num_experts: one "expert" is the plain MLP
     s.blocks.push_back(b);
   }
-  s.prefixes = {"model."};
-  s.embed = "embed_tokens.weight";
-  s.final_norm = "final_layernorm.weight";
-  s.in_norm = "input_layernorm.weight";
-  s.ff_norm = "pre_ff_layernorm.weight";
-  s.mamba_mod = "mamba";
-  s.attn_mod = "self_attn";
-  s.mlp_mod = "feed_forward";
+  use_feed_forward_layout(s);
   s.moe_mod = "feed_forward";
 
   // hidden_act is the mixer's conv activation and the MLP's / experts' gate activation.
-  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
-  if (act != "silu" && act != "swish")
-    throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Jamba uses silu)");
+  require_silu(cfg, s);
 
   // JambaMambaMixer: intermediate = mamba_expand * hidden_size, dt rank "auto" = ceil(hidden / 16).
   s.mixer = HybridMixer::mamba1;

@@ -607,6 +607,23 @@ int64_t read_hybrid_sizes(const io::Config& cfg, Mamba2HybridSpec& s, double def
   return L;
 }
 
+void use_feed_forward_layout(Mamba2HybridSpec& s) {
+  s.prefixes = {"model."};
+  s.embed = "embed_tokens.weight";
+  s.final_norm = "final_layernorm.weight";
+  s.in_norm = "input_layernorm.weight";
+  s.ff_norm = "pre_ff_layernorm.weight";
+  s.mamba_mod = "mamba";
+  s.attn_mod = "self_attn";
+  s.mlp_mod = "feed_forward";
+}
+
+void require_silu(const io::Config& cfg, const Mamba2HybridSpec& s) {
+  const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
+  if (act != "silu" && act != "swish")
+    throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (" + s.pretty + " uses silu)");
+}
+
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights) {
   return std::make_unique<Mamba2Hybrid>(spec, cfg, weights);

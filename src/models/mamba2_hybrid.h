@@ -174,6 +174,13 @@ struct Mamba2HybridParts : BackwardParts {
 /// num_hidden_layers. ConfigError naming the field when a size is not positive or eps is not a
 /// finite number > 0.
 int64_t read_hybrid_sizes(const io::Config& cfg, Mamba2HybridSpec& s, double default_eps);
+/// The weight names of the hybrids laid out as BambaDecoderLayer (Bamba, Falcon-H1, Jamba):
+/// model.embed_tokens, model.layers.{i}.input_layernorm / pre_ff_layernorm / mamba / self_attn /
+/// feed_forward, model.final_layernorm.
+void use_feed_forward_layout(Mamba2HybridSpec& s);
+/// UnsupportedError naming s.pretty unless hidden_act (absent: silu) is silu / swish, the activation
+/// of every hybrid's conv and MLP gate.
+void require_silu(const io::Config& cfg, const Mamba2HybridSpec& s);
 
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);

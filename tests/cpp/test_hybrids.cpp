@@ -255,6 +255,20 @@ TEST(Hybrids, GraniteLegacyLayerTypesReadAlike) {
   for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
 }
 
+// The case's checkpoint rewritten as `tensors` (same config) gives bitwise the case model's logits.
+void expect_same_logits(GoldenCase& c, const std::vector<std::pair<std::string, Tensor>>& tensors, const std::string& tag) {
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  fs::copy_file(c.dir / "config.json", dst / "config.json");
+  io::write_safetensors(dst / "model.safetensors", tensors);
+  Model m = Model::load(dst.string());
+  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
+  ASSERT_EQ(a.numel(), b.numel());
+  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
+  fs::remove_all(dst);
+}
+
 // Granite: the published checkpoints spell the experts block_sparse_moe.input_linear /
 // output_linear / router.layer, which transformers 5.18 renames on load (experts.gate_up_proj /
 // experts.down_proj / router.weight); mixlens reads either spelling to the same logits.
@@ -278,16 +292,7 @@ TEST(Hybrids, GraniteReadsBothExpertWeightSpellings) {
     tensors.emplace_back(m, w.get(n));
   }
   EXPECT_EQ(renamed, 3 * 3);  // three MoE tensors in each of the three layers
-  const fs::path dst = fs::temp_directory_path() / ("mixlens_granite_spelling_" + std::to_string(::getpid()));
-  fs::remove_all(dst);
-  fs::create_directories(dst);
-  fs::copy_file(c.dir / "config.json", dst / "config.json");
-  io::write_safetensors(dst / "model.safetensors", tensors);
-  Model m = Model::load(dst.string());
-  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
-  ASSERT_EQ(a.numel(), b.numel());
-  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
-  fs::remove_all(dst);
+  expect_same_logits(c, tensors, "granite_spelling");
 }
 
 // Jamba: transformers 5.18 saves (and the releases store) one gate_proj / up_proj / down_proj per
@@ -317,16 +322,7 @@ TEST(Hybrids, JambaReadsPerExpertAndFusedExpertWeightsAlike) {
     ++fused;
   }
   EXPECT_EQ(fused, 3);  // the expert layers 0, 2, 4
-  const fs::path dst = fs::temp_directory_path() / ("mixlens_jamba_fused_" + std::to_string(::getpid()));
-  fs::remove_all(dst);
-  fs::create_directories(dst);
-  fs::copy_file(c.dir / "config.json", dst / "config.json");
-  io::write_safetensors(dst / "model.safetensors", tensors);
-  Model m = Model::load(dst.string());
-  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
-  ASSERT_EQ(a.numel(), b.numel());
-  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
-  fs::remove_all(dst);
+  expect_same_logits(c, tensors, "jamba_fused");
 }
 
 TEST(Hybrids, ChunkSizeChangesNothingButTheAlgorithm) {
