@@ -144,7 +144,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     for (int64_t k = 0; k < BT * E; ++k) g[k] = y[k] * silu_s(z[k], sz[k]);
     ops::linear(g.data(), BT, E, *w.out_proj, out.data(), w.out_proj_bias && w.out_proj_bias->defined() ? w.out_proj_bias->data() : nullptr);
     tape.apply(li, Value::attention_output, out);
-    dout = dout_of(out);
+    dout = dout_of(out).clone();  // the caller keeps its tensor: the blocks below must not reach it
   }
 
   // ---- backward -----------------------------------------------------------------------------

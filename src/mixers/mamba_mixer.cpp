@@ -184,6 +184,13 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
     ls->visit(li, Value::states, states, states.shape());
     ls->recycle_stack(std::move(states));
   }
+  // Left padding: transformers' scan runs through it, where the state stays 0 (u = 0 and B = 0
+  // there) and y = D*u, zero unless attention_values was written there (the backward's recompute
+  // scans it whole too).
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = b * T; r < b * T + rs.first[static_cast<size_t>(b)]; ++r)
+      for (int64_t e = 0; e < E_; ++e)
+        if (u[r * E_ + e] != 0.0f) y[r * E_ + e] = lw.D[e] * u[r * E_ + e];
   call.end_state();
   visit_if(ls, li, Value::attention_head_outputs, y);
 
