@@ -1,12 +1,14 @@
-"""Gradient oracle for the Mamba-2 hybrids (issue 12): torch autograd on transformers 5.18's
+"""Gradient oracle for the Mamba hybrids (issue 12): torch autograd on transformers 5.18's
 pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
-GraniteMoeHybridForCausalLM with every value of
+GraniteMoeHybridForCausalLM / JambaForCausalLM with every value of
 values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
 
 * Mixer values: the module-global ``mamba2_chunk_scan`` of each hybrid's modeling module is
   replaced as in oracle_grad_mamba2.py (``scan="hf"``: transformers' own chunked scan runs on the
   retained x, B, C, dt; ``scan="recurrence"``: the explicit token recurrence with ``decays = A dt``
   and the per-token ``states`` as tensors of their own).
+* Jamba's Mamba-1 mixer: ``mamba_selective_scan`` is replaced by oracle_grad_mamba's explicit
+  recurrence (mamba1_scan) for both ``scan`` settings (transformers' own scan is that token loop).
 * Attention: queries / keys after RoPE from the patched ``apply_rotary_pos_emb`` (Bamba,
   Falcon-H1: after key_multiplier, as mixlens serves them) or from the q / k projections
   (Nemotron-H: no positional encoding); values from v_proj; outputs from the attention module.
@@ -25,7 +27,9 @@ import inspect
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from mixlens_dev import oracle_grad_mamba as ogm
 from mixlens_dev import oracle_hybrids as oh
 from mixlens_dev import oracle_mamba2 as om
 from mixlens_dev.grad_common import collect, scan_dt, set_index as _set_index
@@ -41,6 +45,7 @@ class _Grad:
         self.falcon = self.mod is oh.mf
         self.nemotron = self.mod is oh.mn
         self.granite = self.mod is oh.mg
+        self.jamba = self.mod is oh.mj
         self.uses_rope = oh.has_rope(model)
         self.keep: dict[str, torch.Tensor] = {}
         self.keep_states: dict[str, list] = {}
@@ -100,6 +105,19 @@ class _Grad:
             S = st[:, -1]
         y = self.put(base + "attention_head_outputs", ed("attention_head_outputs", y))
         return (y, S) if a["return_final_states"] else y
+
+    # ---- the Mamba-1 scan (Jamba) -------------------------------------------------------------
+    def selective_scan(self, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False, **kw):
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = F.softplus(dt)
+        y, S = ogm.mamba1_scan(self.keep, self.keep_states, f"layers.{self.block}.linear_attn.",
+                               lambda n, t: self.edit("linear_attn", n, t), hidden_states.transpose(1, 2),
+                               dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D, z.transpose(1, 2), None)
+        y = y.transpose(1, 2)
+        return (y, S.detach()) if return_last_state else y
 
     # ---- RoPE (Bamba, Falcon-H1, Granite "rope") ---------------------------------------------
     def rope(self, q, k, cos, sin, *args, **kwargs):
@@ -177,9 +195,10 @@ class _Grad:
 
     def __enter__(self):
         m = self.mod
-        self.orig_scan = m.mamba2_chunk_scan
+        self.scan_name = "mamba_selective_scan" if self.jamba else "mamba2_chunk_scan"
+        self.orig_scan = getattr(m, self.scan_name)
         self.sig = inspect.signature(self.orig_scan)
-        m.mamba2_chunk_scan = self.chunk_scan
+        setattr(m, self.scan_name, self.selective_scan if self.jamba else self.chunk_scan)
         if self.uses_rope:
             self.orig_rope = m.apply_rotary_pos_emb
             m.apply_rotary_pos_emb = self.rope
@@ -187,7 +206,7 @@ class _Grad:
         return self
 
     def __exit__(self, *exc):
-        self.mod.mamba2_chunk_scan = self.orig_scan
+        setattr(self.mod, self.scan_name, self.orig_scan)
         if self.uses_rope:
             self.mod.apply_rotary_pos_emb = self.orig_rope
         for h in self.handles:
@@ -213,4 +232,4 @@ def run(model, prompts, metric, pad_id=0, scan="hf", edits=()) -> dict[str, np.n
     bad = [e["path"] for e in g.edits if g.applied[id(e)] != 1]
     if bad:
         raise RuntimeError(f"edits {bad} were not applied exactly once")
-    return collect(g.keep, g.keep_states, m, transpose_states=True)
+    return collect(g.keep, g.keep_states, m, transpose_states=not g.jamba)  # Mamba-1 states are [E, N] as served

@@ -61,6 +61,41 @@ def mixlens_edit(edit: dict):
     return f
 
 
+def mamba1_scan(keep, keep_states, base, edit, u, dt_eff, A, Bm, Cm, D, z, S0):
+    """The explicit Mamba-1 recurrence with every value kept under ``base`` (``layers.{i}.linear_attn.``)
+    and ``edit(name, t)`` applied to it. Served layouts: u, dt_eff, z [B,T,E]; Bm, Cm [B,T,N]; S0
+    [B,E,N] or None. Returns (gated y, S_T). Shared with oracle_grad_hybrids (Jamba's mixer)."""
+    b, T, E = u.shape
+    A = A.float()
+    if S0 is not None:
+        S0 = S0.detach().clone().float().requires_grad_(True)
+        S0 = _keep(keep, base + "state_input", edit("state_input", S0))
+    u = _keep(keep, base + "attention_values", edit("attention_values", u.clone()))
+    Bm = _keep(keep, base + "attention_keys", edit("attention_keys", Bm))
+    Cm = _keep(keep, base + "attention_queries", edit("attention_queries", Cm))
+    dt = _keep(keep, base + "betas", edit("betas", dt_eff))
+    dec0 = A[None, None] * dt[..., None]
+    dec = _keep(keep, base + "decays", edit("decays", dec0))
+    changed = (dec.detach() != dec0.detach()).any(-1)  # [B,T,E]
+    if bool(changed.any()):
+        dt_used = torch.where(changed, (dec / A[None, None]).mean(-1), dt)
+        arg = torch.where(changed[..., None], A[None, None] * dt_used[..., None], dec)
+    else:
+        dt_used, arg = dt, dec
+    S = torch.zeros(b, E, A.shape[1]) if S0 is None else S0
+    states = []
+    for t in range(T):
+        S = torch.exp(arg[:, t]) * S + (dt_used[:, t, :, None] * Bm[:, t, None, :]) * u[:, t, :, None]
+        if S.requires_grad:
+            S.retain_grad()  # total derivative: S_t feeds y_t and S_{t+1}
+        states.append(S)
+    keep_states[base + "states"] = states
+    st = torch.stack(states, 1)  # [B,T,E,N]
+    y = (st * Cm[:, :, None, :]).sum(-1) + D.float()[None, None] * u
+    y = _keep(keep, base + "attention_head_outputs", edit("attention_head_outputs", y))
+    return y * F.silu(z), S
+
+
 def run(model, prompts, metric, edits=(), prefix=None) -> dict[str, np.ndarray]:
     """Gradients (numpy, served layouts) of ``metric(logits)`` for every value of one call.
 
@@ -84,38 +119,7 @@ def run(model, prompts, metric, edits=(), prefix=None) -> dict[str, np.ndarray]:
         return t
 
     def scan(u, dt_eff, A, Bm, Cm, D, z, S0):
-        """Served layouts: u, dt_eff, z [B,T,E]; Bm, Cm [B,T,N]; S0 [B,E,N] or None. Returns (gated y, S_T)."""
-        li = cur["layer"]
-        base = f"layers.{li}.linear_attn."
-        b, T, E = u.shape
-        A = A.float()
-        if S0 is not None:
-            S0 = S0.detach().clone().float().requires_grad_(True)
-            S0 = _keep(keep, base + "state_input", edit("state_input", S0))
-        u = _keep(keep, base + "attention_values", edit("attention_values", u.clone()))
-        Bm = _keep(keep, base + "attention_keys", edit("attention_keys", Bm))
-        Cm = _keep(keep, base + "attention_queries", edit("attention_queries", Cm))
-        dt = _keep(keep, base + "betas", edit("betas", dt_eff))
-        dec0 = A[None, None] * dt[..., None]
-        dec = _keep(keep, base + "decays", edit("decays", dec0))
-        changed = (dec.detach() != dec0.detach()).any(-1)  # [B,T,E]
-        if bool(changed.any()):
-            dt_used = torch.where(changed, (dec / A[None, None]).mean(-1), dt)
-            arg = torch.where(changed[..., None], A[None, None] * dt_used[..., None], dec)
-        else:
-            dt_used, arg = dt, dec
-        S = torch.zeros(b, E, A.shape[1]) if S0 is None else S0
-        states = []
-        for t in range(T):
-            S = torch.exp(arg[:, t]) * S + (dt_used[:, t, :, None] * Bm[:, t, None, :]) * u[:, t, :, None]
-            if S.requires_grad:
-                S.retain_grad()  # total derivative: S_t feeds y_t and S_{t+1}
-            states.append(S)
-        keep_states[base + "states"] = states
-        st = torch.stack(states, 1)  # [B,T,E,N]
-        y = (st * Cm[:, :, None, :]).sum(-1) + D.float()[None, None] * u
-        y = _keep(keep, base + "attention_head_outputs", edit("attention_head_outputs", y))
-        return y * F.silu(z), S
+        return mamba1_scan(keep, keep_states, f"layers.{cur['layer']}.linear_attn.", edit, u, dt_eff, A, Bm, Cm, D, z, S0)
 
     def scan_kernel(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                     return_last_state=False, **kw):

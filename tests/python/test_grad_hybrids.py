@@ -1,4 +1,4 @@
-"""Native gradients (issue 12) of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H) against torch
+"""Native gradients (issue 12) of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba) against torch
 autograd on transformers' pure-torch models (mixlens_dev/oracle_grad_hybrids.py): every value's
 gradient (residual stream, block values, Mamba-2 mixer values, attention queries / keys / values /
 outputs, MLP and MoE outputs), both kernel paths (chunked, and routed to the token recurrence),
@@ -10,7 +10,8 @@ norm (Bamba), norm-then-gate and no norm (Falcon-H1), every Falcon-H1 µP multip
 (Bamba), no positional encoding (Nemotron-H, Granite "nope"), GQA, relu2 MLPs, SwiGLU MLPs, a MoE
 block with group-limited routing, a latent projection and a shared expert, and Granite's softmax
 top-k routed SwiGLU experts beside its shared MLP with its µP multipliers (embedding, residual,
-attention softmax scale, logits scaling)."""
+attention softmax scale, logits scaling), and Jamba's Mamba-1 mixer (weighted RMS norms on dt / B /
+C) with its top-k-of-softmax experts in place of the MLP."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ CASES = {
     "granite_nope_dense_padded": dict(family="granitemoehybrid", config=dict(
         position_embedding_type="nope", num_local_experts=0, num_experts_per_tok=0, mamba_n_groups=1,
         layer_types=["attention", "mamba", "mamba"], tie_word_embeddings=False), seed=80, lens=[12, 5]),
+    "jamba_moe": dict(family="jamba", config={}, seed=81, lens=[17]),
+    "jamba_bias_padded": dict(family="jamba", config=dict(
+        num_hidden_layers=3, attn_layer_period=4, attn_layer_offset=2, expert_layer_offset=1, num_experts_per_tok=1,
+        mamba_proj_bias=True, mamba_conv_bias=False, mamba_dt_rank=5, tie_word_embeddings=False), seed=82, lens=[12, 5]),
 }
 
 
@@ -75,11 +80,11 @@ class Case:
     def layer_paths(self, i):
         kind = self.kinds[i]
         out = [f"layers.{i}.layer_input", f"layers.{i}.layer_output"]
-        if kind in ("mamba2", "hybrid"):
+        if kind in ("mamba2", "mamba", "hybrid"):
             out += [f"layers.{i}.linear_attn.{v}" for v in MIXER]
         if kind in ("attention", "hybrid"):
             out += [f"layers.{i}.self_attn.{v}" for v in ATTN]
-        if kind in ("mlp", "moe", "hybrid") or self.family in ("bamba", "granitemoehybrid"):
+        if kind in ("mlp", "moe", "hybrid") or self.family in ("bamba", "granitemoehybrid", "jamba"):
             out.append(f"layers.{i}.mlp.output")
         return out
 
@@ -106,8 +111,10 @@ def case(request, tmp_path_factory):
     return Case(request.param, tmp_path_factory.mktemp(request.param))
 
 
-@pytest.fixture(params=["default", "recurrent"])
+@pytest.fixture(params=["default", "recurrent", "chunked"])
 def route(request, case):
+    if request.param == "chunked" and case.family != "jamba":
+        pytest.skip("the default route is the chunked kernel")  # Jamba's default is the token loop
     mixlens.route_kernels(case.family, request.param)
     yield request.param
     mixlens.route_kernels(case.family, "default")
@@ -119,7 +126,9 @@ def mixlens_grads(case, edits=None):
 
 def test_every_gradient_matches_torch_autograd(case, route):
     got, tr = mixlens_grads(case)
-    assert tr.calls[0]["kernel"] == ("recurrent" if route == "recurrent" else "chunked")
+    prompt_kernel = "recurrent" if case.family == "jamba" else "chunked"  # Mamba-1: the token loop
+    assert tr.calls[0]["kernel"] == (prompt_kernel if route == "default" else route)
+    # Mamba-2 under transformers' own chunk scan has no decays / states tensors (Jamba's oracle keeps them).
     n_mixer = sum(k in ("mamba2", "hybrid") for k in case.kinds)
     ref_hf = case.ref("hf")
     assert compare(got, ref_hf, "hf chunk scan") == len(case.paths()) - 2 * n_mixer  # all but decays / states
@@ -131,7 +140,7 @@ def test_every_gradient_matches_torch_autograd(case, route):
 
 def edits_for(case):
     """set_index writes on a mixer value, an attention value and a block output of this model."""
-    mixer = [i for i, k in enumerate(case.kinds) if k in ("mamba2", "hybrid")]
+    mixer = [i for i, k in enumerate(case.kinds) if k in ("mamba2", "mamba", "hybrid")]
     attn = [i for i, k in enumerate(case.kinds) if k in ("attention", "hybrid")]
     return [dict(path=f"layers.{mixer[-1]}.linear_attn.betas", index=2, value=0.0),
             dict(path=f"layers.{mixer[0]}.linear_attn.attention_values", index=1, value=0.25),

@@ -1,4 +1,4 @@
-"""Live parity of the Mamba-2 hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H) with transformers 5.18.
+"""Live parity of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba) with transformers 5.18.
 
 Fresh random models built with mixlens_dev.fixtures.hybrids' builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, through mixer, attention
@@ -88,6 +88,21 @@ CASES = {
             layer_types=["attention", "mamba", "mamba"], tie_word_embeddings=False),
         edits=[dict(name="state_in_head2_s2", path=mix(1, "state_input"), step=2, op="set_index", index=2, value=0.0),
                dict(name="attn_v_x2_s1", path=att(0, "attention_values"), step=1, op="scale", factor=2.0)]),
+    # Jamba: Mamba-1 mixers (weighted RMS norms on dt / B / C) at 0, 2, 3, attention at 1 and 4, softmax
+    # top-2 of 4 experts at 0, 2, 4 and the MLP elsewhere, left-padded batch.
+    "jamba_moe_padded": dict(
+        family="jamba", seed=83, prompts=[18, 7], config={},
+        edits=[dict(name="decays_half_s1", path=mix(0, "decays"), step=1, op="scale", factor=0.5),
+               dict(name="attn_out_x2_s3", path=att(1, "attention_output"), step=3, op="scale", factor=2.0),
+               dict(name="betas_zero_tok2", path=mix(2, "betas"), step=0, op="set_index", index=2, value=0.0)]),
+    # Top-1 routing, in_proj / out_proj biases, no conv bias, dt rank 5, untied lm_head.
+    "jamba_top1_bias": dict(
+        family="jamba", seed=94, prompts=[14], config=dict(
+            num_hidden_layers=3, attn_layer_period=4, attn_layer_offset=2, expert_layer_offset=1,
+            num_experts_per_tok=1, mamba_proj_bias=True, mamba_conv_bias=False, mamba_dt_rank=5,
+            tie_word_embeddings=False),
+        edits=[dict(name="state_in_x2_s2", path=mix(1, "state_input"), step=2, op="scale", factor=2.0),
+               dict(name="attn_v_x2_s1", path=att(2, "attention_values"), step=1, op="scale", factor=2.0)]),
 }
 
 
@@ -127,7 +142,8 @@ def test_every_value_every_step(case):
         assert oh.key(mix(case.mixer_layers[0], "states"), k) in got
         assert any(oh.key(att(i, "attention_keys"), k) in got for i in range(4))
     assert tracer.tokens == case.ref["tokens"].tolist()
-    assert [c["kernel"] for c in tracer.calls] == ["chunked"] + ["recurrent"] * (N_STEPS - 1)
+    prompt_kernel = "recurrent" if case.spec["family"] == "jamba" else "chunked"  # Mamba-1: the token loop
+    assert [c["kernel"] for c in tracer.calls] == [prompt_kernel] + ["recurrent"] * (N_STEPS - 1)
 
 
 def test_pre_registered_saves_match(case):
@@ -155,15 +171,16 @@ def test_support_and_block_kinds(case):
             assert lin[i] is None and sa[i] is None and mlp[i] is None
         if kinds[i] == "attention":
             assert sa[i] is None and "is an attention block" in lin[i]
-        if kinds[i] == "mamba2":
-            assert "is a mamba2 block" in sa[i]
+        if kinds[i] in ("mamba2", "mamba"):
+            assert f"is a {kinds[i]} block" in sa[i]
         if kinds[i] == "mlp":
             assert mlp[i] is None and "is a mlp block" in lin[i]
         if lin[i] is not None:
             with pytest.raises(mixlens.UnknownValueError, match=f"block {i} is an? {kinds[i]} block"):
                 case.model.generate(case.prompts, max_new_tokens=1, saves=[mix(i, "states")]).run()
     expected = {"nemotron_h": {"mamba2", "attention", "mlp"} if "moe" not in kinds else {"mamba2", "attention", "moe"}, "bamba": {"mamba2", "attention"},
-                "falcon_h1": {"hybrid"}, "granitemoehybrid": {"mamba2", "attention"}}[case.spec["family"]]
+                "falcon_h1": {"hybrid"}, "granitemoehybrid": {"mamba2", "attention"},
+                "jamba": {"mamba", "attention"}}[case.spec["family"]]
     assert set(kinds) == expected
 
 
