@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba) checkpoints, made by transformers 5.18
+"""Random-weight stand-ins for published Mamba hybrid (and FalconMamba) checkpoints, made by transformers 5.18
 (save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
 
     .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
@@ -48,6 +48,16 @@ Where the configs come from (no internet here; the hub files could not be fetche
   intermediate_size = expand * hidden_size in ``__post_init__`` and then applies the stored key
   (config kwargs are set last), so the model is 8192 wide, as the released weights are. The file
   has no ``mixer_rms_eps`` (FalconMambaConfig's default 1e-6 applies).
+* ai21labs/Jamba-tiny-dev CLASS, FULL depth (16 layers). The hub page (found with the search tool)
+  lists a 637 MB bfloat16 model.safetensors (~319M parameters, its model card says 319M). Its
+  config.json could not be fetched; a model-memory tool's unit test quotes it ("ai21labs/Jamba-tiny-dev's
+  actual config.json", live-verified there): 16 layers, 8 attention heads, 2 KV heads, hidden_size
+  512, attn_layer_offset 4 / attn_layer_period 8. The rest are JambaConfig's defaults (expert layers
+  at offset 1 / period 2, 16 experts top-2, mamba d_state 16, d_conv 4, expand 2, dt rank "auto",
+  rms_norm_eps 1e-6, vocab 65536, untied head, bos/eos/pad 1/2/0 as its generation_config.json) but
+  intermediate_size: 1024, inferred from the parameter count (with 1024 the layout has ~305M
+  parameters; the default 14336 would give ~3.2B). "Class": the widths and the layer / expert
+  pattern of the release, not a verified copy of its file.
 * Falcon-H1-Tiny: no config could be found offline; not built.
 """
 
@@ -105,12 +115,20 @@ FALCON_MAMBA_7B_2LAYERS = dict(
     time_step_max=0.1, time_step_min=0.001, time_step_scale=1.0, use_bias=False, use_conv_bias=True,
     tie_word_embeddings=False, bos_token_id=0, eos_token_id=11, pad_token_id=11,
 )
+JAMBA_TINY_DEV_CLASS = dict(
+    vocab_size=65536, hidden_size=512, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
+    intermediate_size=1024, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1,
+    num_experts=16, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto",
+    mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+    max_position_embeddings=262144, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
     "bamba_9b_2layers": ("BambaForCausalLM", "BambaConfig", BAMBA_9B_2LAYERS),
     "granite_4_0_h_350m": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_4_0_H_350M),
     "falcon_mamba_7b_2layers": ("FalconMambaForCausalLM", "FalconMambaConfig", FALCON_MAMBA_7B_2LAYERS),
+    "jamba_tiny_dev_class": ("JambaForCausalLM", "JambaConfig", JAMBA_TINY_DEV_CLASS),
 }
 
 
