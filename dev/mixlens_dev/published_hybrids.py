@@ -55,7 +55,7 @@ Where the configs come from (no internet here; the hub files could not be fetche
   512, attn_layer_offset 4 / attn_layer_period 8. The rest are JambaConfig's defaults (expert layers
   at offset 1 / period 2, 16 experts top-2, mamba d_state 16, d_conv 4, expand 2, dt rank "auto",
   rms_norm_eps 1e-6, vocab 65536, untied head, bos/eos/pad 1/2/0 as its generation_config.json) but
-  intermediate_size: 1024, inferred from the parameter count (with 1024 the layout has ~305M
+  intermediate_size: 1024, inferred from the parameter count (with 1024 the layout has ~306M
   parameters; the default 14336 would give ~3.2B). "Class": the widths and the layer / expert
   pattern of the release, not a verified copy of its file.
 * Falcon-H1-Tiny: no config could be found offline; not built.

@@ -8,7 +8,7 @@ and serves the published value shapes.
 
 The three reduced big layouts (Nemotron-H-8B widths, Bamba-9B widths: ~1.5B parameters each, mostly
 the 128k-row embedding tables; falcon-mamba-7b widths: ~0.75B; minutes each on 2 cores) and
-granite-4.0-h-350m (32 layers of Mamba-2 / NoPE attention) and the Jamba-tiny-dev class (~305M parameters,
+granite-4.0-h-350m (32 layers of Mamba-2 / NoPE attention) and the Jamba-tiny-dev class (~306M parameters,
 16 experts on 8 layers) run only with MIXLENS_BIG_LAYOUTS=1, to keep
 `make test` short; the Falcon-H1-0.5B layout (~1 minute) always runs.
 
