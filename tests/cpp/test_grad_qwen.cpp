@@ -75,6 +75,13 @@ TEST(GradQwen, Qwen35EmbeddingsMatchFiniteDifferences) {
   embeddings_fd("qwen3_5/hv_2hk", "qwen3_5", 20, 1e-2);           // q/k head repetition
 }
 
+// OLMo-Hybrid: post-norm attention blocks, plain norms, beta = 2 sigmoid(b) (hv_2hk_chunks) or
+// sigmoid(b) with NoPE (padded_batch).
+TEST(GradQwen, OlmoHybridEmbeddingsMatchFiniteDifferences) {
+  embeddings_fd("olmo_hybrid/hv_2hk_chunks", "olmo_hybrid", 70, 1e-2);
+  embeddings_fd("olmo_hybrid/padded_batch", "olmo_hybrid", 20, 1e-2);
+}
+
 TEST(GradQwen, Qwen3NextMoeEmbeddingsMatchFiniteDifferences) {
   // Small steps also keep the router's top-k choice (a constant of the backward) unchanged.
   embeddings_fd("qwen3_next/moe_hv_2hk", "qwen3_next", 30, 1e-2);

@@ -27,7 +27,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -314,7 +314,8 @@ TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
   };
   for (const Case k : {Case{"qwen3_5", "padded_batch"}, Case{"qwen3_5", "short_prompt"},
                        Case{"qwen3_next", "padded_batch"}, Case{"qwen3_next", "moe_hv_2hk"},
-                       Case{"qwen3_5_moe", "moe_hv_2hk"}}) {
+                       Case{"qwen3_5_moe", "moe_hv_2hk"},
+                       Case{"olmo_hybrid", "hv_2hk_chunks"}, Case{"olmo_hybrid", "padded_batch"}}) {
     const std::string what = std::string(k.family) + "/" + k.name;
     GoldenCase c(k.family, k.name);
     const Batch in = Batch::left_padded(c.prompts, 0);
@@ -343,7 +344,7 @@ TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
 }
 
 TEST(Qwen, BatchedEqualsUnbatchedUnderLeftPadding) {
-  for (const char* family : {"qwen3_5", "qwen3_5_moe", "qwen3_next"}) {
+  for (const char* family : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"}) {
     GoldenCase c(family, "padded_batch");
     Trace batched;
     batched.save("logits").save("layers.0.linear_attn.states");
