@@ -24,6 +24,7 @@ FAMILIES = {
     "bamba": "bamba/groups2_edits",
     "falcon_h1": "falcon_h1/norm_before_gate",
     "granitemoehybrid": "granitemoehybrid/rope_moe_edits",
+    "olmo_hybrid": "olmo_hybrid/hv_2hk_chunks",
 }
 _models: dict = {}
 
@@ -43,7 +44,7 @@ def _prompt(m, n, seed=3):
 
 
 def _chunk(name):
-    return 64 if name.startswith("qwen") else 8
+    return 64 if name.startswith("qwen") or name == "olmo_hybrid" else 8
 
 
 @pytest.fixture(params=sorted(FAMILIES))

@@ -1,4 +1,4 @@
-"""Live parity of the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next MoE) with transformers 5.18.
+"""Live parity of the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next MoE, Qwen3.5-MoE, OLMo-Hybrid) with transformers 5.18.
 
 Fresh random models built here with scripts/qwen_fixtures.py's builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, each step through the
@@ -78,6 +78,29 @@ CASES = {
             dict(name="decays_half", path=mix(0, "decays"), step=0, op="scale", factor=0.5),
             dict(name="state_in_x2_s3", path=mix(2, "state_input"), step=3, op="scale", factor=2.0),
             dict(name="values_x2_s1", path=mix(2, "attention_values"), step=1, op="scale", factor=2.0),
+        ],
+    ),
+    # OLMo-Hybrid: post-norm attention blocks, plain norms, beta = 2 sigmoid(b), RoPE and attention biases,
+    # HV = 2*HK, two chunks, left-padded batch.
+    "olmo_hybrid_chunks_padded": dict(
+        family="olmo_hybrid", seed=36, prompts=[67, 20],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
+                    linear_num_value_heads=4, attention_bias=True, tie_word_embeddings=False),
+        edits=[
+            dict(name="betas_half", path=mix(0, "betas"), step=0, op="scale", factor=0.5),
+            dict(name="state_in_x2_s3", path=mix(2, "state_input"), step=3, op="scale", factor=2.0),
+            dict(name="values_x2_s1", path=mix(2, "attention_values"), step=1, op="scale", factor=2.0),
+        ],
+    ),
+    # OLMo-Hybrid NoPE (rope_theta null, as published), beta = sigmoid(b), the last block attention.
+    "olmo_hybrid_nope_padded": dict(
+        family="olmo_hybrid", seed=37, prompts=[14, 6],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, FULL], linear_num_key_heads=2,
+                    linear_num_value_heads=2, linear_allow_neg_eigval=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": None}),
+        edits=[
+            dict(name="decays_x3_s2", path=mix(0, "decays"), step=2, op="scale", factor=3.0),
+            dict(name="keys_tok2", path=mix(0, "attention_keys"), step=0, op="set_index", index=2, value=0.7),
         ],
     ),
 }
