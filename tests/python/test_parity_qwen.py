@@ -175,3 +175,56 @@ def test_last_position_logits_after_a_block_that_read_states(name):
     m.forward(ids, cache=c_last, logits="last")
     np.testing.assert_array_equal(np.asarray(m.forward([[5]], cache=c_full)["logits"]),
                                   np.asarray(m.forward([[5]], cache=c_last)["logits"]))
+
+
+def test_olmo_hybrid_reads_the_module_names_as_well_as_the_stored_ones(tmp_path):
+    """transformers 5.18 saves OLMo-Hybrid with the released checkpoints' names (input_layernorm as
+    attention_layer_norm, post_attention_layernorm as feedforward_layer_norm, conv1d split into
+    q_conv1d / k_conv1d / v_conv1d, near-equal thirds rather than key / key / value widths) and renames
+    them at load; a file with the module names (a state_dict saved as is) gives the same logits, and a
+    conv split that does not add up to the conv width is refused by name."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = REPO / "tests" / "fixtures" / "olmo_hybrid" / "hv_2hk_chunks"
+    stored = load_file(str(src / "model.safetensors"))
+    renamed = {}
+    for k, v in stored.items():
+        k2 = k.replace("attention_layer_norm", "input_layernorm").replace("feedforward_layer_norm",
+                                                                           "post_attention_layernorm")
+        if k2.endswith("linear_attn.q_conv1d.weight"):
+            p = k2[: -len("q_conv1d.weight")]
+            renamed[p + "conv1d.weight"] = np.concatenate(
+                [stored[k.replace("q_conv1d", n)] for n in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=0)
+        elif "_conv1d." not in k2:
+            renamed[k2] = v
+    assert any("q_conv1d" in k for k in stored) and not any("_conv1d" in k for k in renamed)
+    d = tmp_path / "module_names"
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    save_file(renamed, str(d / "model.safetensors"))
+    ids = json.loads((src / "case.json").read_text())["prompts"]
+    want = np.asarray(mixlens.StandardizedTransformer(str(src)).run(ids)["logits"])
+    got = np.asarray(mixlens.StandardizedTransformer(str(d)).run(ids)["logits"])
+    np.testing.assert_array_equal(got, want)
+
+    short = dict(stored)
+    short["model.layers.0.linear_attn.v_conv1d.weight"] = stored["model.layers.0.linear_attn.v_conv1d.weight"][1:]
+    save_file(short, str(d / "model.safetensors"))
+    with pytest.raises(mixlens.CheckpointError, match=r"q_conv1d / k_conv1d / v_conv1d have \d+ channels together, expected 64"):
+        mixlens.StandardizedTransformer(str(d))
+
+
+def test_olmo_hybrid_without_an_attention_block_is_refused(tmp_path):
+    import json
+    import shutil
+
+    src = REPO / "tests" / "fixtures" / "olmo_hybrid" / "padded_batch"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["layer_types"] = ["linear_attention"] * cfg["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(mixlens.ConfigError, match="at least one 'linear_attention' and one 'full_attention'"):
+        mixlens.StandardizedTransformer(str(tmp_path))
