@@ -336,6 +336,8 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(o, z)), added to the residual"));
       } else {
         attn_.values(i, B, T, v);
+        if (layers_[static_cast<size_t>(i)].post_norms)  // attn_output is the mixer's last entry
+          v.back().meaning = "o_proj(attention), before post_attention_layernorm (the normed output is added to the residual)";
       }
       const Layer& l = layers_[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
