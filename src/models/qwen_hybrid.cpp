@@ -372,7 +372,10 @@ class QwenHybrid final : public FamilyModel {
               lin ? "" : block + " (softmax self_attn), which has no recurrent state: use self_attn values";
         else if (c == Component::self_attn)
           s["self_attn." + std::string(value_name(val))][i] =
-              lin ? block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values" : "";
+              lin ? block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values"
+              : val == Value::attn_gate && !attn_.dims().gate
+                  ? block + " whose attention has no output gate (" + info.family + " attention is ungated)"
+                  : "";
       }
       s["mlp.output"][i] = "";
     }

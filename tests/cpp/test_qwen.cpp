@@ -413,6 +413,20 @@ TEST(Qwen, ValuesAndSupportFollowTheLayerKind) {
   EXPECT_NE(message("layers.0.self_attn.gate").find("gated_deltanet block"), std::string::npos);
 }
 
+// OLMo-Hybrid's attention blocks are post-norm and ungated: no gate value, and support() says why.
+TEST(Qwen, OlmoHybridAttentionHasNoGateAndSaysSo) {
+  GoldenCase c("olmo_hybrid", "hv_2hk_chunks");
+  for (const ValueInfo& v : c.model.values(1, 3)) EXPECT_NE(v.path, "layers.1.self_attn.gate");
+  Trace t;
+  t.save("layers.1.self_attn.gate");
+  try {
+    c.model.run(c.prompts, &t);
+    ADD_FAILURE() << "saving an ungated attention's gate did not raise";
+  } catch (const UnknownValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("no output gate"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Qwen, WritesAreValidated) {
   GoldenCase c("qwen3_5", "hv_2hk");
   auto run_with = [&](const std::string& path, EditFn fn) {
