@@ -9,8 +9,6 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
-#include <stdexcept>
-#include <string>
 #include <utility>
 
 #include "grad/families.h"
@@ -21,6 +19,14 @@
 namespace mixlens::grad {
 
 namespace {
+
+// The SwiGLU output y [rows, D] from its gate|up product gu [rows, 2I].
+void swiglu_out(const Tensor& gu, const Tensor& down, int64_t I, int64_t rows, float* y) {
+  Tensor act({rows, I});
+  for (int64_t r = 0; r < rows; ++r)
+    ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
+  ops::linear(act.data(), rows, I, down, y);
+}
 
 // SwiGLU down(silu(gate x) * up x) with gate | up fused: dx (+)= from dy [rows, D].
 // `gu_kept`: the forward's gate|up product (x is then not read).
@@ -35,12 +41,7 @@ void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64
     gu = Tensor::uninitialized({rows, 2 * I});
     ops::linear(x, rows, D, gate_up, gu.data());
   }
-  if (y_out) {  // the forward output too (the MoE needs it for the routing weights' gradient)
-    Tensor act({rows, I});
-    for (int64_t r = 0; r < rows; ++r)
-      ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
-    ops::linear(act.data(), rows, I, down, y_out);
-  }
+  if (y_out) swiglu_out(gu, down, I, rows, y_out);  // the forward output too (the MoE: routing weights' gradient)
   linear_backward(dy, rows, D, down, dact.data(), false);
   // act = silu(g) u: dg = da u silu'(g), du = da silu(g), from one vectorized sigmoid per row (in the
   // row's dgu half, overwritten) on the pool: two scalar exp per element were ~4% of the backward.
@@ -170,12 +171,24 @@ void post_norm_block_backward(const detail::QwenHybridParts& bb, const QwenLayer
   Tensor h1 = Tensor::uninitialized(h0.shape());
   ops::rmsnorm(out.data(), l.post_norm->data(), h1.data(), rows, D, bb.eps, c);
   for (int64_t k = 0; k < h1.numel(); ++k) h1[k] += h0[k];
-  // mlp(h1) as the forward kept it (after writes): norm2's backward reads it.
-  const Tensor* m = tape.kept_of(li, Kept::mlp_output);
-  if (!m) throw std::logic_error("post-norm block " + std::to_string(li) + ": the forward kept no mlp output");
+  // mlp(h1) after writes, which norm2's backward reads: as the forward kept it, else recomputed (a
+  // post-norm block's MLP is dense: the skeleton refuses MoE there).
+  const Tensor* gu = tape.kept_of(li, Kept::mlp_gate_up);
+  Tensor m;
+  if (const Tensor* kept = tape.kept_of(li, Kept::mlp_output)) {
+    m = *kept;
+  } else {
+    Tensor gu_new;
+    if (!gu) {
+      gu_new = Tensor::uninitialized({rows, 2 * l.mlp.I});
+      ops::linear(h1.data(), rows, D, *l.mlp.gate_up, gu_new.data());
+    }
+    m = Tensor::uninitialized(h0.shape());
+    swiglu_out(gu ? *gu : gu_new, *l.mlp.down, l.mlp.I, rows, m.data());
+    tape.apply(li, Value::mlp_output, m);
+  }
   Tensor dm = Tensor::uninitialized(h0.shape()), dn = Tensor::uninitialized(h0.shape());
-  const Tensor* gu = l.mlp.moe ? nullptr : tape.kept_of(li, Kept::mlp_gate_up);
-  rmsnorm_backward(m->data(), l.ff_norm->data(), dh.data(), dm.data(), rows, D, bb.eps, c, false);
+  rmsnorm_backward(m.data(), l.ff_norm->data(), dh.data(), dm.data(), rows, D, bb.eps, c, false);
   sink.put(li, Value::mlp_output, dm);
   tape.block(li, Value::mlp_output, dm);
   mlp_backward(l.mlp, h1, dm, dn, gu);

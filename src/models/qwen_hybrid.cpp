@@ -121,6 +121,10 @@ class QwenHybrid final : public FamilyModel {
         throw ConfigError(where(cfg) + ": num_experts_per_tok (" + std::to_string(topk_) + ") exceeds num_experts (" +
                           std::to_string(E) + ")");
       norm_topk_ = cfg.get_or<bool>("norm_topk_prob", true);
+      // Post-norm blocks' backward recomputes a dense MLP only; no family pairs them with experts.
+      if (spec_.attention_post_norms)
+        throw UnsupportedError(where(cfg) + ": " + spec_.family + " with num_experts > 0 (a sparse MoE after its "
+                               "post-norm attention blocks) is not supported");
     }
 
     gdn_ = GatedDeltaMixer(g_, K_, eps_, spec_.gdn);

@@ -108,6 +108,24 @@ TEST(GradQwen, KeptForwardProductsGiveTheRecomputedGradients) {
   }
 }
 
+// OLMo-Hybrid's post-norm attention block (layer 1): the kept MLP output and attention products give the
+// gradients the recomputation gives, through edits of the attention output and the MLP output.
+TEST(GradQwen, OlmoHybridKeptForwardProductsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("olmo_hybrid/hv_2hk_chunks").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input", "layers.1.self_attn.attention_queries",
+                                       "layers.1.self_attn.attention_values", "layers.1.self_attn.attention_output",
+                                       "layers.1.mlp.output", "layers.0.linear_attn.betas"};
+  for (const char* route : {"chunked", "recurrent"}) {
+    Route guard("olmo_hybrid", route);
+    expect_kept_equals_recomputed(m, Batch::left_padded({ids(20, 9)}, 0), paths, [](Trace& tr) {
+      for (const char* p : {"layers.1.self_attn.attention_output", "layers.1.mlp.output"})
+        tr.edit(p, [](Tensor& v, const SiteContext&) {
+          for (int64_t i = 0; i < v.numel(); i += 5) v[i] *= 0.5f;
+        });
+    });
+  }
+}
+
 // The gradient of a GDN value through an additive edit of it (betas, decays, keys, head outputs).
 TEST(GradQwen, GatedDeltaValuesMatchFiniteDifferencesOfAnEdit) {
   Model m = Model::load(test::fixture("qwen3_5/hv_2hk").string());
