@@ -9,10 +9,11 @@ What runs
   mamba2-130m, mamba-130m, Qwen3.5-0.8B), built once and cached under build/; --models may add the
   Mamba-2 hybrids (mixlens_dev/published_hybrids.py: falcon_h1 = Falcon-H1-0.5B, nemotron_h =
   Nemotron-H-8B's layer shapes in 8 blocks, bamba = Bamba-9B's in 2 layers, granitemoehybrid =
-  granite-4.0-h-350m, jamba = a Jamba-tiny-dev class layout) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
+  granite-4.0-h-350m, jamba = a Jamba-tiny-dev class layout, qwen3_5_moe = Qwen3.5-35B-A3B's widths in 2 layers,
+  olmo_hybrid = Olmo-Hybrid-7B's in 4 layers) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
 - --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
   `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
-  `make bench-families` runs the seven families with both routes against transformers (no llama.cpp).
+  `make bench-families` runs the ten families with both routes against transformers (no llama.cpp).
 - llama.cpp: scripts/build_llama_cpp.sh builds its CPU backend from a pinned release (the
   llama-cpp-python 0.3.36 sdist, llama.cpp@0c1e57098) into a cache dir outside the tree; the GGUFs
   come from that release's own convert_hf_to_gguf.py (with its gguf-py) at F32 and BF16, cached
@@ -58,7 +59,8 @@ GGUF_DIR = CACHE / "gguf"
 # widths in 2 layers).
 HYBRID_LAYOUTS = {"falcon_h1": "falcon_h1_0_5b", "nemotron_h": "nemotron_h_8b_8blocks", "bamba": "bamba_9b_2layers",
                   "falcon_mamba": "falcon_mamba_7b_2layers", "granitemoehybrid": "granite_4_0_h_350m",
-                  "jamba": "jamba_tiny_dev_class"}
+                  "jamba": "jamba_tiny_dev_class",
+                  "qwen3_5_moe": "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid": "olmo_hybrid_7b_4layers"}
 MODELS = ("mamba2", "mamba", "qwen3_5", *HYBRID_LAYOUTS)
 ROUTES = ("chunked", "recurrent")
 

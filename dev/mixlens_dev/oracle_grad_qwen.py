@@ -1,5 +1,5 @@
-"""Gradient oracle for Qwen3.5 / Qwen3-Next (issue 12): torch autograd on transformers' pure-torch
-Qwen3_5ForCausalLM / Qwen3NextForCausalLM with every value of values.md kept (``retain_grad``), so
+"""Gradient oracle for Qwen3.5 / Qwen3-Next / Qwen3.5-MoE / OLMo-Hybrid (issue 12): torch autograd on transformers'
+pure-torch Qwen3_5ForCausalLM / Qwen3NextForCausalLM / OlmoHybridForCausalLM with every value of values.md kept (``retain_grad``), so
 its ``.grad`` can be compared with mixlens' native backward.
 
 The gated-delta kernels are module globals of ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next``
@@ -12,8 +12,9 @@ whatever kernel transformers picked for the call:
 * ``scan="recurrent"``: transformers' ``torch_recurrent_gated_delta_rule``; same values.
 * ``scan="explicit"``: the token recurrence written out here with every ``S_t`` retained; every value.
 
-Attention values: q / k after RoPE (the patched ``apply_rotary_pos_emb``), v and the output-gate
-logits from the q_proj / v_proj outputs, the attention output. Edits are ``set_index`` writes
+Attention values: q / k after RoPE (the patched ``apply_rotary_pos_emb``; OLMo-Hybrid's NoPE layout: the
+q_norm / k_norm outputs), v and the output-gate logits (Qwen) from the q_proj / v_proj outputs, the
+attention output (the module's: before OLMo-Hybrid's post-norm). Edits are ``set_index`` writes
 (``out = v.clone(); out[:, idx] = c``): the written elements are constants, as mixlens documents.
 A continuation runs the prompt without gradients first (its cache is a constant) and differentiates
 the second call, with the GDN ``state_input`` a leaf.
@@ -60,6 +61,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
         p.requires_grad_(False)
     mod = sys.modules[type(model).__module__]  # the model's own modeling module (its globals are what it calls)
     text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    nope = getattr(text, "rotary_emb", True) is None  # OLMo-Hybrid with rope_theta null
     keep, states = {}, {}
     cur = {"layer": None, "grad": False}
     edits = list(edits)
@@ -142,6 +144,10 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             hook(layer.linear_attn, lin_post)
         else:
             at = layer.self_attn
+            gated = at.q_proj.out_features == 2 * at.config.num_attention_heads * at.head_dim  # Qwen's output gate
+
+            def qk_normed(name, i=i):  # NoPE: q / k as attention reads them, [B,T,H*d]
+                return lambda m, a, o: _keep(keep, f"layers.{i}.self_attn.{name}", o) if cur["grad"] else o
 
             def qproj(m, a, o, i=i):
                 return _keep(keep, f"layers.{i}.self_attn.#q_proj", o) if cur["grad"] else o
@@ -155,7 +161,11 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
                 p = f"layers.{i}.self_attn.attention_output"
                 return (_keep(keep, p, edit(p, o[0])),) + tuple(o[1:])
 
-            hook(at.q_proj, qproj)
+            if gated:
+                hook(at.q_proj, qproj)
+            if nope:
+                hook(at.q_norm, qk_normed("attention_queries"))
+                hook(at.k_norm, qk_normed("attention_keys"))
             hook(at.v_proj, vproj)
             hook(at, att_post)
     hook(text.norm, lambda m, a, o: _keep(keep, "ln_final.output", o) if cur["grad"] else o)
@@ -186,13 +196,15 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
         for h in handles:
             h.remove()
     grads = collect(keep, states, m)
-    hd = text.config.head_dim
+    hd = next(layer.self_attn.head_dim for layer in text.layers if hasattr(layer, "self_attn"))
     for path in [p for p in grads if p != "metric"]:
         g, mt = grads[path], _PATH.match(path)
         if path.endswith("#q_proj"):  # per head [query | gate]: the gate half is the gate logits' gradient
             b, T, _ = g.shape
             grads[path.replace("#q_proj", "gate")] = np.ascontiguousarray(g.reshape(b, T, -1, 2 * hd)[..., hd:].reshape(b, T, -1))
             del grads[path]
+        elif mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys") and nope:
+            grads[path] = g.reshape(g.shape[0], g.shape[1], -1, hd)  # [B,T,H*d] -> served [B,T,H,d]
         elif mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys"):
             grads[path] = np.ascontiguousarray(g.transpose(0, 2, 1, 3))  # [B,H,T,d] -> served [B,T,H,d]
         elif mt and mt.group(2) == "self_attn" and mt.group(3) == "attention_values":

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next numerical oracle: every value of transformers' pure-torch hybrids.
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / OLMo-Hybrid numerical oracle: every value of transformers' pure-torch hybrids.
 
 The reference the C++ tests compare against (through the goldens in tests/fixtures/qwen3_5 and
 tests/fixtures/qwen3_next, built by scripts/make_fixtures.py). Imports no test framework.
@@ -6,13 +6,15 @@ tests/fixtures/qwen3_next, built by scripts/make_fixtures.py). Imports no test f
 How values are captured
 -----------------------
 transformers 5.18 resolves the gated-DeltaNet kernels as *module globals* of
-``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next`` at call time: ``torch_chunk_gated_delta_rule``
+``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next`` / ``modeling_olmo_hybrid`` at call time: ``torch_chunk_gated_delta_rule``
 (prompts and multi-token continuations), ``torch_recurrent_gated_delta_rule`` (single-token decode),
 ``causal_conv1d_fn`` / ``causal_conv1d_update`` and ``apply_rotary_pos_emb`` (attention). The
 ``use_kernelized_func`` decorator is the identity without the ``kernels`` package, so replacing the
 globals takes effect; ``_Recorder`` checks it on every forward (each GDN layer must go through
 exactly one patched delta-rule call and one patched conv call, each attention layer through one
-patched RoPE call), otherwise it raises. Module hooks capture the rest.
+patched RoPE call, none on OLMo-Hybrid's NoPE layout, whose q / k are read after q_norm / k_norm),
+otherwise it raises. Module hooks capture the rest (``mlp.output`` and ``self_attn.attention_output`` are
+the modules' outputs: before OLMo-Hybrid's post-norms).
 
 Keys: ``"<path>@step<k>"`` (``embed_tokens.output``, ``layers.{i}.layer_input`` / ``layer_output``,
 ``layers.{i}.linear_attn.<value>``, ``layers.{i}.self_attn.<value>``, ``layers.{i}.mlp.output``,
@@ -82,6 +84,7 @@ class _Recorder:
         self.mod = sys.modules[type(model).__module__]
         self.text = model.model.language_model if hasattr(model.model, "language_model") else model.model
         self.n_layers = len(self.text.layers)
+        self.nope = getattr(self.text, "rotary_emb", True) is None  # OLMo-Hybrid with rope_theta null
         self.edits = list(edits)
         self.record = record
         self.values: dict[str, np.ndarray] = {}
@@ -192,16 +195,27 @@ class _Recorder:
             else:
                 at = layer.self_attn
                 hd = at.head_dim
+                gated = at.q_proj.out_features == 2 * at.config.num_attention_heads * hd  # Qwen's output gate
 
                 def qproj(m, a, o, i=i, hd=hd):
                     b, t, _ = o.shape
                     self.put(f"layers.{i}.self_attn.gate", o.view(b, t, -1, 2 * hd)[..., hd:].reshape(b, t, -1))
 
+                def qk_normed(name, i=i, hd=hd):  # NoPE: q / k as attention reads them, after their norms
+                    def hook(m, a, o):
+                        b, t, _ = o.shape
+                        self.put(f"layers.{i}.self_attn.{name}", o.view(b, t, -1, hd))
+                    return hook
+
                 def vproj(m, a, o, i=i, hd=hd):
                     b, t, _ = o.shape
                     self.put(f"layers.{i}.self_attn.attention_values", o.view(b, t, -1, hd))
 
-                H.append(at.q_proj.register_forward_hook(qproj))
+                if gated:
+                    H.append(at.q_proj.register_forward_hook(qproj))
+                if self.nope:
+                    H.append(at.q_norm.register_forward_hook(qk_normed("attention_queries")))
+                    H.append(at.k_norm.register_forward_hook(qk_normed("attention_keys")))
                 H.append(at.v_proj.register_forward_hook(vproj))
                 H.append(at.register_forward_hook(
                     lambda m, a, o, i=i: self.put(f"layers.{i}.self_attn.attention_output", o[0])))
@@ -236,7 +250,7 @@ class _Recorder:
             if hasattr(layer, "linear_attn"):
                 ok = len(got) == 2 and any("gated_delta" in c for c in got) and any("conv1d" in c for c in got)
             else:
-                ok = got == ["rope"]
+                ok = got == ([] if self.nope else ["rope"])
             if not ok:
                 raise RuntimeError(f"step {self.step} layer {i}: patched calls {got} (did transformers stop "
                                    "resolving the kernels as module globals?)")

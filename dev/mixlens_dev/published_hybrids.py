@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Random-weight stand-ins for published Mamba hybrid (and FalconMamba) checkpoints, made by transformers 5.18
+"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba, Jamba, Qwen3.5-MoE, OLMo-Hybrid) checkpoints, made by transformers 5.18
 (save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
 
     .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
@@ -59,6 +59,26 @@ Where the configs come from (no internet here; the hub files could not be fetche
   parameters; the default 14336 would give ~3.2B). "Class": the widths and the layer / expert
   pattern of the release, not a verified copy of its file.
 * Falcon-H1-Tiny: no config could be found offline; not built.
+* Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE), exact widths, REDUCED to 2 of its 40 layers (a gated DeltaNet
+  block, then a gated-attention block; the release repeats 3 GDN + 1 attention), text model only
+  (Qwen3_5MoeForCausalLM: the published file is the VLM, whose text_config this is; the VLM nesting is
+  checked by tests/python/test_qwen3_5_vlm_layout.py). transformers 5.18's Qwen3_5MoeTextConfig documents
+  its defaults as this checkpoint's (``@auto_docstring(checkpoint="Qwen/Qwen3.5-35B-A3B")``): vocab
+  248320, hidden 2048, 40 layers, 16 heads / 2 KV heads of 256, GDN 16 key heads / 32 value heads of
+  128, 256 experts of 512, top 8, one shared expert of 512, rms_norm_eps 1e-6, untied head; the
+  transformers model doc agrees on the MoE ("256-expert sparse mixture, 8 routed experts ... plus 1
+  shared expert", Qwen3.5-35B-A3B as the 35B / 3B-active checkpoint). RoPE as the Qwen3.5 line
+  publishes it (rope_theta 1e7, partial_rotary_factor 0.25, the interleaved mrope_section [11, 11, 10]
+  of the Qwen3.5-0.8B config in published_layout.py; the Miles RL recipe for this checkpoint quotes
+  --rotary-base 10000000 and --rotary-percent 0.25). ~2.6B parameters, ~1B of them the embedding and
+  the head.
+* allenai/Olmo-Hybrid-7B (OLMo-Hybrid), exact widths, REDUCED to 4 of its 32 layers (3 GDN + 1
+  attention, the release's period). transformers 5.18's OlmoHybridConfig documents its defaults as
+  this checkpoint's (``@auto_docstring(checkpoint="allenai/Olmo-Hybrid-7B")``): vocab 100352, hidden
+  3840, intermediate 11008, 30 heads (KV heads = heads), GDN heads 30 with key dim 96 and value dim
+  192 (0.75 * hidden / heads, twice that), conv 4, linear_allow_neg_eigval, rms_norm_eps 1e-6, untied,
+  pad 100277, eos 100257; modeling_olmo_hybrid.py states the released checkpoints use no RoPE
+  (rope_theta null). Not checked against the hub file itself (no internet here). ~1.6B parameters.
 """
 
 from __future__ import annotations
@@ -121,6 +141,22 @@ JAMBA_TINY_DEV_CLASS = dict(
     num_experts=16, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto",
     mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
     max_position_embeddings=262144, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+QWEN3_5_MOE_35B_A3B_2LAYERS = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
+    hidden_act="silu", tie_word_embeddings=False, max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)
+OLMO_HYBRID_7B_4LAYERS = dict(
+    vocab_size=100352, hidden_size=3840, intermediate_size=11008, num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=30, num_key_value_heads=30,
+    linear_num_key_heads=30, linear_num_value_heads=30, linear_key_head_dim=96, linear_value_head_dim=192,
+    linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, rms_norm_eps=1e-6, hidden_act="silu",
+    tie_word_embeddings=False, max_position_embeddings=65536, attention_bias=False,
+    rope_parameters={"rope_type": "default", "rope_theta": None}, pad_token_id=100277, eos_token_id=100257,
 )
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
@@ -129,7 +165,11 @@ LAYOUTS = {
     "granite_4_0_h_350m": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_4_0_H_350M),
     "falcon_mamba_7b_2layers": ("FalconMambaForCausalLM", "FalconMambaConfig", FALCON_MAMBA_7B_2LAYERS),
     "jamba_tiny_dev_class": ("JambaForCausalLM", "JambaConfig", JAMBA_TINY_DEV_CLASS),
+    "qwen3_5_moe_35b_a3b_2layers": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", QWEN3_5_MOE_35B_A3B_2LAYERS),
+    "olmo_hybrid_7b_4layers": ("OlmoHybridForCausalLM", "OlmoHybridConfig", OLMO_HYBRID_7B_4LAYERS),
 }
+
+BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}
 
 
 def make(name: str, out_dir, seed: int = 0) -> dict:
@@ -143,7 +183,13 @@ def make(name: str, out_dir, seed: int = 0) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg)).to(torch.bfloat16).eval()
+    prev = torch.get_default_dtype()
+    if name in BUILT_IN_BF16:  # built in bfloat16 directly: its float32 model alone would need ~10 GB
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg)).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(prev)
     model.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
     del model

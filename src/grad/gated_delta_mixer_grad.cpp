@@ -1,7 +1,7 @@
 // Backward of the gated DeltaNet mixer (QwenHybrid::gdn, transformers Qwen3_5GatedDeltaNet /
 // Qwen3NextGatedDeltaNet): recomputed from the normed input with the recorded writes re-applied
 // (kernel as the forward ran it), then out_proj, the gated RMSNorm (norm, then * silu(z)), the delta
-// rule (grad/gated_delta_grad.cpp), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the
+// rule (grad/gated_delta_grad.cpp), beta = beta_scale * sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the
 // q/k head repetition, the causal conv + SiLU and in_proj.
 #include <algorithm>
 #include <cmath>
@@ -69,7 +69,7 @@ GdnMixerGrad::GdnMixerGrad(const GdnView& w, int li, const Tensor& n_in, const d
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t j = 0; j < HV; ++j) {
       const float* pb = proj_.data() + row * pr + cd + vd;
-      beta_[row * HV + j] = ops::sigmoid(pb[j]);
+      beta_[row * HV + j] = w.beta_scale * ops::sigmoid(pb[j]);
       g_[row * HV + j] = (*w.neg_A)[j] * ops::softplus(pb[HV + j] + (*w.dt_bias)[j]);
     }
   tape.apply(li, Value::betas, beta_);
@@ -193,7 +193,7 @@ void GdnMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) c
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t j = 0; j < HV; ++j) {
       const float* pb = proj_.data() + row * pr + cd + vd;
-      dproj[row * pr + cd + vd + j] = dbeta[row * HV + j] * sigmoid_d(ops::sigmoid(pb[j]));
+      dproj[row * pr + cd + vd + j] = dbeta[row * HV + j] * w_.beta_scale * sigmoid_d(ops::sigmoid(pb[j]));
       dproj[row * pr + cd + vd + HV + j] =
           dg[row * HV + j] * (*w_.neg_A)[j] * softplus_grad(pb[HV + j] + (*w_.dt_bias)[j]);
     }

@@ -1,6 +1,7 @@
-// Backward of the Qwen hybrid skeleton (QwenHybrid::forward): LM head, the final (1 + w) RMSNorm,
+// Backward of the Qwen hybrid skeleton (QwenHybrid::forward): LM head, the final RMSNorm,
 // then each decoder block from last to first, recomputed from its recorded input:
-//   h1 = h0 + mixer(norm1(h0)),  h2 = h1 + mlp(norm2(h1)),
+//   h1 = h0 + mixer(norm1(h0)),  h2 = h1 + mlp(norm2(h1))  (pre-norm blocks), or
+//   h1 = h0 + norm1(mixer(h0)),  h2 = h1 + norm2(mlp(h1))  (OLMo-Hybrid's post-norm attention blocks),
 // with the SwiGLU MLP or the sparse MoE (the router's top-k choice is a constant; the gradient flows
 // through the chosen experts, their routing weights (softmax over all experts, optionally renormalised
 // over the chosen) and the sigmoid-gated shared expert).
@@ -19,6 +20,14 @@ namespace mixlens::grad {
 
 namespace {
 
+// The SwiGLU output y [rows, D] from its gate|up product gu [rows, 2I].
+void swiglu_out(const Tensor& gu, const Tensor& down, int64_t I, int64_t rows, float* y) {
+  Tensor act({rows, I});
+  for (int64_t r = 0; r < rows; ++r)
+    ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
+  ops::linear(act.data(), rows, I, down, y);
+}
+
 // SwiGLU down(silu(gate x) * up x) with gate | up fused: dx (+)= from dy [rows, D].
 // `gu_kept`: the forward's gate|up product (x is then not read).
 void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64_t D, const float* x, int64_t rows,
@@ -32,12 +41,7 @@ void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64
     gu = Tensor::uninitialized({rows, 2 * I});
     ops::linear(x, rows, D, gate_up, gu.data());
   }
-  if (y_out) {  // the forward output too (the MoE needs it for the routing weights' gradient)
-    Tensor act({rows, I});
-    for (int64_t r = 0; r < rows; ++r)
-      ops::mul_silu(gu.data() + r * 2 * I + I, gu.data() + r * 2 * I, act.data() + r * I, I);
-    ops::linear(act.data(), rows, I, down, y_out);
-  }
+  if (y_out) swiglu_out(gu, down, I, rows, y_out);  // the forward output too (the MoE: routing weights' gradient)
   linear_backward(dy, rows, D, down, dact.data(), false);
   // act = silu(g) u: dg = da u silu'(g), du = da silu(g), from one vectorized sigmoid per row (in the
   // row's dgu half, overwritten) on the pool: two scalar exp per element were ~4% of the backward.
@@ -153,6 +157,50 @@ void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
   linear_backward(dlogits.data(), rows, E, *m.router, dx.data(), true);
 }
 
+// An attention block with post-norms (QwenLayerView::post_norms): h1 = h0 + norm1(attn(h0)),
+// h2 = h1 + norm2(mlp(h1)); dh: dL/dh2 in, dL/dh0 out. attn_output and mlp.output are the module
+// outputs before their norms, so their gradients are taken there.
+void post_norm_block_backward(const detail::QwenHybridParts& bb, const QwenLayerView& l, int li, const Tensor& h0,
+                              const detail::HybridCache& before, const std::vector<int64_t>& pos, const Tape& tape,
+                              Tensor& dh, GradSink& sink) {
+  const int64_t D = bb.D, rows = h0.numel() / D;
+  const bool c = bb.centred;
+  AttentionMixerGrad att(*bb.attn, *l.attn, li, h0,
+                         AttentionCallState{&before.kv[static_cast<size_t>(li)], &before.key_mask, &pos}, tape);
+  const Tensor& out = att.output();  // before post_attention_layernorm, writes applied
+  Tensor h1 = Tensor::uninitialized(h0.shape());
+  ops::rmsnorm(out.data(), l.post_norm->data(), h1.data(), rows, D, bb.eps, c);
+  for (int64_t k = 0; k < h1.numel(); ++k) h1[k] += h0[k];
+  // mlp(h1) after writes, which norm2's backward reads: as the forward kept it, else recomputed (a
+  // post-norm block's MLP is dense: the skeleton refuses MoE there).
+  const Tensor* gu = tape.kept_of(li, Kept::mlp_gate_up);
+  Tensor m;
+  if (const Tensor* kept = tape.kept_of(li, Kept::mlp_output)) {
+    m = *kept;
+  } else {
+    Tensor gu_new;
+    if (!gu) {
+      gu_new = Tensor::uninitialized({rows, 2 * l.mlp.I});
+      ops::linear(h1.data(), rows, D, *l.mlp.gate_up, gu_new.data());
+    }
+    m = Tensor::uninitialized(h0.shape());
+    swiglu_out(gu ? *gu : gu_new, *l.mlp.down, l.mlp.I, rows, m.data());
+    tape.apply(li, Value::mlp_output, m);
+  }
+  Tensor dm = Tensor::uninitialized(h0.shape()), dn = Tensor::uninitialized(h0.shape());
+  rmsnorm_backward(m.data(), l.ff_norm->data(), dh.data(), dm.data(), rows, D, bb.eps, c, false);
+  sink.put(li, Value::mlp_output, dm);
+  tape.block(li, Value::mlp_output, dm);
+  mlp_backward(l.mlp, h1, dm, dn, gu);
+  for (int64_t k = 0; k < dh.numel(); ++k) dh[k] += dn[k];  // dL/dh1
+  Tensor da = Tensor::uninitialized(h0.shape());
+  rmsnorm_backward(out.data(), l.post_norm->data(), dh.data(), da.data(), rows, D, bb.eps, c, false);
+  att.backward(da, dn, sink);
+  for (int64_t k = 0; k < dh.numel(); ++k) dh[k] += dn[k];  // dL/dh0
+  sink.put(li, Value::layer_input, dh);
+  tape.block(li, Value::layer_input, dh);
+}
+
 }  // namespace
 
 void mlp_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx, const Tensor* gu_kept) {
@@ -166,7 +214,8 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
   const Tensor dhf = head_backward(tape, dlogits, *bb.lm_head, 1.0f, sink);
   // Written whole before read (norms, row passes, the backwards): uninitialized.
   Tensor dh = Tensor::uninitialized({B, T, D});
-  rmsnorm_backward(tape.final_hidden.data(), bb.norm->data(), dhf.data(), dh.data(), BT, D, bb.eps, true, false);
+  const bool c = bb.centred;
+  rmsnorm_backward(tape.final_hidden.data(), bb.norm->data(), dhf.data(), dh.data(), BT, D, bb.eps, c, false);
   // Positions and key masks as the call computed them, from a copy of the cache it started from.
   auto before_ptr = tape.cache_before->clone();
   auto& before = static_cast<detail::HybridCache&>(*before_ptr);
@@ -181,7 +230,11 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
     if (!sink.needs_below(li)) return;  // e.g. every layer_output asked for: block 0's backward serves nothing
     tape.block(li, Value::layer_output, dh);
     const Tensor& h0 = tape.layer_inputs[static_cast<size_t>(i)];
-    ops::rmsnorm(h0.data(), l.in_norm->data(), n1.data(), BT, D, bb.eps, true);
+    if (l.post_norms) {
+      post_norm_block_backward(bb, l, li, h0, before, pos, tape, dh, sink);
+      continue;
+    }
+    ops::rmsnorm(h0.data(), l.in_norm->data(), n1.data(), BT, D, bb.eps, c);
     std::unique_ptr<GdnMixerGrad> gdn;
     std::unique_ptr<AttentionMixerGrad> att;
     if (l.linear) gdn = std::make_unique<GdnMixerGrad>(l.gdn, li, n1, before, tape);
@@ -194,12 +247,12 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
     sink.put(li, Value::mlp_output, dm);
     tape.block(li, Value::mlp_output, dm);
     const Tensor* gu = l.mlp.moe ? nullptr : tape.kept_of(li, Kept::mlp_gate_up);
-    if (!gu) ops::rmsnorm(h1.data(), l.post_norm->data(), n2.data(), BT, D, bb.eps, true);  // the MLP's input
+    if (!gu) ops::rmsnorm(h1.data(), l.post_norm->data(), n2.data(), BT, D, bb.eps, c);  // the MLP's input
     mlp_backward(l.mlp, n2, dm, dn, gu);
-    rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, true, true);
+    rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, true);
     // Mixer: h1 = h0 + mixer(norm1(h0)).
     if (l.linear) gdn->backward(dh, dn, sink); else att->backward(dh, dn, sink);
-    rmsnorm_backward(h0.data(), l.in_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, true, true);
+    rmsnorm_backward(h0.data(), l.in_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, true);
     sink.put(li, Value::layer_input, dh);
     tape.block(li, Value::layer_input, dh);
   }

@@ -3,24 +3,52 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "hooks/serve.h"
 #include "mixers/gated_delta.h"
+#include "mixlens/errors.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
 
 void GatedDeltaMixer::load(const io::WeightStore& w, const std::string& m, GatedDeltaMixerWeights& l) const {
-  l.conv_wT = transpose_conv(w.get(m + "conv1d.weight", {g_.conv_dim(), 1, K_}));
+  if (opt_.split_conv && !w.has(m + "conv1d.weight")) {
+    // q_conv1d | k_conv1d | v_conv1d stacked in that order, as transformers' Concatenate(dim=0) loads
+    // them. Only the total is checked: transformers 5.18's save_pretrained splits conv1d back into three
+    // near-equal parts (not key_dim / key_dim / value_dim), and its loader concatenates whatever it finds.
+    std::vector<Tensor> parts;
+    int64_t rows = 0;
+    for (const char* part : {"q_conv1d", "k_conv1d", "v_conv1d"}) {
+      parts.push_back(w.get(m + part + ".weight"));
+      const Tensor& t = parts.back();
+      if (t.shape().size() != 3 || t.size(1) != 1 || t.size(2) != K_)
+        throw CheckpointError(m + part + ".weight has shape " + shape_str(t.shape()) + ", expected [n, 1, " +
+                              std::to_string(K_) + "] (linear_conv_kernel_dim)");
+      rows += t.size(0);
+    }
+    if (rows != g_.conv_dim())
+      throw CheckpointError(m + "q_conv1d / k_conv1d / v_conv1d have " + std::to_string(rows) + " channels together, expected " +
+                            std::to_string(g_.conv_dim()) + " (2 * key heads * key dim + value heads * value dim)");
+    Tensor conv({rows, 1, K_});
+    int64_t row = 0;
+    for (const Tensor& t : parts) {
+      std::memcpy(conv.data() + row * K_, t.data(), sizeof(float) * static_cast<size_t>(t.size(0) * K_));
+      row += t.size(0);
+    }
+    l.conv_wT = transpose_conv(conv);
+  } else {
+    l.conv_wT = transpose_conv(w.get(m + "conv1d.weight", {g_.conv_dim(), 1, K_}));
+  }
   const Tensor A_log = w.get(m + "A_log", {g_.HV});
   l.neg_A = Tensor({g_.HV});
   for (int64_t h = 0; h < g_.HV; ++h) l.neg_A[h] = -std::exp(A_log[h]);
   l.dt_bias = w.get(m + "dt_bias", {g_.HV});
-  l.gnorm = w.get(m + "norm.weight", {g_.Dv});
-  l.out_proj = w.get_matmul(m + "out_proj.weight", {D_, g_.value_dim()});
+  l.gnorm = w.get(m + opt_.norm_name + ".weight", {g_.Dv});
+  l.out_proj = w.get_matmul(m + opt_.out_name + ".weight", {D_, g_.value_dim()});
 }
 
-// Qwen3_5GatedDeltaNet.forward.
+// Qwen3_5GatedDeltaNet.forward (OlmoHybridGatedDeltaNet.forward with GdnOptions).
 Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n_in, const Batch& in, bool masked,
                                 const GatedDeltaMixerCall& call) const {
   const int li = call.layer;
@@ -60,7 +88,7 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t j = 0; j < HV; ++j) {
       const float* pb = proj.data() + row * pr + cd + vd;
-      beta[row * HV + j] = ops::sigmoid(pb[j]);
+      beta[row * HV + j] = opt_.beta_scale * ops::sigmoid(pb[j]);
       g[row * HV + j] = l.neg_A[j] * ops::softplus(pb[HV + j] + l.dt_bias[j]);
     }
   visit_if(ls, li, Value::betas, beta);

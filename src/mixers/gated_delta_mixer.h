@@ -23,6 +23,20 @@ struct GdnDims {
   int64_t proj_rows() const { return conv_dim() + value_dim() + 2 * HV; }
 };
 
+/// How a family's gated DeltaNet differs from Qwen3_5GatedDeltaNet (the defaults).
+struct GdnOptions {
+  /// beta = beta_scale * sigmoid(b): 2 for OLMo-Hybrid's linear_allow_neg_eigval (beta in [0, 2]).
+  float beta_scale = 1.0f;
+  /// Gated RMSNorm epsilon; 0: the model's rms_norm_eps (Qwen). OLMo-Hybrid fixes 1e-5 (FLA's default).
+  float norm_eps = 0.0f;
+  /// Weight names under the mixer prefix: the gated norm and the output projection
+  /// (Qwen: norm / out_proj; OLMo-Hybrid: o_norm / o_proj).
+  std::string norm_name = "norm", out_name = "out_proj";
+  /// The causal conv may be stored as q_conv1d / k_conv1d / v_conv1d (OLMo-Hybrid's checkpoints, which
+  /// transformers concatenates into conv1d at load); conv1d itself is read when present.
+  bool split_conv = false;
+};
+
 /// One layer's weights.
 struct GatedDeltaMixerWeights {
   Tensor in_proj;  // [proj_rows, D]
@@ -49,7 +63,12 @@ struct GatedDeltaMixerCall {
 class GatedDeltaMixer {
  public:
   GatedDeltaMixer() = default;
-  GatedDeltaMixer(const GdnDims& g, int64_t K, float eps) : g_(g), D_(g.D), K_(K), eps_(eps) {}
+  /// `eps`: the model's rms_norm_eps (the gated norm's unless `opt` fixes its own).
+  GatedDeltaMixer(const GdnDims& g, int64_t K, float eps, const GdnOptions& opt = {})
+      : g_(g), D_(g.D), K_(K), eps_(opt.norm_eps > 0.0f ? opt.norm_eps : eps), opt_(opt) {}
+  /// The gated norm's epsilon and beta's scale, as the backward needs them.
+  float norm_eps() const { return eps_; }
+  float beta_scale() const { return opt_.beta_scale; }
   /// Every weight under the mixer prefix `m` but in_proj, whose row layout the family decides
   /// (QwenHybridSpec::load_gdn_in_proj).
   void load(const io::WeightStore& w, const std::string& m, GatedDeltaMixerWeights& l) const;
@@ -62,6 +81,7 @@ class GatedDeltaMixer {
   GdnDims g_;
   int64_t D_ = 0, K_ = 4;
   float eps_ = 1e-6f;
+  GdnOptions opt_;
 };
 
 }  // namespace mixlens::detail

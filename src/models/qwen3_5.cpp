@@ -12,15 +12,8 @@
 namespace mixlens::detail {
 
 Tensor load_qwen3_5_gdn_in_proj(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
-  const Tensor parts[] = {w.get_matmul(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get_matmul(p + "in_proj_z.weight", {g.value_dim(), g.D}),
-                          w.get_matmul(p + "in_proj_b.weight", {g.HV, g.D}), w.get_matmul(p + "in_proj_a.weight", {g.HV, g.D})};
-  std::vector<ops::RowBlock> blocks;
-  int64_t row = 0;
-  for (const Tensor& t : parts) {
-    blocks.push_back({&t, 0, t.size(0), row});
-    row += t.size(0);
-  }
-  return ops::assemble_rows(g.proj_rows(), g.D, blocks);
+  return cat_rows({w.get_matmul(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get_matmul(p + "in_proj_z.weight", {g.value_dim(), g.D}),
+                   w.get_matmul(p + "in_proj_b.weight", {g.HV, g.D}), w.get_matmul(p + "in_proj_a.weight", {g.HV, g.D})});
 }
 
 io::Config qwen3_5_text_config(const io::Config& config) {

@@ -1,6 +1,7 @@
-// Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next). Reference: transformers
+// Gated-DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid). Reference: transformers
 // models/qwen3_5/modeling_qwen3_5.py and models/qwen3_next/modeling_qwen3_next.py
-// (Qwen3_5GatedDeltaNet, Qwen3_5Attention, Qwen3_5DecoderLayer, Qwen3NextSparseMoeBlock);
+// (Qwen3_5GatedDeltaNet, Qwen3_5Attention, Qwen3_5DecoderLayer, Qwen3NextSparseMoeBlock),
+// models/olmo_hybrid/modeling_olmo_hybrid.py (its decoder layers' norm placement, QwenHybridSpec);
 // math in shared/spec/model-math.md §3.3, §5, §6. Everything runs in float32.
 #include "models/qwen_hybrid.h"
 
@@ -33,21 +34,28 @@ struct Mlp {
 // The GDN weights (the base) are set on gated DeltaNet layers only.
 struct Layer : GatedDeltaMixerWeights {
   bool linear = true;  // gated DeltaNet (else softmax attention)
-  Tensor in_norm, post_norm;
+  bool post_norms = false;  // QwenLayerView::post_norms
+  Tensor in_norm, post_norm, ff_norm;
   AttentionMixerWeights attn;  // attention layers
   Mlp mlp;
 };
 
-// Concatenates row blocks of 2-D tensors with the same column count.
-Tensor cat_rows(std::initializer_list<Tensor> parts) {
-  // Any dtype (narrow matmul weights stay narrow).
-  int64_t rows = 0;
-  std::vector<ops::RowBlock> blocks;
-  for (const auto& p : parts) {
-    blocks.push_back({&p, 0, p.size(0), rows});
-    rows += p.size(0);
-  }
-  return ops::assemble_rows(rows, parts.begin()->size(1), blocks);
+// Qwen3_5Attention: gated, per-head (1 + w) q / k norms, partial RoPE (rope_parameters, with the
+// older top-level fields as fallback). mrope_section only matters for image/video grids: text
+// positions are equal on all three rows, which makes the interleaved mrope exactly plain 1-D RoPE.
+void qwen3_5_attention(const io::Config& cfg, AttentionMixerDims& ad) {
+  double theta = 0.0, partial = 1.0;
+  read_rope(cfg, 1.0, theta, partial);
+  const int64_t rot = static_cast<int64_t>(static_cast<double>(ad.hd) * partial);
+  if (rot <= 0 || rot > ad.hd || rot % 2 != 0)
+    throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot) +
+                      " must be even and in (0, head_dim]");
+  ad.rope = true;
+  ad.rot = rot;
+  ad.theta = theta;
+  ad.gate = true;
+  ad.qk_norm = AttentionQkNorm::per_head;
+  ad.qk_norm_centred = true;
 }
 
 class QwenHybrid final : public FamilyModel {
@@ -60,7 +68,6 @@ class QwenHybrid final : public FamilyModel {
     require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_}});
     AttentionMixerDims ad;
     read_attention_heads(cfg, D_, ad);
-    const int64_t H = ad.H, Hkv = ad.Hkv, hd = ad.hd;
     g_.D = D_;
     g_.HK = cfg.get<int64_t>("linear_num_key_heads");
     g_.HV = cfg.get<int64_t>("linear_num_value_heads");
@@ -78,7 +85,7 @@ class QwenHybrid final : public FamilyModel {
       throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
     const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
     if (act != "silu" && act != "swish")
-      throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (Qwen hybrids use silu)");
+      throw UnsupportedError(where(cfg) + ": hidden_act '" + act + "' is not supported (" + spec_.family + " uses silu)");
 
     // layer_types as given; transformers' own default (every full_attention_interval-th block) only
     // when the field is absent.
@@ -98,19 +105,10 @@ class QwenHybrid final : public FamilyModel {
         throw ConfigError(where(cfg) + ": layer_types[" + std::to_string(i) + "] is '" + types[i] +
                           "' (expected 'linear_attention' or 'full_attention')");
 
-    // RoPE: rope_parameters (transformers 5) with the older top-level fields as fallback.
-    // mrope_section only matters for image/video grids: text positions are equal on all three
-    // rows, which makes the interleaved mrope exactly plain 1-D RoPE.
-    double theta = 0.0, partial = 1.0;
-    read_rope(cfg, 1.0, theta, partial);
-    const int64_t rot = static_cast<int64_t>(static_cast<double>(hd) * partial);
-    if (rot <= 0 || rot > hd || rot % 2 != 0)
-      throw ConfigError(where(cfg) + ": rotary dim int(head_dim * partial_rotary_factor) = " + std::to_string(rot) +
-                        " must be even and in (0, head_dim]");
-    // Qwen3_5Attention: gated, per-head (1 + w) q / k norms, partial RoPE.
-    attn_ = AttentionMixer({.D = D_, .H = H, .Hkv = Hkv, .hd = hd, .rope = true, .rot = rot, .theta = theta, .gate = true,
-                            .qk_norm = AttentionQkNorm::per_head, .qk_norm_centred = true, .eps = eps_},
-                           where(cfg));
+    ad.D = D_;
+    ad.eps = eps_;
+    (spec_.attention ? spec_.attention : qwen3_5_attention)(cfg, ad);
+    attn_ = AttentionMixer(ad, where(cfg));
 
     // MoE fields (Qwen3-Next; absent in dense Qwen3.5).
     const int64_t E = cfg.get_or<int64_t>("num_experts", 0);
@@ -123,9 +121,13 @@ class QwenHybrid final : public FamilyModel {
         throw ConfigError(where(cfg) + ": num_experts_per_tok (" + std::to_string(topk_) + ") exceeds num_experts (" +
                           std::to_string(E) + ")");
       norm_topk_ = cfg.get_or<bool>("norm_topk_prob", true);
+      // Post-norm blocks' backward recomputes a dense MLP only; no family pairs them with experts.
+      if (spec_.attention_post_norms)
+        throw UnsupportedError(where(cfg) + ": " + spec_.family + " with num_experts > 0 (a sparse MoE after its "
+                               "post-norm attention blocks) is not supported");
     }
 
-    gdn_ = GatedDeltaMixer(g_, K_, eps_);
+    gdn_ = GatedDeltaMixer(g_, K_, eps_, spec_.gdn);
     // Weights: published VLM checkpoints keep the text model under model.language_model.
     const std::string p = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
     const bool tie = cfg.get_or<bool>("tie_word_embeddings", top.get_or<bool>("tie_word_embeddings", false));
@@ -138,8 +140,12 @@ class QwenHybrid final : public FamilyModel {
       const std::string lp = p + "layers." + std::to_string(i) + ".";
       Layer& l = layers_[static_cast<size_t>(i)];
       l.linear = types[static_cast<size_t>(i)] == "linear_attention";
-      l.in_norm = w.get(lp + "input_layernorm.weight", {D_});
-      l.post_norm = w.get(lp + "post_attention_layernorm.weight", {D_});
+      l.post_norms = !l.linear && spec_.attention_post_norms;
+      if (l.post_norms)
+        l.ff_norm = block_norm(w, lp, "post_feedforward_layernorm");
+      else
+        l.in_norm = block_norm(w, lp, "input_layernorm");
+      l.post_norm = block_norm(w, lp, "post_attention_layernorm");
       if (l.linear) {
         const std::string m = lp + "linear_attn.";
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
@@ -223,7 +229,10 @@ class QwenHybrid final : public FamilyModel {
       const Layer& l = layers_[static_cast<size_t>(i)];
       ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
-      norm_rows(h, l.in_norm, n);
+      if (l.post_norms)  // the mixer reads the residual itself (a copy: h is added to in place below)
+        std::memcpy(n.data(), h.data(), sizeof(float) * static_cast<size_t>(h.numel()));
+      else
+        norm_rows(h, l.in_norm, n);
       if (i == L_ - 1 && last_rows_only(ls, ctx, all_logits, T)) {
         h = last_block_on_last_rows(li, l, h, n, in, masked, pos, cache, ls, ctx, watch);
         break;
@@ -233,15 +242,21 @@ class QwenHybrid final : public FamilyModel {
       // A gradient call keeps the mixer output as added (after writes) and the dense MLP's gate|up product
       // (with the GDN in_proj and the attention projections, the products its backward would otherwise recompute).
       if (ctx.tape) ctx.tape->keep(li, grad::Kept::mixer_output, out);
+      if (l.post_norms) out = normed(out, l.post_norm);  // not in place: the tape keeps out
       add_into(h, out);
-      norm_rows(h, l.post_norm, n);
+      if (!l.post_norms) norm_rows(h, l.post_norm, n);
+      const Tensor& mlp_in = l.post_norms ? h : n;
       Tensor gu_kept;
-      Tensor m = (l.mlp.moe ? moe(l.mlp, n)
-                            : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, n.data(), BT, ctx.tape ? &gu_kept : nullptr))
+      Tensor m = (l.mlp.moe ? moe(l.mlp, mlp_in)
+                            : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, mlp_in.data(), BT, ctx.tape ? &gu_kept : nullptr))
                      .reshape({B, T, D_});
       if (gu_kept.defined()) ctx.tape->keep(li, grad::Kept::mlp_gate_up, gu_kept);
       visit_if(ls, li, Value::mlp_output, m);
       watch.check(li, Value::mlp_output, m);
+      if (l.post_norms) {
+        if (ctx.tape) ctx.tape->keep(li, grad::Kept::mlp_output, m);
+        m = normed(m, l.ff_norm);
+      }
       add_into(h, m);
       visit_if(ls, li, Value::layer_output, h);
       watch.check(li, Value::layer_output, h);
@@ -259,6 +274,7 @@ class QwenHybrid final : public FamilyModel {
     auto parts = std::make_unique<QwenHybridParts>();
     QwenHybridParts& bb = *parts;
     bb.norm = &norm_;
+    bb.centred = spec_.centred_norms;
     bb.lm_head = &lm_head_;
     bb.eps = eps_;
     bb.D = D_;
@@ -268,10 +284,12 @@ class QwenHybrid final : public FamilyModel {
     for (const Layer& l : layers_) {
       QwenLayerView v;
       v.linear = l.linear;
+      v.post_norms = l.post_norms;
       v.in_norm = &l.in_norm;
       v.post_norm = &l.post_norm;
+      v.ff_norm = &l.ff_norm;
       if (l.linear) {
-        v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, eps_, &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
+        v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, gdn_.norm_eps(), gdn_.beta_scale(), &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
       } else {
         v.attn = &l.attn;
       }
@@ -295,7 +313,7 @@ class QwenHybrid final : public FamilyModel {
     return parts;
   }
 
-  Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, true}; }
+  Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, spec_.centred_norms}; }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv;
@@ -309,7 +327,9 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::attention_keys, {B, T, HV, Dk}, true,
                                 "k after conv+SiLU and head repetition, before the in-kernel L2 norm; a write is used per value head"));
         v.push_back(layer_value(i, Value::attention_values, {B, T, HV, Dv}, true, "v after conv+SiLU"));
-        v.push_back(layer_value(i, Value::betas, {B, T, HV}, true, "beta = sigmoid(b); independent of decays"));
+        v.push_back(layer_value(i, Value::betas, {B, T, HV}, true,
+                                gdn_.beta_scale() == 1.0f ? "beta = sigmoid(b); independent of decays"
+                                                          : "beta = 2 * sigmoid(b) (linear_allow_neg_eigval); independent of decays"));
         v.push_back(layer_value(i, Value::decays, {B, T, HV}, true, "g = -exp(A_log) * softplus(a + dt_bias), <= 0"));
         v.push_back(layer_value(i, Value::state_input, {B, HV, Dk, Dv}, true, "recurrent state the call starts from; None on a fresh prompt"));
         auto s = layer_value(i, Value::states, {B, T, HV, Dk, Dv}, false, "recurrent state after every token (computed only when asked)");
@@ -320,12 +340,17 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(o, z)), added to the residual"));
       } else {
         attn_.values(i, B, T, v);
+        if (layers_[static_cast<size_t>(i)].post_norms)  // attn_output is the mixer's last entry
+          v.back().meaning = "o_proj(attention), before post_attention_layernorm (the normed output is added to the residual)";
       }
+      const Layer& l = layers_[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
-                              layers_[static_cast<size_t>(i)].mlp.moe ? "sparse MoE + gated shared expert output" : "SwiGLU MLP output"));
+                              l.mlp.moe ? "sparse MoE + gated shared expert output"
+                              : l.post_norms ? "SwiGLU MLP output, before post_feedforward_layernorm" : "SwiGLU MLP output"));
       v.push_back(layer_value(i, Value::layer_output, {B, T, D_}, true, "residual stream leaving the decoder layer"));
     }
-    v.push_back(global_value(Value::ln_final_output, {B, T, D_}, "final zero-centred RMSNorm output (norm)"));
+    v.push_back(global_value(Value::ln_final_output, {B, T, D_},
+                             spec_.centred_norms ? "final zero-centred RMSNorm output (norm)" : "final RMSNorm output (norm)"));
     v.push_back(global_value(Value::logits, {B, T, V_}, "lm_head logits"));
     return v;
   }
@@ -351,7 +376,10 @@ class QwenHybrid final : public FamilyModel {
               lin ? "" : block + " (softmax self_attn), which has no recurrent state: use self_attn values";
         else if (c == Component::self_attn)
           s["self_attn." + std::string(value_name(val))][i] =
-              lin ? block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values" : "";
+              lin ? block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values"
+              : val == Value::attn_gate && !attn_.dims().gate
+                  ? block + " whose attention has no output gate (" + info.family + " attention is ungated)"
+                  : "";
       }
       s["mlp.output"][i] = "";
     }
@@ -379,6 +407,8 @@ class QwenHybrid final : public FamilyModel {
     const int64_t B = in.batch, T = in.seq;
     Tensor out = l.linear ? gdn(li, l, n, in, masked, cache, ls, ctx) : attention(li, l, n, in, pos, cache, ls, nullptr, true);
     const int64_t ot = out.size(1);  // T (GDN) or 1 (attention on the last rows)
+    watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
+    if (l.post_norms) out = normed(out, l.post_norm);
     Tensor hl = Tensor::uninitialized({B, 1, D_}), nl = Tensor::uninitialized({B, 1, D_});
     for (int64_t b = 0; b < B; ++b) {
       const float* hr = h.data() + (b * T + T - 1) * D_;
@@ -386,13 +416,22 @@ class QwenHybrid final : public FamilyModel {
       float* y = hl.data() + b * D_;
       for (int64_t e = 0; e < D_; ++e) y[e] = hr[e] + orow[e];  // add_into's operation
     }
-    watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
-    norm_rows(hl, l.post_norm, nl);
-    Tensor m = l.mlp.moe ? moe(l.mlp, nl) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, nl.data(), B);
+    if (!l.post_norms) norm_rows(hl, l.post_norm, nl);
+    const Tensor& mlp_in = l.post_norms ? hl : nl;
+    Tensor m = l.mlp.moe ? moe(l.mlp, mlp_in) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, mlp_in.data(), B);
     watch.check(li, Value::mlp_output, m);
+    if (l.post_norms) norm_rows(m, l.ff_norm, m);
     add_into(hl, m);
     watch.check(li, Value::layer_output, hl);
     return hl;
+  }
+
+  // Layer `lp`'s norm `name`.weight, or its stored alias (QwenHybridSpec::norm_aliases) when absent.
+  Tensor block_norm(const io::WeightStore& w, const std::string& lp, const std::string& name) const {
+    if (!w.has(lp + name + ".weight"))
+      for (const auto& [module, stored] : spec_.norm_aliases)
+        if (module == name && w.has(lp + stored + ".weight")) return w.get(lp + stored + ".weight", {D_});
+    return w.get(lp + name + ".weight", {D_});
   }
 
   static void add_into(Tensor& h, const Tensor& x) {
@@ -404,12 +443,19 @@ class QwenHybrid final : public FamilyModel {
     });
   }
 
-  // Zero-centred RMSNorm of every row of x [.., D] into y (in place allowed), rows spread on the pool.
+  Tensor normed(Tensor& x, const Tensor& w) const {
+    Tensor y = Tensor::uninitialized(x.shape());
+    norm_rows(x, w, y);
+    return y;
+  }
+
+  // RMSNorm ((1 + w) or w, QwenHybridSpec::centred_norms) of every row of x [.., D] into y (in place
+  // allowed), rows spread on the pool.
   void norm_rows(Tensor& x, const Tensor& w, Tensor& y) const {
     const float* xp = x.data();
     float* yp = y.data();
     ops::parallel_rows(x.numel() / D_, D_, [&](int64_t r0, int64_t r1) {
-      ops::rmsnorm(xp + r0 * D_, w.data(), yp + r0 * D_, r1 - r0, D_, eps_, true);
+      ops::rmsnorm(xp + r0 * D_, w.data(), yp + r0 * D_, r1 - r0, D_, eps_, spec_.centred_norms);
     });
   }
 
@@ -515,6 +561,17 @@ class QwenHybrid final : public FamilyModel {
 };
 
 }  // namespace
+
+Tensor cat_rows(std::initializer_list<Tensor> parts) {
+  // Any dtype (narrow matmul weights stay narrow).
+  int64_t rows = 0;
+  std::vector<ops::RowBlock> blocks;
+  for (const auto& p : parts) {
+    blocks.push_back({&p, 0, p.size(0), rows});
+    rows += p.size(0);
+  }
+  return ops::assemble_rows(rows, parts.begin()->size(1), blocks);
+}
 
 std::unique_ptr<FamilyModel> make_qwen_hybrid(const QwenHybridSpec& spec, const io::Config& top, const io::Config& text,
                                               const io::WeightStore& weights) {

@@ -1,11 +1,14 @@
-// Shared implementation of the Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next): decoder blocks
-// whose mixer is either a gated DeltaNet (linear_attn) or gated softmax attention (self_attn), as
-// config.layer_types says, followed by a dense SwiGLU MLP or a sparse MoE. The per-family files
-// (qwen3_5.cpp, qwen3_next.cpp) only say how their checkpoints lay out the GDN input projections.
+// Shared implementation of the gated-DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid):
+// decoder blocks whose mixer is either a gated DeltaNet (linear_attn) or softmax attention
+// (self_attn), as config.layer_types says, followed by a dense SwiGLU MLP or a sparse MoE. The
+// per-family files say how their checkpoints lay out the GDN input projections and set the options
+// in which OLMo-Hybrid differs (norm weights, post-norm attention blocks, attention and GDN options).
 #pragma once
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/json.h"
@@ -21,12 +24,27 @@ struct QwenHybridSpec {
   /// Returns layer `prefix`'s GDN input projections as one [proj_rows, D] matrix with rows in the
   /// order q (HK*Dk, head-major) | k | v (HV*Dv) | z (HV*Dv) | b (HV) | a (HV).
   std::function<Tensor(const io::WeightStore&, const std::string& prefix, const GdnDims&)> load_gdn_in_proj;
+  /// RMSNorm weights (input / post / final norms) are zero-centred, applied as (1 + w) (Qwen), else
+  /// plain w (OLMo-Hybrid).
+  bool centred_norms = true;
+  /// Attention blocks norm what their mixer and MLP return instead of their inputs (OLMo-Hybrid):
+  /// h += post_attention_layernorm(self_attn(h)); h += post_feedforward_layernorm(mlp(h)).
+  bool attention_post_norms = false;
+  /// The attention options past the heads (RoPE, gate, q / k norms, biases), from the text config;
+  /// null: Qwen3_5Attention's (gated, per-head (1 + w) q / k norms, partial RoPE).
+  std::function<void(const io::Config&, AttentionMixerDims&)> attention;
+  GdnOptions gdn;  ///< the GDN's beta scale, gated-norm eps and weight names
+  /// Block norm names a checkpoint may use instead of the module's (module name, stored name), read
+  /// when the module name is absent (OLMo-Hybrid: input_layernorm as attention_layer_norm,
+  /// post_attention_layernorm as feedforward_layer_norm).
+  std::vector<std::pair<std::string, std::string>> norm_aliases;
 };
 
 /// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (GdnDims).
 struct GdnView {
   int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0, K = 0;
-  float eps = 1e-6f;
+  float eps = 1e-6f;                 ///< the gated norm's
+  float beta_scale = 1.0f;           ///< beta = beta_scale * sigmoid(b)
   const Tensor* in_proj = nullptr;   ///< [proj_rows, D]
   const Tensor* conv_wT = nullptr;   ///< [K, conv_dim]
   const Tensor* neg_A = nullptr;     ///< [HV] -exp(A_log)
@@ -49,7 +67,10 @@ struct MlpView {
 
 struct QwenLayerView {
   bool linear = true;
-  const Tensor *in_norm = nullptr, *post_norm = nullptr;  ///< zero-centred (1 + w)
+  /// Pre-norm blocks: in_norm before the mixer, post_norm before the MLP. Post-norm blocks
+  /// (post_norms): post_norm on the mixer's output, ff_norm on the MLP's, no in_norm.
+  bool post_norms = false;
+  const Tensor *in_norm = nullptr, *post_norm = nullptr, *ff_norm = nullptr;
   GdnView gdn;
   const AttentionMixerWeights* attn = nullptr;  ///< attention layers
   MlpView mlp;
@@ -57,13 +78,18 @@ struct QwenLayerView {
 
 /// What the backward (src/grad/qwen_hybrid_grad.cpp) reads of a loaded model (pointers into it).
 struct QwenHybridParts : BackwardParts {
-  const Tensor* norm = nullptr;     ///< final (1 + w) RMSNorm
+  const Tensor* norm = nullptr;     ///< final RMSNorm
+  bool centred = true;              ///< every RMSNorm weight is (1 + w) (else w)
   const Tensor* lm_head = nullptr;  ///< [V, D]
   float eps = 1e-6f;
   int64_t D = 0, L = 0, V = 0;
-  const AttentionMixer* attn = nullptr;  ///< Qwen3_5Attention (gated, per-head (1 + w) q / k norms, partial RoPE)
+  const AttentionMixer* attn = nullptr;  ///< the attention layers' mixer
   std::vector<QwenLayerView> layers;
 };
+
+/// Row blocks of 2-D tensors with one column count stacked in order (any dtype: narrow matmul
+/// weights stay narrow); the GDN input projections of the families with separate q / k / v / z / b / a.
+Tensor cat_rows(std::initializer_list<Tensor> parts);
 
 /// Builds the model. `text` is the text-model config (text_config of a VLM config, else the
 /// config itself); `top` the file's top-level config (tie_word_embeddings fallback).

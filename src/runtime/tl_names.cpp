@@ -27,6 +27,8 @@ struct Slots {
 };
 Slots slots_of(const std::string& family) {
   if (family == "qwen3_5" || family == "qwen3_5_moe" || family == "qwen3_next") return {"linear_attn", "attn", "mlp"};
+  // OLMo-Hybrid: the same kinds of block as the Qwen hybrids, named as theirs.
+  if (family == "olmo_hybrid") return {"linear_attn", "attn", "mlp"};
   // granitemoehybrid: TL's MLP branch is shared_mlp (+ moe), and neither is mixlens's mlp.output.
   if (family == "granitemoehybrid") return {"mixer", "attn", ""};
   if (family == "falcon_h1") return {"mamba", "attn", "mlp"};
@@ -80,7 +82,9 @@ Mapped recurrent_hook(const FamilyModel& m, LayerKind kind, std::string_view h) 
     if (h == "hook_log_decay" || h == "hook_ssm_decay") return to("linear_attn.decays");
     if (h == "hook_recurrence_out") return to("linear_attn.attention_head_outputs");
     if (h == "hook_ssm_state") return to("linear_attn.states");
-    if (h == "hook_beta_logit") return no("b before the sigmoid is not a mixlens value; linear_attn.betas is sigmoid(b)");
+    if (h == "hook_beta_logit")
+      return no("b before the sigmoid is not a mixlens value; linear_attn.betas is sigmoid(b) (OLMo-Hybrid with "
+                "linear_allow_neg_eigval: 2 * sigmoid(b))");
     if (h == "hook_q_pre_conv" || h == "hook_k_pre_conv" || h == "hook_v_pre_conv")
       return no("the projections before the causal conv are not mixlens values; linear_attn.attention_queries / "
                 "attention_keys / attention_values are after the conv and SiLU");

@@ -75,6 +75,13 @@ TEST(GradQwen, Qwen35EmbeddingsMatchFiniteDifferences) {
   embeddings_fd("qwen3_5/hv_2hk", "qwen3_5", 20, 1e-2);           // q/k head repetition
 }
 
+// OLMo-Hybrid: post-norm attention blocks, plain norms, beta = 2 sigmoid(b) (hv_2hk_chunks) or
+// sigmoid(b) with NoPE (padded_batch).
+TEST(GradQwen, OlmoHybridEmbeddingsMatchFiniteDifferences) {
+  embeddings_fd("olmo_hybrid/hv_2hk_chunks", "olmo_hybrid", 70, 1e-2);
+  embeddings_fd("olmo_hybrid/padded_batch", "olmo_hybrid", 20, 1e-2);
+}
+
 TEST(GradQwen, Qwen3NextMoeEmbeddingsMatchFiniteDifferences) {
   // Small steps also keep the router's top-k choice (a constant of the backward) unchanged.
   embeddings_fd("qwen3_next/moe_hv_2hk", "qwen3_next", 30, 1e-2);
@@ -94,6 +101,24 @@ TEST(GradQwen, KeptForwardProductsGiveTheRecomputedGradients) {
     expect_kept_equals_recomputed(m, Batch::left_padded({ids(20, 9)}, 0), paths, [](Trace& tr) {
       for (const char* p : {"layers.1.self_attn.attention_values", "layers.1.self_attn.gate",
                             "layers.1.self_attn.attention_output"})
+        tr.edit(p, [](Tensor& v, const SiteContext&) {
+          for (int64_t i = 0; i < v.numel(); i += 5) v[i] *= 0.5f;
+        });
+    });
+  }
+}
+
+// OLMo-Hybrid's post-norm attention block (layer 1): the kept MLP output and attention products give the
+// gradients the recomputation gives, through edits of the attention output and the MLP output.
+TEST(GradQwen, OlmoHybridKeptForwardProductsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("olmo_hybrid/hv_2hk_chunks").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input", "layers.1.self_attn.attention_queries",
+                                       "layers.1.self_attn.attention_values", "layers.1.self_attn.attention_output",
+                                       "layers.1.mlp.output", "layers.0.linear_attn.betas"};
+  for (const char* route : {"chunked", "recurrent"}) {
+    Route guard("olmo_hybrid", route);
+    expect_kept_equals_recomputed(m, Batch::left_padded({ids(20, 9)}, 0), paths, [](Trace& tr) {
+      for (const char* p : {"layers.1.self_attn.attention_output", "layers.1.mlp.output"})
         tr.edit(p, [](Tensor& v, const SiteContext&) {
           for (int64_t i = 0; i < v.numel(); i += 5) v[i] *= 0.5f;
         });

@@ -27,7 +27,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -314,7 +314,8 @@ TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
   };
   for (const Case k : {Case{"qwen3_5", "padded_batch"}, Case{"qwen3_5", "short_prompt"},
                        Case{"qwen3_next", "padded_batch"}, Case{"qwen3_next", "moe_hv_2hk"},
-                       Case{"qwen3_5_moe", "moe_hv_2hk"}}) {
+                       Case{"qwen3_5_moe", "moe_hv_2hk"},
+                       Case{"olmo_hybrid", "hv_2hk_chunks"}, Case{"olmo_hybrid", "padded_batch"}}) {
     const std::string what = std::string(k.family) + "/" + k.name;
     GoldenCase c(k.family, k.name);
     const Batch in = Batch::left_padded(c.prompts, 0);
@@ -343,7 +344,7 @@ TEST(Qwen, LastPositionLogitsRunTheLastBlockOnLastRowsAndLeaveTheSameCache) {
 }
 
 TEST(Qwen, BatchedEqualsUnbatchedUnderLeftPadding) {
-  for (const char* family : {"qwen3_5", "qwen3_5_moe", "qwen3_next"}) {
+  for (const char* family : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"}) {
     GoldenCase c(family, "padded_batch");
     Trace batched;
     batched.save("logits").save("layers.0.linear_attn.states");
@@ -410,6 +411,20 @@ TEST(Qwen, ValuesAndSupportFollowTheLayerKind) {
   };
   EXPECT_NE(message("layers.1.linear_attn.betas").find("attention block"), std::string::npos);
   EXPECT_NE(message("layers.0.self_attn.gate").find("gated_deltanet block"), std::string::npos);
+}
+
+// OLMo-Hybrid's attention blocks are post-norm and ungated: no gate value, and support() says why.
+TEST(Qwen, OlmoHybridAttentionHasNoGateAndSaysSo) {
+  GoldenCase c("olmo_hybrid", "hv_2hk_chunks");
+  for (const ValueInfo& v : c.model.values(1, 3)) EXPECT_NE(v.path, "layers.1.self_attn.gate");
+  Trace t;
+  t.save("layers.1.self_attn.gate");
+  try {
+    c.model.run(c.prompts, &t);
+    ADD_FAILURE() << "saving an ungated attention's gate did not raise";
+  } catch (const UnknownValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("no output gate"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Qwen, WritesAreValidated) {

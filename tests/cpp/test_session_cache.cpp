@@ -49,7 +49,8 @@ std::vector<double> log_probs(const Tensor& logits, int64_t b, int64_t t) {
 // One fixture per family (the hybrids' attention layers exercise KV entries and positions).
 const char* kFamilies[] = {"mamba/basic",          "mamba2/g1_chunks",         "qwen3_5/hv_2hk",
                            "qwen3_next/moe_hv_2hk", "nemotron_h/groups2_edits", "bamba/groups2_edits",
-                           "falcon_h1/norm_before_gate"};
+                           "falcon_h1/norm_before_gate",
+                           "olmo_hybrid/hv_2hk_chunks"};
 
 class EveryFamily : public ::testing::TestWithParam<const char*> {
  protected:
@@ -285,8 +286,7 @@ TEST_P(EveryFamily, BetasAfterADecaysWriteIsWhatTheForwardUses) {
   t.save(betas).edit(decays, scale);
   model().run(prompts, &t);
   // Mamba-1 and every Mamba-2 mixer (the hybrids too): one dt; gated DeltaNet: independent.
-  const std::string fam = model().info().family;
-  const bool one_dt = fam != "qwen3_5" && fam != "qwen3_next";
+  const bool one_dt = model().info().layer_kinds[static_cast<size_t>(mixer_layer())] != LayerKind::gated_deltanet;
   if (one_dt) {
     // betas = dt = decays / A: a quarter of the unedited dt (within the division's rounding).
     const Tensor& before = plain.get(betas);

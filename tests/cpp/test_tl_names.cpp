@@ -175,6 +175,11 @@ TEST(TlNames, NewFamiliesUseTheirTlComponents) {
                                               {"blocks.0.hook_mlp_out", "layers.0.mlp.output"},
                                               {"blocks.1.attn.hook_pattern", "layers.1.self_attn.attention_probabilities"},
                                               {"blocks.1.mlp.hook_out", "layers.1.mlp.output"}});
+  // OLMo-Hybrid's blocks are the Qwen hybrids' kinds: linear_attn / attn / mlp (hv_2hk_chunks: block 1 attention).
+  expect_aliases("olmo_hybrid/hv_2hk_chunks", {{"blocks.0.linear_attn.hook_beta", "layers.0.linear_attn.betas"},
+                                               {"blocks.1.hook_attn_out", "layers.1.self_attn.attention_output"},
+                                               {"blocks.1.hook_mlp_out", "layers.1.mlp.output"},
+                                               {"blocks.2.linear_attn.hook_ssm_state", "layers.2.linear_attn.states"}});
   // FalconMamba is a Mamba-1 model to TL (its `mixer`).
   expect_aliases("falcon_mamba/basic", {{"blocks.0.mixer.hook_ssm_out", "layers.0.linear_attn.attention_output"},
                                         {"blocks.1.hook_resid_pre", "layers.1.layer_input"}});

@@ -34,6 +34,7 @@ MODELS = {
     "falcon_h1": REPO / "tests/fixtures/falcon_h1/norm_before_gate",
     "granitemoehybrid": REPO / "tests/fixtures/granitemoehybrid/rope_moe_edits",
     "jamba": REPO / "tests/fixtures/jamba/moe_edits",
+    "olmo_hybrid": REPO / "tests/fixtures/olmo_hybrid/padded_batch",
 }
 _models: dict = {}
 

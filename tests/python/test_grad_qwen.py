@@ -1,5 +1,5 @@
-"""Native gradients (issue 12) against torch autograd on transformers' pure-torch Qwen3.5 and
-Qwen3-Next (the committed fixtures tests/fixtures/qwen3_5, qwen3_next): every value's gradient (residual
+"""Native gradients (issue 12) against torch autograd on transformers' pure-torch Qwen3.5, Qwen3-Next,
+Qwen3.5-MoE and OLMo-Hybrid (the committed fixtures tests/fixtures/qwen3_5, qwen3_next, qwen3_5_moe, olmo_hybrid): every value's gradient (residual
 stream, gated DeltaNet values incl. per-token states, gated attention values, MLP / MoE outputs), both
 kernel paths (mixlens chunked vs transformers' torch_chunk_gated_delta_rule, mixlens routed to the token
 recurrence vs torch_recurrent_gated_delta_rule, both vs an explicit recurrence for the states), a padded
@@ -22,8 +22,10 @@ from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads
 
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
-         "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "qwen3_5_moe/moe_hv_2hk", "qwen3_5_moe/padded_batch"]
-CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+         "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "qwen3_5_moe/moe_hv_2hk", "qwen3_5_moe/padded_batch",
+         "olmo_hybrid/hv_2hk_chunks", "olmo_hybrid/padded_batch", "olmo_hybrid/continuation"]
+CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+           "olmo_hybrid": "OlmoHybridForCausalLM"}
 GDN = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "states",
        "attention_head_outputs", "attention_output")
 ATTN = ("attention_queries", "attention_keys", "attention_values", "gate", "attention_output")
@@ -61,7 +63,7 @@ class Case:
                 if self.cont:
                     out.append(f"layers.{i}.linear_attn.state_input")
             else:
-                out += [f"layers.{i}.self_attn.{v}" for v in ATTN]
+                out += [f"layers.{i}.self_attn.{v}" for v in ATTN if v != "gate" or self.family != "olmo_hybrid"]
         return out
 
     def metric(self, logits):

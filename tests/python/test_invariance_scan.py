@@ -25,6 +25,7 @@ FAMILIES = {
     "falcon_h1": "falcon_h1/norm_before_gate",
     "granitemoehybrid": "granitemoehybrid/rope_moe_edits",
     "jamba": "jamba/moe_edits",
+    "olmo_hybrid": "olmo_hybrid/hv_2hk_chunks",
 }
 _models: dict = {}
 # A MoE product gathers every row's routed tokens, so a write on one row can move another row's
@@ -49,7 +50,7 @@ def _prompt(m, n, seed=3):
 
 
 def _chunk(name):
-    return 64 if name.startswith("qwen") else 8
+    return 64 if name.startswith("qwen") or name == "olmo_hybrid" else 8
 
 
 @pytest.fixture(params=sorted(FAMILIES))

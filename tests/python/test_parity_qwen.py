@@ -1,4 +1,4 @@
-"""Live parity of the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next MoE) with transformers 5.18.
+"""Live parity of the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next MoE, Qwen3.5-MoE, OLMo-Hybrid) with transformers 5.18.
 
 Fresh random models built here with scripts/qwen_fixtures.py's builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, each step through the
@@ -80,6 +80,29 @@ CASES = {
             dict(name="values_x2_s1", path=mix(2, "attention_values"), step=1, op="scale", factor=2.0),
         ],
     ),
+    # OLMo-Hybrid: post-norm attention blocks, plain norms, beta = 2 sigmoid(b), RoPE and attention biases,
+    # HV = 2*HK, two chunks, left-padded batch.
+    "olmo_hybrid_chunks_padded": dict(
+        family="olmo_hybrid", seed=36, prompts=[67, 20],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], linear_num_key_heads=2,
+                    linear_num_value_heads=4, attention_bias=True, tie_word_embeddings=False),
+        edits=[
+            dict(name="betas_half", path=mix(0, "betas"), step=0, op="scale", factor=0.5),
+            dict(name="state_in_x2_s3", path=mix(2, "state_input"), step=3, op="scale", factor=2.0),
+            dict(name="values_x2_s1", path=mix(2, "attention_values"), step=1, op="scale", factor=2.0),
+        ],
+    ),
+    # OLMo-Hybrid NoPE (rope_theta null, as published), beta = sigmoid(b), the last block attention.
+    "olmo_hybrid_nope_padded": dict(
+        family="olmo_hybrid", seed=37, prompts=[14, 6],
+        config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, FULL], linear_num_key_heads=2,
+                    linear_num_value_heads=2, linear_allow_neg_eigval=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": None}),
+        edits=[
+            dict(name="decays_x3_s2", path=mix(0, "decays"), step=2, op="scale", factor=3.0),
+            dict(name="keys_tok2", path=mix(0, "attention_keys"), step=0, op="set_index", index=2, value=0.7),
+        ],
+    ),
 }
 
 
@@ -152,3 +175,56 @@ def test_last_position_logits_after_a_block_that_read_states(name):
     m.forward(ids, cache=c_last, logits="last")
     np.testing.assert_array_equal(np.asarray(m.forward([[5]], cache=c_full)["logits"]),
                                   np.asarray(m.forward([[5]], cache=c_last)["logits"]))
+
+
+def test_olmo_hybrid_reads_the_module_names_as_well_as_the_stored_ones(tmp_path):
+    """transformers 5.18 saves OLMo-Hybrid with the released checkpoints' names (input_layernorm as
+    attention_layer_norm, post_attention_layernorm as feedforward_layer_norm, conv1d split into
+    q_conv1d / k_conv1d / v_conv1d, near-equal thirds rather than key / key / value widths) and renames
+    them at load; a file with the module names (a state_dict saved as is) gives the same logits, and a
+    conv split that does not add up to the conv width is refused by name."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = REPO / "tests" / "fixtures" / "olmo_hybrid" / "hv_2hk_chunks"
+    stored = load_file(str(src / "model.safetensors"))
+    renamed = {}
+    for k, v in stored.items():
+        k2 = k.replace("attention_layer_norm", "input_layernorm").replace("feedforward_layer_norm",
+                                                                           "post_attention_layernorm")
+        if k2.endswith("linear_attn.q_conv1d.weight"):
+            p = k2[: -len("q_conv1d.weight")]
+            renamed[p + "conv1d.weight"] = np.concatenate(
+                [stored[k.replace("q_conv1d", n)] for n in ("q_conv1d", "k_conv1d", "v_conv1d")], axis=0)
+        elif "_conv1d." not in k2:
+            renamed[k2] = v
+    assert any("q_conv1d" in k for k in stored) and not any("_conv1d" in k for k in renamed)
+    d = tmp_path / "module_names"
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    save_file(renamed, str(d / "model.safetensors"))
+    ids = json.loads((src / "case.json").read_text())["prompts"]
+    want = np.asarray(mixlens.StandardizedTransformer(str(src)).run(ids)["logits"])
+    got = np.asarray(mixlens.StandardizedTransformer(str(d)).run(ids)["logits"])
+    np.testing.assert_array_equal(got, want)
+
+    short = dict(stored)
+    short["model.layers.0.linear_attn.v_conv1d.weight"] = stored["model.layers.0.linear_attn.v_conv1d.weight"][1:]
+    save_file(short, str(d / "model.safetensors"))
+    with pytest.raises(mixlens.CheckpointError, match=r"q_conv1d / k_conv1d / v_conv1d have \d+ channels together, expected 64"):
+        mixlens.StandardizedTransformer(str(d))
+
+
+def test_olmo_hybrid_without_an_attention_block_is_refused(tmp_path):
+    import json
+    import shutil
+
+    src = REPO / "tests" / "fixtures" / "olmo_hybrid" / "padded_batch"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["layer_types"] = ["linear_attention"] * cfg["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(mixlens.ConfigError, match="at least one 'linear_attention' and one 'full_attention'"):
+        mixlens.StandardizedTransformer(str(tmp_path))

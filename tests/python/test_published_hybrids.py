@@ -2,7 +2,8 @@
 with the configs of dev/mixlens_dev/published_hybrids.py, where each config's source is written down):
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
-ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers). Built once under build/published/ (a few minutes and 1-3 GB each; later
+ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
+allenai/Olmo-Hybrid-7B reduced to 4 layers. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -13,7 +14,9 @@ granite-4.0-h-350m (32 layers of Mamba-2 / NoPE attention) and the Jamba-tiny-de
 `make test` short; the Falcon-H1-0.5B layout (~1 minute) always runs.
 
 Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for the Nemotron-H
-layout); they run one after the other, never at the same time."""
+layout); they run one after the other, never at the same time. The Qwen3.5-MoE layout (2.6B parameters,
+2 x 256 experts) peaks at ~20 GB resident (transformers widening it to float32, ~4 minutes on 2 cores);
+its logits matched at 2.2e-6 relative RMS when added."""
 
 from __future__ import annotations
 
@@ -74,15 +77,32 @@ SHAPES = {
         "layers.1.mlp.output": (1, 12, 512),
         "layers.15.mlp.output": (1, 12, 512),
     },
+    "qwen3_5_moe_35b_a3b_2layers": {
+        "layers.0.linear_attn.attention_queries": (1, 12, 32, 128),
+        "layers.0.linear_attn.states": (1, 12, 32, 128, 128),
+        "layers.0.mlp.output": (1, 12, 2048),
+        "layers.1.self_attn.attention_keys": (1, 12, 2, 256),
+        "layers.1.self_attn.gate": (1, 12, 4096),
+        "layers.1.mlp.output": (1, 12, 2048),
+    },
+    "olmo_hybrid_7b_4layers": {
+        "layers.0.linear_attn.attention_keys": (1, 12, 30, 96),
+        "layers.0.linear_attn.states": (1, 12, 30, 96, 192),
+        "layers.2.linear_attn.betas": (1, 12, 30),
+        "layers.3.self_attn.attention_queries": (1, 12, 30, 128),
+        "layers.3.self_attn.attention_output": (1, 12, 3840),
+        "layers.3.mlp.output": (1, 12, 3840),
+    },
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
                "falcon_mamba_7b_2layers": "FalconMambaForCausalLM",
-               "jamba_tiny_dev_class": "JambaForCausalLM"}
+               "jamba_tiny_dev_class": "JambaForCausalLM",
+               "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
-       "jamba_tiny_dev_class"}
+       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
