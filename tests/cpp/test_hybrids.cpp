@@ -26,7 +26,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"nemotron_h", "bamba", "falcon_h1", "granitemoehybrid"})
+  for (const char* f : {"nemotron_h", "bamba", "falcon_h1", "granitemoehybrid", "zamba2"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
