@@ -33,6 +33,7 @@ MODELS = {
     "bamba": REPO / "tests/fixtures/bamba/padded_batch",
     "falcon_h1": REPO / "tests/fixtures/falcon_h1/norm_before_gate",
     "granitemoehybrid": REPO / "tests/fixtures/granitemoehybrid/rope_moe_edits",
+    "zamba2": REPO / "tests/fixtures/zamba2/shared_lora_edits",
 }
 _models: dict = {}
 

@@ -24,6 +24,7 @@ FAMILIES = {
     "bamba": "bamba/groups2_edits",
     "falcon_h1": "falcon_h1/norm_before_gate",
     "granitemoehybrid": "granitemoehybrid/rope_moe_edits",
+    "zamba2": "zamba2/shared_lora_edits",
 }
 _models: dict = {}
 

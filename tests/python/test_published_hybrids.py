@@ -2,13 +2,14 @@
 with the configs of dev/mixlens_dev/published_hybrids.py, where each config's source is written down):
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
-ibm-granite/granite-4.0-h-350m at full size. Built once under build/published/ (a few minutes and 1-3 GB each; later
+ibm-granite/granite-4.0-h-350m and Zyphra/Zamba2-1.2B at full size. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
 The three reduced big layouts (Nemotron-H-8B widths, Bamba-9B widths: ~1.5B parameters each, mostly
 the 128k-row embedding tables; falcon-mamba-7b widths: ~0.75B; minutes each on 2 cores) and
-granite-4.0-h-350m (32 layers of Mamba-2 / NoPE attention) run only with MIXLENS_BIG_LAYOUTS=1, to keep
+granite-4.0-h-350m (32 layers of Mamba-2 / NoPE attention) and Zamba2-1.2B (38 layers, 6 of them with the
+shared block and its adapters) run only with MIXLENS_BIG_LAYOUTS=1, to keep
 `make test` short; the Falcon-H1-0.5B layout (~1 minute) always runs.
 
 Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for the Nemotron-H
@@ -64,13 +65,21 @@ SHAPES = {
         "layers.1.linear_attn.states": (1, 12, 8192, 16),
         "layers.1.linear_attn.attention_output": (1, 12, 4096),
     },
+    "zamba2_1_2b": {
+        "layers.0.linear_attn.attention_values": (1, 12, 64, 64),
+        "layers.0.linear_attn.states": (1, 12, 64, 128, 64),
+        "layers.5.self_attn.attention_queries": (1, 12, 32, 128),
+        "layers.35.self_attn.attention_values": (1, 12, 32, 128),
+        "layers.35.mlp.output": (1, 12, 2048),
+        "layers.35.linear_attn.attention_output": (1, 12, 2048),
+    },
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
-               "falcon_mamba_7b_2layers": "FalconMambaForCausalLM"}
+               "falcon_mamba_7b_2layers": "FalconMambaForCausalLM", "zamba2_1_2b": "Zamba2ForCausalLM"}
 
 
-BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers"}
+BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers", "zamba2_1_2b"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
