@@ -123,6 +123,7 @@ class Case(ParityCase):
         oh.check_invariants(self.ref, self.mixer_layers, N_STEPS)
         assert mf.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
+        self.path = str(tmp_path)
 
     def oracle_run(self, edits, feeds):
         return oh.run(self.torch_model, self.prompts, PAD, N_STEPS, edits, feeds=feeds)[0]
@@ -239,3 +240,16 @@ def test_zamba2_shared_block_values_are_per_depth(case):
     assert not np.array_equal(late[f"layers.{last}.mlp.output"][0], base[f"layers.{last}.mlp.output"][0])
     assert not np.any(np.asarray(early[att(first, "attention_output")][0]))
     assert np.any(np.asarray(early[att(last, "attention_output")][0]))
+
+
+def test_zamba2_backward_is_refused_by_name(case):
+    """Zamba2 has no backward yet (docs/gradients.md): tr.backward says so, naming the family."""
+    import torch
+
+    if case.spec["family"] != "zamba2":
+        pytest.skip("Zamba2 only")
+    model = mixlens.StandardizedTransformer(case.path, output="torch")
+    with model.trace([case.prompts[-1]], grad=True) as tr:
+        pass
+    with pytest.raises(mixlens.UnsupportedError, match="zamba2"):
+        tr.backward(torch.log_softmax(tr.logits, -1)[..., 3].sum())
