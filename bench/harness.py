@@ -9,7 +9,7 @@ What runs
   mamba2-130m, mamba-130m, Qwen3.5-0.8B), built once and cached under build/; --models may add the
   Mamba-2 hybrids (mixlens_dev/published_hybrids.py: falcon_h1 = Falcon-H1-0.5B, nemotron_h =
   Nemotron-H-8B's layer shapes in 8 blocks, bamba = Bamba-9B's in 2 layers, granitemoehybrid =
-  granite-4.0-h-350m) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
+  granite-4.0-h-350m, zamba2 = Zamba2-1.2B) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
 - --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
   `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
   `make bench-families` runs the seven families with both routes against transformers (no llama.cpp).
@@ -57,7 +57,8 @@ GGUF_DIR = CACHE / "gguf"
 # Families whose stand-in comes from mixlens_dev/published_hybrids.py (FalconMamba's too: falcon-mamba-7b's
 # widths in 2 layers).
 HYBRID_LAYOUTS = {"falcon_h1": "falcon_h1_0_5b", "nemotron_h": "nemotron_h_8b_8blocks", "bamba": "bamba_9b_2layers",
-                  "falcon_mamba": "falcon_mamba_7b_2layers", "granitemoehybrid": "granite_4_0_h_350m"}
+                  "falcon_mamba": "falcon_mamba_7b_2layers", "granitemoehybrid": "granite_4_0_h_350m",
+                  "zamba2": "zamba2_1_2b"}
 MODELS = ("mamba2", "mamba", "qwen3_5", *HYBRID_LAYOUTS)
 ROUTES = ("chunked", "recurrent")
 

@@ -48,6 +48,16 @@ Where the configs come from (no internet here; the hub files could not be fetche
   intermediate_size = expand * hidden_size in ``__post_init__`` and then applies the stored key
   (config kwargs are set last), so the model is 8192 wide, as the released weights are. The file
   has no ``mixer_rms_eps`` (FalconMambaConfig's default 1e-6 applies).
+* Zyphra/Zamba2-1.2B, FULL size (38 layers, ~1.2B parameters). Source: a public architecture
+  review packet that ran transformers' Zamba2 modeling code on the hub config.json at revision
+  6b05bf29d1bb4ca71a36d12f7da4d3120dcde7fe (found with the search tool) and lists the config's
+  values and every traced op: hidden 2048, 38 layers with "hybrid" at 5, 11, 17, 23, 29, 35 (the
+  rest Mamba-2), 32 heads / 32 KV heads (head_dim 128 = 2 * 2048 / 32), intermediate 8192, vocab
+  32000, max positions 4096, d_state 128, 1 group, 64 mamba heads of 64 (expand 2), d_conv 4, chunk
+  256, num_mem_blocks 1, adapter_rank 128, tied embeddings; the trace shows the q / k / v adapters
+  (use_shared_attention_adapter true), RoPE with theta 10000 (use_mem_rope true), the shared MLP's
+  gelu, and no projection biases (add_bias_linear false). Fields it does not give are Zamba2Config's
+  defaults (rms_norm_eps 1e-5, time_step_min 0.001, pad / bos / eos 0 / 1 / 2).
 * Falcon-H1-Tiny: no config could be found offline; not built.
 """
 
@@ -105,12 +115,22 @@ FALCON_MAMBA_7B_2LAYERS = dict(
     time_step_max=0.1, time_step_min=0.001, time_step_scale=1.0, use_bias=False, use_conv_bias=True,
     tie_word_embeddings=False, bos_token_id=0, eos_token_id=11, pad_token_id=11,
 )
+ZAMBA2_1_2B_TYPES = ["hybrid" if i % 6 == 5 else "mamba" for i in range(38)]
+ZAMBA2_1_2B = dict(
+    vocab_size=32000, hidden_size=2048, num_hidden_layers=38, layers_block_type=ZAMBA2_1_2B_TYPES,
+    num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192, hidden_act="gelu",
+    n_mamba_heads=64, mamba_d_state=128, mamba_ngroups=1, mamba_d_conv=4, mamba_expand=2, chunk_size=256,
+    num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=128, use_mem_rope=True,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0), add_bias_linear=False, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
     "bamba_9b_2layers": ("BambaForCausalLM", "BambaConfig", BAMBA_9B_2LAYERS),
     "granite_4_0_h_350m": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", GRANITE_4_0_H_350M),
     "falcon_mamba_7b_2layers": ("FalconMambaForCausalLM", "FalconMambaConfig", FALCON_MAMBA_7B_2LAYERS),
+    "zamba2_1_2b": ("Zamba2ForCausalLM", "Zamba2Config", ZAMBA2_1_2B),
 }
 
 
