@@ -32,17 +32,9 @@ std::unique_ptr<FamilyModel> make_zamba2(const io::Config& cfg, const io::Weight
   // layers_block_type (layer_types is its attribute_map alias): "mamba" (legacy) / "linear_attention"
   // or "hybrid". transformers builds one layer per entry; mixlens asks that num_hidden_layers agrees.
   std::vector<std::string> types;
-  std::string field = "layers_block_type";
-  for (const char* f : {"layers_block_type", "layer_types"})
-    if (types.empty() && cfg.has(f) && !cfg.is_null(f)) {
-      types = cfg.get<std::vector<std::string>>(f);
-      field = f;
-    }
-  if (types.empty())
+  std::string field;
+  if (!read_layer_types(cfg, {"layers_block_type", "layer_types"}, L, types, field))
     throw ConfigError(where(cfg) + ": layers_block_type is missing (Zamba2 needs the list of mamba / hybrid layers)");
-  if (static_cast<int64_t>(types.size()) != L)
-    throw ConfigError(where(cfg) + ": " + field + " has " + std::to_string(types.size()) + " entries but num_hidden_layers is " +
-                      std::to_string(L));
   const int64_t n_mem = cfg.get_or<int64_t>("num_mem_blocks", 1);
   require_positive(cfg, {{"num_mem_blocks", n_mem}});
   s.prefixes = {"model."};
