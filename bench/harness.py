@@ -10,7 +10,8 @@ What runs
   Mamba-2 hybrids (mixlens_dev/published_hybrids.py: falcon_h1 = Falcon-H1-0.5B, nemotron_h =
   Nemotron-H-8B's layer shapes in 8 blocks, bamba = Bamba-9B's in 2 layers, granitemoehybrid =
   granite-4.0-h-350m, jamba = a Jamba-tiny-dev class layout, qwen3_5_moe = Qwen3.5-35B-A3B's widths in 2 layers,
-  olmo_hybrid = Olmo-Hybrid-7B's in 4 layers) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
+  olmo_hybrid = Olmo-Hybrid-7B's in 4 layers,
+  zamba2 = Zamba2-1.2B) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
 - --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
   `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
   `make bench-families` runs the ten families with both routes against transformers (no llama.cpp).
@@ -60,7 +61,8 @@ GGUF_DIR = CACHE / "gguf"
 HYBRID_LAYOUTS = {"falcon_h1": "falcon_h1_0_5b", "nemotron_h": "nemotron_h_8b_8blocks", "bamba": "bamba_9b_2layers",
                   "falcon_mamba": "falcon_mamba_7b_2layers", "granitemoehybrid": "granite_4_0_h_350m",
                   "jamba": "jamba_tiny_dev_class",
-                  "qwen3_5_moe": "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid": "olmo_hybrid_7b_4layers"}
+                  "qwen3_5_moe": "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid": "olmo_hybrid_7b_4layers",
+                  "zamba2": "zamba2_1_2b"}
 MODELS = ("mamba2", "mamba", "qwen3_5", *HYBRID_LAYOUTS)
 ROUTES = ("chunked", "recurrent")
 

@@ -1,10 +1,16 @@
-"""Mamba hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba): every value of transformers
+"""Mamba hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba, Zamba2): every value of transformers
 5.18's pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
-GraniteMoeHybridForCausalLM / JambaForCausalLM.
+GraniteMoeHybridForCausalLM / JambaForCausalLM / Zamba2ForCausalLM.
 
 Jamba's mixer is Mamba-1 (JambaMambaMixer): its values come from oracle_mamba's patching of
 ``mamba_selective_scan`` / ``mamba_selective_state_update`` (module globals of modeling_jamba, the
 same signatures as Mamba-1's), through JambaRecorder; everything else as for the Mamba-2 hybrids.
+
+Zamba2's shared transformer block runs at every "hybrid" layer i through that layer's own module
+objects (the parameters are tied, the modules are not), so the per-layer hooks record its values at
+depth i as ``layers.{i}.self_attn.*`` / ``layers.{i}.mlp.output`` (the shared MLP's output, before the
+layer's linear). With use_shared_attention_adapter the q / k / v are projection + this depth's
+adapter: recorded (and edited) from a hook on the adapter, which adds the projection's stashed output.
 
 The Mamba-2 mixer values come from the same kernel patching as oracle_mamba2 (``mamba2_chunk_scan``
 and ``mamba2_selective_state_update`` are module globals of each hybrid's modeling module, resolved
@@ -39,6 +45,7 @@ import transformers.models.falcon_h1.modeling_falcon_h1 as mf
 import transformers.models.granitemoehybrid.modeling_granitemoehybrid as mg
 import transformers.models.jamba.modeling_jamba as mj
 import transformers.models.nemotron_h.modeling_nemotron_h as mn
+import transformers.models.zamba2.modeling_zamba2 as mz
 
 from mixlens_dev import oracle_mamba as om1
 from mixlens_dev import oracle_mamba2 as om
@@ -53,6 +60,8 @@ def module_for(model):
     name = type(model).__module__
     if "jamba" in name:
         return mj
+    if "zamba2" in name:
+        return mz
     return mn if "nemotron_h" in name else mb if "bamba" in name else mg if "granitemoehybrid" in name else mf
 
 
@@ -72,6 +81,8 @@ def has_rope(model) -> bool:
     mod = module_for(model)
     if mod is mg:
         return model.config.position_embedding_type == "rope"
+    if mod is mz:
+        return bool(model.config.use_mem_rope)
     return mod is not mn and mod is not mj  # JambaAttention has no positional encoding
 
 
@@ -108,6 +119,11 @@ def block_parts(layer, nemotron: bool):
         kind = layer.block_type
         return (layer.mixer if kind == "linear_attention" else None, layer.mixer if kind == "full_attention" else None,
                 layer.mixer if kind in ("mlp", "moe") else None)
+    if isinstance(layer, mz.Zamba2HybridLayer):  # this depth's shared block modules
+        st = layer.shared_transformer
+        return layer.mamba_decoder.mamba, st.self_attn, st.feed_forward
+    if isinstance(layer, mz.Zamba2MambaDecoderLayer):
+        return layer.mamba, None, None
     if hasattr(layer, "shared_mlp"):  # Granite: mamba / self_attn is None on the other kind
         return layer.mamba, layer.self_attn, layer.shared_mlp
     return getattr(layer, "mamba", None), getattr(layer, "self_attn", None), layer.feed_forward
@@ -229,8 +245,12 @@ class Recorder(om._Recorder):
                     self.put(f"layers.{i}.self_attn.attention_values", v)
                     return v.reshape(b, t, -1) if w else o
 
-                H.append(attn.v_proj.register_forward_hook(vproj))
-                if not self.rope:  # no RoPE: q and k straight from the projections
+                adapters = getattr(attn, "linear_v_adapter_list", None) if self.mod is mz else None
+                if adapters is not None:
+                    H.extend(self._adapter_hooks(attn, i, hd))
+                else:
+                    H.append(attn.v_proj.register_forward_hook(vproj))
+                if not self.rope and adapters is None:  # no RoPE: q and k straight from the projections
                     H.append(attn.q_proj.register_forward_hook(
                         lambda m, a, o, i=i, hd=hd: self.put(f"layers.{i}.self_attn.attention_queries",
                                                              o.view(o.shape[0], o.shape[1], -1, hd))))
@@ -249,6 +269,31 @@ class Recorder(om._Recorder):
             elif mlp is not None:
                 H.append(mlp.register_forward_hook(lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", _one(o))))
         H.append(final_norm(self.model).register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
+
+    def _adapter_hooks(self, attn, i, hd):
+        """Zamba2Attention with adapters: q / k / v = projection(x) + adapter_list[depth](x); the
+        adapter's hook sees the projection's stashed output and records (and edits) the sum."""
+        depth = attn.layer_dic[i]
+        stash, handles = {}, []
+        for name, value in (("q", "attention_queries"), ("k", "attention_keys"), ("v", "attention_values")):
+            proj = getattr(attn, f"{name}_proj")
+            adapter = getattr(attn, f"linear_{name}_adapter_list")[depth]
+            handles.append(proj.register_forward_hook(lambda m, a, o, name=name: stash.__setitem__(name, o)))
+
+            def total(m, a, o, name=name, value=value):
+                base = stash.pop(name)
+                b, t, _ = o.shape
+                tot = (base + o).view(b, t, -1, hd)
+                if name == "v":
+                    tot, w = self._edit(value, tot, "self_attn")
+                    self.put(f"layers.{i}.self_attn.{value}", tot)
+                    return tot.reshape(b, t, -1) - base if w else o
+                if not self.rope:
+                    self.put(f"layers.{i}.self_attn.{value}", tot)
+                return o
+
+            handles.append(adapter.register_forward_hook(total))
+        return handles
 
     def begin_step(self, step):
         super().begin_step(step)

@@ -58,6 +58,16 @@ Where the configs come from (no internet here; the hub files could not be fetche
   intermediate_size: 1024, inferred from the parameter count (with 1024 the layout has ~306M
   parameters; the default 14336 would give ~3.2B). "Class": the widths and the layer / expert
   pattern of the release, not a verified copy of its file.
+* Zyphra/Zamba2-1.2B, FULL size (38 layers, ~1.2B parameters). Source: a public architecture
+  review packet that ran transformers' Zamba2 modeling code on the hub config.json at revision
+  6b05bf29d1bb4ca71a36d12f7da4d3120dcde7fe (found with the search tool) and lists the config's
+  values and every traced op: hidden 2048, 38 layers with "hybrid" at 5, 11, 17, 23, 29, 35 (the
+  rest Mamba-2), 32 heads / 32 KV heads (head_dim 128 = 2 * 2048 / 32), intermediate 8192, vocab
+  32000, max positions 4096, d_state 128, 1 group, 64 mamba heads of 64 (expand 2), d_conv 4, chunk
+  256, num_mem_blocks 1, adapter_rank 128, tied embeddings; the trace shows the q / k / v adapters
+  (use_shared_attention_adapter true), RoPE with theta 10000 (use_mem_rope true), the shared MLP's
+  gelu, and no projection biases (add_bias_linear false). Fields it does not give are Zamba2Config's
+  defaults (rms_norm_eps 1e-5, time_step_min 0.001, pad / bos / eos 0 / 1 / 2).
 * Falcon-H1-Tiny: no config could be found offline; not built.
 * Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE), exact widths, REDUCED to 2 of its 40 layers (a gated DeltaNet
   block, then a gated-attention block; the release repeats 3 GDN + 1 attention), text model only
@@ -141,6 +151,7 @@ JAMBA_TINY_DEV_CLASS = dict(
     num_experts=16, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto",
     mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
     max_position_embeddings=262144, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
 QWEN3_5_MOE_35B_A3B_2LAYERS = dict(
     vocab_size=248320, hidden_size=2048, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
     num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -158,6 +169,15 @@ OLMO_HYBRID_7B_4LAYERS = dict(
     tie_word_embeddings=False, max_position_embeddings=65536, attention_bias=False,
     rope_parameters={"rope_type": "default", "rope_theta": None}, pad_token_id=100277, eos_token_id=100257,
 )
+ZAMBA2_1_2B_TYPES = ["hybrid" if i % 6 == 5 else "mamba" for i in range(38)]
+ZAMBA2_1_2B = dict(
+    vocab_size=32000, hidden_size=2048, num_hidden_layers=38, layers_block_type=ZAMBA2_1_2B_TYPES,
+    num_attention_heads=32, num_key_value_heads=32, intermediate_size=8192, hidden_act="gelu",
+    n_mamba_heads=64, mamba_d_state=128, mamba_ngroups=1, mamba_d_conv=4, mamba_expand=2, chunk_size=256,
+    num_mem_blocks=1, use_shared_attention_adapter=True, adapter_rank=128, use_mem_rope=True,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0), add_bias_linear=False, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
@@ -167,6 +187,7 @@ LAYOUTS = {
     "jamba_tiny_dev_class": ("JambaForCausalLM", "JambaConfig", JAMBA_TINY_DEV_CLASS),
     "qwen3_5_moe_35b_a3b_2layers": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", QWEN3_5_MOE_35B_A3B_2LAYERS),
     "olmo_hybrid_7b_4layers": ("OlmoHybridForCausalLM", "OlmoHybridConfig", OLMO_HYBRID_7B_4LAYERS),
+    "zamba2_1_2b": ("Zamba2ForCausalLM", "Zamba2Config", ZAMBA2_1_2B),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}

@@ -8,6 +8,7 @@
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
+#include "mixlens/errors.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {
@@ -24,6 +25,10 @@ void scale_by(Tensor& t, float s) {
 AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, const detail::AttentionMixerWeights& w,
                                        int li, const Tensor& n, const AttentionCallState& call, const Tape& tape)
     : d_(mixer.dims()), inv_freq_(mixer.inv_freq()), w_(w), li_(li), tape_(tape), call_(call) {
+  // Zamba2's options (a 2D-wide input, per-depth LoRA adapters) have no backward yet; refuse rather
+  // than differentiate a different function.
+  if (d_.in_width > 0 || d_.lora_rank > 0)
+    throw UnsupportedError("backward: the attention mixer's concatenated input / LoRA adapters (Zamba2) have no gradient yet");
   const int64_t B = tape.batch.batch, T = tape.batch.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D;
   const bool norm = d_.qk_norm != detail::AttentionQkNorm::none;
   const std::vector<int64_t>& pos = *call.pos;

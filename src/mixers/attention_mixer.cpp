@@ -16,6 +16,16 @@ const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 void scale_by(Tensor& t, float s) {
   for (int64_t e = 0; e < t.numel(); ++e) t[e] *= s;
 }
+
+// y += up(down(x)) for x [rows, in]: one LoRA adapter (down [r, in], up [y's row width, r]).
+void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up, Tensor& y) {
+  const int64_t r = down.size(0), out = up.size(0);
+  Tensor t = Tensor::uninitialized({rows, r}), u = Tensor::uninitialized({rows, out});
+  ops::linear(x, rows, down.size(1), down, t.data());
+  ops::linear(t.data(), rows, r, up, u.data());
+  float* yp = y.data();
+  for (int64_t e = 0; e < rows * out; ++e) yp[e] += u[e];
+}
 }  // namespace
 
 AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string& where) : d_(dims) {
@@ -39,20 +49,23 @@ AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string
     throw ConfigError(where + ": the q / k norm epsilon must be a finite number > 0");
   for (float m : {d_.in_multiplier, d_.key_multiplier, d_.out_multiplier})
     if (!std::isfinite(m)) throw ConfigError(where + ": attention multipliers must be finite");
+  if (d_.in_width < 0 || d_.in_width > (int64_t{1} << 32) || d_.lora_rank < 0 || d_.lora_rank > (int64_t{1} << 32))
+    throw ConfigError(where + ": attention input width " + std::to_string(d_.in_width) + " / adapter rank " +
+                      std::to_string(d_.lora_rank) + " out of range");
 }
 
 AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::string& m) const {
-  const int64_t qr = d_.q_rows(), kd = d_.Hkv * d_.hd, D = d_.D;
+  const int64_t qr = d_.q_rows(), kd = d_.Hkv * d_.hd, D = d_.in_dim();
   AttentionMixerWeights a;
   a.q_proj = w.get_matmul(m + "q_proj.weight", {qr, D});
   a.k_proj = w.get_matmul(m + "k_proj.weight", {kd, D});
   a.v_proj = w.get_matmul(m + "v_proj.weight", {kd, D});
-  a.o_proj = w.get_matmul(m + "o_proj.weight", {D, d_.H * d_.hd});
+  a.o_proj = w.get_matmul(m + "o_proj.weight", {d_.D, d_.H * d_.hd});
   if (d_.bias) {
     a.q_bias = w.get(m + "q_proj.bias", {qr});
     a.k_bias = w.get(m + "k_proj.bias", {kd});
     a.v_bias = w.get(m + "v_proj.bias", {kd});
-    a.o_bias = w.get(m + "o_proj.bias", {D});
+    a.o_bias = w.get(m + "o_proj.bias", {d_.D});
   }
   if (d_.qk_norm != AttentionQkNorm::none) {
     const bool whole = d_.qk_norm == AttentionQkNorm::whole;
@@ -60,6 +73,20 @@ AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::
     a.k_norm = w.get(m + "k_norm.weight", {whole ? kd : d_.hd});
   }
   return a;
+}
+
+void AttentionMixer::load_adapters(const io::WeightStore& w, const std::string& m, int64_t index,
+                                   AttentionMixerWeights& a) const {
+  const int64_t r = d_.lora_rank, in = d_.in_dim(), kd = d_.Hkv * d_.hd;
+  if (r <= 0) throw ConfigError("attention adapters asked for without an adapter rank (" + m + ")");
+  const std::string k = "_adapter_list." + std::to_string(index) + ".";
+  const auto pair = [&](const char* p, int64_t rows, Tensor& down, Tensor& up) {
+    down = w.get_matmul(m + "linear_" + p + k + "0.weight", {r, in});
+    up = w.get_matmul(m + "linear_" + p + k + "1.weight", {rows, r});
+  };
+  pair("q", d_.q_rows(), a.q_lora_a, a.q_lora_b);
+  pair("k", kd, a.k_lora_a, a.k_lora_b);
+  pair("v", kd, a.v_lora_a, a.v_lora_b);
 }
 
 void AttentionMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
@@ -90,7 +117,7 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   grad::KeptTensors* tape = call.tape;
   const bool last_only = call.last_rows_only;
   const std::vector<int64_t>& pos = *call.pos;
-  const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D;
+  const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D, Din = d_.in_dim();
   const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
   const bool norm = d_.qk_norm != AttentionQkNorm::none;
   const float* x = x_in.data();
@@ -102,22 +129,27 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   }
   // q_proj's output; without the gate it is q itself (normed and rotated in place below).
   Tensor qp = d_.gate ? Tensor::uninitialized({BTq, d_.q_rows()}) : Tensor::uninitialized({B, Tq, H, d});
+  Tensor xl;  // the query rows' input with last_rows_only
   if (last_only) {
-    Tensor xl = Tensor::uninitialized({B, D});
+    xl = Tensor::uninitialized({B, Din});
     for (int64_t b = 0; b < B; ++b)
-      std::memcpy(xl.data() + b * D, x + (b * T + T - 1) * D, sizeof(float) * static_cast<size_t>(D));
-    ops::linear(xl.data(), B, D, w.q_proj, qp.data(), opt(w.q_bias));
-  } else {
-    ops::linear(x, BT, D, w.q_proj, qp.data(), opt(w.q_bias));
+      std::memcpy(xl.data() + b * Din, x + (b * T + T - 1) * Din, sizeof(float) * static_cast<size_t>(Din));
   }
+  const float* xq = last_only ? xl.data() : x;
+  ops::linear(xq, BTq, Din, w.q_proj, qp.data(), opt(w.q_bias));
+  if (d_.lora_rank > 0) add_lora(xq, BTq, w.q_lora_a, w.q_lora_b, qp);
   // A gradient call (never last_only) keeps the projections and the attention output
   // (grad::Kept::attn_*): the backward then runs no product of its forward again.
   if (tape) tape->keep(li, grad::Kept::attn_q_gate, d_.gate ? qp : qp.clone());  // read-only from here on
   Tensor q = d_.gate ? Tensor::uninitialized({B, Tq, H, d}) : qp;
   Tensor gate = d_.gate ? Tensor::uninitialized({B, Tq, H * d}) : Tensor();
   Tensor k = Tensor::uninitialized({B, T, Hkv, d}), v = Tensor::uninitialized({B, T, Hkv, d});
-  ops::linear(x, BT, D, w.k_proj, k.data(), opt(w.k_bias));
-  ops::linear(x, BT, D, w.v_proj, v.data(), opt(w.v_bias));
+  ops::linear(x, BT, Din, w.k_proj, k.data(), opt(w.k_bias));
+  ops::linear(x, BT, Din, w.v_proj, v.data(), opt(w.v_bias));
+  if (d_.lora_rank > 0) {  // Zamba2Attention adds the adapters to the projections before the head split
+    add_lora(x, BT, w.k_lora_a, w.k_lora_b, k);
+    add_lora(x, BT, w.v_lora_a, w.v_lora_b, v);
+  }
   if (d_.key_multiplier != 1.0f) scale_by(k, d_.key_multiplier);
   if (tape) tape->keep(li, grad::Kept::attn_k, k.clone());  // k_norm and RoPE below work in place
   std::vector<int64_t> qpos;

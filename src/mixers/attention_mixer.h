@@ -19,8 +19,11 @@
 //    the plain w (OLMo-Hybrid).
 //  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid).
 //  - in_multiplier, key_multiplier, out_multiplier: Falcon-H1 µP (input, keys after k_proj, output).
-// Not expressed: Zamba's concatenated [h, h0] input of width 2D, Zamba2's per-depth LoRA adapters on
-// q / k / v, Kimi-Linear's latent (MLA) attention; those families bring an option or a mixer of their own.
+//  - in_width: the width of the projections' input when it is not D (Zamba / Zamba2: the
+//    concatenated [h, embeddings] of width 2 * hidden_size); the output stays D wide.
+//  - lora_rank: per-layer LoRA adapters on q / k / v (Zamba2's shared attention, one adapter per
+//    depth): q = q_proj(x) + B_q(A_q(x)), the same for k and v, loaded by load_adapters.
+// Not expressed: Kimi-Linear's latent (MLA) attention, which brings a mixer of its own.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -58,9 +61,13 @@ struct AttentionMixerDims {
   /// key_multiplier (before any k norm and RoPE), the output by out_multiplier (before attn_output
   /// is served, so attn_output is what the block adds).
   float in_multiplier = 1.0f, key_multiplier = 1.0f, out_multiplier = 1.0f;
+  int64_t in_width = 0;   ///< the projections' input width (0: D; Zamba's concatenated input: 2D)
+  int64_t lora_rank = 0;  ///< rank of the q / k / v LoRA adapters (0: none; Zamba2 adapter_rank)
 
   /// Rows of q_proj: H * hd, twice that with the gate.
   int64_t q_rows() const { return H * hd * (gate ? 2 : 1); }
+  /// Width of the projections' input.
+  int64_t in_dim() const { return in_width > 0 ? in_width : D; }
 };
 
 /// One layer's weights (HF names under the layer's attention prefix; optional tensors undefined).
@@ -70,6 +77,8 @@ struct AttentionMixerWeights {
   Tensor o_proj;          ///< [D, H * hd]
   Tensor q_bias, k_bias, v_bias, o_bias;  ///< with bias: [q_rows], [Hkv * hd], [Hkv * hd], [D]
   Tensor q_norm, k_norm;  ///< per_head: [hd]; whole: [H * hd], [Hkv * hd]
+  /// With lora_rank: the adapters' down ([r, in_dim]) and up ([rows, r]) projections of q, k, v.
+  Tensor q_lora_a, q_lora_b, k_lora_a, k_lora_b, v_lora_a, v_lora_b;
 };
 
 /// What one mixer call reads and updates besides its input.
@@ -103,6 +112,10 @@ class AttentionMixer {
   /// Loads `prefix`q_proj / k_proj / v_proj / o_proj.weight (and .bias), q_norm / k_norm.weight as the
   /// dims ask, checked against their shapes.
   AttentionMixerWeights load(const io::WeightStore& w, const std::string& prefix) const;
+  /// Adds the LoRA adapters of entry `index` of `prefix`linear_{q,k,v}_adapter_list (Zamba2Attention:
+  /// `index`.0 the down projection [r, in_dim], `index`.1 the up projection [rows, r]) to `a`, whose
+  /// shared projections stay as loaded: one weight set per depth of a shared block.
+  void load_adapters(const io::WeightStore& w, const std::string& prefix, int64_t index, AttentionMixerWeights& a) const;
 
   /// The self_attn values of layer `layer`, in forward order.
   void values(int layer, int64_t B, int64_t T, std::vector<ValueInfo>& out) const;

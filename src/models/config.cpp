@@ -227,6 +227,22 @@ void read_rope(const io::Config& cfg, double default_partial, double& theta, dou
   if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
 }
 
+bool read_layer_types(const io::Config& cfg, std::initializer_list<const char*> names, int64_t layers,
+                      std::vector<std::string>& types, std::string& field) {
+  field = *names.begin();
+  types.clear();
+  for (const char* f : names)
+    if (types.empty() && cfg.has(f) && !cfg.is_null(f)) {
+      types = cfg.get<std::vector<std::string>>(f);
+      field = f;
+    }
+  if (types.empty()) return false;
+  if (static_cast<int64_t>(types.size()) != layers)
+    throw ConfigError(where(cfg) + ": " + field + " has " + std::to_string(types.size()) + " entries but num_hidden_layers is " +
+                      std::to_string(layers));
+  return true;
+}
+
 void read_attention_heads(const io::Config& cfg, int64_t hidden, AttentionMixerDims& d) {
   d.H = cfg.get<int64_t>("num_attention_heads");
   d.Hkv = cfg.has("num_key_value_heads") && !cfg.is_null("num_key_value_heads") ? cfg.get<int64_t>("num_key_value_heads") : d.H;

@@ -63,6 +63,11 @@ void read_rope(const io::Config& cfg, double default_partial, double& theta, dou
 /// hidden / num_attention_heads). ConfigError naming the field when one is not positive, or when
 /// hidden is not divisible by the heads and head_dim is not given.
 void read_attention_heads(const io::Config& cfg, int64_t hidden, AttentionMixerDims& d);
+/// A hybrid's per-layer type list: the first of `names` present and not null (a field and its
+/// attribute_map alias) into `types`, its name into `field` (names' first when none is). Returns false
+/// when none is there; ConfigError when the list's length is not `layers` (num_hidden_layers).
+bool read_layer_types(const io::Config& cfg, std::initializer_list<const char*> names, int64_t layers,
+                      std::vector<std::string>& types, std::string& field);
 /// How a family spells the Mamba-2 size fields (read_mamba2_dims): per field the names tried in
 /// order (the first present and not null is read; a later name is an older spelling) and the
 /// default when none is. The defaults are BambaConfig / FalconH1Config's mamba_* fields.

@@ -11,6 +11,7 @@
 
 #include "mixlens/errors.h"
 #include "models/common.h"
+#include "models/config.h"
 #include "models/mamba2_hybrid.h"
 #include "models/registry.h"
 
@@ -36,16 +37,9 @@ std::unique_ptr<FamilyModel> make_granitemoehybrid(const io::Config& cfg, const 
   // layer_types (layers_block_type is its attribute_map alias); transformers 5.18 reads the legacy
   // "mamba" / "attention" as "linear_attention" / "full_attention". Absent: every layer is Mamba-2.
   std::vector<std::string> types;
-  std::string field = "layer_types";
-  for (const char* f : {"layer_types", "layers_block_type"})
-    if (types.empty() && cfg.has(f) && !cfg.is_null(f)) {
-      types = cfg.get<std::vector<std::string>>(f);
-      field = f;
-    }
-  if (types.empty()) types.assign(static_cast<size_t>(L), "linear_attention");
-  if (static_cast<int64_t>(types.size()) != L)
-    throw ConfigError(where(cfg) + ": " + field + " has " + std::to_string(types.size()) + " entries but num_hidden_layers is " +
-                      std::to_string(L));
+  std::string field;
+  if (!read_layer_types(cfg, {"layer_types", "layers_block_type"}, L, types, field))
+    types.assign(static_cast<size_t>(L), "linear_attention");
   const int64_t E = cfg.get_or<int64_t>("num_local_experts", 8);
   if (E < 0) throw ConfigError(where(cfg) + ": num_local_experts must be >= 0");
   for (size_t i = 0; i < types.size(); ++i) {

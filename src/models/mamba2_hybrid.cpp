@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 #include <memory>
 
 #include "mixers/attention_mixer.h"
@@ -91,9 +92,24 @@ Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const fl
   const int64_t I = s.I, D = s.D;
   Tensor up({rows, I}), out({rows, D});
   ops::linear(x, rows, D, m.up, up.data(), opt(m.up_b));
-  if (s.mlp == HybridMlp::swiglu) {
-    Tensor g({rows, I});
+  Tensor g;
+  if (s.mlp != HybridMlp::relu2) {
+    g = Tensor({rows, I});
     ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
+  }
+  if (m.lora_a.defined()) {  // Zamba2MLP: gate_up_proj(x) + this depth's adapter(x), before the activation
+    const int64_t r = m.lora_a.size(0);
+    Tensor t({rows, r}), a({rows, I});
+    ops::linear(x, rows, D, m.lora_a, t.data());
+    ops::linear(t.data(), rows, r, m.lora_gate, a.data());
+    for (int64_t k = 0; k < rows * I; ++k) g[k] += a[k];
+    ops::linear(t.data(), rows, r, m.lora_up, a.data());
+    for (int64_t k = 0; k < rows * I; ++k) up[k] += a[k];
+  }
+  if (s.mlp == HybridMlp::geglu) {  // exact GELU (ACT2FN["gelu"]) on the gate, times up
+    for (int64_t k = 0; k < rows * I; ++k)
+      up[k] *= 0.5f * g[k] * (1.0f + std::erf(g[k] * 0.70710678118654752440f));
+  } else if (s.mlp == HybridMlp::swiglu) {
     if (s.mlp_gate_multiplier != 1.0f)
       for (int64_t k = 0; k < rows * I; ++k) g[k] *= s.mlp_gate_multiplier;
     ops::mul_silu(up.data(), g.data(), up.data(), rows * I);  // up * silu(gate), vectorized
@@ -292,6 +308,7 @@ class Mamba2Hybrid final : public FamilyModel {
     if (any_mamba && m1) mixer1_ = MambaMixer(s_.mamba1);
     if (any_mamba && !m1) mixer_ = Mamba2Mixer(s_.mamba, where(cfg));
     s_.attn.D = s_.D;
+    for (const auto& b : s_.blocks) any_attn |= b.shared;
     if (any_attn) attn_ = AttentionMixer(s_.attn, where(cfg));
     // The first prefix under which the embeddings exist names the layout (published vs saved).
     std::string p;
@@ -302,14 +319,16 @@ class Mamba2Hybrid final : public FamilyModel {
     norm_f_ = w.get(p + s_.final_norm, {s_.D});
     lm_head_ = s_.tie ? embed_ : w.get_matmul("lm_head.weight", {s_.V, s_.D});
     const int64_t I = s_.I;
+    std::map<std::string, BlockW> shared_once;  // each shared block's tensors by prefix, loaded once
     for (int64_t i = 0; i < L_; ++i) {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       const std::string lp = p + "layers." + std::to_string(i) + ".";
       BlockW bw;
-      bw.in_norm = w.get(lp + s_.in_norm, {s_.D});
+      bw.in_norm = w.get(lp + (b.shared ? s_.shared_in_norm : s_.in_norm), {s_.D});
       if (b.mamba && m1) bw.mamba1 = mixer1_.load(w, lp + s_.mamba_mod + ".");
-      if (b.mamba && !m1) bw.mamba = mixer_.load(w, lp + s_.mamba_mod + ".");
+      if (b.mamba && !m1) bw.mamba = mixer_.load(w, lp + (b.shared ? s_.shared_mamba_mod : s_.mamba_mod) + ".");
       if (b.attn) bw.attn = attn_.load(w, lp + s_.attn_mod + ".");
+      if (b.shared) load_shared(w, lp, b, shared_once, bw);
       const bool moe_only = b.moe && s_.moe_kind == HybridMoeKind::jamba;  // experts in place of the MLP
       if (b.moe && s_.moe_kind != HybridMoeKind::nemotron_h) {
         // GraniteMoeHybridMoE: router [E, D]; experts gate_up [E, 2I, D] (gate rows first), down [E, D, I].
@@ -388,6 +407,74 @@ class Mamba2Hybrid final : public FamilyModel {
     config_chunk_ = s_.mamba.chunk;
   }
 
+  // A Zamba2 hybrid layer's shared block at its depth: the block's tensors (read once, under the
+  // prefix of the first layer that runs it; every depth shares their storage), then this depth's
+  // adapters and the layer's own linear.
+  // transformers 5.18 ties the blocks only with tie_word_embeddings (its tying is all or nothing):
+  // untied, every hybrid layer saves and runs a block of its own, read from the layer's prefix.
+  void load_shared(const io::WeightStore& w, const std::string& lp, const HybridBlock& b,
+                   std::map<std::string, BlockW>& once, BlockW& bw) const {
+    const int64_t D = s_.D, I = s_.I, r = s_.mlp_lora_rank;
+    const std::string own = lp + "shared_transformer.";
+    const std::string& sp = w.has(own + "input_layernorm.weight") ? own : s_.shared_prefixes.at(static_cast<size_t>(b.shared_block));
+    bw.shared.prefix = sp;
+    BlockW& o = once[sp];
+    if (!o.shared.in_norm.defined()) {
+      o.shared.in_norm = w.get(sp + "input_layernorm.weight", {2 * D});
+      o.shared.ff_norm = w.get(sp + "pre_ff_layernorm.weight", {D});
+      o.attn = attn_.load(w, sp + "self_attn.");
+      const std::string m = sp + "feed_forward.";
+      const Tensor gu = w.get_matmul(m + "gate_up_proj.weight", {2 * I, D});  // [gate | up] rows
+      o.mlp.gate = row_block(gu, 0, {I, D});
+      o.mlp.up = row_block(gu, I, {I, D});
+      o.mlp.down = w.get_matmul(m + "down_proj.weight", {D, I});
+      if (s_.mlp_bias) {
+        const Tensor gb = w.get(m + "gate_up_proj.bias", {2 * I});
+        o.mlp.gate_b = Tensor({I});
+        o.mlp.up_b = Tensor({I});
+        std::memcpy(o.mlp.gate_b.data(), gb.data(), sizeof(float) * static_cast<size_t>(I));
+        std::memcpy(o.mlp.up_b.data(), gb.data() + I, sizeof(float) * static_cast<size_t>(I));
+        o.mlp.down_b = w.get(m + "down_proj.bias", {D});
+      }
+    }
+    bw.shared.in_norm = o.shared.in_norm;
+    bw.shared.ff_norm = o.shared.ff_norm;
+    bw.attn = o.attn;
+    if (s_.attn.lora_rank > 0) attn_.load_adapters(w, sp + "self_attn.", b.shared_depth, bw.attn);
+    bw.mlp = o.mlp;
+    if (r > 0) {  // Zamba2MLP: an adapter per depth, always (no config switch)
+      const std::string a = sp + "feed_forward.gate_up_proj_adapter_list." + std::to_string(b.shared_depth) + ".";
+      bw.mlp.lora_a = w.get_matmul(a + "0.weight", {r, D});
+      const Tensor up = w.get_matmul(a + "1.weight", {2 * I, r});
+      bw.mlp.lora_gate = row_block(up, 0, {I, r});
+      bw.mlp.lora_up = row_block(up, I, {I, r});
+    }
+    bw.shared.linear = w.get_matmul(lp + "linear.weight", {D, D});
+  }
+
+  // Zamba2AttentionDecoderLayer + the layer's linear at depth `li`: linear(mlp(RMSNorm(attn(
+  // RMSNorm([h, h0]))))) [B,T,D], serving self_attn.* and mlp.output of layer li on the way.
+  Tensor shared_block(const BlockW& bw, const Tensor& h, const Tensor& h0, const Batch& in, HybridCache& cache,
+                      const std::vector<int64_t>& pos, Listener* ls, int li, FiniteWatch& watch) const {
+    const int64_t B = in.batch, T = in.seq, BT = B * T, D = s_.D;
+    Tensor c({B, T, 2 * D});
+    for (int64_t r = 0; r < BT; ++r) {
+      std::memcpy(c.data() + r * 2 * D, h.data() + r * D, sizeof(float) * static_cast<size_t>(D));
+      std::memcpy(c.data() + r * 2 * D + D, h0.data() + r * D, sizeof(float) * static_cast<size_t>(D));
+    }
+    ops::rmsnorm(c.data(), bw.shared.in_norm.data(), c.data(), BT, 2 * D, s_.eps);
+    Tensor a = attn_.forward(bw.attn, c, in, cache.attention_call(li, pos, ls));
+    watch.check(li, Value::attn_output, a);
+    Tensor n({BT, D});
+    ops::rmsnorm(a.data(), bw.shared.ff_norm.data(), n.data(), BT, D, s_.eps);
+    Tensor m = hybrid_mlp(s_, bw.mlp, n.data(), BT).reshape({B, T, D});
+    visit_if(ls, li, Value::mlp_output, m);
+    watch.check(li, Value::mlp_output, m);
+    Tensor t({B, T, D});
+    ops::linear(m.data(), BT, D, bw.shared.linear, t.data());
+    return t;
+  }
+
   void set_chunk_size(int64_t c) override {
     mixer1_.set_chunk(c);  // 0 restores the Mamba-1 default
     mixer_.set_chunk(c > 0 ? c : config_chunk_);
@@ -426,6 +513,8 @@ class Mamba2Hybrid final : public FamilyModel {
     visit_if(ls, -1, Value::embed_output, h);
     FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
     watch.check(-1, Value::embed_output, h);
+    // Zamba2Model: the shared blocks read the embeddings (as served, after any write) at every depth.
+    const Tensor h0 = s_.shared_prefixes.empty() ? Tensor() : h.clone();
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);
@@ -433,7 +522,13 @@ class Mamba2Hybrid final : public FamilyModel {
       const BlockW& bw = blocks_[static_cast<size_t>(i)];
       ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
-      ops::rmsnorm(h.data(), bw.in_norm.data(), n.data(), BT, D, s_.eps);
+      if (b.shared) {  // Zamba2MambaDecoderLayer: the mixer reads RMSNorm(h + shared block), the residual is h
+        Tensor x = shared_block(bw, h, h0, in, cache, pos, ls, li, watch);
+        add_into(x, h);
+        ops::rmsnorm(x.data(), bw.in_norm.data(), n.data(), BT, D, s_.eps);
+      } else {
+        ops::rmsnorm(h.data(), bw.in_norm.data(), n.data(), BT, D, s_.eps);
+      }
       Tensor branch({B, T, D});
       if (b.mamba && mamba1()) {
         Tensor out = mamba1_forward(li, bw, n, in, cache, ls, ctx);
@@ -516,10 +611,21 @@ class Mamba2Hybrid final : public FamilyModel {
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::layer_input, {B, T, D}, true, "residual stream entering the block"));
+      if (b.shared) {  // the shared block runs first; its values are this depth's alone
+        const size_t first = v.size();
+        attn_.values(i, B, T, v);
+        v.push_back(layer_value(i, Value::mlp_output, {B, T, D}, true,
+                                "shared block's GeGLU MLP output (before the layer's linear, which feeds the mixer input)"));
+        const std::string& from = blocks_[static_cast<size_t>(i)].shared.prefix;
+        const std::string note = " [shared block " + std::to_string(b.shared_block) + " at depth " +
+                                 std::to_string(b.shared_depth) + ", weights from " + from +
+                                 ": adapters and values this depth's own]";
+        for (size_t k = first; k < v.size(); ++k) v[k].meaning += note;
+      }
       if (b.mamba && mamba1()) mixer1_.values(i, B, T, v);
       else if (b.mamba) mixer_.values(i, B, T, v);
       if (b.attn) attn_.values(i, B, T, v);
-      if (b.branch_mlp || b.ff) {
+      if ((b.branch_mlp || b.ff) && !b.shared) {
         std::string what = b.moe && s_.moe_kind == HybridMoeKind::jamba   ? "MoE output: routed SwiGLU experts (top-k of the router softmax)"
                            : b.moe && s_.moe_kind == HybridMoeKind::granite ? "MoE output: routed SwiGLU experts (softmax top-k) + shared SwiGLU MLP"
                            : b.moe                                        ? "MoE output: routed relu2 experts + shared expert"
@@ -539,6 +645,12 @@ class Mamba2Hybrid final : public FamilyModel {
 
   std::map<std::string, std::map<int, std::string>> support() const override {
     std::map<std::string, std::map<int, std::string>> sup;
+    std::string shared_at;  // Zamba2: where the shared blocks run
+    for (int i = 0; i < static_cast<int>(L_); ++i)
+      if (s_.blocks[static_cast<size_t>(i)].shared) shared_at += (shared_at.empty() ? "" : ", ") + std::to_string(i);
+    if (!shared_at.empty())
+      shared_at = "; " + s_.pretty + " re-applies its shared attention + MLP block at layers " + shared_at +
+                  " (addressed per depth there)";
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       const HybridBlock& b = s_.blocks[static_cast<size_t>(i)];
       const std::string block = "block " + std::to_string(i) + " is " + kind_phrase(b.kind);
@@ -550,13 +662,15 @@ class Mamba2Hybrid final : public FamilyModel {
               b.mamba ? "" : block + ", which has no " + (mamba1() ? "Mamba" : "Mamba-2") + " mixer (linear_attn)" + (b.attn ? ": use self_attn values" : "");
         else if (c == Component::self_attn) {
           std::string r;
-          if (!b.attn) r = block + ", which has no softmax attention (self_attn)" + (b.mamba ? ": use linear_attn values" : "");
+          if (!b.attn && !b.shared)
+            r = block + ", which has no softmax attention (self_attn)" + (b.mamba ? ": use linear_attn values" : "") + shared_at;
           else if (val == Value::attn_gate) r = block + " whose attention has no output gate (" + s_.pretty + " attention is ungated)";
           sup["self_attn." + std::string(value_name(val))][i] = r;
         }
       }
-      sup["mlp.output"][i] = (b.branch_mlp || b.ff) ? "" : block + ", which has no MLP (" + s_.pretty +
-                                                               " puts its MLPs in blocks of their own)";
+      sup["mlp.output"][i] = (b.branch_mlp || b.ff || b.shared) ? ""
+                             : !shared_at.empty() ? block + ", which has no MLP" + shared_at
+                                                  : block + ", which has no MLP (" + s_.pretty + " puts its MLPs in blocks of their own)";
     }
     return sup;
   }

@@ -22,7 +22,9 @@
 
 namespace mixlens::detail {
 
-enum class HybridMlp { swiglu, relu2 };
+/// swiglu: down(up x * silu(gate x)); relu2: down(relu(up x)^2); geglu: down(gelu(gate x) * up x)
+/// with the exact (erf) GELU (Zamba2MLP, hidden_act "gelu").
+enum class HybridMlp { swiglu, relu2, geglu };
 /// The recurrent mixer of the blocks with `mamba` set (one kind per model).
 enum class HybridMixer {
   mamba2,  ///< Mamba2Mixer (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H)
@@ -47,6 +49,13 @@ struct HybridBlock {
                             ///< with ff: Granite's routed experts added to the MLP (the shared MLP),
                             ///< Jamba's routed experts instead of the MLP
   bool ff = false;          ///< second residual branch: ff norm + MLP (mlp.output)
+  /// Zamba2 hybrid layer: before the Mamba-2 mixer, the shared transformer block `shared_block`
+  /// (attention on RMSNorm([h, embeddings]), then pre-ff RMSNorm + MLP, no residual inside) runs
+  /// with this depth's adapters; the layer's own linear maps its output into the mixer's input
+  /// (h + linear(...) is normed), not into the residual. Values self_attn.* and mlp.output.
+  bool shared = false;
+  int64_t shared_block = 0;  ///< which of the num_mem_blocks shared blocks
+  int64_t shared_depth = 0;  ///< the adapters' index (the how-many-th hybrid layer this is)
   LayerKind kind = LayerKind::mamba2;
 };
 
@@ -65,6 +74,12 @@ struct Mamba2HybridSpec {
   /// The MLP's gate and up projections are one input_linear [2I, D] (gate rows first) and its down
   /// projection is output_linear (GraniteMoeHybridMLP), instead of gate_proj / up_proj / down_proj.
   bool mlp_fused = false;
+  // Zamba2's shared blocks: shared_prefixes[b] holds block b's weights (the first layer that runs it:
+  // <prefix>layers.<j>.shared_transformer.); the mixer of a shared layer is under mamba_decoder.
+  std::vector<std::string> shared_prefixes;
+  std::string shared_mamba_mod;   ///< the mixer module of a shared layer (Zamba2: mamba_decoder.mamba)
+  std::string shared_in_norm;     ///< its block norm (Zamba2: mamba_decoder.input_layernorm.weight)
+  int64_t mlp_lora_rank = 0;      ///< the shared MLP's per-depth gate_up adapters (Zamba2 adapter_rank)
 
   Mamba2MixerDims mamba;
   HybridMixer mixer = HybridMixer::mamba2;
@@ -98,6 +113,17 @@ struct Mamba2HybridSpec {
 struct HybridMlpWeights {
   Tensor gate, up, down;        ///< gate [I, D] (swiglu only), up [I, D], down [D, I]
   Tensor gate_b, up_b, down_b;  ///< optional biases
+  /// Optional LoRA adapter on gate and up (Zamba2MLP gate_up_proj_adapter_list, one per depth):
+  /// lora_a [r, D]; lora_gate / lora_up [I, r] (the rows of its fused [2I, r] up projection).
+  Tensor lora_a, lora_gate, lora_up;
+};
+/// One depth of a Zamba2 shared transformer block: the block's tensors shared (the same storage at
+/// every depth), this depth's adapters and linear its own.
+struct SharedBlockWeights {
+  Tensor in_norm;   ///< [2D] RMSNorm of the concatenated [h, embeddings]
+  Tensor ff_norm;   ///< [D] pre_ff_layernorm
+  Tensor linear;    ///< [D, D] the layer's linear into the mixer input
+  std::string prefix;  ///< where the block's tensors were read (the first layer running it, or its own)
 };
 struct HybridMoeWeights {
   Tensor router, bias;           ///< [E, D], [E] e_score_correction_bias (Nemotron-H only)
@@ -107,6 +133,7 @@ struct HybridMoeWeights {
   Tensor fc1, fc1_b, fc2, fc2_b; ///< optional latent projections [latent, D], [D, latent]
 };
 struct HybridBlockWeights {
+  SharedBlockWeights shared;
   Tensor in_norm, ff_norm;
   Mamba2MixerWeights mamba;
   MambaMixerWeights mamba1;  ///< Jamba's Mamba-1 blocks

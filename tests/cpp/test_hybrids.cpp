@@ -27,7 +27,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 std::vector<Param> all_cases() {
   std::vector<Param> out;
   for (const char* f : {"nemotron_h", "bamba", "falcon_h1", "granitemoehybrid",
-                        "jamba"})
+                        "jamba", "zamba2"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

@@ -24,7 +24,8 @@ namespace {
 const char* const kFamilies[] = {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "bamba", "falcon_h1",
                                  "granitemoehybrid",
                                  "jamba",
-                                 "olmo_hybrid"};
+                                 "olmo_hybrid",
+                                 "zamba2"};
 
 std::string mix(int layer, const std::string& v) { return "layers." + std::to_string(layer) + ".linear_attn." + v; }
 std::string at(int layer, int64_t t) { return mix(layer, "state") + "@t" + std::to_string(t); }

@@ -45,7 +45,8 @@ std::vector<FamilyCase> all_cases() {
   for (const char* f : {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "bamba", "falcon_h1",
                         "granitemoehybrid",
                         "jamba",
-                        "olmo_hybrid"})
+                        "olmo_hybrid",
+                        "zamba2"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

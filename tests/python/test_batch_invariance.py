@@ -35,6 +35,7 @@ MODELS = {
     "granitemoehybrid": REPO / "tests/fixtures/granitemoehybrid/rope_moe_edits",
     "jamba": REPO / "tests/fixtures/jamba/moe_edits",
     "olmo_hybrid": REPO / "tests/fixtures/olmo_hybrid/padded_batch",
+    "zamba2": REPO / "tests/fixtures/zamba2/shared_lora_edits",
 }
 _models: dict = {}
 

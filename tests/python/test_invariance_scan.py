@@ -26,6 +26,7 @@ FAMILIES = {
     "granitemoehybrid": "granitemoehybrid/rope_moe_edits",
     "jamba": "jamba/moe_edits",
     "olmo_hybrid": "olmo_hybrid/hv_2hk_chunks",
+    "zamba2": "zamba2/shared_lora_edits",
 }
 _models: dict = {}
 # A MoE product gathers every row's routed tokens, so a write on one row can move another row's

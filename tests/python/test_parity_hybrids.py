@@ -1,4 +1,4 @@
-"""Live parity of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba) with transformers 5.18.
+"""Live parity of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba, Zamba2) with transformers 5.18.
 
 Fresh random models built with mixlens_dev.fixtures.hybrids' builder (seeds distinct from the
 committed fixtures), every value at every step (prompt + 7 decode steps, through mixer, attention
@@ -103,6 +103,21 @@ CASES = {
             tie_word_embeddings=False),
         edits=[dict(name="state_in_x2_s2", path=mix(1, "state_input"), step=2, op="scale", factor=2.0),
                dict(name="attn_v_x2_s1", path=att(2, "attention_values"), step=1, op="scale", factor=2.0)]),
+    # Zamba2: 2 shared blocks over 3 hybrid layers (layers 1 and 4 run block 0), RoPE, q / k / v and
+    # MLP adapters per depth, left-padded batch, chunk 4; writes at one depth of a shared block (set,
+    # not scaled: the pre-ff RMSNorm undoes a scale of attention_output).
+    "zamba2_shared_lora_padded": dict(
+        family="zamba2", seed=71, prompts=[17, 8], config=dict(chunk_size=4),
+        edits=[dict(name="attn_out_tok2_l4", path=att(4, "attention_output"), step=0, op="set_index", index=2, value=0.5),
+               dict(name="attn_v_x2_l1_s2", path=att(1, "attention_values"), step=2, op="scale", factor=2.0),
+               dict(name="decays_half_s1", path=mix(3, "decays"), step=1, op="scale", factor=0.5)]),
+    # No RoPE, no attention adapters, one shared block, untied, n_groups 1.
+    "zamba2_nope_one_block": dict(
+        family="zamba2", seed=73, prompts=[14], config=dict(
+            use_mem_rope=False, use_shared_attention_adapter=False, num_mem_blocks=1, mamba_ngroups=1,
+            tie_word_embeddings=False, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+        edits=[dict(name="attn_v_x2_l3_s1", path=att(3, "attention_values"), step=1, op="scale", factor=2.0),
+               dict(name="betas_half", path=mix(0, "betas"), step=0, op="scale", factor=0.5)]),
 }
 
 
@@ -123,6 +138,7 @@ class Case(ParityCase):
         oh.check_invariants(self.ref, self.mixer_layers, N_STEPS)
         assert mf.greedy_margin(self.ref) > 1e-2, f"{name}: greedy margin too small; pick another seed"
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
+        self.path = str(tmp_path)
 
     def oracle_run(self, edits, feeds):
         return oh.run(self.torch_model, self.prompts, PAD, N_STEPS, edits, feeds=feeds)[0]
@@ -180,7 +196,8 @@ def test_support_and_block_kinds(case):
                 case.model.generate(case.prompts, max_new_tokens=1, saves=[mix(i, "states")]).run()
     expected = {"nemotron_h": {"mamba2", "attention", "mlp"} if "moe" not in kinds else {"mamba2", "attention", "moe"}, "bamba": {"mamba2", "attention"},
                 "falcon_h1": {"hybrid"}, "granitemoehybrid": {"mamba2", "attention"},
-                "jamba": {"mamba", "attention"}}[case.spec["family"]]
+                "jamba": {"mamba", "attention"},
+                "zamba2": {"mamba2", "hybrid"}}[case.spec["family"]]
     assert set(kinds) == expected
 
 
@@ -213,3 +230,43 @@ def test_granite_inputs_embeds_are_multiplied_as_transformers_does(case):
     got = case.model.run(inputs_embeds=raw.numpy())["logits"]
     assert rel_rms(got, want) <= 1e-5
     np.testing.assert_allclose(got, case.model.run([ids])["logits"], rtol=0, atol=1e-5)
+
+
+def test_zamba2_shared_block_values_are_per_depth(case):
+    """A shared block is addressed per depth: a write at its last depth leaves every value of the
+    earlier depths of the same block bitwise unchanged and moves its own; a write at the first depth
+    is not re-applied at the later one (the later depth's attention output is not zeroed)."""
+    if case.spec["family"] != "zamba2":
+        pytest.skip("Zamba2 only")
+    import numpy as np
+
+    kinds = case.model.info["layer_kinds"]
+    hybrid = [i for i, k in enumerate(kinds) if k == "hybrid"]
+    first, last = hybrid[0], hybrid[-1]
+    sites = [att(i, v) for i in (first, last) for v in ("attention_queries", "attention_values", "attention_output")]
+    sites += [f"layers.{i}.mlp.output" for i in (first, last)]
+
+    def run(edit_path):
+        edits = {f"{edit_path}@step0": lambda v: v * 0.0} if edit_path else {}
+        return case.model.generate(case.prompts, max_new_tokens=1, eos_token_id=-1, saves=sites, edits=edits).run().saved
+
+    base, late, early = run(None), run(att(last, "attention_output")), run(att(first, "attention_output"))
+    for v in ("attention_queries", "attention_values", "attention_output"):
+        assert np.array_equal(late[att(first, v)][0], base[att(first, v)][0]), v
+    assert np.array_equal(late[f"layers.{first}.mlp.output"][0], base[f"layers.{first}.mlp.output"][0])
+    assert not np.array_equal(late[f"layers.{last}.mlp.output"][0], base[f"layers.{last}.mlp.output"][0])
+    assert not np.any(np.asarray(early[att(first, "attention_output")][0]))
+    assert np.any(np.asarray(early[att(last, "attention_output")][0]))
+
+
+def test_zamba2_backward_is_refused_by_name(case):
+    """Zamba2 has no backward yet (docs/gradients.md): tr.backward says so, naming the family."""
+    import torch
+
+    if case.spec["family"] != "zamba2":
+        pytest.skip("Zamba2 only")
+    model = mixlens.StandardizedTransformer(case.path, output="torch")
+    with model.trace([case.prompts[-1]], grad=True) as tr:
+        pass
+    with pytest.raises(mixlens.UnsupportedError, match="zamba2"):
+        tr.backward(torch.log_softmax(tr.logits, -1)[..., 3].sum())

@@ -3,14 +3,15 @@ with the configs of dev/mixlens_dev/published_hybrids.py, where each config's so
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
-allenai/Olmo-Hybrid-7B reduced to 4 layers. Built once under build/published/ (a few minutes and 1-3 GB each; later
+allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
 The three reduced big layouts (Nemotron-H-8B widths, Bamba-9B widths: ~1.5B parameters each, mostly
 the 128k-row embedding tables; falcon-mamba-7b widths: ~0.75B; minutes each on 2 cores) and
 granite-4.0-h-350m (32 layers of Mamba-2 / NoPE attention) and the Jamba-tiny-dev class (~306M parameters,
-16 experts on 8 layers) run only with MIXLENS_BIG_LAYOUTS=1, to keep
+16 experts on 8 layers), Zamba2-1.2B (38 layers, 6 of them with the
+shared block and its adapters) run only with MIXLENS_BIG_LAYOUTS=1, to keep
 `make test` short; the Falcon-H1-0.5B layout (~1 minute) always runs.
 
 Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for the Nemotron-H
@@ -93,16 +94,25 @@ SHAPES = {
         "layers.3.self_attn.attention_output": (1, 12, 3840),
         "layers.3.mlp.output": (1, 12, 3840),
     },
+    "zamba2_1_2b": {
+        "layers.0.linear_attn.attention_values": (1, 12, 64, 64),
+        "layers.0.linear_attn.states": (1, 12, 64, 128, 64),
+        "layers.5.self_attn.attention_queries": (1, 12, 32, 128),
+        "layers.35.self_attn.attention_values": (1, 12, 32, 128),
+        "layers.35.mlp.output": (1, 12, 2048),
+        "layers.35.linear_attn.attention_output": (1, 12, 2048),
+    },
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
                "falcon_mamba_7b_2layers": "FalconMambaForCausalLM",
                "jamba_tiny_dev_class": "JambaForCausalLM",
-               "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM"}
+               "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM",
+               "zamba2_1_2b": "Zamba2ForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
-       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers"}
+       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
