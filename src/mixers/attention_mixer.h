@@ -19,8 +19,14 @@
 //    the plain w (OLMo-Hybrid).
 //  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid).
 //  - in_multiplier, key_multiplier, out_multiplier: Falcon-H1 µP (input, keys after k_proj, output).
+//  - mla: Kimi-Linear's multi-head latent attention (KimiLinearAttention, DeepSeek-V2 MLA without
+//    RoPE): kv_a_proj_with_mqa gives [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)], the latent
+//    is RMS-normed (kv_a_layernorm) and expanded by kv_b_proj into per head [k_nope | v]; each head's
+//    key is [k_nope | k_rope], k_rope shared by the heads; q from q_proj, or q_a_proj ->
+//    q_a_layernorm -> q_b_proj with q_lora_rank. Not absorbed (transformers' math): the cache holds
+//    the expanded keys and values, hd = qk_nope + qk_rope, v_hd <= hd. No backward yet.
 // Not expressed: Zamba's concatenated [h, h0] input of width 2D, Zamba2's per-depth LoRA adapters on
-// q / k / v, Kimi-Linear's latent (MLA) attention; those families bring an option or a mixer of their own.
+// q / k / v; those families bring an option or a mixer of their own.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -58,7 +64,13 @@ struct AttentionMixerDims {
   /// key_multiplier (before any k norm and RoPE), the output by out_multiplier (before attn_output
   /// is served, so attn_output is what the block adds).
   float in_multiplier = 1.0f, key_multiplier = 1.0f, out_multiplier = 1.0f;
+  /// MLA (see the file comment): kv_lora_rank > 0 turns it on; hd must be qk_nope + qk_rope, Hkv = H.
+  int64_t kv_lora_rank = 0, q_lora_rank = 0, qk_nope = 0, qk_rope = 0, v_hd = 0;
+  float latent_eps = 1e-6f;  ///< q_a_layernorm / kv_a_layernorm epsilon (KimiLinearRMSNorm's default)
 
+  bool mla() const { return kv_lora_rank > 0; }
+  /// Each value head's width: hd, or v_hd with MLA.
+  int64_t value_hd() const { return mla() ? v_hd : hd; }
   /// Rows of q_proj: H * hd, twice that with the gate.
   int64_t q_rows() const { return H * hd * (gate ? 2 : 1); }
 };
@@ -70,6 +82,9 @@ struct AttentionMixerWeights {
   Tensor o_proj;          ///< [D, H * hd]
   Tensor q_bias, k_bias, v_bias, o_bias;  ///< with bias: [q_rows], [Hkv * hd], [Hkv * hd], [D]
   Tensor q_norm, k_norm;  ///< per_head: [hd]; whole: [H * hd], [Hkv * hd]
+  /// MLA: [q_lora_rank, D], [q_lora_rank], [H * hd, q_lora_rank] (with q_lora_rank; else q_proj);
+  /// [kv_lora_rank + qk_rope, D], [kv_lora_rank], [H * (qk_nope + v_hd), kv_lora_rank].
+  Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
 };
 
 /// What one mixer call reads and updates besides its input.
