@@ -21,6 +21,12 @@ struct QwenHybridSpec {
   /// Returns layer `prefix`'s GDN input projections as one [proj_rows, D] matrix with rows in the
   /// order q (HK*Dk, head-major) | k | v (HV*Dv) | z (HV*Dv) | b (HV) | a (HV).
   std::function<Tensor(const io::WeightStore&, const std::string& prefix, const GdnDims&)> load_gdn_in_proj;
+  /// Kimi-Linear's block stack (kimi_linear.cpp, which also maps its config onto the fields read
+  /// here): Kimi Delta Attention linear blocks (GdnDims::kda), latent attention blocks (MLA), plain
+  /// weight RMS norms, and KimiLinearMoE where mlp_layer_types says "sparse" (sigmoid router with
+  /// e_score_correction_bias, group-limited top-k, routed_scaling_factor, ungated shared experts);
+  /// MLP weights under block_sparse_moe. as the published checkpoints name them. No backward.
+  bool kimi = false;
 };
 
 /// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (GdnDims).

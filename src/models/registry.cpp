@@ -22,6 +22,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"falcon_mamba", "falcon_mamba", make_falcon_mamba, true},
       {"qwen3_5_moe", "qwen3_5_moe", make_qwen3_5_moe, true},
       {"qwen3_5_moe_text", "qwen3_5_moe", make_qwen3_5_moe, true},
+      {"kimi_linear", "kimi_linear", make_kimi_linear, false},
   };
   return registry;
 }

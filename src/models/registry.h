@@ -46,5 +46,6 @@ std::unique_ptr<FamilyModel> make_falcon_h1(const io::Config& config, const io::
 std::unique_ptr<FamilyModel> make_falcon_mamba(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_qwen3_5_moe(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_granitemoehybrid(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_kimi_linear(const io::Config& config, const io::WeightStore& weights);
 
 }  // namespace mixlens::detail
