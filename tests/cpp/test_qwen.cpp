@@ -27,7 +27,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

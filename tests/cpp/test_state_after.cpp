@@ -43,7 +43,7 @@ struct FamilyCase {
 std::vector<FamilyCase> all_cases() {
   std::vector<FamilyCase> out;
   for (const char* f : {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "bamba", "falcon_h1",
-                        "granitemoehybrid"})
+                        "granitemoehybrid", "kimi_linear"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

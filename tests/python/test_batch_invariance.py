@@ -33,6 +33,7 @@ MODELS = {
     "bamba": REPO / "tests/fixtures/bamba/padded_batch",
     "falcon_h1": REPO / "tests/fixtures/falcon_h1/norm_before_gate",
     "granitemoehybrid": REPO / "tests/fixtures/granitemoehybrid/rope_moe_edits",
+    "kimi_linear": REPO / "tests/fixtures/kimi_linear/padded_batch",
 }
 _models: dict = {}
 

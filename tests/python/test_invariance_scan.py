@@ -24,6 +24,7 @@ FAMILIES = {
     "bamba": "bamba/groups2_edits",
     "falcon_h1": "falcon_h1/norm_before_gate",
     "granitemoehybrid": "granitemoehybrid/rope_moe_edits",
+    "kimi_linear": "kimi_linear/kda_mla_moe_chunks",
 }
 _models: dict = {}
 

@@ -157,3 +157,10 @@ def test_support_names_the_block_kinds(case):
     assert s["linear_attn.decays"][0] is None  # supported
     assert "attention block" in s["linear_attn.decays"][1]
     assert "gated_deltanet block" in s["self_attn.attention_output"][0]
+
+
+def test_backward_is_a_clear_error_naming_the_family(case):
+    with case["model"].trace([[5, 6, 7]], grad=True) as tr:
+        pass
+    with pytest.raises(mixlens.UnsupportedError, match="kimi_linear family"):
+        tr.backward(tr.logits[:, -1, 3].sum(), paths=["layers.0.linear_attn.decays"])
