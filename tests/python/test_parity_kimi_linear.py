@@ -163,4 +163,5 @@ def test_backward_is_a_clear_error_naming_the_family(case):
     with case["model"].trace([[5, 6, 7]], grad=True) as tr:
         pass
     with pytest.raises(mixlens.UnsupportedError, match="kimi_linear family"):
-        tr.backward(tr.logits[:, -1, 3].sum(), paths=["layers.0.linear_attn.decays"])
+        # dMetric/dLogits given directly ([B,1,vocab]: the trace's logits are the last position's)
+        tr.backward(np.ones((1, 1, 96), np.float32), paths=["layers.0.linear_attn.decays"])
