@@ -58,17 +58,20 @@ class Family:
 
             spec = dict(seed=83, prompts=[1], config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
                                                             linear_num_key_heads=2, linear_num_value_heads=4))
-            model = qf.build_model("qwen3_5", spec)
+            if name == "kimi_linear":  # KDA (decays per key channel), MLA, the MoE on the last layer
+                spec = dict(seed=84, prompts=[1], config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+                                                                mlp_layer_types=["dense", "dense", "sparse"]))
+            model = qf.build_model(name, spec)
             model.save_pretrained(tmp_path)
             self.torch_model = type(model).from_pretrained(tmp_path).eval()
-            self.chunk, self.route_family, self.layers = 64, "qwen3_5", [0, 2]
+            self.chunk, self.route_family, self.layers = 64, name, [0, 2]
         self.vocab = self.torch_model.config.vocab_size
         self.prompts_of = lambda lens, seed=5: mf.make_prompts(seed, lens, self.vocab)
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
 
     def ref(self, prompts, n_steps=1, edits=(), feeds=None) -> dict:
         """The oracle's values; `feeds` [n_steps-1][B][n] tokens fed after each step."""
-        if self.name == "qwen3_5":
+        if self.name in ("qwen3_5", "kimi_linear"):
             values, _ = oq.run(self.torch_model, prompts, QWEN_PAD, n_steps, list(edits), feeds=feeds)
             return values
         oracle = om2 if self.name == "mamba2" else om1
@@ -76,7 +79,7 @@ class Family:
         return oracle.run(self.torch_model, prompts, n_steps, list(edits), forced_tokens=forced)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "mamba", "falcon_mamba", "qwen3_5"])
+@pytest.fixture(scope="module", params=["mamba2", "mamba", "falcon_mamba", "qwen3_5", "kimi_linear"])
 def fam(request, tmp_path_factory):
     return Family(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -122,7 +125,7 @@ def _ref_write(fam, prompts, t, factor, layer):
     rest = [p[t + 1 - pad:] for p, pad in zip(prompts, pads)]
     R = T - t - 1
     edit = dict(name="w", path=mix(layer, "state_input"), step=1, op="scale", factor=factor)
-    if fam.name == "qwen3_5":
+    if fam.name in ("qwen3_5", "kimi_linear"):
         ref = fam.ref(prefix, 2, [edit], feeds=[rest]) if R else fam.ref(prefix, 1)
         ref_logits = np.concatenate([ref[oq.key("logits", 0)]] + ([ref[oq.key("logits", 1)]] if R else []), axis=1)
     else:
@@ -150,7 +153,7 @@ def _write_case(fam, lens, t, factor, layer, how):
         logits, out_state = got["logits"], got[mix(layer, "state_output")]
     err = rel_rms(logits, ref_logits)
     assert err <= LOGIT_TOL, f"{fam.name} write at t={t} ({how}): logits rel rms {err:.2e}"
-    last = 1 if (R and fam.name == "qwen3_5") else R
+    last = 1 if (R and fam.name in ("qwen3_5", "kimi_linear")) else R
     want_out = ref[oq.key(mix(layer, "state_output"), last)] * (1.0 if R else factor)  # t = T-1: the write is it
     assert rel_rms(out_state, want_out) <= STATE_TOL
     return logits
@@ -194,7 +197,7 @@ def test_a_write_on_one_row_matches_transformers_there_and_leaves_the_other_row(
     ref, ref_logits, R = _ref_write(fam, [prompts[1]], t - pad, factor, layer)
     err = rel_rms(logits[1:, pad:], ref_logits)
     assert err <= LOGIT_TOL, f"{fam.name} {route} row 1 written at t={t}: logits rel rms {err:.2e}"
-    last = 1 if (R and fam.name == "qwen3_5") else R
+    last = 1 if (R and fam.name in ("qwen3_5", "kimi_linear")) else R
     assert rel_rms(out_state[1:], ref[oq.key(mix(layer, "state_output"), last)]) <= STATE_TOL
     assert np.abs(logits[1, t + 1:] - plain[1, t + 1:]).max() > 1e-3  # the write did something
 
@@ -285,7 +288,7 @@ def test_support_and_values(fam):
     sup = fam.model.support()
     for name in ("linear_attn.state", "linear_attn.state_after", "linear_attn.set_state_after"):
         assert name in sup
-    if fam.name == "qwen3_5":
+    if fam.name in ("qwen3_5", "kimi_linear"):
         assert sup["linear_attn.state_after"][0] is None and "attention block" in sup["linear_attn.state_after"][1]
         assert fam.model.support(layer=1)["linear_attn.set_state_after"] is not None
         assert fam.model.support(layer=-1)["linear_attn.state_after"] is None
