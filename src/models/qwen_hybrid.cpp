@@ -365,8 +365,9 @@ class QwenHybrid final : public FamilyModel {
   void set_chunk_size(int64_t c) override {
     if (c != 0)
       throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
-                             "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' "
-                             "torch_chunk_gated_delta_rule; per-token states are served on any chunk (0 keeps the default)");
+                             "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' " +
+                             (spec_.kimi ? "chunk_kimi_delta_attention" : "torch_chunk_gated_delta_rule") +
+                             "; per-token states are served on any chunk (0 keeps the default)");
   }
   int64_t key_head_repeat() const override { return g_.HV / g_.HK; }
 
@@ -374,7 +375,10 @@ class QwenHybrid final : public FamilyModel {
     std::map<std::string, std::map<int, std::string>> s;
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       const bool lin = layers_[static_cast<size_t>(i)].linear;
-      const std::string block = "block " + std::to_string(i) + (lin ? " is a gated_deltanet block" : " is an attention block");
+      // Kimi: the delta rule's per-key-channel variant and latent attention, named so a reader knows which.
+      const std::string block = "block " + std::to_string(i) +
+                                (lin ? std::string(" is a gated_deltanet block") + (spec_.kimi ? " (Kimi Delta Attention)" : "")
+                                     : std::string(" is an attention block") + (spec_.kimi ? " (latent attention)" : ""));
       for (int vi = 0; vi < kNumValues; ++vi) {
         const Value val = static_cast<Value>(vi);
         const Component c = value_component(val);
