@@ -165,3 +165,34 @@ def test_backward_is_a_clear_error_naming_the_family(case):
     with pytest.raises(mixlens.UnsupportedError, match="kimi_linear family"):
         # dMetric/dLogits given directly ([B,1,vocab]: the trace's logits are the last position's)
         tr.backward(np.ones((1, 1, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+
+
+def test_the_published_config_spelling_loads_the_same_model(tmp_path):
+    """The published config.json keeps the linear-attention fields in linear_attn_config (1-indexed
+    full_attn_layers / kda_layers, head_dim, num_heads, short_conv_kernel_size) and the dense layers
+    as first_k_dense_replace: read as KimiLinearConfig.__post_init__ reads them, the same model."""
+    import json
+    import shutil
+
+    from mixlens_dev.common import REPO
+
+    src = REPO / "tests/fixtures/kimi_linear/kda_mla_moe_chunks"
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(src / f, tmp_path / f)
+    cfg = json.loads((src / "config.json").read_text())
+    for k in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        del cfg[k]
+    cfg["linear_attn_config"] = dict(full_attn_layers=[2], kda_layers=[1, 3], head_dim=8, num_heads=2,
+                                     short_conv_kernel_size=4)
+    cfg["first_k_dense_replace"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = transformers.KimiLinearConfig.from_pretrained(tmp_path)
+    assert hf.layer_types == [LIN, FULL, LIN] and hf.mlp_layer_types == ["dense", "sparse", "sparse"]
+    rows = prompts(6, [20])
+    want = mixlens.StandardizedTransformer(str(src)).run(rows)["logits"]
+    got = mixlens.StandardizedTransformer(str(tmp_path)).run(rows)["logits"]
+    np.testing.assert_array_equal(got, want)
+    cfg["linear_attn_config"]["full_attn_layers"] = [4]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mixlens.ConfigError, match="full_attn_layers names layer 4"):
+        mixlens.StandardizedTransformer(str(tmp_path))
