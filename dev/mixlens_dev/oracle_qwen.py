@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / OLMo-Hybrid numerical oracle: every value of transformers' pure-torch hybrids.
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / OLMo-Hybrid / Kimi-Linear numerical oracle: every value of transformers' pure-torch hybrids.
 
 The reference the C++ tests compare against (through the goldens in tests/fixtures/qwen3_5 and
 tests/fixtures/qwen3_next, built by scripts/make_fixtures.py). Imports no test framework.
@@ -15,6 +15,10 @@ exactly one patched delta-rule call and one patched conv call, each attention la
 patched RoPE call, none on OLMo-Hybrid's NoPE layout, whose q / k are read after q_norm / k_norm),
 otherwise it raises. Module hooks capture the rest (``mlp.output`` and ``self_attn.attention_output`` are
 the modules' outputs: before OLMo-Hybrid's post-norms).
+Kimi-Linear (``modeling_kimi_linear``): the delta-rule globals are ``chunk_kimi_delta_attention`` /
+``recurrent_kimi_delta_attention`` (decays per key channel, [B,T,H,Dk]); both block kinds are
+``self_attn``; its attention has no RoPE, so the attention layer's ``expand_kv`` (an instance
+attribute here) is wrapped instead: it gives the call's keys and values, q_proj / q_b_proj the queries.
 
 Keys: ``"<path>@step<k>"`` (``embed_tokens.output``, ``layers.{i}.layer_input`` / ``layer_output``,
 ``layers.{i}.linear_attn.<value>``, ``layers.{i}.self_attn.<value>``, ``layers.{i}.mlp.output``,
@@ -60,14 +64,15 @@ def _apply_op(value: torch.Tensor, edit: dict) -> torch.Tensor:
 
 def token_recurrence(q, k, v, g, beta, S0):
     """Gated delta rule token by token (model-math §3.3.5), fp32, from the kernel's inputs.
-    q, k [B,T,H,Dk] (before the L2 norm), v [B,T,H,Dv], g/beta [B,T,H]. Returns [B,T,H,Dk,Dv]."""
+    q, k [B,T,H,Dk] (before the L2 norm), v [B,T,H,Dv], g/beta [B,T,H] (g [B,T,H,Dk]: Kimi's decay per
+    key channel, each key row of S decayed by its own factor). Returns [B,T,H,Dk,Dv]."""
     q, k = mq35.l2norm(q.float()), mq35.l2norm(k.float())
     v, g, beta = v.float(), g.float(), beta.float()
     b, t_len, h, dk = k.shape
     S = torch.zeros(b, h, dk, v.shape[-1]) if S0 is None else S0.float().clone()
     out = torch.empty(b, t_len, h, dk, v.shape[-1])
     for t in range(t_len):
-        S = S * g[:, t].exp()[..., None, None]
+        S = S * (g[:, t].exp()[..., None] if g.dim() == 4 else g[:, t].exp()[..., None, None])
         mem = (S * k[:, t, :, :, None]).sum(-2)
         delta = (v[:, t] - mem) * beta[:, t, :, None]
         S = S + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -83,6 +88,9 @@ class _Recorder:
         # The model's own modeling module (qwen3_5, qwen3_5_moe, qwen3_next): its globals are what it calls.
         self.mod = sys.modules[type(model).__module__]
         self.text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        self.kimi = self.mod.__name__.endswith("modeling_kimi_linear")
+        self.delta_names = (("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention") if self.kimi else
+                            ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
         self.n_layers = len(self.text.layers)
         self.nope = getattr(self.text, "rotary_emb", True) is None  # OLMo-Hybrid with rope_theta null
         self.edits = list(edits)
@@ -170,9 +178,43 @@ class _Recorder:
         return qe, ke
 
     # ---- hooks -------------------------------------------------------------------------------
+    def _linear(self, layer) -> bool:
+        return layer.block_type == "linear_attention" if self.kimi else hasattr(layer, "linear_attn")
+
+    def _install_kimi_attention(self, i, at):
+        """KimiLinearAttention: queries from q_proj (or q_b_proj), the call's keys and values from
+        expand_kv (the cache's whole length comes back: the last T are this call's)."""
+        H, hd = self._h, at.qk_head_dim
+        q_mod = at.q_proj if at.q_proj is not None else at.q_b_proj
+
+        def qproj(m, a, o, i=i):
+            b, t, _ = o.shape
+            self.put(f"layers.{i}.self_attn.attention_queries", o.view(b, t, -1, hd))
+
+        orig = at.expand_kv
+
+        def expand_kv(kv_nope, k_rot, i=i):
+            self.calls.setdefault(i, []).append("expand_kv")
+            k, v = orig(kv_nope, k_rot)
+            t = self._t
+            self.put(f"layers.{i}.self_attn.attention_keys", k[:, :, -t:].transpose(1, 2))
+            self.put(f"layers.{i}.self_attn.attention_values", v[:, :, -t:].transpose(1, 2))
+            return k, v
+
+        def pre(m, args, kwargs):
+            self._t = (args[0] if args else kwargs["hidden_states"]).shape[1]
+
+        at.expand_kv = expand_kv
+        self._restore.append(lambda: delattr(at, "expand_kv"))
+        H.append(q_mod.register_forward_hook(qproj))
+        H.append(at.register_forward_pre_hook(pre, with_kwargs=True))
+        H.append(at.register_forward_hook(
+            lambda m, a, o, i=i: self.put(f"layers.{i}.self_attn.attention_output", o[0])))
+
     def _install(self):
         tm = self.text
         H = self._h = []
+        self._restore = []
 
         H.append(tm.embed_tokens.register_forward_hook(lambda m, a, o: self.put("embed_tokens.output", o)))
         for i, layer in enumerate(tm.layers):
@@ -189,9 +231,11 @@ class _Recorder:
             H.append(layer.register_forward_hook(post, with_kwargs=True))
             H.append(layer.mlp.register_forward_hook(
                 lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
-            if hasattr(layer, "linear_attn"):
-                H.append(layer.linear_attn.register_forward_hook(
+            if self._linear(layer):
+                H.append((layer.self_attn if self.kimi else layer.linear_attn).register_forward_hook(
                     lambda m, a, o, i=i: self.put(f"layers.{i}.linear_attn.attention_output", o)))
+            elif self.kimi:
+                self._install_kimi_attention(i, layer.self_attn)
             else:
                 at = layer.self_attn
                 hd = at.head_dim
@@ -222,20 +266,23 @@ class _Recorder:
         H.append(tm.norm.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
 
     def __enter__(self):
-        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                     "causal_conv1d_update", "apply_rotary_pos_emb"):
+        for name in (*self.delta_names, "causal_conv1d_fn", "causal_conv1d_update",
+                     *(() if self.kimi else ("apply_rotary_pos_emb",))):
             self._orig[name] = getattr(self.mod, name)
-        self.mod.torch_chunk_gated_delta_rule = self._delta("torch_chunk_gated_delta_rule")
-        self.mod.torch_recurrent_gated_delta_rule = self._delta("torch_recurrent_gated_delta_rule")
+        for name in self.delta_names:
+            setattr(self.mod, name, self._delta(name))
         self.mod.causal_conv1d_fn = self._conv("causal_conv1d_fn")
         self.mod.causal_conv1d_update = self._conv("causal_conv1d_update")
-        self.mod.apply_rotary_pos_emb = self._rope
+        if not self.kimi:
+            self.mod.apply_rotary_pos_emb = self._rope
         self._install()
         return self
 
     def __exit__(self, *exc):
         for h in self._h:
             h.remove()
+        for undo in self._restore:
+            undo()
         for name, f in self._orig.items():
             setattr(self.mod, name, f)
 
@@ -247,10 +294,10 @@ class _Recorder:
         """Guard: every layer went through the patched functions exactly once (the patch took)."""
         for i, layer in enumerate(self.text.layers):
             got = sorted(self.calls.get(i, []))
-            if hasattr(layer, "linear_attn"):
-                ok = len(got) == 2 and any("gated_delta" in c for c in got) and any("conv1d" in c for c in got)
+            if self._linear(layer):
+                ok = len(got) == 2 and any(c in self.delta_names for c in got) and any("conv1d" in c for c in got)
             else:
-                ok = got == ([] if self.nope else ["rope"])
+                ok = got == (["expand_kv"] if self.kimi else [] if self.nope else ["rope"])
             if not ok:
                 raise RuntimeError(f"step {self.step} layer {i}: patched calls {got} (did transformers stop "
                                    "resolving the kernels as module globals?)")

@@ -26,6 +26,54 @@ void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up
   float* yp = y.data();
   for (int64_t e = 0; e < rows * out; ++e) yp[e] += u[e];
 }
+
+// MLA's queries for `rows` inputs x: q_proj, or q_b_proj(q_a_layernorm(q_a_proj(x))).
+void latent_queries(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows, float* q) {
+  if (d.q_lora_rank == 0) return ops::linear(x, rows, d.D, w.q_proj, q);
+  Tensor qa = Tensor::uninitialized({rows, d.q_lora_rank});
+  ops::linear(x, rows, d.D, w.q_a_proj, qa.data());
+  ops::rmsnorm(qa.data(), w.q_a_norm.data(), qa.data(), rows, d.q_lora_rank, d.latent_eps, false);
+  ops::linear(qa.data(), rows, d.q_lora_rank, w.q_b_proj, q);
+}
+
+// MLA's keys k [rows, H, hd] and values v [rows, H, v_hd] (KimiLinearAttention.expand_kv).
+void latent_keys_values(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows,
+                        float* k, float* v) {
+  const int64_t r = d.kv_lora_rank, ca = r + d.qk_rope, H = d.H, nv = d.qk_nope + d.v_hd;
+  Tensor ckv = Tensor::uninitialized({rows, ca}), lat = Tensor::uninitialized({rows, r}),
+         kvb = Tensor::uninitialized({rows, H * nv});
+  ops::linear(x, rows, d.D, w.kv_a_proj, ckv.data());
+  for (int64_t row = 0; row < rows; ++row)
+    std::memcpy(lat.data() + row * r, ckv.data() + row * ca, sizeof(float) * static_cast<size_t>(r));
+  ops::rmsnorm(lat.data(), w.kv_a_norm.data(), lat.data(), rows, r, d.latent_eps, false);
+  ops::linear(lat.data(), rows, r, w.kv_b_proj, kvb.data());
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = kvb.data() + (row * H + h) * nv;
+      float* kh = k + (row * H + h) * d.hd;
+      std::memcpy(kh, src, sizeof(float) * static_cast<size_t>(d.qk_nope));
+      std::memcpy(kh + d.qk_nope, ckv.data() + row * ca + r, sizeof(float) * static_cast<size_t>(d.qk_rope));
+      std::memcpy(v + (row * H + h) * d.v_hd, src + d.qk_nope, sizeof(float) * static_cast<size_t>(d.v_hd));
+    }
+}
+
+// x [.., heads, w] into [.., heads, d] (d > w), zeros after each head's w; and back.
+Tensor pad_heads(const Tensor& x, int64_t d) {
+  Shape s = x.shape();
+  const int64_t w = s.back(), n = x.numel() / w;
+  s.back() = d;
+  Tensor y(s);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + i * d, x.data() + i * w, sizeof(float) * static_cast<size_t>(w));
+  return y;
+}
+Tensor unpad_heads(const Tensor& x, int64_t w) {
+  Shape s = x.shape();
+  const int64_t d = s.back(), n = x.numel() / d;
+  s.back() = w;
+  Tensor y = Tensor::uninitialized(s);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + i * w, x.data() + i * d, sizeof(float) * static_cast<size_t>(w));
+  return y;
+}
 }  // namespace
 
 AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string& where) : d_(dims) {
@@ -52,11 +100,42 @@ AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string
   if (d_.in_width < 0 || d_.in_width > (int64_t{1} << 32) || d_.lora_rank < 0 || d_.lora_rank > (int64_t{1} << 32))
     throw ConfigError(where + ": attention input width " + std::to_string(d_.in_width) + " / adapter rank " +
                       std::to_string(d_.lora_rank) + " out of range");
+  if (d_.mla()) {
+    if (d_.qk_nope < 0 || d_.qk_rope < 0 || d_.qk_nope + d_.qk_rope != d_.hd || d_.v_hd <= 0 || d_.v_hd > d_.hd ||
+        d_.q_lora_rank < 0)
+      throw ConfigError(where + ": latent attention needs qk_nope_head_dim + qk_rope_head_dim = head_dim (" +
+                        std::to_string(d_.qk_nope) + " + " + std::to_string(d_.qk_rope) + " vs " + std::to_string(d_.hd) +
+                        "), 0 < v_head_dim (" + std::to_string(d_.v_hd) + ") <= head_dim and q_lora_rank >= 0");
+    if (d_.Hkv != d_.H)
+      throw ConfigError(where + ": latent attention expands keys and values per query head: num_key_value_heads (" +
+                        std::to_string(d_.Hkv) + ") must equal num_attention_heads (" + std::to_string(d_.H) + ")");
+    if (d_.rope || d_.gate || d_.bias || d_.qk_norm != AttentionQkNorm::none || d_.in_multiplier != 1.0f ||
+        d_.key_multiplier != 1.0f || d_.out_multiplier != 1.0f)
+      throw UnsupportedError(where + ": latent attention with RoPE, an output gate, biases, q / k norms or "
+                             "multipliers is not supported (Kimi-Linear has none of them)");
+    if (!(d_.latent_eps > 0.0f) || !std::isfinite(d_.latent_eps))
+      throw ConfigError(where + ": the latent norms' epsilon must be a finite number > 0");
+  }
 }
 
 AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::string& m) const {
   const int64_t qr = d_.q_rows(), kd = d_.Hkv * d_.hd, D = d_.in_dim();
   AttentionMixerWeights a;
+  if (d_.mla()) {  // KimiLinearAttention's names
+    const int64_t H = d_.H, r = d_.kv_lora_rank, qlr = d_.q_lora_rank;
+    if (qlr > 0) {
+      a.q_a_proj = w.get_matmul(m + "q_a_proj.weight", {qlr, D});
+      a.q_a_norm = w.get(m + "q_a_layernorm.weight", {qlr});
+      a.q_b_proj = w.get_matmul(m + "q_b_proj.weight", {H * d_.hd, qlr});
+    } else {
+      a.q_proj = w.get_matmul(m + "q_proj.weight", {H * d_.hd, D});
+    }
+    a.kv_a_proj = w.get_matmul(m + "kv_a_proj_with_mqa.weight", {r + d_.qk_rope, D});
+    a.kv_a_norm = w.get(m + "kv_a_layernorm.weight", {r});
+    a.kv_b_proj = w.get_matmul(m + "kv_b_proj.weight", {H * (d_.qk_nope + d_.v_hd), r});
+    a.o_proj = w.get_matmul(m + "o_proj.weight", {D, H * d_.v_hd});
+    return a;
+  }
   a.q_proj = w.get_matmul(m + "q_proj.weight", {qr, D});
   a.k_proj = w.get_matmul(m + "k_proj.weight", {kd, D});
   a.v_proj = w.get_matmul(m + "v_proj.weight", {kd, D});
@@ -93,10 +172,16 @@ void AttentionMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>&
   const int64_t D = d_.D, H = d_.H, Hkv = d_.Hkv, hd = d_.hd;
   const bool norm = d_.qk_norm != AttentionQkNorm::none;
   const std::string rope = d_.rope ? " and RoPE" : " (no positional encoding)";
-  v.push_back(layer_value(i, Value::attn_queries, {B, T, H, hd}, true, std::string(norm ? "q after q_norm" : "q after q_proj") + rope));
+  v.push_back(layer_value(i, Value::attn_queries, {B, T, H, hd}, true,
+                          d_.mla() ? std::string(d_.q_lora_rank > 0 ? "q = q_b_proj(q_a_layernorm(q_a_proj(x)))" : "q after q_proj") + rope
+                                   : std::string(norm ? "q after q_norm" : "q after q_proj") + rope));
+  if (d_.mla())
+    v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv, hd}, true,
+                            "per head [k_nope from kv_b_proj | k_rope shared by the heads]" + rope + " (as cached)"));
   const std::string k = norm ? "k after k_norm" : d_.key_multiplier != 1.0f ? "k * key_multiplier" : "k";
-  v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv, hd}, true, k + rope + " (as cached)"));
-  v.push_back(layer_value(i, Value::attn_values, {B, T, Hkv, hd}, true, "v (as cached)"));
+  if (!d_.mla()) v.push_back(layer_value(i, Value::attn_keys, {B, T, Hkv, hd}, true, k + rope + " (as cached)"));
+  v.push_back(layer_value(i, Value::attn_values, {B, T, Hkv, d_.value_hd()}, true,
+                          d_.mla() ? "v from kv_b_proj(kv_a_layernorm(latent)) (as cached)" : "v (as cached)"));
   ValueInfo p = layer_value(i, Value::attn_probs, {B, H, T, T}, true,
                             "softmax attention weights [B,heads,T_q,T_k] (T_k = cached + new tokens; 0 for "
                             "masked and future keys; transformers' eager attn_weights), read-only");
@@ -136,16 +221,24 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
       std::memcpy(xl.data() + b * Din, x + (b * T + T - 1) * Din, sizeof(float) * static_cast<size_t>(Din));
   }
   const float* xq = last_only ? xl.data() : x;
-  ops::linear(xq, BTq, Din, w.q_proj, qp.data(), opt(w.q_bias));
+  if (d_.mla())
+    latent_queries(d_, w, xq, BTq, qp.data());
+  else
+    ops::linear(xq, BTq, Din, w.q_proj, qp.data(), opt(w.q_bias));
   if (d_.lora_rank > 0) add_lora(xq, BTq, w.q_lora_a, w.q_lora_b, qp);
   // A gradient call (never last_only) keeps the projections and the attention output
   // (grad::Kept::attn_*): the backward then runs no product of its forward again.
   if (tape) tape->keep(li, grad::Kept::attn_q_gate, d_.gate ? qp : qp.clone());  // read-only from here on
   Tensor q = d_.gate ? Tensor::uninitialized({B, Tq, H, d}) : qp;
   Tensor gate = d_.gate ? Tensor::uninitialized({B, Tq, H * d}) : Tensor();
-  Tensor k = Tensor::uninitialized({B, T, Hkv, d}), v = Tensor::uninitialized({B, T, Hkv, d});
-  ops::linear(x, BT, Din, w.k_proj, k.data(), opt(w.k_bias));
-  ops::linear(x, BT, Din, w.v_proj, v.data(), opt(w.v_bias));
+  const int64_t dv = d_.value_hd();
+  Tensor k = Tensor::uninitialized({B, T, Hkv, d}), v = Tensor::uninitialized({B, T, Hkv, dv});
+  if (d_.mla()) {
+    latent_keys_values(d_, w, x, BT, k.data(), v.data());
+  } else {
+    ops::linear(x, BT, Din, w.k_proj, k.data(), opt(w.k_bias));
+    ops::linear(x, BT, Din, w.v_proj, v.data(), opt(w.v_bias));
+  }
   if (d_.lora_rank > 0) {  // Zamba2Attention adds the adapters to the projections before the head split
     add_lora(x, BT, w.k_lora_a, w.k_lora_b, k);
     add_lora(x, BT, w.v_lora_a, w.v_lora_b, v);
@@ -189,7 +282,10 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   if (tape) tape->keep(li, grad::Kept::attn_v, v);
   KvCache& kv = *call.kv;
   const int64_t past = kv.len;
-  kv.append(k.data(), v.data(), B, T, Hkv * d);
+  // The kernels take one head width: MLA's values (v_hd < hd) go in zero-padded to hd, and the
+  // padding's zero outputs are dropped before o_proj.
+  const Tensor vk = dv == d ? v : pad_heads(v, d);
+  kv.append(k.data(), vk.data(), B, T, Hkv * d);
   Tensor att = Tensor::uninitialized({B, Tq, H, d});
   // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
   Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
@@ -206,8 +302,9 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
       for (int64_t e = r0 * wd; e < r1 * wd; ++e) att[e] *= sg[e];
     });
   }
+  if (dv != d) att = unpad_heads(att, dv);
   Tensor out = Tensor::uninitialized({B, Tq, D});
-  ops::linear(att.data(), BTq, H * d, w.o_proj, out.data(), opt(w.o_bias));
+  ops::linear(att.data(), BTq, H * dv, w.o_proj, out.data(), opt(w.o_bias));
   if (d_.out_multiplier != 1.0f) scale_by(out, d_.out_multiplier);
   visit_if(ls, li, Value::attn_output, out);
   if (tape) tape->keep(li, grad::Kept::attn_output, out);

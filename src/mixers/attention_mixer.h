@@ -23,7 +23,12 @@
 //    concatenated [h, embeddings] of width 2 * hidden_size); the output stays D wide.
 //  - lora_rank: per-layer LoRA adapters on q / k / v (Zamba2's shared attention, one adapter per
 //    depth): q = q_proj(x) + B_q(A_q(x)), the same for k and v, loaded by load_adapters.
-// Not expressed: Kimi-Linear's latent (MLA) attention, which brings a mixer of its own.
+//  - mla: Kimi-Linear's multi-head latent attention (KimiLinearAttention, DeepSeek-V2 MLA without
+//    RoPE): kv_a_proj_with_mqa gives [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)], the latent
+//    is RMS-normed (kv_a_layernorm) and expanded by kv_b_proj into per head [k_nope | v]; each head's
+//    key is [k_nope | k_rope], k_rope shared by the heads; q from q_proj, or q_a_proj ->
+//    q_a_layernorm -> q_b_proj with q_lora_rank. Not absorbed (transformers' math): the cache holds
+//    the expanded keys and values, hd = qk_nope + qk_rope, v_hd <= hd. No backward yet.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -63,7 +68,13 @@ struct AttentionMixerDims {
   float in_multiplier = 1.0f, key_multiplier = 1.0f, out_multiplier = 1.0f;
   int64_t in_width = 0;   ///< the projections' input width (0: D; Zamba's concatenated input: 2D)
   int64_t lora_rank = 0;  ///< rank of the q / k / v LoRA adapters (0: none; Zamba2 adapter_rank)
+  /// MLA (see the file comment): kv_lora_rank > 0 turns it on; hd must be qk_nope + qk_rope, Hkv = H.
+  int64_t kv_lora_rank = 0, q_lora_rank = 0, qk_nope = 0, qk_rope = 0, v_hd = 0;
+  float latent_eps = 1e-6f;  ///< q_a_layernorm / kv_a_layernorm epsilon (KimiLinearRMSNorm's default)
 
+  bool mla() const { return kv_lora_rank > 0; }
+  /// Each value head's width: hd, or v_hd with MLA.
+  int64_t value_hd() const { return mla() ? v_hd : hd; }
   /// Rows of q_proj: H * hd, twice that with the gate.
   int64_t q_rows() const { return H * hd * (gate ? 2 : 1); }
   /// Width of the projections' input.
@@ -79,6 +90,9 @@ struct AttentionMixerWeights {
   Tensor q_norm, k_norm;  ///< per_head: [hd]; whole: [H * hd], [Hkv * hd]
   /// With lora_rank: the adapters' down ([r, in_dim]) and up ([rows, r]) projections of q, k, v.
   Tensor q_lora_a, q_lora_b, k_lora_a, k_lora_b, v_lora_a, v_lora_b;
+  /// MLA: [q_lora_rank, D], [q_lora_rank], [H * hd, q_lora_rank] (with q_lora_rank; else q_proj);
+  /// [kv_lora_rank + qk_rope, D], [kv_lora_rank], [H * (qk_nope + v_hd), kv_lora_rank].
+  Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
 };
 
 /// What one mixer call reads and updates besides its input.

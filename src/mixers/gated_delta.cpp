@@ -23,14 +23,14 @@ inline void l2norm_row(const float* x, int64_t n, float scale, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }
 
-// One token of the recurrence on S [Dk,Dv] with normalised q, k (model-math §3.3.5 order).
-inline void step(float* S, const float* q, const float* k, const float* v, float g, float beta, int64_t Dk,
+// One token of the recurrence on S [Dk,Dv] with normalised q, k (model-math §3.3.5 order); `dec`
+// [Dk]: exp of each key row's decay (all equal but on Kimi Delta Attention).
+inline void step(float* S, const float* q, const float* k, const float* v, const float* dec, float beta, int64_t Dk,
                  int64_t Dv, float* mem, float* o) {
-  const float decay = std::exp(g);
   std::fill(mem, mem + Dv, 0.0f);
   for (int64_t d = 0; d < Dk; ++d) {
     float* Sd = S + d * Dv;
-    const float kd = k[d];
+    const float kd = k[d], decay = dec[d];
     for (int64_t e = 0; e < Dv; ++e) {
       Sd[e] *= decay;
       mem[e] += Sd[e] * kd;
@@ -49,6 +49,14 @@ inline void step(float* S, const float* q, const float* k, const float* v, float
   }
 }
 
+// exp of the decays of tokens [t0, t0 + L) of row b, head h: [L], or [L,Dk] per key channel.
+void token_decays(const GatedDeltaArgs& a, int64_t b, int64_t h, int64_t t0, int64_t L, float* out) {
+  const int64_t gn = a.g_per_key ? a.Dk : 1;
+  for (int64_t i = 0; i < L; ++i) {
+    const float* g = a.g + ((b * a.T + t0 + i) * a.H + h) * gn;
+    for (int64_t d = 0; d < gn; ++d) out[i * gn + d] = std::exp(g[d]);
+  }
+}
 
 bool use_avx2() {
 #if defined(__x86_64__)
@@ -66,11 +74,12 @@ void gated_delta_state_at(const GatedDeltaArgs& a, int64_t t, float* out) {
   const bool avx2 = use_avx2();
   ops::parallel_for(a.B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H;
-    std::vector<float> dec(static_cast<size_t>(L));
-    for (int64_t i = 0; i < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[(b * a.T + a.t_begin + i) * H + h]);
+    std::vector<float> dec(static_cast<size_t>(L * (a.g_per_key ? Dk : 1)));
+    token_decays(a, b, h, a.t_begin, L, dec.data());
     float* o = out + bh * Dk * Dv;
     std::memcpy(o, a.S + bh * Dk * Dv, sizeof(float) * static_cast<size_t>(Dk * Dv));
-    states_replay(o, dec.data(), a.last_kn + bh * C * Dk, Dk, a.last_delta + bh * C * Dv, L, Dk, Dv, o, nullptr, 0, avx2);
+    states_replay(o, dec.data(), a.last_kn + bh * C * Dk, Dk, a.last_delta + bh * C * Dv, L, Dk, Dv, o, nullptr, 0, avx2,
+                  a.g_per_key);
   });
 }
 
@@ -80,13 +89,16 @@ void gated_delta_recurrent(const GatedDeltaArgs& a) {
   ops::parallel_for(a.B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H;
     float* S = a.S + bh * Dk * Dv;
-    std::vector<float> qn(static_cast<size_t>(Dk)), kn(static_cast<size_t>(Dk)), mem(static_cast<size_t>(Dv));
+    std::vector<float> qn(static_cast<size_t>(Dk)), kn(static_cast<size_t>(Dk)), mem(static_cast<size_t>(Dv)),
+        dec(static_cast<size_t>(Dk));
     const int64_t t_end = a.t_end < 0 ? a.T : a.t_end;
     for (int64_t t = a.t_begin; t < t_end; ++t) {
       const int64_t r = (b * a.T + t) * H + h;  // row of [B,T,H]
       l2norm_row(a.q + r * Dk, Dk, scale, qn.data());
       l2norm_row(a.k + r * Dk, Dk, 1.0f, kn.data());
-      step(S, qn.data(), kn.data(), a.v + r * Dv, a.g[r], a.beta[r], Dk, Dv, mem.data(), a.o + r * Dv);
+      token_decays(a, b, h, t, 1, dec.data());
+      if (!a.g_per_key) std::fill(dec.begin() + 1, dec.end(), dec[0]);
+      step(S, qn.data(), kn.data(), a.v + r * Dv, dec.data(), a.beta[r], Dk, Dv, mem.data(), a.o + r * Dv);
       if (a.states) std::memcpy(a.states + r * Dk * Dv, S, sizeof(float) * static_cast<size_t>(Dk * Dv));
     }
   });
@@ -102,9 +114,11 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
     const int64_t b = bh / H, h = bh % H;
     float* S = a.S + bh * Dk * Dv;
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
-    std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C),
+    const bool pk = a.g_per_key;
+    const int64_t gn = pk ? Dk : 1;  // decays per token
+    std::vector<float> qn = buf(C * Dk), kn = buf(C * Dk), kb = buf(C * Dk), vb = buf(C * Dv), gam = buf(C * gn),
                        P = buf(C * C), Dm = buf(C * C), Uf = buf(C * Dv), Wf = buf(C * Dk), tmp = buf(C * Dv),
-                       dec = buf(C);
+                       dec = buf(C * gn), E = buf(pk ? C * Dk : 0), qe = buf(pk ? C * Dk : 0);
     std::vector<double> Kd(static_cast<size_t>(C * Dk)), M(static_cast<size_t>(C * C)), Rd(static_cast<size_t>(C * R));
     const int64_t t_end = a.t_end < 0 ? T : a.t_end;
     const int64_t nch = (t_end - a.t_begin + C - 1) / C;
@@ -113,7 +127,6 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       if (a.chunk_entry)
         std::memcpy(a.chunk_entry + (bh * nch + (t0 - a.t_begin) / C) * Dk * Dv, S,
                     sizeof(float) * static_cast<size_t>(Dk * Dv));
-      float run = 0.0f;
       for (int64_t i = 0; i < L; ++i) {
         const int64_t r = (b * T + t0 + i) * H + h;
         l2norm_row(a.q + r * Dk, Dk, scale, qn.data() + i * Dk);
@@ -121,36 +134,64 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
         const float be = a.beta[r];
         for (int64_t d = 0; d < Dk; ++d) kb[i * Dk + d] = kn[i * Dk + d] * be;
         for (int64_t e = 0; e < Dv; ++e) vb[i * Dv + e] = a.v[r * Dv + e] * be;
-        run += a.g[r];
-        gam[i] = run;  // inclusive cumulative log-decay within the chunk
+        for (int64_t d = 0; d < gn; ++d)  // inclusive cumulative log-decay within the chunk
+          gam[i * gn + d] = (i ? gam[(i - 1) * gn + d] : 0.0f) + a.g[r * gn + d];
       }
-      // Decay matrix Dm[i,j] = exp(Gi - Gj) on and below the diagonal, 0 above, one vectorized exp
-      // per row. Exponents of differences (never of a lone cumsum) keep long chunks finite.
-      for (int64_t i = 0; i < L; ++i) {
-        float* row = Dm.data() + i * C;
-        for (int64_t j = 0; j <= i; ++j) row[j] = gam[i] - gam[j];
-        ops::exp(row, row, i + 1);
-        std::fill(row + i + 1, row + L, 0.0f);
+      if (pk) {
+        // Per key channel the decay does not factor out of k_i . k_j: E[j] = k_j * exp(G_i - G_j)
+        // (exponents of differences, finite on long chunks), then P[i,j] = q_i . E[j] for j <= i and
+        // A[i,j] = k_i . E[j] for j < i (before beta_i, in double as the scalar path's dsyrk).
+        for (int64_t i = 0; i < L; ++i) {
+          const float* Gi = gam.data() + i * Dk;
+          for (int64_t j = 0; j <= i; ++j)
+            for (int64_t d = 0; d < Dk; ++d) E[j * Dk + d] = Gi[d] - gam[j * Dk + d];
+          ops::exp(E.data(), E.data(), (i + 1) * Dk);
+          for (int64_t j = 0; j <= i; ++j) {
+            float* Ej = E.data() + j * Dk;
+            const float* kj = kn.data() + j * Dk;
+            float pij = 0.0f;
+            double mij = 0.0;
+            for (int64_t d = 0; d < Dk; ++d) {
+              Ej[d] *= kj[d];
+              pij += qn[i * Dk + d] * Ej[d];
+              mij += static_cast<double>(kn[i * Dk + d]) * Ej[d];
+            }
+            P[i * C + j] = pij;
+            M[static_cast<size_t>(i * C + j)] = mij;
+          }
+          std::fill(P.begin() + i * C + i + 1, P.begin() + i * C + L, 0.0f);
+          for (int64_t d = 0; d < Dk; ++d) qe[i * Dk + d] = qn[i * Dk + d] * std::exp(Gi[d]);
+        }
+      } else {
+        // Decay matrix Dm[i,j] = exp(Gi - Gj) on and below the diagonal, 0 above, one vectorized exp
+        // per row. Exponents of differences (never of a lone cumsum) keep long chunks finite.
+        for (int64_t i = 0; i < L; ++i) {
+          float* row = Dm.data() + i * C;
+          for (int64_t j = 0; j <= i; ++j) row[j] = gam[i] - gam[j];
+          ops::exp(row, row, i + 1);
+          std::fill(row + i + 1, row + L, 0.0f);
+        }
+        // P = (Q K^T) * Dm (BLAS).
+        ops::gemm(false, true, L, L, Dk, 1.0f, qn.data(), Dk, kn.data(), Dk, 0.0f, P.data(), C);
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t j = 0; j < L; ++j) P[i * C + j] *= Dm[i * C + j];
+        // K K^T is symmetric: one dsyrk makes its lower half (scaled by beta_i and Dm below).
+        for (int64_t i = 0; i < L * Dk; ++i) Kd[static_cast<size_t>(i)] = kn[static_cast<size_t>(i)];
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, static_cast<blasint>(L), static_cast<blasint>(Dk), 1.0,
+                    Kd.data(), static_cast<blasint>(Dk), 0.0, M.data(), static_cast<blasint>(C));
       }
-      // P = (Q K^T) * Dm (BLAS).
-      ops::gemm(false, true, L, L, Dk, 1.0f, qn.data(), Dk, kn.data(), Dk, 0.0f, P.data(), C);
-      for (int64_t i = 0; i < L; ++i)
-        for (int64_t j = 0; j < L; ++j) P[i * C + j] *= Dm[i * C + j];
       // UT transform (I + A) [U | W] = [Vb | Kb exp(G)], A[i,j] = beta_i (K_i . K_j) exp(Gi - Gj) for
       // j < i, solved in double: with many similar keys in a chunk (I + A) is ill-conditioned, and
-      // float32 rounding here was the largest error against the reference. K K^T is symmetric, so
-      // one dsyrk makes its lower half and one unit-lower dtrsm does the forward substitution.
-      for (int64_t i = 0; i < L * Dk; ++i) Kd[static_cast<size_t>(i)] = kn[static_cast<size_t>(i)];
-      cblas_dsyrk(CblasRowMajor, CblasLower, CblasNoTrans, static_cast<blasint>(L), static_cast<blasint>(Dk), 1.0,
-                  Kd.data(), static_cast<blasint>(Dk), 0.0, M.data(), static_cast<blasint>(C));
+      // float32 rounding here was the largest error against the reference; one unit-lower dtrsm does
+      // the forward substitution.
       for (int64_t i = 0; i < L; ++i) {
         const double be = a.beta[(b * T + t0 + i) * H + h];
         double* Mi = M.data() + i * C;
-        for (int64_t j = 0; j < i; ++j) Mi[j] *= be * static_cast<double>(Dm[i * C + j]);
+        for (int64_t j = 0; j < i; ++j) Mi[j] *= be * (pk ? 1.0 : static_cast<double>(Dm[i * C + j]));
         double* Ri = Rd.data() + i * R;
-        const double eg = std::exp(static_cast<double>(gam[i]));
         for (int64_t e = 0; e < Dv; ++e) Ri[e] = vb[i * Dv + e];
-        for (int64_t d = 0; d < Dk; ++d) Ri[Dv + d] = kb[i * Dk + d] * eg;
+        for (int64_t d = 0; d < Dk; ++d)
+          Ri[Dv + d] = kb[i * Dk + d] * std::exp(static_cast<double>(gam[i * gn + (pk ? d : 0)]));
       }
       cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasUnit, static_cast<blasint>(L),
                   static_cast<blasint>(R), 1.0, M.data(), static_cast<blasint>(C), Rd.data(), static_cast<blasint>(R));
@@ -161,8 +202,8 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       }
       // V_new = U - W S (in U);  O = (Q exp(G)) S + P V_new.
       ops::gemm(false, false, L, Dv, Dk, -1.0f, Wf.data(), Dk, S, Dv, 1.0f, Uf.data(), Dv);
-      ops::gemm(false, false, L, Dv, Dk, 1.0f, qn.data(), Dk, S, Dv, 0.0f, tmp.data(), Dv);
-      for (int64_t i = 0; i < L; ++i) {
+      ops::gemm(false, false, L, Dv, Dk, 1.0f, pk ? qe.data() : qn.data(), Dk, S, Dv, 0.0f, tmp.data(), Dv);
+      for (int64_t i = 0; i < L && !pk; ++i) {  // per key channel, exp(G) is already in qe
         const float eg = std::exp(gam[i]);
         for (int64_t e = 0; e < Dv; ++e) tmp[i * Dv + e] *= eg;
       }
@@ -174,9 +215,9 @@ void gated_delta_chunked(const GatedDeltaArgs& a) {
       // a per-token read (gated_delta_state_at) use the same arithmetic, so states[:, t],
       // state_after(t) and state_output are one number, and a token with beta = g = 0 keeps the state.
       const int64_t r0 = (b * T + t0) * H + h;  // row of the chunk's first token
-      for (int64_t i = 0; i < L; ++i) dec[static_cast<size_t>(i)] = std::exp(a.g[r0 + i * H]);
+      token_decays(a, b, h, t0, L, dec.data());
       states_replay(S, dec.data(), kn.data(), Dk, Uf.data(), L, Dk, Dv, S, a.states ? a.states + r0 * Dk * Dv : nullptr,
-             H * Dk * Dv, avx2);
+             H * Dk * Dv, avx2, pk);
       if (a.last_kn) {  // what gated_delta_state_at needs of this (the last) chunk
         std::memcpy(a.last_kn + bh * C * Dk, kn.data(), sizeof(float) * static_cast<size_t>(L * Dk));
         std::memcpy(a.last_delta + bh * C * Dv, Uf.data(), sizeof(float) * static_cast<size_t>(L * Dv));

@@ -4,6 +4,9 @@
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
 // with S laid out [Dk, Dv] (key side first). Reference: transformers torch_chunk_gated_delta_rule /
 // torch_recurrent_gated_delta_rule (model-math.md §3.3.4-3.3.5).
+// Kimi Delta Attention (GatedDeltaArgs::g_per_key) is the same rule with a forget gate per key
+// channel: exp(g_t) becomes diag(exp(g_t[0..Dk))), decaying each key row of S by its own factor
+// (transformers chunk_kimi_delta_attention / recurrent_kimi_delta_attention).
 #pragma once
 #include <cstdint>
 
@@ -16,7 +19,9 @@ struct GatedDeltaArgs {
   const float* q = nullptr;     ///< [B,T,H,Dk] attention_queries (before the in-kernel L2 norm)
   const float* k = nullptr;     ///< [B,T,H,Dk] attention_keys (before the in-kernel L2 norm)
   const float* v = nullptr;     ///< [B,T,H,Dv] attention_values
-  const float* g = nullptr;     ///< [B,T,H]    decays (log of the per-token state decay, <= 0)
+  const float* g = nullptr;     ///< [B,T,H]    decays (log of the per-token state decay, <= 0);
+                                ///< [B,T,H,Dk] with g_per_key
+  bool g_per_key = false;       ///< one decay per key channel (Kimi Delta Attention), else one per head
   const float* beta = nullptr;  ///< [B,T,H]    betas
   float* S = nullptr;           ///< [B,H,Dk,Dv] in: initial state, out: final state
   float* o = nullptr;           ///< [B,T,H,Dv] attention_head_outputs

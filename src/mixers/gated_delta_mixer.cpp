@@ -13,6 +13,25 @@
 namespace mixlens::detail {
 
 void GatedDeltaMixer::load(const io::WeightStore& w, const std::string& m, GatedDeltaMixerWeights& l) const {
+  if (g_.kda) {  // KimiLinearDeltaAttention's checkpoint names (one conv per q / k / v, low-rank gates)
+    Tensor conv({g_.conv_dim(), 1, K_});
+    int64_t row = 0;
+    for (const auto& [name, rows] : {std::pair{"q_conv1d", g_.key_dim()}, {"k_conv1d", g_.key_dim()}, {"v_conv1d", g_.value_dim()}}) {
+      const Tensor c = w.get(m + name + ".weight", {rows, 1, K_});
+      std::memcpy(conv.data() + row * K_, c.data(), sizeof(float) * static_cast<size_t>(rows * K_));
+      row += rows;
+    }
+    l.conv_wT = transpose_conv(conv);
+    const Tensor A_log = w.get(m + "A_log", {1, 1, g_.HV, 1});
+    l.neg_A = Tensor({g_.HV});
+    for (int64_t h = 0; h < g_.HV; ++h) l.neg_A[h] = -std::exp(A_log[h]);
+    l.dt_bias = w.get(m + "dt_bias", {g_.HV * g_.Dk});
+    l.f_b = w.get_matmul(m + "f_b_proj.weight", {g_.HV * g_.Dk, g_.Dk});
+    l.g_b = w.get_matmul(m + "g_b_proj.weight", {g_.value_dim(), g_.Dk});
+    l.gnorm = w.get(m + "o_norm.weight", {g_.Dv});
+    l.out_proj = w.get_matmul(m + "o_proj.weight", {D_, g_.value_dim()});
+    return;
+  }
   if (opt_.split_conv && !w.has(m + "conv1d.weight")) {
     // q_conv1d | k_conv1d | v_conv1d stacked in that order, as transformers' Concatenate(dim=0) loads
     // them. Only the total is checked: transformers 5.18's save_pretrained splits conv1d back into three
@@ -48,7 +67,7 @@ void GatedDeltaMixer::load(const io::WeightStore& w, const std::string& m, Gated
   l.out_proj = w.get_matmul(m + opt_.out_name + ".weight", {D_, g_.value_dim()});
 }
 
-// Qwen3_5GatedDeltaNet.forward (OlmoHybridGatedDeltaNet.forward with GdnOptions).
+// Qwen3_5GatedDeltaNet.forward (OlmoHybridGatedDeltaNet.forward with GdnOptions; KimiLinearDeltaAttention.forward with kda).
 Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n_in, const Batch& in, bool masked,
                                 const GatedDeltaMixerCall& call) const {
   const int li = call.layer;
@@ -84,12 +103,26 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   visit_if(ls, li, Value::attention_queries, q);
   visit_if(ls, li, Value::attention_keys, k);
   visit_if(ls, li, Value::attention_values, v);
-  Tensor beta = Tensor::uninitialized({B, T, HV}), g = Tensor::uninitialized({B, T, HV});
+  const int64_t zr = g_.z_rows(), gw = g_.decay_width();
+  Tensor beta = Tensor::uninitialized({B, T, HV});
+  Tensor g = g_.kda ? Tensor::uninitialized({B, T, HV, Dk}) : Tensor::uninitialized({B, T, HV});
+  // kda: a second-stage product on the latent columns [c0, c0 + Dk) of in_proj's output.
+  const auto latent_times = [&](int64_t c0, const Tensor& W) {
+    Tensor lat = Tensor::uninitialized({BT, Dk}), out = Tensor::uninitialized({BT, W.size(0)});
+    for (int64_t row = 0; row < BT; ++row)
+      std::memcpy(lat.data() + row * Dk, proj.data() + row * pr + c0, sizeof(float) * static_cast<size_t>(Dk));
+    ops::linear(lat.data(), BT, Dk, W, out.data());
+    return out;
+  };
+  const Tensor fa = g_.kda ? latent_times(cd + zr + HV, l.f_b) : Tensor();  // f_b(f_a(x)) [BT, HV*Dk]
   for (int64_t row = 0; row < BT; ++row)
     for (int64_t j = 0; j < HV; ++j) {
-      const float* pb = proj.data() + row * pr + cd + vd;
+      const float* pb = proj.data() + row * pr + cd + zr;
       beta[row * HV + j] = opt_.beta_scale * ops::sigmoid(pb[j]);
-      g[row * HV + j] = l.neg_A[j] * ops::softplus(pb[HV + j] + l.dt_bias[j]);
+      for (int64_t d = 0; d < gw; ++d) {
+        const float a = g_.kda ? fa[row * HV * Dk + j * Dk + d] : pb[HV + j];
+        g[(row * HV + j) * gw + d] = l.neg_A[j] * ops::softplus(a + l.dt_bias[j * gw + d]);
+      }
     }
   visit_if(ls, li, Value::betas, beta);
   visit_if(ls, li, Value::decays, g);
@@ -107,7 +140,8 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   const auto row_args = [&](int64_t b, float* S_row) {
     GatedDeltaArgs r = a;
     r.q = q.data() + b * T * HV * Dk; r.k = k.data() + b * T * HV * Dk; r.v = v.data() + b * T * vd;
-    r.g = g.data() + b * T * HV; r.beta = beta.data() + b * T * HV;
+    r.g = g.data() + b * T * HV * gw; r.beta = beta.data() + b * T * HV;
+    r.g_per_key = g_.kda;
     r.S = S_row;
     return r;
   };
@@ -165,19 +199,25 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
     call.tape->keep(li, grad::Kept::head_outputs, o);
   }
 
-  // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv.
+  // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv;
+  // KimiLinearRMSNormGated: the same with * sigmoid(g_b(g_a(x))).
+  const Tensor zk = g_.kda ? latent_times(cd, l.g_b) : Tensor();  // the gate g_b(g_a(x)) [BT, vd]
   Tensor y = Tensor::uninitialized({B, T, vd});
   ops::parallel_rows(BT, vd, [&](int64_t row0, int64_t row1) {
     for (int64_t row = row0; row < row1; ++row)
       for (int64_t j = 0; j < HV; ++j) {
         const float* oj = o.data() + (row * HV + j) * Dv;
-        const float* z = proj.data() + row * pr + cd + j * Dv;
         float* yj = y.data() + row * vd + j * Dv;
         float ss = 0.0f;
         for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
         const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + eps_);
         for (int64_t e = 0; e < Dv; ++e) yj[e] = l.gnorm[e] * (oj[e] * inv);
-        ops::mul_silu(yj, z, yj, Dv);  // * silu(z), vectorized
+        if (g_.kda) {
+          const float* z = zk.data() + row * vd + j * Dv;
+          for (int64_t e = 0; e < Dv; ++e) yj[e] *= ops::sigmoid(z[e]);
+        } else {
+          ops::mul_silu(yj, proj.data() + row * pr + cd + j * Dv, yj, Dv);  // * silu(z), vectorized
+        }
       }
   });
   Tensor out = Tensor::uninitialized({B, T, D_});

@@ -2,6 +2,10 @@
 // -> out_proj) as one component: the Qwen hybrids (models/qwen_hybrid.cpp) run it in their linear
 // attention blocks. Reference: transformers Qwen3_5GatedDeltaNet.forward; model-math.md §3.3. Its
 // backward: grad/gated_delta_mixer_grad.cpp.
+// Option GdnDims::kda, Kimi Delta Attention (transformers KimiLinearDeltaAttention): the forget gate
+// is per key channel, g [B,T,HV,Dk] = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias[h,d]), the
+// output gate is sigmoid(g_b(g_a(x))) instead of silu(z); q / k / v have one head count (HK = HV)
+// and Dk = Dv. No backward for this option yet.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -16,11 +20,18 @@ namespace mixlens::detail {
 /// GDN sizes of one model (model-math.md §3.3.2).
 struct GdnDims {
   int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0;
+  bool kda = false;  ///< Kimi Delta Attention (see the file comment)
   int64_t key_dim() const { return HK * Dk; }
   int64_t value_dim() const { return HV * Dv; }
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+  /// Rows of z in the input projection: z itself, or g_a's output (the gate's latent, Dk wide) with kda.
+  int64_t z_rows() const { return kda ? Dk : value_dim(); }
+  /// Rows of a: one per value head, or f_a's output (the forget gate's latent, Dk wide) with kda.
+  int64_t a_rows() const { return kda ? Dk : HV; }
+  /// Decays per token and value head: 1, or Dk with kda (values.md `decays` [B,T,HV] / [B,T,HV,Dk]).
+  int64_t decay_width() const { return kda ? Dk : 1; }
   /// Rows of the combined input projection [q | k | v | z | b | a].
-  int64_t proj_rows() const { return conv_dim() + value_dim() + 2 * HV; }
+  int64_t proj_rows() const { return conv_dim() + z_rows() + HV + a_rows(); }
 };
 
 /// How a family's gated DeltaNet differs from Qwen3_5GatedDeltaNet (the defaults).
@@ -42,9 +53,10 @@ struct GatedDeltaMixerWeights {
   Tensor in_proj;  // [proj_rows, D]
   Tensor conv_wT;  // [K, conv_dim]
   Tensor neg_A;    // [HV] -exp(A_log)
-  Tensor dt_bias;  // [HV]
+  Tensor dt_bias;  // [HV], [HV * Dk] with kda
   Tensor gnorm;    // [Dv] plain weight
   Tensor out_proj; // [D, value_dim]
+  Tensor f_b, g_b; // kda: [HV * Dk, Dk] forget gate, [value_dim, Dk] output gate (second stages)
 };
 
 /// What one mixer call reads and updates besides its input.
@@ -70,7 +82,8 @@ class GatedDeltaMixer {
   float norm_eps() const { return eps_; }
   float beta_scale() const { return opt_.beta_scale; }
   /// Every weight under the mixer prefix `m` but in_proj, whose row layout the family decides
-  /// (QwenHybridSpec::load_gdn_in_proj).
+  /// (QwenHybridSpec::load_gdn_in_proj). With kda, the names of KimiLinearDeltaAttention's checkpoint:
+  /// q_conv1d / k_conv1d / v_conv1d, A_log [1,1,HV,1], dt_bias [HV*Dk], f_b_proj, g_b_proj, o_norm, o_proj.
   void load(const io::WeightStore& w, const std::string& m, GatedDeltaMixerWeights& l) const;
   /// One call on the normed block input [B,T,D]; `masked`: zero the padding rows of the input first
   /// (apply_mask_to_padding_states). Returns what the block adds to the residual.

@@ -12,17 +12,17 @@ namespace mixlens::detail {
 
 // ssm_kernels.h; the portable loop keeps the AVX2 kernel's two roundings (no FMA).
 void states_replay(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt, int64_t L,
-                   int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool avx2) {
+                   int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool avx2, bool decay_per_n) {
 #if defined(__x86_64__)
-  if (avx2) return ssd_states_replay_avx2(S0, decay, B, ldb, xdt, L, N, P, cur, out, ld_out);
+  if (avx2) return ssd_states_replay_avx2(S0, decay, B, ldb, xdt, L, N, P, cur, out, ld_out, decay_per_n);
 #endif
   (void)avx2;
   const float* prev = S0;
   for (int64_t l = 0; l < L; ++l) {
-    const float e = decay[l];
     const float* Bl = B + l * ldb;
     const float* xl = xdt + l * P;
     for (int64_t n = 0; n < N; ++n) {
+      const float e = decay_per_n ? decay[l * N + n] : decay[l];
       const float bn = Bl[n];
       const float* pr = prev + n * P;
       float* c = cur + n * P;

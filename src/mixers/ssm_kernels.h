@@ -21,8 +21,10 @@ bool selective_scan_avx2_ok(const SelectiveScanArgs& a);
 /// gated delta rule (N = Dk, P = Dv, B = normed keys, xdt = the deltas) both run it, so a chunk end,
 /// the `states` stack and a per-token read are one number each; a token with decay 1 and input 0
 /// keeps the state bit for bit. `avx2`: ssd_states_replay_avx2 (same roundings).
+/// `decay_per_n`: decay is [L, N], one factor per state row n (Kimi Delta Attention's per-key-channel
+/// forget gate), else [L].
 void states_replay(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt, int64_t L,
-                   int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool avx2);
+                   int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool avx2, bool decay_per_n = false);
 
 #if defined(__x86_64__)
 /// The token loop for channels [e0, e1) (selective_scan_recurrent's block), N % 8 == 0.
@@ -35,7 +37,7 @@ void softplus_bias_avx2(const float* x, const float* bias, float* y, int64_t n);
 /// `out` may be null (only the running state). No FMA anywhere (the scalar replay's roundings).
 /// Also a gated-delta head's states (mixers/gated_delta.cpp): N = Dk, P = Dv, B = keys, xdt = deltas.
 void ssd_states_replay_avx2(const float* S0, const float* da, const float* B, int64_t ldb, const float* xdt,
-                            int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out);
+                            int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool decay_per_n);
 #endif
 
 }  // namespace mixlens::detail

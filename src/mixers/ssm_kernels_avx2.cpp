@@ -150,16 +150,17 @@ void softplus_bias_avx2(const float* x, const float* bias, float* y, int64_t n) 
 }
 
 void ssd_states_replay_avx2(const float* S0, const float* decay, const float* B, int64_t ldb, const float* xdt,
-                            int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out) {
+                            int64_t L, int64_t N, int64_t P, float* cur, float* out, int64_t ld_out, bool decay_per_n) {
   const bool p8 = P % 8 == 0;
   const float* prev = S0;
   for (int64_t l = 0; l < L; ++l) {
-    const __m256 ev = _mm256_set1_ps(decay[l]);
+    const __m256 ev_token = _mm256_set1_ps(decay[decay_per_n ? 0 : l]);
     const float* Bl = B + l * ldb;
     const float* xl = xdt + l * P;
     float* o = out ? out + l * ld_out : nullptr;
     const bool aligned = o && (reinterpret_cast<uintptr_t>(o) & 31u) == 0 && p8;
     for (int64_t n = 0; n < N; ++n) {
+      const __m256 ev = decay_per_n ? _mm256_set1_ps(decay[l * N + n]) : ev_token;
       const __m256 bn = _mm256_set1_ps(Bl[n]);
       const float* pr = prev + n * P;
       float* c = cur + n * P;

@@ -26,6 +26,7 @@ struct Mlp {
   int64_t I = 0;             // dense / per-expert intermediate width
   Tensor gate_up, down;      // dense: [2I, D], [D, I]
   Tensor router;             // [E, D]
+  Tensor router_bias;        // Kimi: [E] e_score_correction_bias (chooses experts, does not weight them)
   std::vector<Tensor> expert_gate_up, expert_down;  // per expert [2I, D], [D, I]
   Tensor shared_gate_up, shared_down, shared_gate;  // [2Is, D], [D, Is], [1, D]
   int64_t Is = 0;
@@ -77,6 +78,7 @@ class QwenHybrid final : public FamilyModel {
     require_positive(cfg, {{"linear_num_key_heads", g_.HK}, {"linear_num_value_heads", g_.HV},
                            {"linear_key_head_dim", g_.Dk}, {"linear_value_head_dim", g_.Dv},
                            {"linear_conv_kernel_dim", K_}});
+    g_.kda = spec_.kimi;
     if (g_.HV % g_.HK != 0)
       throw ConfigError(where(cfg) + ": linear_num_value_heads (" + std::to_string(g_.HV) +
                         ") is not divisible by linear_num_key_heads (" + std::to_string(g_.HK) + ")");
@@ -125,6 +127,15 @@ class QwenHybrid final : public FamilyModel {
       if (spec_.attention_post_norms)
         throw UnsupportedError(where(cfg) + ": " + spec_.family + " with num_experts > 0 (a sparse MoE after its "
                                "post-norm attention blocks) is not supported");
+      if (spec_.kimi) {  // KimiLinearTopkRouter
+        n_group_ = cfg.get_or<int64_t>("n_group", 1);
+        topk_group_ = cfg.get_or<int64_t>("topk_group", 1);
+        routed_scale_ = static_cast<float>(cfg.get_double_or("routed_scaling_factor", 1.0));
+        require_positive(cfg, {{"n_group", n_group_}, {"topk_group", topk_group_}});
+        if (E % n_group_ != 0 || topk_group_ > n_group_ || E / n_group_ < 2)
+          throw ConfigError(where(cfg) + ": num_experts (" + std::to_string(E) + ") must split into n_group (" +
+                            std::to_string(n_group_) + ") groups of at least 2, and topk_group <= n_group");
+      }
     }
 
     gdn_ = GatedDeltaMixer(g_, K_, eps_, spec_.gdn);
@@ -147,7 +158,7 @@ class QwenHybrid final : public FamilyModel {
         l.in_norm = block_norm(w, lp, "input_layernorm");
       l.post_norm = block_norm(w, lp, "post_attention_layernorm");
       if (l.linear) {
-        const std::string m = lp + "linear_attn.";
+        const std::string m = lp + (spec_.kimi ? "self_attn." : "linear_attn.");
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
         gdn_.load(w, m, l);
       } else {
@@ -155,7 +166,7 @@ class QwenHybrid final : public FamilyModel {
       }
       const bool moe = E > 0 && std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() &&
                        (i + 1) % sparse_step == 0;
-      const std::string mp = lp + "mlp.";
+      const std::string mp = lp + (spec_.kimi ? "block_sparse_moe." : "mlp.");
       if (moe) {
         Mlp& x = l.mlp;
         x.moe = true;
@@ -163,6 +174,7 @@ class QwenHybrid final : public FamilyModel {
         x.Is = cfg.get<int64_t>("shared_expert_intermediate_size");
         require_positive(cfg, {{"moe_intermediate_size", x.I}, {"shared_expert_intermediate_size", x.Is}});
         x.router = w.get(mp + "gate.weight", {E, D_});
+        if (spec_.kimi) x.router_bias = w.get(mp + "gate.e_score_correction_bias", {E});
         // transformers 5.18 save_pretrained and the published files store one tensor per expert;
         // fused [E, 2I, D] / [E, D, I] tensors (the in-memory layout) are accepted too.
         const bool fused = w.has(mp + "experts.gate_up_proj");
@@ -179,14 +191,19 @@ class QwenHybrid final : public FamilyModel {
                                                                                  down_all.begin() + (e + 1) * D_ * x.I)));
           } else {
             const std::string ep = mp + "experts." + std::to_string(e) + ".";
-            x.expert_gate_up.push_back(cat_rows({w.get_matmul(ep + "gate_proj.weight", {x.I, D_}), w.get_matmul(ep + "up_proj.weight", {x.I, D_})}));
-            x.expert_down.push_back(w.get_matmul(ep + "down_proj.weight", {D_, x.I}));
+            // Kimi's published names: w1 gate, w3 up, w2 down.
+            const char* gate = spec_.kimi ? "w1.weight" : "gate_proj.weight";
+            const char* up = spec_.kimi ? "w3.weight" : "up_proj.weight";
+            const char* down = spec_.kimi ? "w2.weight" : "down_proj.weight";
+            x.expert_gate_up.push_back(cat_rows({w.get_matmul(ep + gate, {x.I, D_}), w.get_matmul(ep + up, {x.I, D_})}));
+            x.expert_down.push_back(w.get_matmul(ep + down, {D_, x.I}));
           }
         }
-        x.shared_gate_up = cat_rows({w.get_matmul(mp + "shared_expert.gate_proj.weight", {x.Is, D_}),
-                                     w.get_matmul(mp + "shared_expert.up_proj.weight", {x.Is, D_})});
-        x.shared_down = w.get_matmul(mp + "shared_expert.down_proj.weight", {D_, x.Is});
-        x.shared_gate = w.get(mp + "shared_expert_gate.weight", {1, D_});
+        const std::string sp = mp + (spec_.kimi ? "shared_experts." : "shared_expert.");
+        x.shared_gate_up = cat_rows({w.get_matmul(sp + "gate_proj.weight", {x.Is, D_}),
+                                     w.get_matmul(sp + "up_proj.weight", {x.Is, D_})});
+        x.shared_down = w.get_matmul(sp + "down_proj.weight", {D_, x.Is});
+        if (!spec_.kimi) x.shared_gate = w.get(mp + "shared_expert_gate.weight", {1, D_});
       } else {
         require_positive(cfg, {{"intermediate_size", I}});
         l.mlp.I = I;
@@ -330,7 +347,11 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(layer_value(i, Value::betas, {B, T, HV}, true,
                                 gdn_.beta_scale() == 1.0f ? "beta = sigmoid(b); independent of decays"
                                                           : "beta = 2 * sigmoid(b) (linear_allow_neg_eigval); independent of decays"));
-        v.push_back(layer_value(i, Value::decays, {B, T, HV}, true, "g = -exp(A_log) * softplus(a + dt_bias), <= 0"));
+        if (g_.kda)
+          v.push_back(layer_value(i, Value::decays, {B, T, HV, Dk}, true,
+                                  "g per key channel = -exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias), <= 0"));
+        else
+          v.push_back(layer_value(i, Value::decays, {B, T, HV}, true, "g = -exp(A_log) * softplus(a + dt_bias), <= 0"));
         v.push_back(layer_value(i, Value::state_input, {B, HV, Dk, Dv}, true, "recurrent state the call starts from; None on a fresh prompt"));
         auto s = layer_value(i, Value::states, {B, T, HV, Dk, Dv}, false, "recurrent state after every token (computed only when asked)");
         s.writable = false;
@@ -358,8 +379,9 @@ class QwenHybrid final : public FamilyModel {
   void set_chunk_size(int64_t c) override {
     if (c != 0)
       throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
-                             "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' "
-                             "torch_chunk_gated_delta_rule; per-token states are served on any chunk (0 keeps the default)");
+                             "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' " +
+                             (spec_.kimi ? "chunk_kimi_delta_attention" : "torch_chunk_gated_delta_rule") +
+                             "; per-token states are served on any chunk (0 keeps the default)");
   }
   int64_t key_head_repeat() const override { return g_.HV / g_.HK; }
 
@@ -367,7 +389,10 @@ class QwenHybrid final : public FamilyModel {
     std::map<std::string, std::map<int, std::string>> s;
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       const bool lin = layers_[static_cast<size_t>(i)].linear;
-      const std::string block = "block " + std::to_string(i) + (lin ? " is a gated_deltanet block" : " is an attention block");
+      // Kimi: the delta rule's per-key-channel variant and latent attention, named so a reader knows which.
+      const std::string block = "block " + std::to_string(i) +
+                                (lin ? std::string(" is a gated_deltanet block") + (spec_.kimi ? " (Kimi Delta Attention)" : "")
+                                     : std::string(" is an attention block") + (spec_.kimi ? " (latent attention)" : ""));
       for (int vi = 0; vi < kNumValues; ++vi) {
         const Value val = static_cast<Value>(vi);
         const Component c = value_component(val);
@@ -483,7 +508,8 @@ class QwenHybrid final : public FamilyModel {
     std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
     std::vector<int64_t> idx(static_cast<size_t>(E));
     std::vector<float> p(static_cast<size_t>(E));
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows && m.router_bias.defined(); ++r) route_kimi(m, logits.data() + r * E, E, r, routed);
+    for (int64_t r = 0; r < rows && !m.router_bias.defined(); ++r) {
       const float* lg = logits.data() + r * E;
       const float mx = *std::max_element(lg, lg + E);
       float sum = 0.0f;
@@ -503,8 +529,8 @@ class QwenHybrid final : public FamilyModel {
     }
     Tensor out = dense(m.shared_gate_up, m.shared_down, m.Is, n.data(), rows);
     Tensor sg({rows, 1});
-    ops::linear(n.data(), rows, D_, m.shared_gate, sg.data());
-    for (int64_t r = 0; r < rows; ++r) {
+    if (m.shared_gate.defined()) ops::linear(n.data(), rows, D_, m.shared_gate, sg.data());
+    for (int64_t r = 0; r < rows && m.shared_gate.defined(); ++r) {
       const float s = ops::sigmoid(sg[r]);
       for (int64_t d = 0; d < D_; ++d) out[r * D_ + d] *= s;
     }
@@ -522,6 +548,47 @@ class QwenHybrid final : public FamilyModel {
       }
     }
     return out;
+  }
+
+  // KimiLinearTopkRouter for one token's router logits lg [E]: scores sigmoid(lg); expert groups ranked
+  // by the sum of their two best biased scores (scores + e_score_correction_bias), the topk_group best
+  // kept; the top-k biased scores among those choose the experts, weighted by their unbiased scores
+  // (renormalised with + 1e-20 when norm_topk_prob) times routed_scaling_factor.
+  void route_kimi(const Mlp& m, const float* lg, int64_t E, int64_t r,
+                  std::vector<std::vector<std::pair<int64_t, float>>>& routed) const {
+    std::vector<float> sc(static_cast<size_t>(E)), pick(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      sc[static_cast<size_t>(e)] = ops::sigmoid(lg[e]);
+      pick[static_cast<size_t>(e)] = sc[static_cast<size_t>(e)] + m.router_bias[e];
+    }
+    const int64_t per = E / n_group_;
+    std::vector<float> gs(static_cast<size_t>(n_group_));
+    for (int64_t gi = 0; gi < n_group_; ++gi) {
+      std::vector<float> g(pick.begin() + gi * per, pick.begin() + (gi + 1) * per);
+      std::partial_sort(g.begin(), g.begin() + 2, g.end(), std::greater<float>());
+      gs[static_cast<size_t>(gi)] = g[0] + g[1];
+    }
+    // torch.topk order: largest first; ties to the lower index.
+    const auto top = [](const std::vector<float>& v, int64_t k) {
+      std::vector<int64_t> idx(v.size());
+      std::iota(idx.begin(), idx.end(), 0);
+      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
+        return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)] || (v[static_cast<size_t>(a)] == v[static_cast<size_t>(b)] && a < b);
+      });
+      idx.resize(static_cast<size_t>(k));
+      return idx;
+    };
+    std::vector<bool> keep(static_cast<size_t>(n_group_), false);
+    for (int64_t gi : top(gs, topk_group_)) keep[static_cast<size_t>(gi)] = true;
+    for (int64_t e = 0; e < E; ++e)
+      if (!keep[static_cast<size_t>(e / per)]) pick[static_cast<size_t>(e)] = -INFINITY;
+    const std::vector<int64_t> chosen = top(pick, topk_);
+    float tot = 0.0f;
+    for (int64_t e : chosen) tot += sc[static_cast<size_t>(e)];
+    for (int64_t e : chosen) {
+      const float wgt = norm_topk_ ? sc[static_cast<size_t>(e)] / (tot + 1e-20f) : sc[static_cast<size_t>(e)];
+      routed[static_cast<size_t>(e)].push_back({r, wgt * routed_scale_});
+    }
   }
 
   // Gated DeltaNet mixer (src/mixers/gated_delta_mixer.cpp).
@@ -552,6 +619,8 @@ class QwenHybrid final : public FamilyModel {
   QwenHybridSpec spec_;
   int64_t D_ = 0, L_ = 0, V_ = 0, K_ = 0, topk_ = 0;
   bool norm_topk_ = true;
+  int64_t n_group_ = 1, topk_group_ = 1;  // Kimi's router
+  float routed_scale_ = 1.0f;
   GdnDims g_;
   GatedDeltaMixer gdn_;
   AttentionMixer attn_;

@@ -38,6 +38,12 @@ struct QwenHybridSpec {
   /// when the module name is absent (OLMo-Hybrid: input_layernorm as attention_layer_norm,
   /// post_attention_layernorm as feedforward_layer_norm).
   std::vector<std::pair<std::string, std::string>> norm_aliases;
+  /// Kimi-Linear's block stack (kimi_linear.cpp, which also maps its config onto the fields read
+  /// here): Kimi Delta Attention linear blocks (GdnDims::kda), latent attention blocks (MLA), plain
+  /// weight RMS norms, and KimiLinearMoE where mlp_layer_types says "sparse" (sigmoid router with
+  /// e_score_correction_bias, group-limited top-k, routed_scaling_factor, ungated shared experts);
+  /// MLP weights under block_sparse_moe. as the published checkpoints name them. No backward.
+  bool kimi = false;
 };
 
 /// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (GdnDims).

@@ -25,13 +25,15 @@ const char* const kFamilies[] = {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "
                                  "granitemoehybrid",
                                  "jamba",
                                  "olmo_hybrid",
-                                 "zamba2"};
+                                 "zamba2",
+                                 "kimi_linear"};
 
 std::string mix(int layer, const std::string& v) { return "layers." + std::to_string(layer) + ".linear_attn." + v; }
 std::string at(int layer, int64_t t) { return mix(layer, "state") + "@t" + std::to_string(t); }
 
 bool gated_delta(const std::string& family) {
-  return family == "qwen3_5" || family == "qwen3_5_moe" || family == "qwen3_next" || family == "olmo_hybrid";
+  return family == "qwen3_5" || family == "qwen3_5_moe" || family == "qwen3_next" || family == "olmo_hybrid" ||
+         family == "kimi_linear";
 }
 
 // The chunk size of the family's chunked kernel, set to a short one where the model allows it

@@ -27,7 +27,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 
 std::vector<Param> all_cases() {
   std::vector<Param> out;
-  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"})
+  for (const char* f : {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -110,13 +110,15 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, QwenFixture, ::testing::ValuesIn(all_cases())
 struct KernelInputs {
   int64_t B, T, H, Dk, Dv;
   std::vector<float> q, k, v, g, beta, S0;
+  bool per_key = false;  // g is [B,T,H,Dk] (Kimi Delta Attention)
 };
 
-KernelInputs random_inputs(int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv, float g_lo, float g_hi, uint32_t seed) {
+KernelInputs random_inputs(int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv, float g_lo, float g_hi, uint32_t seed,
+                           bool per_key = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> n(0.0f, 1.0f);
   std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  KernelInputs x{B, T, H, Dk, Dv, {}, {}, {}, {}, {}, {}};
+  KernelInputs x{B, T, H, Dk, Dv, {}, {}, {}, {}, {}, {}, per_key};
   auto fill = [&](std::vector<float>& a, int64_t size, auto gen) {
     a.resize(static_cast<size_t>(size));
     for (auto& e : a) e = gen();
@@ -124,7 +126,7 @@ KernelInputs random_inputs(int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t 
   fill(x.q, B * T * H * Dk, [&] { return n(rng); });
   fill(x.k, B * T * H * Dk, [&] { return n(rng); });
   fill(x.v, B * T * H * Dv, [&] { return n(rng); });
-  fill(x.g, B * T * H, [&] { return g_lo + (g_hi - g_lo) * u(rng); });
+  fill(x.g, B * T * H * (per_key ? Dk : 1), [&] { return g_lo + (g_hi - g_lo) * u(rng); });
   fill(x.beta, B * T * H, [&] { return u(rng); });
   fill(x.S0, B * H * Dk * Dv, [&] { return 0.3f * n(rng); });
   return x;
@@ -134,15 +136,82 @@ struct KernelOut {
   Tensor o, S, states;
 };
 
-KernelOut run_kernel(const KernelInputs& x, bool chunked, bool with_states) {
-  KernelOut r{Tensor({x.B, x.T, x.H, x.Dv}), Tensor::from({x.B, x.H, x.Dk, x.Dv}, x.S0),
-              with_states ? Tensor({x.B, x.T, x.H, x.Dk, x.Dv}) : Tensor()};
+detail::GatedDeltaArgs kernel_args(const KernelInputs& x) {
   detail::GatedDeltaArgs a;
   a.B = x.B; a.T = x.T; a.H = x.H; a.Dk = x.Dk; a.Dv = x.Dv;
   a.q = x.q.data(); a.k = x.k.data(); a.v = x.v.data(); a.g = x.g.data(); a.beta = x.beta.data();
+  a.g_per_key = x.per_key;
+  return a;
+}
+
+// `splits`: the scan runs as calls over [0, s0), [s0, s1), ..., [s_last, T), each from the state the
+// previous one left (a continuation).
+KernelOut run_kernel(const KernelInputs& x, bool chunked, bool with_states, const std::vector<int64_t>& splits = {}) {
+  KernelOut r{Tensor({x.B, x.T, x.H, x.Dv}), Tensor::from({x.B, x.H, x.Dk, x.Dv}, x.S0),
+              with_states ? Tensor({x.B, x.T, x.H, x.Dk, x.Dv}) : Tensor()};
+  detail::GatedDeltaArgs a = kernel_args(x);
   a.S = r.S.data(); a.o = r.o.data(); a.states = with_states ? r.states.data() : nullptr;
-  if (chunked) detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
+  std::vector<int64_t> ends = splits;
+  ends.push_back(x.T);
+  for (int64_t t0 = 0; int64_t t1 : ends) {
+    a.t_begin = t0;
+    a.t_end = t1;
+    if (chunked) detail::gated_delta_chunked(a); else detail::gated_delta_recurrent(a);
+    t0 = t1;
+  }
   return r;
+}
+
+// The delta rule token by token in double, from the model-math order: S = diag(exp(g)) S (g per head
+// or per key channel), delta = beta (v - S^T k), S += k delta^T, o = S^T q; q, k L2-normed (eps 1e-6
+// under the sqrt), q / sqrt(Dk). Returns o [B,T,H,Dv] and the final state [B,H,Dk,Dv].
+std::pair<std::vector<double>, std::vector<double>> double_recurrence(const KernelInputs& x) {
+  const int64_t H = x.H, Dk = x.Dk, Dv = x.Dv, gn = x.per_key ? Dk : 1;
+  std::vector<double> ref_o(static_cast<size_t>(x.B * x.T * H * Dv)), ref_S(x.S0.begin(), x.S0.end());
+  for (int64_t b = 0; b < x.B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      double* S = ref_S.data() + (b * H + h) * Dk * Dv;
+      for (int64_t t = 0; t < x.T; ++t) {
+        const int64_t r = (b * x.T + t) * H + h;
+        std::vector<double> q(static_cast<size_t>(Dk)), k(static_cast<size_t>(Dk));
+        double qs = 0, ks = 0;
+        for (int64_t d = 0; d < Dk; ++d) {
+          q[static_cast<size_t>(d)] = x.q[static_cast<size_t>(r * Dk + d)];
+          k[static_cast<size_t>(d)] = x.k[static_cast<size_t>(r * Dk + d)];
+          qs += q[static_cast<size_t>(d)] * q[static_cast<size_t>(d)];
+          ks += k[static_cast<size_t>(d)] * k[static_cast<size_t>(d)];
+        }
+        for (int64_t d = 0; d < Dk; ++d) {
+          q[static_cast<size_t>(d)] /= std::sqrt(qs + 1e-6) * std::sqrt(static_cast<double>(Dk));
+          k[static_cast<size_t>(d)] /= std::sqrt(ks + 1e-6);
+          const double decay = std::exp(static_cast<double>(x.g[static_cast<size_t>(r * gn + (gn > 1 ? d : 0))]));
+          for (int64_t e = 0; e < Dv; ++e) S[d * Dv + e] *= decay;
+        }
+        const double be = x.beta[static_cast<size_t>(r)];
+        for (int64_t e = 0; e < Dv; ++e) {
+          double kS = 0;
+          for (int64_t d = 0; d < Dk; ++d) kS += k[static_cast<size_t>(d)] * S[d * Dv + e];
+          const double delta = (x.v[static_cast<size_t>(r * Dv + e)] - kS) * be;
+          double o = 0;
+          for (int64_t d = 0; d < Dk; ++d) {
+            S[d * Dv + e] += k[static_cast<size_t>(d)] * delta;
+            o += S[d * Dv + e] * q[static_cast<size_t>(d)];
+          }
+          ref_o[static_cast<size_t>(r * Dv + e)] = o;
+        }
+      }
+    }
+  return {ref_o, ref_S};
+}
+
+double rel_rms_vs(const Tensor& ours, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = ours[static_cast<int64_t>(i)] - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / den);
 }
 
 TEST(GatedDelta, ChunkedAndRecurrentAgreeOnEveryValue) {
@@ -216,46 +285,94 @@ TEST(GatedDelta, NearlyEqualKeysMatchADoubleRecurrence) {
     x.beta[static_cast<size_t>(r)] = 0.9f + 0.1f * x.beta[static_cast<size_t>(r)];
   }
   KernelOut c = run_kernel(x, true, false);
-  // The reference: S = exp(g) (S - beta k (k^T S)) + beta k v^T, o = S^T q, all in double.
-  std::vector<double> ref_o(static_cast<size_t>(T * H * Dv));
-  for (int64_t h = 0; h < H; ++h) {
-    std::vector<double> S(x.S0.begin() + h * Dk * Dv, x.S0.begin() + (h + 1) * Dk * Dv);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t r = t * H + h;
-      std::vector<double> q(static_cast<size_t>(Dk)), k(static_cast<size_t>(Dk));
-      double qs = 0, ks = 0;
-      for (int64_t d = 0; d < Dk; ++d) {
-        q[static_cast<size_t>(d)] = x.q[static_cast<size_t>(r * Dk + d)];
-        k[static_cast<size_t>(d)] = x.k[static_cast<size_t>(r * Dk + d)];
-        qs += q[static_cast<size_t>(d)] * q[static_cast<size_t>(d)];
-        ks += k[static_cast<size_t>(d)] * k[static_cast<size_t>(d)];
+  EXPECT_LE(rel_rms_vs(c.o, double_recurrence(x).first), 1e-5);
+}
+
+// Kimi Delta Attention (g_per_key): both kernels against the double recurrence, with decays that
+// differ per key channel (no decay, mild, strong, and a spread where channels keep from ~all to
+// ~nothing of their row), 150 tokens = 2 whole chunks + a ragged one, on every ISA level.
+TEST(KimiDelta, BothKernelsMatchADoubleRecurrence) {
+  struct Restore {
+    ops::Isa isa = ops::isa();
+    ~Restore() { ops::set_isa(isa); }
+  } restore;
+  for (ops::Isa isa : {ops::Isa::scalar, ops::best_isa()}) {
+    ops::set_isa(isa);
+    for (auto [lo, hi] : {std::pair{0.0f, 0.0f}, std::pair{-0.5f, 0.0f}, std::pair{-30.0f, -10.0f}, std::pair{-8.0f, 0.0f}}) {
+      KernelInputs x = random_inputs(2, 150, 3, 16, 8, lo, hi, 21, true);
+      const auto [ref_o, ref_S] = double_recurrence(x);
+      const std::string what = std::string(ops::isa_name(isa)) + " g in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+      for (bool chunked : {true, false}) {
+        KernelOut c = run_kernel(x, chunked, true);
+        EXPECT_LE(rel_rms_vs(c.o, ref_o), 1e-5) << what << (chunked ? " chunked" : " recurrent");
+        EXPECT_LE(rel_rms_vs(c.S, ref_S), 1e-5) << what << (chunked ? " chunked" : " recurrent");
+        const int64_t per = x.H * x.Dk * x.Dv;
+        for (int64_t b = 0; b < x.B; ++b)  // the last token's state is the final state, bit for bit
+          EXPECT_EQ(0, std::memcmp(c.states.data() + ((b + 1) * x.T - 1) * per, c.S.data() + b * per, sizeof(float) * per))
+              << what;
       }
-      for (int64_t d = 0; d < Dk; ++d) {
-        q[static_cast<size_t>(d)] /= std::sqrt(qs + 1e-6) * std::sqrt(static_cast<double>(Dk));
-        k[static_cast<size_t>(d)] /= std::sqrt(ks + 1e-6);
-      }
-      const double decay = std::exp(static_cast<double>(x.g[static_cast<size_t>(r)]));
-      const double be = x.beta[static_cast<size_t>(r)];
-      for (int64_t e = 0; e < Dv; ++e) {
-        double kS = 0;
-        for (int64_t d = 0; d < Dk; ++d) kS += k[static_cast<size_t>(d)] * S[static_cast<size_t>(d * Dv + e)] * decay;
-        const double delta = (x.v[static_cast<size_t>(r * Dv + e)] - kS) * be;
-        double o = 0;
-        for (int64_t d = 0; d < Dk; ++d) {
-          double& s = S[static_cast<size_t>(d * Dv + e)];
-          s = s * decay + k[static_cast<size_t>(d)] * delta;
-          o += s * q[static_cast<size_t>(d)];
-        }
-        ref_o[static_cast<size_t>(r * Dv + e)] = o;
-      }
+      KernelOut c = run_kernel(x, true, true), r = run_kernel(x, false, true);
+      EXPECT_LE(rel_rms(c.states, r.states), 1e-5) << what;
     }
   }
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref_o.size(); ++i) {
-    num += (c.o[static_cast<int64_t>(i)] - ref_o[i]) * (c.o[static_cast<int64_t>(i)] - ref_o[i]);
-    den += ref_o[i] * ref_o[i];
+}
+
+// A scan split over calls (continuations from the state the last call left) equals one call: bit for
+// bit on the recurrence and on chunk-aligned splits of the chunked kernel, within rounding on ragged
+// ones (the chunk grid moves); and the same double recurrence on either.
+TEST(KimiDelta, SplitOverCallsEqualsOneCall) {
+  KernelInputs x = random_inputs(1, 150, 2, 16, 8, -2.0f, 0.0f, 23, true);
+  const auto [ref_o, ref_S] = double_recurrence(x);
+  for (bool chunked : {true, false}) {
+    KernelOut whole = run_kernel(x, chunked, true);
+    KernelOut aligned = run_kernel(x, chunked, true, {64, 128});
+    EXPECT_EQ(0, std::memcmp(whole.o.data(), aligned.o.data(), sizeof(float) * whole.o.numel())) << chunked;
+    EXPECT_EQ(0, std::memcmp(whole.S.data(), aligned.S.data(), sizeof(float) * whole.S.numel())) << chunked;
+    KernelOut ragged = run_kernel(x, chunked, true, {1, 37, 149});
+    EXPECT_LE(rel_rms(ragged.o, whole.o), 1e-5) << chunked;
+    EXPECT_LE(rel_rms(ragged.states, whole.states), 1e-5) << chunked;
+    EXPECT_LE(rel_rms_vs(ragged.o, ref_o), 1e-5) << chunked;
+    EXPECT_LE(rel_rms_vs(ragged.S, ref_S), 1e-5) << chunked;
   }
-  EXPECT_LE(std::sqrt(num / den), 1e-5);
+}
+
+// With every channel's decay equal to the head's, the per-key option is the gated DeltaNet: bit for
+// bit on the recurrence (the same exp per row), within rounding on the chunked kernel (a different
+// order of products).
+TEST(KimiDelta, EqualChannelDecaysAreTheGatedDeltaNet) {
+  KernelInputs head = random_inputs(1, 150, 2, 16, 8, -1.0f, 0.0f, 25);
+  KernelInputs key = head;
+  key.per_key = true;
+  key.g.clear();
+  for (float g : head.g) key.g.insert(key.g.end(), static_cast<size_t>(head.Dk), g);
+  KernelOut hr = run_kernel(head, false, true), kr = run_kernel(key, false, true);
+  EXPECT_EQ(0, std::memcmp(hr.o.data(), kr.o.data(), sizeof(float) * hr.o.numel()));
+  EXPECT_EQ(0, std::memcmp(hr.states.data(), kr.states.data(), sizeof(float) * hr.states.numel()));
+  KernelOut hc = run_kernel(head, true, true), kc = run_kernel(key, true, true);
+  EXPECT_LE(rel_rms(hc.o, kc.o), 1e-6);
+  EXPECT_LE(rel_rms(hc.S, kc.S), 1e-6);
+}
+
+// gated_delta_state_at on a per-key chunk is the chunked kernel's own per-token state, bit for bit.
+TEST(KimiDelta, StateAtIsTheKernelsPerTokenState) {
+  KernelInputs x = random_inputs(1, 150, 2, 16, 8, -3.0f, 0.0f, 27, true);
+  KernelOut c = run_kernel(x, true, true);
+  const int64_t C = 64, per = x.H * x.Dk * x.Dv;
+  Tensor S = Tensor::from({1, x.H, x.Dk, x.Dv}, x.S0), o({1, x.T, x.H, x.Dv}), entry({1, x.H, x.Dk, x.Dv});
+  std::vector<float> kn(static_cast<size_t>(x.H * C * x.Dk)), delta(static_cast<size_t>(x.H * C * x.Dv));
+  detail::GatedDeltaArgs a = kernel_args(x);
+  a.S = S.data(); a.o = o.data();
+  a.t_end = 128;
+  detail::gated_delta_chunked(a);
+  std::memcpy(entry.data(), S.data(), sizeof(float) * per);
+  a.t_begin = 128; a.t_end = -1; a.last_kn = kn.data(); a.last_delta = delta.data();
+  detail::gated_delta_chunked(a);
+  a.S = entry.data();
+  for (int64_t t = 128; t < x.T; ++t) {
+    Tensor at({per});
+    detail::gated_delta_state_at(a, t, at.data());
+    EXPECT_EQ(0, std::memcmp(at.data(), c.states.data() + t * per, sizeof(float) * per)) << "token " << t;
+  }
 }
 
 TEST(Qwen, LongPromptThroughTheModelStaysFinite) {

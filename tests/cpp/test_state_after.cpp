@@ -46,7 +46,8 @@ std::vector<FamilyCase> all_cases() {
                         "granitemoehybrid",
                         "jamba",
                         "olmo_hybrid",
-                        "zamba2"})
+                        "zamba2",
+                        "kimi_linear"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

@@ -58,11 +58,14 @@ class Family:
 
             spec = dict(seed=83, prompts=[1], config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
                                                             linear_num_key_heads=2, linear_num_value_heads=4))
-            model = qf.build_model(name, spec)  # qwen3_5 or olmo_hybrid (gated DeltaNet, same oracle)
+            if name == "kimi_linear":  # KDA (decays per key channel), MLA, the MoE on the last layer
+                spec = dict(seed=84, prompts=[1], config=dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+                                                                mlp_layer_types=["dense", "dense", "sparse"]))
+            model = qf.build_model(name, spec)  # qwen3_5, olmo_hybrid or kimi_linear (gated DeltaNet, same oracle)
             model.save_pretrained(tmp_path)
             self.torch_model = type(model).from_pretrained(tmp_path).eval()
             self.chunk, self.route_family, self.layers = 64, name, [0, 2]
-        self.gdn = name in ("qwen3_5", "olmo_hybrid")
+        self.gdn = name in ("qwen3_5", "olmo_hybrid", "kimi_linear")
         self.vocab = self.torch_model.config.vocab_size
         self.prompts_of = lambda lens, seed=5: mf.make_prompts(seed, lens, self.vocab)
         self.model = mixlens.StandardizedTransformer(str(tmp_path))
@@ -77,7 +80,7 @@ class Family:
         return oracle.run(self.torch_model, prompts, n_steps, list(edits), forced_tokens=forced)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "mamba", "falcon_mamba", "qwen3_5", "olmo_hybrid"])
+@pytest.fixture(scope="module", params=["mamba2", "mamba", "falcon_mamba", "qwen3_5", "olmo_hybrid", "kimi_linear"])
 def fam(request, tmp_path_factory):
     return Family(request.param, tmp_path_factory.mktemp(request.param))
 
