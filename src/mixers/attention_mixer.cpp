@@ -16,8 +16,8 @@ const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 void scale_by(Tensor& t, float s) {
   for (int64_t e = 0; e < t.numel(); ++e) t[e] *= s;
 }
+}  // namespace
 
-// y += up(down(x)) for x [rows, in]: one LoRA adapter (down [r, in], up [y's row width, r]).
 void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up, Tensor& y) {
   const int64_t r = down.size(0), out = up.size(0);
   Tensor t = Tensor::uninitialized({rows, r}), u = Tensor::uninitialized({rows, out});
@@ -26,7 +26,6 @@ void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up
   float* yp = y.data();
   for (int64_t e = 0; e < rows * out; ++e) yp[e] += u[e];
 }
-}  // namespace
 
 AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string& where) : d_(dims) {
   const std::pair<const char*, int64_t> sizes[] = {

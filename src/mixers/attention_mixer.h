@@ -81,6 +81,10 @@ struct AttentionMixerWeights {
   Tensor q_lora_a, q_lora_b, k_lora_a, k_lora_b, v_lora_a, v_lora_b;
 };
 
+/// y += up(down(x)) for x [rows, in]: one LoRA adapter (down [r, in], up [y's row width, r]); the
+/// forward's and the backward's recompute share it.
+void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up, Tensor& y);
+
 /// What one mixer call reads and updates besides its input.
 struct AttentionMixerCall {
   int layer = 0;
