@@ -96,13 +96,8 @@ Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const fl
     ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
   }
   if (m.lora_a.defined()) {  // Zamba2MLP: gate_up_proj(x) + this depth's adapter(x), before the activation
-    const int64_t r = m.lora_a.size(0);
-    Tensor t({rows, r}), a({rows, I});
-    ops::linear(x, rows, D, m.lora_a, t.data());
-    ops::linear(t.data(), rows, r, m.lora_gate, a.data());
-    for (int64_t k = 0; k < rows * I; ++k) g[k] += a[k];
-    ops::linear(t.data(), rows, r, m.lora_up, a.data());
-    for (int64_t k = 0; k < rows * I; ++k) up[k] += a[k];
+    add_lora(x, rows, m.lora_a, m.lora_gate, g);
+    add_lora(x, rows, m.lora_a, m.lora_up, up);
   }
   if (s.mlp == HybridMlp::geglu) {  // exact GELU (ACT2FN["gelu"]) on the gate, times up
     for (int64_t k = 0; k < rows * I; ++k)
@@ -479,6 +474,7 @@ class Mamba2Hybrid final : public FamilyModel {
     watch.check(-1, Value::embed_output, h);
     // Zamba2Model: the shared blocks read the embeddings (as served, after any write) at every depth.
     const Tensor h0 = s_.shared_prefixes.empty() ? Tensor() : h.clone();
+    if (ctx.tape && h0.defined()) ctx.tape->keep(-1, grad::Kept::embeddings, h0);  // read-only from here on
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);

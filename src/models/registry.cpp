@@ -22,7 +22,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"falcon_mamba", "falcon_mamba", make_falcon_mamba, true},
       {"qwen3_5_moe", "qwen3_5_moe", make_qwen3_5_moe, true},
       {"qwen3_5_moe_text", "qwen3_5_moe", make_qwen3_5_moe, true},
-      {"zamba2", "zamba2", make_zamba2, false},
+      {"zamba2", "zamba2", make_zamba2, true},
   };
   return registry;
 }
