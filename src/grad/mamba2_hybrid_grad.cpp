@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <stdexcept>
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
@@ -82,7 +81,13 @@ class HybridBackward {
     tape_.block(li, Value::layer_output, dh);
     const Tensor& hin = tape_.layer_inputs[i];
     const Tensor* h0 = tape_.kept_of(-1, Kept::embeddings);
-    if (!h0) throw std::logic_error("zamba2 backward: the call kept no embeddings for its shared blocks");
+    if (!h0) {  // not kept: recomputed as the forward made them (lookup, multiplier, the write)
+      if (!h0_.defined()) {
+        h0_ = detail::hybrid_embeddings(s_, *tape_.head.embed, in_);
+        tape_.apply(-1, Value::embed_output, h0_);
+      }
+      h0 = &h0_;
+    }
     // Recompute the block (the tape's writes re-applied) up to the mixer's input.
     Tensor c({B_, T_, D2}), cn({B_, T_, D2});
     for (int64_t r = 0; r < BT_; ++r) {
@@ -364,6 +369,7 @@ class HybridBackward {
   std::vector<int64_t> pos_;
   std::vector<std::vector<uint8_t>> key_mask_;
   Tensor dh0_;  ///< Zamba2: dL/d(embeddings) through the shared blocks' concatenated input
+  Tensor h0_;   ///< Zamba2: the embeddings recomputed when the call kept none
 };
 
 }  // namespace

@@ -86,6 +86,15 @@ Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64
   return out;
 }
 
+Tensor hybrid_embeddings(const Mamba2HybridSpec& s, const Tensor& embed, const Batch& in) {
+  Tensor h = embed_tokens(embed, in, s.family.c_str());
+  // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given (GraniteMoeHybridModel
+  // multiplies both).
+  if (s.embedding_multiplier != 1.0f && (!in.embeds.defined() || s.embedding_multiplier_on_embeds))
+    for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s.embedding_multiplier;
+  return h;
+}
+
 Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const float* x, int64_t rows) {
   const int64_t I = s.I, D = s.D;
   Tensor up({rows, I}), out({rows, D});
@@ -464,11 +473,7 @@ class Mamba2Hybrid final : public FamilyModel {
     auto& cache = static_cast<HybridCache&>(cache_base);
     const int64_t B = in.batch, T = in.seq, BT = B * T, D = s_.D;
     const std::vector<int64_t> pos = cache.advance_positions(in);
-    Tensor h = embed_tokens(embed_, in, s_.family.c_str());
-    // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given (GraniteMoeHybridModel
-    // multiplies both).
-    if (s_.embedding_multiplier != 1.0f && (!in.embeds.defined() || s_.embedding_multiplier_on_embeds))
-      for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
+    Tensor h = hybrid_embeddings(s_, embed_, in);
     visit_if(ls, -1, Value::embed_output, h);
     FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
     watch.check(-1, Value::embed_output, h);

@@ -136,3 +136,17 @@ TEST(GradHybrids, DecodeAndContinuationMatchDirectionalFiniteDifferences) {
     check_paths(m, cont, &cache, paths_of(m, true), std::string(fx.dir) + " continuation");
   }
 }
+
+// Zamba2's shared blocks read the embeddings a gradient call keeps (grad::Kept::embeddings); dropping
+// what the forward kept (the backward then recomputes the embeddings, with a write to them, and the
+// mixers' products) changes no gradient.
+TEST(GradHybrids, Zamba2KeptEmbeddingsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("zamba2/shared_lora_edits").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input", "layers.*.self_attn.attention_values",
+                                       "layers.*.mlp.output"};
+  expect_kept_equals_recomputed(m, Batch::left_padded({kLong, kShort}, 0), paths, [](Trace& tr) {
+    tr.edit("embed_tokens.output", [](Tensor& e, const SiteContext&) {
+      for (int64_t i = 0; i < e.numel(); i += 5) e[i] = 0.125f;
+    });
+  });
+}
