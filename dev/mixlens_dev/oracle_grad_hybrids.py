@@ -1,6 +1,6 @@
 """Gradient oracle for the Mamba hybrids (issue 12): torch autograd on transformers 5.18's
 pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
-GraniteMoeHybridForCausalLM / JambaForCausalLM with every value of
+GraniteMoeHybridForCausalLM / JambaForCausalLM / Zamba2ForCausalLM with every value of
 values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
 
 * Mixer values: the module-global ``mamba2_chunk_scan`` of each hybrid's modeling module is
@@ -17,6 +17,11 @@ values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens'
   output * residual_multiplier), the retained tensor is the multiplied one and the module returns it
   divided back, so the graph is transformers' own. Granite's mlp.output ((MoE + shared MLP) *
   residual_multiplier) is retained at the shared MLP, which returns kept / rm - moe.
+* Zamba2: a shared block's values are kept at each hybrid layer through that layer's own modules
+  (oracle_hybrids.block_parts); with use_shared_attention_adapter q / k / v are projection + this
+  depth's adapter, kept (and edited) at the adapter's hook. Its layers read the embeddings twice
+  (the residual and the clone the shared blocks concatenate), so ``layers.{i}.layer_input`` is kept
+  as a tensor of its own (``h + 0``): its gradient is the layer's use alone, as mixlens serves it.
 * Edits are ``set_index`` writes (``v = v.clone(); v[:, idx] = c``) on linear_attn and self_attn
   values: the written elements are constants, as mixlens documents for writes.
 """
@@ -46,6 +51,7 @@ class _Grad:
         self.nemotron = self.mod is oh.mn
         self.granite = self.mod is oh.mg
         self.jamba = self.mod is oh.mj
+        self.zamba = self.mod is oh.mz
         self.uses_rope = oh.has_rope(model)
         self.keep: dict[str, torch.Tensor] = {}
         self.keep_states: dict[str, list] = {}
@@ -142,6 +148,9 @@ class _Grad:
         for i, layer in enumerate(tm.layers):
             def pre(m, args, kwargs, i=i):
                 self.block = i
+                if self.zamba:  # a tensor of its own: not the embeddings the shared blocks also read
+                    h = self.put(f"layers.{i}.layer_input", args[0] + 0)
+                    return (h,) + tuple(args[1:]), kwargs
                 self.put(f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
 
             def post(m, args, kwargs, out, i=i):
@@ -170,8 +179,11 @@ class _Grad:
                         return kept.reshape(b, t, -1)
                     return f
 
-                H.append(attn.v_proj.register_forward_hook(heads("attention_values")))
-                if not self.uses_rope:  # no RoPE: q and k straight from the projections
+                if self.zamba and self.cfg.use_shared_attention_adapter:
+                    H.extend(self._adapter_hooks(attn, i, hd))
+                else:
+                    H.append(attn.v_proj.register_forward_hook(heads("attention_values")))
+                if not self.uses_rope and not (self.zamba and self.cfg.use_shared_attention_adapter):
                     H.append(attn.q_proj.register_forward_hook(heads("attention_queries")))
                     H.append(attn.k_proj.register_forward_hook(heads("attention_keys")))
 
@@ -192,6 +204,28 @@ class _Grad:
                 H.append(mlp.register_forward_hook(
                     lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", oh._one(o))))
         H.append(oh.final_norm(self.model).register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
+
+    def _adapter_hooks(self, attn, i, hd):
+        """Zamba2Attention with adapters: q / k / v = projection(x) + adapter_list[depth](x), kept and
+        edited at the adapter's hook (the projection's output stashed); q / k with RoPE are kept by
+        the RoPE patch instead."""
+        depth = attn.layer_dic[i]
+        stash, handles = {}, []
+        for name, value in (("q", "attention_queries"), ("k", "attention_keys"), ("v", "attention_values")):
+            if name != "v" and self.uses_rope:
+                continue
+            proj = getattr(attn, f"{name}_proj")
+            handles.append(proj.register_forward_hook(lambda m, a, o, name=name: stash.__setitem__(name, o)))
+
+            def total(m, a, o, value=value, name=name):
+                base = stash.pop(name)
+                b, t, _ = o.shape
+                kept = self.put(f"layers.{i}.self_attn.{value}",
+                                self.edit("self_attn", value, (base + o).view(b, t, -1, hd)))
+                return kept.reshape(b, t, -1) - base
+
+            handles.append(getattr(attn, f"linear_{name}_adapter_list")[depth].register_forward_hook(total))
+        return handles
 
     def __enter__(self):
         m = self.mod

@@ -1,14 +1,15 @@
-// Backward of the attention mixer (mixers/attention_mixer.*): recomputed from the normed input with
+// Backward of the attention mixer (mixers/attention_mixer.*): recomputed from the normed input (in_dim wide:
+// Zamba2's concatenated [h, embeddings]) with
 // the recorded writes re-applied (or taken from what a recorded forward kept), then o_proj and
 // out_multiplier, the sigmoid output gate, causal GQA attention at the mixer's scale (keys cached before the call are
-// constants), RoPE, the q / k norms, key_multiplier, the q / k / v projections and in_multiplier.
+// constants), RoPE, the q / k norms, key_multiplier, the q / k / v projections with their LoRA adapters
+// (Zamba2, this depth's) and in_multiplier.
 // The attention and RoPE backwards are the shared core (grad/attention_grad.cpp).
 #include <cstring>
 #include <utility>
 
 #include "grad/families.h"
 #include "grad/ops_grad.h"
-#include "mixlens/errors.h"
 #include "ops/ops.h"
 
 namespace mixlens::grad {
@@ -25,11 +26,9 @@ void scale_by(Tensor& t, float s) {
 AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, const detail::AttentionMixerWeights& w,
                                        int li, const Tensor& n, const AttentionCallState& call, const Tape& tape)
     : d_(mixer.dims()), inv_freq_(mixer.inv_freq()), w_(w), li_(li), tape_(tape), call_(call) {
-  // Zamba2's options (a 2D-wide input, per-depth LoRA adapters) have no backward yet; refuse rather
-  // than differentiate a different function.
-  if (d_.in_width > 0 || d_.lora_rank > 0)
-    throw UnsupportedError("backward: the attention mixer's concatenated input / LoRA adapters (Zamba2) have no gradient yet");
-  const int64_t B = tape.batch.batch, T = tape.batch.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D;
+  const int64_t B = tape.batch.batch, T = tape.batch.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D,
+                Din = d_.in_dim();
+  const bool lora = d_.lora_rank > 0;
   const bool norm = d_.qk_norm != detail::AttentionQkNorm::none;
   const std::vector<int64_t>& pos = *call.pos;
   // A recorded call kept the projections, the attention output and the mixer output (Kept::attn_*):
@@ -47,7 +46,8 @@ AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, cons
     x = n.clone();
     scale_by(x, d_.in_multiplier);
     qp = d_.gate ? Tensor::uninitialized({BT, d_.q_rows()}) : Tensor::uninitialized({B, T, H, d});
-    ops::linear(std::as_const(x).data(), BT, D, w.q_proj, qp.data(), opt(w.q_bias));
+    ops::linear(std::as_const(x).data(), BT, Din, w.q_proj, qp.data(), opt(w.q_bias));
+    if (lora) detail::add_lora(std::as_const(x).data(), BT, w.q_lora_a, w.q_lora_b, qp);
   }
   if (d_.gate) {
     qpre_ = Tensor::uninitialized({B, T, H, d});
@@ -67,8 +67,12 @@ AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, cons
   } else {
     kpre_ = Tensor::uninitialized({B, T, Hkv, d});
     v_ = Tensor::uninitialized({B, T, Hkv, d});
-    ops::linear(std::as_const(x).data(), BT, D, w.k_proj, kpre_.data(), opt(w.k_bias));
-    ops::linear(std::as_const(x).data(), BT, D, w.v_proj, v_.data(), opt(w.v_bias));
+    ops::linear(std::as_const(x).data(), BT, Din, w.k_proj, kpre_.data(), opt(w.k_bias));
+    ops::linear(std::as_const(x).data(), BT, Din, w.v_proj, v_.data(), opt(w.v_bias));
+    if (lora) {
+      detail::add_lora(std::as_const(x).data(), BT, w.k_lora_a, w.k_lora_b, kpre_);
+      detail::add_lora(std::as_const(x).data(), BT, w.v_lora_a, w.v_lora_b, v_);
+    }
     scale_by(kpre_, d_.key_multiplier);
     tape.apply(li, Value::attn_values, v_);
   }
@@ -165,8 +169,9 @@ void AttentionMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& s
                      d_.qk_norm_centred, false);
   }
   scale_by(dkpre, d_.key_multiplier);
+  Tensor dqp = dqpre;  // the gradient of q_proj's output (per head [query | gate] with the gate)
   if (d_.gate) {
-    Tensor dqg = Tensor::uninitialized({BT, H * 2 * d});
+    Tensor dqg = dqp = Tensor::uninitialized({BT, H * 2 * d});
     for (int64_t row = 0; row < BT; ++row)
       for (int64_t h = 0; h < H; ++h) {
         float* dst = dqg.data() + (row * H + h) * 2 * d;
@@ -179,6 +184,11 @@ void AttentionMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& s
   }
   linear_backward(dkpre.data(), BT, Hkv * d, w_.k_proj, dn.data(), true);
   linear_backward(dv.data(), BT, Hkv * d, w_.v_proj, dn.data(), true);
+  if (d_.lora_rank > 0) {  // Zamba2: each adapter adds up(down(x)) to its projection
+    lora_backward(dqp.data(), BT, d_.q_rows(), w_.q_lora_a, w_.q_lora_b, dn.data());
+    lora_backward(dkpre.data(), BT, Hkv * d, w_.k_lora_a, w_.k_lora_b, dn.data());
+    lora_backward(dv.data(), BT, Hkv * d, w_.v_lora_a, w_.v_lora_b, dn.data());
+  }
   scale_by(dn, d_.in_multiplier);
 }
 

@@ -74,7 +74,7 @@ class AttentionMixerGrad {
                      const Tensor& n, const AttentionCallState& call, const Tape& tape);
   /// The mixer output as the forward added it (attn_output, writes applied).
   const Tensor& output() const { return out_; }
-  /// dn [B,T,D] (overwritten) from dL/d(output); puts the self_attn values' gradients.
+  /// dn [B,T,in_dim] (overwritten) from dL/d(output); puts the self_attn values' gradients.
   void backward(const Tensor& dout, Tensor& dn, GradSink& sink) const;
 
  private:

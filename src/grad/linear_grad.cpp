@@ -66,4 +66,11 @@ void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W
   }
 }
 
+void lora_backward(const float* dy, int64_t rows, int64_t out, const Tensor& down, const Tensor& up, float* dx) {
+  const int64_t r = down.size(0);
+  Tensor dt = Tensor::uninitialized({rows, r});
+  linear_backward(dy, rows, out, up, dt.data(), false);
+  linear_backward(dt.data(), rows, r, down, dx, true);
+}
+
 }  // namespace mixlens::grad

@@ -6,7 +6,9 @@
 // (grad/mamba2_mixer_grad.cpp) or Mamba-1 mixer (grad/mamba_mixer_grad.cpp),
 // the attention mixer (grad/attention_mixer_grad.cpp), relu2 MLP or MoE (straight-through of the
 // chosen experts: the routing is a constant, the chosen experts' weights are differentiated), and
-// the block's input norm.
+// the block's input norm. A Zamba2 hybrid layer: the Mamba-2 mixer, its input norm over h + the
+// layer's linear of the shared block, the block's GeGLU MLP (with this depth's adapter), pre-ff norm,
+// attention and the norm over [h, embeddings]; the embeddings' part of each depth adds to their gradient.
 #include "grad/mamba2_hybrid_grad.h"
 
 #include <algorithm>
@@ -64,13 +66,74 @@ class HybridBackward {
       }
       block(li, dh);
     }
+    if (dh0_.defined()) add_into(dh, dh0_);  // the shared blocks' reads of the embeddings
     sink_.put(-1, Value::embed_output, dh);
   }
 
  private:
+  // A Zamba2 hybrid layer (models/mamba2_hybrid.cpp shared_block): h_out = h + Mamba2(RMSNorm(h + t)),
+  // t = linear(MLP(RMSNorm(attn(RMSNorm([h, h0]))))) with h0 the embeddings. dh: dL/d(layer_output) in,
+  // dL/d(layer_input) out; the h0 half of the concatenation's gradient adds into dh0_.
+  void shared_layer(int li, Tensor& dh) {
+    const HybridBlockWeights& w = (*m_.blocks)[static_cast<size_t>(li)];
+    const int64_t D = s_.D, D2 = 2 * D;
+    const size_t i = static_cast<size_t>(li);
+    sink_.put(li, Value::layer_output, dh);
+    tape_.block(li, Value::layer_output, dh);
+    const Tensor& hin = tape_.layer_inputs[i];
+    const Tensor* h0 = tape_.kept_of(-1, Kept::embeddings);
+    if (!h0) {  // not kept: recomputed as the forward made them (lookup, multiplier, the write)
+      if (!h0_.defined()) {
+        h0_ = detail::hybrid_embeddings(s_, *tape_.head.embed, in_);
+        tape_.apply(-1, Value::embed_output, h0_);
+      }
+      h0 = &h0_;
+    }
+    // Recompute the block (the tape's writes re-applied) up to the mixer's input.
+    Tensor c({B_, T_, D2}), cn({B_, T_, D2});
+    for (int64_t r = 0; r < BT_; ++r) {
+      std::memcpy(c.data() + r * D2, hin.data() + r * D, sizeof(float) * static_cast<size_t>(D));
+      std::memcpy(c.data() + r * D2 + D, h0->data() + r * D, sizeof(float) * static_cast<size_t>(D));
+    }
+    ops::rmsnorm(c.data(), w.shared.in_norm.data(), cn.data(), BT_, D2, s_.eps);
+    const AttentionMixerGrad att(*m_.attn, w.attn, li, cn, AttentionCallState{&cache_.kv[i], &key_mask_, &pos_}, tape_);
+    const Tensor& a = att.output();
+    Tensor n2({B_, T_, D});
+    ops::rmsnorm(a.data(), w.shared.ff_norm.data(), n2.data(), BT_, D, s_.eps);
+    Tensor mo = detail::hybrid_mlp(s_, w.mlp, n2.data(), BT_).reshape({B_, T_, D});
+    tape_.apply(li, Value::mlp_output, mo);
+    Tensor x({B_, T_, D}), n({B_, T_, D});
+    ops::linear(mo.data(), BT_, D, w.shared.linear, x.data());
+    add_into(x, hin);
+    ops::rmsnorm(x.data(), w.in_norm.data(), n.data(), BT_, D, s_.eps);
+    // Backward: the mixer, its input norm, the linear, the MLP, the pre-ff norm, attention, the input norm.
+    const Mamba2CallState call{&cache_.conv[i], &cache_.ssm[i], cache_.has_state, tape_.kernel == "chunked"};
+    Tensor dn({B_, T_, D}), dx({B_, T_, D}), dm({B_, T_, D}), dn2({B_, T_, D}), da({B_, T_, D});
+    mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dh, dn, sink_);
+    rmsnorm_backward(x.data(), w.in_norm.data(), dn.data(), dx.data(), BT_, D, s_.eps, false, false);
+    linear_backward(dx.data(), BT_, D, w.shared.linear, dm.data(), false);
+    sink_.put(li, Value::mlp_output, dm);
+    tape_.block(li, Value::mlp_output, dm);
+    mlp_backward(w.mlp, n2, dm, dn2);
+    rmsnorm_backward(a.data(), w.shared.ff_norm.data(), dn2.data(), da.data(), BT_, D, s_.eps, false, false);
+    Tensor dcn({B_, T_, D2}), dc({B_, T_, D2});
+    att.backward(da, dcn, sink_);
+    rmsnorm_backward(c.data(), w.shared.in_norm.data(), dcn.data(), dc.data(), BT_, D2, s_.eps, false, false);
+    if (!dh0_.defined()) dh0_ = Tensor({B_, T_, D});
+    add_into(dh, dx);  // the residual, and h inside the mixer's input
+    for (int64_t r = 0; r < BT_; ++r)
+      for (int64_t k = 0; k < D; ++k) {
+        dh[r * D + k] += dc[r * D2 + k];
+        dh0_[r * D + k] += dc[r * D2 + D + k];
+      }
+    sink_.put(li, Value::layer_input, dh);
+    tape_.block(li, Value::layer_input, dh);
+  }
+
   // dh: dL/d(layer_output) in, dL/d(layer_input) out.
   void block(int li, Tensor& dh) {
     const HybridBlock& b = s_.blocks[static_cast<size_t>(li)];
+    if (b.shared) return shared_layer(li, dh);
     const HybridBlockWeights& w = (*m_.blocks)[static_cast<size_t>(li)];
     const int64_t D = s_.D;
     sink_.put(li, Value::layer_output, dh);
@@ -167,7 +230,25 @@ class HybridBackward {
     Tensor up({BT_, I}), da({BT_, I});
     ops::linear(x.data(), BT_, D, m.up, up.data(), opt(m.up_b));
     linear_backward(dout.data(), BT_, D, m.down, da.data(), false);
-    if (s_.mlp == detail::HybridMlp::swiglu) {
+    if (s_.mlp == detail::HybridMlp::geglu) {  // Zamba2MLP: down(gelu(g) * u), g / u with this depth's adapter
+      Tensor g({BT_, I});
+      ops::linear(x.data(), BT_, D, m.gate, g.data(), opt(m.gate_b));
+      if (m.lora_a.defined()) {
+        detail::add_lora(x.data(), BT_, m.lora_a, m.lora_gate, g);
+        detail::add_lora(x.data(), BT_, m.lora_a, m.lora_up, up);
+      }
+      for (int64_t k = 0; k < BT_ * I; ++k) {
+        const float gg = g[k], a = da[k], cdf = 0.5f * (1.0f + std::erf(gg * 0.70710678118654752440f));
+        g[k] = a * up[k] * (cdf + gg * 0.39894228040143267794f * std::exp(-0.5f * gg * gg));  // d gate (exact GELU')
+        up[k] = a * gg * cdf;                                                                    // d up
+      }
+      linear_backward(up.data(), BT_, I, m.up, dx.data(), false);
+      linear_backward(g.data(), BT_, I, m.gate, dx.data(), true);
+      if (m.lora_a.defined()) {
+        lora_backward(up.data(), BT_, I, m.lora_a, m.lora_up, dx.data());
+        lora_backward(g.data(), BT_, I, m.lora_a, m.lora_gate, dx.data());
+      }
+    } else if (s_.mlp == detail::HybridMlp::swiglu) {
       Tensor g({BT_, I});
       ops::linear(x.data(), BT_, D, m.gate, g.data(), opt(m.gate_b));
       const float gm = s_.mlp_gate_multiplier;
@@ -319,6 +400,8 @@ class HybridBackward {
   const detail::HybridCache& cache_;
   std::vector<int64_t> pos_;
   std::vector<std::vector<uint8_t>> key_mask_;
+  Tensor dh0_;  ///< Zamba2: dL/d(embeddings) through the shared blocks' concatenated input
+  Tensor h0_;   ///< Zamba2: the embeddings recomputed when the call kept none
 };
 
 }  // namespace

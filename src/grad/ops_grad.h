@@ -15,6 +15,9 @@ namespace mixlens::grad {
 /// y[rows,out] = x[rows,in] W[out,in]^T (+ b): dx[rows,in] (+)= dy[rows,out] W.
 void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W, float* dx, bool accumulate);
 
+/// y += up(down(x)) (a LoRA adapter, detail::add_lora): dx[rows,in] += dy[rows,out] up down.
+void lora_backward(const float* dy, int64_t rows, int64_t out, const Tensor& down, const Tensor& up, float* dx);
+
 /// y = w * x / sqrt(mean(x^2) + eps) per row ((1 + w) when zero_centred), ops::rmsnorm:
 /// dx (+)= r (w dy) - x r^3 mean(x (w dy)).
 void rmsnorm_backward(const float* x, const float* w, const float* dy, float* dx, int64_t rows, int64_t dim,

@@ -17,8 +17,9 @@ namespace mixlens::grad {
 /// chunk_states: a gated DeltaNet scan's state entering every chunk of 64 tokens (with head_outputs,
 /// its o after writes): the backward's checkpoints, so it does not run the scan again.
 /// mlp_output: a post-norm block's MLP output (after writes), which its norm's backward reads.
+/// embeddings (layer -1): Zamba2's embeddings as its shared blocks read them (after a write).
 enum class Kept { in_proj, mlp_gate_up, mixer_output, head_outputs, attn_q_gate, attn_k, attn_v, attn_core, attn_output,
-                  chunk_states, mlp_output };
+                  chunk_states, mlp_output, embeddings };
 
 struct KeptTensors {
   /// (layer, Kept) -> the forward's own tensor (shared, not copied). What is kept, and why, is the

@@ -16,8 +16,8 @@ const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 void scale_by(Tensor& t, float s) {
   for (int64_t e = 0; e < t.numel(); ++e) t[e] *= s;
 }
+}  // namespace
 
-// y += up(down(x)) for x [rows, in]: one LoRA adapter (down [r, in], up [y's row width, r]).
 void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up, Tensor& y) {
   const int64_t r = down.size(0), out = up.size(0);
   Tensor t = Tensor::uninitialized({rows, r}), u = Tensor::uninitialized({rows, out});
@@ -27,6 +27,7 @@ void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up
   for (int64_t e = 0; e < rows * out; ++e) yp[e] += u[e];
 }
 
+namespace {
 // MLA's queries for `rows` inputs x: q_proj, or q_b_proj(q_a_layernorm(q_a_proj(x))).
 void latent_queries(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows, float* q) {
   if (d.q_lora_rank == 0) return ops::linear(x, rows, d.D, w.q_proj, q);

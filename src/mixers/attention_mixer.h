@@ -95,6 +95,10 @@ struct AttentionMixerWeights {
   Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
 };
 
+/// y += up(down(x)) for x [rows, in]: one LoRA adapter (down [r, in], up [y's row width, r]); the
+/// forward's and the backward's recompute share it.
+void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up, Tensor& y);
+
 /// What one mixer call reads and updates besides its input.
 struct AttentionMixerCall {
   int layer = 0;

@@ -88,6 +88,15 @@ Tensor relu2_mlp(const Tensor& up_w, const Tensor& down_w, const float* x, int64
   return out;
 }
 
+Tensor hybrid_embeddings(const Mamba2HybridSpec& s, const Tensor& embed, const Batch& in) {
+  Tensor h = embed_tokens(embed, in, s.family.c_str());
+  // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given (GraniteMoeHybridModel
+  // multiplies both).
+  if (s.embedding_multiplier != 1.0f && (!in.embeds.defined() || s.embedding_multiplier_on_embeds))
+    for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s.embedding_multiplier;
+  return h;
+}
+
 Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const float* x, int64_t rows) {
   const int64_t I = s.I, D = s.D;
   Tensor up({rows, I}), out({rows, D});
@@ -98,13 +107,8 @@ Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const fl
     ops::linear(x, rows, D, m.gate, g.data(), opt(m.gate_b));
   }
   if (m.lora_a.defined()) {  // Zamba2MLP: gate_up_proj(x) + this depth's adapter(x), before the activation
-    const int64_t r = m.lora_a.size(0);
-    Tensor t({rows, r}), a({rows, I});
-    ops::linear(x, rows, D, m.lora_a, t.data());
-    ops::linear(t.data(), rows, r, m.lora_gate, a.data());
-    for (int64_t k = 0; k < rows * I; ++k) g[k] += a[k];
-    ops::linear(t.data(), rows, r, m.lora_up, a.data());
-    for (int64_t k = 0; k < rows * I; ++k) up[k] += a[k];
+    add_lora(x, rows, m.lora_a, m.lora_gate, g);
+    add_lora(x, rows, m.lora_a, m.lora_up, up);
   }
   if (s.mlp == HybridMlp::geglu) {  // exact GELU (ACT2FN["gelu"]) on the gate, times up
     for (int64_t k = 0; k < rows * I; ++k)
@@ -505,16 +509,13 @@ class Mamba2Hybrid final : public FamilyModel {
     auto& cache = static_cast<HybridCache&>(cache_base);
     const int64_t B = in.batch, T = in.seq, BT = B * T, D = s_.D;
     const std::vector<int64_t> pos = cache.advance_positions(in);
-    Tensor h = embed_tokens(embed_, in, s_.family.c_str());
-    // FalconH1Model multiplies looked-up ids only: inputs_embeds go in as given (GraniteMoeHybridModel
-    // multiplies both).
-    if (s_.embedding_multiplier != 1.0f && (!in.embeds.defined() || s_.embedding_multiplier_on_embeds))
-      for (int64_t k = 0; k < h.numel(); ++k) h[k] *= s_.embedding_multiplier;
+    Tensor h = hybrid_embeddings(s_, embed_, in);
     visit_if(ls, -1, Value::embed_output, h);
     FiniteWatch watch(s_.family);  // a poisoned forward raises NumericError instead of NaN logits
     watch.check(-1, Value::embed_output, h);
     // Zamba2Model: the shared blocks read the embeddings (as served, after any write) at every depth.
     const Tensor h0 = s_.shared_prefixes.empty() ? Tensor() : h.clone();
+    if (ctx.tape && h0.defined()) ctx.tape->keep(-1, grad::Kept::embeddings, h0);  // read-only from here on
     Tensor n({B, T, D});
     for (int64_t i = 0; i < L_; ++i) {
       const int li = static_cast<int>(i);

@@ -175,9 +175,12 @@ Tensor hybrid_expert(const Mamba2HybridSpec& s, const HybridMoeWeights& m, int64
 /// A block's second branch on its normed input x [rows, D] -> [rows, D]: the MLP, plus the routed
 /// experts when b.moe (Granite: the MLP is the shared MLP), * residual_multiplier: mlp.output.
 Tensor ff_branch(const Mamba2HybridSpec& s, const HybridBlockWeights& w, const HybridBlock& b, const float* x, int64_t rows);
-/// The block MLP: swiglu down(up x * silu(gate x * gate_mult)) * down_mult, or relu2 down(relu(up x)^2);
+/// The block MLP: swiglu down(up x * silu(gate x * gate_mult)) * down_mult, relu2 down(relu(up x)^2), or
+/// geglu down(gelu(gate x) * up x) (gate / up plus the depth's adapter when lora_a is set);
 /// x [rows, D] -> [rows, D].
 Tensor hybrid_mlp(const Mamba2HybridSpec& s, const HybridMlpWeights& m, const float* x, int64_t rows);
+/// The looked-up (or given) embeddings times embedding_multiplier, before embed_tokens.output is served.
+Tensor hybrid_embeddings(const Mamba2HybridSpec& s, const Tensor& embed, const Batch& in);
 /// SwiGLU MLP with explicit weights (Granite experts): down(up x * silu(gate x)), x [rows, in].
 Tensor swiglu_mlp(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows,
                   int64_t in, int64_t I);

@@ -24,7 +24,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"qwen3_5_moe_text", "qwen3_5_moe", make_qwen3_5_moe, true},
       {"jamba", "jamba", make_jamba, true},
       {"olmo_hybrid", "olmo_hybrid", make_olmo_hybrid, true},
-      {"zamba2", "zamba2", make_zamba2, false},
+      {"zamba2", "zamba2", make_zamba2, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, false},
   };
   return registry;

@@ -1,5 +1,5 @@
 // Trace::backward on the Mamba-2 hybrids (issue 12): directional finite differences of a float32
-// forward on every committed Nemotron-H / Bamba / Falcon-H1 fixture, through writes that add
+// forward on every committed Nemotron-H / Bamba / Falcon-H1 / Granite 4.0-H / Zamba2 fixture, through writes that add
 // h * v to a value (embeddings, attention queries / keys / values, mixer values, MLP outputs, the
 // state a decode step starts from): <grad(value), v> against (f(h) - f(-h)) / 2h, f = <W, logits>.
 // Prompts on both kernel paths (left-padded batch) and a decode step over the KV cache. Every
@@ -43,7 +43,8 @@ const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemot
                              {"granitemoehybrid/rope_moe_edits", "granitemoehybrid", true},
                              {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"},
                              {"jamba/moe_edits", "jamba", true, true},
-                             {"jamba/padded_bias", "jamba", false, true}};
+                             {"jamba/padded_bias", "jamba", false, true},
+                             {"zamba2/shared_lora_edits", "zamba2"},   {"zamba2/nope_padded", "zamba2"}};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
 std::vector<std::string> paths_of(const Model& m, bool decode) {
@@ -63,6 +64,14 @@ std::vector<std::string> paths_of(const Model& m, bool decode) {
   p.push_back(x + "attention_head_outputs");
   p.push_back(decode ? x + "state_input" : x + "attention_values");
   p.push_back("layers." + std::to_string(mlp) + ".mlp.output");
+  // Zamba2: the last depth of a shared block too (its weights' other use is the first depth).
+  int last_shared = -1;
+  for (int i = 0; i < static_cast<int>(kinds.size()); ++i)
+    if (std::string(layer_kind_name(kinds[static_cast<size_t>(i)])) == "hybrid") last_shared = i;
+  if (last_shared > attn) {
+    p.push_back("layers." + std::to_string(last_shared) + ".self_attn.attention_values");
+    p.push_back("layers." + std::to_string(last_shared) + ".mlp.output");
+  }
   p.push_back("layers." + std::to_string(static_cast<int>(kinds.size()) / 2) + ".layer_output");
   return p;
 }
@@ -136,4 +145,18 @@ TEST(GradHybrids, DecodeAndContinuationMatchDirectionalFiniteDifferences) {
     const Batch cont = Batch::left_padded({{7, 12, 4}, {3, 8, 1}}, 0);
     check_paths(m, cont, &cache, paths, std::string(fx.dir) + " continuation");
   }
+}
+
+// Zamba2's shared blocks read the embeddings a gradient call keeps (grad::Kept::embeddings); dropping
+// what the forward kept (the backward then recomputes the embeddings, with a write to them, and the
+// mixers' products) changes no gradient.
+TEST(GradHybrids, Zamba2KeptEmbeddingsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("zamba2/shared_lora_edits").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input", "layers.*.self_attn.attention_values",
+                                       "layers.*.mlp.output"};
+  expect_kept_equals_recomputed(m, Batch::left_padded({kLong, kShort}, 0), paths, [](Trace& tr) {
+    tr.edit("embed_tokens.output", [](Tensor& e, const SiteContext&) {
+      for (int64_t i = 0; i < e.numel(); i += 5) e[i] = 0.125f;
+    });
+  });
 }

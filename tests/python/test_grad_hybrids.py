@@ -1,4 +1,4 @@
-"""Native gradients (issue 12) of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba) against torch
+"""Native gradients (issue 12) of the Mamba hybrids (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba, Zamba2) against torch
 autograd on transformers' pure-torch models (mixlens_dev/oracle_grad_hybrids.py): every value's
 gradient (residual stream, block values, Mamba-2 mixer values, attention queries / keys / values /
 outputs, MLP and MoE outputs), both kernel paths (chunked, and routed to the token recurrence),
@@ -11,7 +11,8 @@ norm (Bamba), norm-then-gate and no norm (Falcon-H1), every Falcon-H1 µP multip
 block with group-limited routing, a latent projection and a shared expert, and Granite's softmax
 top-k routed SwiGLU experts beside its shared MLP with its µP multipliers (embedding, residual,
 attention softmax scale, logits scaling), and Jamba's Mamba-1 mixer (weighted RMS norms on dt / B /
-C) with its top-k-of-softmax experts in place of the MLP."""
+C) with its top-k-of-softmax experts in place of the MLP, and Zamba2's shared transformer blocks (concatenated
+[h, embeddings] input, per-depth q / k / v and GeGLU gate_up adapters, a block run at two depths)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ CASES = {
     "jamba_bias_padded": dict(family="jamba", config=dict(
         num_hidden_layers=3, attn_layer_period=4, attn_layer_offset=2, expert_layer_offset=1, num_experts_per_tok=1,
         mamba_proj_bias=True, mamba_conv_bias=False, mamba_dt_rank=5, tie_word_embeddings=False), seed=82, lens=[12, 5]),
+    # Zamba2 as its two fixtures: 2 shared blocks over 3 hybrid layers (block 0 at two depths), RoPE,
+    # q / k / v and gate_up adapters; and one untied block per hybrid layer, no RoPE, MLP adapters only.
+    "zamba2_shared_lora_padded": dict(family="zamba2", config={}, seed=81, lens=[17, 8]),
+    "zamba2_nope_padded": dict(family="zamba2", config=dict(
+        use_mem_rope=False, use_shared_attention_adapter=False, num_mem_blocks=1, tie_word_embeddings=False,
+        num_hidden_layers=3, layers_block_type=["hybrid", "mamba", "hybrid"]), seed=82, lens=[12, 5]),
 }
 
 
@@ -142,10 +149,15 @@ def edits_for(case):
     """set_index writes on a mixer value, an attention value and a block output of this model."""
     mixer = [i for i, k in enumerate(case.kinds) if k in ("mamba2", "mamba", "hybrid")]
     attn = [i for i, k in enumerate(case.kinds) if k in ("attention", "hybrid")]
+    # Zamba2's attention output reaches the residual only through the Mamba-2 mixer, which zeroes
+    # padding positions, then RMSNorm and a bias-free GeGLU, whose Jacobian at 0 is 0: write a
+    # nonzero constant at a token real in every row, or its gradient is exactly zero.
+    zamba = case.family == "zamba2"
+    out_tok, zero_out = (max(len(p) for p in case.prompts) - 2, 0.5) if zamba else (4, 0.0)
     return [dict(path=f"layers.{mixer[-1]}.linear_attn.betas", index=2, value=0.0),
             dict(path=f"layers.{mixer[0]}.linear_attn.attention_values", index=1, value=0.25),
             dict(path=f"layers.{attn[0]}.self_attn.attention_values", index=3, value=0.5),
-            dict(path=f"layers.{attn[0]}.self_attn.attention_output", index=4, value=0.0),
+            dict(path=f"layers.{attn[0]}.self_attn.attention_output", index=out_tok, value=zero_out),
             dict(path=f"layers.{mixer[0]}.linear_attn.attention_output", index=0, value=0.1)]
 
 

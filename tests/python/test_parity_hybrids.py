@@ -257,16 +257,3 @@ def test_zamba2_shared_block_values_are_per_depth(case):
     assert not np.array_equal(late[f"layers.{last}.mlp.output"][0], base[f"layers.{last}.mlp.output"][0])
     assert not np.any(np.asarray(early[att(first, "attention_output")][0]))
     assert np.any(np.asarray(early[att(last, "attention_output")][0]))
-
-
-def test_zamba2_backward_is_refused_by_name(case):
-    """Zamba2 has no backward yet (docs/gradients.md): tr.backward says so, naming the family."""
-    import torch
-
-    if case.spec["family"] != "zamba2":
-        pytest.skip("Zamba2 only")
-    model = mixlens.StandardizedTransformer(case.path, output="torch")
-    with model.trace([case.prompts[-1]], grad=True) as tr:
-        pass
-    with pytest.raises(mixlens.UnsupportedError, match="zamba2"):
-        tr.backward(torch.log_softmax(tr.logits, -1)[..., 3].sum())
