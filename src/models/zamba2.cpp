@@ -37,7 +37,6 @@ std::unique_ptr<FamilyModel> make_zamba2(const io::Config& cfg, const io::Weight
     throw ConfigError(where(cfg) + ": layers_block_type is missing (Zamba2 needs the list of mamba / hybrid layers)");
   const int64_t n_mem = cfg.get_or<int64_t>("num_mem_blocks", 1);
   require_positive(cfg, {{"num_mem_blocks", n_mem}});
-  s.prefixes = {"model."};
   int64_t depth = 0;
   for (size_t i = 0; i < types.size(); ++i) {
     const std::string& t = types[i];
@@ -60,10 +59,9 @@ std::unique_ptr<FamilyModel> make_zamba2(const io::Config& cfg, const io::Weight
     }
     s.blocks.push_back(b);
   }
-  s.embed = "embed_tokens.weight";
-  s.final_norm = "final_layernorm.weight";
-  s.in_norm = "input_layernorm.weight";
-  s.mamba_mod = "mamba";
+  // Its Mamba layers carry Bamba's names (it has no attention or feed-forward blocks of its own, so
+  // those names are never read); the shared blocks' names follow.
+  use_feed_forward_layout(s);
   s.shared_in_norm = "mamba_decoder.input_layernorm.weight";
   s.shared_mamba_mod = "mamba_decoder.mamba";
 
