@@ -79,4 +79,36 @@ std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_lay
   return s;
 }
 
+std::vector<int64_t> group_limited_topk(const float* sc, const float* bias, int64_t E, int64_t G, int64_t topk_group,
+                                        int64_t topk) {
+  const int64_t per = E / G;
+  std::vector<float> choice(static_cast<size_t>(E)), gs(static_cast<size_t>(G));
+  std::vector<int64_t> gi(static_cast<size_t>(G)), ei(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] = sc[e] + bias[e];
+  for (int64_t g = 0; g < G; ++g) {  // sum of the group's two best choice scores
+    float a = -INFINITY, b2 = -INFINITY;
+    for (int64_t j = 0; j < per; ++j) {
+      const float v = choice[static_cast<size_t>(g * per + j)];
+      if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
+    }
+    gs[static_cast<size_t>(g)] = per >= 2 ? a + b2 : a;
+    gi[static_cast<size_t>(g)] = g;
+  }
+  std::partial_sort(gi.begin(), gi.begin() + topk_group, gi.end(), [&](int64_t a, int64_t b) {
+    return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)] || (gs[static_cast<size_t>(a)] == gs[static_cast<size_t>(b)] && a < b);
+  });
+  std::vector<uint8_t> keep(static_cast<size_t>(G), 0);
+  for (int64_t k = 0; k < topk_group; ++k) keep[static_cast<size_t>(gi[static_cast<size_t>(k)])] = 1;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!keep[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
+    ei[static_cast<size_t>(e)] = e;
+  }
+  std::partial_sort(ei.begin(), ei.begin() + topk, ei.end(), [&](int64_t a, int64_t b) {
+    return choice[static_cast<size_t>(a)] > choice[static_cast<size_t>(b)] ||
+           (choice[static_cast<size_t>(a)] == choice[static_cast<size_t>(b)] && a < b);
+  });
+  ei.resize(static_cast<size_t>(topk));
+  return ei;
+}
+
 }  // namespace mixlens::detail

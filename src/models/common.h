@@ -32,4 +32,11 @@ void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
 /// self_attn values unavailable with the reason.
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family);
 
+/// Group-limited top-k expert choice (NemotronHMoE, KimiLinearTopkRouter): choice = scores [E] +
+/// bias [E] (e_score_correction_bias); the E experts split into n_group groups, ranked by the sum of
+/// their two best choices (the best alone with one expert per group), the topk_group best kept; the
+/// topk best choices among those, best first, ties to the lower index (torch.topk's order).
+std::vector<int64_t> group_limited_topk(const float* scores, const float* bias, int64_t E, int64_t n_group,
+                                        int64_t topk_group, int64_t topk);
+
 }  // namespace mixlens::detail

@@ -29,37 +29,6 @@ namespace {
 const float* opt(const Tensor& t) { return t.defined() ? t.data() : nullptr; }
 }  // namespace
 
-std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc) {
-  const int64_t E = s.n_experts, G = s.n_group, per = E / G;
-  std::vector<float> choice(static_cast<size_t>(E)), gs(static_cast<size_t>(G));
-  std::vector<int64_t> gi(static_cast<size_t>(G)), ei(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] = sc[e] + bias[e];
-  for (int64_t g = 0; g < G; ++g) {  // sum of the group's two best choice scores
-    float a = -INFINITY, b2 = -INFINITY;
-    for (int64_t j = 0; j < per; ++j) {
-      const float v = choice[static_cast<size_t>(g * per + j)];
-      if (v > a) { b2 = a; a = v; } else if (v > b2) { b2 = v; }
-    }
-    gs[static_cast<size_t>(g)] = per >= 2 ? a + b2 : a;
-    gi[static_cast<size_t>(g)] = g;
-  }
-  std::partial_sort(gi.begin(), gi.begin() + s.topk_group, gi.end(), [&](int64_t a, int64_t b) {
-    return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)] || (gs[static_cast<size_t>(a)] == gs[static_cast<size_t>(b)] && a < b);
-  });
-  std::vector<uint8_t> keep(static_cast<size_t>(G), 0);
-  for (int64_t k = 0; k < s.topk_group; ++k) keep[static_cast<size_t>(gi[static_cast<size_t>(k)])] = 1;
-  for (int64_t e = 0; e < E; ++e) {
-    if (!keep[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
-    ei[static_cast<size_t>(e)] = e;
-  }
-  std::partial_sort(ei.begin(), ei.begin() + s.topk, ei.end(), [&](int64_t a, int64_t b) {
-    return choice[static_cast<size_t>(a)] > choice[static_cast<size_t>(b)] ||
-           (choice[static_cast<size_t>(a)] == choice[static_cast<size_t>(b)] && a < b);
-  });
-  ei.resize(static_cast<size_t>(s.topk));
-  return ei;
-}
-
 Tensor swiglu_mlp(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w, const float* x, int64_t rows,
                   int64_t in, int64_t I) {
   Tensor g({rows, I}), u({rows, I}), out({rows, down_w.size(0)});
@@ -181,7 +150,7 @@ HybridMoeRouting hybrid_moe_route(const Mamba2HybridSpec& s, const HybridMoeWeig
   for (int64_t r = 0; r < rows; ++r) {
     float* sc = rt.scores.data() + r * E;
     for (int64_t e = 0; e < E; ++e) sc[e] = ops::sigmoid(logits[r * E + e]);
-    const std::vector<int64_t> ei = moe_choose(s, m.bias, sc);
+    const std::vector<int64_t> ei = group_limited_topk(sc, m.bias.data(), E, s.n_group, s.topk_group, s.topk);
     float tot = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ei[static_cast<size_t>(k)];

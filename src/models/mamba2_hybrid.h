@@ -142,13 +142,8 @@ struct HybridBlockWeights {
   HybridMoeWeights moe;
 };
 
-/// NemotronHTopkRouter's choice for one token: `sc` [E] the sigmoid router scores; returns the
-/// top-k expert ids (group-limited, by score + e_score_correction_bias), best first. Shared by the
-/// forward and the backward (src/grad/mamba2_hybrid_grad.cpp) so both route identically.
-std::vector<int64_t> moe_choose(const Mamba2HybridSpec& s, const Tensor& bias, const float* sc);
-
-/// The MoE's routing of `rows` tokens x [rows, D]: NemotronHMoE (fp32 sigmoid router, moe_choose per
-/// token) or GraniteMoeHybridTopKRouter (fp32 logits, top-k, softmax over the k chosen logits).
+/// The MoE's routing of `rows` tokens x [rows, D]: NemotronHMoE (fp32 sigmoid router, group_limited_topk
+/// (models/common.h) per token) or GraniteMoeHybridTopKRouter (fp32 logits, top-k, softmax over the k chosen logits).
 /// The forward and the backward (src/grad/mamba2_hybrid_grad.cpp) share it: identical routing.
 struct HybridMoeRouting {
   std::vector<float> scores;    ///< [rows, E] sigmoid(router x) (Nemotron-H) or the router logits (Granite)

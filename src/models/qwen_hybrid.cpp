@@ -556,33 +556,9 @@ class QwenHybrid final : public FamilyModel {
   // (renormalised with + 1e-20 when norm_topk_prob) times routed_scaling_factor.
   void route_kimi(const Mlp& m, const float* lg, int64_t E, int64_t r,
                   std::vector<std::vector<std::pair<int64_t, float>>>& routed) const {
-    std::vector<float> sc(static_cast<size_t>(E)), pick(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) {
-      sc[static_cast<size_t>(e)] = ops::sigmoid(lg[e]);
-      pick[static_cast<size_t>(e)] = sc[static_cast<size_t>(e)] + m.router_bias[e];
-    }
-    const int64_t per = E / n_group_;
-    std::vector<float> gs(static_cast<size_t>(n_group_));
-    for (int64_t gi = 0; gi < n_group_; ++gi) {
-      std::vector<float> g(pick.begin() + gi * per, pick.begin() + (gi + 1) * per);
-      std::partial_sort(g.begin(), g.begin() + 2, g.end(), std::greater<float>());
-      gs[static_cast<size_t>(gi)] = g[0] + g[1];
-    }
-    // torch.topk order: largest first; ties to the lower index.
-    const auto top = [](const std::vector<float>& v, int64_t k) {
-      std::vector<int64_t> idx(v.size());
-      std::iota(idx.begin(), idx.end(), 0);
-      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
-        return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)] || (v[static_cast<size_t>(a)] == v[static_cast<size_t>(b)] && a < b);
-      });
-      idx.resize(static_cast<size_t>(k));
-      return idx;
-    };
-    std::vector<bool> keep(static_cast<size_t>(n_group_), false);
-    for (int64_t gi : top(gs, topk_group_)) keep[static_cast<size_t>(gi)] = true;
-    for (int64_t e = 0; e < E; ++e)
-      if (!keep[static_cast<size_t>(e / per)]) pick[static_cast<size_t>(e)] = -INFINITY;
-    const std::vector<int64_t> chosen = top(pick, topk_);
+    std::vector<float> sc(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) sc[static_cast<size_t>(e)] = ops::sigmoid(lg[e]);
+    const std::vector<int64_t> chosen = group_limited_topk(sc.data(), m.router_bias.data(), E, n_group_, topk_group_, topk_);
     float tot = 0.0f;
     for (int64_t e : chosen) tot += sc[static_cast<size_t>(e)];
     for (int64_t e : chosen) {
