@@ -48,7 +48,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from mixlens_dev import timing
+# The environment the user started us with, for every measured child. Modules imported later set
+# process-wide defaults for their own torch work (mixlens_dev.published_layout sets
+# OMP_WAIT_POLICY=PASSIVE), and a child that inherits them is slowed: passive OpenMP made
+# llama-bench's decode 2.1x slower (72 -> 34 tok/s on mamba2-130m F32, 2 threads).
+START_ENV = dict(os.environ)
+
+from mixlens_dev import timing  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -80,7 +86,7 @@ def run_measured(cmd: list[str], env=None, timeout: float = 1800, stdin_path: st
     """(returncode, stdout, stderr, peak RSS in bytes) of one child process (wait4's ru_maxrss)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         stdin = open(stdin_path, "rb") if stdin_path else subprocess.DEVNULL
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=stdin, env=env)
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=stdin, env=START_ENV if env is None else env)
         t0 = time.time()
         while True:
             pid, status, ru = os.wait4(p.pid, os.WNOHANG)
@@ -102,6 +108,19 @@ def run_measured(cmd: list[str], env=None, timeout: float = 1800, stdin_path: st
 # ---- checkpoints ------------------------------------------------------------------------------
 
 def checkpoints(names: list[str]) -> dict[str, Path]:
+    """Built in a child process: building imports torch and grows a process by gigabytes, and a child
+    spawned from a big parent reports the parent's size as its own peak RSS (the kernel carries the
+    old image's high-water mark across exec), which spoiled every peak-RSS cell."""
+    r = subprocess.run([PY, str(Path(__file__).resolve()), "--checkpoints-only", "--models", ",".join(names)],
+                       stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"building the checkpoints failed (exit {r.returncode})")
+    lines = r.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), flush=True)
+    return {n: Path(p) for n, p in json.loads(lines[-1]).items()}
+
+
+def build_checkpoints(names: list[str]) -> dict[str, Path]:
     from mixlens_dev import published_layout as mpl
     from mixlens_dev.published_layout import cached_layout
 
@@ -219,7 +238,7 @@ def llama_bench(bench: Path, gguf: Path, threads: int, prompts: list[int], decod
 
 def worker(system: str, ckpt: Path, threads: int, prompts: list[int], decode: int, dtype: str,
            route: str = "default") -> tuple[dict, int]:
-    env = dict(os.environ, MIXLENS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+    env = dict(START_ENV, MIXLENS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads))
     cmd = [PY, str(REPO / "bench" / "_workers.py"), system, "--model", str(ckpt), "--threads", str(threads),
            "--prompts", ",".join(map(str, prompts)), "--decode", str(decode), "--dtype", dtype]
@@ -245,7 +264,7 @@ def long_prompt(ckpt: Path, bench: Path | None, gguf: Path | None, threads: int,
 
     rows = []
     cli = mixlens_cli()
-    env = dict(os.environ, MIXLENS_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    env = dict(START_ENV, MIXLENS_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
     for n in lengths:
         ids = np.random.default_rng(n).integers(3, 5000, size=n)
         with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as f:
@@ -321,7 +340,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out (no build, no GGUFs)")
     ap.add_argument("--no-long", action="store_true", help="skip the 32k mamba2 prompt")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "harness.md"))
+    ap.add_argument("--checkpoints-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.checkpoints_only:  # the child of checkpoints(): build, then print the paths as JSON
+        print(json.dumps({n: str(p) for n, p in build_checkpoints([n for n in a.models.split(",") if n]).items()}))
+        return 0
     routes = [r for r in a.routes.split(",") if r]
     if set(routes) - set(ROUTES) or set(a.models.split(",")) - set(MODELS) - {""}:
         ap.error(f"--routes takes {','.join(ROUTES)}; --models takes {','.join(MODELS)}")
@@ -410,6 +433,9 @@ def main(argv=None) -> int:
                                                            "noisy.**" if busy else ""),
         f"llama.cpp: llama.cpp@{LLAMA_COMMIT} (llama-cpp-python 0.3.36 sdist), CPU backend, GGML_NATIVE"
         + (f" — SKIPPED: {llama_note}" if not bench else ""),
+        "Every child runs with the environment the harness started with: OMP_WAIT_POLICY "
+        + START_ENV.get("OMP_WAIT_POLICY", "unset") + ", OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MIXLENS_NUM_THREADS = --threads"
+        " for the mixlens and transformers workers.",
         "",
         "| model | metric | " + " | ".join(f"{s} tok/s" for s in systems) + " |"
         + "".join(f" {base_of(s, systems)} / {s} |" for s in others),
