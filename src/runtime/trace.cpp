@@ -238,6 +238,10 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
       id.kind = "gated_delta";
       id.state_op = "gated_delta_rule";
       break;
+    case LayerKind::rwkv:  // RWKV-4 time mixing: transformers' rwkv_linear_attention(_cpu)
+      id.kind = "wkv";
+      id.state_op = "rwkv_linear_attention";
+      break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +
                              std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(layer)])) +
