@@ -1,0 +1,83 @@
+"""Live parity of RWKV-4 with transformers 5.18 (RwkvForCausalLM in eval mode, rwkv_linear_attention_cpu) on
+tiny random checkpoints transformers writes here: every value of a prompt and 7 decode steps (oracle_rwkv,
+itself checked against transformers' forward and generate), edits vs transformers with the same edit, left
+padding vs per-row runs (transformers ignores attention_mask for RWKV), and the backward refusal.
+
+Tolerance: relative RMS <= 1e-4 on logits, 3e-5 on values (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mixlens
+from mixlens_dev.common import rel_rms
+from mixlens_dev.parity import N_STEPS, compare, read_every_value
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mixlens_dev import oracle_rwkv as orw  # noqa: E402
+from mixlens_dev.fixtures import make_prompts, mix  # noqa: E402
+from mixlens_dev.fixtures import rwkv as frw  # noqa: E402
+
+CASES = {
+    "rescale_every_1": dict(seed=71, config=dict(num_hidden_layers=3, rescale_every=1), lens=[10],
+                            edit=dict(name="decays_half", path=mix(1, "decays"), step=0, op="scale", factor=0.5)),
+    "batch_no_rescale": dict(seed=72, config=dict(num_hidden_layers=2, rescale_every=0, intermediate_size=40),
+                             lens=[7, 7],
+                             edit=dict(name="state_in", path=mix(0, "state_input"), step=2, op="scale", factor=0.5)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    spec = CASES[request.param]
+    tm = frw.build_model(spec)
+    path = tmp_path_factory.mktemp(request.param)
+    tm.save_pretrained(str(path))
+    prompts = make_prompts(spec["seed"], spec["lens"], tm.config.vocab_size)
+    return dict(spec=spec, torch_model=tm, model=mixlens.StandardizedTransformer(str(path)), prompts=prompts,
+                ref=orw.run(tm, prompts))
+
+
+def test_every_value_every_step(case):
+    m = case["model"]
+    with m.generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1) as tracer:
+        got = read_every_value(m, tracer)
+    assert compare(got, case["ref"], "rwkv") > 50
+
+
+def test_greedy_tokens(case):
+    run = case["model"].generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1).run()
+    assert run.tokens == case["ref"]["tokens"].tolist()
+
+
+def test_edit_matches_transformers_with_the_same_edit(case):
+    e = case["spec"]["edit"]
+    feeds = [[[int(t)] for t in case["ref"]["tokens"][:, k]] for k in range(N_STEPS - 1)]
+    ref = orw.run(case["torch_model"], case["prompts"], edits=[e], feeds=feeds)
+    m = case["model"]
+    forced = case["ref"]["tokens"][:, : N_STEPS - 1].tolist()
+    with m.generate(case["prompts"], max_new_tokens=N_STEPS, forced_tokens=forced) as tracer:
+        got = read_every_value(m, tracer, e)
+    assert compare(got, ref, f"rwkv {e['name']}") > 50
+    assert np.abs(ref[f"logits@step{N_STEPS - 1}"] - case["ref"][f"logits@step{N_STEPS - 1}"]).max() > 0
+
+
+def test_left_padded_rows_equal_their_own_runs(case):
+    m = case["model"]
+    rows = make_prompts(5, [9, 4], case["torch_model"].config.vocab_size)
+    batched = m.run(rows)["logits"]
+    for r, p in enumerate(rows):
+        alone = m.run([p])["logits"]
+        assert rel_rms(batched[r, -len(p):], alone[0]) <= 1e-5
+
+
+def test_backward_is_a_clear_error_naming_the_family(case):
+    m = case["model"]
+    with m.trace(case["prompts"], grad=True) as tr:
+        pass
+    with pytest.raises(mixlens.UnsupportedError, match="rwkv"):
+        tr.backward(np.ones((len(case["prompts"]), 1, 96), np.float32), paths=["layers.0.linear_attn.decays"])
