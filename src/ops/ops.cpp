@@ -208,21 +208,6 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
   }
 }
 
-void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    float* yr = y + r * dim;
-    double s = 0.0;
-    for (int64_t i = 0; i < dim; ++i) s += xr[i];
-    const double mean = s / static_cast<double>(dim);
-    double ss = 0.0;
-    for (int64_t i = 0; i < dim; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
-    const float m = static_cast<float>(mean);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + eps);
-    for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] - m) * inv * w[i] + b[i];
-  }
-}
-
 void transpose(const float* __restrict src, int64_t rows, int64_t cols, float* __restrict dst) {
   constexpr int64_t kTile = 16;  // a 16 x 16 tile of each side fits in L1 with room to spare
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {

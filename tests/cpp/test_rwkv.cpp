@@ -175,7 +175,8 @@ TEST(RwkvWkv, MaxShiftedAccumulatorsStayFiniteOnALongPrompt) {
     EXPECT_TRUE(std::isfinite(st[a]) && std::isfinite(st[A + a]) && std::isfinite(st[2 * A + a]));
   }
   EXPECT_TRUE(naive_overflow) << "the keys should overflow the naive float32 sums";
-  EXPECT_LE(worst, 1e-5);
+  // float32 sums of up to 4,096 slowly decaying terms round by up to ~n * 6e-8 = 2.5e-4 of the average's range.
+  EXPECT_LE(worst, 1e-3);
 }
 
 }  // namespace
