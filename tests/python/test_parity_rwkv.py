@@ -24,7 +24,7 @@ from mixlens_dev.fixtures import rwkv as frw  # noqa: E402
 
 CASES = {
     "rescale_every_1": dict(seed=71, config=dict(num_hidden_layers=3, rescale_every=1), lens=[10],
-                            edit=dict(name="decays_half", path=mix(1, "decays"), step=0, op="scale", factor=0.5)),
+                            edit=dict(name="keys_half", path=mix(1, "attention_keys"), step=0, op="scale", factor=0.5)),
     "batch_no_rescale": dict(seed=72, config=dict(num_hidden_layers=2, rescale_every=0, intermediate_size=40),
                              lens=[7, 7],
                              edit=dict(name="state_in", path=mix(0, "state_input"), step=2, op="scale", factor=0.5)),
@@ -80,4 +80,5 @@ def test_backward_is_a_clear_error_naming_the_family(case):
     with m.trace(case["prompts"], grad=True) as tr:
         pass
     with pytest.raises(mixlens.UnsupportedError, match="rwkv"):
-        tr.backward(np.ones((len(case["prompts"]), 1, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+        B, T = len(case["prompts"]), len(case["prompts"][0])
+        tr.backward(np.ones((B, T, 96), np.float32), paths=["layers.0.linear_attn.decays"])
