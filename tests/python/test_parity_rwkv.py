@@ -82,3 +82,26 @@ def test_backward_is_a_clear_error_naming_the_family(case):
     with pytest.raises(mixlens.UnsupportedError, match="rwkv"):
         B, T = len(case["prompts"]), len(case["prompts"][0])
         tr.backward(np.ones((B, T, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+
+
+def test_state_after_reads_and_writes_follow_the_recurrence(case):
+    """state_after(t) is transformers' state after token t re-laid (oracle states); set_state_after(t, v) with
+    a new num | den | max continues as the WKV recurrence (oracle_rwkv.wkv) from v over the same k, v, w."""
+    m, tm = case["model"], case["torch_model"]
+    p = case["prompts"]
+    A, t = tm.config.attention_hidden_size, 3
+    ref = case["ref"][f"{mix(1, 'states')}@step0"]
+    with m.trace(p) as tr:
+        la = m.layers[1].linear_attn
+        k, v, w = la.attention_keys, la.attention_values, la.decays
+        s = la.state_after(t)
+        assert rel_rms(s, ref[:, t]) <= 3e-5
+        new = s.copy()
+        new[:, :A] = new[:, :A] * 2 + 0.25
+        la.set_state_after(t, new)
+        y = la.attention_head_outputs
+    st = torch.tensor(new)
+    want, _, _ = orw.wkv(torch.tensor(k[:, t + 1:]), torch.tensor(v[:, t + 1:]), torch.tensor(w[:, t + 1:]),
+                         tm.rwkv.blocks[1].attention.time_first.detach(), st[:, :A], st[:, A:2 * A], st[:, 2 * A:3 * A])
+    assert rel_rms(y[:, t + 1:], want.numpy()) <= 1e-6
+    assert np.abs(y[:, t + 1:] - case["ref"][f"{mix(1, 'attention_head_outputs')}@step0"][:, t + 1:]).max() > 1e-3
