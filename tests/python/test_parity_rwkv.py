@@ -105,3 +105,17 @@ def test_state_after_reads_and_writes_follow_the_recurrence(case):
                          tm.rwkv.blocks[1].attention.time_first.detach(), st[:, :A], st[:, A:2 * A], st[:, 2 * A:3 * A])
     assert rel_rms(y[:, t + 1:], want.numpy()) <= 1e-6
     assert np.abs(y[:, t + 1:] - case["ref"][f"{mix(1, 'attention_head_outputs')}@step0"][:, t + 1:]).max() > 1e-3
+
+
+def test_attention_hidden_size_other_than_hidden_size(tmp_path):
+    """attention_hidden_size 24 beside hidden 32: transformers runs it on a prompt without a cache (its cache is
+    sized hidden_size, so generation fails there); mixlens' prompt logits and [B, 3A + 2D] state follow."""
+    tm = frw.build_model(dict(seed=73, config=dict(num_hidden_layers=2, attention_hidden_size=24, rescale_every=1)))
+    tm.save_pretrained(str(tmp_path))
+    ids = make_prompts(73, [11], tm.config.vocab_size)
+    with torch.no_grad():
+        want = tm(torch.tensor(ids), use_cache=False).logits.numpy()
+    run = mixlens.StandardizedTransformer(str(tmp_path)).generate(
+        ids, max_new_tokens=1, eos_token_id=-1, saves=["logits", mix(1, "state_output")]).run()
+    assert rel_rms(np.asarray(run.saved["logits"][0]), want) <= 1e-4
+    assert np.asarray(run.saved[mix(1, "state_output")][0]).shape == (1, 3 * 24 + 2 * 32)
