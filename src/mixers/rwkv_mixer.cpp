@@ -164,7 +164,7 @@ Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const 
     ffn_at(b, t1 - 1, yb + (t1 - 1) * A, S_row + d_.ffn_shift());
   };
   rs.serve = [n](const float* S_row, float* out) { std::copy(S_row, S_row + n, out); };
-  rs.store = [this, li, n](const float* served, float* S_row) {
+  rs.store = [this, li](const float* served, float* S_row) {
     // Inside a call the shift states are the tokens' own normed inputs (k / v / r of the next token and the
     // channel mixing are computed from them already): only num | den | max are written per token.
     if (std::memcmp(served + d_.att_shift(), S_row + d_.att_shift(), sizeof(float) * static_cast<size_t>(2 * d_.D)) != 0)
@@ -173,7 +173,6 @@ Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const 
                        "attention_hidden_size entries) only; the token-shift parts are the tokens' normed inputs "
                        "(write them through state_input, or write layer_input)");
     std::copy(served, served + 3 * d_.A, S_row);
-    (void)n;
   };
   Tensor states = scan_rows(ls, li, rs, {B, T, n});
   if (states.defined()) {
