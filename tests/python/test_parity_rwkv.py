@@ -119,3 +119,11 @@ def test_attention_hidden_size_other_than_hidden_size(tmp_path):
         ids, max_new_tokens=1, eos_token_id=-1, saves=["logits", mix(1, "state_output")]).run()
     assert rel_rms(np.asarray(run.saved["logits"][0]), want) <= 1e-4
     assert np.asarray(run.saved[mix(1, "state_output")][0]).shape == (1, 3 * 24 + 2 * 32)
+
+
+def test_transformer_lens_names_map_the_residual_stream_only(case):
+    m = case["model"]
+    run = m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_resid_post"]).run()
+    assert np.asarray(run.saved["blocks.1.hook_resid_post"][0]).shape[-1] == 32
+    with pytest.raises(mixlens.UnknownValueError, match="no RWKV adapter"):
+        m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_mlp_out"]).run()
