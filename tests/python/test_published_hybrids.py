@@ -102,17 +102,24 @@ SHAPES = {
         "layers.35.mlp.output": (1, 12, 2048),
         "layers.35.linear_attn.attention_output": (1, 12, 2048),
     },
+    "rwkv_4_169m_pile": {
+        "layers.0.linear_attn.attention_keys": (1, 12, 768),
+        "layers.11.linear_attn.state_output": (1, 5 * 768),
+        "layers.11.mlp.output": (1, 12, 768),
+    },
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
                "falcon_mamba_7b_2layers": "FalconMambaForCausalLM",
                "jamba_tiny_dev_class": "JambaForCausalLM",
                "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM",
-               "zamba2_1_2b": "Zamba2ForCausalLM"}
+               "zamba2_1_2b": "Zamba2ForCausalLM",
+               "rwkv_4_169m_pile": "RwkvForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
-       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b"}
+       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b",
+       "rwkv_4_169m_pile"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
