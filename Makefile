@@ -106,7 +106,7 @@ bench: setup-dev build
 # Every family (the Mamba-2 hybrids too) against transformers, with each kernel route forced as extra
 # mixlens columns; bench/results/families.md. Per-token states: bench-state-after.
 bench-families: setup-dev build
-	$(PY) bench/harness.py --models mamba2,mamba,qwen3_5,falcon_h1,nemotron_h,bamba,granitemoehybrid,falcon_mamba,jamba,qwen3_5_moe,olmo_hybrid,zamba2 --routes recurrent,chunked \
+	$(PY) bench/harness.py --models mamba2,mamba,qwen3_5,falcon_h1,nemotron_h,bamba,granitemoehybrid,falcon_mamba,jamba,qwen3_5_moe,olmo_hybrid,zamba2,kimi_linear --routes recurrent,chunked \
 	  --no-llama --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/families.md
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and

@@ -11,10 +11,11 @@ What runs
   Nemotron-H-8B's layer shapes in 8 blocks, bamba = Bamba-9B's in 2 layers, granitemoehybrid =
   granite-4.0-h-350m, jamba = a Jamba-tiny-dev class layout, qwen3_5_moe = Qwen3.5-35B-A3B's widths in 2 layers,
   olmo_hybrid = Olmo-Hybrid-7B's in 4 layers,
-  zamba2 = Zamba2-1.2B) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
+  zamba2 = Zamba2-1.2B, kimi_linear = Kimi-Linear-48B-A3B's widths in 2 layers with 16 of its 256
+  experts) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
 - --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
   `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
-  `make bench-families` runs the ten families with both routes against transformers (no llama.cpp).
+  `make bench-families` runs the families with both routes against transformers (no llama.cpp).
 - llama.cpp: scripts/build_llama_cpp.sh builds its CPU backend from a pinned release (the
   llama-cpp-python 0.3.36 sdist, llama.cpp@0c1e57098) into a cache dir outside the tree; the GGUFs
   come from that release's own convert_hf_to_gguf.py (with its gguf-py) at F32 and BF16, cached
@@ -68,7 +69,8 @@ HYBRID_LAYOUTS = {"falcon_h1": "falcon_h1_0_5b", "nemotron_h": "nemotron_h_8b_8b
                   "falcon_mamba": "falcon_mamba_7b_2layers", "granitemoehybrid": "granite_4_0_h_350m",
                   "jamba": "jamba_tiny_dev_class",
                   "qwen3_5_moe": "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid": "olmo_hybrid_7b_4layers",
-                  "zamba2": "zamba2_1_2b"}
+                  "zamba2": "zamba2_1_2b",
+                  "kimi_linear": "kimi_linear_48b_a3b_2layers"}
 MODELS = ("mamba2", "mamba", "qwen3_5", *HYBRID_LAYOUTS)
 ROUTES = ("chunked", "recurrent")
 

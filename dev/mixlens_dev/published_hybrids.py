@@ -187,6 +187,23 @@ RWKV_4_169M_PILE = dict(
     context_length=1024, layer_norm_epsilon=1e-5, rescale_every=6, bos_token_id=0, eos_token_id=0,
     tie_word_embeddings=False,
 )
+# moonshotai/Kimi-Linear-48B-A3B-{Base,Instruct}: exact widths, REDUCED to 2 layers (KDA, then MLA) and
+# 16 routed experts (the release: 27 layers, 256 experts, ~49B parameters; 256 experts of 3 x 2304 x 1024
+# would be 7.2 GB of float32 per MoE layer on each side). The widths are transformers 5.18's
+# KimiLinearConfig defaults (its docstring names the 48B-A3B-Base checkpoint), agreeing with mlx-lm's
+# kimi_linear ModelArgs: hidden 2304, 32 heads / 32 KV heads, kv_lora_rank 512, no q_lora, qk_nope 128,
+# qk_rope 64, v_head_dim 128, intermediate 9216 (the first_k_dense_replace = 1 dense layer),
+# moe_intermediate 1024, 1 shared expert, top-8, routed_scaling_factor 2.446, 1 group, KDA 32 heads of
+# 128, conv 4, vocab 163840, rms eps 1e-5, untied head; the release's pad / bos / eos ids.
+KIMI_LINEAR_48B_A3B_2LAYERS = dict(
+    vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+    num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, num_local_experts=16, num_experts_per_tok=8, n_shared_experts=1,
+    routed_scaling_factor=2.446, n_group=1, topk_group=1, norm_topk_prob=True, linear_head_dim=128,
+    linear_num_heads=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+    pad_token_id=163839, bos_token_id=163584, eos_token_id=163586,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
@@ -198,6 +215,7 @@ LAYOUTS = {
     "olmo_hybrid_7b_4layers": ("OlmoHybridForCausalLM", "OlmoHybridConfig", OLMO_HYBRID_7B_4LAYERS),
     "zamba2_1_2b": ("Zamba2ForCausalLM", "Zamba2Config", ZAMBA2_1_2B),
     "rwkv_4_169m_pile": ("RwkvForCausalLM", "RwkvConfig", RWKV_4_169M_PILE),
+    "kimi_linear_48b_a3b_2layers": ("KimiLinearForCausalLM", "KimiLinearConfig", KIMI_LINEAR_48B_A3B_2LAYERS),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}

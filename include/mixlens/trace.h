@@ -76,10 +76,10 @@ class Model;
 /// What a recurrent mixer is and runs (values.md "Derived values and identity", docs/values.md
 /// "Kernel identity"): the seed's mixer kind, prompt and step kernels and state op.
 struct MixerIdentity {
-  std::string kind;           ///< "ssd" (Mamba-2 mixers), "selective_scan" (Mamba-1), "gated_delta" (gated DeltaNet)
+  std::string kind;           ///< "ssd" (Mamba-2), "selective_scan" (Mamba-1), "gated_delta" (DeltaNet), "kimi_delta" (KDA)
   std::string prompt_kernel;  ///< algorithm a fresh prompt of the given length runs: "chunked" or "recurrent"
   std::string step_kernel;    ///< algorithm a one-token decode step over a cache runs
-  std::string state_op;       ///< the one-token state update: "selective_state_update" or "gated_delta_rule"
+  std::string state_op;       ///< the one-token state update: "selective_state_update", "gated_delta_rule", "kimi_delta_rule"
 };
 
 /// The identity of layer `layer`'s recurrent mixer (`linear_attn`) under the current kernel route

@@ -34,6 +34,9 @@ Slots slots_of(const std::string& family) {
   if (family == "falcon_h1") return {"mamba", "attn", "mlp"};
   if (family == "bamba") return {"mixer", "attn", "mlp"};
   if (family == "nemotron_h") return {"mixer", "mixer", "mixer"};  // one mixer slot per block, any kind
+  // Jamba: TL's JambaArchitectureAdapter, a BlockBridge with the Mamba-1 `mixer`, `attn` and `mlp` (dense or MoE).
+  if (family == "jamba") return {"mixer", "attn", "mlp"};
+  // Zamba2: TL's SSMBlockBridge, `mixer` on the Mamba layers only (block_name below).
   return {"mixer", "", ""};                                         // mamba, mamba2
 }
 
@@ -43,6 +46,7 @@ bool recurrent(LayerKind k) {
 bool has_attention(LayerKind k) { return k == LayerKind::attention || k == LayerKind::hybrid; }
 bool is_falcon(const FamilyModel& m) { return m.info.family == "falcon_h1"; }
 bool is_granite(const FamilyModel& m) { return m.info.family == "granitemoehybrid"; }
+bool is_zamba2(const FamilyModel& m) { return m.info.family == "zamba2"; }
 
 // Granite 4.0-H scales every branch by residual_multiplier (and the embeddings, logits) outside the
 // modules TL hooks; mixlens's values are what the block adds, so those hooks are not aliases.
@@ -174,6 +178,21 @@ Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
       rest != "hook_out")
     return no("TransformerLens 4.3 has no RWKV adapter: only hook_resid_pre / hook_resid_post map here; read "
               "mixlens names (layers.i.linear_attn.*, layers.i.mlp.output)");
+  // TL's Zamba2 blocks (SSMBlockBridge) have no attention / MLP hooks, and a hybrid layer's Mamba-2 sits
+  // under .mamba_decoder, which its adapter does not map: say so rather than "no MLP" on a block with one.
+  if (is_zamba2(m)) {
+    const bool hybrid = kind == LayerKind::hybrid;
+    const std::string shared = hybrid ? "; the shared transformer block at this depth serves self_attn.* and "
+                                        "mlp.output, and the block's Mamba-2 linear_attn.*"
+                                      : "";
+    if (rest == "hook_attn_out" || rest == "hook_mlp_out" || rest == "hook_resid_mid")
+      return no("TransformerLens's Zamba2 blocks (SSMBlockBridge) have no " + std::string(rest) + shared);
+    if (hybrid && (rest == "hook_mixer_out" || starts(rest, "mixer.")))
+      return no("TransformerLens's Zamba2 adapter maps `mixer` on the Mamba layers only (a hybrid layer's Mamba-2 is "
+                ".mamba_decoder.mamba, not mapped)" + shared);
+    if (!starts(rest, "hook_") && !starts(rest, "mixer.") && !starts(rest, "norm."))
+      return no("TransformerLens's Zamba2 blocks have the components norm and mixer (Mamba layers) only" + shared);
+  }
   const auto mixer_out = [&]() -> Mapped {
     if (recurrent(kind)) return recurrent_hook(m, kind, "hook_out");
     if (kind == LayerKind::attention) return attention_hook(m, "hook_out");
@@ -265,6 +284,10 @@ bool is_tl_name(std::string_view p) {
 }
 
 std::vector<std::string> tl_canonical_paths(const FamilyModel& m, const std::string& path) {
+  if (m.info.family == "kimi_linear")  // no TL tensor exists to be an alias of
+    refuse(m, path, "TransformerLens has no Kimi-Linear adapter (KimiLinearForCausalLM is not among its supported "
+                    "architectures); read the mixlens paths (layers.{i}.linear_attn.*, self_attn.*, mlp.output, "
+                    "layer_output)");
   if (!starts(path, "blocks.")) {
     Mapped g = global_name(m, path);
     if (g.target.empty()) refuse(m, path, g.why);

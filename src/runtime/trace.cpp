@@ -238,9 +238,9 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
       id.kind = "selective_scan";
       id.state_op = "selective_state_update";
       break;
-    case LayerKind::gated_deltanet:
-      id.kind = "gated_delta";
-      id.state_op = "gated_delta_rule";
+    case LayerKind::gated_deltanet:  // Kimi Delta Attention decays each key channel, not the head's state
+      id.kind = info.family == "kimi_linear" ? "kimi_delta" : "gated_delta";
+      id.state_op = info.family == "kimi_linear" ? "kimi_delta_rule" : "gated_delta_rule";
       break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +

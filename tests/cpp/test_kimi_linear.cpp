@@ -198,3 +198,19 @@ TEST(KimiLinearMla, BadLatentSizesAreConfigErrors) {
   d.qk_rope = 4;
   EXPECT_NO_THROW(detail::AttentionMixer(d, "x"));
 }
+
+// Kernel identity (docs/values.md): KDA names its own kind and state op, not gated DeltaNet's, since its
+// decay is per key channel; Qwen's gated DeltaNet layers keep "gated_delta" (test_qwen.cpp).
+TEST(KimiLinearKda, KernelIdentityNamesThePerKeyChannelRule) {
+  const Model m = Model::load(fixture("kimi_linear/padded_batch").string());
+  int seen = 0;
+  for (int l = 0; l < m.info().num_layers; ++l) {
+    if (m.info().layer_kinds[static_cast<size_t>(l)] != LayerKind::gated_deltanet) continue;
+    const MixerIdentity id = mixer_identity(m, l, 8);
+    EXPECT_EQ(id.kind, "kimi_delta") << l;
+    EXPECT_EQ(id.state_op, "kimi_delta_rule") << l;
+    EXPECT_EQ(id.prompt_kernel, "chunked") << l;
+    ++seen;
+  }
+  EXPECT_GT(seen, 0);
+}

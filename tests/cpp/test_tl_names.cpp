@@ -185,6 +185,35 @@ TEST(TlNames, NewFamiliesUseTheirTlComponents) {
                                         {"blocks.1.hook_resid_pre", "layers.1.layer_input"}});
 }
 
+TEST(TlNames, JambaZamba2AndKimiLinearFollowTheirTlAdapters) {
+  // Jamba: TL's BlockBridge with the Mamba-1 `mixer`, `attn` and `mlp` (moe_edits: blocks 1 and 4 attention, an MLP
+  // or the experts in every block).
+  expect_aliases("jamba/moe_edits", {{"blocks.0.mixer.hook_ssm_out", "layers.0.linear_attn.attention_output"},
+                                     {"blocks.1.hook_attn_out", "layers.1.self_attn.attention_output"},
+                                     {"blocks.1.attn.hook_pattern", "layers.1.self_attn.attention_probabilities"},
+                                     {"blocks.0.hook_mlp_out", "layers.0.mlp.output"},
+                                     {"blocks.1.mlp.hook_out", "layers.1.mlp.output"}});
+  EXPECT_HAS(tl_error("jamba/moe_edits", "blocks.0.attn.hook_out"), "its components: mixer,mlp");
+  EXPECT_HAS(tl_error("jamba/moe_edits", "blocks.0.mixer.hook_ssm_dt"), "softplus");
+  // Zamba2 (nope_padded: hybrid, mamba, hybrid): SSMBlockBridge blocks, `mixer` on the Mamba layers only; the
+  // shared block's values are refused for the reason TL has none, not as "no MLP".
+  expect_aliases("zamba2/nope_padded", {{"blocks.1.mixer.hook_out", "layers.1.linear_attn.attention_output"},
+                                        {"blocks.1.hook_mixer_out", "layers.1.linear_attn.attention_output"},
+                                        {"blocks.0.hook_resid_post", "layers.0.layer_output"},
+                                        {"hook_embed", "embed_tokens.output"}});
+  const std::string mlp = tl_error("zamba2/nope_padded", "blocks.0.hook_mlp_out");
+  EXPECT_HAS(mlp, "SSMBlockBridge) have no hook_mlp_out");
+  EXPECT_HAS(mlp, "mlp.output");
+  EXPECT_EQ(mlp.find("without an MLP"), std::string::npos) << mlp;
+  EXPECT_HAS(tl_error("zamba2/nope_padded", "blocks.0.hook_attn_out"), "have no hook_attn_out");
+  EXPECT_HAS(tl_error("zamba2/nope_padded", "blocks.0.mixer.hook_out"), ".mamba_decoder.mamba");
+  EXPECT_HAS(tl_error("zamba2/nope_padded", "blocks.0.attn.hook_pattern"), "norm and mixer");
+  EXPECT_HAS(tl_error("zamba2/nope_padded", "blocks.1.hook_mlp_out"), "have no hook_mlp_out");
+  // Kimi-Linear: TL has no adapter, so no name is an alias.
+  for (const char* p : {"hook_embed", "blocks.0.hook_resid_post", "blocks.0.linear_attn.hook_beta"})
+    EXPECT_HAS(tl_error("kimi_linear/padded_batch", p), "no Kimi-Linear adapter");
+}
+
 TEST(TlNames, WildcardKeysWritesAndSessions) {
   Loaded c = load_case("qwen3_5/hv_eq_hk_chunks");
   const int L = c.model.info().num_layers;

@@ -159,6 +159,20 @@ def test_support_names_the_block_kinds(case):
     assert "gated_deltanet block" in s["self_attn.attention_output"][0]
 
 
+def test_kernel_identity_names_the_per_key_channel_rule(case):
+    """KDA is not Qwen's gated DeltaNet to a reader of the kernel identity: its decay is per key channel."""
+    m = case["model"]
+    for i, t in enumerate(case["config"].layer_types):
+        if t != LIN:
+            continue
+        mix = m.layers[i].linear_attn
+        assert (mix.kind, mix.state_op) == ("kimi_delta", "kimi_delta_rule")
+        assert m._core.mixer_identity(i, 30)["kind"] == "kimi_delta"
+    with m.generate([[5, 6, 7]], max_new_tokens=2, eos_token_id=-1) as tracer:
+        pass
+    assert [c["kernel"] for c in tracer.calls] == ["chunked", "recurrent"]
+
+
 def test_backward_is_a_clear_error_naming_the_family(case):
     with case["model"].trace([[5, 6, 7]], grad=True) as tr:
         pass

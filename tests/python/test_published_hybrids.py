@@ -3,7 +3,8 @@ with the configs of dev/mixlens_dev/published_hybrids.py, where each config's so
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
-allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size. Built once under build/published/ (a few minutes and 1-3 GB each; later
+allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size, moonshotai/Kimi-Linear-48B-A3B
+reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables). Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -94,6 +95,14 @@ SHAPES = {
         "layers.3.self_attn.attention_output": (1, 12, 3840),
         "layers.3.mlp.output": (1, 12, 3840),
     },
+    "kimi_linear_48b_a3b_2layers": {
+        "layers.0.linear_attn.decays": (1, 12, 32, 128),
+        "layers.0.linear_attn.states": (1, 12, 32, 128, 128),
+        "layers.0.mlp.output": (1, 12, 2304),
+        "layers.1.self_attn.attention_queries": (1, 12, 32, 192),
+        "layers.1.self_attn.attention_values": (1, 12, 32, 128),
+        "layers.1.mlp.output": (1, 12, 2304),
+    },
     "zamba2_1_2b": {
         "layers.0.linear_attn.attention_values": (1, 12, 64, 64),
         "layers.0.linear_attn.states": (1, 12, 64, 128, 64),
@@ -114,12 +123,14 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "jamba_tiny_dev_class": "JambaForCausalLM",
                "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM",
                "zamba2_1_2b": "Zamba2ForCausalLM",
-               "rwkv_4_169m_pile": "RwkvForCausalLM"}
+               "rwkv_4_169m_pile": "RwkvForCausalLM",
+               "kimi_linear_48b_a3b_2layers": "KimiLinearForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
        "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b",
-       "rwkv_4_169m_pile"}
+       "rwkv_4_169m_pile",
+       "kimi_linear_48b_a3b_2layers"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))

@@ -49,6 +49,11 @@ CASES = {
                            ("hook_embed", "embed_tokens.output")],
     "falcon_h1/no_rms_norm_padded": [("blocks.1.hook_resid_pre", "layers.1.layer_input"),
                                      ("blocks.0.mlp.hook_out", "layers.0.mlp.output")],
+    "jamba/moe_edits": [("blocks.0.mixer.hook_ssm_out", "layers.0.linear_attn.attention_output"),
+                        ("blocks.1.hook_attn_out", "layers.1.self_attn.attention_output"),
+                        ("blocks.0.hook_mlp_out", "layers.0.mlp.output")],
+    "zamba2/nope_padded": [("blocks.1.hook_mixer_out", "layers.1.linear_attn.attention_output"),
+                           ("blocks.2.hook_resid_post", "layers.2.layer_output")],
 }
 
 
@@ -92,6 +97,9 @@ def test_wildcard_and_interleaved_read():
     ("qwen3_5/hv_2hk", "blocks.0.linear_attn.hook_k", "attention_keys[:, :, ::2]"),
     ("falcon_h1/no_rms_norm_padded", "hook_embed", "embedding_multiplier"),
     ("mamba2/short_prompt", "ln_final.hook_normalized", "before the norm's weight"),
+    ("zamba2/nope_padded", "blocks.0.hook_mlp_out", "(SSMBlockBridge) have no hook_mlp_out"),
+    ("zamba2/nope_padded", "blocks.0.mixer.hook_out", "on the Mamba layers only"),
+    ("kimi_linear/padded_batch", "blocks.0.hook_resid_post", "no Kimi-Linear adapter"),
 ])
 def test_unmapped_tl_names_say_why(case, name, part):
     model, prompts = load(case)
