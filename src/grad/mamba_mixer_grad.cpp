@@ -13,6 +13,7 @@
 #include "grad/ops_grad.h"
 #include "hooks/serve.h"
 #include "mixers/mamba_mixer.h"
+#include "mixlens/errors.h"
 #include "mixers/selective_scan.h"
 #include "ops/ops.h"
 
@@ -20,6 +21,8 @@ namespace mixlens::grad {
 
 MambaMixerView mamba_mixer_view(const detail::MambaMixer& mixer, const detail::MambaMixerWeights& l) {
   const detail::MambaMixerDims& d = mixer.dims();
+  if (d.per_head)  // no family with it has a backward yet: refused rather than differentiating another mixer
+    throw UnsupportedError("the multi-head Mamba mixer (ZambaMambaMixer: per-head x_proj / dt_proj) has no backward yet");
   const auto opt = [](const Tensor& t) { return t.defined() ? t.data() : nullptr; };
   MambaMixerView w;
   w.D = d.D; w.E = d.E; w.N = d.N; w.R = d.R; w.K = d.K; w.chunk = mixer.chunk();

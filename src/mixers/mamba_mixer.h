@@ -26,6 +26,12 @@ struct MambaMixerDims {
   float mixer_rms_eps = 1e-6f;
   /// Jamba: those norms carry weights (dt_layernorm / b_layernorm / c_layernorm.weight, JambaRMSNorm).
   bool bcdt_norm_weights = false;
+  /// Zamba (ZambaMambaMixer): `heads` Mamba heads of E / heads channels, each with its own x_proj and
+  /// dt_proj (so its own dt_low, B and C), stored per head: x_proj_weight [H, R+2N, E/H],
+  /// dt_proj_weight [H, E/H, R], dt_proj_bias / D [H, E/H], A_log [H, E/H, N]; in_proj's x and z
+  /// rows interleaved (x_c = row 2c, z_c = row 2c+1). B and C are served [B,T,H,N].
+  bool per_head = false;
+  int64_t heads = 1;
 };
 
 /// In place on x_proj's output rows [rows, R + 2N] (dt_low | B | C): each of the three sections
@@ -41,8 +47,8 @@ struct MambaMixerWeights {
   Tensor in_proj_bias;   // optional (use_bias)
   Tensor conv_wT;        // [K, E] (transposed from [E, 1, K])
   Tensor conv_bias;      // [E] (zeros when use_conv_bias is false)
-  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C
-  Tensor dt_proj;        // [E, R]
+  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C (per_head: [H * (R + 2N), E / H], head-major)
+  Tensor dt_proj;        // [E, R] (per_head: head h's rows h*E/H ..)
   Tensor dt_proj_bias;   // [E]
   Tensor A;              // [E, N] = -exp(A_log)
   Tensor D;              // [E]
@@ -88,6 +94,10 @@ class MambaMixer {
   const MambaMixerDims& dims() const { return dims_; }
 
  private:
+  /// ZambaMambaMixer's interleaved in_proj output [rows, 2E] (x_c, z_c pairs) into [x | z], in place.
+  void deinterleave_xz(Tensor& xz) const;
+  /// x_proj of u [rows, E] into dbc [rows, H, R+2N]: each head through its own block.
+  void x_proj_heads(const MambaMixerWeights& lw, const Tensor& u, Tensor& dbc) const;
   Tensor decays_of(const MambaMixerWeights& lw, const Tensor& dt) const;
   void visit_decays(int li, const MambaMixerWeights& lw, Tensor& dt, Listener* ls) const;
 
