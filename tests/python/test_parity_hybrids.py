@@ -272,3 +272,16 @@ def test_zamba2_shared_block_values_are_per_depth(case):
     assert not np.array_equal(late[f"layers.{last}.mlp.output"][0], base[f"layers.{last}.mlp.output"][0])
     assert not np.any(np.asarray(early[att(first, "attention_output")][0]))
     assert np.any(np.asarray(early[att(last, "attention_output")][0]))
+
+
+def test_zamba_backward_is_a_clear_error_naming_the_family(case):
+    """Zamba has no backward yet (the multi-head Mamba-1 mixer): tr.backward refuses it by name."""
+    if case.spec["family"] != "zamba":
+        pytest.skip("Zamba only")
+    import numpy as np
+
+    with case.model.trace([case.prompts[0]], grad=True) as tr:
+        pass
+    vocab = case.torch_model.config.vocab_size
+    with pytest.raises(mixlens.UnsupportedError, match="zamba family"):
+        tr.backward(np.ones((1, 1, vocab), np.float32), paths=[mix(case.mixer_layers[0], "decays")])
