@@ -48,24 +48,30 @@ void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, cons
   });
 }
 
-void MambaMixer::deinterleave_xz(Tensor& xz) const {
-  const int64_t rows = xz.numel() / (2 * E_);
+void deinterleave_xz(float* xz, int64_t rows, int64_t E) {
   for_rows(rows, [&](int64_t r) {
-    float* row = xz.data() + r * 2 * E_;
-    std::vector<float> tmp(row, row + 2 * E_);
-    for (int64_t c = 0; c < E_; ++c) row[c] = tmp[static_cast<size_t>(2 * c)], row[E_ + c] = tmp[static_cast<size_t>(2 * c + 1)];
+    float* row = xz + r * 2 * E;
+    const std::vector<float> tmp(row, row + 2 * E);
+    for (int64_t c = 0; c < E; ++c) row[c] = tmp[static_cast<size_t>(2 * c)], row[E + c] = tmp[static_cast<size_t>(2 * c + 1)];
   });
 }
 
-void MambaMixer::x_proj_heads(const MambaMixerWeights& lw, const Tensor& u, Tensor& dbc) const {
-  const int64_t H = dims_.heads, P = E_ / H, XR = R_ + 2 * N_, rows = u.numel() / E_;
-  if (H == 1) return ops::linear(u.data(), rows, E_, lw.x_proj, dbc.data());
-  // Head h reads its channels [h P, (h+1) P) through its own [R+2N, P] block of x_proj.
+void interleave_xz(float* xz, int64_t rows, int64_t E) {
+  for_rows(rows, [&](int64_t r) {
+    float* row = xz + r * 2 * E;
+    const std::vector<float> tmp(row, row + 2 * E);
+    for (int64_t c = 0; c < E; ++c) row[2 * c] = tmp[static_cast<size_t>(c)], row[2 * c + 1] = tmp[static_cast<size_t>(E + c)];
+  });
+}
+
+void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc) {
+  if (H == 1) return ops::linear(u, rows, E, x_proj, dbc);
+  const int64_t P = E / H;
   Tensor uh({rows, P}), oh({rows, XR});
   for (int64_t h = 0; h < H; ++h) {
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(uh.data() + r * P, u.data() + r * E_ + h * P, sizeof(float) * static_cast<size_t>(P));
-    ops::linear(uh.data(), rows, P, row_block(lw.x_proj, h * XR, {XR, P}), oh.data());
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(dbc.data() + (r * H + h) * XR, oh.data() + r * XR, sizeof(float) * static_cast<size_t>(XR));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(uh.data() + r * P, u + r * E + h * P, sizeof(float) * static_cast<size_t>(P));
+    ops::linear(uh.data(), rows, P, row_block(x_proj, h * XR, {XR, P}), oh.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dbc + (r * H + h) * XR, oh.data() + r * XR, sizeof(float) * static_cast<size_t>(XR));
   }
 }
 
@@ -147,7 +153,7 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   }
   Tensor xz({B, T, 2 * E_});
   ops::linear(n, BT, D_, lw.in_proj, xz.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
-  if (dims_.per_head) deinterleave_xz(xz);
+  if (dims_.per_head) deinterleave_xz(xz.data(), BT, E_);
 
   // Causal depthwise conv over x with the cached K inputs as left context (zeros on a fresh
   // prompt, so a prompt shorter than K sees zero padding), then SiLU and the mask again.
@@ -160,7 +166,7 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   // dt_proj.bias). B and C are served as the scan reads them, after any norm.
   const int64_t H = dims_.heads, P = E_ / H;
   Tensor dbc({B, T, H * XR});  // per head: dt_low | B | C
-  x_proj_heads(lw, u, dbc);
+  x_proj_heads(lw.x_proj, u.data(), BT, E_, H, XR, dbc.data());
   if (dims_.bcdt_rms_norm)
     norm_dt_b_c(dbc.data(), BT * H, R_, N_, dims_.mixer_rms_eps, opt(lw.dt_norm), opt(lw.b_norm), opt(lw.c_norm));
   Tensor Bm({B, T, H, N_}), Cm({B, T, H, N_}), dt({B, T, E_});

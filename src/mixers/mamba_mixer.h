@@ -41,6 +41,14 @@ struct MambaMixerDims {
 void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, const float* dt_w = nullptr,
                  const float* b_w = nullptr, const float* c_w = nullptr);
 
+/// ZambaMambaMixer's interleaved in_proj output rows [rows, 2E] (x_c, z_c pairs) into [x | z], in
+/// place; interleave_xz is its inverse (the backward's gradient back into in_proj's row order).
+void deinterleave_xz(float* xz, int64_t rows, int64_t E);
+void interleave_xz(float* xz, int64_t rows, int64_t E);
+/// x_proj of u [rows, E] into dbc [rows, H, XR]: head h reads its channels [h E/H, (h+1) E/H)
+/// through its own [XR, E/H] block of x_proj [H * XR, E/H] (H = 1: one plain linear).
+void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc);
+
 /// One layer's weights (HF names under the layer's mixer prefix).
 struct MambaMixerWeights {
   Tensor in_proj;        // [2E, D]: rows 0..E-1 -> x, E..2E-1 -> gate z
@@ -94,10 +102,6 @@ class MambaMixer {
   const MambaMixerDims& dims() const { return dims_; }
 
  private:
-  /// ZambaMambaMixer's interleaved in_proj output [rows, 2E] (x_c, z_c pairs) into [x | z], in place.
-  void deinterleave_xz(Tensor& xz) const;
-  /// x_proj of u [rows, E] into dbc [rows, H, R+2N]: each head through its own block.
-  void x_proj_heads(const MambaMixerWeights& lw, const Tensor& u, Tensor& dbc) const;
   Tensor decays_of(const MambaMixerWeights& lw, const Tensor& dt) const;
   void visit_decays(int li, const MambaMixerWeights& lw, Tensor& dt, Listener* ls) const;
 

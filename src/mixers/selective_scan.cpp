@@ -60,18 +60,6 @@ void recurrent_block(const SelectiveScanArgs& a, int64_t e0, int64_t e1) {
 
 }  // namespace
 
-int64_t channel_blocks(const SelectiveScanArgs& a, int64_t block) {
-  const int64_t per = a.E / a.groups;
-  return a.groups * ((per + block - 1) / block);
-}
-
-void channel_block(const SelectiveScanArgs& a, int64_t block, int64_t k, int64_t& e0, int64_t& e1) {
-  const int64_t per = a.E / a.groups, in_group = (per + block - 1) / block;
-  const int64_t g = k / in_group;
-  e0 = g * per + (k % in_group) * block;
-  e1 = std::min((g + 1) * per, e0 + block);
-}
-
 bool selective_scan_avx2_ok(const SelectiveScanArgs& a) {
 #if defined(__x86_64__)
   return ops::isa() != ops::Isa::scalar && (a.N == 8 || a.N == 16 || a.N == 32 || a.N == 64);
