@@ -1,6 +1,9 @@
-"""Mamba hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba, Zamba2): every value of transformers
+"""Mamba hybrids oracle (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H, Jamba, Zamba2, Zamba): every value of transformers
 5.18's pure-torch NemotronHForCausalLM / BambaForCausalLM / FalconH1ForCausalLM /
-GraniteMoeHybridForCausalLM / JambaForCausalLM / Zamba2ForCausalLM.
+GraniteMoeHybridForCausalLM / JambaForCausalLM / Zamba2ForCausalLM / ZambaForCausalLM.
+
+Zamba's mixer is Mamba-1 per Mamba head (ZambaMambaMixer): the same patching, once per head
+(ZambaRecorder); its one shared block is recorded per depth as Zamba2's.
 
 Jamba's mixer is Mamba-1 (JambaMambaMixer): its values come from oracle_mamba's patching of
 ``mamba_selective_scan`` / ``mamba_selective_state_update`` (module globals of modeling_jamba, the
@@ -45,6 +48,7 @@ import transformers.models.falcon_h1.modeling_falcon_h1 as mf
 import transformers.models.granitemoehybrid.modeling_granitemoehybrid as mg
 import transformers.models.jamba.modeling_jamba as mj
 import transformers.models.nemotron_h.modeling_nemotron_h as mn
+import transformers.models.zamba.modeling_zamba as mz1
 import transformers.models.zamba2.modeling_zamba2 as mz
 
 from mixlens_dev import oracle_mamba as om1
@@ -62,6 +66,8 @@ def module_for(model):
         return mj
     if "zamba2" in name:
         return mz
+    if name.endswith(".modeling_zamba"):
+        return mz1
     return mn if "nemotron_h" in name else mb if "bamba" in name else mg if "granitemoehybrid" in name else mf
 
 
@@ -83,7 +89,7 @@ def has_rope(model) -> bool:
         return model.config.position_embedding_type == "rope"
     if mod is mz:
         return bool(model.config.use_mem_rope)
-    return mod is not mn and mod is not mj  # JambaAttention has no positional encoding
+    return mod not in (mn, mj, mz1)  # JambaAttention / ZambaAttention have no positional encoding
 
 
 def final_norm(model):
@@ -122,7 +128,10 @@ def block_parts(layer, nemotron: bool):
     if isinstance(layer, mz.Zamba2HybridLayer):  # this depth's shared block modules
         st = layer.shared_transformer
         return layer.mamba_decoder.mamba, st.self_attn, st.feed_forward
-    if isinstance(layer, mz.Zamba2MambaDecoderLayer):
+    if isinstance(layer, mz1.ZambaHybridLayer):  # Zamba's one shared block, this depth's modules
+        st = layer.shared_transf
+        return layer.mamba_decoder.mamba, st.self_attn, st.feed_forward
+    if isinstance(layer, (mz.Zamba2MambaDecoderLayer, mz1.ZambaMambaDecoderLayer)):
         return layer.mamba, None, None
     if hasattr(layer, "shared_mlp"):  # Granite: mamba / self_attn is None on the other kind
         return layer.mamba, layer.self_attn, layer.shared_mlp
@@ -360,8 +369,67 @@ class JambaRecorder(Recorder, om1._Recorder):
         return False
 
 
+class ZambaRecorder(JambaRecorder):
+    """ZambaMambaMixer calls the Mamba-1 kernels once per Mamba head (channels [h P, (h+1) P), the
+    head's own B and C): each call is recorded and edited as Jamba's on its head's slice, and a
+    layer's values are put once every head has run (B / C stacked [B,T,H,N], the rest concatenated
+    on the channel axis). Edits apply to every head's slice and count once; a set_index on a state
+    (its axis 1 is the channel) is refused, since a head's slice would shift the index."""
+
+    def __init__(self, model, edits=(), record=True):
+        super().__init__(model, edits, record)
+        self.heads = int(model.config.n_mamba_heads)
+        self.head = None
+        self._calls = {}
+        self._parts = {}
+        for e in self.edits:
+            if e["op"] == "set_index" and e["path"].endswith(("state_input", "states", "state_output")):
+                raise ValueError(f"edit {e['name']!r}: set_index on a Zamba state would index a head's channels")
+
+    def _per_head(self, kernel, *args, **kwargs):
+        k = (self.step, self.cur_layer)
+        self.head = self._calls.get(k, 0)
+        self._calls[k] = self.head + 1
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            self.head = None
+
+    def _scan(self, *args, **kwargs):
+        return self._per_head(super()._scan, *args, **kwargs)
+
+    def _update(self, *args, **kwargs):
+        return self._per_head(super()._update, *args, **kwargs)
+
+    def _kernel_entered(self, kind):
+        if self.head == 0:  # one entry per layer call, as the shared checks expect
+            super()._kernel_entered(kind)
+
+    def _edit(self, value, tensor, comp="linear_attn"):
+        if comp != "linear_attn" or not self.head:
+            return super()._edit(value, tensor, comp)
+        edits = self._edits_for(value, comp)  # later heads: the same edits, counted at head 0
+        for e in edits:
+            tensor = om._apply_op(tensor, e).to(tensor.dtype)
+        return tensor, bool(edits)
+
+    def put(self, path, tensor):
+        if self.head is None or ".linear_attn." not in path:
+            return super().put(path, tensor)
+        parts = self._parts.setdefault(path, [])
+        parts.append(tensor)
+        if len(parts) == self.heads:
+            del self._parts[path]
+            name = path.rsplit(".", 1)[1]
+            if name in ("attention_queries", "attention_keys"):
+                super().put(path, torch.stack(parts, 2))
+            else:
+                super().put(path, torch.cat(parts, 1 if name in ("state_input", "state_output") else 2))
+
+
 def recorder_for(model):
-    return JambaRecorder if module_for(model) is mj else Recorder
+    mod = module_for(model)
+    return ZambaRecorder if mod is mz1 else JambaRecorder if mod is mj else Recorder
 
 
 pad_prompts = om.pad_prompts

@@ -110,6 +110,9 @@ struct MambaMixerView {
   const float* dt_norm = nullptr;
   const float* b_norm = nullptr;
   const float* c_norm = nullptr;
+  /// Zamba: per-head x_proj / dt_proj (MambaMixerDims::per_head), in_proj's x / z rows interleaved.
+  bool per_head = false;
+  int64_t heads = 1;
 };
 /// The view of a loaded mixer's layer `l` (pointers into `mixer` and `l`).
 MambaMixerView mamba_mixer_view(const detail::MambaMixer& mixer, const detail::MambaMixerWeights& l);

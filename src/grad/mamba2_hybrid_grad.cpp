@@ -107,9 +107,8 @@ class HybridBackward {
     add_into(x, hin);
     ops::rmsnorm(x.data(), w.in_norm.data(), n.data(), BT_, D, s_.eps);
     // Backward: the mixer, its input norm, the linear, the MLP, the pre-ff norm, attention, the input norm.
-    const Mamba2CallState call{&cache_.conv[i], &cache_.ssm[i], cache_.has_state, tape_.kernel == "chunked"};
     Tensor dn({B_, T_, D}), dx({B_, T_, D}), dm({B_, T_, D}), dn2({B_, T_, D}), da({B_, T_, D});
-    mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dh, dn, sink_);
+    mixer_backward(li, w, n, &dh, MixerDout(), dn);
     rmsnorm_backward(x.data(), w.in_norm.data(), dn.data(), dx.data(), BT_, D, s_.eps, false, false);
     linear_backward(dx.data(), BT_, D, w.shared.linear, dm.data(), false);
     sink_.put(li, Value::mlp_output, dm);
@@ -130,6 +129,30 @@ class HybridBackward {
     tape_.block(li, Value::layer_input, dh);
   }
 
+  // The recurrent mixer's backward on its normed input n (Mamba-1 or Mamba-2, as the spec says):
+  // dout given, or dout_of(the recomputed output) when a second branch reads that output.
+  void mixer_backward(int li, const HybridBlockWeights& w, const Tensor& n, const Tensor* dout, const MixerDout& dout_of,
+                      Tensor& dn) {
+    const size_t i = static_cast<size_t>(li);
+    if (s_.mixer == detail::HybridMixer::mamba1) {
+      const MambaMixerView mv = mamba_mixer_view(*m_.mixer1, w.mamba1);
+      MambaCallState mc;
+      mc.conv = &cache_.conv[i];
+      mc.ssm = &cache_.ssm[i];
+      mc.has_state = cache_.has_state;
+      mc.chunked = tape_.kernel == "chunked";
+      mc.betas_for_decays = [&](const Tensor& bet, const Tensor& dec) {
+        return m_.mixer1->betas_for_decays(li, w.mamba1, bet, dec);
+      };
+      if (dout) mamba_mixer_backward(mv, li, n, mc, tape_, *dout, dn, sink_);
+      else mamba_mixer_backward(mv, li, n, mc, tape_, dout_of, dn, sink_);
+      return;
+    }
+    const Mamba2CallState call{&cache_.conv[i], &cache_.ssm[i], cache_.has_state, tape_.kernel == "chunked"};
+    if (dout) mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, *dout, dn, sink_);
+    else mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dout_of, dn, sink_);
+  }
+
   // dh: dL/d(layer_output) in, dL/d(layer_input) out.
   void block(int li, Tensor& dh) {
     const HybridBlock& b = s_.blocks[static_cast<size_t>(li)];
@@ -142,8 +165,6 @@ class HybridBackward {
     Tensor n({B_, T_, D});
     ops::rmsnorm(hin.data(), w.in_norm.data(), n.data(), BT_, D, s_.eps);
     const size_t i = static_cast<size_t>(li);
-    const Mamba2CallState call{b.mamba ? &cache_.conv[i] : nullptr, b.mamba ? &cache_.ssm[i] : nullptr,
-                               cache_.has_state, tape_.kernel == "chunked"};
     std::unique_ptr<AttentionMixerGrad> att;
     if (b.attn)
       att = std::make_unique<AttentionMixerGrad>(*m_.attn, w.attn, li, n, AttentionCallState{&cache_.kv[i], &key_mask_, &pos_},
@@ -180,27 +201,11 @@ class HybridBackward {
     // First branch: h1 = layer_input + sum of the branch outputs on n = RMSNorm(layer_input). With a
     // second branch, the mixer's recompute supplies its output to it before differentiating.
     Tensor dn({B_, T_, D}), part({B_, T_, D});
-    if (b.mamba && s_.mixer == detail::HybridMixer::mamba1) {
-      const MambaMixerView mv = mamba_mixer_view(*m_.mixer1, w.mamba1);
-      MambaCallState mc;
-      mc.conv = &cache_.conv[i];
-      mc.ssm = &cache_.ssm[i];
-      mc.has_state = cache_.has_state;
-      mc.chunked = tape_.kernel == "chunked";
-      mc.betas_for_decays = [&](const Tensor& bet, const Tensor& dec) {
-        return m_.mixer1->betas_for_decays(li, w.mamba1, bet, dec);
-      };
+    if (b.mamba) {
       if (b.ff)
-        mamba_mixer_backward(mv, li, n, mc, tape_, [&](const Tensor& out) { return second_branch(&out); }, part, sink_);
+        mixer_backward(li, w, n, nullptr, [&](const Tensor& out) { return second_branch(&out); }, part);
       else
-        mamba_mixer_backward(mv, li, n, mc, tape_, dh1, part, sink_);
-      add_into(dn, part);
-    } else if (b.mamba) {
-      if (b.ff)
-        mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_,
-                              [&](const Tensor& out) { return second_branch(&out); }, part, sink_);
-      else
-        mamba2_mixer_backward(*m_.mixer, w.mamba, li, n, call, tape_, dh1, part, sink_);
+        mixer_backward(li, w, n, &dh1, MixerDout(), part);
       add_into(dn, part);
     }
     if (b.attn) {

@@ -13,6 +13,7 @@
 #include "grad/ops_grad.h"
 #include "hooks/serve.h"
 #include "mixers/mamba_mixer.h"
+#include "mixlens/errors.h"
 #include "mixers/selective_scan.h"
 #include "ops/ops.h"
 
@@ -28,6 +29,7 @@ MambaMixerView mamba_mixer_view(const detail::MambaMixer& mixer, const detail::M
   w.out_proj = &l.out_proj; w.out_proj_bias = &l.out_proj_bias;
   w.bcdt_rms_norm = d.bcdt_rms_norm; w.mixer_rms_eps = d.mixer_rms_eps;
   w.dt_norm = opt(l.dt_norm); w.b_norm = opt(l.b_norm); w.c_norm = opt(l.c_norm);
+  w.per_head = d.per_head; w.heads = d.heads;
   return w;
 }
 
@@ -52,6 +54,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   const Batch& in = tape.batch;
   const int64_t B = in.batch, T = in.seq, BT = B * T;
   const int64_t D = w.D, E = w.E, N = w.N, R = w.R, K = w.K, XR = R + 2 * N;
+  const int64_t H = w.heads, P = E / H, BH = BT * H;  // Zamba's Mamba heads (1 elsewhere); BH rows of x_proj output
   // As the forward: the mask applies whenever the batch has padding (transformers 5.18).
   const bool masked = in.has_padding();
 
@@ -60,6 +63,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   if (masked) detail::apply_row_mask(nm, in);
   Tensor xz({B, T, 2 * E});
   ops::linear(nm.data(), BT, D, *w.in_proj, xz.data(), w.in_proj_bias->defined() ? w.in_proj_bias->data() : nullptr);
+  if (w.per_head) detail::deinterleave_xz(xz.data(), BT, E);
   Tensor window = call.conv->clone();
   Tensor c({B, T, E});  // conv output before its SiLU
   ops::causal_conv1d(xz.data(), 2 * E, B, T, E, K, w.conv_wT->data(), w.conv_bias->data(), window.data(), c.data(),
@@ -76,19 +80,22 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     const bool keep = !masked || in.mask[static_cast<size_t>(r)];
     for (int64_t e = 0; e < E; ++e) u[r * E + e] = keep ? silu_s(c[r * E + e], sc[r * E + e]) : 0.0f;
   }
-  Tensor dbc({B, T, XR});
-  ops::linear(u.data(), BT, E, *w.x_proj, dbc.data());
+  Tensor dbc({B, T, H * XR});
+  detail::x_proj_heads(*w.x_proj, u.data(), BT, E, H, XR, dbc.data());
   Tensor dbc_raw;  // x_proj's output before FalconMamba's norms (their backward reads it)
   if (w.bcdt_rms_norm) {
     dbc_raw = dbc.clone();
-    detail::norm_dt_b_c(dbc.data(), BT, R, N, w.mixer_rms_eps, w.dt_norm, w.b_norm, w.c_norm);
+    detail::norm_dt_b_c(dbc.data(), BH, R, N, w.mixer_rms_eps, w.dt_norm, w.b_norm, w.c_norm);
   }
-  Tensor Bm({B, T, N}), Cm({B, T, N}), dt_pre({B, T, E}), dt({B, T, E});
-  for (int64_t r = 0; r < BT; ++r) {
+  const Shape bc_shape = w.per_head ? Shape{B, T, H, N} : Shape{B, T, N};  // as served
+  Tensor Bm(bc_shape), Cm(bc_shape), dt_pre({B, T, E}), dt({B, T, E});
+  for (int64_t r = 0; r < BH; ++r) {
     std::memcpy(Bm.data() + r * N, dbc.data() + r * XR + R, sizeof(float) * static_cast<size_t>(N));
     std::memcpy(Cm.data() + r * N, dbc.data() + r * XR + R + N, sizeof(float) * static_cast<size_t>(N));
   }
-  ops::gemm(false, true, BT, E, R, 1.0f, dbc.data(), XR, w.dt_proj->data(), R, 0.0f, dt_pre.data(), E);
+  for (int64_t h = 0; h < H; ++h)  // each head's channels read its own dt_low
+    ops::gemm(false, true, BT, P, R, 1.0f, dbc.data() + h * XR, H * XR, w.dt_proj->data() + h * P * R, R, 0.0f,
+              dt_pre.data() + h * P, E);
   for (int64_t r = 0; r < BT; ++r)
     for (int64_t e = 0; e < E; ++e) {
       dt_pre[r * E + e] += (*w.dt_proj_bias)[e];
@@ -114,11 +121,11 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   if (wsi) wsi->apply(S0);
   // Batch row b's scan inputs, shared by the forward's SelectiveScanArgs and the backward's args.
   const auto row_inputs = [&](auto& a, int64_t b) {
-    a.T = T; a.E = E; a.N = N;
+    a.T = T; a.E = E; a.N = N; a.groups = H;
     a.u = us.data() + b * T * E;
     a.dt = dt.data() + b * T * E;
-    a.B = Bm.data() + b * T * N;
-    a.C = Cm.data() + b * T * N;
+    a.B = Bm.data() + b * T * H * N;
+    a.C = Cm.data() + b * T * H * N;
     a.A = w.A->data();
     a.D = w.Dskip->data();
   };
@@ -164,7 +171,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   tape.block(li, Value::attention_head_outputs, dy);
 
   const bool want_ddA = wdec || sink.wants(li, Value::decays);
-  Tensor du({B, T, E}), dB({B, T, N}), dC({B, T, N}), ddt({B, T, E}), ddtA({B, T, E}), dS0({B, E, N});
+  Tensor du({B, T, E}), dB(bc_shape), dC(bc_shape), ddt({B, T, E}), ddtA({B, T, E}), dS0({B, E, N});
   Tensor ddA = want_ddA ? Tensor({B, T, E, N}) : Tensor();
   Tensor dstates = sink.wants(li, Value::states) ? Tensor({B, T, E, N}) : Tensor();
   for (int64_t b = 0; b < B; ++b) {
@@ -173,8 +180,8 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     a.S0 = S0.data() + b * E * N;
     a.dy = dy.data() + b * T * E;
     a.du = du.data() + b * T * E;
-    a.dB = dB.data() + b * T * N;
-    a.dC = dC.data() + b * T * N;
+    a.dB = dB.data() + b * T * H * N;
+    a.dC = dC.data() + b * T * H * N;
     a.ddt = ddt.data() + b * T * E;
     a.ddtA = ddtA.data() + b * T * E;
     a.ddA = want_ddA ? ddA.data() + b * T * E * N : nullptr;
@@ -214,20 +221,22 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   tape.block(li, Value::betas, dbet);
 
   // dt = softplus(dt_proj(dt_low) + bias); B, C, dt_low come from x_proj(u).
-  Tensor ddbc({B, T, XR});
+  Tensor ddbc({B, T, H * XR});
   Tensor ddt_pre({B, T, E});
   // softplus' = sigmoid, vectorized (above 20, where torch's softplus is linear, sigmoid is 1.0f exactly).
   ops::sigmoid(dt_pre.data(), ddt_pre.data(), BT * E);
   for (int64_t k = 0; k < BT * E; ++k) ddt_pre[k] *= dbet[k];
   // ddt_low[BT,R] = ddt_pre[BT,E] @ dt_proj[E,R], written into ddbc's first R columns.
-  ops::gemm(false, false, BT, R, E, 1.0f, ddt_pre.data(), E, w.dt_proj->data(), R, 0.0f, ddbc.data(), XR);
+  for (int64_t h = 0; h < H; ++h)
+    ops::gemm(false, false, BT, R, P, 1.0f, ddt_pre.data() + h * P, E, w.dt_proj->data() + h * P * R, R, 0.0f,
+              ddbc.data() + h * XR, H * XR);
   sink.put(li, Value::attention_keys, dB);
   sink.put(li, Value::attention_queries, dC);
   sink.put(li, Value::attention_values, du);
   tape.block(li, Value::attention_keys, dB);
   tape.block(li, Value::attention_queries, dC);
   tape.block(li, Value::attention_values, du);
-  for (int64_t r = 0; r < BT; ++r) {
+  for (int64_t r = 0; r < BH; ++r) {
     std::memcpy(ddbc.data() + r * XR + R, dB.data() + r * N, sizeof(float) * static_cast<size_t>(N));
     std::memcpy(ddbc.data() + r * XR + R + N, dC.data() + r * N, sizeof(float) * static_cast<size_t>(N));
   }
@@ -239,24 +248,36 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
                                 {R, N, w.b_norm ? w.b_norm : ones.data()},
                                 {R + N, N, w.c_norm ? w.c_norm : ones.data()}};
     for (const auto& [off, dim, weight] : sections) {
-      Tensor x({BT, dim}), dnormed({BT, dim}), dx({BT, dim});
-      for (int64_t r = 0; r < BT; ++r) {
+      Tensor x({BH, dim}), dnormed({BH, dim}), dx({BH, dim});
+      for (int64_t r = 0; r < BH; ++r) {
         std::memcpy(x.data() + r * dim, dbc_raw.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
         std::memcpy(dnormed.data() + r * dim, ddbc.data() + r * XR + off, sizeof(float) * static_cast<size_t>(dim));
       }
-      rmsnorm_backward(x.data(), weight, dnormed.data(), dx.data(), BT, dim, w.mixer_rms_eps, false, false);
-      for (int64_t r = 0; r < BT; ++r)
+      rmsnorm_backward(x.data(), weight, dnormed.data(), dx.data(), BH, dim, w.mixer_rms_eps, false, false);
+      for (int64_t r = 0; r < BH; ++r)
         std::memcpy(ddbc.data() + r * XR + off, dx.data() + r * dim, sizeof(float) * static_cast<size_t>(dim));
     }
   }
   // u feeds both x_proj and (unless a write replaced it) the scan.
-  linear_backward(ddbc.data(), BT, XR, *w.x_proj, du.data(), true);
+  if (H == 1) {
+    linear_backward(ddbc.data(), BT, XR, *w.x_proj, du.data(), true);
+  } else {  // head h's block of x_proj read channels [h P, (h+1) P)
+    Tensor dh({BT, XR}), duh({BT, P});
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t r = 0; r < BT; ++r)
+        std::memcpy(dh.data() + r * XR, ddbc.data() + (r * H + h) * XR, sizeof(float) * static_cast<size_t>(XR));
+      linear_backward(dh.data(), BT, XR, detail::row_block(*w.x_proj, h * XR, {XR, P}), duh.data(), false);
+      for (int64_t r = 0; r < BT; ++r)
+        for (int64_t k = 0; k < P; ++k) du[r * E + h * P + k] += duh[r * P + k];
+    }
+  }
   Tensor dc({B, T, E});
   for (int64_t r = 0; r < BT; ++r) {
     const bool keep = !masked || in.mask[static_cast<size_t>(r)];
     for (int64_t e = 0; e < E; ++e) dc[r * E + e] = keep ? du[r * E + e] * silu_grad_s(c[r * E + e], sc[r * E + e]) : 0.0f;
   }
   causal_conv1d_backward(dc.data(), B, T, E, K, w.conv_wT->data(), dxz.data(), 2 * E);
+  if (w.per_head) detail::interleave_xz(dxz.data(), BT, E);  // back into in_proj's row order
   linear_backward(dxz.data(), BT, 2 * E, *w.in_proj, dn.data(), false);
   if (masked) detail::apply_row_mask(dn, in);
 }

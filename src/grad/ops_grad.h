@@ -159,6 +159,7 @@ struct SelectiveScanGradArgs {
   float* dS0 = nullptr;       ///< [E,N]
   float* dstates = nullptr;   ///< optional [T,E,N]: dL/dS_t (served layout)
   int64_t chunk = 64;
+  int64_t groups = 1;         ///< channel groups with their own B / C (then B, C, dB, dC are [T,groups,N])
 };
 void selective_scan_backward(const SelectiveScanGradArgs& a);
 

@@ -16,8 +16,8 @@
 namespace mixlens::grad {
 
 namespace {
-// Channels per parallel task; B and C are shared by all channels, so each task keeps its own
-// partial dB / dC, reduced after the parallel loop.
+// Channels per parallel task; B and C are shared by all channels (of a group), so each task keeps
+// its own partial dB / dC, reduced into its group's after the parallel loop.
 constexpr int64_t kBlock = 16;
 }  // namespace
 
@@ -25,10 +25,12 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
   const int64_t T = a.T, E = a.E, N = a.N;
   const int64_t Q = std::max<int64_t>(1, a.chunk);
   const int64_t nchunks = (T + Q - 1) / Q;
-  const int64_t blocks = (E + kBlock - 1) / kBlock;
+  const int64_t blocks = detail::channel_blocks(a, kBlock), G = a.groups;
   std::vector<float> dBp(static_cast<size_t>(blocks * T * N), 0.0f), dCp(dBp.size(), 0.0f);
   ops::parallel_for(blocks, [&](int64_t blk) {
-    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock), W = (e1 - e0) * N;
+    int64_t e0 = 0, e1 = 0;
+    detail::channel_block(a, kBlock, blk, e0, e1);
+    const int64_t W = (e1 - e0) * N;
     float* dBb = dBp.data() + blk * T * N;
     float* dCb = dCp.data() + blk * T * N;
     // S[l] (l = 0..Q): the states of the chunk being differentiated; dA[l]: exp(A dt) of its tokens,
@@ -40,7 +42,7 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
       for (int64_t e = e0; e < e1; ++e) {
         const float dt = a.dt[t * E + e], u = a.u[t * E + e];
         const float* A = a.A + e * N;
-        const float* Bv = a.B + t * N;
+        const float* Bv = detail::group_row(a.B, a, t, e0);
         const int64_t o = (e - e0) * N;
         for (int64_t n = 0; n < N; ++n) da[o + n] = detail::fast_exp(A[n] * dt);
         for (int64_t n = 0; n < N; ++n) nx[o + n] = da[o + n] * prev[o + n] + (dt * Bv[n]) * u;
@@ -62,8 +64,8 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
       for (int64_t l = 0; l < L; ++l) step(t0 + l, S.data() + l * W, S.data() + (l + 1) * W, dA.data() + l * W);
       for (int64_t l = L - 1; l >= 0; --l) {
         const int64_t t = t0 + l;
-        const float* Bv = a.B + t * N;
-        const float* Cv = a.C + t * N;
+        const float* Bv = detail::group_row(a.B, a, t, e0);
+        const float* Cv = detail::group_row(a.C, a, t, e0);
         const float* St = S.data() + (l + 1) * W;
         const float* Sp = S.data() + l * W;
         const float* da = dA.data() + l * W;
@@ -100,13 +102,19 @@ void selective_scan_backward(const SelectiveScanGradArgs& a) {
     }
     std::copy(lam.begin(), lam.end(), a.dS0 + e0 * N);
   });
-  std::fill(a.dB, a.dB + T * N, 0.0f);
-  std::fill(a.dC, a.dC + T * N, 0.0f);
-  for (int64_t blk = 0; blk < blocks; ++blk)
-    for (int64_t k = 0; k < T * N; ++k) {
-      a.dB[k] += dBp[static_cast<size_t>(blk * T * N + k)];
-      a.dC[k] += dCp[static_cast<size_t>(blk * T * N + k)];
-    }
+  std::fill(a.dB, a.dB + T * G * N, 0.0f);
+  std::fill(a.dC, a.dC + T * G * N, 0.0f);
+  for (int64_t blk = 0; blk < blocks; ++blk) {  // each block's partials into its group's rows
+    int64_t e0 = 0, e1 = 0;
+    detail::channel_block(a, kBlock, blk, e0, e1);
+    const int64_t g = e0 * G / E;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const size_t k = static_cast<size_t>(blk * T * N + t * N + n);
+        a.dB[(t * G + g) * N + n] += dBp[k];
+        a.dC[(t * G + g) * N + n] += dCp[k];
+      }
+  }
 }
 
 }  // namespace mixlens::grad

@@ -247,6 +247,15 @@ std::vector<std::string> WeightStore::names() const {
 
 namespace mixlens::detail {
 
+Tensor row_block(const Tensor& t, int64_t first, Shape shape) {
+  const int64_t cols = shape.back();
+  auto owner = std::make_shared<const Tensor>(t);
+  const size_t elem = t.dtype() == ScalarType::float32 ? sizeof(float) : sizeof(uint16_t);
+  const void* p = static_cast<const char*>(t.raw()) + static_cast<size_t>(first * cols) * elem;
+  return t.dtype() == ScalarType::float32 ? Tensor::borrow(std::move(shape), static_cast<const float*>(p), owner)
+                                          : Tensor::narrow(std::move(shape), t.dtype(), p, owner);
+}
+
 Tensor transpose_conv(const Tensor& w) {
   const int64_t C = w.size(0), K = w.size(2);
   Tensor t({K, C});

@@ -82,4 +82,8 @@ std::string closest_name(const std::string& name, const std::vector<std::string>
 namespace mixlens::detail {
 /// conv1d.weight [C,1,K] -> [K,C].
 Tensor transpose_conv(const Tensor& w);
+/// Rows [first, first + shape[0]) of a loaded weight t [R, C] (or of one matrix of a stacked
+/// [E, R, C] tensor) as a read-only Tensor sharing t's storage (fused expert and MLP weights are
+/// split without a copy; float32 or the narrow matmul dtype alike).
+Tensor row_block(const Tensor& t, int64_t first, Shape shape);
 }  // namespace mixlens::detail

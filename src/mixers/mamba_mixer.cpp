@@ -48,19 +48,54 @@ void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, cons
   });
 }
 
+void deinterleave_xz(float* xz, int64_t rows, int64_t E) {
+  for_rows(rows, [&](int64_t r) {
+    float* row = xz + r * 2 * E;
+    const std::vector<float> tmp(row, row + 2 * E);
+    for (int64_t c = 0; c < E; ++c) row[c] = tmp[static_cast<size_t>(2 * c)], row[E + c] = tmp[static_cast<size_t>(2 * c + 1)];
+  });
+}
+
+void interleave_xz(float* xz, int64_t rows, int64_t E) {
+  for_rows(rows, [&](int64_t r) {
+    float* row = xz + r * 2 * E;
+    const std::vector<float> tmp(row, row + 2 * E);
+    for (int64_t c = 0; c < E; ++c) row[2 * c] = tmp[static_cast<size_t>(c)], row[2 * c + 1] = tmp[static_cast<size_t>(E + c)];
+  });
+}
+
+void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc) {
+  if (H == 1) return ops::linear(u, rows, E, x_proj, dbc);
+  const int64_t P = E / H;
+  Tensor uh({rows, P}), oh({rows, XR});
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(uh.data() + r * P, u + r * E + h * P, sizeof(float) * static_cast<size_t>(P));
+    ops::linear(uh.data(), rows, P, row_block(x_proj, h * XR, {XR, P}), oh.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dbc + (r * H + h) * XR, oh.data() + r * XR, sizeof(float) * static_cast<size_t>(XR));
+  }
+}
+
 MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& p) const {
   MambaMixerWeights l;
+  const int64_t H = dims_.heads, P = E_ / H, XR = R_ + 2 * N_;
   l.in_proj = w.get_matmul(p + "in_proj.weight", {2 * E_, D_});
   if (use_bias_) l.in_proj_bias = w.get(p + "in_proj.bias", {2 * E_});
   l.conv_wT = transpose_conv(w.get(p + "conv1d.weight", {E_, 1, K_}));
   l.conv_bias = use_conv_bias_ ? w.get(p + "conv1d.bias", {E_}) : Tensor({E_});
-  l.x_proj = w.get_matmul(p + "x_proj.weight", {R_ + 2 * N_, E_});
-  l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
-  l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
-  const Tensor A_log = w.get(p + "A_log", {E_, N_});
+  const Tensor A_log = dims_.per_head ? w.get(p + "A_log", {H, P, N_}) : w.get(p + "A_log", {E_, N_});
+  if (dims_.per_head) {  // ZambaMambaMixer's per-head tensors: the same rows, head-major
+    l.x_proj = w.get_matmul(p + "x_proj_weight", {H, XR, P}).reshape({H * XR, P});
+    l.dt_proj = w.get(p + "dt_proj_weight", {H, P, R_}).reshape({E_, R_});
+    l.dt_proj_bias = w.get(p + "dt_proj_bias", {H, P}).reshape({E_});
+    l.D = w.get(p + "D", {H, P}).reshape({E_});
+  } else {
+    l.x_proj = w.get_matmul(p + "x_proj.weight", {XR, E_});
+    l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
+    l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
+    l.D = w.get(p + "D", {E_});
+  }
   l.A = Tensor({E_, N_});
   for (int64_t k = 0; k < E_ * N_; ++k) l.A[k] = -std::exp(A_log[k]);
-  l.D = w.get(p + "D", {E_});
   l.out_proj = w.get_matmul(p + "out_proj.weight", {D_, E_});
   if (use_bias_) l.out_proj_bias = w.get(p + "out_proj.bias", {D_});
   if (dims_.bcdt_norm_weights) {
@@ -81,8 +116,14 @@ std::string MambaMixer::prompt_kernel(int64_t seq) const {
 
 void MambaMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
   const std::string normed = !dims_.bcdt_rms_norm ? "" : dims_.bcdt_norm_weights ? " after its RMS norm (b_layernorm / c_layernorm)" : " after its weightless RMS norm";
-  v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj" + normed + " (shared by all channels), as the scan reads the state"));
-  v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj" + normed + " (shared by all channels), where each token writes"));
+  if (dims_.per_head) {
+    const Shape bc{B, T, dims_.heads, N_};
+    v.push_back(layer_value(i, Value::attention_queries, bc, true, "C from the head's x_proj (shared by the head's E/H channels), as the scan reads the state"));
+    v.push_back(layer_value(i, Value::attention_keys, bc, true, "B from the head's x_proj (shared by the head's E/H channels), where each token writes"));
+  } else {
+    v.push_back(layer_value(i, Value::attention_queries, {B, T, N_}, true, "C from x_proj" + normed + " (shared by all channels), as the scan reads the state"));
+    v.push_back(layer_value(i, Value::attention_keys, {B, T, N_}, true, "B from x_proj" + normed + " (shared by all channels), where each token writes"));
+  }
   v.push_back(layer_value(i, Value::attention_values, {B, T, E_}, true, "u = silu(conv1d(x)) after the padding mask, as the scan receives it (x_proj has already read it: writes change what tokens write and the D skip, not dt/B/C)"));
   v.push_back(layer_value(i, Value::betas, {B, T, E_}, true, dims_.bcdt_rms_norm ? "dt = softplus(dt_proj(rmsnorm(dt_low))); write >= 0" : "dt = softplus(dt_proj(dt_low)); write >= 0"));
   v.push_back(layer_value(i, Value::decays, {B, T, E_, N_}, true, "A*dt (A = -exp(A_log)) per channel and state index; a write sets dt = decays / A and must imply one dt per (token, channel) across the state axis"));
@@ -112,6 +153,7 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   }
   Tensor xz({B, T, 2 * E_});
   ops::linear(n, BT, D_, lw.in_proj, xz.data(), lw.in_proj_bias.defined() ? lw.in_proj_bias.data() : nullptr);
+  if (dims_.per_head) deinterleave_xz(xz.data(), BT, E_);
 
   // Causal depthwise conv over x with the cached K inputs as left context (zeros on a fresh
   // prompt, so a prompt shorter than K sees zero padding), then SiLU and the mask again.
@@ -122,21 +164,25 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
 
   // x_proj -> dt_low | B | C (FalconMamba: each RMS-normed); dt = softplus(dt_proj.weight @ dt_low +
   // dt_proj.bias). B and C are served as the scan reads them, after any norm.
-  Tensor dbc({B, T, XR});
-  ops::linear(u.data(), BT, E_, lw.x_proj, dbc.data());
+  const int64_t H = dims_.heads, P = E_ / H;
+  Tensor dbc({B, T, H * XR});  // per head: dt_low | B | C
+  x_proj_heads(lw.x_proj, u.data(), BT, E_, H, XR, dbc.data());
   if (dims_.bcdt_rms_norm)
-    norm_dt_b_c(dbc.data(), BT, R_, N_, dims_.mixer_rms_eps, opt(lw.dt_norm), opt(lw.b_norm), opt(lw.c_norm));
-  Tensor Bm({B, T, N_}), Cm({B, T, N_}), dt({B, T, E_});
-  for (int64_t r = 0; r < BT; ++r) {
+    norm_dt_b_c(dbc.data(), BT * H, R_, N_, dims_.mixer_rms_eps, opt(lw.dt_norm), opt(lw.b_norm), opt(lw.c_norm));
+  Tensor Bm({B, T, H, N_}), Cm({B, T, H, N_}), dt({B, T, E_});
+  if (!dims_.per_head) Bm = Bm.reshape({B, T, N_}), Cm = Cm.reshape({B, T, N_});
+  for (int64_t r = 0; r < BT * H; ++r) {
     std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));
     std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
   }
-  // dt_proj and the softplus per block of rows on the pool (one sgemm call runs on one thread).
+  // dt_proj (each head's rows read its own dt_low) and the softplus per block of rows on the pool
+  // (one sgemm call runs on one thread).
   const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
   ops::parallel_for(dt_blocks, [&](int64_t blk) {
     const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;
-    ops::gemm(false, true, r1 - r0, E_, R_, 1.0f, dbc.data() + r0 * XR, XR, lw.dt_proj.data(), R_, 0.0f,
-              dt.data() + r0 * E_, E_);
+    for (int64_t h = 0; h < H; ++h)
+      ops::gemm(false, true, r1 - r0, P, R_, 1.0f, dbc.data() + r0 * H * XR + h * XR, H * XR,
+                lw.dt_proj.data() + h * P * R_, R_, 0.0f, dt.data() + r0 * E_ + h * P, E_);
     for (int64_t r = r0; r < r1; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
   });
 
@@ -156,8 +202,9 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
     a.T = t1 - t0; a.E = E_; a.N = N_;
     a.u = u.data() + (b * T + t0) * E_;
     a.dt = dt.data() + (b * T + t0) * E_;
-    a.B = Bm.data() + (b * T + t0) * N_;
-    a.C = Cm.data() + (b * T + t0) * N_;
+    a.groups = H;
+    a.B = Bm.data() + (b * T + t0) * H * N_;
+    a.C = Cm.data() + (b * T + t0) * H * N_;
     a.A = lw.A.data();
     a.D = lw.D.data();
     a.S = S_row;

@@ -26,6 +26,12 @@ struct MambaMixerDims {
   float mixer_rms_eps = 1e-6f;
   /// Jamba: those norms carry weights (dt_layernorm / b_layernorm / c_layernorm.weight, JambaRMSNorm).
   bool bcdt_norm_weights = false;
+  /// Zamba (ZambaMambaMixer): `heads` Mamba heads of E / heads channels, each with its own x_proj and
+  /// dt_proj (so its own dt_low, B and C), stored per head: x_proj_weight [H, R+2N, E/H],
+  /// dt_proj_weight [H, E/H, R], dt_proj_bias / D [H, E/H], A_log [H, E/H, N]; in_proj's x and z
+  /// rows interleaved (x_c = row 2c, z_c = row 2c+1). B and C are served [B,T,H,N].
+  bool per_head = false;
+  int64_t heads = 1;
 };
 
 /// In place on x_proj's output rows [rows, R + 2N] (dt_low | B | C): each of the three sections
@@ -35,14 +41,22 @@ struct MambaMixerDims {
 void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, const float* dt_w = nullptr,
                  const float* b_w = nullptr, const float* c_w = nullptr);
 
+/// ZambaMambaMixer's interleaved in_proj output rows [rows, 2E] (x_c, z_c pairs) into [x | z], in
+/// place; interleave_xz is its inverse (the backward's gradient back into in_proj's row order).
+void deinterleave_xz(float* xz, int64_t rows, int64_t E);
+void interleave_xz(float* xz, int64_t rows, int64_t E);
+/// x_proj of u [rows, E] into dbc [rows, H, XR]: head h reads its channels [h E/H, (h+1) E/H)
+/// through its own [XR, E/H] block of x_proj [H * XR, E/H] (H = 1: one plain linear).
+void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc);
+
 /// One layer's weights (HF names under the layer's mixer prefix).
 struct MambaMixerWeights {
   Tensor in_proj;        // [2E, D]: rows 0..E-1 -> x, E..2E-1 -> gate z
   Tensor in_proj_bias;   // optional (use_bias)
   Tensor conv_wT;        // [K, E] (transposed from [E, 1, K])
   Tensor conv_bias;      // [E] (zeros when use_conv_bias is false)
-  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C
-  Tensor dt_proj;        // [E, R]
+  Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C (per_head: [H * (R + 2N), E / H], head-major)
+  Tensor dt_proj;        // [E, R] (per_head: head h's rows h*E/H ..)
   Tensor dt_proj_bias;   // [E]
   Tensor A;              // [E, N] = -exp(A_log)
   Tensor D;              // [E]

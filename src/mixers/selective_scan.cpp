@@ -45,8 +45,8 @@ void recurrent_block(const SelectiveScanArgs& a, int64_t e0, int64_t e1) {
   const int64_t T = a.T, E = a.E, N = kN > 0 ? kN : a.N;
   std::vector<float> dA(static_cast<size_t>((e1 - e0) * N));
   for (int64_t t = 0; t < T; ++t) {
-    const float* Bt = a.B + t * N;
-    const float* Ct = a.C + t * N;
+    const float* Bt = group_row(a.B, a, t, e0);
+    const float* Ct = group_row(a.C, a, t, e0);
     for (int64_t e = e0; e < e1; ++e) discretize(a.A + e * N, a.dt[t * E + e], N, dA.data() + (e - e0) * N);
     for (int64_t e = e0; e < e1; ++e) {
       const float dt = a.dt[t * E + e], u = a.u[t * E + e];
@@ -77,13 +77,14 @@ void softplus_bias(const float* x, const float* bias, float* y, int64_t n) {
 }
 
 void selective_scan_recurrent(const SelectiveScanArgs& a) {
-  const int64_t blocks = (a.E + kBlock - 1) / kBlock;
+  const int64_t blocks = channel_blocks(a, kBlock);
   // The AVX2 loop runs the scalar one's math 8 lanes wide with FMA (its own rounding, within the
   // parity tolerances); it was ~10x faster on a Mamba-1 prompt's scan, most of its non-GEMM time.
   const bool avx2 = selective_scan_avx2_ok(a);
   (void)avx2;
   ops::parallel_for(blocks, [&](int64_t blk) {
-    const int64_t e0 = blk * kBlock, e1 = std::min(a.E, e0 + kBlock);
+    int64_t e0 = 0, e1 = 0;
+    channel_block(a, kBlock, blk, e0, e1);
 #if defined(__x86_64__)
     if (avx2) return selective_scan_block_avx2(a, e0, e1);
 #endif
@@ -93,11 +94,12 @@ void selective_scan_recurrent(const SelectiveScanArgs& a) {
 
 void selective_scan_state_at(const SelectiveScanArgs& a, int64_t upto, float* out) {
   const int64_t E = a.E, N = a.N;
-  const int64_t blocks = (E + kBlock - 1) / kBlock;
+  const int64_t blocks = channel_blocks(a, kBlock);
   // selective_scan_chunked's arithmetic for one chunk: the scan from zero (pass 1) plus the carried
   // state's contribution (pass 3), per block of channels as there.
   ops::parallel_for(blocks, [&](int64_t blk) {
-    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock);
+    int64_t e0 = 0, e1 = 0;
+    channel_block(a, kBlock, blk, e0, e1);
     const float* S0 = a.S;
     const bool carried = std::any_of(S0 + e0 * N, S0 + e1 * N, [](float v) { return v != 0.0f; });
     std::vector<float> P(static_cast<size_t>((e1 - e0) * N), 1.0f), dA(static_cast<size_t>(N));
@@ -107,7 +109,7 @@ void selective_scan_state_at(const SelectiveScanArgs& a, int64_t upto, float* ou
       for (int64_t e = e0; e < e1; ++e) {
         const float dt = a.dt[t * E + e], u = a.u[t * E + e];
         discretize(a.A + e * N, dt, N, dA.data());
-        update(out + e * N, dA.data(), a.B + t * N, dt, u, N);
+        update(out + e * N, dA.data(), group_row(a.B, a, t, e), dt, u, N);
         float* Pe = P.data() + (e - e0) * N;
         for (int64_t n = 0; n < N; ++n) Pe[n] *= dA[n];
       }
@@ -124,7 +126,7 @@ void selective_scan_chunked(const SelectiveScanArgs& a) {
   const int64_t T = a.T, E = a.E, N = a.N;
   const int64_t Q = std::max<int64_t>(1, a.chunk);
   const int64_t chunks = (T + Q - 1) / Q;
-  const int64_t blocks = (E + kBlock - 1) / kBlock;
+  const int64_t blocks = channel_blocks(a, kBlock);
   const size_t per_chunk = static_cast<size_t>(E * N);
   // Per chunk: the final state of a scan from zero, the product of the chunk's decays, and (after
   // the carry) the true state entering the chunk.
@@ -134,7 +136,9 @@ void selective_scan_chunked(const SelectiveScanArgs& a) {
   // (1) Independent chunk scans from a zero state.
   ops::parallel_for(chunks * blocks, [&](int64_t job) {
     const int64_t c = job / blocks, blk = job % blocks;
-    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock), t0 = c * Q, t1 = std::min(T, t0 + Q);
+    int64_t e0 = 0, e1 = 0;
+    channel_block(a, kBlock, blk, e0, e1);
+    const int64_t t0 = c * Q, t1 = std::min(T, t0 + Q);
     float* S = local_end.data() + c * per_chunk;
     float* P = decay.data() + c * per_chunk;
     std::fill(S + e0 * N, S + e1 * N, 0.0f);
@@ -144,16 +148,17 @@ void selective_scan_chunked(const SelectiveScanArgs& a) {
       for (int64_t e = e0; e < e1; ++e) {
         const float dt = a.dt[t * E + e], u = a.u[t * E + e];
         discretize(a.A + e * N, dt, N, dA.data());
-        update(S + e * N, dA.data(), a.B + t * N, dt, u, N);
+        update(S + e * N, dA.data(), group_row(a.B, a, t, e), dt, u, N);
         for (int64_t n = 0; n < N; ++n) P[e * N + n] *= dA[n];
-        a.y[t * E + e] = dot(S + e * N, a.C + t * N, N);
+        a.y[t * E + e] = dot(S + e * N, group_row(a.C, a, t, e), N);
         if (a.states) std::memcpy(a.states + (t * E + e) * N, S + e * N, sizeof(float) * static_cast<size_t>(N));
       }
   });
 
   // (2) Carry: enter[c+1] = decay[c] * enter[c] + local_end[c], from the initial state.
   ops::parallel_for(blocks, [&](int64_t blk) {
-    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock);
+    int64_t e0 = 0, e1 = 0;
+    channel_block(a, kBlock, blk, e0, e1);
     for (int64_t i = e0 * N; i < e1 * N; ++i) {
       float s = a.S[i];
       for (int64_t c = 0; c < chunks; ++c) {
@@ -168,7 +173,9 @@ void selective_scan_chunked(const SelectiveScanArgs& a) {
   // (3) Add what the entering state contributes inside each chunk, then the D skip.
   ops::parallel_for(chunks * blocks, [&](int64_t job) {
     const int64_t c = job / blocks, blk = job % blocks;
-    const int64_t e0 = blk * kBlock, e1 = std::min(E, e0 + kBlock), t0 = c * Q, t1 = std::min(T, t0 + Q);
+    int64_t e0 = 0, e1 = 0;
+    channel_block(a, kBlock, blk, e0, e1);
+    const int64_t t0 = c * Q, t1 = std::min(T, t0 + Q);
     const float* S0 = enter.data() + c * per_chunk;
     const bool carried = std::any_of(S0 + e0 * N, S0 + e1 * N, [](float v) { return v != 0.0f; });
     std::vector<float> P(static_cast<size_t>((e1 - e0) * N), 1.0f), dA(static_cast<size_t>(N)),
@@ -184,7 +191,7 @@ void selective_scan_chunked(const SelectiveScanArgs& a) {
             Pe[n] *= dA[n];
             carry[n] = Pe[n] * S0[e * N + n];
           }
-          y += dot(carry.data(), a.C + t * N, N);
+          y += dot(carry.data(), group_row(a.C, a, t, e), N);
           if (a.states)
             for (int64_t n = 0; n < N; ++n) a.states[(t * E + e) * N + n] += carry[n];
         }

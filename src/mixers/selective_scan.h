@@ -35,15 +35,39 @@ struct SelectiveScanArgs {
   int64_t T = 0, E = 0, N = 0;
   const float* u = nullptr;   ///< [T,E]  attention_values (conv + SiLU output)
   const float* dt = nullptr;  ///< [T,E]  betas (softplus(dt_proj(...)))
-  const float* B = nullptr;   ///< [T,N]  attention_keys
-  const float* C = nullptr;   ///< [T,N]  attention_queries
+  const float* B = nullptr;   ///< [T,groups,N]  attention_keys
+  const float* C = nullptr;   ///< [T,groups,N]  attention_queries
   const float* A = nullptr;   ///< [E,N]  -exp(A_log)
   const float* D = nullptr;   ///< [E]
   float* S = nullptr;         ///< [E,N]  in: initial state, out: final state
   float* y = nullptr;         ///< [T,E]  attention_head_outputs (before the silu(z) gate)
   float* states = nullptr;    ///< [T,E,N] optional: the state after every token
   int64_t chunk = 64;         ///< tokens per chunk (chunked algorithm only)
+  /// Channel groups with their own B and C (Zamba's Mamba heads: E / groups channels each); 1 for
+  /// Mamba-1, whose B and C every channel shares.
+  int64_t groups = 1;
 };
+
+/// Token t's B (or C) row [N] read by channel e: the row of e's group (a: the scan's or its
+/// backward's arguments).
+template <class Args>
+inline const float* group_row(const float* X, const Args& a, int64_t t, int64_t e) {
+  return X + (t * a.groups + e * a.groups / a.E) * a.N;
+}
+/// The parallel tasks' channel blocks: at most `block` channels each, never across a group, so a
+/// block reads one B / C row per token. Block k is [e0, e1).
+template <class Args>
+inline int64_t channel_blocks(const Args& a, int64_t block) {
+  const int64_t per = a.E / a.groups;
+  return a.groups * ((per + block - 1) / block);
+}
+template <class Args>
+inline void channel_block(const Args& a, int64_t block, int64_t k, int64_t& e0, int64_t& e1) {
+  const int64_t per = a.E / a.groups, in_group = (per + block - 1) / block;
+  const int64_t g = k / in_group;
+  e0 = g * per + (k % in_group) * block;
+  e1 = std::min((g + 1) * per, e0 + block);
+}
 
 /// Token-by-token recurrence, channels in parallel: the decode kernel, and the faster one for
 /// prompts whenever there are enough channels to occupy the threads.

@@ -102,8 +102,8 @@ void scan_block(const SelectiveScanArgs& a, int64_t e0, int64_t e1) {
   const int64_t T = a.T, E = a.E, N = 8 * NV;
   __m256 Bv[NV], Cv[NV], acc[8];
   for (int64_t t = 0; t < T; ++t) {
-    const float* Bt = a.B + t * N;
-    const float* Ct = a.C + t * N;
+    const float* Bt = group_row(a.B, a, t, e0);  // the block lies in one group
+    const float* Ct = group_row(a.C, a, t, e0);
     for (int v = 0; v < NV; ++v) Bv[v] = _mm256_loadu_ps(Bt + 8 * v), Cv[v] = _mm256_loadu_ps(Ct + 8 * v);
     const float* dtt = a.dt + t * E;
     const float* ut = a.u + t * E;

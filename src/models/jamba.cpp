@@ -58,17 +58,8 @@ std::unique_ptr<FamilyModel> make_jamba(const io::Config& cfg, const io::WeightS
   require_silu(cfg, s);
 
   // JambaMambaMixer: intermediate = mamba_expand * hidden_size, dt rank "auto" = ceil(hidden / 16).
-  s.mixer = HybridMixer::mamba1;
+  read_hybrid_mamba1(cfg, s);
   MambaMixerDims& d = s.mamba1;
-  d.D = s.D;
-  d.E = cfg.get_or<int64_t>("mamba_expand", 2) * s.D;
-  d.N = cfg.get_or<int64_t>("mamba_d_state", 16);
-  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
-  d.R = read_dt_rank(cfg, "mamba_dt_rank", s.D);
-  require_positive(cfg, {{"mamba_expand * hidden_size", d.E}, {"mamba_d_state", d.N}, {"mamba_d_conv", d.K},
-                         {"mamba_dt_rank", d.R}});
-  d.use_conv_bias = cfg.get_or<bool>("mamba_conv_bias", true);
-  d.use_bias = cfg.get_or<bool>("mamba_proj_bias", false);
   d.bcdt_rms_norm = true;
   d.bcdt_norm_weights = true;
   d.mixer_rms_eps = s.eps;  // the inner norms are JambaRMSNorm(eps = rms_norm_eps)

@@ -238,17 +238,6 @@ void add_into(Tensor& h, const Tensor& x) {
   for (int64_t k = 0; k < h.numel(); ++k) hp[k] += xp[k];
 }
 
-// Rows [first, first + shape[0]) of a loaded weight t [R, C] (or of one matrix of a stacked
-// [E, R, C] tensor) as a read-only Tensor sharing t's storage (fused expert and MLP weights are
-// split without a copy; float32 or the narrow matmul dtype alike).
-Tensor row_block(const Tensor& t, int64_t first, Shape shape) {
-  const int64_t cols = shape.back();
-  auto owner = std::make_shared<const Tensor>(t);
-  const size_t elem = t.dtype() == ScalarType::float32 ? sizeof(float) : sizeof(uint16_t);
-  const void* p = static_cast<const char*>(t.raw()) + static_cast<size_t>(first * cols) * elem;
-  return t.dtype() == ScalarType::float32 ? Tensor::borrow(std::move(shape), static_cast<const float*>(p), owner)
-                                          : Tensor::narrow(std::move(shape), t.dtype(), p, owner);
-}
 
 // The first of `names` the checkpoint holds (transformers-saved and published spellings); the
 // first name when none is there, so that w.get names a missing tensor as expected.
@@ -298,8 +287,9 @@ class Mamba2Hybrid final : public FamilyModel {
       const std::string lp = p + "layers." + std::to_string(i) + ".";
       BlockW bw;
       bw.in_norm = w.get(lp + (b.shared ? s_.shared_in_norm : s_.in_norm), {s_.D});
-      if (b.mamba && m1) bw.mamba1 = mixer1_.load(w, lp + s_.mamba_mod + ".");
-      if (b.mamba && !m1) bw.mamba = mixer_.load(w, lp + (b.shared ? s_.shared_mamba_mod : s_.mamba_mod) + ".");
+      const std::string mixer_mod = lp + (b.shared ? s_.shared_mamba_mod : s_.mamba_mod) + ".";
+      if (b.mamba && m1) bw.mamba1 = mixer1_.load(w, mixer_mod);
+      if (b.mamba && !m1) bw.mamba = mixer_.load(w, mixer_mod);
       if (b.attn) bw.attn = attn_.load(w, lp + s_.attn_mod + ".");
       if (b.shared) load_shared(w, lp, b, shared_once, bw);
       const bool moe_only = b.moe && s_.moe_kind == HybridMoeKind::jamba;  // experts in place of the MLP
@@ -388,7 +378,7 @@ class Mamba2Hybrid final : public FamilyModel {
   void load_shared(const io::WeightStore& w, const std::string& lp, const HybridBlock& b,
                    std::map<std::string, BlockW>& once, BlockW& bw) const {
     const int64_t D = s_.D, I = s_.I, r = s_.mlp_lora_rank;
-    const std::string own = lp + "shared_transformer.";
+    const std::string own = lp + s_.shared_mod;
     const std::string& sp = w.has(own + "input_layernorm.weight") ? own : s_.shared_prefixes.at(static_cast<size_t>(b.shared_block));
     bw.shared.prefix = sp;
     BlockW& o = once[sp];
@@ -397,9 +387,14 @@ class Mamba2Hybrid final : public FamilyModel {
       o.shared.ff_norm = w.get(sp + "pre_ff_layernorm.weight", {D});
       o.attn = attn_.load(w, sp + "self_attn.");
       const std::string m = sp + "feed_forward.";
-      const Tensor gu = w.get_matmul(m + "gate_up_proj.weight", {2 * I, D});  // [gate | up] rows
-      o.mlp.gate = row_block(gu, 0, {I, D});
-      o.mlp.up = row_block(gu, I, {I, D});
+      if (s_.shared_mlp_split) {  // ZambaMLP
+        o.mlp.gate = w.get_matmul(m + "gate_proj.weight", {I, D});
+        o.mlp.up = w.get_matmul(m + "up_proj.weight", {I, D});
+      } else {
+        const Tensor gu = w.get_matmul(m + "gate_up_proj.weight", {2 * I, D});  // [gate | up] rows
+        o.mlp.gate = row_block(gu, 0, {I, D});
+        o.mlp.up = row_block(gu, I, {I, D});
+      }
       o.mlp.down = w.get_matmul(m + "down_proj.weight", {D, I});
       if (s_.mlp_bias) {
         const Tensor gb = w.get(m + "gate_up_proj.bias", {2 * I});
@@ -700,6 +695,50 @@ void use_feed_forward_layout(Mamba2HybridSpec& s) {
   s.mamba_mod = "mamba";
   s.attn_mod = "self_attn";
   s.mlp_mod = "feed_forward";
+}
+
+void read_hybrid_mamba1(const io::Config& cfg, Mamba2HybridSpec& s) {
+  s.mixer = HybridMixer::mamba1;
+  MambaMixerDims& d = s.mamba1;
+  d.D = s.D;
+  d.E = cfg.get_or<int64_t>("mamba_expand", 2) * s.D;
+  d.N = cfg.get_or<int64_t>("mamba_d_state", 16);
+  d.K = cfg.get_or<int64_t>("mamba_d_conv", 4);
+  d.R = read_dt_rank(cfg, "mamba_dt_rank", s.D);
+  require_positive(cfg, {{"mamba_expand * hidden_size", d.E}, {"mamba_d_state", d.N}, {"mamba_d_conv", d.K},
+                         {"mamba_dt_rank", d.R}});
+  d.use_conv_bias = cfg.get_or<bool>("mamba_conv_bias", true);
+  d.use_bias = cfg.get_or<bool>("mamba_proj_bias", false);
+}
+
+bool read_zamba_layers(const io::Config& cfg, Mamba2HybridSpec& s, std::vector<std::string>& types, std::string& field) {
+  const int64_t L = read_hybrid_sizes(cfg, s, 1e-5);
+  s.tie = cfg.get_or<bool>("tie_word_embeddings", true);
+  return read_layer_types(cfg, {"layers_block_type", "layer_types"}, L, types, field);
+}
+
+void read_shared_layers(const io::Config& cfg, Mamba2HybridSpec& s, const std::vector<std::string>& types,
+                        const std::string& field, int64_t n_mem, LayerKind mamba_kind) {
+  int64_t depth = 0;
+  for (size_t i = 0; i < types.size(); ++i) {
+    const std::string& t = types[i];
+    HybridBlock b;
+    b.mamba = true;
+    if (t == "hybrid") {
+      b.shared = true;
+      b.kind = LayerKind::hybrid;
+      b.shared_depth = depth;
+      b.shared_block = depth % n_mem;
+      if (depth < n_mem) s.shared_prefixes.push_back(s.prefixes.front() + "layers." + std::to_string(i) + "." + s.shared_mod);
+      ++depth;
+    } else if (t == "linear_attention" || t == "mamba") {
+      b.kind = mamba_kind;
+    } else {
+      throw ConfigError(where(cfg) + ": " + field + "[" + std::to_string(i) + "] is '" + t +
+                        "' (expected mamba / linear_attention or hybrid)");
+    }
+    s.blocks.push_back(b);
+  }
 }
 
 void require_silu(const io::Config& cfg, const Mamba2HybridSpec& s) {

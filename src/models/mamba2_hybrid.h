@@ -28,7 +28,8 @@ enum class HybridMlp { swiglu, relu2, geglu };
 /// The recurrent mixer of the blocks with `mamba` set (one kind per model).
 enum class HybridMixer {
   mamba2,  ///< Mamba2Mixer (Nemotron-H, Bamba, Falcon-H1, Granite 4.0-H)
-  mamba1,  ///< MambaMixer (Jamba: JambaMambaMixer, Mamba-1 with weighted RMS norms on dt_low, B, C)
+  mamba1,  ///< MambaMixer (Jamba: JambaMambaMixer, Mamba-1 with weighted RMS norms on dt_low, B, C;
+           ///< Zamba: ZambaMambaMixer, Mamba-1 per Mamba head)
 };
 /// The MoE's router and experts.
 enum class HybridMoeKind {
@@ -79,6 +80,9 @@ struct Mamba2HybridSpec {
   std::vector<std::string> shared_prefixes;
   std::string shared_mamba_mod;   ///< the mixer module of a shared layer (Zamba2: mamba_decoder.mamba)
   std::string shared_in_norm;     ///< its block norm (Zamba2: mamba_decoder.input_layernorm.weight)
+  std::string shared_mod = "shared_transformer.";  ///< the block's module in a hybrid layer (Zamba: shared_transf.)
+  /// The shared MLP's gate and up are gate_proj / up_proj (ZambaMLP) instead of one gate_up_proj.
+  bool shared_mlp_split = false;
   int64_t mlp_lora_rank = 0;      ///< the shared MLP's per-depth gate_up adapters (Zamba2 adapter_rank)
 
   Mamba2MixerDims mamba;
@@ -206,6 +210,23 @@ void use_feed_forward_layout(Mamba2HybridSpec& s);
 /// UnsupportedError naming s.pretty unless hidden_act (absent: silu) is silu / swish, the activation
 /// of every hybrid's conv and MLP gate.
 void require_silu(const io::Config& cfg, const Mamba2HybridSpec& s);
+
+/// The Mamba-1 mixer's sizes as JambaConfig and ZambaConfig spell them into s.mamba1 (s.mixer =
+/// mamba1): intermediate mamba_expand * hidden_size, mamba_d_state, mamba_d_conv, mamba_dt_rank
+/// ("auto" = ceil(hidden / 16)), mamba_conv_bias, mamba_proj_bias. ConfigError naming a size that is
+/// not positive.
+void read_hybrid_mamba1(const io::Config& cfg, Mamba2HybridSpec& s);
+/// Zamba / Zamba2's sizes (read_hybrid_sizes, rms_norm_eps default 1e-5; tie_word_embeddings default
+/// true) and layer list: layers_block_type (layer_types is its attribute_map alias; "mamba" (legacy) /
+/// "linear_attention" or "hybrid", as many as num_hidden_layers) into `types`, its name into `field`.
+/// Returns false when the list is absent.
+bool read_zamba_layers(const io::Config& cfg, Mamba2HybridSpec& s, std::vector<std::string>& types, std::string& field);
+/// Zamba / Zamba2's layer list `types` (read from `field`): "mamba" (legacy) / "linear_attention" is
+/// a Mamba layer of kind `mamba_kind`, "hybrid" a Mamba layer after a shared block; the depth-th
+/// hybrid layer runs block depth % n_mem, whose weights the first layer running it holds
+/// (<prefix>layers.<i>.<s.shared_mod>, added to s.shared_prefixes). ConfigError naming any other entry.
+void read_shared_layers(const io::Config& cfg, Mamba2HybridSpec& s, const std::vector<std::string>& types,
+                        const std::string& field, int64_t n_mem, LayerKind mamba_kind);
 
 std::unique_ptr<FamilyModel> make_mamba2_hybrid(const Mamba2HybridSpec& spec, const io::Config& cfg,
                                                 const io::WeightStore& weights);

@@ -25,6 +25,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"jamba", "jamba", make_jamba, true},
       {"olmo_hybrid", "olmo_hybrid", make_olmo_hybrid, true},
       {"zamba2", "zamba2", make_zamba2, true},
+      {"zamba", "zamba", make_zamba, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, false},
       {"rwkv", "rwkv", make_rwkv, false},
   };

@@ -49,6 +49,7 @@ std::unique_ptr<FamilyModel> make_jamba(const io::Config& config, const io::Weig
 std::unique_ptr<FamilyModel> make_granitemoehybrid(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_olmo_hybrid(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_zamba2(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_zamba(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_kimi_linear(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_rwkv(const io::Config& config, const io::WeightStore& weights);
 

@@ -23,45 +23,17 @@
 namespace mixlens::detail {
 
 std::unique_ptr<FamilyModel> make_zamba2(const io::Config& cfg, const io::WeightStore& w) {
-  Mamba2HybridSpec s;
-  s.family = "zamba2";
-  s.pretty = "Zamba2";
-  const int64_t L = read_hybrid_sizes(cfg, s, 1e-5);
-  s.tie = cfg.get_or<bool>("tie_word_embeddings", true);  // Zamba2Config ties by default
-
-  // layers_block_type (layer_types is its attribute_map alias): "mamba" (legacy) / "linear_attention"
-  // or "hybrid". transformers builds one layer per entry; mixlens asks that num_hidden_layers agrees.
+  Mamba2HybridSpec s{.family = "zamba2", .pretty = "Zamba2"};
   std::vector<std::string> types;
   std::string field;
-  if (!read_layer_types(cfg, {"layers_block_type", "layer_types"}, L, types, field))
+  if (!read_zamba_layers(cfg, s, types, field))
     throw ConfigError(where(cfg) + ": layers_block_type is missing (Zamba2 needs the list of mamba / hybrid layers)");
   const int64_t n_mem = cfg.get_or<int64_t>("num_mem_blocks", 1);
   require_positive(cfg, {{"num_mem_blocks", n_mem}});
-  int64_t depth = 0;
-  for (size_t i = 0; i < types.size(); ++i) {
-    const std::string& t = types[i];
-    HybridBlock b;
-    b.mamba = true;
-    if (t == "hybrid") {
-      // Zamba2Model.get_layers: the depth-th hybrid layer runs block depth % num_mem_blocks, whose
-      // weights the first layer running it holds (the later ones are tied to it).
-      b.shared = true;
-      b.kind = LayerKind::hybrid;
-      b.shared_depth = depth;
-      b.shared_block = depth % n_mem;
-      if (depth < n_mem) s.shared_prefixes.push_back("model.layers." + std::to_string(i) + ".shared_transformer.");
-      ++depth;
-    } else if (t == "linear_attention" || t == "mamba") {
-      b.kind = LayerKind::mamba2;
-    } else {
-      throw ConfigError(where(cfg) + ": " + field + "[" + std::to_string(i) + "] is '" + t +
-                        "' (expected mamba / linear_attention or hybrid)");
-    }
-    s.blocks.push_back(b);
-  }
-  // Its Mamba layers carry Bamba's names (it has no attention or feed-forward blocks of its own, so
-  // those names are never read); the shared blocks' names follow.
   use_feed_forward_layout(s);
+  read_shared_layers(cfg, s, types, field, n_mem, LayerKind::mamba2);
+  // Its Mamba layers carry Bamba's names (use_feed_forward_layout above; it has no attention or
+  // feed-forward blocks of its own, so those names are never read); the shared blocks' names follow.
   s.shared_in_norm = "mamba_decoder.input_layernorm.weight";
   s.shared_mamba_mod = "mamba_decoder.mamba";
 

@@ -44,7 +44,8 @@ const Fixture kFixtures[] = {{"nemotron_h/groups2_edits", "nemotron_h"}, {"nemot
                              {"granitemoehybrid/nope_dense_padded", "granitemoehybrid"},
                              {"jamba/moe_edits", "jamba", true, true},
                              {"jamba/padded_bias", "jamba", false, true},
-                             {"zamba2/shared_lora_edits", "zamba2"},   {"zamba2/nope_padded", "zamba2"}};
+                             {"zamba2/shared_lora_edits", "zamba2"},   {"zamba2/nope_padded", "zamba2"},
+                             {"zamba/shared_edits", "zamba"},          {"zamba/padded_bias", "zamba"}};
 
 // The values a fixture's FD checks perturb: embeddings, and per kind the first layer's values.
 std::vector<std::string> paths_of(const Model& m, bool decode) {
@@ -63,6 +64,7 @@ std::vector<std::string> paths_of(const Model& m, bool decode) {
   for (const char* v : {"attention_queries", "attention_keys", "attention_values"}) p.push_back(a + v);
   p.push_back(x + "attention_head_outputs");
   p.push_back(decode ? x + "state_input" : x + "attention_values");
+  if (m.info().family == "zamba") p.push_back(x + "attention_keys");  // B per Mamba head
   p.push_back("layers." + std::to_string(mlp) + ".mlp.output");
   // Zamba2: the last depth of a shared block too (its weights' other use is the first depth).
   int last_shared = -1;

@@ -27,7 +27,8 @@ std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.para
 std::vector<Param> all_cases() {
   std::vector<Param> out;
   for (const char* f : {"nemotron_h", "bamba", "falcon_h1", "granitemoehybrid",
-                        "jamba", "zamba2"})
+                        "jamba", "zamba2",
+                        "zamba"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }
@@ -41,8 +42,9 @@ TEST_P(HybridFixture, EveryValueEveryStepMatchesTransformers) {
   run_recorded_steps(c, &t);
   EXPECT_GT(expect_golden_values(c.golden, t, c.name), 100);
   ASSERT_EQ(t.calls().size(), static_cast<size_t>(c.n_steps));
-  // Jamba's Mamba-1 prompts run the token loop by default, as the Mamba-1 LMs' (values.md).
-  EXPECT_EQ(t.calls()[0].kernel, GetParam().family == "jamba" ? "recurrent" : "chunked");
+  // Jamba's and Zamba's Mamba-1 prompts run the token loop by default, as the Mamba-1 LMs' (values.md).
+  const bool mamba1 = GetParam().family == "jamba" || GetParam().family == "zamba";
+  EXPECT_EQ(t.calls()[0].kernel, mamba1 ? "recurrent" : "chunked");
   for (int s = 1; s < c.n_steps; ++s) EXPECT_EQ(t.calls()[static_cast<size_t>(s)].kernel, "recurrent");
 }
 
@@ -239,6 +241,39 @@ TEST(Hybrids, BadConfigsGiveClearErrors) {
                     "field 'mamba_dt_rank' must be an integer or \"auto\"");
   EXPECT_LOAD_ERROR(Error, patched_copy(j, "jexp", [](nlohmann::json& c) { c["expert_layer_offset"] = 1; }),
                     "layers.0.feed_forward.gate_proj.weight");
+  // Zamba: Mamba heads that do not divide the mixer width (ZambaConfig.validate_architecture), an
+  // attention input other than [h, embeddings], an unknown layer type, a mixer activation it lacks,
+  // and a hybrid layer where the checkpoint has a plain Mamba layer.
+  const std::string z = "zamba/shared_edits";
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(z, "zheads", [](nlohmann::json& c) { c["n_mamba_heads"] = 3; }),
+                    "mamba_expand * hidden_size (64) must be divisible by n_mamba_heads (3)");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(z, "zwidth", [](nlohmann::json& c) { c["attention_hidden_size"] = 32; }),
+                    "attention_hidden_size (32) must be 2 * hidden_size (64)");
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy(z, "ztype", [](nlohmann::json& c) { c["layers_block_type"][2] = "attention"; }),
+                    "layers_block_type[2] is 'attention' (expected mamba / linear_attention or hybrid)");
+  EXPECT_LOAD_ERROR(UnsupportedError, patched_copy(z, "zact", [](nlohmann::json& c) { c["hidden_mamba_act"] = "relu"; }),
+                    "hidden_mamba_act 'relu' is not supported");
+  EXPECT_LOAD_ERROR(Error, patched_copy(z, "zfirst", [](nlohmann::json& c) {
+                      c["layers_block_type"][0] = "hybrid";
+                    }),
+                    "model.layers.0.mamba_decoder.input_layernorm.weight");
+}
+
+// Zamba: without layers_block_type, ZambaConfig's default list (hybrid at 2, then where
+// i % attn_layer_period == attn_layer_offset) gives the same model as the list saved.
+TEST(Hybrids, ZambaDefaultLayerListReadsAsTransformersBuildsIt) {
+  GoldenCase c("zamba", "padded_bias");
+  const fs::path dflt = patched_copy("zamba/padded_bias", "zdefault", [](nlohmann::json& j) { j.erase("layers_block_type"); });
+  Model m = Model::load(dflt.string());
+  EXPECT_EQ(m.info().layer_kinds, c.model.info().layer_kinds);
+  const Tensor a = c.model.run(c.prompts), b = m.run(c.prompts);
+  ASSERT_EQ(a.numel(), b.numel());
+  for (int64_t k = 0; k < a.numel(); ++k) ASSERT_EQ(a[k], b[k]) << k;
+  EXPECT_LOAD_ERROR(ConfigError, patched_copy("zamba/padded_bias", "zfew", [](nlohmann::json& j) {
+                      j.erase("layers_block_type");
+                      j["num_hidden_layers"] = 2;
+                    }),
+                    "num_hidden_layers (2) must be at least 3 when layers_block_type is not given");
 }
 
 // Granite: the published checkpoints spell layer_types with the legacy "mamba" / "attention" (which

@@ -26,6 +26,7 @@ const char* const kFamilies[] = {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "
                                  "jamba",
                                  "olmo_hybrid",
                                  "zamba2",
+                                 "zamba",
                                  "kimi_linear"};
 
 std::string mix(int layer, const std::string& v) { return "layers." + std::to_string(layer) + ".linear_attn." + v; }

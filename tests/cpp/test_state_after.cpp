@@ -47,6 +47,7 @@ std::vector<FamilyCase> all_cases() {
                         "jamba",
                         "olmo_hybrid",
                         "zamba2",
+                        "zamba",
                         "kimi_linear"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;

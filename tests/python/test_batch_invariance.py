@@ -36,6 +36,7 @@ MODELS = {
     "jamba": REPO / "tests/fixtures/jamba/moe_edits",
     "olmo_hybrid": REPO / "tests/fixtures/olmo_hybrid/padded_batch",
     "zamba2": REPO / "tests/fixtures/zamba2/shared_lora_edits",
+    "zamba": REPO / "tests/fixtures/zamba/shared_edits",
     "kimi_linear": REPO / "tests/fixtures/kimi_linear/padded_batch",
 }
 _models: dict = {}

@@ -27,6 +27,7 @@ FAMILIES = {
     "jamba": "jamba/moe_edits",
     "olmo_hybrid": "olmo_hybrid/hv_2hk_chunks",
     "zamba2": "zamba2/shared_lora_edits",
+    "zamba": "zamba/shared_edits",
     "kimi_linear": "kimi_linear/kda_mla_moe_chunks",
 }
 _models: dict = {}

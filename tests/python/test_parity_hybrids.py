@@ -118,6 +118,20 @@ CASES = {
             tie_word_embeddings=False, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
         edits=[dict(name="attn_v_x2_l3_s1", path=att(3, "attention_values"), step=1, op="scale", factor=2.0),
                dict(name="betas_half", path=mix(0, "betas"), step=0, op="scale", factor=0.5)]),
+    # Zamba: Mamba-1 layers of 2 Mamba heads, one shared block at layers 1 and 4, GQA, left-padded
+    # batch; writes at one depth of the shared block and on one head-split value (B).
+    "zamba_shared_padded": dict(
+        family="zamba", seed=101, prompts=[17, 8], config={},
+        edits=[dict(name="attn_out_tok2_l4", path=att(4, "attention_output"), step=0, op="set_index", index=2, value=0.5),
+               dict(name="keys_x2_s2", path=mix(2, "attention_keys"), step=2, op="scale", factor=2.0),
+               dict(name="decays_half_s1", path=mix(3, "decays"), step=1, op="scale", factor=0.5)]),
+    # 4 Mamba heads, projection biases, no conv bias, dt rank 5, untied; the shared block at 0 and 2.
+    "zamba_heads4_bias": dict(
+        family="zamba", seed=103, prompts=[14], config=dict(
+            n_mamba_heads=4, mamba_proj_bias=True, mamba_conv_bias=False, mamba_dt_rank=5, tie_word_embeddings=False,
+            num_hidden_layers=4, layers_block_type=["hybrid", "mamba", "hybrid", "mamba"]),
+        edits=[dict(name="attn_v_x2_l2_s1", path=att(2, "attention_values"), step=1, op="scale", factor=2.0),
+               dict(name="state_in_x2_s2", path=mix(1, "state_input"), step=2, op="scale", factor=2.0)]),
 }
 
 
@@ -158,7 +172,7 @@ def test_every_value_every_step(case):
         assert oh.key(mix(case.mixer_layers[0], "states"), k) in got
         assert any(oh.key(att(i, "attention_keys"), k) in got for i in range(4))
     assert tracer.tokens == case.ref["tokens"].tolist()
-    prompt_kernel = "recurrent" if case.spec["family"] == "jamba" else "chunked"  # Mamba-1: the token loop
+    prompt_kernel = "recurrent" if case.spec["family"] in ("jamba", "zamba") else "chunked"  # Mamba-1: the token loop
     assert [c["kernel"] for c in tracer.calls] == [prompt_kernel] + ["recurrent"] * (N_STEPS - 1)
 
 
@@ -197,7 +211,8 @@ def test_support_and_block_kinds(case):
     expected = {"nemotron_h": {"mamba2", "attention", "mlp"} if "moe" not in kinds else {"mamba2", "attention", "moe"}, "bamba": {"mamba2", "attention"},
                 "falcon_h1": {"hybrid"}, "granitemoehybrid": {"mamba2", "attention"},
                 "jamba": {"mamba", "attention"},
-                "zamba2": {"mamba2", "hybrid"}}[case.spec["family"]]
+                "zamba2": {"mamba2", "hybrid"},
+                "zamba": {"mamba", "hybrid"}}[case.spec["family"]]
     assert set(kinds) == expected
 
 
@@ -236,8 +251,8 @@ def test_zamba2_shared_block_values_are_per_depth(case):
     """A shared block is addressed per depth: a write at its last depth leaves every value of the
     earlier depths of the same block bitwise unchanged and moves its own; a write at the first depth
     is not re-applied at the later one (the later depth's attention output is not zeroed)."""
-    if case.spec["family"] != "zamba2":
-        pytest.skip("Zamba2 only")
+    if case.spec["family"] not in ("zamba2", "zamba"):
+        pytest.skip("Zamba2 / Zamba only")
     import numpy as np
 
     kinds = case.model.info["layer_kinds"]
@@ -257,3 +272,29 @@ def test_zamba2_shared_block_values_are_per_depth(case):
     assert not np.array_equal(late[f"layers.{last}.mlp.output"][0], base[f"layers.{last}.mlp.output"][0])
     assert not np.any(np.asarray(early[att(first, "attention_output")][0]))
     assert np.any(np.asarray(early[att(last, "attention_output")][0]))
+
+
+
+@pytest.mark.parametrize("route", ["recurrent", "chunked"])
+def test_zamba_embeddings_gradient_matches_torch_autograd(case, route):
+    """tr.backward on Zamba vs torch autograd of transformers' model: the embeddings' gradient (it
+    flows back through every per-head mixer, the shared block at each depth and the concatenated
+    embeddings it reads) of a random weighting of every position's logits, on both kernel routes.
+    The per-value gradients are checked against finite differences (tests/cpp/test_grad_hybrids.cpp)."""
+    if case.spec["family"] != "zamba":
+        pytest.skip("Zamba only")
+    import numpy as np
+    import torch
+
+    ids = [case.prompts[0]]
+    W = np.random.default_rng(5).standard_normal((1, len(ids[0]), case.torch_model.config.vocab_size)).astype(np.float32)
+    mixlens.route_kernels("zamba", route)
+    try:
+        with case.model.trace(ids, saves=["embed_tokens.output"], grad=True) as tr:
+            pass
+        tr.backward(W)
+    finally:
+        mixlens.route_kernels("zamba", "default")
+    emb = case.torch_model.model.embed_tokens(torch.tensor(ids)).detach().requires_grad_(True)
+    (case.torch_model(inputs_embeds=emb).logits * torch.from_numpy(W)).sum().backward()
+    assert rel_rms(np.asarray(tr.grad("embed_tokens.output")), emb.grad.numpy()) <= 1e-4

@@ -20,6 +20,7 @@ from mixlens_dev.common import REPO, rel_rms
 
 FAMILIES = ["mamba/basic", "mamba2/g1_chunks", "qwen3_5/hv_2hk", "qwen3_next/moe_hv_2hk", "nemotron_h/groups2_edits",
             "bamba/groups2_edits", "falcon_h1/norm_before_gate",
+            "zamba/shared_edits",
             "kimi_linear/kda_mla_moe_chunks"]
 
 
