@@ -7,6 +7,11 @@
 
 namespace mixlens::detail {
 
+namespace {
+const char* const kShortConvOneKernel =
+    "the gated short conv has one kernel, the token loop ('recurrent'), for prompts and decode steps alike";
+}  // namespace
+
 const std::vector<FamilyEntry>& family_registry() {
   // One line per model_type (src/models/<family>.cpp).
   static const std::vector<FamilyEntry> registry = {
@@ -26,6 +31,8 @@ const std::vector<FamilyEntry>& family_registry() {
       {"olmo_hybrid", "olmo_hybrid", make_olmo_hybrid, true},
       {"zamba2", "zamba2", make_zamba2, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, false},
+      {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
+      {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
   };
   return registry;
 }

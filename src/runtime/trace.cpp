@@ -238,6 +238,10 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
       id.kind = "gated_delta";
       id.state_op = "gated_delta_rule";
       break;
+    case LayerKind::short_conv:  // LFM2: the window shift is the whole recurrence
+      id.kind = "short_conv";
+      id.state_op = "causal_conv1d_update";
+      break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +
                              std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(layer)])) +

@@ -16,6 +16,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::mlp: return "mlp";
     case LayerKind::hybrid: return "hybrid";
     case LayerKind::moe: return "moe";
+    case LayerKind::short_conv: return "short_conv";
   }
   return "?";
 }
