@@ -21,17 +21,13 @@ Conv windows are ``[B, hidden, L_cache]``, transformers' conv_states layout (old
 
 from __future__ import annotations
 
-import re
-import sys
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from mixlens_dev.oracle_loop import run_steps
-from mixlens_dev.oracle_qwen import _apply_op, _np, key, pad_prompts
+from mixlens_dev import oracle_qwen as oq
+from mixlens_dev.oracle_qwen import key
 
-_PATH_RE = re.compile(r"^layers\.(\d+)\.linear_attn\.([a-z_]+)$")
 EDITABLE = ("attention_queries", "attention_keys", "attention_values", "state_input")
 
 
@@ -45,41 +41,14 @@ def window_recurrence(u: torch.Tensor, S0: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-class _Recorder:
+class _Recorder(oq._Recorder):
+    """oracle_qwen's recorder protocol (put, _edit, begin_step are its own) over LFM2's modules."""
+
     def __init__(self, model, edits: Sequence[dict] = (), record: bool = True):
-        self.model = model
-        self.mod = sys.modules[type(model).__module__]
-        self.edits = list(edits)
-        self.record = record
-        self.values: dict[str, np.ndarray] = {}
-        self.step = 0
-        self.cur_layer: int | None = None
-        self.calls: dict[int, list[str]] = {}
-        self.applied = {e["name"]: 0 for e in self.edits}
-        self.kernel_log: list[tuple[int, int, str]] = []
-        self._orig = {}
+        super().__init__(model, edits, record)  # the bookkeeping; its GDN kernel names stay unused here
         self._h = []
         self._u = None
         self._S0 = None
-
-    def put(self, path, tensor):
-        if not self.record:
-            return
-        k = key(path, self.step)
-        if k in self.values:
-            raise RuntimeError(f"{k} recorded twice")
-        self.values[k] = _np(tensor)
-
-    def _mix(self, v):
-        return f"layers.{self.cur_layer}.linear_attn.{v}"
-
-    def _edit(self, value, tensor):
-        for e in self.edits:
-            layer, name = _PATH_RE.match(e["path"]).group(1, 2)
-            if int(layer) == self.cur_layer and name == value and int(e["step"]) == self.step:
-                tensor = _apply_op(tensor, e).to(tensor.dtype)
-                self.applied[e["name"]] += 1
-        return tensor
 
     def _wrap(self, name):
         orig = self._orig[name]
@@ -187,10 +156,6 @@ class _Recorder:
         for name, f in self._orig.items():
             setattr(self.mod, name, f)
 
-    def begin_step(self, step):
-        self.step = step
-        self.calls = {}
-
     def end_step(self):
         """Guard: every layer went through the patched globals exactly once (the patch took)."""
         for i, layer in enumerate(self.model.model.layers):
@@ -204,17 +169,4 @@ class _Recorder:
 
 def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
     """Prompt (step 0) then n_steps-1 more calls, as oracle_qwen.run."""
-    from transformers import DynamicCache
-
-    ids, mask = pad_prompts(prompts, pad_id)
-    cache = DynamicCache(config=model.config)
-    with _Recorder(model, edits, record) as rec, torch.no_grad():
-        out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
-        for e, n in rec.applied.items():
-            if n == 0:
-                raise ValueError(f"edit {e!r} was never applied")
-    values = rec.values if record else out_values
-    values["input_ids"] = ids.numpy()
-    values["attention_mask"] = mask.numpy()
-    values["tokens"] = torch.stack(tokens, 1).numpy()
-    return values, rec
+    return oq.run(model, prompts, pad_id, n_steps, edits, feeds=feeds, record=record, recorder=_Recorder)

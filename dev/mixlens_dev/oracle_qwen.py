@@ -313,12 +313,13 @@ def pad_prompts(prompts, pad_id):
     return ids, mask
 
 
-def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
+def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True, recorder=None):
     """Prompt (step 0) then n_steps-1 more calls. feeds[k-1] ([B, n] ids) is fed at step k when given,
-    else the greedy token. Position ids as generate builds them (cumsum(mask) - 1, 0 on padding)."""
+    else the greedy token. Position ids as generate builds them (cumsum(mask) - 1, 0 on padding).
+    `recorder`: another family's recorder class (oracle_lfm2), the same protocol as _Recorder."""
     ids, mask = pad_prompts(prompts, pad_id)
     cache = mq35.DynamicCache(config=model.config.get_text_config())
-    with _Recorder(model, edits, record) as rec, torch.no_grad():
+    with (recorder or _Recorder)(model, edits, record) as rec, torch.no_grad():
         out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
         for e, n in rec.applied.items():
             if n == 0:

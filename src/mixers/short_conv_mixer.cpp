@@ -40,13 +40,8 @@ Tensor ShortConvMixer::forward(const ShortConvMixerWeights& l, const Tensor& n_i
   const int li = call.layer;
   Listener* ls = call.ls;
   const int64_t B = in.batch, T = in.seq, BT = B * T, D = D_, K = K_;
-  const float* n = n_in.data();
-  Tensor nm;
-  if (masked) {  // apply_mask_to_padding_states on the mixer input only
-    nm = n_in.clone();
-    apply_row_mask(nm, in);
-    n = nm.data();
-  }
+  const Tensor nm = masked_input(n_in, in, masked);
+  const float* n = nm.data();
   Tensor proj = Tensor::uninitialized({BT, 3 * D});
   ops::linear(n, BT, D, l.in_proj, proj.data(), bias_ ? l.in_bias.data() : nullptr);
   // BCx.chunk(3) along channels: B, C, x in that order.
