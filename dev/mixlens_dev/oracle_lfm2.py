@@ -117,18 +117,7 @@ class _Recorder(oq._Recorder):
         H = self._h
         H.append(tm.embed_tokens.register_forward_hook(lambda m, a, o: self.put("embed_tokens.output", o)))
         for i, layer in enumerate(tm.layers):
-            def pre(m, args, kwargs, i=i):
-                self.cur_layer = i
-                self.put(f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
-
-            def post(m, args, kwargs, out, i=i):
-                self.put(f"layers.{i}.layer_output", out[0] if isinstance(out, tuple) else out)
-                self.cur_layer = None
-
-            H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            H.append(layer.register_forward_hook(post, with_kwargs=True))
-            H.append(layer.feed_forward.register_forward_hook(
-                lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
+            self._hook_block(i, layer, layer.feed_forward)
             if layer.is_attention_layer:
                 at = layer.self_attn
 

@@ -211,6 +211,21 @@ class _Recorder:
         H.append(at.register_forward_hook(
             lambda m, a, o, i=i: self.put(f"layers.{i}.self_attn.attention_output", o[0])))
 
+    def _hook_block(self, i, layer, mlp):
+        """Block i's layer_input / layer_output (it sets cur_layer while it runs) and `mlp`'s output."""
+        def pre(m, args, kwargs):
+            self.cur_layer = i
+            self.put(f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
+
+        def post(m, args, kwargs, out):
+            self.put(f"layers.{i}.layer_output", out[0] if isinstance(out, tuple) else out)
+            self.cur_layer = None
+
+        self._h.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        self._h.append(layer.register_forward_hook(post, with_kwargs=True))
+        self._h.append(mlp.register_forward_hook(
+            lambda m, a, o: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
+
     def _install(self):
         tm = self.text
         H = self._h = []
@@ -218,19 +233,7 @@ class _Recorder:
 
         H.append(tm.embed_tokens.register_forward_hook(lambda m, a, o: self.put("embed_tokens.output", o)))
         for i, layer in enumerate(tm.layers):
-            def pre(m, args, kwargs, i=i):
-                self.cur_layer = i
-                hs = args[0] if args else kwargs["hidden_states"]
-                self.put(f"layers.{i}.layer_input", hs)
-
-            def post(m, args, kwargs, out, i=i):
-                self.put(f"layers.{i}.layer_output", out[0] if isinstance(out, tuple) else out)
-                self.cur_layer = None
-
-            H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            H.append(layer.register_forward_hook(post, with_kwargs=True))
-            H.append(layer.mlp.register_forward_hook(
-                lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
+            self._hook_block(i, layer, layer.mlp)
             if self._linear(layer):
                 H.append((layer.self_attn if self.kimi else layer.linear_attn).register_forward_hook(
                     lambda m, a, o, i=i: self.put(f"layers.{i}.linear_attn.attention_output", o)))

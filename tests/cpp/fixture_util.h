@@ -146,6 +146,15 @@ inline void expect_kernel_identity(const Model& m, const Trace& t, const std::st
   }
 }
 
+/// generate()'s greedy tokens (eos off, n_steps of them) are the golden run's, row by row.
+inline void expect_greedy_tokens(const GoldenCase& c) {
+  GenerateOptions o;
+  o.max_new_tokens = c.n_steps;
+  o.eos_token_id = -1;
+  const auto res = c.model.generate(c.prompts, o);
+  for (size_t r = 0; r < c.tokens.size(); ++r) EXPECT_EQ(res.new_tokens[r], c.tokens[r]) << "row " << r;
+}
+
 inline void save_all_values(const Model& m, Trace& t) {
   for (const auto& v : m.values(1, 1)) t.save(v.path);
 }

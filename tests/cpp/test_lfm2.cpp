@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <utility>
 
 #include "fixture_util.h"
 #include "recurrent_checks.h"
@@ -16,57 +18,49 @@ using namespace mixlens::test;
 
 namespace {
 
-struct Param {
-  std::string family, name;
-};
-std::string param_name(const ::testing::TestParamInfo<Param>& p) { return p.param.family + "_" + p.param.name; }
+using FamilyAndCase = std::pair<std::string, std::string>;
 
-std::vector<Param> all_cases() {
-  std::vector<Param> out;
+std::vector<FamilyAndCase> lfm2_cases() {
+  std::vector<FamilyAndCase> out;
   for (const char* f : {"lfm2", "lfm2_moe"})
-    for (const auto& n : fixture_cases(f)) out.push_back({f, n});
+    for (const auto& n : fixture_cases(f)) out.emplace_back(f, n);
   return out;
 }
 
-class Lfm2Fixture : public ::testing::TestWithParam<Param> {};
+class Lfm2Fixture : public ::testing::TestWithParam<FamilyAndCase> {
+ protected:
+  std::unique_ptr<GoldenCase> load() const { return std::make_unique<GoldenCase>(GetParam().first, GetParam().second); }
+};
 
-TEST_P(Lfm2Fixture, EveryValueEveryStepMatchesTransformers) {
-  GoldenCase c(GetParam().family, GetParam().name);
+// Every golden value of every step (prompt + 7 steps), on the one kernel, and the greedy tokens.
+TEST_P(Lfm2Fixture, EveryValueEveryStepAndTheGreedyTokensMatchTransformers) {
+  const auto c = load();
   Trace t;
-  save_all_values(c.model, t);
-  run_recorded_steps(c, &t);
-  EXPECT_GT(expect_golden_values(c.golden, t, c.name), 50);
-  ASSERT_EQ(t.calls().size(), static_cast<size_t>(c.n_steps));
-  for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, "recurrent");  // the one kernel, prompts too
-  expect_kernel_identity(c.model, t, "short_conv");
+  save_all_values(c->model, t);
+  run_recorded_steps(*c, &t);
+  EXPECT_GT(expect_golden_values(c->golden, t, c->name), 50);
   EXPECT_FALSE(t.has("layers.0.linear_attn.state_input", 0)) << "state_input is None on a fresh prompt";
-}
-
-TEST_P(Lfm2Fixture, GreedyTokensMatch) {
-  GoldenCase c(GetParam().family, GetParam().name);
-  if (!c.spec["greedy"].get<bool>()) GTEST_SKIP() << "case feeds a continuation, not greedy tokens";
-  GenerateOptions o;
-  o.max_new_tokens = c.n_steps;
-  o.eos_token_id = -1;
-  auto res = c.model.generate(c.prompts, o);
-  for (size_t r = 0; r < c.tokens.size(); ++r) EXPECT_EQ(res.new_tokens[r], c.tokens[r]) << "row " << r;
+  ASSERT_EQ(t.calls().size(), static_cast<size_t>(c->n_steps));
+  for (const auto& call : t.calls()) EXPECT_EQ(call.kernel, "recurrent");  // the one kernel, prompts too
+  expect_kernel_identity(c->model, t, "short_conv");
+  if (c->spec["greedy"].get<bool>()) expect_greedy_tokens(*c);
 }
 
 TEST_P(Lfm2Fixture, StateInvariants) {
-  GoldenCase c(GetParam().family, GetParam().name);
-  expect_state_invariants(c, 0.0);  // the window holds copies of B * x: bit for bit
+  expect_state_invariants(*load(), 0.0);  // the window holds copies of B * x: bit for bit
 }
 
 TEST_P(Lfm2Fixture, EditsMatchTransformersWithTheSameModification) {
-  GoldenCase c(GetParam().family, GetParam().name);
-  if (c.spec["edits"].empty()) GTEST_SKIP() << "case has no edits";
-  EXPECT_GT(expect_edits_match(c, /*last_step_changes=*/true), 0);
+  const auto c = load();
+  if (c->spec["edits"].empty()) GTEST_SKIP() << "case has no edits";
+  EXPECT_GT(expect_edits_match(*c, /*last_step_changes=*/true), 0);
 }
 
 // The window after every token against the recurrence written out: S_t = [S_{t-1}[1:], B_t * x_t]
 // per channel, from state_input (zeros on a fresh prompt); states[:, -1] is then state_output.
 TEST_P(Lfm2Fixture, WindowIsTheShiftedProductOfKeysAndValues) {
-  GoldenCase c(GetParam().family, GetParam().name);
+  const auto cp = load();
+  const GoldenCase& c = *cp;
   Trace t;
   t.save("layers.*.linear_attn.states").save("layers.*.linear_attn.state_input")
       .save("layers.*.linear_attn.attention_keys").save("layers.*.linear_attn.attention_values");
@@ -102,7 +96,8 @@ TEST_P(Lfm2Fixture, WindowIsTheShiftedProductOfKeysAndValues) {
   EXPECT_GT(checked, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, Lfm2Fixture, ::testing::ValuesIn(all_cases()), param_name);
+INSTANTIATE_TEST_SUITE_P(Fixtures, Lfm2Fixture, ::testing::ValuesIn(lfm2_cases()),
+                         [](const auto& p) { return p.param.first + "_" + p.param.second; });
 
 TEST(Lfm2, ChunkedRouteAndChunkSizeAreRefusedWithTheReason) {
   Model m = Model::load(fixture("lfm2/" + fixture_cases("lfm2")[0]).string());
