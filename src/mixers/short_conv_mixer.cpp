@@ -52,8 +52,9 @@ Tensor ShortConvMixer::forward(const ShortConvMixerWeights& l, const Tensor& n_i
     std::memcpy(Cg.data() + r * D, p + D, sizeof(float) * static_cast<size_t>(D));
     std::memcpy(xg.data() + r * D, p + 2 * D, sizeof(float) * static_cast<size_t>(D));
   }
-  visit_if(ls, li, Value::attention_keys, Bg);
+  // Served in the table's order (values()): a reader walking the values in order meets each in turn.
   visit_if(ls, li, Value::attention_queries, Cg);
+  visit_if(ls, li, Value::attention_keys, Bg);
   visit_if(ls, li, Value::attention_values, xg);
   Tensor u = Tensor::uninitialized({B, T, D});  // B * x, the conv's input
   for (int64_t k = 0; k < BT * D; ++k) u[k] = Bg[k] * xg[k];
