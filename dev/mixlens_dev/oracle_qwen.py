@@ -211,6 +211,21 @@ class _Recorder:
         H.append(at.register_forward_hook(
             lambda m, a, o, i=i: self.put(f"layers.{i}.self_attn.attention_output", o[0])))
 
+    def _hook_block(self, i, layer, mlp):
+        """Block i's layer_input / layer_output (it sets cur_layer while it runs) and `mlp`'s output."""
+        def pre(m, args, kwargs):
+            self.cur_layer = i
+            self.put(f"layers.{i}.layer_input", args[0] if args else kwargs["hidden_states"])
+
+        def post(m, args, kwargs, out):
+            self.put(f"layers.{i}.layer_output", out[0] if isinstance(out, tuple) else out)
+            self.cur_layer = None
+
+        self._h.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        self._h.append(layer.register_forward_hook(post, with_kwargs=True))
+        self._h.append(mlp.register_forward_hook(
+            lambda m, a, o: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
+
     def _install(self):
         tm = self.text
         H = self._h = []
@@ -218,19 +233,7 @@ class _Recorder:
 
         H.append(tm.embed_tokens.register_forward_hook(lambda m, a, o: self.put("embed_tokens.output", o)))
         for i, layer in enumerate(tm.layers):
-            def pre(m, args, kwargs, i=i):
-                self.cur_layer = i
-                hs = args[0] if args else kwargs["hidden_states"]
-                self.put(f"layers.{i}.layer_input", hs)
-
-            def post(m, args, kwargs, out, i=i):
-                self.put(f"layers.{i}.layer_output", out[0] if isinstance(out, tuple) else out)
-                self.cur_layer = None
-
-            H.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            H.append(layer.register_forward_hook(post, with_kwargs=True))
-            H.append(layer.mlp.register_forward_hook(
-                lambda m, a, o, i=i: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
+            self._hook_block(i, layer, layer.mlp)
             if self._linear(layer):
                 H.append((layer.self_attn if self.kimi else layer.linear_attn).register_forward_hook(
                     lambda m, a, o, i=i: self.put(f"layers.{i}.linear_attn.attention_output", o)))
@@ -313,12 +316,13 @@ def pad_prompts(prompts, pad_id):
     return ids, mask
 
 
-def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True):
+def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True, recorder=None):
     """Prompt (step 0) then n_steps-1 more calls. feeds[k-1] ([B, n] ids) is fed at step k when given,
-    else the greedy token. Position ids as generate builds them (cumsum(mask) - 1, 0 on padding)."""
+    else the greedy token. Position ids as generate builds them (cumsum(mask) - 1, 0 on padding).
+    `recorder`: another family's recorder class (oracle_lfm2), the same protocol as _Recorder."""
     ids, mask = pad_prompts(prompts, pad_id)
     cache = mq35.DynamicCache(config=model.config.get_text_config())
-    with _Recorder(model, edits, record) as rec, torch.no_grad():
+    with (recorder or _Recorder)(model, edits, record) as rec, torch.no_grad():
         out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
         for e, n in rec.applied.items():
             if n == 0:

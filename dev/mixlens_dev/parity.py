@@ -124,3 +124,29 @@ class ParityCase:
             feeds = [[[t] for t in col] for col in np.array(self.forced()).T.tolist()]
             cache[edit["name"]] = self.oracle_run([edit], feeds)
         return cache[edit["name"]]
+
+
+class LiveCase(ParityCase):
+    """A fresh random model `build(spec)`, saved and reloaded; its oracle values from
+    `run(model, prompts, pad, n_steps, edits, feeds=)` (oracle_qwen.run's signature), which
+    `check_plain(model, values, greedy=True)` holds to plain transformers; no greedy step a near tie
+    (the seeds are chosen so); mixlens on the same files. `self.rec`: the unedited run's recorder."""
+
+    def __init__(self, name: str, spec: dict, tmp_path, build, run, check_plain, pad: int = 0):
+        import mixlens
+        from mixlens_dev import fixtures as mf
+
+        self.name, self.spec, self._run, self._pad = name, spec, run, pad
+        model = build(spec)
+        model.save_pretrained(tmp_path)
+        self.torch_model = type(model).from_pretrained(tmp_path).eval()
+        self.prompts = mf.torch_prompts(spec, self.torch_model.config.vocab_size)
+        self.ref, self.rec = run(self.torch_model, self.prompts, pad, N_STEPS)
+        check_plain(self.torch_model, self.ref, greedy=True)
+        margin = mf.greedy_margin(self.ref, N_STEPS)
+        assert margin > 1e-2, f"{name}: greedy margin {margin:.2e}; pick another seed"
+        self.model = mixlens.StandardizedTransformer(str(tmp_path))
+        self.n_layers = self.torch_model.config.num_hidden_layers
+
+    def oracle_run(self, edits, feeds):
+        return self._run(self.torch_model, self.prompts, self._pad, N_STEPS, edits, feeds=feeds)[0]

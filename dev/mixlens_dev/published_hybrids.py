@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba, Jamba, Qwen3.5-MoE, OLMo-Hybrid) checkpoints, made by transformers 5.18
+"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba, Jamba, Qwen3.5-MoE, OLMo-Hybrid, LFM2) checkpoints, made by transformers 5.18
 (save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
 
     .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
@@ -89,6 +89,15 @@ Where the configs come from (no internet here; the hub files could not be fetche
   192 (0.75 * hidden / heads, twice that), conv 4, linear_allow_neg_eigval, rms_norm_eps 1e-6, untied,
   pad 100277, eos 100257; modeling_olmo_hybrid.py states the released checkpoints use no RoPE
   (rope_theta null). Not checked against the hub file itself (no internet here). ~1.6B parameters.
+* LiquidAI/LFM2-350M (LFM2), FULL size (16 layers, ~354M parameters). Its config.json could not be
+  fetched; several independent ports quote the same fields (found with the search tool): two MLX ports'
+  loader tests ("a trimmed LFM2-350M (dense) config", validated against mlx-community/LFM2-350M-8bit),
+  a Rust inference engine's config test and a Swift port's "real config" layout test: hidden 1024, 16
+  layers with full attention at 2, 5, 8, 10, 12, 14 (the rest short conv), 16 heads / 8 KV heads
+  (head_dim 64), vocab 65536, norm_eps 1e-5, conv_L_cache 3, no conv bias, rope_theta 1e6, block_ff_dim
+  6656 with block_auto_adjust_ff_dim, block_multiple_of 256, block_ffn_dim_multiplier 1.0 (an MLP
+  width of 4608, as two GGUF converters' tests state), max positions 128000, eos 7. Tied embeddings,
+  bos 1 and pad 0 are Lfm2Config's defaults, which the ports agree with.
 """
 
 from __future__ import annotations
@@ -204,6 +213,14 @@ KIMI_LINEAR_48B_A3B_2LAYERS = dict(
     linear_num_heads=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
     pad_token_id=163839, bos_token_id=163584, eos_token_id=163586,
 )
+LFM2_350M_TYPES = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
+LFM2_350M = dict(
+    vocab_size=65536, hidden_size=1024, num_hidden_layers=16, layer_types=LFM2_350M_TYPES, num_attention_heads=16,
+    num_key_value_heads=8, intermediate_size=6656, block_auto_adjust_ff_dim=True, block_multiple_of=256,
+    block_ffn_dim_multiplier=1.0, norm_eps=1e-5, conv_L_cache=3, conv_bias=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=128000,
+    tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=7,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
@@ -216,6 +233,7 @@ LAYOUTS = {
     "zamba2_1_2b": ("Zamba2ForCausalLM", "Zamba2Config", ZAMBA2_1_2B),
     "rwkv_4_169m_pile": ("RwkvForCausalLM", "RwkvConfig", RWKV_4_169M_PILE),
     "kimi_linear_48b_a3b_2layers": ("KimiLinearForCausalLM", "KimiLinearConfig", KIMI_LINEAR_48B_A3B_2LAYERS),
+    "lfm2_350m": ("Lfm2ForCausalLM", "Lfm2Config", LFM2_350M),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}

@@ -72,6 +72,13 @@ void FiniteWatch::finish(const Tensor& logits) const {
   throw NumericError(msg);
 }
 
+Tensor masked_input(const Tensor& x, const Batch& in, bool masked) {
+  if (!masked) return x;
+  Tensor m = x.clone();
+  apply_row_mask(m, in);
+  return m;
+}
+
 void apply_row_mask(Tensor& t, const Batch& in) {
   const int64_t rows = in.batch * in.seq;
   const int64_t width = t.numel() / rows;

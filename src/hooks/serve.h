@@ -38,6 +38,9 @@ class FiniteWatch {
 
 /// Multiplies each [B,T,...] row by the batch's 0/1 mask (apply_mask_to_padding_states).
 void apply_row_mask(Tensor& t, const Batch& in);
+/// A mixer's input as its projections read it: `x` itself, or when `masked` a copy with the padding
+/// rows zeroed (apply_mask_to_padding_states on the mixer input only).
+Tensor masked_input(const Tensor& x, const Batch& in, bool masked);
 /// Per row, its first real token (the number of left-padding positions; 0 without a mask): where a
 /// recurrent layer's scan of the row starts (RowScan::first).
 std::vector<int64_t> first_real_tokens(const Batch& in);

@@ -140,17 +140,17 @@ AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::
   a.q_proj = w.get_matmul(m + "q_proj.weight", {qr, D});
   a.k_proj = w.get_matmul(m + "k_proj.weight", {kd, D});
   a.v_proj = w.get_matmul(m + "v_proj.weight", {kd, D});
-  a.o_proj = w.get_matmul(m + "o_proj.weight", {d_.D, d_.H * d_.hd});
+  a.o_proj = w.get_matmul(m + d_.o_name + ".weight", {d_.D, d_.H * d_.hd});
   if (d_.bias) {
     a.q_bias = w.get(m + "q_proj.bias", {qr});
     a.k_bias = w.get(m + "k_proj.bias", {kd});
     a.v_bias = w.get(m + "v_proj.bias", {kd});
-    a.o_bias = w.get(m + "o_proj.bias", {d_.D});
+    a.o_bias = w.get(m + d_.o_name + ".bias", {d_.D});
   }
   if (d_.qk_norm != AttentionQkNorm::none) {
     const bool whole = d_.qk_norm == AttentionQkNorm::whole;
-    a.q_norm = w.get(m + "q_norm.weight", {whole ? d_.H * d_.hd : d_.hd});
-    a.k_norm = w.get(m + "k_norm.weight", {whole ? kd : d_.hd});
+    a.q_norm = w.get(m + d_.q_norm_name + ".weight", {whole ? d_.H * d_.hd : d_.hd});
+    a.k_norm = w.get(m + d_.k_norm_name + ".weight", {whole ? kd : d_.hd});
   }
   return a;
 }

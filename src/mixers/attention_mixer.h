@@ -71,6 +71,8 @@ struct AttentionMixerDims {
   /// MLA (see the file comment): kv_lora_rank > 0 turns it on; hd must be qk_nope + qk_rope, Hkv = H.
   int64_t kv_lora_rank = 0, q_lora_rank = 0, qk_nope = 0, qk_rope = 0, v_hd = 0;
   float latent_eps = 1e-6f;  ///< q_a_layernorm / kv_a_layernorm epsilon (KimiLinearRMSNorm's default)
+  /// Weight names under the prefix (LFM2: out_proj, q_layernorm, k_layernorm).
+  std::string o_name = "o_proj", q_norm_name = "q_norm", k_norm_name = "k_norm";
 
   bool mla() const { return kv_lora_rank > 0; }
   /// Each value head's width: hd, or v_hd with MLA.

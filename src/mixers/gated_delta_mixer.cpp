@@ -75,13 +75,8 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   const int64_t B = in.batch, T = in.seq, BT = B * T;
   const int64_t HK = g_.HK, HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv, r = HV / HK;
   const int64_t cd = g_.conv_dim(), vd = g_.value_dim(), pr = g_.proj_rows();
-  const float* n = n_in.data();
-  Tensor nm;
-  if (masked) {  // apply_mask_to_padding_states on the mixer input only
-    nm = n_in.clone();
-    apply_row_mask(nm, in);
-    n = nm.data();
-  }
+  const Tensor nm = masked_input(n_in, in, masked);
+  const float* n = nm.data();
   Tensor proj = Tensor::uninitialized({B, T, pr});
   ops::linear(n, BT, D_, l.in_proj, proj.data());
   if (call.tape) call.tape->keep(li, grad::Kept::in_proj, proj);  // read-only from here on

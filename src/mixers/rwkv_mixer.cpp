@@ -12,21 +12,6 @@
 
 namespace mixlens::detail {
 
-void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    float* yr = y + r * dim;
-    double s = 0.0;
-    for (int64_t i = 0; i < dim; ++i) s += xr[i];
-    const double mean = s / static_cast<double>(dim);
-    double ss = 0.0;
-    for (int64_t i = 0; i < dim; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
-    const float m = static_cast<float>(mean);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + eps);
-    for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] - m) * inv * w[i] + b[i];
-  }
-}
-
 void wkv_recurrent(int64_t T, int64_t A, const float* k, const float* v, const float* w, const float* u, float* st,
                    float* y, float* states, int64_t stride) {
   float* num = st;

@@ -25,15 +25,6 @@ struct RwkvMixerDims {
   int64_t ffn_shift() const { return 3 * A + D; }
 };
 
-/// The block kind of RWKV layers. TODO(merge): an enumerator `LayerKind::rwkv` in mixlens/values.h; it is
-/// the next value after `moe` here because an edit of values.h recompiles every file (~50 min on the shared
-/// build machine this was written on), which the deadline did not allow.
-inline constexpr LayerKind kRwkvLayerKind = static_cast<LayerKind>(7);
-
-/// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
-/// variance, sums in double. In place allowed (y == x).
-void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps);
-
 /// transformers' fresh max state (RwkvModel.forward with use_cache: state[4] -= 1e30).
 inline constexpr float kRwkvFreshMax = -1e30f;
 

@@ -26,7 +26,7 @@ struct Mlp {
   int64_t I = 0;             // dense / per-expert intermediate width
   Tensor gate_up, down;      // dense: [2I, D], [D, I]
   Tensor router;             // [E, D]
-  Tensor router_bias;        // Kimi: [E] e_score_correction_bias (chooses experts, does not weight them)
+  Tensor router_bias;        // Kimi: [E] e_score_correction_bias, LFM2-MoE: expert_bias (choose experts, do not weight them)
   std::vector<Tensor> expert_gate_up, expert_down;  // per expert [2I, D], [D, I]
   Tensor shared_gate_up, shared_down, shared_gate;  // [2Is, D], [D, Is], [1, D]
   int64_t Is = 0;
@@ -38,6 +38,7 @@ struct Layer : GatedDeltaMixerWeights {
   bool post_norms = false;  // QwenLayerView::post_norms
   Tensor in_norm, post_norm, ff_norm;
   AttentionMixerWeights attn;  // attention layers
+  ShortConvMixerWeights sc;    // LFM2's conv layers
   Mlp mlp;
 };
 
@@ -83,6 +84,7 @@ class QwenHybrid final : public FamilyModel {
       throw ConfigError(where(cfg) + ": linear_num_value_heads (" + std::to_string(g_.HV) +
                         ") is not divisible by linear_num_key_heads (" + std::to_string(g_.HK) + ")");
     eps_ = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-6));
+    topk_eps_ = spec_.lfm2 ? 1e-6f : 1e-20f;
     if (!(eps_ > 0.0f) || !std::isfinite(eps_))
       throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
     const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
@@ -127,7 +129,7 @@ class QwenHybrid final : public FamilyModel {
       if (spec_.attention_post_norms)
         throw UnsupportedError(where(cfg) + ": " + spec_.family + " with num_experts > 0 (a sparse MoE after its "
                                "post-norm attention blocks) is not supported");
-      if (spec_.kimi) {  // KimiLinearTopkRouter
+      if (spec_.kimi || spec_.lfm2) {  // KimiLinearTopkRouter; Lfm2MoeTopKRouter is its one-group case
         n_group_ = cfg.get_or<int64_t>("n_group", 1);
         topk_group_ = cfg.get_or<int64_t>("topk_group", 1);
         routed_scale_ = static_cast<float>(cfg.get_double_or("routed_scaling_factor", 1.0));
@@ -139,11 +141,12 @@ class QwenHybrid final : public FamilyModel {
     }
 
     gdn_ = GatedDeltaMixer(g_, K_, eps_, spec_.gdn);
+    conv_ = ShortConvMixer(D_, K_, spec_.conv_bias);
     // Weights: published VLM checkpoints keep the text model under model.language_model.
     const std::string p = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
     const bool tie = cfg.get_or<bool>("tie_word_embeddings", top.get_or<bool>("tie_word_embeddings", false));
     embed_ = w.get_matmul(p + "embed_tokens.weight", {V_, D_});
-    norm_ = w.get(p + "norm.weight", {D_});
+    norm_ = w.get(p + spec_.final_norm + ".weight", {D_});
     lm_head_ = tie ? embed_ : w.get_matmul("lm_head.weight", {V_, D_});
     const int64_t I = cfg.get_or<int64_t>("intermediate_size", 0);
     layers_.resize(static_cast<size_t>(L_));
@@ -157,7 +160,9 @@ class QwenHybrid final : public FamilyModel {
       else
         l.in_norm = block_norm(w, lp, "input_layernorm");
       l.post_norm = block_norm(w, lp, "post_attention_layernorm");
-      if (l.linear) {
+      if (l.linear && spec_.lfm2) {
+        conv_.load(w, lp + "conv.", l.sc);
+      } else if (l.linear) {
         const std::string m = lp + (spec_.kimi ? "self_attn." : "linear_attn.");
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
         gdn_.load(w, m, l);
@@ -166,15 +171,19 @@ class QwenHybrid final : public FamilyModel {
       }
       const bool moe = E > 0 && std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() &&
                        (i + 1) % sparse_step == 0;
-      const std::string mp = lp + (spec_.kimi ? "block_sparse_moe." : "mlp.");
+      const std::string mp = lp + (spec_.kimi ? "block_sparse_moe." : spec_.lfm2 ? "feed_forward." : "mlp.");
+      const bool w123 = spec_.kimi || spec_.lfm2;  // published names: w1 gate, w3 up, w2 down
       if (moe) {
         Mlp& x = l.mlp;
         x.moe = true;
         x.I = cfg.get<int64_t>("moe_intermediate_size");
-        x.Is = cfg.get<int64_t>("shared_expert_intermediate_size");
-        require_positive(cfg, {{"moe_intermediate_size", x.I}, {"shared_expert_intermediate_size", x.Is}});
+        x.Is = spec_.lfm2 ? 0 : cfg.get<int64_t>("shared_expert_intermediate_size");
+        require_positive(cfg, {{"moe_intermediate_size", x.I}});
+        if (!spec_.lfm2) require_positive(cfg, {{"shared_expert_intermediate_size", x.Is}});
         x.router = w.get(mp + "gate.weight", {E, D_});
         if (spec_.kimi) x.router_bias = w.get(mp + "gate.e_score_correction_bias", {E});
+        // use_expert_bias false: zero biases choose exactly as the plain top-k does.
+        if (spec_.lfm2) x.router_bias = cfg.get_or<bool>("use_expert_bias", true) ? w.get(mp + "expert_bias", {E}) : Tensor({E});
         // transformers 5.18 save_pretrained and the published files store one tensor per expert;
         // fused [E, 2I, D] / [E, D, I] tensors (the in-memory layout) are accepted too.
         const bool fused = w.has(mp + "experts.gate_up_proj");
@@ -191,15 +200,15 @@ class QwenHybrid final : public FamilyModel {
                                                                                  down_all.begin() + (e + 1) * D_ * x.I)));
           } else {
             const std::string ep = mp + "experts." + std::to_string(e) + ".";
-            // Kimi's published names: w1 gate, w3 up, w2 down.
-            const char* gate = spec_.kimi ? "w1.weight" : "gate_proj.weight";
-            const char* up = spec_.kimi ? "w3.weight" : "up_proj.weight";
-            const char* down = spec_.kimi ? "w2.weight" : "down_proj.weight";
+            const char* gate = w123 ? "w1.weight" : "gate_proj.weight";
+            const char* up = w123 ? "w3.weight" : "up_proj.weight";
+            const char* down = w123 ? "w2.weight" : "down_proj.weight";
             x.expert_gate_up.push_back(cat_rows({w.get_matmul(ep + gate, {x.I, D_}), w.get_matmul(ep + up, {x.I, D_})}));
             x.expert_down.push_back(w.get_matmul(ep + down, {D_, x.I}));
           }
         }
         const std::string sp = mp + (spec_.kimi ? "shared_experts." : "shared_expert.");
+        if (spec_.lfm2) continue;  // Lfm2MoeSparseMoeBlock has no shared expert
         x.shared_gate_up = cat_rows({w.get_matmul(sp + "gate_proj.weight", {x.Is, D_}),
                                      w.get_matmul(sp + "up_proj.weight", {x.Is, D_})});
         x.shared_down = w.get_matmul(sp + "down_proj.weight", {D_, x.Is});
@@ -207,8 +216,9 @@ class QwenHybrid final : public FamilyModel {
       } else {
         require_positive(cfg, {{"intermediate_size", I}});
         l.mlp.I = I;
-        l.mlp.gate_up = cat_rows({w.get_matmul(mp + "gate_proj.weight", {I, D_}), w.get_matmul(mp + "up_proj.weight", {I, D_})});
-        l.mlp.down = w.get_matmul(mp + "down_proj.weight", {D_, I});
+        l.mlp.gate_up = cat_rows({w.get_matmul(mp + (spec_.lfm2 ? "w1.weight" : "gate_proj.weight"), {I, D_}),
+                                  w.get_matmul(mp + (spec_.lfm2 ? "w3.weight" : "up_proj.weight"), {I, D_})});
+        l.mlp.down = w.get_matmul(mp + (spec_.lfm2 ? "w2.weight" : "down_proj.weight"), {D_, I});
       }
     }
     info.family = spec_.family;
@@ -216,16 +226,20 @@ class QwenHybrid final : public FamilyModel {
     info.num_layers = static_cast<int>(L_);
     info.hidden_size = D_;
     info.vocab_size = V_;
-    for (const auto& l : layers_) info.layer_kinds.push_back(l.linear ? LayerKind::gated_deltanet : LayerKind::attention);
+    const LayerKind lin = spec_.lfm2 ? LayerKind::short_conv : LayerKind::gated_deltanet;
+    for (const auto& l : layers_) info.layer_kinds.push_back(l.linear ? lin : LayerKind::attention);
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
     std::vector<bool> is_mixer;
     for (const Layer& l : layers_) is_mixer.push_back(l.linear);
+    if (spec_.lfm2)  // the conv window is the whole state (no ssm rows beyond a placeholder)
+      return std::make_unique<HybridCache>(batch, is_mixer, K_, D_, Shape{1});
     return std::make_unique<HybridCache>(batch, is_mixer, K_, g_.conv_dim(), Shape{g_.HV, g_.Dk, g_.Dv});
   }
 
   std::string kernel_for(const CacheState& cache, int64_t seq) const override {
+    if (spec_.lfm2) return "recurrent";  // the one kernel (route_kernels refuses 'chunked': registry.cpp)
     return hybrid_kernel(spec_.family, cache, seq);
   }
 
@@ -338,7 +352,9 @@ class QwenHybrid final : public FamilyModel {
     v.push_back(global_value(Value::embed_output, {B, T, D_}, "token embeddings (embed_tokens)"));
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       v.push_back(layer_value(i, Value::layer_input, {B, T, D_}, true, "residual stream entering the decoder layer"));
-      if (layers_[static_cast<size_t>(i)].linear) {
+      if (layers_[static_cast<size_t>(i)].linear && spec_.lfm2) {
+        conv_.values(i, B, T, v);
+      } else if (layers_[static_cast<size_t>(i)].linear) {
         v.push_back(layer_value(i, Value::attention_queries, {B, T, HV, Dk}, true,
                                 "q after conv+SiLU and head repetition, before the in-kernel L2 norm; a write is used per value head"));
         v.push_back(layer_value(i, Value::attention_keys, {B, T, HV, Dk}, true,
@@ -366,7 +382,7 @@ class QwenHybrid final : public FamilyModel {
       }
       const Layer& l = layers_[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
-                              l.mlp.moe ? "sparse MoE + gated shared expert output"
+                              l.mlp.moe ? (spec_.lfm2 ? "sparse MoE output (no shared expert)" : "sparse MoE + gated shared expert output")
                               : l.post_norms ? "SwiGLU MLP output, before post_feedforward_layernorm" : "SwiGLU MLP output"));
       v.push_back(layer_value(i, Value::layer_output, {B, T, D_}, true, "residual stream leaving the decoder layer"));
     }
@@ -377,6 +393,9 @@ class QwenHybrid final : public FamilyModel {
   }
 
   void set_chunk_size(int64_t c) override {
+    if (c != 0 && spec_.lfm2)
+      throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
+                             "'s short conv has no chunks (one token loop); per-token states are served on any call");
     if (c != 0)
       throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
                              "'s gated delta rule runs chunks of 64 tokens, fixed as in transformers' " +
@@ -391,14 +410,19 @@ class QwenHybrid final : public FamilyModel {
       const bool lin = layers_[static_cast<size_t>(i)].linear;
       // Kimi: the delta rule's per-key-channel variant and latent attention, named so a reader knows which.
       const std::string block = "block " + std::to_string(i) +
-                                (lin ? std::string(" is a gated_deltanet block") + (spec_.kimi ? " (Kimi Delta Attention)" : "")
+                                (lin && spec_.lfm2 ? std::string(" is a short_conv block")
+                                 : lin ? std::string(" is a gated_deltanet block") + (spec_.kimi ? " (Kimi Delta Attention)" : "")
                                      : std::string(" is an attention block") + (spec_.kimi ? " (latent attention)" : ""));
       for (int vi = 0; vi < kNumValues; ++vi) {
         const Value val = static_cast<Value>(vi);
         const Component c = value_component(val);
         if (c == Component::linear_attn)
           s["linear_attn." + std::string(value_name(val))][i] =
-              lin ? "" : block + " (softmax self_attn), which has no recurrent state: use self_attn values";
+              !lin ? block + " (softmax self_attn), which has no recurrent state: use self_attn values"
+              : spec_.lfm2 && (val == Value::betas || val == Value::decays)
+                  ? block + " (LFM2's gated short conv): nothing scales its writes or decays its window, which shifts "
+                    "one token a step through fixed conv weights; B and C gate per channel (attention_keys / attention_queries)"
+                  : "";
         else if (c == Component::self_attn)
           s["self_attn." + std::string(value_name(val))][i] =
               lin ? block + " (recurrent mixer linear_attn), not softmax attention: use linear_attn values"
@@ -508,7 +532,7 @@ class QwenHybrid final : public FamilyModel {
     std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));
     std::vector<int64_t> idx(static_cast<size_t>(E));
     std::vector<float> p(static_cast<size_t>(E));
-    for (int64_t r = 0; r < rows && m.router_bias.defined(); ++r) route_kimi(m, logits.data() + r * E, E, r, routed);
+    for (int64_t r = 0; r < rows && m.router_bias.defined(); ++r) route_sigmoid(m, logits.data() + r * E, E, r, routed);
     for (int64_t r = 0; r < rows && !m.router_bias.defined(); ++r) {
       const float* lg = logits.data() + r * E;
       const float mx = *std::max_element(lg, lg + E);
@@ -527,7 +551,7 @@ class QwenHybrid final : public FamilyModel {
         routed[static_cast<size_t>(e)].push_back({r, norm_topk_ ? p[static_cast<size_t>(e)] / tot : p[static_cast<size_t>(e)]});
       }
     }
-    Tensor out = dense(m.shared_gate_up, m.shared_down, m.Is, n.data(), rows);
+    Tensor out = m.Is > 0 ? dense(m.shared_gate_up, m.shared_down, m.Is, n.data(), rows) : Tensor({rows, D_});
     Tensor sg({rows, 1});
     if (m.shared_gate.defined()) ops::linear(n.data(), rows, D_, m.shared_gate, sg.data());
     for (int64_t r = 0; r < rows && m.shared_gate.defined(); ++r) {
@@ -553,8 +577,9 @@ class QwenHybrid final : public FamilyModel {
   // KimiLinearTopkRouter for one token's router logits lg [E]: scores sigmoid(lg); expert groups ranked
   // by the sum of their two best biased scores (scores + e_score_correction_bias), the topk_group best
   // kept; the top-k biased scores among those choose the experts, weighted by their unbiased scores
-  // (renormalised with + 1e-20 when norm_topk_prob) times routed_scaling_factor.
-  void route_kimi(const Mlp& m, const float* lg, int64_t E, int64_t r,
+  // (renormalised with + 1e-20 when norm_topk_prob) times routed_scaling_factor. Lfm2MoeTopKRouter is
+  // the one-group case with expert_bias and + 1e-6.
+  void route_sigmoid(const Mlp& m, const float* lg, int64_t E, int64_t r,
                   std::vector<std::vector<std::pair<int64_t, float>>>& routed) const {
     std::vector<float> sc(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) sc[static_cast<size_t>(e)] = ops::sigmoid(lg[e]);
@@ -562,14 +587,23 @@ class QwenHybrid final : public FamilyModel {
     float tot = 0.0f;
     for (int64_t e : chosen) tot += sc[static_cast<size_t>(e)];
     for (int64_t e : chosen) {
-      const float wgt = norm_topk_ ? sc[static_cast<size_t>(e)] / (tot + 1e-20f) : sc[static_cast<size_t>(e)];
+      const float wgt = norm_topk_ ? sc[static_cast<size_t>(e)] / (tot + topk_eps_) : sc[static_cast<size_t>(e)];
       routed[static_cast<size_t>(e)].push_back({r, wgt * routed_scale_});
     }
   }
 
   // Gated DeltaNet mixer (src/mixers/gated_delta_mixer.cpp).
+  // LFM2: the gated short conv mixer (src/mixers/short_conv_mixer.cpp) in its place.
   Tensor gdn(int li, const Layer& l, const Tensor& n_in, const Batch& in, bool masked, HybridCache& cache,
              Listener* ls, const CallCtx& ctx) const {
+    if (spec_.lfm2) {
+      ShortConvMixerCall sc;
+      sc.layer = li;
+      sc.conv = &cache.conv[static_cast<size_t>(li)];
+      sc.has_state = cache.has_state;
+      sc.ls = ls;
+      return conv_.forward(l.sc, n_in, in, masked, sc);
+    }
     GatedDeltaMixerCall call;
     call.layer = li;
     call.conv = &cache.conv[static_cast<size_t>(li)];
@@ -597,8 +631,10 @@ class QwenHybrid final : public FamilyModel {
   bool norm_topk_ = true;
   int64_t n_group_ = 1, topk_group_ = 1;  // Kimi's router
   float routed_scale_ = 1.0f;
+  float topk_eps_ = 1e-20f;  // the router's renormalisation epsilon (Kimi 1e-20, LFM2-MoE 1e-6)
   GdnDims g_;
   GatedDeltaMixer gdn_;
+  ShortConvMixer conv_;
   AttentionMixer attn_;
   float eps_ = 1e-6f;
   Tensor embed_, norm_, lm_head_;

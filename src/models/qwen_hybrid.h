@@ -15,6 +15,7 @@
 #include "io/weights.h"
 #include "mixers/attention_mixer.h"
 #include "mixers/gated_delta_mixer.h"
+#include "mixers/short_conv_mixer.h"
 #include "models/family.h"
 
 namespace mixlens::detail {
@@ -44,6 +45,15 @@ struct QwenHybridSpec {
   /// e_score_correction_bias, group-limited top-k, routed_scaling_factor, ungated shared experts);
   /// MLP weights under block_sparse_moe. as the published checkpoints name them. No backward.
   bool kimi = false;
+  /// LFM2's block stack (lfm2.cpp, which also maps its config onto the fields read here): gated short
+  /// conv blocks (mixers/short_conv_mixer.h) where layer_types says linear_attention, plain weight RMS
+  /// norms (norm_aliases: operator_norm / ffn_norm), final norm `final_norm`, SwiGLU MLPs as
+  /// feed_forward.w1 / w3 / w2, and LFM2-MoE's sparse block (sigmoid router, expert_bias chooses the
+  /// experts and does not weight them, top-k renormalised with + 1e-6, routed_scaling_factor, no shared
+  /// expert). conv_bias: the short conv's biases. No backward.
+  bool lfm2 = false;
+  bool conv_bias = false;
+  std::string final_norm = "norm";  ///< the final norm's module name (LFM2: embedding_norm)
 };
 
 /// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (GdnDims).

@@ -7,6 +7,11 @@
 
 namespace mixlens::detail {
 
+namespace {
+const char* const kShortConvOneKernel =
+    "the gated short conv has one kernel, the token loop ('recurrent'), for prompts and decode steps alike";
+}  // namespace
+
 const std::vector<FamilyEntry>& family_registry() {
   // One line per model_type (src/models/<family>.cpp).
   static const std::vector<FamilyEntry> registry = {
@@ -28,6 +33,8 @@ const std::vector<FamilyEntry>& family_registry() {
       {"zamba", "zamba", make_zamba, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, false},
       {"rwkv", "rwkv", make_rwkv, false},
+      {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
+      {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
   };
   return registry;
 }

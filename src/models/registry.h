@@ -20,6 +20,9 @@ struct FamilyEntry {
   std::string family;      ///< ModelInfo::family, the route_kernels name (several model_types may share one)
   FamilyFactory make;
   bool backward = false;   ///< has a backward: FamilyModel::backward runs its skeleton's (docs/gradients.md)
+  /// Why route_kernels(family, "chunked") is refused, for a family whose mixer has one kernel (the
+  /// token loop, "recurrent"); empty: both routes exist.
+  std::string one_kernel;
 };
 
 /// Every supported model_type, in the order messages list them.
@@ -52,5 +55,7 @@ std::unique_ptr<FamilyModel> make_zamba2(const io::Config& config, const io::Wei
 std::unique_ptr<FamilyModel> make_zamba(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_kimi_linear(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_rwkv(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_lfm2(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_lfm2_moe(const io::Config& config, const io::WeightStore& weights);
 
 }  // namespace mixlens::detail

@@ -83,7 +83,7 @@ class RwkvModel final : public FamilyModel {
     info.num_layers = static_cast<int>(L_);
     info.hidden_size = D_;
     info.vocab_size = V_;
-    info.layer_kinds.assign(static_cast<size_t>(L_), kRwkvLayerKind);
+    info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::rwkv);
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
@@ -141,7 +141,7 @@ class RwkvModel final : public FamilyModel {
       call.ffn_shift = [&](int64_t b, int64_t t, const float* att_out, float* x) {
         const float* hr = h.data() + (b * T + t) * D_;
         for (int64_t d = 0; d < D_; ++d) x[d] = hr[d] + att_out[d];
-        layernorm(x, ln_w_[2 * si + 1].data(), ln_b_[2 * si + 1].data(), x, 1, D_, eps_);
+        ops::layernorm(x, ln_w_[2 * si + 1].data(), ln_b_[2 * si + 1].data(), x, 1, D_, eps_);
       };
       call.ffn_start = &ffn_start;
       Tensor out = mixer_.forward(layers_[si], n, in, call);
@@ -213,7 +213,7 @@ class RwkvModel final : public FamilyModel {
     const int64_t rows = x.numel() / D_;
     const float e = eps > 0.0f ? eps : eps_;
     ops::parallel_rows(rows, D_, [&](int64_t r0, int64_t r1) {
-      layernorm(x.data() + r0 * D_, w.data(), b.data(), y.data() + r0 * D_, r1 - r0, D_, e);
+      ops::layernorm(x.data() + r0 * D_, w.data(), b.data(), y.data() + r0 * D_, r1 - r0, D_, e);
     });
   }
 

@@ -189,6 +189,21 @@ void silu(const float* x, float* y, int64_t n) { kernels().mul_silu(nullptr, x, 
 void sigmoid(const float* x, float* y, int64_t n) { kernels().sigmoid(x, y, n); }
 void mul_silu(const float* x, const float* g, float* y, int64_t n) { kernels().mul_silu(x, g, y, n); }
 
+void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = y + r * dim;
+    double s = 0.0;
+    for (int64_t i = 0; i < dim; ++i) s += xr[i];
+    const double mean = s / static_cast<double>(dim);
+    double ss = 0.0;
+    for (int64_t i = 0; i < dim; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
+    const float m = static_cast<float>(mean);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + eps);
+    for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] - m) * inv * w[i] + b[i];
+  }
+}
+
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps,
              bool zero_centred) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -59,6 +59,10 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps,
              bool zero_centred = false);
 
+/// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
+/// variance, sums in double. In place allowed (y == x).
+void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps);
+
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 /// torch.nn.functional.softplus with beta 1, threshold 20.

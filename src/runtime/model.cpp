@@ -139,6 +139,10 @@ void route_kernels(const std::string& family, const std::string& route) {
   else if (route == "recurrent") k = KernelRoute::recurrent;
   else throw InputError("route_kernels: route '" + route + "' must be 'default', 'chunked' or 'recurrent'");
   check_route_family("route_kernels", family);
+  if (k == KernelRoute::chunked)
+    for (const detail::FamilyEntry& e : detail::family_registry())
+      if (e.family == family && !e.one_kernel.empty())
+        throw UnsupportedError("route_kernels('" + family + "', 'chunked'): " + e.one_kernel);
   std::lock_guard<std::mutex> lk(g_route_mu);
   routes()[family] = k;
 }

@@ -225,10 +225,7 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
                      std::to_string(n) + " layers)");
   if (prompt_seq < 1) throw InputError("mixer_identity: prompt_seq must be >= 1, got " + std::to_string(prompt_seq));
   MixerIdentity id;
-  if (info.layer_kinds[static_cast<size_t>(layer)] == detail::kRwkvLayerKind) {
-    id.kind = "wkv";  // RWKV-4 time mixing: transformers' rwkv_linear_attention(_cpu)
-    id.state_op = "rwkv_linear_attention";
-  } else switch (info.layer_kinds[static_cast<size_t>(layer)]) {
+  switch (info.layer_kinds[static_cast<size_t>(layer)]) {
     case LayerKind::mamba2:
     case LayerKind::hybrid:  // Falcon-H1: the block's recurrent mixer is Mamba-2's
       id.kind = "ssd";
@@ -241,6 +238,14 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
     case LayerKind::gated_deltanet:  // Kimi Delta Attention decays each key channel, not the head's state
       id.kind = info.family == "kimi_linear" ? "kimi_delta" : "gated_delta";
       id.state_op = info.family == "kimi_linear" ? "kimi_delta_rule" : "gated_delta_rule";
+      break;
+    case LayerKind::short_conv:  // LFM2: the window shift is the whole recurrence
+      id.kind = "short_conv";
+      id.state_op = "causal_conv1d_update";
+      break;
+    case LayerKind::rwkv:  // RWKV-4 time mixing: transformers' rwkv_linear_attention(_cpu)
+      id.kind = "wkv";
+      id.state_op = "rwkv_linear_attention";
       break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +

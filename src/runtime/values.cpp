@@ -9,7 +9,6 @@
 namespace mixlens {
 
 std::string_view layer_kind_name(LayerKind k) {
-  if (k == detail::kRwkvLayerKind) return "rwkv";
   switch (k) {
     case LayerKind::mamba2: return "mamba2";
     case LayerKind::mamba: return "mamba";
@@ -18,6 +17,8 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::mlp: return "mlp";
     case LayerKind::hybrid: return "hybrid";
     case LayerKind::moe: return "moe";
+    case LayerKind::short_conv: return "short_conv";
+    case LayerKind::rwkv: return "rwkv";
   }
   return "?";
 }

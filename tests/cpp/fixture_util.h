@@ -137,13 +137,22 @@ inline void expect_kernel_identity(const Model& m, const Trace& t, const std::st
   while (m.info().layer_kinds[static_cast<size_t>(layer)] == LayerKind::attention) ++layer;
   const MixerIdentity id = mixer_identity(m, layer, t.calls().at(0).seq);
   EXPECT_EQ(id.kind, kind);
-  EXPECT_EQ(id.state_op, kind == "gated_delta" ? "gated_delta_rule" : "selective_state_update");
+  EXPECT_EQ(id.state_op, kind == "gated_delta" ? "gated_delta_rule" : kind == "short_conv" ? "causal_conv1d_update" : "selective_state_update");
   EXPECT_EQ(id.prompt_kernel, t.calls()[0].kernel);
   for (const CallRecord& call : t.calls()) {
     if (!call.fresh && call.seq == 1) {
       EXPECT_EQ(call.kernel, id.step_kernel) << "step " << call.step;
     }
   }
+}
+
+/// generate()'s greedy tokens (eos off, n_steps of them) are the golden run's, row by row.
+inline void expect_greedy_tokens(const GoldenCase& c) {
+  GenerateOptions o;
+  o.max_new_tokens = c.n_steps;
+  o.eos_token_id = -1;
+  const auto res = c.model.generate(c.prompts, o);
+  for (size_t r = 0; r < c.tokens.size(); ++r) EXPECT_EQ(res.new_tokens[r], c.tokens[r]) << "row " << r;
 }
 
 inline void save_all_values(const Model& m, Trace& t) {

@@ -18,7 +18,7 @@ import pytest
 import mixlens
 from mixlens_dev import oracle_qwen as oq
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.parity import ParityCase, assert_edits_match, assert_saves_match, compare, read_every_value
+from mixlens_dev.parity import LiveCase, assert_edits_match, assert_saves_match, compare, read_every_value
 
 N_STEPS = 8
 PAD = 0
@@ -106,28 +106,13 @@ CASES = {
 }
 
 
-class Case(ParityCase):
+class Case(LiveCase):
     def __init__(self, name: str, tmp_path):
-        from mixlens_dev import fixtures as mf
         from mixlens_dev.fixtures import qwen as qf
 
-        spec = CASES[name]
-        self.name, self.spec = name, spec
-        model = qf.build_model(spec["family"], spec)
-        model.save_pretrained(tmp_path)
-        self.torch_model = type(model).from_pretrained(tmp_path).eval()
-        self.prompts = mf.torch_prompts(spec, self.torch_model.config.vocab_size)
-        self.ref, rec = oq.run(self.torch_model, self.prompts, PAD, N_STEPS)
-        # The patched oracle is transformers itself: same greedy tokens and logits as plain generate.
-        qf.check_against_plain_hf(self.torch_model, self.ref, greedy=True)
-        assert {k for s, _, k in rec.kernel_log if s == 0} == {"chunked"}
-        margin = mf.greedy_margin(self.ref, N_STEPS)
-        assert margin > 1e-2, f"{name}: greedy margin {margin:.2e}; pick another seed"
-        self.model = mixlens.StandardizedTransformer(str(tmp_path))
-        self.n_layers = self.torch_model.config.num_hidden_layers
-
-    def oracle_run(self, edits, feeds):
-        return oq.run(self.torch_model, self.prompts, PAD, N_STEPS, edits, feeds=feeds)[0]
+        super().__init__(name, CASES[name], tmp_path, lambda spec: qf.build_model(spec["family"], spec), oq.run,
+                         qf.check_against_plain_hf, PAD)
+        assert {k for s, _, k in self.rec.kernel_log if s == 0} == {"chunked"}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
