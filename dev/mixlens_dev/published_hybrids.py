@@ -89,6 +89,14 @@ Where the configs come from (no internet here; the hub files could not be fetche
   192 (0.75 * hidden / heads, twice that), conv 4, linear_allow_neg_eigval, rms_norm_eps 1e-6, untied,
   pad 100277, eos 100257; modeling_olmo_hybrid.py states the released checkpoints use no RoPE
   (rope_theta null). Not checked against the hub file itself (no internet here). ~1.6B parameters.
+* google/recurrentgemma-2b (RecurrentGemma), exact widths, REDUCED to 3 of its 26 layers (one period of
+  block_types: recurrent, recurrent, attention). transformers 5.18's RecurrentGemmaConfig documents its
+  defaults as this checkpoint's (``@auto_docstring(checkpoint="google/recurrentgemma-2b")``): vocab 256000,
+  hidden 2560, 10 heads with 1 KV head (MQA), lru_width = hidden, attention_window_size 2048,
+  conv1d_width 4, logits_soft_cap 30, partial_rotary_factor 0.5, rope_theta 10000, tied embeddings. The
+  MLP width is intermediate_size 15360 (an MLP of 7680 = 3 x hidden after the module's // 2), from
+  memory of the hub config.json, not the class default (7680); not checked against the hub file
+  (no internet here). ~0.9B parameters, 0.66B of them the embedding.
 """
 
 from __future__ import annotations
@@ -178,6 +186,13 @@ ZAMBA2_1_2B = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000.0), add_bias_linear=False, rms_norm_eps=1e-5,
     tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
+RECURRENT_GEMMA_2B_3LAYERS = dict(
+    num_hidden_layers=3, vocab_size=256000, hidden_size=2560, intermediate_size=15360, num_attention_heads=10,
+    num_key_value_heads=1, lru_width=2560, attention_window_size=2048, conv1d_width=4, logits_soft_cap=30.0,
+    rms_norm_eps=1e-6, block_types=["recurrent", "recurrent", "attention"],
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
@@ -188,6 +203,7 @@ LAYOUTS = {
     "qwen3_5_moe_35b_a3b_2layers": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", QWEN3_5_MOE_35B_A3B_2LAYERS),
     "olmo_hybrid_7b_4layers": ("OlmoHybridForCausalLM", "OlmoHybridConfig", OLMO_HYBRID_7B_4LAYERS),
     "zamba2_1_2b": ("Zamba2ForCausalLM", "Zamba2Config", ZAMBA2_1_2B),
+    "recurrent_gemma_2b_3layers": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", RECURRENT_GEMMA_2B_3LAYERS),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}

@@ -238,6 +238,10 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
       id.kind = "gated_delta";
       id.state_op = "gated_delta_rule";
       break;
+    case LayerKind::rg_lru:
+      id.kind = "rg_lru";
+      id.state_op = "rg_lru_step";
+      break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +
                              std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(layer)])) +

@@ -16,6 +16,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::mlp: return "mlp";
     case LayerKind::hybrid: return "hybrid";
     case LayerKind::moe: return "moe";
+    case LayerKind::rg_lru: return "rg_lru";
   }
   return "?";
 }

@@ -3,7 +3,7 @@ with the configs of dev/mixlens_dev/published_hybrids.py, where each config's so
 tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to its first 8
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
-allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size. Built once under build/published/ (a few minutes and 1-3 GB each; later
+allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size, google/recurrentgemma-2b reduced to 3 layers. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -102,17 +102,27 @@ SHAPES = {
         "layers.35.mlp.output": (1, 12, 2048),
         "layers.35.linear_attn.attention_output": (1, 12, 2048),
     },
+    "recurrent_gemma_2b_3layers": {
+        "layers.0.linear_attn.attention_values": (1, 12, 2560),
+        "layers.0.linear_attn.decays": (1, 12, 2560),
+        "layers.1.linear_attn.states": (1, 12, 4, 2560),
+        "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
+        "layers.2.self_attn.attention_keys": (1, 12, 1, 256),
+        "layers.2.mlp.output": (1, 12, 2560),
+    },
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
                "falcon_mamba_7b_2layers": "FalconMambaForCausalLM",
                "jamba_tiny_dev_class": "JambaForCausalLM",
                "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM",
-               "zamba2_1_2b": "Zamba2ForCausalLM"}
+               "zamba2_1_2b": "Zamba2ForCausalLM",
+               "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
-       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b"}
+       "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b",
+       "recurrent_gemma_2b_3layers"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
