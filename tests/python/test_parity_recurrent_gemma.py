@@ -208,4 +208,4 @@ def test_backward_is_a_clear_error_naming_the_family(case):
     with case["model"].trace([[5, 6, 7]], grad=True) as tr:
         pass
     with pytest.raises(mixlens.UnsupportedError, match="recurrent_gemma family"):
-        tr.backward(np.ones((1, 1, 96), np.float32), paths=[f"layers.{rec_layers(case)[0]}.linear_attn.decays"])
+        tr.backward(np.ones((1, 3, 96), np.float32), paths=[f"layers.{rec_layers(case)[0]}.linear_attn.decays"])
