@@ -92,6 +92,8 @@ class RecurrentGemma final : public FamilyModel {
       const std::string p = "model.layers." + std::to_string(i) + ".";
       Layer& l = layers_[static_cast<size_t>(i)];
       l.recurrent = kinds[static_cast<size_t>(i) % kinds.size()] == "recurrent";
+      is_rec_.push_back(l.recurrent);
+      info.layer_kinds.push_back(l.recurrent ? LayerKind::rg_lru : LayerKind::attention);
       l.temporal_norm = w.get(p + "temporal_pre_norm.weight", {D_});
       l.channel_norm = w.get(p + "channel_pre_norm.weight", {D_});
       if (l.recurrent)
@@ -111,14 +113,11 @@ class RecurrentGemma final : public FamilyModel {
     info.num_layers = static_cast<int>(L_);
     info.hidden_size = D_;
     info.vocab_size = V_;
-    for (const auto& l : layers_) info.layer_kinds.push_back(l.recurrent ? LayerKind::rg_lru : LayerKind::attention);
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
-    std::vector<bool> is_mixer;
-    for (const Layer& l : layers_) is_mixer.push_back(l.recurrent);
     // The RG-LRU state row holds its own conv window ([K, W], rg_lru_mixer.h): no separate conv slot.
-    return std::make_unique<HybridCache>(batch, is_mixer, 1, 1, Shape{rg_.dims().K, rg_.dims().W});
+    return std::make_unique<HybridCache>(batch, is_rec_, 1, 1, Shape{rg_.dims().K, rg_.dims().W});
   }
 
   // One kernel: the diagonal recurrence runs as a token loop for prompts and steps alike, so a
@@ -233,6 +232,7 @@ class RecurrentGemma final : public FamilyModel {
   RgLruMixer rg_;
   Tensor embed_, norm_, lm_head_;
   std::vector<Layer> layers_;
+  std::vector<bool> is_rec_;  // per block: the RG-LRU (else attention), as the cache lays out its slots
 };
 
 }  // namespace

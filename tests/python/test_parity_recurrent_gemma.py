@@ -32,18 +32,23 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    spec = CASES[request.param]
-    torch.manual_seed(spec["seed"])
-    cfg = transformers.RecurrentGemmaConfig(**spec["config"])
-    model = transformers.RecurrentGemmaForCausalLM(cfg).eval()
-    with torch.no_grad():  # away from init (biases 0, norms 0) so that a misuse shows
+def perturb(model):
+    """Away from transformers' init (biases 0, norms 0, small projections) so that a misuse shows."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("bias"):
                 p.add_(0.2 * torch.randn_like(p))
             if "linear_" in name or "proj" in name:
                 p.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    spec = CASES[request.param]
+    torch.manual_seed(spec["seed"])
+    cfg = transformers.RecurrentGemmaConfig(**spec["config"])
+    model = perturb(transformers.RecurrentGemmaForCausalLM(cfg).eval())
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return dict(name=request.param, torch_model=model, model=mixlens.StandardizedTransformer(str(path)), config=cfg)

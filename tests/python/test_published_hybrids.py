@@ -102,14 +102,10 @@ SHAPES = {
         "layers.35.mlp.output": (1, 12, 2048),
         "layers.35.linear_attn.attention_output": (1, 12, 2048),
     },
-    "recurrent_gemma_2b_3layers": {
-        "layers.0.linear_attn.attention_values": (1, 12, 2560),
-        "layers.0.linear_attn.decays": (1, 12, 2560),
-        "layers.1.linear_attn.states": (1, 12, 4, 2560),
-        "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
-        "layers.2.self_attn.attention_keys": (1, 12, 1, 256),
-        "layers.2.mlp.output": (1, 12, 2560),
-    },
+    "recurrent_gemma_2b_3layers": {"layers.0.linear_attn.decays": (1, 12, 2560),
+                                   "layers.1.linear_attn.states": (1, 12, 4, 2560),
+                                   "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
+                                   "layers.2.self_attn.attention_keys": (1, 12, 1, 256)},
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
