@@ -94,6 +94,14 @@ def test_greedy_decode_matches_transformers(case):
     assert [list(t) for t in np.asarray(tracer.tokens).tolist()] == want
 
 
+def test_left_padded_greedy_decode_equals_each_row_alone(case):
+    rows = prompts(7, [13, 5])
+    both = np.asarray(case["model"].generate(rows, max_new_tokens=7, eos_token_id=-1).run().tokens).tolist()
+    for b, r in enumerate(rows):
+        alone = np.asarray(case["model"].generate([r], max_new_tokens=7, eos_token_id=-1).run().tokens).tolist()
+        assert both[b] == alone[0]
+
+
 def test_continuation_and_decode_steps_equal_one_call(case):
     row = prompts(3, [30])[0]
     whole = case["model"].run([row])["logits"]
