@@ -47,7 +47,8 @@ RgLruMixerWeights RgLruMixer::load(const io::WeightStore& w, const std::string& 
 void RgLruMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
   const int64_t W = d_.W, K = d_.K;
   v.push_back(layer_value(i, Value::attention_values, {B, T, W}, true,
-                          "u = conv_1d(linear_x(x)), the RG-LRU input before the input gate (0 from padding inputs)"));
+                          "u = conv_1d(linear_x(x)), the RG-LRU input before the input gate (padding inputs count as 0); the "
+                          "gates are computed from it first, so a write changes what the token writes, not its gates"));
   v.push_back(layer_value(i, Value::betas, {B, T, W}, true,
                           "input gate i_t = sigmoid(u W_input_gate + b), block-diagonal per head; the token writes "
                           "sqrt(1 - a_t^2) * i_t * u_t"));
