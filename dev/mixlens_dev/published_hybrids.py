@@ -186,6 +186,15 @@ ZAMBA2_1_2B = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000.0), add_bias_linear=False, rms_norm_eps=1e-5,
     tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
+# RWKV/rwkv-4-169m-pile, FULL size: hidden 768, 12 layers, vocab 50277, context 1024 (a model-preset table of
+# the search tool's corpus: "rwkv-4-pile-169m ... 12-layer RWKV model trained on Pile", 169,342,464 params,
+# model card BlinkDL/rwkv-4-pile-169m); attention_hidden_size 768, intermediate 3072, layer_norm_epsilon 1e-5,
+# rescale_every 6, bos / eos 0, untied head as quoted by a RwkvConfig dataclass copied from its config.json.
+RWKV_4_169M_PILE = dict(
+    vocab_size=50277, hidden_size=768, num_hidden_layers=12, attention_hidden_size=768, intermediate_size=3072,
+    context_length=1024, layer_norm_epsilon=1e-5, rescale_every=6, bos_token_id=0, eos_token_id=0,
+    tie_word_embeddings=False,
+)
 RECURRENT_GEMMA_2B_3LAYERS = dict(
     num_hidden_layers=3, vocab_size=256000, hidden_size=2560, intermediate_size=15360, num_attention_heads=10,
     num_key_value_heads=1, lru_width=2560, attention_window_size=2048, conv1d_width=4, logits_soft_cap=30.0,
@@ -203,6 +212,7 @@ LAYOUTS = {
     "qwen3_5_moe_35b_a3b_2layers": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", QWEN3_5_MOE_35B_A3B_2LAYERS),
     "olmo_hybrid_7b_4layers": ("OlmoHybridForCausalLM", "OlmoHybridConfig", OLMO_HYBRID_7B_4LAYERS),
     "zamba2_1_2b": ("Zamba2ForCausalLM", "Zamba2Config", ZAMBA2_1_2B),
+    "rwkv_4_169m_pile": ("RwkvForCausalLM", "RwkvConfig", RWKV_4_169M_PILE),
     "recurrent_gemma_2b_3layers": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", RECURRENT_GEMMA_2B_3LAYERS),
 }
 

@@ -42,6 +42,11 @@ class Tensor {
   /// Tensor of the given shape whose contents are left uninitialised: for buffers a kernel fills
   /// entirely (zeroing hundreds of MiB first would be a pass of its own).
   static Tensor uninitialized(Shape shape);
+  /// Uninitialised, writable storage for a weight the process keeps for its lifetime (a float32
+  /// weight widened from a 16-bit file): outside the activation arena, and from 4 MiB up 2 MiB
+  /// aligned and advised as transparent huge pages (a decode step streams every weight; 4 KiB pages
+  /// cost TLB misses). Throws InputError on a bad shape, std::bad_alloc when memory is short.
+  static Tensor weight(Shape shape);
 
   bool defined() const { return storage_ != nullptr; }
   /// True when no other Tensor (a copy, a reshape, an array handed to Python) shares the storage.

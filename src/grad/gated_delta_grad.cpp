@@ -4,6 +4,8 @@
 //   Lam += q^ do^T;  dk^ = Lam (beta u) + S' dmem;  dmem = -beta Lam^T k^;  dv = beta Lam^T k^;
 //   dbeta = (Lam^T k^) . u;  dS' = Lam + k^ dmem^T;  dg = <dS', S'>;  Lam_{t-1} = exp(g) dS'.
 // The states S_{t-1} are recomputed chunk by chunk from checkpoints (memory T/chunk + chunk states).
+// Kimi Delta Attention (g_per_key): exp(g) is diag(exp(g[0..Dk))), so dg[d] = <dS'[d], S'[d]> per key row
+// and Lam_{t-1} = diag(exp(g)) dS' (the recurrence only; equal channels sum to the per-head dg).
 // The chunked form (gated_delta_backward_chunked, the default) differentiates the chunk's matrix form
 // (the WY / UT representation transformers' torch_chunk_gated_delta_rule runs forward) with BLAS products.
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <cblas.h>
 
 #include "grad/ops_grad.h"
+#include "mixlens/errors.h"
 #include "ops/kernels.h"
 #include "ops/ops.h"
 
@@ -41,6 +44,14 @@ inline void l2n(const float* x, int64_t n, float scale, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }
 
+// a . b on the dispatched matvec kernel (a one-row product): a plain loop is a serial float sum
+// the compiler may not reorder, so it ran scalar.
+inline float dot_n(const ops::KernelTable& kt, const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  kt.matvec_f32(a, n, b, &s, 1, n);
+  return s;
+}
+
 }  // namespace
 
 void gated_delta_backward_recurrent(const GatedDeltaGradArgs& a) {
@@ -54,24 +65,35 @@ void gated_delta_backward_recurrent(const GatedDeltaGradArgs& a) {
     auto row = [&](int64_t t) { return (b * T + t) * H + h; };  // row of [B,T,H]
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> qn = buf(T * Dk), kn = buf(T * Dk), S = buf((Q + 1) * SN), U = buf(Q * Dv), lam(static_cast<size_t>(SN), 0.0f),
-                       dqn = buf(Dk), dkn = buf(Dk), tmp = buf(Dk), w1 = buf(Dv), dd = buf(Dv), dmem = buf(Dv), ckpt;
+                       dqn = buf(Dk), dkn = buf(Dk), tmp = buf(Dk), w1 = buf(Dv), dd = buf(Dv), dmem = buf(Dv), rdec = buf(Dk),
+                       dec = buf(Dk), ckpt;
     for (int64_t t = 0; t < T; ++t) {
       l2n(a.q + row(t) * Dk, Dk, scale, qn.data() + t * Dk);
       l2n(a.k + row(t) * Dk, Dk, 1.0f, kn.data() + t * Dk);
     }
     // S_t = decay S_{t-1} + k^ (beta u)^T with u = v - decay S_{t-1}^T k^ (u kept per token of the chunk).
+    // Per key channel d the decay dec[d] (one value over every d unless g_per_key).
+    auto decays = [&](int64_t t, float* out) {
+      if (a.g_per_key) {
+        for (int64_t d = 0; d < Dk; ++d) out[d] = std::exp(a.g[row(t) * Dk + d]);
+      } else {
+        std::fill(out, out + Dk, std::exp(a.g[row(t)]));
+      }
+    };
     auto replay = [&](const float* prev, float* next, int64_t t, float* u) {
-      const float decay = std::exp(a.g[row(t)]), be = a.beta[row(t)];
+      const float be = a.beta[row(t)];
+      decays(t, rdec.data());
       const float* k = kn.data() + t * Dk;
       const float* v = a.v + row(t) * Dv;
+      for (int64_t d = 0; d < Dk; ++d) tmp[d] = rdec[d] * k[d];  // S'^T k^ = S_{t-1}^T (dec k^)
       std::fill(u, u + Dv, 0.0f);
-      kt.acc_rows(k, prev, Dv, Dk, Dv, u);
-      for (int64_t e = 0; e < Dv; ++e) u[e] = v[e] - decay * u[e];
+      kt.acc_rows(tmp.data(), prev, Dv, Dk, Dv, u);
+      for (int64_t e = 0; e < Dv; ++e) u[e] = v[e] - u[e];
       for (int64_t d = 0; d < Dk; ++d) {
-        const float kd = k[d];
+        const float kd = k[d], dc = rdec[d];
         const float* pr = prev + d * Dv;
         float* nx = next + d * Dv;
-        for (int64_t e = 0; e < Dv; ++e) nx[e] = pr[e] * decay + kd * (be * u[e]);
+        for (int64_t e = 0; e < Dv; ++e) nx[e] = pr[e] * dc + kd * (be * u[e]);
       }
     };
     const float* entry = nullptr;  // chunk-entry states [nchunks, Dk, Dv]
@@ -102,7 +124,8 @@ void gated_delta_backward_recurrent(const GatedDeltaGradArgs& a) {
         const float* k = kn.data() + t * Dk;
         const float* u = U.data() + l * Dv;
         const float* dout = a.dout + r * Dv;
-        const float be = a.beta[r], decay = std::exp(a.g[r]);
+        const float be = a.beta[r];
+        decays(t, dec.data());
         // o = S_t^T q^: dq^ = S_t do, Lam += q^ do^T.
         kt.matvec_f32(St, Dv, dout, dqn.data(), Dk, Dv);
         for (int64_t d = 0; d < Dk; ++d) {
@@ -122,22 +145,24 @@ void gated_delta_backward_recurrent(const GatedDeltaGradArgs& a) {
           w1[e] = be * u[e];
         }
         a.dbeta[r] = static_cast<float>(dbeta);
-        // dk^ = Lam (beta u) + S' dmem;  dg = <Lam + k^ dmem^T, S'> = decay (<Lam, S_{t-1}> + k^ . S_{t-1} dmem).
+        // dk^ = Lam (beta u) + S' dmem;  dg[d] = <(Lam + k^ dmem^T)[d], S'[d]>
+        //   = dec[d] (<Lam[d], S_{t-1}[d]> + k^[d] (S_{t-1} dmem)[d]) (per head: the sum over d).
         kt.matvec_f32(lam.data(), Dv, w1.data(), dkn.data(), Dk, Dv);
         kt.matvec_f32(Sprev, Dv, dmem.data(), tmp.data(), Dk, Dv);
-        float ls = 0.0f;
-        kt.matvec_f32(lam.data(), SN, Sprev, &ls, 1, SN);
-        double dg = ls;
+        double dg = 0.0;
         for (int64_t d = 0; d < Dk; ++d) {
-          dkn[d] += decay * tmp[d];
-          dg += static_cast<double>(k[d]) * tmp[d];
+          dkn[d] += dec[d] * tmp[d];
+          const double gd = dec[d] * (static_cast<double>(dot_n(kt, lam.data() + d * Dv, Sprev + d * Dv, Dv)) +
+                                      static_cast<double>(k[d]) * tmp[d]);
+          if (a.g_per_key) a.dg[r * Dk + d] = static_cast<float>(gd);
+          dg += gd;
         }
-        a.dg[r] = static_cast<float>(dg * decay);
-        // Lam_{t-1} = decay (Lam + k^ dmem^T).
+        if (!a.g_per_key) a.dg[r] = static_cast<float>(dg);
+        // Lam_{t-1} = diag(dec) (Lam + k^ dmem^T).
         for (int64_t d = 0; d < Dk; ++d) {
           float* ld = lam.data() + d * Dv;
-          const float kd = k[d];
-          for (int64_t e = 0; e < Dv; ++e) ld[e] = decay * (ld[e] + kd * dmem[e]);
+          const float kd = k[d], dc = dec[d];
+          for (int64_t e = 0; e < Dv; ++e) ld[e] = dc * (ld[e] + kd * dmem[e]);
         }
         l2norm_backward(a.q + r * Dk, dqn.data(), a.dq + r * Dk, Dk, scale);
         l2norm_backward(a.k + r * Dk, dkn.data(), a.dk + r * Dk, Dk, 1.0f);
@@ -153,13 +178,6 @@ namespace {
 inline void scale_rows(float* x, int64_t n, int64_t m, int64_t ld, const float* s) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < m; ++j) x[i * ld + j] *= s[i];
-}
-// a . b on the dispatched matvec kernel (a one-row product): a plain loop is a serial float sum
-// the compiler may not reorder, so it ran scalar.
-inline float dot_n(const ops::KernelTable& kt, const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-  kt.matvec_f32(a, n, b, &s, 1, n);
-  return s;
 }
 // Unit-lower triangular solves with L = I + A (A strictly lower, [n, n] at stride ld; its diagonal is
 // not read), in place on X [n, m]: L X = X (trans false) or L^T X = X (trans true). BLAS: the
@@ -178,6 +196,9 @@ inline void unit_lower_solve(bool trans, int64_t n, int64_t m, const float* A, i
 //   O = diag(gam) Q^ S0 + M U,  M_tj = Gam_tj q^_t.k^_j (j <= t),  S_L = gam_{L-1} S0 + K^T diag(r) U.
 // Reverse: dU = M^T dO + diag(r) K Lam; dR = (I + A)^-T dU; dA = -dR U^T; the rest are products.
 void gated_delta_backward_chunked(const GatedDeltaGradArgs& a) {
+  if (a.g_per_key)
+    throw UnsupportedError("gated_delta_backward_chunked: a per-key-channel decay (Kimi Delta Attention) is "
+                           "differentiated by the token recurrence (gated_delta_backward_recurrent)");
   const int64_t T = a.T, H = a.H, Dk = a.Dk, Dv = a.Dv, SN = Dk * Dv;
   const int64_t Q = std::max<int64_t>(1, a.chunk);
   const int64_t nchunks = (T + Q - 1) / Q;
@@ -350,8 +371,9 @@ void gated_delta_backward_chunked(const GatedDeltaGradArgs& a) {
 }
 
 void gated_delta_backward(const GatedDeltaGradArgs& a) {
-  // The per-token adjoints (dstates) are the recurrence's own quantities.
-  if (a.dstates) gated_delta_backward_recurrent(a);
+  // The per-token adjoints (dstates) are the recurrence's own quantities; a per-key-channel decay
+  // (Kimi Delta Attention) has no chunked backward yet, the recurrence serves it.
+  if (a.dstates || a.g_per_key) gated_delta_backward_recurrent(a);
   else gated_delta_backward_chunked(a);
 }
 

@@ -108,14 +108,15 @@ struct GatedDeltaGradArgs {
   const float* q = nullptr;     ///< [B,T,H,Dk]
   const float* k = nullptr;     ///< [B,T,H,Dk]
   const float* v = nullptr;     ///< [B,T,H,Dv]
-  const float* g = nullptr;     ///< [B,T,H] log decay
+  const float* g = nullptr;     ///< [B,T,H] log decay; [B,T,H,Dk] with g_per_key
+  bool g_per_key = false;       ///< one decay per key channel (Kimi Delta Attention): diag(exp(g_t)) S_{t-1}
   const float* beta = nullptr;  ///< [B,T,H]
   const float* S0 = nullptr;    ///< [B,H,Dk,Dv] the state the call starts from
   const float* dout = nullptr;  ///< [B,T,H,Dv] dL/do
   float* dq = nullptr;          ///< [B,T,H,Dk]
   float* dk = nullptr;          ///< [B,T,H,Dk]
   float* dv = nullptr;          ///< [B,T,H,Dv]
-  float* dg = nullptr;          ///< [B,T,H]
+  float* dg = nullptr;          ///< [B,T,H]; [B,T,H,Dk] with g_per_key
   float* dbeta = nullptr;       ///< [B,T,H]
   float* dS0 = nullptr;         ///< [B,H,Dk,Dv]
   float* dstates = nullptr;     ///< optional [B,T,H,Dk,Dv]: dL/dS_t (what o_t reads and later tokens continue from)

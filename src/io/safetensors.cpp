@@ -401,7 +401,9 @@ Tensor SafetensorsFile::get_f32(const std::string& name) const {
     std::shared_ptr<const void> owner(state_->mapping, src);
     return Tensor::borrow(t.shape, reinterpret_cast<const float*>(src), std::move(owner));
   }
-  Tensor out(t.shape);
+  // Every element is written below: no zero fill; weights live as long as the model, so they
+  // bypass the activation arena (and get huge pages: Tensor::weight).
+  Tensor out = Tensor::weight(t.shape);
   if (n == 0) return out;
   float* dst = out.data();
   switch (t.dtype) {

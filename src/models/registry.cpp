@@ -26,6 +26,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"olmo_hybrid", "olmo_hybrid", make_olmo_hybrid, true},
       {"zamba2", "zamba2", make_zamba2, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, false},
+      {"rwkv", "rwkv", make_rwkv, false},
       {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false},
   };
   return registry;

@@ -51,5 +51,6 @@ std::unique_ptr<FamilyModel> make_olmo_hybrid(const io::Config& config, const io
 std::unique_ptr<FamilyModel> make_recurrent_gemma(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_zamba2(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_kimi_linear(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_rwkv(const io::Config& config, const io::WeightStore& weights);
 
 }  // namespace mixlens::detail

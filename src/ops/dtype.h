@@ -60,6 +60,8 @@ inline uint16_t f32_to_f16(float f) {
 /// cache line); buffers of 4 MiB and more are 2 MiB aligned and advised as transparent huge pages
 /// (a decode step streams every weight: 4 KiB pages cost TLB misses). Throws std::bad_alloc.
 std::shared_ptr<uint16_t> alloc_weights16(int64_t n);
+/// The same storage for any weight of `bytes` bytes (free with std::free).
+void* alloc_weights(size_t bytes);
 
 /// dst[i] = float(src[i]) for n 16-bit (bf16 / f16) or float32 values.
 inline void widen(ScalarType t, const void* src, float* dst, int64_t n) {

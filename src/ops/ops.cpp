@@ -158,7 +158,8 @@ Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& bl
       throw InputError("assemble_rows: block out of range for source " + shape_str(b.src->shape()));
   }
   if (t == ScalarType::float32) {
-    Tensor out({rows, cols});
+    Tensor out = Tensor::weight({rows, cols});  // a fused weight: huge pages, outside the activation arena
+    std::memset(out.data(), 0, sizeof(float) * static_cast<size_t>(rows * cols));
     for (const RowBlock& b : blocks)
       std::memcpy(out.data() + b.to * cols, b.src->data() + b.from * cols, sizeof(float) * static_cast<size_t>(b.n * cols));
     return out;

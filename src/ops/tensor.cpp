@@ -106,8 +106,8 @@ Tensor Tensor::read_only_view(Shape shape, ScalarType dtype, const void* data, s
 }
 
 namespace ops {
-std::shared_ptr<uint16_t> alloc_weights16(int64_t n) {
-  const size_t bytes = static_cast<size_t>(n > 0 ? n : 1) * 2;
+void* alloc_weights(size_t bytes) {
+  bytes = bytes > 0 ? bytes : 1;
   const size_t align = bytes >= (size_t{4} << 20) ? (size_t{2} << 20) : 64;
   const size_t total = (bytes + align - 1) / align * align;
   void* p = std::aligned_alloc(align, total);
@@ -115,9 +115,24 @@ std::shared_ptr<uint16_t> alloc_weights16(int64_t n) {
 #ifdef MADV_HUGEPAGE
   if (align > 64) madvise(p, total, MADV_HUGEPAGE);  // advice only: failure is harmless
 #endif
+  return p;
+}
+
+std::shared_ptr<uint16_t> alloc_weights16(int64_t n) {
+  void* p = alloc_weights(static_cast<size_t>(n > 0 ? n : 1) * 2);
   return std::shared_ptr<uint16_t>(static_cast<uint16_t*>(p), std::free);
 }
 }  // namespace ops
+
+Tensor Tensor::weight(Shape shape) {
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.numel_ = shape_numel(t.shape_);
+  void* p = ops::alloc_weights(sizeof(float) * static_cast<size_t>(t.numel_));
+  t.data_ = p;
+  t.storage_ = std::shared_ptr<const void>(p, [](const void* q) { std::free(const_cast<void*>(q)); });
+  return t;
+}
 
 const char* dtype_str(ScalarType d) {
   switch (d) {

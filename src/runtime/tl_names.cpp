@@ -170,6 +170,11 @@ std::string kind_phrase(int layer, LayerKind k) {
 Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
   const LayerKind kind = m.info.layer_kinds[static_cast<size_t>(layer)];
   const Slots s = slots_of(m.info.family);
+  // TransformerLens 4.3 has no RWKV adapter, so only the residual stream's names mean the same tensor.
+  if (m.info.family == "rwkv" && rest != "hook_resid_pre" && rest != "hook_in" && rest != "hook_resid_post" &&
+      rest != "hook_out")
+    return no("TransformerLens 4.3 has no RWKV adapter: only hook_resid_pre / hook_resid_post map here; read "
+              "mixlens names (layers.i.linear_attn.*, layers.i.mlp.output)");
   const auto mixer_out = [&]() -> Mapped {
     if (recurrent(kind)) return recurrent_hook(m, kind, "hook_out");
     if (kind == LayerKind::attention) return attention_hook(m, "hook_out");

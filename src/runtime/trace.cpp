@@ -6,6 +6,7 @@
 
 #include "grad/tape.h"
 #include "io/weights.h"
+#include "mixers/rwkv_mixer.h"
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
 #include "models/family.h"
@@ -224,7 +225,10 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
                      std::to_string(n) + " layers)");
   if (prompt_seq < 1) throw InputError("mixer_identity: prompt_seq must be >= 1, got " + std::to_string(prompt_seq));
   MixerIdentity id;
-  switch (info.layer_kinds[static_cast<size_t>(layer)]) {
+  if (info.layer_kinds[static_cast<size_t>(layer)] == detail::kRwkvLayerKind) {
+    id.kind = "wkv";  // RWKV-4 time mixing: transformers' rwkv_linear_attention(_cpu)
+    id.state_op = "rwkv_linear_attention";
+  } else switch (info.layer_kinds[static_cast<size_t>(layer)]) {
     case LayerKind::mamba2:
     case LayerKind::hybrid:  // Falcon-H1: the block's recurrent mixer is Mamba-2's
       id.kind = "ssd";

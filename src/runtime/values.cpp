@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cctype>
 
+#include "mixers/rwkv_mixer.h"
 #include "mixlens/errors.h"
 
 namespace mixlens {
 
 std::string_view layer_kind_name(LayerKind k) {
+  if (k == detail::kRwkvLayerKind) return "rwkv";
   switch (k) {
     case LayerKind::mamba2: return "mamba2";
     case LayerKind::mamba: return "mamba";

@@ -184,7 +184,11 @@ TEST(GradQwen, ContinuationStateInputMatchesFiniteDifferences) {
 // The gated delta rule's backward (grad::gated_delta_backward, its own checkpoint pass, several
 // checkpoint chunk lengths) against central differences of a double-precision token recurrence
 // written here (L2 norms with eps 1e-6 and the 1/sqrt(Dk) query scale), every input element.
-TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
+namespace {
+
+// Both backwards of the gated delta rule against central differences of a double recurrence written
+// here; per_key: Kimi Delta Attention's decay per key channel (unequal channels), recurrence only.
+void delta_rule_double_fd(bool per_key) {
   const int64_t T = 7, H = 2, Dk = 3, Dv = 4;
   std::mt19937 gen(11);
   std::uniform_real_distribution<double> u(-1.0, 1.0);
@@ -194,9 +198,9 @@ TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
     return v;
   };
   // x = q | k | v | g | beta | S0
-  const int64_t nq = T * H * Dk, nv = T * H * Dv, nh = T * H, ns = H * Dk * Dv;
+  const int64_t nq = T * H * Dk, nv = T * H * Dv, nh = T * H, ng = per_key ? nh * Dk : nh, ns = H * Dk * Dv;
   std::vector<double> x = rnd(nq, -1, 1), t;
-  for (auto [n, lo, hi] : {std::tuple<int64_t, double, double>{nq, -1, 1}, {nv, -1, 1}, {nh, -1.0, -0.05}, {nh, 0.1, 0.9},
+  for (auto [n, lo, hi] : {std::tuple<int64_t, double, double>{nq, -1, 1}, {nv, -1, 1}, {ng, -1.0, -0.05}, {nh, 0.1, 0.9},
                            {ns, -0.5, 0.5}}) {
     t = rnd(n, lo, hi);
     x.insert(x.end(), t.begin(), t.end());
@@ -207,7 +211,7 @@ TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
     const double* k = q + nq;
     const double* v = k + nq;
     const double* g = v + nv;
-    const double* be = g + nh;
+    const double* be = g + ng;
     const double* S0 = be + nh;
     double s = 0.0;
     for (int64_t h = 0; h < H; ++h) {
@@ -223,8 +227,8 @@ TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
           qn[d] = q[r * Dk + d] / std::sqrt(sq + 1e-6) / std::sqrt(static_cast<double>(Dk));
           kn[d] = k[r * Dk + d] / std::sqrt(sk + 1e-6);
         }
-        const double dec = std::exp(g[r]);
-        for (auto& e : S) e *= dec;
+        for (int64_t d = 0; d < Dk; ++d)
+          for (int64_t e = 0; e < Dv; ++e) S[d * Dv + e] *= std::exp(per_key ? g[r * Dk + d] : g[r]);
         for (int64_t e = 0; e < Dv; ++e) {
           mem[e] = 0;
           for (int64_t d = 0; d < Dk; ++d) mem[e] += S[d * Dv + e] * kn[d];
@@ -250,19 +254,66 @@ TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) {
   }
   const std::vector<float> xf(x.begin(), x.end()), df(dout.begin(), dout.end());
   for (int64_t chunk : {1, 3, 64})
-   for (auto bwd : {grad::gated_delta_backward_recurrent, grad::gated_delta_backward_chunked}) {
+   for (auto bwd : {grad::gated_delta_backward_recurrent, grad::gated_delta_backward_chunked, grad::gated_delta_backward}) {
+    if (per_key && bwd == grad::gated_delta_backward_chunked) continue;  // refused (its own test)
     std::vector<float> grad(x.size());
     grad::GatedDeltaGradArgs a;
     a.B = 1; a.T = T; a.H = H; a.Dk = Dk; a.Dv = Dv;
-    a.q = xf.data(); a.k = a.q + nq; a.v = a.k + nq; a.g = a.v + nv; a.beta = a.g + nh; a.S0 = a.beta + nh;
+    a.q = xf.data(); a.k = a.q + nq; a.v = a.k + nq; a.g = a.v + nv; a.beta = a.g + ng; a.S0 = a.beta + nh;
+    a.g_per_key = per_key;
     a.dout = df.data();
-    a.dq = grad.data(); a.dk = a.dq + nq; a.dv = a.dk + nq; a.dg = a.dv + nv; a.dbeta = a.dg + nh; a.dS0 = a.dbeta + nh;
+    a.dq = grad.data(); a.dk = a.dq + nq; a.dv = a.dk + nq; a.dg = a.dv + nv; a.dbeta = a.dg + ng; a.dS0 = a.dbeta + nh;
     a.chunk = chunk;
     bwd(a);
     for (size_t i = 0; i < x.size(); ++i)
       EXPECT_NEAR(grad[i], ref[i], 2e-4 + 2e-4 * std::abs(ref[i]))
-          << "element " << i << " chunk " << chunk << (bwd == grad::gated_delta_backward_chunked ? " chunked" : " recurrent");
+          << "element " << i << " chunk " << chunk << (bwd == grad::gated_delta_backward_chunked ? " chunked" : " recurrent")
+          << (per_key ? " per key" : "");
   }
+}
+
+}  // namespace
+
+TEST(GradQwen, GatedDeltaRuleMatchesDoubleFiniteDifferences) { delta_rule_double_fd(false); }
+
+TEST(GradQwen, PerKeyDecayDeltaRuleMatchesDoubleFiniteDifferences) { delta_rule_double_fd(true); }
+
+// Kimi Delta Attention's per-key decay with every channel equal is Qwen's per-head decay: the same
+// dq / dk / dv / dbeta / dS0, and the per-channel dg sums to the per-head one; the chunked backward
+// refuses a per-key decay (the dispatcher routes it to the recurrence).
+TEST(GradQwen, PerKeyDecayWithEqualChannelsReducesToThePerHeadBackward) {
+  const int64_t B = 2, T = 70, H = 2, Dk = 8, Dv = 6;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> nrm(0.0f, 1.0f);
+  auto vec = [&](int64_t n, float s, float off) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& e : v) e = off + s * nrm(gen);
+    return v;
+  };
+  const auto q = vec(B * T * H * Dk, 1, 0), k = vec(B * T * H * Dk, 1, 0), v = vec(B * T * H * Dv, 1, 0),
+             dout = vec(B * T * H * Dv, 1, 0), be = vec(B * T * H, 0.1f, 0.5f), S0 = vec(B * H * Dk * Dv, 0.3f, 0);
+  std::vector<float> g = vec(B * T * H, 0.2f, -0.5f), gk(g.size() * Dk);
+  for (size_t i = 0; i < g.size(); ++i) std::fill(gk.begin() + i * Dk, gk.begin() + (i + 1) * Dk, g[i]);
+  auto run = [&](bool per_key, void (*bwd)(const grad::GatedDeltaGradArgs&)) {
+    std::vector<std::vector<float>> o{q, k, v, per_key ? gk : g, be, S0};
+    grad::GatedDeltaGradArgs a;
+    a.B = B; a.T = T; a.H = H; a.Dk = Dk; a.Dv = Dv;
+    a.q = q.data(); a.k = k.data(); a.v = v.data(); a.g = per_key ? gk.data() : g.data(); a.beta = be.data(); a.S0 = S0.data();
+    a.g_per_key = per_key;
+    a.dout = dout.data();
+    a.dq = o[0].data(); a.dk = o[1].data(); a.dv = o[2].data(); a.dg = o[3].data(); a.dbeta = o[4].data(); a.dS0 = o[5].data();
+    bwd(a);
+    return o;
+  };
+  const auto ref = run(false, grad::gated_delta_backward_recurrent), got = run(true, grad::gated_delta_backward);
+  for (int i : {0, 1, 2, 4, 5})
+    for (size_t j = 0; j < ref[i].size(); ++j) ASSERT_NEAR(got[i][j], ref[i][j], 1e-5 + 1e-5 * std::abs(ref[i][j])) << i << " " << j;
+  for (size_t r = 0; r < g.size(); ++r) {
+    double s = 0.0;
+    for (int64_t d = 0; d < Dk; ++d) s += got[3][r * Dk + d];
+    ASSERT_NEAR(s, ref[3][r], 1e-4 + 1e-5 * std::abs(ref[3][r])) << "dg row " << r;
+  }
+  EXPECT_THROW(run(true, grad::gated_delta_backward_chunked), UnsupportedError);
 }
 
 // The chunked (matmul) backward against the token recurrence (the reference) on random inputs of

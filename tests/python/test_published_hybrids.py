@@ -103,6 +103,11 @@ SHAPES = {
         "layers.35.mlp.output": (1, 12, 2048),
         "layers.35.linear_attn.attention_output": (1, 12, 2048),
     },
+    "rwkv_4_169m_pile": {
+        "layers.0.linear_attn.attention_keys": (1, 12, 768),
+        "layers.11.linear_attn.state_output": (1, 5 * 768),
+        "layers.11.mlp.output": (1, 12, 768),
+    },
     "recurrent_gemma_2b_3layers": {"layers.0.linear_attn.decays": (1, 12, 2560),
                                    "layers.1.linear_attn.states": (1, 12, 4, 2560),
                                    "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
@@ -114,11 +119,13 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "jamba_tiny_dev_class": "JambaForCausalLM",
                "qwen3_5_moe_35b_a3b_2layers": "Qwen3_5MoeForCausalLM", "olmo_hybrid_7b_4layers": "OlmoHybridForCausalLM",
                "zamba2_1_2b": "Zamba2ForCausalLM",
+               "rwkv_4_169m_pile": "RwkvForCausalLM",
                "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
        "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b",
+       "rwkv_4_169m_pile",
        "recurrent_gemma_2b_3layers"}
 
 

@@ -1,0 +1,235 @@
+// RWKV-4 (RwkvForCausalLM, model_type "rwkv"): embeddings -> blocks of [pre_ln on block 0] h +=
+// time_mix(ln1(h)) (layers.i.linear_attn, mixers/rwkv_mixer.*), h += channel_mix(ln2(h)) (layers.i.mlp),
+// h /= 2 after every rescale_every-th block -> ln_out -> head. Reference: transformers 5.18
+// models/rwkv/modeling_rwkv.py in inference (eval) mode, where RwkvModel._rescale_layers has divided
+// block i's attention.output and feed_forward.value weights by 2^(i // rescale_every) and forward halves
+// the hidden states after blocks i with (i + 1) % rescale_every == 0; mixlens does both, exactly.
+// Left padding: transformers ignores attention_mask; mixlens scans each row from its first real token
+// and starts both token shifts there from the cached last x, so a row equals its unpadded run.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "mixers/rwkv_mixer.h"
+#include "mixlens/errors.h"
+#include "models/common.h"
+#include "models/config.h"
+#include "models/mamba2_hybrid.h"
+#include "models/registry.h"
+#include "ops/ops.h"
+
+namespace mixlens::detail {
+
+namespace {
+
+struct RwkvCache : CacheState {
+  bool has_state = false;
+  std::vector<Tensor> state;  ///< per layer [B, row_numel] (RwkvMixerDims)
+  std::unique_ptr<CacheState> clone() const override {
+    auto c = std::make_unique<RwkvCache>(*this);
+    deep_copy(c->state);
+    return c;
+  }
+};
+
+struct FeedForward {  // rwkv.blocks.{i}.feed_forward (RwkvFeedForward)
+  Tensor mix_k, mix_r, key, receptance, value;  // value [D, I] rescaled as the mixer's output
+};
+
+class RwkvModel final : public FamilyModel {
+ public:
+  RwkvModel(const io::Config& cfg, const io::WeightStore& w) {
+    D_ = cfg.get<int64_t>("hidden_size");
+    L_ = cfg.get<int64_t>("num_hidden_layers");
+    V_ = cfg.get<int64_t>("vocab_size");
+    // RwkvConfig.__post_init__: null sizes default to hidden_size and 4 * hidden_size.
+    const int64_t A = cfg.get_or<int64_t>("attention_hidden_size", D_);
+    I_ = cfg.get_or<int64_t>("intermediate_size", 4 * D_);
+    rescale_every_ = cfg.get_or<int64_t>("rescale_every", 6);
+    eps_ = static_cast<float>(cfg.get_double_or("layer_norm_epsilon", 1e-5));
+    if (!(eps_ > 0.0f) || !std::isfinite(eps_))
+      throw ConfigError(where(cfg) + ": layer_norm_epsilon must be a finite number > 0");
+    require_positive(cfg, {{"hidden_size", D_}, {"num_hidden_layers", L_}, {"vocab_size", V_},
+                           {"attention_hidden_size", A}, {"intermediate_size", I_}});
+    mixer_ = RwkvMixer({D_, A});
+    const std::string p = "rwkv.";
+    embed_ = load_embedding(w, {"rwkv.embeddings.weight"}, {V_, D_});
+    pre_ln_w_ = w.get(p + "blocks.0.pre_ln.weight", {D_});
+    pre_ln_b_ = w.get(p + "blocks.0.pre_ln.bias", {D_});
+    for (int64_t i = 0; i < L_; ++i) {
+      const std::string b = p + "blocks." + std::to_string(i) + ".";
+      // 2^(i // rescale_every): transformers' inference rescale of the two output weights.
+      const float scale = rescale_every_ > 0 ? std::ldexp(1.0f, static_cast<int>(i / rescale_every_)) : 1.0f;
+      for (const char* ln : {"ln1.", "ln2."}) {
+        ln_w_.push_back(w.get(b + ln + "weight", {D_}));
+        ln_b_.push_back(w.get(b + ln + "bias", {D_}));
+      }
+      layers_.push_back(mixer_.load(w, b + "attention.", scale));
+      const std::string f = b + "feed_forward.";
+      FeedForward ff;
+      ff.mix_k = w.get(f + "time_mix_key", {1, 1, D_}).reshape({D_});
+      ff.mix_r = w.get(f + "time_mix_receptance", {1, 1, D_}).reshape({D_});
+      ff.key = w.get_matmul(f + "key.weight", {I_, D_});
+      ff.receptance = w.get_matmul(f + "receptance.weight", {D_, D_});
+      ff.value = w.get(f + "value.weight", {D_, I_}).clone();
+      for (int64_t k = 0; k < D_ * I_; ++k) ff.value[k] /= scale;
+      ffn_.push_back(ff);
+    }
+    ln_out_w_ = w.get(p + "ln_out.weight", {D_});
+    ln_out_b_ = w.get(p + "ln_out.bias", {D_});
+    lm_head_ = cfg.get_or<bool>("tie_word_embeddings", false) ? embed_ : w.get_matmul("head.weight", {V_, D_});
+    info.family = "rwkv";
+    info.model_type = cfg.get<std::string>("model_type");
+    info.num_layers = static_cast<int>(L_);
+    info.hidden_size = D_;
+    info.vocab_size = V_;
+    info.layer_kinds.assign(static_cast<size_t>(L_), kRwkvLayerKind);
+  }
+
+  std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
+    auto c = std::make_unique<RwkvCache>();
+    c->batch = batch;
+    const RwkvMixerDims& d = mixer_.dims();
+    for (int64_t i = 0; i < L_; ++i) {
+      Tensor s({batch, d.row_numel()});  // zeros: num, den and both shift states
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t a = 0; a < d.A; ++a) s[b * d.row_numel() + 2 * d.A + a] = kRwkvFreshMax;
+      c->state.push_back(s);
+    }
+    return c;
+  }
+
+  std::string kernel_for(const CacheState&, int64_t) const override {
+    if (kernel_route(info.family) == KernelRoute::chunked)
+      throw UnsupportedError("route_kernels('rwkv', 'chunked'): rwkv has the recurrent WKV kernel only (no chunked "
+                             "form); use 'recurrent' or 'default'");
+    return "recurrent";
+  }
+
+  Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
+                 bool all_logits) const override {
+    auto& cache = static_cast<RwkvCache&>(cache_base);
+    const int64_t B = in.batch, T = in.seq, BT = B * T;
+    const std::vector<int64_t> first = first_real_tokens(in);
+    Tensor h = embed_tokens(embed_, in, "rwkv");
+    visit_if(ls, -1, Value::embed_output, h);
+    FiniteWatch watch("rwkv");
+    watch.check(-1, Value::embed_output, h);
+    Tensor n({B, T, D_});
+    for (int64_t i = 0; i < L_; ++i) {
+      const int li = static_cast<int>(i);
+      const size_t si = static_cast<size_t>(i);
+      ctx.check_cancel();
+      visit_if(ls, li, Value::layer_input, h);
+      if (i == 0) norm(h, pre_ln_w_, pre_ln_b_, h);
+      norm(h, ln_w_[2 * si], ln_b_[2 * si], n);
+      Tensor ffn_start;
+      RwkvMixerCall call;
+      call.layer = li;
+      call.ls = ls;
+      call.begin_state = [&]() -> Tensor& {
+        Tensor& S = cache.state[si];
+        visit_state_input(li, S, cache.has_state, ls, {mixer_.dims().row_numel()},
+                          [](const Tensor& s) { return s.clone(); },
+                          [](const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); });
+        return S;
+      };
+      call.end_state = [&] {
+        visit_state_output(li, cache.state[si], ls, [](const Tensor& s) { return s.clone(); },
+                           [](const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); });
+      };
+      call.ffn_shift = [&](int64_t b, int64_t t, const float* att_out, float* x) {
+        const float* hr = h.data() + (b * T + t) * D_;
+        for (int64_t d = 0; d < D_; ++d) x[d] = hr[d] + att_out[d];
+        layernorm(x, ln_w_[2 * si + 1].data(), ln_b_[2 * si + 1].data(), x, 1, D_, eps_);
+      };
+      call.ffn_start = &ffn_start;
+      Tensor out = mixer_.forward(layers_[si], n, in, call);
+      watch.check(li, Value::attention_output, out);
+      for (int64_t k = 0; k < BT * D_; ++k) h[k] += out[k];
+      // Channel mixing: r * value(relu(key(xk))^2), both inputs token-shifted from ln2's output.
+      norm(h, ln_w_[2 * si + 1], ln_b_[2 * si + 1], n);
+      const FeedForward& ff = ffn_[si];
+      Tensor xm({B, T, D_}), r({B, T, D_});
+      token_shift_mix(n, ffn_start.data(), first, ff.mix_r.data(), xm);
+      ops::linear(xm.data(), BT, D_, ff.receptance, r.data());
+      ops::sigmoid(r.data(), r.data(), BT * D_);
+      token_shift_mix(n, ffn_start.data(), first, ff.mix_k.data(), xm);
+      Tensor mlp = relu2_mlp(ff.key, ff.value, xm.data(), BT, D_, I_).reshape({B, T, D_});
+      for (int64_t k = 0; k < BT * D_; ++k) mlp[k] *= r[k];
+      visit_if(ls, li, Value::mlp_output, mlp);
+      watch.check(li, Value::mlp_output, mlp);
+      for (int64_t k = 0; k < BT * D_; ++k) h[k] += mlp[k];
+      if (rescale_every_ > 0 && (i + 1) % rescale_every_ == 0)
+        for (int64_t k = 0; k < BT * D_; ++k) h[k] /= 2.0f;
+      visit_if(ls, li, Value::layer_output, h);
+      watch.check(li, Value::layer_output, h);
+    }
+    cache.has_state = true;
+    // RwkvModel's ln_out is nn.LayerNorm(hidden_size): eps 1e-5 whatever layer_norm_epsilon says.
+    norm(h, ln_out_w_, ln_out_b_, h, 1e-5f);
+    visit_if(ls, -1, Value::ln_final_output, h);
+    Tensor logits = lm_logits(lm_head_, h, ls, all_logits);
+    watch.finish(logits);
+    return logits;
+  }
+
+  std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
+    std::vector<ValueInfo> v;
+    v.push_back(global_value(Value::embed_output, {B, T, D_}, "token embeddings (rwkv.embeddings)"));
+    for (int i = 0; i < static_cast<int>(L_); ++i) {
+      v.push_back(layer_value(i, Value::layer_input, {B, T, D_}, true,
+                              i == 0 ? "hidden states entering block 0 (before its pre_ln)"
+                                     : "residual stream entering the block"));
+      mixer_.values(i, B, T, v);
+      v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
+                              "channel mixing sigmoid(receptance(xr)) * value(relu(key(xk))^2), added to the residual"));
+      v.push_back(layer_value(i, Value::layer_output, {B, T, D_}, true,
+                              "residual stream leaving the block (halved after every rescale_every-th block)"));
+    }
+    v.push_back(global_value(Value::ln_final_output, {B, T, D_}, "final LayerNorm output (rwkv.ln_out)"));
+    v.push_back(global_value(Value::logits, {B, T, V_}, "head logits, float32"));
+    return v;
+  }
+
+  std::map<std::string, std::map<int, std::string>> support() const override {
+    auto s = mixer_only_support(static_cast<int>(L_), "rwkv");
+    for (int i = 0; i < static_cast<int>(L_); ++i) {
+      s["mlp.output"][i] = "";
+      s["linear_attn.betas"][i] =
+          "RWKV-4 has no write strength apart from its key: a token writes exp(k) v (exp(time_first + k) v into its "
+          "own read), so the log write strength is layers." + std::to_string(i) + ".linear_attn.attention_keys";
+    }
+    return s;
+  }
+
+  Head head() const override {
+    throw UnsupportedError("rwkv: project_on_vocab / head() assume an RMSNorm final norm; RWKV's ln_out is a "
+                           "LayerNorm with a bias (read ln_final.output and logits instead)");
+  }
+
+ private:
+  void norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y, float eps = 0.0f) const {
+    const int64_t rows = x.numel() / D_;
+    const float e = eps > 0.0f ? eps : eps_;
+    ops::parallel_rows(rows, D_, [&](int64_t r0, int64_t r1) {
+      layernorm(x.data() + r0 * D_, w.data(), b.data(), y.data() + r0 * D_, r1 - r0, D_, e);
+    });
+  }
+
+  int64_t D_ = 0, L_ = 0, V_ = 0, I_ = 0, rescale_every_ = 6;
+  float eps_ = 1e-5f;
+  Tensor embed_, pre_ln_w_, pre_ln_b_, ln_out_w_, ln_out_b_, lm_head_;
+  std::vector<Tensor> ln_w_, ln_b_;  // per layer: ln1, ln2
+  RwkvMixer mixer_;
+  std::vector<RwkvMixerWeights> layers_;
+  std::vector<FeedForward> ffn_;
+};
+
+}  // namespace
+
+std::unique_ptr<FamilyModel> make_rwkv(const io::Config& config, const io::WeightStore& weights) {
+  return std::make_unique<RwkvModel>(config, weights);
+}
+
+}  // namespace mixlens::detail

@@ -1,0 +1,129 @@
+"""Live parity of RWKV-4 with transformers 5.18 (RwkvForCausalLM in eval mode, rwkv_linear_attention_cpu) on
+tiny random checkpoints transformers writes here: every value of a prompt and 7 decode steps (oracle_rwkv,
+itself checked against transformers' forward and generate), edits vs transformers with the same edit, left
+padding vs per-row runs (transformers ignores attention_mask for RWKV), and the backward refusal.
+
+Tolerance: relative RMS <= 1e-4 on logits, 3e-5 on values (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mixlens
+from mixlens_dev.common import rel_rms
+from mixlens_dev.parity import N_STEPS, compare, read_every_value
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mixlens_dev import oracle_rwkv as orw  # noqa: E402
+from mixlens_dev.fixtures import make_prompts, mix  # noqa: E402
+from mixlens_dev.fixtures import rwkv as frw  # noqa: E402
+
+CASES = {
+    "rescale_every_1": dict(seed=71, config=dict(num_hidden_layers=3, rescale_every=1), lens=[10],
+                            edit=dict(name="keys_half", path=mix(1, "attention_keys"), step=0, op="scale", factor=0.5)),
+    "batch_no_rescale": dict(seed=72, config=dict(num_hidden_layers=2, rescale_every=0, intermediate_size=40),
+                             lens=[7, 7],
+                             edit=dict(name="state_in", path=mix(0, "state_input"), step=2, op="scale", factor=0.5)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    spec = CASES[request.param]
+    tm = frw.build_model(spec)
+    path = tmp_path_factory.mktemp(request.param)
+    tm.save_pretrained(str(path))
+    prompts = make_prompts(spec["seed"], spec["lens"], tm.config.vocab_size)
+    return dict(spec=spec, torch_model=tm, model=mixlens.StandardizedTransformer(str(path)), prompts=prompts,
+                ref=orw.run(tm, prompts))
+
+
+def test_every_value_every_step(case):
+    m = case["model"]
+    with m.generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1) as tracer:
+        got = read_every_value(m, tracer)
+    assert compare(got, case["ref"], "rwkv") > 50
+
+
+def test_greedy_tokens(case):
+    run = case["model"].generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1).run()
+    assert run.tokens == case["ref"]["tokens"].tolist()
+
+
+def test_edit_matches_transformers_with_the_same_edit(case):
+    e = case["spec"]["edit"]
+    feeds = [[[int(t)] for t in case["ref"]["tokens"][:, k]] for k in range(N_STEPS - 1)]
+    ref = orw.run(case["torch_model"], case["prompts"], edits=[e], feeds=feeds)
+    m = case["model"]
+    forced = case["ref"]["tokens"][:, : N_STEPS - 1].tolist()
+    with m.generate(case["prompts"], max_new_tokens=N_STEPS, forced_tokens=forced) as tracer:
+        got = read_every_value(m, tracer, e)
+    assert compare(got, ref, f"rwkv {e['name']}") > 50
+    assert np.abs(ref[f"logits@step{N_STEPS - 1}"] - case["ref"][f"logits@step{N_STEPS - 1}"]).max() > 0
+
+
+def test_left_padded_rows_equal_their_own_runs(case):
+    m = case["model"]
+    rows = make_prompts(5, [9, 4], case["torch_model"].config.vocab_size)
+    batched = m.run(rows)["logits"]
+    for r, p in enumerate(rows):
+        alone = m.run([p])["logits"]
+        assert rel_rms(batched[r, -len(p):], alone[0]) <= 1e-5
+
+
+def test_backward_is_a_clear_error_naming_the_family(case):
+    m = case["model"]
+    with m.trace(case["prompts"], grad=True) as tr:
+        pass
+    with pytest.raises(mixlens.UnsupportedError, match="rwkv"):
+        B, T = len(case["prompts"]), len(case["prompts"][0])
+        tr.backward(np.ones((B, T, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+
+
+def test_state_after_reads_and_writes_follow_the_recurrence(case):
+    """state_after(t) is transformers' state after token t re-laid (oracle states); set_state_after(t, v) with
+    a new num | den | max continues as the WKV recurrence (oracle_rwkv.wkv) from v over the same k, v, w."""
+    m, tm = case["model"], case["torch_model"]
+    p = case["prompts"]
+    A, t = tm.config.attention_hidden_size, 3
+    ref = case["ref"][f"{mix(1, 'states')}@step0"]
+    with m.trace(p) as tr:
+        la = m.layers[1].linear_attn
+        k, v, w = la.attention_keys, la.attention_values, la.decays
+        s = la.state_after(t)
+        assert rel_rms(s, ref[:, t]) <= 3e-5
+        new = s.copy()
+        new[:, :A] = new[:, :A] * 2 + 0.25
+        la.set_state_after(t, new)
+        y = la.attention_head_outputs
+    st = torch.tensor(new)
+    want, _, _ = orw.wkv(torch.tensor(k[:, t + 1:]), torch.tensor(v[:, t + 1:]), torch.tensor(w[:, t + 1:]),
+                         tm.rwkv.blocks[1].attention.time_first.detach(), st[:, :A], st[:, A:2 * A], st[:, 2 * A:3 * A])
+    assert rel_rms(y[:, t + 1:], want.numpy()) <= 1e-6
+    assert np.abs(y[:, t + 1:] - case["ref"][f"{mix(1, 'attention_head_outputs')}@step0"][:, t + 1:]).max() > 1e-3
+
+
+def test_attention_hidden_size_other_than_hidden_size(tmp_path):
+    """attention_hidden_size 24 beside hidden 32: transformers runs it on a prompt without a cache (its cache is
+    sized hidden_size, so generation fails there); mixlens' prompt logits and [B, 3A + 2D] state follow."""
+    tm = frw.build_model(dict(seed=73, config=dict(num_hidden_layers=2, attention_hidden_size=24, rescale_every=1)))
+    tm.save_pretrained(str(tmp_path))
+    ids = make_prompts(73, [11], tm.config.vocab_size)
+    with torch.no_grad():
+        want = tm(torch.tensor(ids), use_cache=False).logits.numpy()
+    run = mixlens.StandardizedTransformer(str(tmp_path)).generate(
+        ids, max_new_tokens=1, eos_token_id=-1, saves=["logits", mix(1, "state_output")]).run()
+    assert rel_rms(np.asarray(run.saved["logits"][0]), want) <= 1e-4
+    assert np.asarray(run.saved[mix(1, "state_output")][0]).shape == (1, 3 * 24 + 2 * 32)
+
+
+def test_transformer_lens_names_map_the_residual_stream_only(case):
+    m = case["model"]
+    run = m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_resid_post"]).run()
+    assert np.asarray(run.saved["blocks.1.hook_resid_post"][0]).shape[-1] == 32
+    with pytest.raises(mixlens.UnknownValueError, match="no RWKV adapter"):
+        m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_mlp_out"]).run()
