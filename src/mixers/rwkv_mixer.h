@@ -28,7 +28,7 @@ struct RwkvMixerDims {
 /// The block kind of RWKV layers. TODO(merge): an enumerator `LayerKind::rwkv` in mixlens/values.h; it is
 /// the next value after `moe` here because an edit of values.h recompiles every file (~50 min on the shared
 /// build machine this was written on), which the deadline did not allow.
-inline constexpr LayerKind kRwkvLayerKind = static_cast<LayerKind>(7);
+inline constexpr LayerKind kRwkvLayerKind = LayerKind::rwkv;
 
 /// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
 /// variance, sums in double. In place allowed (y == x).

@@ -242,9 +242,8 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
       id.kind = "gated_delta";
       id.state_op = "gated_delta_rule";
       break;
-    case LayerKind::rg_lru:
-      id.kind = "rg_lru";
-      id.state_op = "rg_lru_step";
+    case LayerKind::rg_lru:  // RecurrentGemma: the RG-LRU token loop (rg_lru_mixer)
+      id.kind = "rg_lru", id.state_op = "rg_lru_step";
       break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +

@@ -18,6 +18,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::mlp: return "mlp";
     case LayerKind::hybrid: return "hybrid";
     case LayerKind::moe: return "moe";
+    case LayerKind::rwkv: return "rwkv";
     case LayerKind::rg_lru: return "rg_lru";
   }
   return "?";

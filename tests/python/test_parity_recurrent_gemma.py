@@ -207,6 +207,13 @@ def test_the_chunked_route_is_refused_not_ignored(case):
         mixlens.route_kernels("recurrent_gemma", "default")
 
 
+def test_layer_kinds_and_kernel_identity_name_the_rg_lru(case):
+    kinds = case["model"].info["layer_kinds"]
+    assert kinds == ["rg_lru" if k == "recurrent" else "attention" for k in case["config"].layers_block_type]
+    ident = case["model"]._core.mixer_identity(rec_layers(case)[0], 16)
+    assert ident["kind"] == "rg_lru" and ident["state_op"] == "rg_lru_step"
+
+
 def test_support_and_state_layout(case):
     s = case["model"].support()
     i = rec_layers(case)[0]
