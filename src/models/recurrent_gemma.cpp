@@ -37,10 +37,8 @@ struct Layer {
 
 class RecurrentGemma final : public FamilyModel {
  public:
-  RecurrentGemma(const io::Config& cfg, const io::WeightStore& w) {
-    D_ = cfg.get<int64_t>("hidden_size");
-    L_ = cfg.get<int64_t>("num_hidden_layers");
-    V_ = cfg.get<int64_t>("vocab_size");
+  RecurrentGemma(const io::Config& cfg, const io::WeightStore& w)
+      : D_(cfg.get<int64_t>("hidden_size")), L_(cfg.get<int64_t>("num_hidden_layers")), V_(cfg.get<int64_t>("vocab_size")) {
     const int64_t W = cfg.get_or<int64_t>("lru_width", D_);
     const int64_t K = cfg.get_or<int64_t>("conv1d_width", 4);
     const int64_t I2 = cfg.get<int64_t>("intermediate_size");
@@ -181,8 +179,8 @@ class RecurrentGemma final : public FamilyModel {
   }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
-    std::vector<ValueInfo> v;
-    v.push_back(global_value(Value::embed_output, {B, T, D_}, "token embeddings * sqrt(hidden_size) (bf16-rounded normalizer)"));
+    std::vector<ValueInfo> v{
+        global_value(Value::embed_output, {B, T, D_}, "token embeddings * sqrt(hidden_size) (bf16-rounded normalizer)")};
     for (int i = 0; i < static_cast<int>(L_); ++i) {
       v.push_back(layer_value(i, Value::layer_input, {B, T, D_}, true, "residual stream entering the residual block"));
       if (layers_[static_cast<size_t>(i)].recurrent)
