@@ -98,6 +98,14 @@ Where the configs come from (no internet here; the hub files could not be fetche
   6656 with block_auto_adjust_ff_dim, block_multiple_of 256, block_ffn_dim_multiplier 1.0 (an MLP
   width of 4608, as two GGUF converters' tests state), max positions 128000, eos 7. Tied embeddings,
   bos 1 and pad 0 are Lfm2Config's defaults, which the ports agree with.
+* google/recurrentgemma-2b (RecurrentGemma), exact widths, REDUCED to 3 of its 26 layers (one period of
+  block_types: recurrent, recurrent, attention). transformers 5.18's RecurrentGemmaConfig documents its
+  defaults as this checkpoint's (``@auto_docstring(checkpoint="google/recurrentgemma-2b")``): vocab 256000,
+  hidden 2560, 10 heads with 1 KV head (MQA), lru_width = hidden, attention_window_size 2048,
+  conv1d_width 4, logits_soft_cap 30, partial_rotary_factor 0.5, rope_theta 10000, tied embeddings. The
+  MLP width is intermediate_size 15360 (an MLP of 7680 = 3 x hidden after the module's // 2), from
+  memory of the hub config.json, not the class default (7680); not checked against the hub file
+  (no internet here). ~0.9B parameters, 0.66B of them the embedding.
 """
 
 from __future__ import annotations
@@ -221,6 +229,13 @@ LFM2_350M = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=128000,
     tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=7,
 )
+RECURRENT_GEMMA_2B_3LAYERS = dict(
+    num_hidden_layers=3, vocab_size=256000, hidden_size=2560, intermediate_size=15360, num_attention_heads=10,
+    num_key_value_heads=1, lru_width=2560, attention_window_size=2048, conv1d_width=4, logits_soft_cap=30.0,
+    rms_norm_eps=1e-6, block_types=["recurrent", "recurrent", "attention"],
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
@@ -234,6 +249,7 @@ LAYOUTS = {
     "rwkv_4_169m_pile": ("RwkvForCausalLM", "RwkvConfig", RWKV_4_169M_PILE),
     "kimi_linear_48b_a3b_2layers": ("KimiLinearForCausalLM", "KimiLinearConfig", KIMI_LINEAR_48B_A3B_2LAYERS),
     "lfm2_350m": ("Lfm2ForCausalLM", "Lfm2Config", LFM2_350M),
+    "recurrent_gemma_2b_3layers": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", RECURRENT_GEMMA_2B_3LAYERS),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}

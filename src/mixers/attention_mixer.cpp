@@ -146,6 +146,8 @@ AttentionMixerWeights AttentionMixer::load(const io::WeightStore& w, const std::
     a.k_bias = w.get(m + "k_proj.bias", {kd});
     a.v_bias = w.get(m + "v_proj.bias", {kd});
     a.o_bias = w.get(m + d_.o_name + ".bias", {d_.D});
+  } else if (d_.out_bias) {
+    a.o_bias = w.get(m + d_.o_name + ".bias", {d_.D});
   }
   if (d_.qk_norm != AttentionQkNorm::none) {
     const bool whole = d_.qk_norm == AttentionQkNorm::whole;
@@ -205,6 +207,12 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   const std::vector<int64_t>& pos = *call.pos;
   const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D, Din = d_.in_dim();
   const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
+  // Until a query's window ends before key 0 the sliding mask equals the causal one; past that, the
+  // kernels have no window yet: refused rather than attending too far.
+  if (d_.window > 0 && call.kv->len + T > d_.window)
+    throw UnsupportedError("layers." + std::to_string(li) + ".self_attn: " + std::to_string(call.kv->len + T) +
+                           " positions exceed the sliding window of " + std::to_string(d_.window) +
+                           " (attention_window_size); windowed attention past it is not implemented");
   const bool norm = d_.qk_norm != AttentionQkNorm::none;
   const float* x = x_in.data();
   Tensor xm;

@@ -17,7 +17,10 @@
 //  - qk_norm: RMSNorm of q and k after the projections (Qwen: per head over hd; OLMo-Hybrid: over
 //    the whole projection, H * hd and Hkv * hd), qk_norm_centred for the (1 + w) weight (Qwen) or
 //    the plain w (OLMo-Hybrid).
-//  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid).
+//  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid);
+//    out_bias: an o_proj bias without the others (RecurrentGemma's o_proj always has one).
+//  - window: sliding-window attention (RecurrentGemma's attention_window_size); a call whose keys
+//    would reach past the window raises UnsupportedError (every key is inside it until then).
 //  - in_multiplier, key_multiplier, out_multiplier: Falcon-H1 µP (input, keys after k_proj, output).
 //  - in_width: the width of the projections' input when it is not D (Zamba / Zamba2: the
 //    concatenated [h, embeddings] of width 2 * hidden_size); the output stays D wide.
@@ -62,6 +65,8 @@ struct AttentionMixerDims {
   bool qk_norm_centred = false;   ///< q / k norm weight (1 + w) (else w)
   float eps = 1e-6f;              ///< q / k norm epsilon
   bool bias = false;              ///< q / k / v / o_proj biases
+  bool out_bias = false;          ///< an o_proj bias alone (implied by bias)
+  int64_t window = 0;             ///< sliding window in keys, the query's own included (0: none)
   /// Falcon-H1 µP: the input is scaled by in_multiplier before the projections, k_proj's output by
   /// key_multiplier (before any k norm and RoPE), the output by out_multiplier (before attn_output
   /// is served, so attn_output is what the block adds).

@@ -35,12 +35,17 @@ Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family) {
   return h;
 }
 
-Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits) {
+Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits, float soft_cap) {
   const int64_t B = h.size(0), T = h.size(1), D = h.size(2), V = lm_head.size(0);
   const bool full = all_logits || (ls && ls->wants(-1, Value::logits));
+  const auto cap = [&](Tensor& l) {
+    if (soft_cap > 0.0f)
+      for (int64_t e = 0; e < l.numel(); ++e) l[e] = soft_cap * std::tanh(l[e] / soft_cap);
+  };
   if (full) {
     Tensor logits({B, T, V});
     ops::linear(h.data(), B * T, D, lm_head, logits.data());
+    cap(logits);
     visit_if(ls, -1, Value::logits, logits);
     return logits;
   }
@@ -49,6 +54,7 @@ Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_
     std::memcpy(last.data() + b * D, h.data() + (b * T + T - 1) * D, sizeof(float) * static_cast<size_t>(D));
   Tensor logits({B, 1, V});
   ops::linear(last.data(), B, D, lm_head, logits.data());
+  cap(logits);
   return logits;
 }
 

@@ -24,7 +24,8 @@ Tensor load_embedding(const io::WeightStore& w, std::initializer_list<const char
 Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family);
 
 /// Final logits: [B,T,V] when all_logits or someone wants them, else [B,1,V] (last position).
-Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits);
+/// soft_cap > 0: logits = soft_cap * tanh(logits / soft_cap) before they are served (RecurrentGemma).
+Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits, float soft_cap = 0.0f);
 /// support() entries for the per-token state methods (state_after, set_state_after): as "state".
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
 

@@ -35,6 +35,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"rwkv", "rwkv", make_rwkv, false},
       {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
       {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
+      {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false},
   };
   return registry;
 }

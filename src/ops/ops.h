@@ -67,6 +67,10 @@ inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 /// torch.nn.functional.softplus with beta 1, threshold 20.
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+/// GELU, tanh approximation (transformers' gelu_pytorch_tanh): RecurrentGemma's MLP and y branch.
+inline float gelu_tanh(float v) {
+  return 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}
 
 /// Array forms on the dispatched kernels (AVX-512 / AVX2 polynomial exp, max error ~2 ulp of
 /// float32; the scalar level calls std::exp). In place allowed (y == x).

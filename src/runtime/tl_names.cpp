@@ -41,7 +41,8 @@ Slots slots_of(const std::string& family) {
 }
 
 bool recurrent(LayerKind k) {
-  return k == LayerKind::mamba2 || k == LayerKind::mamba || k == LayerKind::gated_deltanet || k == LayerKind::hybrid;
+  return k == LayerKind::mamba2 || k == LayerKind::mamba || k == LayerKind::gated_deltanet || k == LayerKind::hybrid ||
+         k == LayerKind::rg_lru;
 }
 bool has_attention(LayerKind k) { return k == LayerKind::attention || k == LayerKind::hybrid; }
 bool is_falcon(const FamilyModel& m) { return m.info.family == "falcon_h1"; }

@@ -19,6 +19,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::moe: return "moe";
     case LayerKind::short_conv: return "short_conv";
     case LayerKind::rwkv: return "rwkv";
+    case LayerKind::rg_lru: return "rg_lru";
   }
   return "?";
 }

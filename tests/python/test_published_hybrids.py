@@ -4,7 +4,7 @@ tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
 allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size, moonshotai/Kimi-Linear-48B-A3B
-reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size. Built once under build/published/ (a few minutes and 1-3 GB each; later
+reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -18,7 +18,8 @@ shared block and its adapters) run only with MIXLENS_BIG_LAYOUTS=1, to keep
 Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for the Nemotron-H
 layout); they run one after the other, never at the same time. The Qwen3.5-MoE layout (2.6B parameters,
 2 x 256 experts) peaks at ~20 GB resident (transformers widening it to float32, ~4 minutes on 2 cores);
-its logits matched at 2.2e-6 relative RMS when added."""
+its logits matched at 2.2e-6 relative RMS when added; the RecurrentGemma-2B layout (3 layers, ~0.9B parameters,
+~1 minute once built) at 1.2e-6."""
 
 from __future__ import annotations
 
@@ -124,6 +125,10 @@ SHAPES = {
         "layers.14.self_attn.attention_keys": (1, 12, 8, 64),
         "layers.15.mlp.output": (1, 12, 1024),
     },
+    "recurrent_gemma_2b_3layers": {"layers.0.linear_attn.decays": (1, 12, 2560),
+                                   "layers.1.linear_attn.states": (1, 12, 4, 2560),
+                                   "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
+                                   "layers.2.self_attn.attention_keys": (1, 12, 1, 256)},
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
@@ -133,14 +138,16 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "zamba2_1_2b": "Zamba2ForCausalLM",
                "rwkv_4_169m_pile": "RwkvForCausalLM",
                "kimi_linear_48b_a3b_2layers": "KimiLinearForCausalLM",
-               "lfm2_350m": "Lfm2ForCausalLM"}
+               "lfm2_350m": "Lfm2ForCausalLM",
+               "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
        "jamba_tiny_dev_class", "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid_7b_4layers", "zamba2_1_2b",
        "rwkv_4_169m_pile",
        "kimi_linear_48b_a3b_2layers",
-       "lfm2_350m"}
+       "lfm2_350m",
+       "recurrent_gemma_2b_3layers"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
