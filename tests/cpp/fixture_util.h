@@ -137,7 +137,10 @@ inline void expect_kernel_identity(const Model& m, const Trace& t, const std::st
   while (m.info().layer_kinds[static_cast<size_t>(layer)] == LayerKind::attention) ++layer;
   const MixerIdentity id = mixer_identity(m, layer, t.calls().at(0).seq);
   EXPECT_EQ(id.kind, kind);
-  EXPECT_EQ(id.state_op, kind == "gated_delta" ? "gated_delta_rule" : kind == "short_conv" ? "causal_conv1d_update" : "selective_state_update");
+  EXPECT_EQ(id.state_op, kind == "gated_delta"  ? "gated_delta_rule"
+                         : kind == "kimi_delta" ? "kimi_delta_rule"
+                         : kind == "short_conv" ? "causal_conv1d_update"
+                                                : "selective_state_update");
   EXPECT_EQ(id.prompt_kernel, t.calls()[0].kernel);
   for (const CallRecord& call : t.calls()) {
     if (!call.fresh && call.seq == 1) {
