@@ -118,14 +118,9 @@ class RecurrentGemma final : public FamilyModel {
     return std::make_unique<HybridCache>(batch, is_rec_, 1, 1, Shape{rg_.dims().K, rg_.dims().W});
   }
 
-  // One kernel: the diagonal recurrence runs as a token loop for prompts and steps alike, so a
-  // forced chunked route is refused rather than ignored.
-  std::string kernel_for(const CacheState&, int64_t) const override {
-    if (kernel_route(info.family) == KernelRoute::chunked)
-      throw UnsupportedError("route_kernels('recurrent_gemma', 'chunked'): the RG-LRU has no chunked kernel (its "
-                             "diagonal recurrence runs as one token loop for prompts and steps); use 'default' or 'recurrent'");
-    return "recurrent";
-  }
+  // One kernel: the diagonal recurrence runs as a token loop for prompts and steps alike
+  // (route_kernels refuses 'chunked' for this family: its registry line).
+  std::string kernel_for(const CacheState&, int64_t) const override { return "recurrent"; }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx, bool all_logits) const override {
     auto& cache = static_cast<HybridCache&>(cache_base);

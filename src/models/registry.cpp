@@ -10,6 +10,10 @@ namespace mixlens::detail {
 namespace {
 const char* const kShortConvOneKernel =
     "the gated short conv has one kernel, the token loop ('recurrent'), for prompts and decode steps alike";
+const char* const kWkvOneKernel =
+    "RWKV-4's WKV has one kernel, the token recurrence ('recurrent'; no chunked form), for prompts and steps alike";
+const char* const kRgLruOneKernel =
+    "the RG-LRU has no chunked kernel: its diagonal recurrence runs as one token loop ('recurrent') for prompts and steps";
 }  // namespace
 
 const std::vector<FamilyEntry>& family_registry() {
@@ -32,10 +36,10 @@ const std::vector<FamilyEntry>& family_registry() {
       {"zamba2", "zamba2", make_zamba2, true},
       {"zamba", "zamba", make_zamba, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, false},
-      {"rwkv", "rwkv", make_rwkv, false},
+      {"rwkv", "rwkv", make_rwkv, false, kWkvOneKernel},
       {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
       {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
-      {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false},
+      {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false, kRgLruOneKernel},
   };
   return registry;
 }

@@ -99,12 +99,8 @@ class RwkvModel final : public FamilyModel {
     return c;
   }
 
-  std::string kernel_for(const CacheState&, int64_t) const override {
-    if (kernel_route(info.family) == KernelRoute::chunked)
-      throw UnsupportedError("route_kernels('rwkv', 'chunked'): rwkv has the recurrent WKV kernel only (no chunked "
-                             "form); use 'recurrent' or 'default'");
-    return "recurrent";
-  }
+  // One kernel (route_kernels refuses 'chunked' for this family: its registry line).
+  std::string kernel_for(const CacheState&, int64_t) const override { return "recurrent"; }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
                  bool all_logits) const override {

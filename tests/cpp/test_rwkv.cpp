@@ -133,9 +133,8 @@ TEST(Rwkv, PerTokenStateReadsAndWritesFollowTheRecurrence) {
 
 TEST(Rwkv, RefusesTheChunkedRouteAndServesNoBetas) {
   GoldenCase c("rwkv", "short_prompt");
-  route_kernels("rwkv", "chunked");
-  EXPECT_THROW(c.model.run(c.prompts), UnsupportedError);
-  route_kernels("rwkv", "default");
+  EXPECT_THROW(route_kernels("rwkv", "chunked"), UnsupportedError);  // refused, not set
+  EXPECT_EQ(kernel_route("rwkv"), KernelRoute::default_route);
   EXPECT_NE(c.model.support().at("linear_attn.betas").at(0), "");
   EXPECT_EQ(c.model.support().at("mlp.output").at(0), "");
 }
