@@ -110,7 +110,18 @@ Tensor RgLruMixer::forward(const RgLruMixerWeights& l, const Tensor& x, const Ba
   });
   visit_if(ls, li, Value::attention_values, u);
   visit_if(ls, li, Value::betas, ig);
+  // A token at position 0 resets the recurrence (a_t = 0): a decays write there would change nothing.
+  const std::vector<int64_t>& pos = *call.pos;
+  std::vector<float> la_reset;
+  for (int64_t r = 0; r < BT && ls; ++r)
+    if (pos[static_cast<size_t>(r)] == 0) la_reset.insert(la_reset.end(), la.data() + r * W, la.data() + (r + 1) * W);
   visit_if(ls, li, Value::decays, la);
+  for (int64_t r = 0, k = 0; r < BT && ls; ++r)
+    if (pos[static_cast<size_t>(r)] == 0 &&
+        std::memcmp(la.data() + r * W, la_reset.data() + (k++) * W, sizeof(float) * static_cast<size_t>(W)) != 0)
+      throw WriteError("layers." + std::to_string(li) + ".linear_attn.decays: a write at a sequence's first token (row " +
+                       std::to_string(r / T) + ", token " + std::to_string(r % T) +
+                       ") changes nothing: the RG-LRU resets there (a_t = 0, transformers' RecurrentGemmaRglru)");
 
   visit_state_input(li, S, call.has_state, ls, Shape{K, W}, [](const Tensor& s) { return s.clone(); },
                     [](const Tensor& o, Tensor& s) {
@@ -121,7 +132,6 @@ Tensor RgLruMixer::forward(const RgLruMixerWeights& l, const Tensor& x, const Ba
   rs.B = B; rs.T = T; rs.row_numel = SN; rs.S = S.data(); rs.y_row_numel = T * W;
   rs.first = first_real_tokens(in);
   rs.chunk = 0;  // the token loop: the state after t is the live one
-  const std::vector<int64_t>& pos = *call.pos;
   rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
     // A window that is not the one the precomputed conv read (a state write) recomputes u and the
     // gates of the next K - 1 tokens from it.
@@ -141,6 +151,14 @@ Tensor RgLruMixer::forward(const RgLruMixerWeights& l, const Tensor& x, const Ba
       }
       // RecurrentGemmaRglru: a reset (position 0) drops h and skips the sqrt(1 - a^2) normaliser.
       const bool reset = pos[static_cast<size_t>(r)] == 0;
+      // The reset drops h: a written h (state_input or state@t before it) would be a silent no-op.
+      if (reset)
+        for (int64_t c = 0; c < W; ++c)
+          if (hrow[c] != 0.0f)
+            throw WriteError("layers." + std::to_string(li) + ".linear_attn: the h part (row K-1) of a state written "
+                             "before a sequence's first token (row " + std::to_string(b) +
+                             ") changes nothing: the RG-LRU resets h there (a_t = 0); write the conv-window rows, "
+                             "or write state@t at a later token");
       float* out = (y_scratch ? y_scratch + t * W : hs.data() + r * W);
       for (int64_t c = 0; c < W; ++c) {
         const float lg = la[r * W + c];

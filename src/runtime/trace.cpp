@@ -227,8 +227,8 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
   MixerIdentity id;
   switch (info.layer_kinds[static_cast<size_t>(layer)]) {
     case LayerKind::mamba2:
-    case LayerKind::hybrid:  // Falcon-H1: the block's recurrent mixer is Mamba-2's
-      id.kind = "ssd";
+    case LayerKind::hybrid:  // Falcon-H1 / Zamba2: the block's recurrent mixer is Mamba-2's; Zamba's is Mamba-1's
+      id.kind = info.family == "zamba" ? "selective_scan" : "ssd";
       id.state_op = "selective_state_update";
       break;
     case LayerKind::mamba:

@@ -298,3 +298,14 @@ def test_zamba_embeddings_gradient_matches_torch_autograd(case, route):
     emb = case.torch_model.model.embed_tokens(torch.tensor(ids)).detach().requires_grad_(True)
     (case.torch_model(inputs_embeds=emb).logits * torch.from_numpy(W)).sum().backward()
     assert rel_rms(np.asarray(tr.grad("embed_tokens.output")), emb.grad.numpy()) <= 1e-4
+
+
+def test_zamba_hybrid_layers_name_their_mamba1_mixer():
+    """Kernel identity: a Zamba layer that runs the shared block still runs the Mamba-1 scan (a hybrid
+    layer kind meant Mamba-2 for Falcon-H1 and Zamba2)."""
+    from mixlens_dev.common import REPO
+
+    m = mixlens.StandardizedTransformer(str(REPO / "tests/fixtures/zamba/shared_edits"))
+    kinds = [m.info["layer_kinds"][i] for i in range(m.info["num_layers"])]
+    assert "hybrid" in kinds
+    assert {m.layers[i].linear_attn.kind for i in range(len(kinds))} == {"selective_scan"}

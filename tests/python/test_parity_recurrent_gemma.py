@@ -225,3 +225,41 @@ def test_backward_is_a_clear_error_naming_the_family(case):
         pass
     with pytest.raises(mixlens.UnsupportedError, match="recurrent_gemma family"):
         tr.backward(np.ones((1, 3, 96), np.float32), paths=[f"layers.{rec_layers(case)[0]}.linear_attn.decays"])
+
+
+def test_writes_the_reset_discards_are_errors_not_no_ops(case):
+    """At a sequence's first token the RG-LRU resets (a_t = 0): a decays write there, or an h written
+    into the state before it, would change nothing, so each is a WriteError; the same writes one
+    token later take effect."""
+    i = rec_layers(case)[0]
+    m = case["model"]
+    row = prompts(5, [6])[0]
+    p = f"layers.{i}.linear_attn."
+
+    def decays_at(t):
+        def edit(v):
+            v = np.array(v)
+            v[:, t] = -5.0
+            return v
+        return edit
+
+    with pytest.raises(mixlens.WriteError, match="resets"):
+        m.run([row], edits={p + "decays": decays_at(0)})
+    assert rel_rms(m.run([row], edits={p + "decays": decays_at(1)})["logits"], m.run([row])["logits"]) > 0
+
+    cache = m.new_cache(1)
+    m.forward([row[:3]], cache=cache)
+    state = np.asarray(m.run([row[:3]], saves=[p + "state_output"])[p + "state_output"])
+
+    def h_only(v):
+        v = np.zeros_like(state)
+        v[:, -1] = 0.5  # row K-1 is h
+        return v
+
+    with pytest.raises(mixlens.WriteError, match="resets h"):
+        m.run([row], edits={p + "state_input": h_only})
+    # On a continuation (position 3, no reset) the same write is taken.
+    out = m.forward([row[3:]], cache=cache, edits={p + "state_input": h_only})["logits"]
+    cache2 = m.new_cache(1)
+    m.forward([row[:3]], cache=cache2)
+    assert rel_rms(out, m.forward([row[3:]], cache=cache2)["logits"]) > 0
