@@ -103,11 +103,11 @@ fuzz: build/asan/.configured
 bench: setup-dev build
 	$(PY) bench/harness.py $(if $(BENCH_QUICK),--quick)
 
-# Every family (the Mamba-2 hybrids too) against transformers, with each kernel route forced as extra
-# mixlens columns; bench/results/families.md. Per-token states: bench-state-after.
+# Every family (the Mamba-2 hybrids too) against transformers and llama.cpp (where it runs the architecture),
+# with each kernel route forced as extra mixlens columns; bench/results/families.md. Per-token states: bench-state-after.
 bench-families: setup-dev build
 	$(PY) bench/harness.py --models mamba2,mamba,qwen3_5,falcon_h1,nemotron_h,bamba,granitemoehybrid,falcon_mamba,jamba,qwen3_5_moe,olmo_hybrid,zamba2,kimi_linear --routes recurrent,chunked \
-	  --no-llama --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/families.md
+	  --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/families.md
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.

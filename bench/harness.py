@@ -15,7 +15,8 @@ What runs
   experts) and falcon_mamba (falcon-mamba-7b's widths in 2 layers).
 - --routes: extra mixlens columns with one kernel route forced on every call (`route_kernels`:
   `recurrent` = the token-by-token scan, `chunked` = the chunked scan even for decode), float32.
-  `make bench-families` runs the families with both routes against transformers (no llama.cpp).
+  `make bench-families` runs the families with both routes against transformers, and against
+  llama.cpp where its converter and runtime take the architecture (elsewhere its columns say why not).
 - llama.cpp: scripts/build_llama_cpp.sh builds its CPU backend from a pinned release (the
   llama-cpp-python 0.3.36 sdist, llama.cpp@0c1e57098) into a cache dir outside the tree; the GGUFs
   come from that release's own convert_hf_to_gguf.py (with its gguf-py) at F32 and BF16, cached
@@ -176,22 +177,65 @@ def build_llama() -> tuple[Path | None, str]:
     return CACHE / "bin" / "llama-bench", ""
 
 
+# Converters that read a Llama-style vocabulary (a byte-fallback BPE tokenizer.json of exactly
+# vocab_size entries) rather than a GPT-2-style one.
+LLAMA_VOCAB = {"jamba"}
+
+
+def synth_llama_vocab(dst: Path, vocab_size: int) -> None:
+    """A byte-fallback BPE tokenizer.json of vocab_size tokens (specials, the 256 byte tokens, filler
+    pieces; no merges): the random-weight layouts ship none, and llama-bench runs random token ids, so
+    only the vocabulary's size matters to the timing."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    vocab.update({f"\u2581t{i}": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
 def gguf_source(name: str, ckpt: Path) -> Path:
-    """The folder convert_hf_to_gguf.py reads: the checkpoint, plus a tokenizer where it has none
-    (the Qwen3.5 layout ships no tokenizer: Qwen3's, padded to the vocabulary by the converter)."""
+    """The folder convert_hf_to_gguf.py reads: the checkpoint, plus a tokenizer where it has none.
+    The random layouts ship no tokenizer; the converters need one whose ids fit the vocabulary:
+    Qwen3's (151,669 entries, padded to the vocabulary by the converter) where it fits, else
+    GPT-NeoX-20B's (50,280), or a synthetic Llama-style one for the converters in LLAMA_VOCAB."""
     if (ckpt / "tokenizer.json").exists():
         return ckpt
-    src = GGUF_DIR / f"src-{name}-{ckpt.name}"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    vocab_size = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+    if name in LLAMA_VOCAB:
+        kind, cands = "llama", []
+    else:
+        kind, cands = "", []
+        for tname, size in (("qwen3", 151669), ("gpt-neox-20b", 50280)):
+            if size <= vocab_size:
+                kind = tname
+                cands = [REPO.parent / "shared" / "data" / "tokenizers" / tname,
+                         REPO / "tests" / "fixtures" / "tokenizer" / tname]
+                break
+    src = GGUF_DIR / f"src-{name}-{ckpt.name}-{kind or 'none'}"
     src.mkdir(parents=True, exist_ok=True)
     for f in ckpt.iterdir():
         if f.is_file() and not (src / f.name).exists():
             os.symlink(f, src / f.name)
-    tok = REPO / "tests" / "fixtures" / "tokenizer" / "qwen3"
-    shared = REPO.parent / "shared" / "data" / "tokenizers" / "qwen3"
-    for cand in (shared, tok, Path("/work/shared/data/tokenizers/qwen3")):
+    if name == "granitemoehybrid":
+        # transformers 5.18 saves layer_types as full_ / linear_attention; the published config.json,
+        # which llama.cpp's converter reads, spells them attention / mamba.
+        cfg["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in cfg["layer_types"]]
+        (src / "config.json").unlink()
+        (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    if (src / "tokenizer.json").exists():
+        return src
+    if kind == "llama":
+        synth_llama_vocab(src, vocab_size)
+    for cand in cands:
         if (cand / "tokenizer.json").exists():
             for f in ("tokenizer.json", "tokenizer_config.json"):
-                if (cand / f).exists() and not (src / f).exists():
+                if (cand / f).exists():
                     shutil.copy(cand / f, src / f)
             break
     return src

@@ -19,6 +19,7 @@ namespace {
 inline void l2norm_row(const float* x, int64_t n, float scale, float* out) {
   float ss = 0.0f;
   ops::kernels().matvec_f32(x, n, x, &ss, 1, n);  // sum of squares: x . x on the vector kernels
+  if (std::isinf(ss)) ops::norm_overflow(x, n, "l2norm of q / k");
   const float inv = scale / std::sqrt(ss + 1e-6f);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }

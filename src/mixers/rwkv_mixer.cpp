@@ -94,6 +94,17 @@ void RwkvMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) c
   v.push_back(layer_value(i, Value::state_output, {B, n}, true, "state after the call's last token (goes to the cache)"));
 }
 
+void RwkvMixer::check_state_write(const float* rows, int64_t nrows, int layer, const char* what) const {
+  for (int64_t b = 0; b < nrows; ++b)
+    for (int64_t a = 0; a < d_.A; ++a) {
+      const float den = rows[b * d_.row_numel() + d_.A + a];
+      if (den < 0.0f)
+        throw WriteError("write to 'layers." + std::to_string(layer) + ".linear_attn." + what + "': den (entries A.." +
+                         "2A-1 of the state row) must be >= 0, a sum of positive weights; got " + std::to_string(den) +
+                         " at row " + std::to_string(b) + ", channel " + std::to_string(a));
+    }
+}
+
 Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const Batch& in,
                           const RwkvMixerCall& call) const {
   const int li = call.layer;
@@ -157,6 +168,7 @@ Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const 
                        ".linear_attn.state: a per-token write may change num | den | max (the first 3 * "
                        "attention_hidden_size entries) only; the token-shift parts are the tokens' normed inputs "
                        "(write them through state_input, or write layer_input)");
+    check_state_write(served, 1, li, "state");
     std::copy(served, served + 3 * d_.A, S_row);
   };
   Tensor states = scan_rows(ls, li, rs, {B, T, n});

@@ -72,6 +72,10 @@ class RwkvMixer {
   /// One call on ln1's output [B,T,D]; returns what the block adds to the residual.
   Tensor forward(const RwkvMixerWeights& lw, const Tensor& n_in, const Batch& in, const RwkvMixerCall& call) const;
   const RwkvMixerDims& dims() const { return d_; }
+  /// WriteError when a written state (`rows` [nrows, row_numel], `what` names the value) has a
+  /// negative den: den is a sum of positive weights exp(...) (max-shifted), and a negative one
+  /// turns wkv's weighted average into a ratio that can cross zero (transformers' state[3] >= 0).
+  void check_state_write(const float* rows, int64_t nrows, int layer, const char* what) const;
 
  private:
   RwkvMixerDims d_;

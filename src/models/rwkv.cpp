@@ -127,12 +127,18 @@ class RwkvModel final : public FamilyModel {
         Tensor& S = cache.state[si];
         visit_state_input(li, S, cache.has_state, ls, {mixer_.dims().row_numel()},
                           [](const Tensor& s) { return s.clone(); },
-                          [](const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); });
+                          [&](const Tensor& o, Tensor& s) {
+                            mixer_.check_state_write(o.begin(), B, li, "state_input");
+                            std::copy(o.begin(), o.end(), s.data());
+                          });
         return S;
       };
       call.end_state = [&] {
         visit_state_output(li, cache.state[si], ls, [](const Tensor& s) { return s.clone(); },
-                           [](const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); });
+                           [&](const Tensor& o, Tensor& s) {
+                             mixer_.check_state_write(o.begin(), B, li, "state_output");
+                             std::copy(o.begin(), o.end(), s.data());
+                           });
       };
       call.ffn_shift = [&](int64_t b, int64_t t, const float* att_out, float* x) {
         const float* hr = h.data() + (b * T + t) * D_;

@@ -3,6 +3,8 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -189,6 +191,27 @@ void silu(const float* x, float* y, int64_t n) { kernels().mul_silu(nullptr, x, 
 void sigmoid(const float* x, float* y, int64_t n) { kernels().sigmoid(x, y, n); }
 void mul_silu(const float* x, const float* g, float* y, int64_t n) { kernels().mul_silu(x, g, y, n); }
 
+void norm_overflow(const float* x, int64_t dim, const char* who) {
+  float big = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) big = std::max(big, std::fabs(x[i]));
+  char mag[32];
+  std::snprintf(mag, sizeof mag, "%.3g", static_cast<double>(big));
+  throw NumericError(std::string(who) + ": the mean of squares of a row overflows float32 (values up to " + mag +
+                     " reached the norm, which would output zeros there, as transformers' float32 norm does). "
+                     "A written value or input of extreme magnitude overflows float32; check the edits of this call");
+}
+
+namespace {
+
+// 1/sqrt(mean of squares + eps) of a norm's row (norm_overflow when the mean overflows float32).
+float inv_rms(double ss, int64_t dim, float eps, const float* xr, const char* who) {
+  const float ms = static_cast<float>(ss / static_cast<double>(dim));
+  if (std::isinf(ms)) norm_overflow(xr, dim, who);
+  return 1.0f / std::sqrt(ms + eps);
+}
+
+}  // namespace
+
 void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
@@ -199,7 +222,7 @@ void layernorm(const float* x, const float* w, const float* b, float* y, int64_t
     double ss = 0.0;
     for (int64_t i = 0; i < dim; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
     const float m = static_cast<float>(mean);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + eps);
+    const float inv = inv_rms(ss, dim, eps, xr, "LayerNorm");
     for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] - m) * inv * w[i] + b[i];
   }
 }
@@ -216,7 +239,7 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
       for (int64_t j = 0; j < 4; ++j) s4[j] += static_cast<double>(xr[k + j]) * xr[k + j];
     for (; k < dim; ++k) s4[0] += static_cast<double>(xr[k]) * xr[k];
     const double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + eps);
+    const float inv = inv_rms(ss, dim, eps, xr, "RMSNorm");
     if (zero_centred)
       for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] * inv) * (1.0f + w[i]);
     else

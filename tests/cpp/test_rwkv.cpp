@@ -129,6 +129,24 @@ TEST(Rwkv, PerTokenStateReadsAndWritesFollowTheRecurrence) {
   Trace shift;
   shift.set(p + "state@t5", written);
   EXPECT_THROW(c.model.run(c.prompts, &shift), WriteError);
+  // den is a sum of positive weights: a negative one is refused on each route a state is written by.
+  written[3 * A] -= 1.0f;
+  written[A + 2] = -0.5f;
+  for (const std::string& site : {p + "state@t5", p + "state_output"}) {
+    Trace neg;
+    neg.set(site, written);
+    try {
+      c.model.run(c.prompts, &neg);
+      ADD_FAILURE() << site << ": a negative den was accepted";
+    } catch (const WriteError& e) {
+      EXPECT_NE(std::string(e.what()).find("den (entries A..2A-1 of the state row) must be >= 0"), std::string::npos)
+          << e.what();
+    }
+  }
+  written[A + 2] = 0.0f;  // a zero den (a fresh state's) is a valid state
+  Trace zero;
+  zero.set(p + "state@t5", written);
+  EXPECT_NO_THROW(c.model.run(c.prompts, &zero));
 }
 
 TEST(Rwkv, RefusesTheChunkedRouteAndServesNoBetas) {
