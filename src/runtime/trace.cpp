@@ -363,6 +363,18 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
     size_t d = io::edit_distance(pattern, cand);
     if (d < best_d) best_d = d, best = cand;
   }
+  // A misspelt name of the vocabulary this family does not serve (`betaz` on LFM2) is nearer to that
+  // name than to any served path: say so with support()'s reason instead of suggesting a far path.
+  for (const auto& [rest, per_layer] : model.support()) {
+    for (const auto& [li, reason] : per_layer) {
+      if (reason.empty() || (!layer.empty() && !wildcard && std::to_string(li) != layer)) continue;
+      const std::string cand = "layers." + (layer.empty() ? std::to_string(li) : layer) + "." + rest;
+      if (io::edit_distance(pattern, cand) < best_d)
+        throw UnknownValueError("unknown value path '" + said + "' for this " + model.info.family + " model; the " +
+                                "nearest name, '" + cand + "', is not served here: " + reason +
+                                " (`mixlens inspect` lists every value)");
+    }
+  }
   throw UnknownValueError("unknown value path '" + said + "' for this " + model.info.family +
                           " model; did you mean '" + best + "'? (`mixlens inspect` lists every value)");
 }

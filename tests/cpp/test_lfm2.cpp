@@ -12,6 +12,7 @@
 #include "fixture_util.h"
 #include "recurrent_checks.h"
 #include "mixlens/errors.h"
+#include "mixlens/trace.h"
 
 using namespace mixlens;
 using namespace mixlens::test;
@@ -115,6 +116,27 @@ TEST(Lfm2, ChunkedRouteAndChunkSizeAreRefusedWithTheReason) {
   const auto s = m.support();
   EXPECT_NE(s.at("linear_attn.betas").at(0).find("short_conv"), std::string::npos);
   EXPECT_EQ(s.at("linear_attn.state").at(0), "");
+}
+
+// A misspelt name of a vocabulary entry this kind does not serve gives that entry's reason, not the
+// nearest served path (which for `betaz` was `states`); a misspelt served name still suggests it.
+TEST(Lfm2, MisspeltUnservedNameGivesItsReason) {
+  Model m = Model::load(fixture("lfm2/" + fixture_cases("lfm2")[0]).string());
+  const auto msg = [&](const std::string& path) -> std::string {
+    Trace t;
+    t.save(path);
+    try {
+      m.run({{1, 2, 3}}, &t);
+    } catch (const UnknownValueError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  const std::string betaz = msg("layers.0.linear_attn.betaz");
+  EXPECT_NE(betaz.find("the nearest name, 'layers.0.linear_attn.betas', is not served here: block 0 is a short_conv"),
+            std::string::npos) << betaz;
+  const std::string keyz = msg("layers.0.linear_attn.attention_keyz");
+  EXPECT_NE(keyz.find("did you mean 'layers.0.linear_attn.attention_keys'"), std::string::npos) << keyz;
 }
 
 // values.md invariants on a random prompt: one call equals a prefix then the rest from the cache
