@@ -42,6 +42,14 @@ constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] [
                    [--batch-size N] [--positions all|last|mask] [--text-field F] [--mask-field F]
                    [--shard-bytes N] [--max-bytes N] [--hash-prompts]
 )";
+constexpr const char* kUseConvert = R"(  mixlens convert  [--model DIR|HUB_ID] [--dtype bfloat16|float16] --out DIR
+)";
+constexpr const char* kConvert = R"(convert: write DIR, a copy of the checkpoint whose matmul weights (projections, embeddings, lm_head,
+experts) are stored in --dtype (default bfloat16; rounded to nearest even, as a load with that dtype
+rounds them) and every other tensor in its own dtype, with the folder's config and tokenizer files;
+loading DIR with --dtype auto gives bitwise the numbers of loading the source with --dtype, without
+converting at each load.
+)";
 constexpr const char* kOptModel = R"(  --model      checkpoint folder or hub id from the local HuggingFace cache
                (default: $MIXLENS_MODEL, else the model shipped with mixlens)
 )";
@@ -93,9 +101,9 @@ already written are skipped.
 std::string help_text(const std::string& command) {
   const std::string head = kHead;
   if (command.empty())
-    return head + kUseGenerate + kUseRun + kUsePrompts + kUseInspect + kUseTokenize + kUseExtract +
+    return head + kUseGenerate + kUseRun + kUsePrompts + kUseInspect + kUseTokenize + kUseExtract + kUseConvert +
            "  mixlens --version\n\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptDeterministic + kOptPrompts + "\n" +
-           kExtract;
+           kExtract + "\n" + kConvert;
   if (command == "generate")
     return head + kUseGenerate + kUsePrompts + "\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype +
            kOptDeterministic + kOptPrompts;
@@ -104,6 +112,7 @@ std::string help_text(const std::string& command) {
   if (command == "inspect") return head + kUseInspect + "\n" + kOptModel + kOptInspect + kOptDtype;
   if (command == "tokenize") return head + kUseTokenize + "\n" + kOptModel + kOptDtype;
   if (command == "extract") return head + kUseExtract + "\n" + kOptModel + kOptDtype + kOptDeterministic + "\n" + kExtract;
+  if (command == "convert") return head + kUseConvert + "\n" + kOptModel + "\n" + kConvert;
   return {};
 }
 
@@ -129,6 +138,7 @@ struct Args {
   std::string positions = "all", text_field = "text", mask_field;
   uint64_t shard_bytes = 256ull << 20, max_bytes = 0;
   bool hash_prompts = false;
+  bool dtype_given = false;  // convert: its default is bfloat16, not the load's float32
 };
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -183,11 +193,13 @@ const std::set<std::string>* command_flags(const std::string& command) {
   static const S tokenize = {"--model", "--dtype"};
   static const S extract = {"--model", "--dtype", "--deterministic", "--values", "--out", "--batch-size", "--positions", "--text-field",
                             "--mask-field", "--shard-bytes", "--max-bytes", "--hash-prompts"};
+  static const S convert = {"--model", "--dtype", "--out"};
   if (command == "generate") return &generate;
   if (command == "run") return &run;
   if (command == "inspect") return &inspect;
   if (command == "tokenize") return &tokenize;
   if (command == "extract") return &extract;
+  if (command == "convert") return &convert;
   return nullptr;
 }
 
@@ -203,7 +215,7 @@ Args parse(int argc, char** argv) {
     if (argc > 3) usage_error("help takes one command, e.g. `mixlens help generate`");
     const std::string topic = a.command == "help" && argc > 2 ? argv[2] : "";
     const std::string text = help_text(topic);
-    if (text.empty()) usage_error("no help for '" + topic + "': the commands are generate, run, inspect, tokenize, extract");
+    if (text.empty()) usage_error("no help for '" + topic + "': the commands are generate, run, inspect, tokenize, extract, convert");
     std::fputs(text.c_str(), stdout);
     std::exit(0);
   }
@@ -238,7 +250,7 @@ Args parse(int argc, char** argv) {
     if (flags == nullptr) usage_error("unknown command '" + a.command + "'");
     if (f.size() > 2 && f[0] == '-' && f[1] == '-' && !flags->count(f)) {
       if (a.command == "extract" && f == "--save") usage_error("extract takes --values, not --save");
-      for (const char* c : {"generate", "run", "inspect", "tokenize", "extract"})
+      for (const char* c : {"generate", "run", "inspect", "tokenize", "extract", "convert"})
         if (command_flags(c)->count(f))
           usage_error(a.command + " does not take " + f + " (`mixlens " + a.command + " --help` lists what it takes)");
       usage_error("unknown flag " + f);
@@ -265,6 +277,7 @@ Args parse(int argc, char** argv) {
     else if (f == "--ids") a.ids = true;
     else if (f == "--dtype") {
       a.load.dtype = value();
+      a.dtype_given = true;
       if (a.load.dtype != "float32" && a.load.dtype != "bfloat16" && a.load.dtype != "float16" && a.load.dtype != "auto")
         usage_error("--dtype must be float32, bfloat16, float16 or auto, not '" + a.load.dtype + "'");
     }
@@ -472,6 +485,17 @@ int run_extract(const Args& a, const std::string& model_path) {
 int run_command(const Args& a) {
   const std::string model_path = a.model.empty() ? mixlens::default_model_path() : a.model;
   if (a.command == "extract") return run_extract(a, model_path);
+  if (a.command == "convert") {
+    if (!a.positional.empty()) usage_error("convert takes no positional arguments (the source is --model)");
+    if (a.out.empty()) usage_error("convert needs --out DIR");
+    const std::string dtype = a.dtype_given ? a.load.dtype : "bfloat16";
+    if (dtype != "bfloat16" && dtype != "float16") usage_error("convert --dtype must be bfloat16 or float16");
+    const mixlens::ConvertReport r = mixlens::convert_checkpoint(model_path, a.out, dtype);
+    std::printf("wrote %s: %lld matmul weights in %s, %lld other tensors kept; %.1f MB of tensors (was %.1f MB)\n",
+                r.out_dir.c_str(), static_cast<long long>(r.converted), dtype.c_str(), static_cast<long long>(r.kept),
+                static_cast<double>(r.bytes_after) / 1e6, static_cast<double>(r.bytes_before) / 1e6);
+    return 0;
+  }
   if (a.command == "inspect") {
     if (!a.positional.empty()) usage_error("inspect takes no positional arguments");
     if (a.prompt_length < 1) usage_error("--prompt-length must be >= 1");

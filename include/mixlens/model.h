@@ -125,6 +125,9 @@ struct ModelInfo {
   /// The dtypes its matmul weights are kept in, sorted ("bfloat16", "float16", "float32"): what
   /// "auto" resolved to (several when the checkpoint mixes them).
   std::vector<std::string> weight_dtypes;
+  /// The checkpoint tensors read as matmul weights, sorted: those LoadOptions::dtype narrows (every
+  /// other tensor stays float32). What convert_checkpoint rounds.
+  std::vector<std::string> matmul_weights;
   bool deterministic = false;  ///< LoadOptions::deterministic the model was loaded with
 };
 

@@ -47,4 +47,28 @@ std::vector<std::string> write_trace(const std::string& file, const Trace& trace
 /// (hub cache snapshots). The CLI checks --out with it before running.
 void check_trace_file(const std::string& file, const Model& model);
 
+/// What convert_checkpoint wrote.
+struct ConvertReport {
+  std::string out_dir;
+  int64_t converted = 0;       ///< matmul weights rounded to the target dtype (or copied: already in it)
+  int64_t kept = 0;            ///< other tensors, copied byte for byte in their own dtype
+  uint64_t bytes_before = 0;   ///< tensor bytes of the source checkpoint
+  uint64_t bytes_after = 0;    ///< tensor bytes written
+  std::vector<std::string> copied_files;  ///< the other files of the folder (config, tokenizer, ...)
+};
+
+/// Writes `out_dir` (created; InputError when it exists and is not empty, or is the source) as a
+/// copy of the checkpoint `path_or_hub_id` whose matmul weights (ModelInfo::matmul_weights: the
+/// tensors LoadOptions::dtype narrows) are stored in `dtype` ("bfloat16" or "float16"), rounded to
+/// nearest even from float32 as a load with that dtype rounds them; every other tensor (norms,
+/// A_log, conv weights, biases, ...) is copied in its own dtype, and the folder's other files
+/// (config.json, tokenizer files) are copied, so loading `out_dir` with dtype "auto" or `dtype`
+/// gives bitwise the numbers of loading the source with `dtype`, without the conversion at each
+/// load (issue 27: `mixlens convert`). One model.safetensors, written a tensor at a time. The
+/// source is loaded once with `dtype` to learn which tensors are matmul weights. Errors: those of
+/// Model::load; InputError for another dtype; CheckpointError when writing fails (a partial output
+/// folder is removed).
+ConvertReport convert_checkpoint(const std::string& path_or_hub_id, const std::string& out_dir,
+                                 const std::string& dtype = "bfloat16");
+
 }  // namespace mixlens

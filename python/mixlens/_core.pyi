@@ -37,6 +37,11 @@ def resolve_hub_id(hub_id: str, cache_dir: str = '') -> str:
 def hub_cache_dir() -> str:
     """The HuggingFace cache resolve_hub_id uses by default, read now."""
 
+def convert_checkpoint(path: str, out_dir: str, dtype: str = 'bfloat16') -> dict:
+    """
+    mixlens::convert_checkpoint: writes out_dir with the matmul weights in dtype; returns a dict {out_dir, converted, kept, bytes_before, bytes_after, copied_files}.
+    """
+
 def split_step(key: str) -> tuple[str, int, int]:
     """
     mixlens::split_step: 'path@step3' -> (path, 3, 3), 'path' -> (path, 0, 2**31 - 1) (every step); the one parser of the '@step<k>' suffix (InputError when malformed).

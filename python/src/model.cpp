@@ -62,6 +62,7 @@ nb::dict info_dict(const Model& m) {
   d["vocab_size"] = i.vocab_size;
   d["dtype"] = i.dtype;
   d["weight_dtypes"] = nb::cast(i.weight_dtypes);
+  d["matmul_weights"] = nb::cast(i.matmul_weights);
   d["deterministic"] = i.deterministic;
   nb::list kinds;
   for (LayerKind k : i.layer_kinds) kinds.append(nb::str(std::string(layer_kind_name(k)).c_str()));
@@ -95,6 +96,26 @@ void init_model(nb::module_& m) {
         "Snapshot folder of 'owner/name[@revision]' in the local HuggingFace cache (the C++ resolver "
         "Model.load uses; never leaves the cache). CheckpointError when absent.");
   m.def("hub_cache_dir", &hub_cache_dir, "The HuggingFace cache resolve_hub_id uses by default, read now.");
+  m.def(
+      "convert_checkpoint",
+      [](const std::string& path, const std::string& out_dir, const std::string& dtype) {
+        ConvertReport r;
+        {
+          nb::gil_scoped_release release;
+          r = convert_checkpoint(path, out_dir, dtype);
+        }
+        nb::dict d;
+        d["out_dir"] = r.out_dir;
+        d["converted"] = r.converted;
+        d["kept"] = r.kept;
+        d["bytes_before"] = r.bytes_before;
+        d["bytes_after"] = r.bytes_after;
+        d["copied_files"] = nb::cast(r.copied_files);
+        return d;
+      },
+      nb::arg("path"), nb::arg("out_dir"), nb::arg("dtype") = "bfloat16",
+      "mixlens::convert_checkpoint: writes out_dir with the matmul weights in dtype; returns a dict "
+      "{out_dir, converted, kept, bytes_before, bytes_after, copied_files}.");
   m.def(
       "split_step",
       [](const std::string& key) {

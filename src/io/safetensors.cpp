@@ -458,52 +458,37 @@ std::vector<int64_t> SafetensorsFile::get_i64(const std::string& name) const {
 // ---------------------------------------------------------------------------------------------
 // Writing
 
-void write_safetensors(const std::filesystem::path& path,
-                       const std::vector<std::pair<std::string, Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata,
-                       const std::vector<std::pair<std::string, I64Tensor>>& i64_tensors) {
+void write_safetensors_streamed(const std::filesystem::path& path, const std::vector<StreamedTensor>& tensors,
+                                const std::map<std::string, std::string>& metadata) {
   std::set<std::string> names;
-  auto check_name = [&](const std::string& n) {
-    if (n == "__metadata__") throw InputError("write_safetensors: '__metadata__' is a reserved name");
-    if (!names.insert(n).second) throw InputError("write_safetensors: duplicate tensor name '" + n + "'");
-  };
-  for (const auto& [n, t] : tensors) {
-    check_name(n);
-    if (!t.defined()) throw InputError("write_safetensors: tensor '" + n + "' is undefined");
+  for (const auto& t : tensors) {
+    if (t.name == "__metadata__") throw InputError("write_safetensors: '__metadata__' is a reserved name");
+    if (!names.insert(t.name).second) throw InputError("write_safetensors: duplicate tensor name '" + t.name + "'");
   }
-  for (const auto& [n, t] : i64_tensors) {
-    check_name(n);
-    if (static_cast<uint64_t>(shape_numel(t.shape)) != t.values.size())
-      throw InputError("write_safetensors: I64 tensor '" + n + "' has " +
-                       std::to_string(t.values.size()) + " values for shape " + shape_str(t.shape));
-  }
-
-  // I64 data first, then F32: both stay aligned to their element size with no padding, which
-  // the reference reader requires (it rejects gaps between tensors).
+  std::vector<const StreamedTensor*> order;
+  for (const auto& t : tensors) order.push_back(&t);
+  std::stable_sort(order.begin(), order.end(), [](const StreamedTensor* a, const StreamedTensor* b) {
+    return dtype_size(a->dtype) > dtype_size(b->dtype);
+  });
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     auto& m = header["__metadata__"] = nlohmann::ordered_json::object();
     for (const auto& [k, v] : metadata) m[k] = v;
   }
-  uint64_t i64_bytes = 0;
-  for (const auto& [n, t] : i64_tensors) i64_bytes += t.values.size() * 8;
-  uint64_t pos_i64 = 0, pos_f32 = i64_bytes;
-  auto entry = [](const char* dtype, const Shape& shape, uint64_t begin, uint64_t end) {
-    nlohmann::ordered_json e = nlohmann::ordered_json::object();
-    e["dtype"] = dtype;
-    e["shape"] = shape;
-    e["data_offsets"] = {begin, end};
-    return e;
-  };
-  for (const auto& [n, t] : tensors) {
-    const uint64_t nb = static_cast<uint64_t>(t.numel()) * 4;
-    header[n] = entry("F32", t.shape(), pos_f32, pos_f32 + nb);
-    pos_f32 += nb;
+  // Offsets in layout order; header entries in the order given.
+  std::map<const StreamedTensor*, std::pair<uint64_t, uint64_t>> span;
+  uint64_t pos = 0;
+  for (const StreamedTensor* t : order) {
+    const uint64_t nb = static_cast<uint64_t>(shape_numel(t->shape)) * dtype_size(t->dtype);
+    span[t] = {pos, pos + nb};
+    pos += nb;
   }
-  for (const auto& [n, t] : i64_tensors) {
-    const uint64_t nb = t.values.size() * 8;
-    header[n] = entry("I64", t.shape, pos_i64, pos_i64 + nb);
-    pos_i64 += nb;
+  for (const auto& t : tensors) {
+    nlohmann::ordered_json e = nlohmann::ordered_json::object();
+    e["dtype"] = dtype_name(t.dtype);
+    e["shape"] = t.shape;
+    e["data_offsets"] = {span[&t].first, span[&t].second};
+    header[t.name] = std::move(e);
   }
   std::string text;
   try {
@@ -518,13 +503,32 @@ void write_safetensors(const std::filesystem::path& path,
   const uint64_t len = text.size();
   f.write(reinterpret_cast<const char*>(&len), 8);
   f.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& [n, t] : i64_tensors)
-    f.write(reinterpret_cast<const char*>(t.values.data()),
-            static_cast<std::streamsize>(t.values.size() * 8));
-  for (const auto& [n, t] : tensors)
-    f.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.numel() * 4));
+  std::vector<uint8_t> buf;
+  for (const StreamedTensor* t : order) {
+    buf.assign(span[t].second - span[t].first, 0);
+    t->fill(buf.data());
+    f.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
+  }
   f.close();
   if (!f) throw CheckpointError("error while writing safetensors file '" + path.string() + "'");
+}
+
+void write_safetensors(const std::filesystem::path& path,
+                       const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata,
+                       const std::vector<std::pair<std::string, I64Tensor>>& i64_tensors) {
+  std::vector<StreamedTensor> all;
+  for (const auto& [n, t] : tensors) {
+    if (!t.defined()) throw InputError("write_safetensors: tensor '" + n + "' is undefined");
+    all.push_back({n, DType::F32, t.shape(), [&t = t](uint8_t* dst) { std::memcpy(dst, t.data(), static_cast<size_t>(t.numel()) * 4); }});
+  }
+  for (const auto& [n, t] : i64_tensors) {
+    if (static_cast<uint64_t>(shape_numel(t.shape)) != t.values.size())
+      throw InputError("write_safetensors: I64 tensor '" + n + "' has " + std::to_string(t.values.size()) +
+                       " values for shape " + shape_str(t.shape));
+    all.push_back({n, DType::I64, t.shape, [&t = t](uint8_t* dst) { std::memcpy(dst, t.values.data(), t.values.size() * 8); }});
+  }
+  write_safetensors_streamed(path, all, metadata);
 }
 
 }  // namespace mixlens::io

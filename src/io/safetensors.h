@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -105,6 +106,23 @@ struct I64Tensor {
   Shape shape;
   std::vector<int64_t> values;  ///< row-major; size must equal numel(shape)
 };
+
+/// One tensor for write_safetensors_streamed: its bytes are produced by `fill` (into a buffer of
+/// numel(shape) * dtype_size(dtype) bytes) only when the writer reaches it, so a file larger than
+/// memory is written one tensor at a time.
+struct StreamedTensor {
+  std::string name;
+  DType dtype = DType::F32;
+  Shape shape;
+  std::function<void(uint8_t* dst)> fill;
+};
+
+/// Writes `tensors` (any dtype) and `metadata` as one safetensors file, tensors laid out by element
+/// size, largest first, each keeping its position among equals (every tensor naturally aligned, no
+/// gaps, as the reference reader requires). InputError for a duplicate or reserved name or names /
+/// metadata that are not valid UTF-8; CheckpointError if the file cannot be written.
+void write_safetensors_streamed(const std::filesystem::path& path, const std::vector<StreamedTensor>& tensors,
+                                const std::map<std::string, std::string>& metadata = {});
 
 /// Writes a safetensors file readable by the Python `safetensors` package. float32 tensors are
 /// written as F32 and `i64_tensors` as I64; header keys appear in the given order (__metadata__

@@ -190,6 +190,7 @@ void WeightStore::set_matmul_dtype(const std::string& dtype) {
 std::vector<std::string> WeightStore::matmul_dtypes_kept() const { return {kept_.begin(), kept_.end()}; }
 
 Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) const {
+  matmul_names_.insert(name);
   if (matmul_dtype_ == "float32") {
     kept_.insert("float32");
     return get(name, expected);

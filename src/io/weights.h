@@ -52,6 +52,8 @@ class WeightStore {
   /// The dtypes get_matmul has returned so far ("bfloat16", "float16", "float32"), sorted: what "auto"
   /// resolved to (ModelInfo::weight_dtypes).
   std::vector<std::string> matmul_dtypes_kept() const;
+  /// The tensors get_matmul has served so far, sorted: the weights a LoadOptions::dtype applies to.
+  std::vector<std::string> matmul_names() const { return {matmul_names_.begin(), matmul_names_.end()}; }
   /// Integer tensors as int64 (see SafetensorsFile::get_i64).
   std::vector<int64_t> get_i64(const std::string& name) const;
   /// All tensor names, sorted.
@@ -70,6 +72,7 @@ class WeightStore {
   std::unordered_map<std::string, Entry> entries_;
   std::string matmul_dtype_ = "float32";
   mutable std::set<std::string> kept_;  // get_matmul's result dtypes (loading is one thread)
+  mutable std::set<std::string> matmul_names_;  // the tensors get_matmul served
 };
 
 /// Levenshtein distance (for "did you mean" suggestions).

@@ -274,6 +274,7 @@ Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options)
   const bool deterministic_by_env = detail::env_flag("MIXLENS_DETERMINISTIC", false);
   m.impl_->family->info.deterministic = options.deterministic.value_or(deterministic_by_env);
   m.impl_->family->info.weight_dtypes = weights.matmul_dtypes_kept();
+  m.impl_->family->info.matmul_weights = weights.matmul_names();
   if (fs::exists(dir / "tokenizer.json")) m.impl_->tokenizer = Tokenizer::from_file((dir / "tokenizer.json").string());
   // VLM configs (Qwen3_5ForConditionalGeneration) keep the token ids in text_config, not at the
   // top level: fall back there when the top level has none.

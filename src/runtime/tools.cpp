@@ -8,6 +8,8 @@
 
 #include "io/hub.h"
 #include "io/safetensors.h"
+#include "io/weights.h"
+#include "ops/dtype.h"
 #include "mixlens/errors.h"
 
 #ifndef MIXLENS_DEFAULT_MODEL_DIR
@@ -137,6 +139,72 @@ std::vector<std::string> write_trace(const std::string& file, const Trace& trace
   names.push_back("input_ids");
   names.push_back("attention_mask");
   return names;
+}
+
+ConvertReport convert_checkpoint(const std::string& path_or_hub_id, const std::string& out_dir,
+                                 const std::string& dtype) {
+  namespace fs = std::filesystem;
+  if (dtype != "bfloat16" && dtype != "float16")
+    throw InputError("convert: dtype '" + dtype + "' is not one of bfloat16, float16");
+  const fs::path src = io::resolve_model(path_or_hub_id), dst(out_dir);
+  std::error_code ec;
+  if (fs::exists(dst, ec) && (fs::equivalent(src, dst, ec) || !fs::is_directory(dst) || !fs::is_empty(dst)))
+    throw InputError("convert: the output folder '" + out_dir + "' exists and is not an empty folder (or is the source)");
+  std::vector<std::string> matmul;
+  {
+    const Model m = Model::load(src.string(), LoadOptions{dtype, std::nullopt});
+    matmul = m.info().matmul_weights;
+  }
+  const io::WeightStore store = io::WeightStore::open(src);
+  const io::DType target = dtype == "bfloat16" ? io::DType::BF16 : io::DType::F16;
+  ConvertReport r;
+  r.out_dir = dst.string();
+  std::vector<io::StreamedTensor> tensors;
+  for (const std::string& name : store.names()) {
+    const io::TensorInfo& info = store.info(name);
+    r.bytes_before += info.nbytes;
+    const bool is_matmul = std::binary_search(matmul.begin(), matmul.end(), name);
+    if (!is_matmul || info.dtype == target) {  // copied byte for byte
+      ++(is_matmul ? r.converted : r.kept);
+      r.bytes_after += info.nbytes;
+      tensors.push_back({name, info.dtype, info.shape, [&store, name](uint8_t* out) {
+                           for (const io::SafetensorsFile& f : store.files())
+                             if (f.path() == store.info(name).file) {
+                               const std::span<const uint8_t> b = f.bytes(name);
+                               std::copy(b.begin(), b.end(), out);
+                               f.release(name);
+                             }
+                         }});
+      continue;
+    }
+    ++r.converted;
+    r.bytes_after += static_cast<uint64_t>(shape_numel(info.shape)) * 2;
+    tensors.push_back({name, target, info.shape, [&store, name, target](uint8_t* out) {
+                         const Tensor f = store.get(name);  // float32, finiteness of every weight checked at the load above
+                         auto* o = reinterpret_cast<uint16_t*>(out);
+                         const float* p = f.begin();
+                         for (int64_t i = 0; i < f.numel(); ++i)
+                           o[i] = target == io::DType::BF16 ? ops::f32_to_bf16(p[i]) : ops::f32_to_f16(p[i]);
+                       }});
+  }
+  fs::create_directories(dst, ec);
+  if (ec) throw CheckpointError("convert: cannot create '" + out_dir + "': " + ec.message());
+  try {
+    io::write_safetensors_streamed(dst / "model.safetensors", tensors,
+                                   {{"format", "pt"}, {"mixlens_convert", "matmul weights in " + dtype + " from " + src.string()}});
+    for (fs::directory_iterator it(src), end; it != end; ++it) {
+      const fs::path p = it->path();
+      const std::string n = p.filename().string();
+      if (p.extension() == ".safetensors" || n == "model.safetensors.index.json" || !fs::is_regular_file(p)) continue;
+      fs::copy_file(p, dst / n, fs::copy_options::overwrite_existing);  // follows a hub snapshot's symlinks
+      r.copied_files.push_back(n);
+    }
+  } catch (...) {
+    fs::remove_all(dst, ec);
+    throw;
+  }
+  std::sort(r.copied_files.begin(), r.copied_files.end());
+  return r;
 }
 
 }  // namespace mixlens

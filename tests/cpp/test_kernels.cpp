@@ -19,8 +19,10 @@
 
 #include "fixture_util.h"
 #include "io/safetensors.h"
+#include "io/weights.h"
 #include "mixlens/errors.h"
 #include "mixlens/model.h"
+#include "mixlens/tools.h"
 #include "mixlens/trace.h"
 #include "ops/dtype.h"
 #include "ops/kernels.h"
@@ -367,6 +369,43 @@ TEST_P(NarrowModel, AutoOnFloat32CheckpointIsFloat32AndBf16IsClose) {
   EXPECT_EQ(Model::load(test::fixture(rel).string(), bf).head_weight("lm_head").dtype(), ScalarType::float32);
 }
 
+// convert_checkpoint (issue 27): the folder it writes, loaded with "auto", is bitwise a load of the source
+// with the target dtype (prompt logits and greedy decode), its matmul weights are stored narrow and
+// nothing else is; loaded as float32 it widens those same rounded weights.
+TEST_P(NarrowModel, ConvertedFolderLoadsBitwiseAsConvertingAtLoad) {
+  const std::string rel = GetParam();
+  std::string leaf = rel;
+  for (char& c : leaf)
+    if (c == '/') c = '_';
+  const fs::path out = fs::temp_directory_path() / ("mixlens_convert_" + leaf + "_" + std::to_string(::getpid()));
+  fs::remove_all(out);
+  for (const char* dt : {"bfloat16", "float16"}) {
+    const ConvertReport r = convert_checkpoint(test::fixture(rel).string(), out.string(), dt);
+    LoadOptions want, au;
+    want.dtype = dt;
+    au.dtype = "auto";
+    const Model src = Model::load(test::fixture(rel).string(), want), conv = Model::load(out.string(), au);
+    EXPECT_EQ(conv.info().weight_dtypes, std::vector<std::string>{dt}) << rel;
+    EXPECT_EQ(r.converted, static_cast<int64_t>(src.info().matmul_weights.size()));
+    EXPECT_GT(r.kept, 0);
+    const auto prompts = prompts_for(src);
+    EXPECT_EQ(src.run(prompts).to_vector(), conv.run(prompts).to_vector()) << rel << " " << dt;
+    GenerateOptions g;
+    g.max_new_tokens = 4;
+    g.eos_token_id = -1;
+    EXPECT_EQ(src.generate(prompts, g).new_tokens, conv.generate(prompts, g).new_tokens) << rel;
+    const io::WeightStore store = io::WeightStore::open(out);
+    const auto& mm = src.info().matmul_weights;
+    for (const std::string& n : store.names())
+      EXPECT_EQ(store.dtype_name(n) == (std::string(dt) == "bfloat16" ? "BF16" : "F16"),
+                std::binary_search(mm.begin(), mm.end(), n)) << n;
+    EXPECT_TRUE(fs::exists(out / "config.json"));
+    // A second convert into the same (now non-empty) folder is refused, the folder left as it was.
+    EXPECT_THROW(convert_checkpoint(test::fixture(rel).string(), out.string(), dt), InputError);
+    fs::remove_all(out);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, NarrowModel,
                          ::testing::Values("mamba2/short_prompt", "mamba/short_prompt", "falcon_mamba/short_prompt", "qwen3_5/short_prompt",
                                            "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "bamba/padded_batch",
@@ -412,6 +451,18 @@ TEST(NarrowModelCli, DtypeFlag) {
   Model::load(model).run({{3, 4, 5}}, &t32);
   EXPECT_GT(test::rel_rms(t.get("logits"), t32.get("logits")), 0.0) << "bfloat16 must not silently be float32";
   EXPECT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype int8 --save logits --out " + out.string()), 2);
+  // mixlens convert: bfloat16 by default; float32 is not a conversion (usage error, nothing written).
+  const fs::path conv = dir / "bf16";
+  ASSERT_EQ(cli("convert --model " + model + " --out " + conv.string()), 0);
+  LoadOptions au;
+  au.dtype = "auto";
+  Trace tc;
+  tc.save("logits");
+  Model::load(conv.string(), au).run({{3, 4, 5}}, &tc);
+  EXPECT_EQ(tc.get("logits").to_vector(), t.get("logits").to_vector());
+  EXPECT_EQ(cli("convert --model " + model + " --dtype float32 --out " + (dir / "f32").string()), 2);
+  EXPECT_FALSE(fs::exists(dir / "f32"));
+  EXPECT_EQ(cli("convert --model " + model + " --out " + conv.string()), 1) << "a non-empty --out is refused";
   fs::remove_all(dir);
 }
 
