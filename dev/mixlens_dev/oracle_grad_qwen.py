@@ -243,7 +243,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             setattr(mod, n, f)
         for h in handles:
             h.remove()
-        for layer in text.layers:  # the latent attention's wrapped expand_kv (an instance attribute)
+        for layer in text.layers if kimi else ():  # the latent attention's wrapped expand_kv (an instance attribute)
             layer.self_attn.__dict__.pop("expand_kv", None)
     grads = collect(keep, states, m)
     hd = next(layer.self_attn.qk_head_dim if kimi else layer.self_attn.head_dim for layer in text.layers
