@@ -41,7 +41,7 @@ AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, cons
   const Tensor* kv = tape.kept_of(li, Kept::attn_v);
   const Tensor* katt = tape.kept_of(li, Kept::attn_core);
   const Tensor* kout = tape.kept_of(li, Kept::attn_output);
-  // MLA recomputes (its latent norms' backward reads their inputs, which the forward does not keep).
+  // MLA recomputes (its latent norms' backward reads their inputs; the forward keeps nothing for it).
   const bool mla = d_.mla();
   const bool kept = !mla && kqp && kk && kv && katt && kout;
   const int64_t dvh = d_.value_hd();

@@ -202,7 +202,8 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
                                const AttentionMixerCall& call) const {
   const int li = call.layer;
   Listener* ls = call.ls;
-  grad::KeptTensors* tape = call.tape;
+  // MLA's backward recomputes the call (its latent norms need their inputs): nothing to keep for it.
+  grad::KeptTensors* tape = d_.mla() ? nullptr : call.tape;
   const bool last_only = call.last_rows_only;
   const std::vector<int64_t>& pos = *call.pos;
   const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D, Din = d_.in_dim();
