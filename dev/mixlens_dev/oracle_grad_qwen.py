@@ -1,6 +1,6 @@
-"""Gradient oracle for Qwen3.5 / Qwen3-Next / Qwen3.5-MoE / OLMo-Hybrid (issue 12): torch autograd on transformers'
-pure-torch Qwen3_5ForCausalLM / Qwen3NextForCausalLM / OlmoHybridForCausalLM with every value of values.md kept (``retain_grad``), so
-its ``.grad`` can be compared with mixlens' native backward.
+"""Gradient oracle for Qwen3.5 / Qwen3-Next / Qwen3.5-MoE / OLMo-Hybrid / Kimi-Linear (issue 12): torch autograd on
+transformers' pure-torch Qwen3_5ForCausalLM / Qwen3NextForCausalLM / OlmoHybridForCausalLM / KimiLinearForCausalLM with
+every value of values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
 
 The gated-delta kernels are module globals of ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next``
 (oracle_qwen.py relies on the same); the wrapper makes the kernel's inputs (q, k per value head before
@@ -18,6 +18,12 @@ attention output (the module's: before OLMo-Hybrid's post-norm). Edits are ``set
 (``out = v.clone(); out[:, idx] = c``): the written elements are constants, as mixlens documents.
 A continuation runs the prompt without gradients first (its cache is a constant) and differentiates
 the second call, with the GDN ``state_input`` a leaf.
+
+Kimi-Linear: the wrapped kernels are ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``
+(decays [B,T,H,Dk], one per key channel; the explicit recurrence decays each key row of S by its own
+factor); both block kinds are ``self_attn`` modules (``block_type`` says which); the latent attention's
+queries are q_proj's (or q_b_proj's) output, its keys and values this call's rows of ``expand_kv``'s
+output (no RoPE).
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ def explicit_rule(q, k, v, g, beta, S0, keep_states):
     b, T, H, Dk = k.shape
     S = torch.zeros(b, H, Dk, v.shape[-1]) if S0 is None else S0.float()
     outs = []
-    for t in range(T):
-        S = S * g[:, t].float().exp()[..., None, None]
+    for t in range(T):  # g [B,T,H] per head, or [B,T,H,Dk] per key channel (Kimi)
+        S = S * (g[:, t].float().exp()[..., None] if g.dim() == 4 else g[:, t].float().exp()[..., None, None])
         mem = (S * k[:, t, :, :, None]).sum(-2)
         delta = (v[:, t].float() - mem) * beta[:, t].float()[..., None]
         S = S + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -50,6 +56,42 @@ def explicit_rule(q, k, v, g, beta, S0, keep_states):
         keep_states.append(S)
         outs.append((S * q[:, t, :, :, None]).sum(-2))
     return torch.stack(outs, 1), S
+
+
+def _hook_latent_attention(at, i, cur, keep, edit, hook, handles):
+    """KimiLinearAttention: queries from q_proj (or q_b_proj), this call's keys and values (the last T rows of
+    expand_kv's [B,H,past+T,*] output) as retained tensors; the earlier rows (the cache) stay constants."""
+    base = f"layers.{i}.self_attn."
+    q_mod = at.q_proj if at.q_proj is not None else at.q_b_proj
+    hook(q_mod, lambda m, a, o: _keep(keep, base + "attention_queries", edit(base + "attention_queries", o))
+         if cur["grad"] else o)
+    orig = type(at).expand_kv.__get__(at)
+    t_len = {}
+
+    def expand_kv(kv_nope, k_rot):
+        k, v = orig(kv_nope, k_rot)
+        if not cur["grad"]:
+            return k, v
+        t = t_len["t"]
+        out = []
+        for name, x in (("attention_keys", k), ("attention_values", v)):
+            new = _keep(keep, base + name, edit(base + name, x[:, :, -t:]))
+            out.append(torch.cat([x[:, :, :-t], new], 2))
+        return tuple(out)
+
+    def pre(m, args, kwargs):
+        t_len["t"] = (args[0] if args else kwargs["hidden_states"]).shape[1]
+
+    at.expand_kv = expand_kv
+    handles.append(at.register_forward_pre_hook(pre, with_kwargs=True))
+
+    def att_post(m, a, o):
+        if not cur["grad"]:
+            return o
+        p = base + "attention_output"
+        return (_keep(keep, p, edit(p, o[0])),) + tuple(o[1:])
+
+    hook(at, att_post)
 
 
 def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=None):
@@ -62,11 +104,13 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
     mod = sys.modules[type(model).__module__]  # the model's own modeling module (its globals are what it calls)
     text = model.model.language_model if hasattr(model.model, "language_model") else model.model
     nope = getattr(text, "rotary_emb", True) is None  # OLMo-Hybrid with rope_theta null
+    kimi = mod.__name__.endswith("modeling_kimi_linear")
     keep, states = {}, {}
     cur = {"layer": None, "grad": False}
     edits = list(edits)
-    orig = {n: getattr(mod, n) for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-                                         "apply_rotary_pos_emb")}
+    chunk_name, rec_name = (("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention") if kimi else
+                            ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
+    orig = {n: getattr(mod, n) for n in (chunk_name, rec_name, *(() if kimi else ("apply_rotary_pos_emb",)))}
 
     def edit(path, t):
         for e in edits:
@@ -74,9 +118,9 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
                 t = _set_index(t, e)
         return t
 
-    def delta_rule(query, key, value, g=None, beta=None, **kw):
+    def delta_rule(query, key, value, g=None, beta=None, _name=chunk_name, **kw):
         if not cur["grad"]:
-            return orig["torch_chunk_gated_delta_rule"](query, key, value, g=g, beta=beta, **kw)
+            return orig[_name](query, key, value, g=g, beta=beta, **kw)
         base = f"layers.{cur['layer']}.linear_attn."
 
         def k_(name, t):
@@ -91,7 +135,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             sts = states[base + "states"] = []
             out, S = explicit_rule(query, key, value, g, beta, init, sts)
         else:
-            f = orig["torch_chunk_gated_delta_rule" if scan == "chunk" else "torch_recurrent_gated_delta_rule"]
+            f = orig[chunk_name if scan == "chunk" else rec_name]
             out, S = f(query, key, value, g=g, beta=beta, initial_state=init, **kw)
         out = k_("attention_head_outputs", out)
         return out, S
@@ -134,14 +178,17 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             return _keep(keep, f"layers.{i}.mlp.output", edit(f"layers.{i}.mlp.output", o))
 
         hook(layer.mlp, mlp_post)
-        if hasattr(layer, "linear_attn"):
+        linear = layer.block_type == "linear_attention" if kimi else hasattr(layer, "linear_attn")
+        if linear:
             def lin_post(m, a, o, i=i):
                 if not cur["grad"]:
                     return o
                 p = f"layers.{i}.linear_attn.attention_output"
                 return _keep(keep, p, edit(p, o))
 
-            hook(layer.linear_attn, lin_post)
+            hook(layer.self_attn if kimi else layer.linear_attn, lin_post)
+        elif kimi:
+            _hook_latent_attention(layer.self_attn, i, cur, keep, edit, hook, handles)
         else:
             at = layer.self_attn
             gated = at.q_proj.out_features == 2 * at.config.num_attention_heads * at.head_dim  # Qwen's output gate
@@ -170,9 +217,10 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             hook(at, att_post)
     hook(text.norm, lambda m, a, o: _keep(keep, "ln_final.output", o) if cur["grad"] else o)
 
-    mod.torch_chunk_gated_delta_rule = delta_rule
-    mod.torch_recurrent_gated_delta_rule = delta_rule
-    mod.apply_rotary_pos_emb = rope
+    setattr(mod, chunk_name, delta_rule)
+    setattr(mod, rec_name, lambda *a, **kw: delta_rule(*a, _name=rec_name, **kw))
+    if not kimi:
+        mod.apply_rotary_pos_emb = rope
     try:
         ids, mask = oq.pad_prompts(prompts, pad_id)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -195,14 +243,21 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             setattr(mod, n, f)
         for h in handles:
             h.remove()
+        for layer in text.layers if kimi else ():  # the latent attention's wrapped expand_kv (an instance attribute)
+            layer.self_attn.__dict__.pop("expand_kv", None)
     grads = collect(keep, states, m)
-    hd = next(layer.self_attn.head_dim for layer in text.layers if hasattr(layer, "self_attn"))
+    hd = next(layer.self_attn.qk_head_dim if kimi else layer.self_attn.head_dim for layer in text.layers
+              if (layer.block_type != "linear_attention" if kimi else hasattr(layer, "self_attn")))
     for path in [p for p in grads if p != "metric"]:
         g, mt = grads[path], _PATH.match(path)
         if path.endswith("#q_proj"):  # per head [query | gate]: the gate half is the gate logits' gradient
             b, T, _ = g.shape
             grads[path.replace("#q_proj", "gate")] = np.ascontiguousarray(g.reshape(b, T, -1, 2 * hd)[..., hd:].reshape(b, T, -1))
             del grads[path]
+        elif kimi and mt and mt.group(2) == "self_attn" and mt.group(3) == "attention_queries":
+            grads[path] = g.reshape(g.shape[0], g.shape[1], -1, hd)  # q_proj's [B,T,H*hd]
+        elif kimi and mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_keys", "attention_values"):
+            grads[path] = np.ascontiguousarray(g.transpose(0, 2, 1, 3))  # expand_kv's [B,H,T,*] -> [B,T,H,*]
         elif mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys") and nope:
             grads[path] = g.reshape(g.shape[0], g.shape[1], -1, hd)  # [B,T,H*d] -> served [B,T,H,d]
         elif mt and mt.group(2) == "self_attn" and mt.group(3) in ("attention_queries", "attention_keys"):

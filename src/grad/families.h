@@ -86,6 +86,9 @@ class AttentionMixerGrad {
   AttentionCallState call_;
   int64_t past_ = 0;
   Tensor qpre_, kpre_, q_, k_, v_, gate_, att_, out_;  ///< q / k before their norm; gate undefined without
+  Tensor qa_, ckv_;  ///< MLA: q_a_proj's output before its norm (with q_lora_rank), kv_a_proj_with_mqa's output
+  /// MLA: dn [B,T,D] (overwritten) from the gradients of q [B,T,H,hd], k [B,T,H,hd] and v [B,T,H,v_hd].
+  void latent_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& dn) const;
   detail::KvCache kv_;  ///< the cache before the call with the call's keys and values appended
 };
 

@@ -5,7 +5,10 @@
 //   dbeta = (Lam^T k^) . u;  dS' = Lam + k^ dmem^T;  dg = <dS', S'>;  Lam_{t-1} = exp(g) dS'.
 // The states S_{t-1} are recomputed chunk by chunk from checkpoints (memory T/chunk + chunk states).
 // Kimi Delta Attention (g_per_key): exp(g) is diag(exp(g[0..Dk))), so dg[d] = <dS'[d], S'[d]> per key row
-// and Lam_{t-1} = diag(exp(g)) dS' (the recurrence only; equal channels sum to the per-head dg).
+// and Lam_{t-1} = diag(exp(g)) dS' (the recurrence only; equal channels sum to the per-head dg). It serves the
+// chunked route too, exactly: chunk_kimi_delta_attention is an exact regrouping of this recurrence (the same
+// function of q, k, v, g, beta, S0), so its derivative is this one; the states replayed here start from the
+// chunked forward's own chunk-entry states, and only the rounding inside a chunk differs (~1e-7 relative).
 // The chunked form (gated_delta_backward_chunked, the default) differentiates the chunk's matrix form
 // (the WY / UT representation transformers' torch_chunk_gated_delta_rule runs forward) with BLAS products.
 #include <algorithm>
@@ -372,7 +375,7 @@ void gated_delta_backward_chunked(const GatedDeltaGradArgs& a) {
 
 void gated_delta_backward(const GatedDeltaGradArgs& a) {
   // The per-token adjoints (dstates) are the recurrence's own quantities; a per-key-channel decay
-  // (Kimi Delta Attention) has no chunked backward yet, the recurrence serves it.
+  // (Kimi Delta Attention) is differentiated by the recurrence on both routes (exact: see the file comment).
   if (a.dstates || a.g_per_key) gated_delta_backward_recurrent(a);
   else gated_delta_backward_chunked(a);
 }

@@ -369,20 +369,9 @@ class HybridBackward {
       return;
     }
     // dw -> the sigmoid scores of the chosen experts -> router logits -> x.
-    for (int64_t r = 0; r < rows; ++r) {
-      const float S = rt.total[static_cast<size_t>(r)] + 1e-20f;
-      double sdw = 0.0;  // sum_k dw_k s_k
-      for (int64_t k = 0; k < K; ++k)
-        sdw += static_cast<double>(dw[static_cast<size_t>(r * K + k)]) *
-               rt.scores[static_cast<size_t>(r * E + rt.chosen[static_cast<size_t>(r * K + k)])];
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = rt.chosen[static_cast<size_t>(r * K + k)];
-        const float s = rt.scores[static_cast<size_t>(r * E + e)];
-        float ds = dw[static_cast<size_t>(r * K + k)];
-        if (s_.norm_topk) ds = static_cast<float>(ds / S - sdw / (static_cast<double>(S) * S));
-        dlog[r * E + e] += ds * s_.routed_scaling * sigmoid_d(s);
-      }
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      sigmoid_topk_weights_backward(rt.scores.data() + r * E, rt.chosen.data() + r * K, K, dw.data() + r * K,
+                                    s_.norm_topk, 1e-20f, s_.routed_scaling, dlog.data() + r * E);
     linear_backward(dlog.data(), rows, E, m.router, dx.data(), false);
     if (lat > 0) linear_backward(dxe.data(), rows, in, m.fc1, dx.data(), true);
     else add_into(dx, dxe);

@@ -42,6 +42,13 @@ inline float silu_grad_s(float v, float s) { return s * (1.0f + v * (1.0f - s));
 /// d softplus(v) / dv for torch's softplus (beta 1, threshold 20: linear above 20).
 inline float softplus_grad(float v) { return v > 20.0f ? 1.0f : 1.0f / (1.0f + std::exp(-v)); }
 
+/// Backward of sigmoid top-k routing weights for one token (NemotronHTopkRouter, KimiLinearTopkRouter):
+/// w_k = scale * s_k / (sum_j s_j + eps) over the K chosen experts (norm), else scale * s_k, with
+/// s = sigmoid(router logits) [E]; the choice (`chosen` [K]) is a constant and the choice bias
+/// (e_score_correction_bias) carries no gradient. Adds dL/d(logits) into dlog [E] from dw [K].
+void sigmoid_topk_weights_backward(const float* s, const int64_t* chosen, int64_t K, const float* dw, bool norm,
+                                   float eps, float scale, float* dlog);
+
 /// Backward of the Mamba-2 SSD scan of one batch row (mixers/ssd.h, either kernel): per head h
 /// (group g = h / (H/G))  S_t = exp(A dt_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t.
 /// Outputs are overwritten. dstates (optional) receives dL/dS_t in the served layout [T,H,N,P]

@@ -38,6 +38,9 @@ class GdnMixerGrad {
   static constexpr int64_t kChunk = 64;  ///< the forward kernel's chunk (GatedDeltaArgs' default)
   Tensor proj_, u_, q_, k_, v_, beta_, g_, S0_, o_, out_, ckpt_;
   Tensor su_, sz_;  ///< sigmoid of the conv output u_ [B,T,cd] and of the gate z [B,T,HV*Dv] (vectorized once)
+  Tensor zk_, fa_;  ///< kda: the gate logits g_b(g_a(x)) [BT,HV*Dv] and f_b(f_a(x)) [BT,HV*Dk]
+  /// Row `row`, value head j's gate logits (z in in_proj's output, or kda's zk_).
+  const float* gate_logits(int64_t row, int64_t j) const;
 };
 
 /// Backward of one layer's MLP at x [B,T,D] (recomputed): dx (overwritten) from dL/d(output).

@@ -4,7 +4,8 @@
 //   h1 = h0 + norm1(mixer(h0)),  h2 = h1 + norm2(mlp(h1))  (OLMo-Hybrid's post-norm attention blocks),
 // with the SwiGLU MLP or the sparse MoE (the router's top-k choice is a constant; the gradient flows
 // through the chosen experts, their routing weights (softmax over all experts, optionally renormalised
-// over the chosen) and the sigmoid-gated shared expert).
+// over the chosen; Kimi: the chosen experts' sigmoid scores, renormalised and scaled) and the shared
+// expert (sigmoid-gated; Kimi: ungated)).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -64,9 +65,9 @@ void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64
   linear_backward(dgu.data(), rows, 2 * I, gate_up, dx, accumulate);
 }
 
-void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
-  const int64_t D = m.D, rows = x.numel() / D, E = m.router->size(0), K = m.topk;
-  // Shared expert, gated by sigmoid(x . w_gate).
+// The shared expert sigmoid(x . w_gate) * SwiGLU(x) (Qwen3-Next): dx (overwritten) from dout.
+void gated_shared_expert_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
+  const int64_t D = m.D, rows = x.numel() / D;
   Tensor ys({rows, D}), sg({rows, 1}), dys({rows, D});
   ops::linear(x.data(), rows, D, *m.shared_gate, sg.data());
   std::vector<float> dsg(static_cast<size_t>(rows));
@@ -88,14 +89,29 @@ void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
   }
   swiglu_backward(*m.shared_gate_up, *m.shared_down, m.Is, D, x.data(), rows, dys.data(), dx.data(), false);
   linear_backward(dsg.data(), rows, 1, *m.shared_gate, dx.data(), true);
+}
+
+void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
+  const int64_t D = m.D, rows = x.numel() / D, E = m.router->size(0), K = m.topk;
+  const bool sigmoid_router = m.router_bias && m.router_bias->defined();  // KimiLinearTopkRouter
+  if (m.shared_gate->defined())
+    gated_shared_expert_backward(m, x, dout, dx);
+  else  // KimiLinearMoE: the shared experts are added ungated
+    swiglu_backward(*m.shared_gate_up, *m.shared_down, m.Is, D, x.data(), rows, dout.data(), dx.data(), false);
   // Routing as the forward computes it (the top-k choice is a constant of the backward).
-  Tensor logits({rows, E}), probs({rows, E});
+  Tensor logits({rows, E}), probs({rows, E}), wts({rows, K});  // probs: Kimi's sigmoid scores
   ops::linear(x.data(), rows, D, *m.router, logits.data());
   std::vector<std::vector<int64_t>> chosen(static_cast<size_t>(rows));
   std::vector<float> tot(static_cast<size_t>(rows));
   std::vector<std::vector<std::pair<int64_t, int64_t>>> routed(static_cast<size_t>(E));  // (row, slot)
   std::vector<int64_t> idx(static_cast<size_t>(E));
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows && sigmoid_router; ++r) {
+    chosen[static_cast<size_t>(r)] =
+        detail::sigmoid_topk_route(logits.data() + r * E, m.router_bias->data(), E, m.n_group, m.topk_group, K,
+                                   m.norm_topk, m.topk_eps, m.routed_scale, probs.data() + r * E, wts.data() + r * K);
+    for (int64_t k = 0; k < K; ++k) routed[static_cast<size_t>(chosen[static_cast<size_t>(r)][static_cast<size_t>(k)])].push_back({r, k});
+  }
+  for (int64_t r = 0; r < rows && !sigmoid_router; ++r) {
     const float* lg = logits.data() + r * E;
     float* p = probs.data() + r * E;
     const float mx = *std::max_element(lg, lg + E);
@@ -109,7 +125,10 @@ void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
     for (int64_t k = 0; k < K; ++k) t += p[idx[static_cast<size_t>(k)]];
     tot[static_cast<size_t>(r)] = t;
     chosen[static_cast<size_t>(r)].assign(idx.begin(), idx.begin() + K);
-    for (int64_t k = 0; k < K; ++k) routed[static_cast<size_t>(idx[static_cast<size_t>(k)])].push_back({r, k});
+    for (int64_t k = 0; k < K; ++k) {
+      routed[static_cast<size_t>(idx[static_cast<size_t>(k)])].push_back({r, k});
+      wts[r * K + k] = m.norm_topk ? p[idx[static_cast<size_t>(k)]] / t : p[idx[static_cast<size_t>(k)]];
+    }
   }
   // Experts: dx += expert backward of w dout; dw = dout . expert output.
   Tensor dw({rows, K});
@@ -120,7 +139,7 @@ void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
     Tensor xs({nt, D}), dy({nt, D}), y({nt, D}), dxs({nt, D});
     for (int64_t i = 0; i < nt; ++i) {
       const auto [r, k] = toks[static_cast<size_t>(i)];
-      const float p = probs[r * E + e], w = m.norm_topk ? p / tot[static_cast<size_t>(r)] : p;
+      const float w = wts[r * K + k];
       std::memcpy(xs.data() + i * D, x.data() + r * D, sizeof(float) * static_cast<size_t>(D));
       for (int64_t d = 0; d < D; ++d) dy[i * D + d] = w * dout[r * D + d];
     }
@@ -136,8 +155,15 @@ void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor&
       dw[r * K + k] = static_cast<float>(dot);
     }
   }
-  // Routing weights -> probabilities (renormalised over the chosen) -> softmax over every expert.
   Tensor dlogits({rows, E});
+  if (sigmoid_router) {  // routing weights -> the chosen experts' sigmoid scores (the bias only chose them)
+    for (int64_t r = 0; r < rows; ++r)
+      sigmoid_topk_weights_backward(probs.data() + r * E, chosen[static_cast<size_t>(r)].data(), K, dw.data() + r * K,
+                                    m.norm_topk, m.topk_eps, m.routed_scale, dlogits.data() + r * E);
+    linear_backward(dlogits.data(), rows, E, *m.router, dx.data(), true);
+    return;
+  }
+  // Routing weights -> probabilities (renormalised over the chosen) -> softmax over every expert.
   for (int64_t r = 0; r < rows; ++r) {
     const float* p = probs.data() + r * E;
     const auto& ch = chosen[static_cast<size_t>(r)];

@@ -27,23 +27,25 @@ void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up
   for (int64_t e = 0; e < rows * out; ++e) yp[e] += u[e];
 }
 
-namespace {
-// MLA's queries for `rows` inputs x: q_proj, or q_b_proj(q_a_layernorm(q_a_proj(x))).
-void latent_queries(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows, float* q) {
+// MLA's queries: q_proj, or q_b_proj(q_a_layernorm(q_a_proj(x))).
+void latent_queries(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows, float* q,
+                    Tensor* qa_out) {
   if (d.q_lora_rank == 0) return ops::linear(x, rows, d.D, w.q_proj, q);
   Tensor qa = Tensor::uninitialized({rows, d.q_lora_rank});
   ops::linear(x, rows, d.D, w.q_a_proj, qa.data());
+  if (qa_out) *qa_out = qa.clone();
   ops::rmsnorm(qa.data(), w.q_a_norm.data(), qa.data(), rows, d.q_lora_rank, d.latent_eps, false);
   ops::linear(qa.data(), rows, d.q_lora_rank, w.q_b_proj, q);
 }
 
-// MLA's keys k [rows, H, hd] and values v [rows, H, v_hd] (KimiLinearAttention.expand_kv).
+// KimiLinearAttention.expand_kv over kv_a_proj_with_mqa's output.
 void latent_keys_values(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows,
-                        float* k, float* v) {
+                        float* k, float* v, Tensor* ckv_out) {
   const int64_t r = d.kv_lora_rank, ca = r + d.qk_rope, H = d.H, nv = d.qk_nope + d.v_hd;
   Tensor ckv = Tensor::uninitialized({rows, ca}), lat = Tensor::uninitialized({rows, r}),
          kvb = Tensor::uninitialized({rows, H * nv});
   ops::linear(x, rows, d.D, w.kv_a_proj, ckv.data());
+  if (ckv_out) *ckv_out = ckv;
   for (int64_t row = 0; row < rows; ++row)
     std::memcpy(lat.data() + row * r, ckv.data() + row * ca, sizeof(float) * static_cast<size_t>(r));
   ops::rmsnorm(lat.data(), w.kv_a_norm.data(), lat.data(), rows, r, d.latent_eps, false);
@@ -58,7 +60,6 @@ void latent_keys_values(const AttentionMixerDims& d, const AttentionMixerWeights
     }
 }
 
-// x [.., heads, w] into [.., heads, d] (d > w), zeros after each head's w; and back.
 Tensor pad_heads(const Tensor& x, int64_t d) {
   Shape s = x.shape();
   const int64_t w = s.back(), n = x.numel() / w;
@@ -75,7 +76,6 @@ Tensor unpad_heads(const Tensor& x, int64_t w) {
   for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + i * w, x.data() + i * d, sizeof(float) * static_cast<size_t>(w));
   return y;
 }
-}  // namespace
 
 AttentionMixer::AttentionMixer(const AttentionMixerDims& dims, const std::string& where) : d_(dims) {
   const std::pair<const char*, int64_t> sizes[] = {
@@ -202,7 +202,8 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
                                const AttentionMixerCall& call) const {
   const int li = call.layer;
   Listener* ls = call.ls;
-  grad::KeptTensors* tape = call.tape;
+  // MLA's backward recomputes the call (its latent norms need their inputs): nothing to keep for it.
+  grad::KeptTensors* tape = d_.mla() ? nullptr : call.tape;
   const bool last_only = call.last_rows_only;
   const std::vector<int64_t>& pos = *call.pos;
   const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D, Din = d_.in_dim();

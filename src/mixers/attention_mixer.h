@@ -31,7 +31,8 @@
 //    is RMS-normed (kv_a_layernorm) and expanded by kv_b_proj into per head [k_nope | v]; each head's
 //    key is [k_nope | k_rope], k_rope shared by the heads; q from q_proj, or q_a_proj ->
 //    q_a_layernorm -> q_b_proj with q_lora_rank. Not absorbed (transformers' math): the cache holds
-//    the expanded keys and values, hd = qk_nope + qk_rope, v_hd <= hd. No backward yet.
+//    the expanded keys and values, hd = qk_nope + qk_rope, v_hd <= hd. Differentiated by
+//    grad/attention_mixer_grad.cpp (latent norms, kv_b_proj, the shared k_rope summed over heads).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -105,6 +106,18 @@ struct AttentionMixerWeights {
 /// y += up(down(x)) for x [rows, in]: one LoRA adapter (down [r, in], up [y's row width, r]); the
 /// forward's and the backward's recompute share it.
 void add_lora(const float* x, int64_t rows, const Tensor& down, const Tensor& up, Tensor& y);
+
+/// MLA's queries q [rows, H * hd] of inputs x [rows, D] (q_proj, or q_b_proj(q_a_layernorm(q_a_proj(x))));
+/// `qa_out`: q_a_proj's output before its norm (with q_lora_rank). The forward's and the backward's recompute.
+void latent_queries(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows, float* q,
+                    Tensor* qa_out = nullptr);
+/// MLA's keys k [rows, H, hd] = per head [k_nope | k_rope] and values v [rows, H, v_hd]
+/// (KimiLinearAttention.expand_kv); `ckv_out`: kv_a_proj_with_mqa's output [rows, kv_lora_rank + qk_rope].
+void latent_keys_values(const AttentionMixerDims& d, const AttentionMixerWeights& w, const float* x, int64_t rows,
+                        float* k, float* v, Tensor* ckv_out = nullptr);
+/// x [.., heads, w] into [.., heads, d] (d > w), zeros after each head's w (MLA's values in the cache); and back.
+Tensor pad_heads(const Tensor& x, int64_t d);
+Tensor unpad_heads(const Tensor& x, int64_t w);
 
 /// What one mixer call reads and updates besides its input.
 struct AttentionMixerCall {

@@ -12,6 +12,27 @@
 
 namespace mixlens::detail {
 
+Tensor kda_latent_times(const Tensor& proj, int64_t rows, int64_t pr, int64_t c0, int64_t Dk, const Tensor& W) {
+  Tensor lat = Tensor::uninitialized({rows, Dk}), out = Tensor::uninitialized({rows, W.size(0)});
+  for (int64_t row = 0; row < rows; ++row)
+    std::memcpy(lat.data() + row * Dk, proj.data() + row * pr + c0, sizeof(float) * static_cast<size_t>(Dk));
+  ops::linear(lat.data(), rows, Dk, W, out.data());
+  return out;
+}
+
+void gdn_beta_decay(const float* proj, int64_t rows, int64_t pr, int64_t b_col, int64_t HV, int64_t gw, float beta_scale,
+                    const float* neg_A, const float* dt_bias, const float* fa, float* beta, float* g) {
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t j = 0; j < HV; ++j) {
+      const float* pb = proj + row * pr + b_col;
+      beta[row * HV + j] = beta_scale * ops::sigmoid(pb[j]);
+      for (int64_t d = 0; d < gw; ++d) {
+        const float a = fa ? fa[(row * HV + j) * gw + d] : pb[HV + j];
+        g[(row * HV + j) * gw + d] = neg_A[j] * ops::softplus(a + dt_bias[j * gw + d]);
+      }
+    }
+}
+
 void GatedDeltaMixer::load(const io::WeightStore& w, const std::string& m, GatedDeltaMixerWeights& l) const {
   if (g_.kda) {  // KimiLinearDeltaAttention's checkpoint names (one conv per q / k / v, low-rank gates)
     Tensor conv({g_.conv_dim(), 1, K_});
@@ -101,24 +122,9 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   const int64_t zr = g_.z_rows(), gw = g_.decay_width();
   Tensor beta = Tensor::uninitialized({B, T, HV});
   Tensor g = g_.kda ? Tensor::uninitialized({B, T, HV, Dk}) : Tensor::uninitialized({B, T, HV});
-  // kda: a second-stage product on the latent columns [c0, c0 + Dk) of in_proj's output.
-  const auto latent_times = [&](int64_t c0, const Tensor& W) {
-    Tensor lat = Tensor::uninitialized({BT, Dk}), out = Tensor::uninitialized({BT, W.size(0)});
-    for (int64_t row = 0; row < BT; ++row)
-      std::memcpy(lat.data() + row * Dk, proj.data() + row * pr + c0, sizeof(float) * static_cast<size_t>(Dk));
-    ops::linear(lat.data(), BT, Dk, W, out.data());
-    return out;
-  };
-  const Tensor fa = g_.kda ? latent_times(cd + zr + HV, l.f_b) : Tensor();  // f_b(f_a(x)) [BT, HV*Dk]
-  for (int64_t row = 0; row < BT; ++row)
-    for (int64_t j = 0; j < HV; ++j) {
-      const float* pb = proj.data() + row * pr + cd + zr;
-      beta[row * HV + j] = opt_.beta_scale * ops::sigmoid(pb[j]);
-      for (int64_t d = 0; d < gw; ++d) {
-        const float a = g_.kda ? fa[row * HV * Dk + j * Dk + d] : pb[HV + j];
-        g[(row * HV + j) * gw + d] = l.neg_A[j] * ops::softplus(a + l.dt_bias[j * gw + d]);
-      }
-    }
+  const Tensor fa = g_.kda ? kda_latent_times(proj, BT, pr, cd + zr + HV, Dk, l.f_b) : Tensor();  // f_b(f_a(x)) [BT, HV*Dk]
+  gdn_beta_decay(proj.data(), BT, pr, cd + zr, HV, gw, opt_.beta_scale, l.neg_A.data(), l.dt_bias.data(),
+                 g_.kda ? fa.data() : nullptr, beta.data(), g.data());
   visit_if(ls, li, Value::betas, beta);
   visit_if(ls, li, Value::decays, g);
 
@@ -196,7 +202,7 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
 
   // Qwen3_5RMSNormGated: norm first (plain weight), then * silu(z), per value head over Dv;
   // KimiLinearRMSNormGated: the same with * sigmoid(g_b(g_a(x))).
-  const Tensor zk = g_.kda ? latent_times(cd, l.g_b) : Tensor();  // the gate g_b(g_a(x)) [BT, vd]
+  const Tensor zk = g_.kda ? kda_latent_times(proj, BT, pr, cd, Dk, l.g_b) : Tensor();  // the gate g_b(g_a(x)) [BT, vd]
   Tensor y = Tensor::uninitialized({B, T, vd});
   ops::parallel_rows(BT, vd, [&](int64_t row0, int64_t row1) {
     for (int64_t row = row0; row < row1; ++row)

@@ -5,7 +5,7 @@
 // Option GdnDims::kda, Kimi Delta Attention (transformers KimiLinearDeltaAttention): the forget gate
 // is per key channel, g [B,T,HV,Dk] = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias[h,d]), the
 // output gate is sigmoid(g_b(g_a(x))) instead of silu(z); q / k / v have one head count (HK = HV)
-// and Dk = Dv. No backward for this option yet.
+// and Dk = Dv. Its backward: grad/gated_delta_mixer_grad.cpp with GdnView::kda.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -71,6 +71,16 @@ struct GatedDeltaMixerCall {
   /// the chunk entry states and o (grad::Kept), which the backward would otherwise recompute.
   grad::KeptTensors* tape = nullptr;
 };
+
+/// Kimi Delta Attention's second-stage gate product: W [n, Dk] times the latent columns
+/// [c0, c0 + Dk) of the in_proj output proj [rows, pr] (f_b(f_a(x)), g_b(g_a(x))); returns [rows, n].
+Tensor kda_latent_times(const Tensor& proj, int64_t rows, int64_t pr, int64_t c0, int64_t Dk, const Tensor& W);
+
+/// beta [rows, HV] = beta_scale * sigmoid(b) and g [rows, HV, gw] = neg_A[h] * softplus(a + dt_bias[h * gw + d])
+/// (Qwen3_5GatedDeltaNet; KimiLinearForgetGate with gw = Dk), with b at in_proj's columns [b_col, b_col + HV) of
+/// proj [rows, pr] and a the next HV columns, or fa [rows, HV * gw] (kda: f_b(f_a(x))) when given.
+void gdn_beta_decay(const float* proj, int64_t rows, int64_t pr, int64_t b_col, int64_t HV, int64_t gw, float beta_scale,
+                    const float* neg_A, const float* dt_bias, const float* fa, float* beta, float* g);
 
 class GatedDeltaMixer {
  public:

@@ -321,6 +321,9 @@ class QwenHybrid final : public FamilyModel {
       v.ff_norm = &l.ff_norm;
       if (l.linear) {
         v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, gdn_.norm_eps(), gdn_.beta_scale(), &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
+        v.gdn.kda = g_.kda;
+        v.gdn.f_b = &l.f_b;
+        v.gdn.g_b = &l.g_b;
       } else {
         v.attn = &l.attn;
       }
@@ -339,6 +342,13 @@ class QwenHybrid final : public FamilyModel {
       v.mlp.shared_gate_up = &m.shared_gate_up;
       v.mlp.shared_down = &m.shared_down;
       v.mlp.shared_gate = &m.shared_gate;
+      if (spec_.kimi && m.moe) {  // KimiLinearTopkRouter (route_sigmoid)
+        v.mlp.router_bias = &m.router_bias;
+        v.mlp.n_group = n_group_;
+        v.mlp.topk_group = topk_group_;
+        v.mlp.routed_scale = routed_scale_;
+        v.mlp.topk_eps = topk_eps_;
+      }
       bb.layers.push_back(v);
     }
     return parts;
@@ -581,15 +591,10 @@ class QwenHybrid final : public FamilyModel {
   // the one-group case with expert_bias and + 1e-6.
   void route_sigmoid(const Mlp& m, const float* lg, int64_t E, int64_t r,
                   std::vector<std::vector<std::pair<int64_t, float>>>& routed) const {
-    std::vector<float> sc(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) sc[static_cast<size_t>(e)] = ops::sigmoid(lg[e]);
-    const std::vector<int64_t> chosen = group_limited_topk(sc.data(), m.router_bias.data(), E, n_group_, topk_group_, topk_);
-    float tot = 0.0f;
-    for (int64_t e : chosen) tot += sc[static_cast<size_t>(e)];
-    for (int64_t e : chosen) {
-      const float wgt = norm_topk_ ? sc[static_cast<size_t>(e)] / (tot + topk_eps_) : sc[static_cast<size_t>(e)];
-      routed[static_cast<size_t>(e)].push_back({r, wgt * routed_scale_});
-    }
+    std::vector<float> sc(static_cast<size_t>(E)), w(static_cast<size_t>(topk_));
+    const std::vector<int64_t> chosen = sigmoid_topk_route(lg, m.router_bias.data(), E, n_group_, topk_group_, topk_,
+                                                           norm_topk_, topk_eps_, routed_scale_, sc.data(), w.data());
+    for (size_t k = 0; k < chosen.size(); ++k) routed[static_cast<size_t>(chosen[k])].push_back({r, w[k]});
   }
 
   // Gated DeltaNet mixer (src/mixers/gated_delta_mixer.cpp).
@@ -652,6 +657,17 @@ Tensor cat_rows(std::initializer_list<Tensor> parts) {
     rows += p.size(0);
   }
   return ops::assemble_rows(rows, parts.begin()->size(1), blocks);
+}
+
+std::vector<int64_t> sigmoid_topk_route(const float* lg, const float* bias, int64_t E, int64_t n_group,
+                                        int64_t topk_group, int64_t topk, bool norm, float eps, float scale, float* s,
+                                        float* w) {
+  for (int64_t e = 0; e < E; ++e) s[e] = ops::sigmoid(lg[e]);
+  std::vector<int64_t> chosen = group_limited_topk(s, bias, E, n_group, topk_group, topk);
+  float tot = 0.0f;
+  for (int64_t e : chosen) tot += s[e];
+  for (size_t k = 0; k < chosen.size(); ++k) w[k] = (norm ? s[chosen[k]] / (tot + eps) : s[chosen[k]]) * scale;
+  return chosen;
 }
 
 std::unique_ptr<FamilyModel> make_qwen_hybrid(const QwenHybridSpec& spec, const io::Config& top, const io::Config& text,

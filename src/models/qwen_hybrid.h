@@ -43,7 +43,7 @@ struct QwenHybridSpec {
   /// here): Kimi Delta Attention linear blocks (GdnDims::kda), latent attention blocks (MLA), plain
   /// weight RMS norms, and KimiLinearMoE where mlp_layer_types says "sparse" (sigmoid router with
   /// e_score_correction_bias, group-limited top-k, routed_scaling_factor, ungated shared experts);
-  /// MLP weights under block_sparse_moe. as the published checkpoints name them. No backward.
+  /// MLP weights under block_sparse_moe. as the published checkpoints name them.
   bool kimi = false;
   /// LFM2's block stack (lfm2.cpp, which also maps its config onto the fields read here): gated short
   /// conv blocks (mixers/short_conv_mixer.h) where layer_types says linear_attention, plain weight RMS
@@ -67,6 +67,10 @@ struct GdnView {
   const Tensor* dt_bias = nullptr;   ///< [HV]
   const Tensor* gnorm = nullptr;     ///< [Dv]
   const Tensor* out_proj = nullptr;  ///< [D, HV*Dv]
+  /// Kimi Delta Attention (GdnDims::kda): in_proj rows [q | k | v | g_a (Dk) | b | f_a (Dk)], dt_bias
+  /// [HV*Dk], the decay per key channel from f_b [HV*Dk, Dk], the gate sigmoid(g_b [HV*Dv, Dk] g_a x).
+  bool kda = false;
+  const Tensor *f_b = nullptr, *g_b = nullptr;
 };
 
 /// SwiGLU MLP (dense) or Qwen3NextSparseMoeBlock.
@@ -78,8 +82,19 @@ struct MlpView {
   const Tensor* router = nullptr;                    ///< [E, D]
   const std::vector<Tensor>* expert_gate_up = nullptr;
   const std::vector<Tensor>* expert_down = nullptr;
-  const Tensor *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
+  const Tensor *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;  ///< shared_gate undefined: ungated (Kimi)
+  /// Kimi's sigmoid router (sigmoid_topk_route) when defined: e_score_correction_bias [E]; else Qwen's softmax.
+  const Tensor* router_bias = nullptr;
+  int64_t n_group = 1, topk_group = 1;
+  float routed_scale = 1.0f, topk_eps = 1e-20f;
 };
+
+/// KimiLinearTopkRouter (Lfm2MoeTopKRouter: one group) for one token's router logits lg [E]: writes the
+/// scores s = sigmoid(lg) [E] and the chosen experts' weights w [topk] (s / (sum of the chosen s + eps)
+/// when norm, times scale); returns the chosen experts (group_limited_topk of s + bias, best first).
+std::vector<int64_t> sigmoid_topk_route(const float* lg, const float* bias, int64_t E, int64_t n_group,
+                                        int64_t topk_group, int64_t topk, bool norm, float eps, float scale, float* s,
+                                        float* w);
 
 struct QwenLayerView {
   bool linear = true;

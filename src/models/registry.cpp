@@ -35,7 +35,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"olmo_hybrid", "olmo_hybrid", make_olmo_hybrid, true},
       {"zamba2", "zamba2", make_zamba2, true},
       {"zamba", "zamba", make_zamba, true},
-      {"kimi_linear", "kimi_linear", make_kimi_linear, false},
+      {"kimi_linear", "kimi_linear", make_kimi_linear, true},
       {"rwkv", "rwkv", make_rwkv, false, kWkvOneKernel},
       {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
       {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},

@@ -116,4 +116,46 @@ inline void expect_kept_equals_recomputed(Model& m, const Batch& batch, const st
   }
 }
 
+// For each path: <grad, v> against central differences of <W, logits> along v (a write adding h v),
+// within 1e-2 relative plus `abs_tol`. `value_scaled`: v has the RMS of the value itself (a step relative
+// to its scale: values of very different sizes in one model), else 1. `h`: the step.
+inline void check_paths(Model& m, const Batch& in, const Cache* prefix, const std::vector<std::string>& paths,
+                        const std::string& label, double abs_tol = 5e-2, bool value_scaled = false, float h = 2e-3f) {
+  auto run = [&](Trace* t) {
+    if (!prefix) return m.run(in, t);
+    Cache c = prefix->copy();
+    return m.forward(in, c, t);
+  };
+  Trace tr;
+  for (const auto& p : paths) tr.save(p);
+  tr.enable_grad();
+  const Tensor logits = run(&tr);
+  const Tensor W = random_like(logits.shape(), 3);
+  tr.backward(W);
+  uint32_t seed = 10;
+  for (const auto& p : paths) {
+    const Tensor g = tr.grad(p);
+    float scale = 1.0f;
+    if (value_scaled) {
+      const Tensor x = tr.get(p, tr.calls().back().step);
+      scale = static_cast<float>(std::sqrt(dot(x, x) / static_cast<double>(x.numel())));
+    }
+    const Tensor v = random_like(g.shape(), seed++, scale);
+    auto f = [&](float step) {
+      Trace t;
+      t.edit(p, [&](Tensor& s, const SiteContext&) {
+        for (int64_t i = 0; i < s.numel(); ++i) s[i] += step * v[i];
+      });
+      return dot(W, run(&t));
+    };
+    // Richardson extrapolation of two central differences: the h^2 term of the error cancels. h is
+    // small because the models have kinks (the dt clamp, relu2) and jumps (a MoE routing flip) that a
+    // larger step crosses (h = 4e-3 crossed a routing flip on the MoE fixture's continuation; default 2e-3).
+    const double d1 = (f(h) - f(-h)) / (2.0 * h), d2 = (f(h / 2) - f(-h / 2)) / h;
+    const double fd = (4.0 * d2 - d1) / 3.0, an = dot(g, v);
+    EXPECT_NEAR(an, fd, 1e-2 * std::abs(fd) + abs_tol) << label << " " << p << " (central differences " << d1 << ", " << d2 << ")";
+    EXPECT_GT(std::abs(an), 1e-6) << label << " " << p << ": vacuous gradient";
+  }
+}
+
 }  // namespace mixlens::grad_check

@@ -78,42 +78,6 @@ std::vector<std::string> paths_of(const Model& m, bool decode) {
   return p;
 }
 
-// For each path: <grad, v> against central differences of <W, logits> along v (a write adding h v).
-void check_paths(Model& m, const Batch& in, const Cache* prefix, const std::vector<std::string>& paths,
-                 const std::string& label) {
-  auto run = [&](Trace* t) {
-    if (!prefix) return m.run(in, t);
-    Cache c = prefix->copy();
-    return m.forward(in, c, t);
-  };
-  Trace tr;
-  for (const auto& p : paths) tr.save(p);
-  tr.enable_grad();
-  const Tensor logits = run(&tr);
-  const Tensor W = random_like(logits.shape(), 3);
-  tr.backward(W);
-  uint32_t seed = 10;
-  for (const auto& p : paths) {
-    const Tensor g = tr.grad(p);
-    const Tensor v = random_like(g.shape(), seed++);
-    auto f = [&](float h) {
-      Trace t;
-      t.edit(p, [&](Tensor& s, const SiteContext&) {
-        for (int64_t i = 0; i < s.numel(); ++i) s[i] += h * v[i];
-      });
-      return dot(W, run(&t));
-    };
-    // Richardson extrapolation of two central differences: the h^2 term of the error cancels. h is
-    // small because the models have kinks (the dt clamp, relu2) and jumps (a MoE routing flip) that a
-    // larger step crosses (h = 4e-3 crossed a routing flip on the MoE fixture's continuation).
-    const float h = 2e-3f;
-    const double d1 = (f(h) - f(-h)) / (2.0 * h), d2 = (f(h / 2) - f(-h / 2)) / h;
-    const double fd = (4.0 * d2 - d1) / 3.0, an = dot(g, v);
-    EXPECT_NEAR(an, fd, 1e-2 * std::abs(fd) + 5e-2) << label << " " << p << " (central differences " << d1 << ", " << d2 << ")";
-    EXPECT_GT(std::abs(an), 1e-6) << label << " " << p << ": vacuous gradient";
-  }
-}
-
 const std::vector<int32_t> kLong{5, 9, 3, 17, 2, 8, 11, 4, 6, 21, 13, 7, 30, 12, 19};
 const std::vector<int32_t> kShort{14, 6, 22, 9, 3};
 

@@ -1,5 +1,6 @@
 """Native gradients (issue 12) against torch autograd on transformers' pure-torch Qwen3.5, Qwen3-Next,
-Qwen3.5-MoE and OLMo-Hybrid (the committed fixtures tests/fixtures/qwen3_5, qwen3_next, qwen3_5_moe, olmo_hybrid): every value's gradient (residual
+Qwen3.5-MoE, OLMo-Hybrid and Kimi-Linear (the committed fixtures tests/fixtures/qwen3_5, qwen3_next, qwen3_5_moe,
+olmo_hybrid, kimi_linear: Kimi Delta Attention, latent attention, KimiLinearMoE): every value's gradient (residual
 stream, gated DeltaNet values incl. per-token states, gated attention values, MLP / MoE outputs), both
 kernel paths (mixlens chunked vs transformers' torch_chunk_gated_delta_rule, mixlens routed to the token
 recurrence vs torch_recurrent_gated_delta_rule, both vs an explicit recurrence for the states), a padded
@@ -23,9 +24,12 @@ from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
          "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "qwen3_5_moe/moe_hv_2hk", "qwen3_5_moe/padded_batch",
-         "olmo_hybrid/hv_2hk_chunks", "olmo_hybrid/padded_batch", "olmo_hybrid/continuation"]
+         "olmo_hybrid/hv_2hk_chunks", "olmo_hybrid/padded_batch", "olmo_hybrid/continuation",
+         "kimi_linear/kda_mla_moe_chunks", "kimi_linear/padded_batch", "kimi_linear/continuation"]
 CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-           "olmo_hybrid": "OlmoHybridForCausalLM"}
+           "olmo_hybrid": "OlmoHybridForCausalLM",
+           "kimi_linear": "KimiLinearForCausalLM"}
+UNGATED = ("olmo_hybrid", "kimi_linear")  # attention without Qwen's output gate
 GDN = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "states",
        "attention_head_outputs", "attention_output")
 ATTN = ("attention_queries", "attention_keys", "attention_values", "gate", "attention_output")
@@ -63,7 +67,7 @@ class Case:
                 if self.cont:
                     out.append(f"layers.{i}.linear_attn.state_input")
             else:
-                out += [f"layers.{i}.self_attn.{v}" for v in ATTN if v != "gate" or self.family != "olmo_hybrid"]
+                out += [f"layers.{i}.self_attn.{v}" for v in ATTN if v != "gate" or self.family not in UNGATED]
         return out
 
     def metric(self, logits):
@@ -139,7 +143,8 @@ def test_state_output_gradient_is_zero():
     assert float(tr.grad("layers.0.linear_attn.state_input").abs().max()) > 0.0
 
 
-@pytest.mark.parametrize("name", ["qwen3_5/continuation", "qwen3_next/moe_hv_2hk"])
+@pytest.mark.parametrize("name", ["qwen3_5/continuation", "qwen3_next/moe_hv_2hk",
+                                  "kimi_linear/continuation", "kimi_linear/kda_mla_moe_chunks"])
 def test_decode_step_gradients_match_torch(name):
     """A one-token call over a cache (the decode kernel, the token recurrence), state_input included."""
     c = Case(name)

@@ -173,12 +173,17 @@ def test_kernel_identity_names_the_per_key_channel_rule(case):
     assert [c["kernel"] for c in tracer.calls] == ["chunked", "recurrent"]
 
 
-def test_backward_is_a_clear_error_naming_the_family(case):
+def test_backward_serves_the_per_key_channel_decay_gradient(case):
+    """kimi_linear has a backward (every value against torch autograd: test_grad_qwen.py); decays' gradient
+    has the served per-key-channel shape [B,T,HV,Dk]."""
     with case["model"].trace([[5, 6, 7]], grad=True) as tr:
         pass
-    with pytest.raises(mixlens.UnsupportedError, match="kimi_linear family"):
-        # dMetric/dLogits given directly ([B,1,vocab]: the trace's logits are the last position's)
-        tr.backward(np.ones((1, 1, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+    # dMetric/dLogits given directly ([B,1,vocab]: the trace's logits are the last position's)
+    tr.backward(np.ones((1, 1, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+    g = np.asarray(tr.grad("layers.0.linear_attn.decays"))
+    cfg = case["config"]
+    assert g.shape == (1, 3, cfg.linear_num_heads, cfg.linear_head_dim)
+    assert np.isfinite(g).all() and np.abs(g).max() > 0
 
 
 def test_the_published_config_spelling_loads_the_same_model(tmp_path):
