@@ -65,7 +65,8 @@ float factor(const io::Config& cfg, const char* name, const char* published) {
 }  // namespace
 
 std::unique_ptr<FamilyModel> make_minimax(const io::Config& config, const io::WeightStore& weights) {
-  QwenHybridSpec spec{"minimax", nullptr};
+  QwenHybridSpec spec;
+  spec.family = "minimax";
   spec.minimax = true;
   spec.centred_norms = false;  // MiniMaxRMSNorm: plain weight
   spec.factors = {factor(config, "linear_attn_alpha_factor", "layernorm_linear_attention_alpha"),

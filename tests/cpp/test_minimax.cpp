@@ -66,7 +66,9 @@ TEST_P(MinimaxFixture, EveryValueEveryStepOnBothRoutesAndTheGreedyTokensMatchTra
 TEST_P(MinimaxFixture, StateInvariantsAndEditsMatchTransformers) {
   const auto c = load();
   expect_state_invariants(*c, 1e-5);
-  if (!c->spec["edits"].empty()) EXPECT_GT(expect_edits_match(*c, /*last_step_changes=*/true), 0);
+  if (!c->spec["edits"].empty()) {
+    EXPECT_GT(expect_edits_match(*c, /*last_step_changes=*/true), 0);
+  }
 }
 
 // The kv state after every token against the recurrence written out, S_t = exp(decays_t) S_{t-1} +
@@ -94,7 +96,9 @@ TEST_P(MinimaxFixture, KvStateIsTheDecayedSumOfKeyValueProducts) {
         const Tensor& st = t.get(p + "states", s);  // [B,T,H,Dk,Dv]
         const Tensor &k = t.get(p + "attention_keys", s), &v = t.get(p + "attention_values", s), &dec = t.get(p + "decays", s);
         const int64_t B = st.size(0), T = st.size(1), H = st.size(2), Dk = st.size(3), Dv = st.size(4);
-        if (s == 0 && T >= 3) EXPECT_EQ(dec[2 * H], -3.0f) << "the decays write is served back";
+        if (s == 0 && T >= 3) {
+          EXPECT_EQ(dec[2 * H], -3.0f) << "the decays write is served back";
+        }
         Tensor S({B, H, Dk, Dv});
         if (t.has(p + "state_input", s)) S = t.get(p + "state_input", s).clone();
         for (int64_t b = 0; b < B; ++b)
