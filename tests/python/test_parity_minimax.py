@@ -110,6 +110,14 @@ def test_state_after_t_reads_and_writes_match_transformers(case):
     assert rel_rms(np.asarray(tr.logits)[:, mid + 1:], out.logits.numpy()) <= 1e-4
 
 
+def test_layer_kinds_and_kernel_identity_name_lightning(case):
+    kinds = case.model.info["layer_kinds"]
+    assert kinds == ["lightning" if k == LIN else "attention" for k in case.torch_model.config.layer_types]
+    ident = case.model._core.mixer_identity(0, 16)
+    assert (ident["kind"], ident["state_op"], ident["prompt_kernel"], ident["step_kernel"]) == \
+        ("lightning", "lightning_attention", "chunked", "recurrent")
+
+
 def test_support_and_backward_say_why(case):
     s = case.model.support()
     assert "lightning" in s["linear_attn.betas"][0]
