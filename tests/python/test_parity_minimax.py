@@ -110,6 +110,32 @@ def test_state_after_t_reads_and_writes_match_transformers(case):
     assert rel_rms(np.asarray(tr.logits)[:, mid + 1:], out.logits.numpy()) <= 1e-4
 
 
+def test_a_continuation_equals_the_whole_prompt_where_transformers_stock_cache_does_not(case):
+    """The transformers 5.18 bug oracle_minimax works around (its module doc): with layer 0 a lightning
+    layer, the stock MiniMaxCache masks a continuation as if nothing were cached. The oracle's
+    MaskSizedCache and mixlens both give the whole prompt's logits."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    prompt = case.prompts[0]
+    mid = len(prompt) // 2
+    pos = torch.arange(mid, len(prompt))[None]
+    with torch.no_grad():
+        whole = case.torch_model(input_ids=torch.tensor([prompt])).logits[:, mid:].numpy()
+        tails = {}
+        for name, cache in (("stock", MiniMaxCache()), ("sized", om.MaskSizedCache())):
+            case.torch_model(input_ids=torch.tensor([prompt[:mid]]), past_key_values=cache, use_cache=True)
+            tails[name] = case.torch_model(input_ids=torch.tensor([prompt[mid:]]), position_ids=pos,
+                                           past_key_values=cache, use_cache=True).logits.numpy()
+    assert rel_rms(tails["sized"], whole) <= 1e-5
+    assert rel_rms(tails["stock"], whole) > 1e-2  # if this fails, transformers fixed it: drop the workaround
+    cache = case.model.new_cache(1)
+    with case.model.trace([prompt[:mid]], cache=cache):
+        pass
+    with case.model.trace([prompt[mid:]], cache=cache) as tr:
+        pass
+    assert rel_rms(np.asarray(tr.logits), whole) <= 1e-4
+
+
 def test_layer_kinds_and_kernel_identity_name_lightning(case):
     kinds = case.model.info["layer_kinds"]
     assert kinds == ["lightning" if k == LIN else "attention" for k in case.torch_model.config.layer_types]
