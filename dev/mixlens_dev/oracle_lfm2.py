@@ -119,15 +119,7 @@ class _Recorder(oq._Recorder):
         for i, layer in enumerate(tm.layers):
             self._hook_block(i, layer, layer.feed_forward)
             if layer.is_attention_layer:
-                at = layer.self_attn
-
-                def vproj(m, a, o, i=i, hd=at.head_dim):
-                    b, t, _ = o.shape
-                    self.put(f"layers.{i}.self_attn.attention_values", o.view(b, t, -1, hd))
-
-                H.append(at.v_proj.register_forward_hook(vproj))
-                H.append(at.register_forward_hook(
-                    lambda m, a, o, i=i: self.put(f"layers.{i}.self_attn.attention_output", o[0])))
+                self._hook_plain_attention(i, layer.self_attn)
             else:
                 self._install_conv(i, layer.conv)
         H.append(tm.embedding_norm.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))

@@ -226,6 +226,16 @@ class _Recorder:
         self._h.append(mlp.register_forward_hook(
             lambda m, a, o: self.put(f"layers.{i}.mlp.output", o[0] if isinstance(o, tuple) else o)))
 
+    def _hook_plain_attention(self, i, at):
+        """Softmax attention block i without a gate or NoPE (LFM2's, MiniMax's): its values (v_proj's output)
+        and attention_output; queries and keys come from the patched apply_rotary_pos_emb."""
+        def vproj(m, a, o, hd=at.head_dim):
+            b, t, _ = o.shape
+            self.put(f"layers.{i}.self_attn.attention_values", o.view(b, t, -1, hd))
+
+        self._h.append(at.v_proj.register_forward_hook(vproj))
+        self._h.append(at.register_forward_hook(lambda m, a, o: self.put(f"layers.{i}.self_attn.attention_output", o[0])))
+
     def _install(self):
         tm = self.text
         H = self._h = []
@@ -316,12 +326,14 @@ def pad_prompts(prompts, pad_id):
     return ids, mask
 
 
-def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True, recorder=None):
+def run(model, prompts, pad_id, n_steps, edits=(), feeds=None, record=True, recorder=None, cache=None):
     """Prompt (step 0) then n_steps-1 more calls. feeds[k-1] ([B, n] ids) is fed at step k when given,
     else the greedy token. Position ids as generate builds them (cumsum(mask) - 1, 0 on padding).
-    `recorder`: another family's recorder class (oracle_lfm2), the same protocol as _Recorder."""
+    `recorder`: another family's recorder class (oracle_lfm2), the same protocol as _Recorder.
+    `cache`: the family's own empty cache (MiniMaxCache) instead of a DynamicCache."""
     ids, mask = pad_prompts(prompts, pad_id)
-    cache = mq35.DynamicCache(config=model.config.get_text_config())
+    if cache is None:
+        cache = mq35.DynamicCache(config=model.config.get_text_config())
     with (recorder or _Recorder)(model, edits, record) as rec, torch.no_grad():
         out_values, tokens = run_steps(model, ids, mask, cache, rec, n_steps, feeds)
         for e, n in rec.applied.items():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba, Jamba, Qwen3.5-MoE, OLMo-Hybrid, LFM2) checkpoints, made by transformers 5.18
+"""Random-weight stand-ins for published Mamba-2 hybrid (and FalconMamba, Jamba, Qwen3.5-MoE, OLMo-Hybrid, LFM2, MiniMax) checkpoints, made by transformers 5.18
 (save_pretrained, bfloat16 like the releases; never committed: built under build/published/).
 
     .venv/bin/python -m mixlens_dev.published_hybrids falcon_h1_0_5b build/published/x
@@ -236,6 +236,26 @@ RECURRENT_GEMMA_2B_3LAYERS = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
 )
+# MiniMaxAI/MiniMax-Text-01 widths, REDUCED to 2 of its 80 layers (a lightning block, then the softmax
+# attention block that ends each period of 8: attn_type_list [0]*7 + [1]), 2 of its 32 experts (top-2) and
+# a 32000-row vocabulary (the release's 200064-row tables alone would be 2.5B parameters). The widths are
+# the MiniMax-M1 release's config.json (same architecture as Text-01 per both model cards: 456B total /
+# 45.9B active), quoted verbatim in a public repository found with the search tool: hidden 6144, 64 heads /
+# 8 KV heads of head_dim 128 (so the lightning width 8192 differs from hidden), 32 experts of 9216,
+# rms_norm_eps 1e-5, rope_theta 1e7, every layernorm_*_alpha (2 * 80)^0.25 = 3.5565588200778455 and beta 1,
+# postnorm true (what MiniMaxDecoderLayer does: the normed input is the residual), untied head. Spelled as
+# MiniMaxConfig names them (layer_types, *_alpha_factor / *_beta_factor). block_size 256 (MiniMaxConfig's
+# default, the release's). Its rotary_dim 64 (half the head) is not a MiniMaxConfig field: transformers 5.18
+# rotates the whole head, and so does mixlens. ~1.5B parameters.
+MINIMAX_TEXT_01_2LAYERS = dict(
+    vocab_size=32000, hidden_size=6144, intermediate_size=9216, num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"], num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+    num_local_experts=2, num_experts_per_tok=2, rms_norm_eps=1e-5, hidden_act="silu", block_size=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7}, max_position_embeddings=10240000,
+    full_attn_alpha_factor=3.5565588200778455, full_attn_beta_factor=1.0, linear_attn_alpha_factor=3.5565588200778455,
+    linear_attn_beta_factor=1.0, mlp_alpha_factor=3.5565588200778455, mlp_beta_factor=1.0,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+)
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
     "nemotron_h_8b_8blocks": ("NemotronHForCausalLM", "NemotronHConfig", NEMOTRON_H_8B_8BLOCKS),
@@ -250,9 +270,14 @@ LAYOUTS = {
     "kimi_linear_48b_a3b_2layers": ("KimiLinearForCausalLM", "KimiLinearConfig", KIMI_LINEAR_48B_A3B_2LAYERS),
     "lfm2_350m": ("Lfm2ForCausalLM", "Lfm2Config", LFM2_350M),
     "recurrent_gemma_2b_3layers": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", RECURRENT_GEMMA_2B_3LAYERS),
+    "minimax_text_01_2layers": ("MiniMaxForCausalLM", "MiniMaxConfig", MINIMAX_TEXT_01_2LAYERS),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}
+# Buffers the release does not store (MiniMax's lightning decays: the remote code computes them from the
+# slope); stored in bfloat16 they would be rounded where both implementations compute them in float32.
+NOT_STORED = {"minimax_text_01_2layers": ("slope_rate", "query_decay", "key_decay", "diagonal_decay")}
+BUILT_IN_BF16.add("minimax_text_01_2layers")  # ~1.5B parameters: 6 GB in float32 just to build
 
 
 def make(name: str, out_dir, seed: int = 0) -> dict:
@@ -274,6 +299,19 @@ def make(name: str, out_dir, seed: int = 0) -> dict:
     finally:
         torch.set_default_dtype(prev)
     model.save_pretrained(out)
+    if name in NOT_STORED:
+        from safetensors.torch import load_file, save_file
+
+        for f in out.glob("*.safetensors"):
+            sd = load_file(str(f))
+            save_file({k: v for k, v in sd.items() if not k.endswith(NOT_STORED[name])}, str(f), metadata={"format": "pt"})
+        index = out / "model.safetensors.index.json"
+        if index.is_file():
+            import json
+
+            j = json.loads(index.read_text())
+            j["weight_map"] = {k: v for k, v in j["weight_map"].items() if not k.endswith(NOT_STORED[name])}
+            index.write_text(json.dumps(j, indent=2))
     n = sum(p.numel() for p in model.parameters())
     del model
     return {"out_dir": str(out), "parameters": n, "total_s": round(time.time() - t0, 1)}

@@ -158,41 +158,11 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   Tensor y = Tensor::uninitialized({B, T, H, P});
   // Row by row from the row's first real token (left padding: the chunk grid is the row's own, so
   // a row's values are the same alone and in a batch); padded tokens read nothing (x = C = 0).
-  RowScan rs;
-  rs.B = B; rs.T = T; rs.row_numel = H * P * N; rs.S = S.data(); rs.y_row_numel = T * E;
-  rs.first = first_real_tokens(in);
-  rs.chunk = call.chunked ? d_.chunk : 0;
-  const auto args = [&](int64_t b, int64_t t0, int64_t t1, float* S_row) {
-    SsdArgs a;
-    a.T = t1 - t0; a.H = H; a.P = P; a.G = G; a.N = N;
-    a.x = x.data() + (b * T + t0) * E;
-    a.B = Bm.data() + (b * T + t0) * G * N;
-    a.C = Cm.data() + (b * T + t0) * G * N;
-    a.dt = dt.data() + (b * T + t0) * H;
-    a.A = lw.A.data();
-    a.D = lw.D.data();
-    a.S = S_row;
-    a.chunk = d_.chunk;
-    return a;
-  };
-  rs.run = [&](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
-    SsdArgs a = args(b, t0, t1, S_row);
-    a.y = y_scratch ? y_scratch + t0 * E : y.data() + (b * T + t0) * E;
-    a.states = states_row ? states_row + t0 * H * N * P : nullptr;
-    if (call.chunked) ssd_chunked(a); else ssd_recurrent(a);
-  };
-  rs.serve = [&](const float* S_row, float* out) {
-    for (int64_t h = 0; h < H; ++h) ops::transpose(S_row + h * P * N, P, N, out + h * N * P);
-  };
-  rs.store = [&](const float* in_row, float* S_row) {
-    for (int64_t h = 0; h < H; ++h) ops::transpose(in_row + h * N * P, N, P, S_row + h * P * N);
-  };
-  rs.state_at = [&](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
-    ssd_state_at(args(b, ck, std::min(ck + d_.chunk, T), const_cast<float*>(S_ck)), t - ck + 1,
-                 std::min(ck + d_.chunk, T) - ck, out);
-  };
-  for (int64_t b = 0; b < B; ++b)
-    std::fill(y.data() + b * T * E, y.data() + (b * T + std::min(rs.first[static_cast<size_t>(b)], T)) * E, 0.0f);
+  SsdBatch sb;
+  sb.B = B; sb.T = T; sb.H = H; sb.P = P; sb.G = G; sb.N = N; sb.chunk = d_.chunk; sb.chunked = call.chunked;
+  sb.x = x.data(); sb.Bm = Bm.data(); sb.C = Cm.data(); sb.dt = dt.data(); sb.A = lw.A.data(); sb.D = lw.D.data();
+  sb.S = S.data(); sb.y = y.data();
+  RowScan rs = ssd_row_scan(sb, first_real_tokens(in));
   Tensor states = scan_rows(ls, li, rs, {B, T, H, N, P});
   if (states.defined()) {
     ls->visit(li, Value::states, states, states.shape());
@@ -258,20 +228,14 @@ void Mamba2Mixer::group_rmsnorm_rows(float* g, const float* w, int64_t rows) con
 
 // [B,H,P,N] kernel layout <-> [B,H,N,P] served layout (key side first).
 Tensor Mamba2Mixer::served_state(const Tensor& S) const {
-  const int64_t H = d_.H, P = d_.P, N = d_.N;
   // Written whole, so not zero-filled; a per-token state read serves one per token.
-  Tensor o = Tensor::uninitialized({S.size(0), H, N, P});
-  const float* s = S.data();
-  float* out = o.data();
-  for (int64_t bh = 0; bh < S.size(0) * H; ++bh) ops::transpose(s + bh * P * N, P, N, out + bh * N * P);
+  Tensor o = Tensor::uninitialized({S.size(0), d_.H, d_.N, d_.P});
+  ssd_serve_state(S.data(), S.size(0) * d_.H, d_.P, d_.N, o.data());
   return o;
 }
 
 void Mamba2Mixer::store_served_state(const Tensor& o, Tensor& S) const {
-  const int64_t H = d_.H, P = d_.P, N = d_.N;
-  const float* in = o.data();
-  float* s = S.data();
-  for (int64_t bh = 0; bh < S.size(0) * H; ++bh) ops::transpose(in + bh * N * P, N, P, s + bh * P * N);
+  ssd_store_state(o.data(), S.size(0) * d_.H, d_.P, d_.N, S.data());
 }
 
 Tensor Mamba2Mixer::betas_for_decays(const Mamba2MixerWeights& w, const Tensor& betas_before,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "mixers/ssm_kernels.h"
@@ -40,10 +41,13 @@ constexpr int64_t kTriRows = 64;  // row block of the intra-chunk product (ssd_c
 // Writes S [P,N] transposed into the served layout [N,P].
 void store_state(const float* S, int64_t P, int64_t N, float* out) { ops::transpose(S, P, N, out); }
 
-// One token's update and read-out for one head; S is [P,N].
-inline void step_head(float* S, const float* x, const float* Bv, const float* Cv, float dt, float A,
+// Token t's log decay of head h: SsdArgs::da where given (lightning attention), else A dt.
+inline float log_decay(const SsdArgs& a, int64_t t, int64_t h, float dt) { return a.da ? a.da[t * a.H + h] : a.A[h] * dt; }
+
+// One token's update and read-out for one head; S is [P,N]; da the token's log decay.
+inline void step_head(float* S, const float* x, const float* Bv, const float* Cv, float dt, float da,
                       float D, int64_t P, int64_t N, float* y) {
-  const float dA = std::exp(dt * A);
+  const float dA = std::exp(da);
   for (int64_t p = 0; p < P; ++p) {
     float* Sp = S + p * N;
     const float xp = x[p];
@@ -74,12 +78,12 @@ void chunk_end(const float* da, const float* xdt, const float* Bc, int64_t ldbc,
 }
 
 // Whether the chunk end comes from the token recurrence: when a token of the chunk has dt = 0 (the
-// "skip token" write), so that token keeps the state bit for bit (exp(0) * S + 0); otherwise the
-// one-product chunk form, which is faster (the per-token states of the chunk's other tokens are the
-// recurrence's either way).
-bool end_by_recurrence(const float* dt, int64_t ld, int64_t L) {
+// "skip token" write) or a log decay da of 0 (lightning attention's skip: decays and keys 0), so that
+// token keeps the state bit for bit (exp(0) * S + 0); otherwise the one-product chunk form, which is
+// faster (the per-token states of the chunk's other tokens are the recurrence's either way).
+bool end_by_recurrence(const float* dt, int64_t ld, const float* da, int64_t L) {
   for (int64_t l = 0; l < L; ++l)
-    if (dt[l * ld] == 0.0f) return true;
+    if (dt[l * ld] == 0.0f || da[l] == 0.0f) return true;
   return false;
 }
 
@@ -98,16 +102,15 @@ void ssd_state_at(const SsdArgs& a, int64_t upto, int64_t chunk_len, float* serv
   const bool avx2 = use_avx2();
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / heads_per_group;
-    const float A = a.A[h];
     std::vector<float> da(static_cast<size_t>(upto)), decay(static_cast<size_t>(upto)), xdt(static_cast<size_t>(upto * P));
     for (int64_t l = 0; l < upto; ++l) {  // as ssd_chunked forms them
       const float dt = a.dt[l * H + h];
-      da[static_cast<size_t>(l)] = A * dt;
+      da[static_cast<size_t>(l)] = log_decay(a, l, h, dt);
       decay[static_cast<size_t>(l)] = std::exp(da[static_cast<size_t>(l)]);
       for (int64_t p = 0; p < P; ++p) xdt[static_cast<size_t>(l * P + p)] = a.x[l * H * P + h * P + p] * dt;
     }
     float* out = served + h * N * P;
-    if (upto == chunk_len && !end_by_recurrence(a.dt + h, H, chunk_len)) {  // the kernel's chunk end
+    if (upto == chunk_len && !end_by_recurrence(a.dt + h, H, da.data(), chunk_len)) {  // the kernel's chunk end
       std::vector<float> S(a.S + h * P * N, a.S + (h + 1) * P * N), tmp(static_cast<size_t>(upto * P));
       chunk_end(da.data(), xdt.data(), a.B + g * N, a.G * N, upto, P, N, S.data(), tmp.data());
       store_state(S.data(), P, N, out);
@@ -125,7 +128,7 @@ void ssd_recurrent(const SsdArgs& a) {
     float* S = a.S + h * a.P * a.N;
     for (int64_t t = 0; t < a.T; ++t) {
       step_head(S, a.x + (t * a.H + h) * a.P, a.B + (t * a.G + g) * a.N, a.C + (t * a.G + g) * a.N,
-                a.dt[t * a.H + h], a.A[h], a.D[h], a.P, a.N, a.y + (t * a.H + h) * a.P);
+                a.dt[t * a.H + h], log_decay(a, t, h, a.dt[t * a.H + h]), a.D[h], a.P, a.N, a.y + (t * a.H + h) * a.P);
       if (a.states) store_state(S, a.P, a.N, a.states + (t * a.H + h) * a.N * a.P);
     }
   });
@@ -159,7 +162,7 @@ void ssd_chunked(const SsdArgs& a) {
   const bool avx2 = use_avx2();
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / heads_per_group;
-    const float A = a.A[h], D = a.D[h];
+    const float D = a.D[h];
     float* S = a.S + h * P * N;
     // Per-thread scratch sized by the longest chunk this call has (Qe, not Q: a 128-token prompt
     // with Q = 256 zeroed and touched 4x the M it uses), kept across heads and calls up to 4 MiB (a
@@ -188,7 +191,7 @@ void ssd_chunked(const SsdArgs& a) {
       float run = 0.0f;
       for (int64_t l = 0; l < L; ++l) {
         const float dt = a.dt[(t0 + l) * H + h];
-        da[l] = A * dt;
+        da[l] = log_decay(a, t0 + l, h, dt);
         run += da[l];
         acum[l] = run;
         for (int64_t p = 0; p < P; ++p) xdt[l * P + p] = xc[l * ldx + p] * dt;
@@ -231,7 +234,7 @@ void ssd_chunked(const SsdArgs& a) {
       // the chunk form, or by the recurrence when a token has dt = 0 (end_by_recurrence). The last
       // token's state is the chunk end itself, and ssd_state_at makes the same choice, so
       // states[:, t], state_after(t) and state_output are one number (values.md).
-      const bool by_rec = end_by_recurrence(a.dt + t0 * H + h, H, L);
+      const bool by_rec = end_by_recurrence(a.dt + t0 * H + h, H, da, L);
       float* st = a.states ? a.states + (t0 * H + h) * N * P : nullptr;
       if (a.states || by_rec) {
         store_state(S, P, N, Sr);
@@ -246,6 +249,51 @@ void ssd_chunked(const SsdArgs& a) {
       }
     }
   });
+}
+
+void ssd_serve_state(const float* S, int64_t heads, int64_t P, int64_t N, float* served) {
+  for (int64_t bh = 0; bh < heads; ++bh) ops::transpose(S + bh * P * N, P, N, served + bh * N * P);
+}
+
+void ssd_store_state(const float* served, int64_t heads, int64_t P, int64_t N, float* S) {
+  for (int64_t bh = 0; bh < heads; ++bh) ops::transpose(served + bh * N * P, N, P, S + bh * P * N);
+}
+
+RowScan ssd_row_scan(const SsdBatch& sb, std::vector<int64_t> first) {
+  const int64_t T = sb.T, H = sb.H, P = sb.P, N = sb.N, E = H * P;
+  const auto args = [sb](int64_t b, int64_t t0, int64_t t1, float* S_row) {
+    SsdArgs a;
+    a.T = t1 - t0; a.H = sb.H; a.P = sb.P; a.G = sb.G; a.N = sb.N;
+    a.x = sb.x + (b * sb.T + t0) * sb.H * sb.P;
+    a.B = sb.Bm + (b * sb.T + t0) * sb.G * sb.N;
+    a.C = sb.C + (b * sb.T + t0) * sb.G * sb.N;
+    a.dt = sb.dt + (b * sb.T + t0) * sb.H;
+    a.da = sb.da ? sb.da + (b * sb.T + t0) * sb.H : nullptr;
+    a.A = sb.A;
+    a.D = sb.D;
+    a.S = S_row;
+    a.chunk = sb.chunk;
+    return a;
+  };
+  RowScan rs;
+  rs.B = sb.B; rs.T = T; rs.row_numel = H * P * N; rs.S = sb.S; rs.y_row_numel = T * E;
+  rs.first = std::move(first);
+  rs.chunk = sb.chunked ? sb.chunk : 0;
+  rs.run = [sb, args, E, H, P, N](int64_t b, int64_t t0, int64_t t1, float* S_row, float* y_scratch, float* states_row) {
+    SsdArgs a = args(b, t0, t1, S_row);
+    a.y = y_scratch ? y_scratch + t0 * E : sb.y + (b * sb.T + t0) * E;
+    a.states = states_row ? states_row + t0 * H * N * P : nullptr;
+    if (sb.chunked) ssd_chunked(a); else ssd_recurrent(a);
+  };
+  rs.serve = [H, P, N](const float* S_row, float* out) { ssd_serve_state(S_row, H, P, N, out); };
+  rs.store = [H, P, N](const float* in_row, float* S_row) { ssd_store_state(in_row, H, P, N, S_row); };
+  rs.state_at = [sb, args, T](int64_t b, int64_t ck, const float* S_ck, int64_t t, float* out) {
+    const int64_t ce = std::min(ck + sb.chunk, T);
+    ssd_state_at(args(b, ck, ce, const_cast<float*>(S_ck)), t - ck + 1, ce - ck, out);
+  };
+  for (int64_t b = 0; b < sb.B; ++b)
+    std::fill(sb.y + b * T * E, sb.y + (b * T + std::min(rs.first[static_cast<size_t>(b)], T)) * E, 0.0f);
+  return rs;
 }
 
 }  // namespace mixlens::detail

@@ -4,6 +4,9 @@
 // (model-math.md §3.2 / §9.3; transformers mamba2_chunk_scan / mamba2_selective_state_update).
 #pragma once
 #include <cstdint>
+#include <vector>
+
+#include "hooks/listener.h"
 
 namespace mixlens::detail {
 
@@ -15,6 +18,9 @@ struct SsdArgs {
   const float* C = nullptr;   ///< [T,G,N]  attention_queries
   const float* dt = nullptr;  ///< [T,H]    betas
   const float* A = nullptr;   ///< [H]      -exp(A_log)
+  /// [T,H] optional: each token's log decay, used in place of A dt (dt still scales x). Lightning
+  /// attention (mixers/lightning_mixer.h) runs this scan with dt = 1, D = 0 and da = its decays.
+  const float* da = nullptr;
   const float* D = nullptr;   ///< [H]
   float* S = nullptr;         ///< [H,P,N]  in: initial state, out: final state (kernel layout)
   float* y = nullptr;         ///< [T,H,P]  attention_head_outputs
@@ -35,5 +41,23 @@ void ssd_chunked(const SsdArgs& a);
 /// `served`: the same arithmetic ssd_chunked uses for that chunk's per-token states and end state,
 /// so the three agree bitwise (a per-token read computed on the side, without splitting the scan).
 void ssd_state_at(const SsdArgs& a, int64_t upto, int64_t chunk_len, float* served);
+
+/// A [rows*H, P, N] kernel-layout state <-> the served layout [rows*H, N, P] (key side first), for
+/// every head of `rows` rows: what state_input / state_output serve and a write lays back.
+void ssd_serve_state(const float* S, int64_t heads, int64_t P, int64_t N, float* served);
+void ssd_store_state(const float* served, int64_t heads, int64_t P, int64_t N, float* S);
+
+/// One mixer call's scan inputs over a batch, [B,T,...] tokens first (SsdArgs per row).
+struct SsdBatch {
+  int64_t B = 0, T = 0, H = 0, P = 0, G = 0, N = 0, chunk = 256;
+  bool chunked = true;  ///< ssd_chunked, else ssd_recurrent
+  const float *x = nullptr, *Bm = nullptr, *C = nullptr, *dt = nullptr, *da = nullptr, *A = nullptr, *D = nullptr;
+  float* S = nullptr;  ///< [B,H,P,N] kernel-layout state (the cache's)
+  float* y = nullptr;  ///< [B,T,H,P] head outputs
+};
+/// The RowScan (hooks/listener.h) of that call from each row's first real token `first` (left
+/// padding: the chunk grid is the row's own; the padded tokens' y are zeroed here): the Mamba-2 and
+/// lightning mixers hand it to scan_rows, which serves the per-token states.
+RowScan ssd_row_scan(const SsdBatch& sb, std::vector<int64_t> first);
 
 }  // namespace mixlens::detail

@@ -227,6 +227,13 @@ void read_rope(const io::Config& cfg, double default_partial, double& theta, dou
   if (!(theta > 0.0) || !std::isfinite(theta)) throw ConfigError(where(cfg) + ": rope_theta must be a finite number > 0");
 }
 
+void read_full_rope(const io::Config& cfg, AttentionMixerDims& d) {
+  double partial = 1.0;
+  read_rope(cfg, 1.0, d.theta, partial);
+  d.rope = true;
+  d.rot = d.hd;
+}
+
 bool read_layer_types(const io::Config& cfg, std::initializer_list<const char*> names, int64_t layers,
                       std::vector<std::string>& types, std::string& field) {
   field = *names.begin();

@@ -58,6 +58,9 @@ int64_t read_dt_rank(const io::Config& cfg, const char* field, int64_t hidden);
 /// RoPE theta and partial factor from rope_parameters (transformers 5) or the older top-level
 /// fields; UnsupportedError for any rope_type other than "default".
 void read_rope(const io::Config& cfg, double default_partial, double& theta, double& partial);
+/// RoPE over every channel of the head (d.rot = d.hd) at read_rope's theta, whatever partial factor
+/// the config names (MiniMaxRotaryEmbedding rotates the whole head).
+void read_full_rope(const io::Config& cfg, AttentionMixerDims& d);
 /// The attention heads every hybrid config spells alike into d.H / d.Hkv / d.hd:
 /// num_attention_heads, num_key_value_heads (absent or null: num_attention_heads), head_dim (absent:
 /// hidden / num_attention_heads). ConfigError naming the field when one is not positive, or when

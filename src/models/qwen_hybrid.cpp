@@ -39,6 +39,7 @@ struct Layer : GatedDeltaMixerWeights {
   Tensor in_norm, post_norm, ff_norm;
   AttentionMixerWeights attn;  // attention layers
   ShortConvMixerWeights sc;    // LFM2's conv layers
+  LightningMixerWeights lightning;  // MiniMax's lightning layers
   Mlp mlp;
 };
 
@@ -85,6 +86,7 @@ class QwenHybrid final : public FamilyModel {
                         ") is not divisible by linear_num_key_heads (" + std::to_string(g_.HK) + ")");
     eps_ = static_cast<float>(cfg.get_double_or("rms_norm_eps", 1e-6));
     topk_eps_ = spec_.lfm2 ? 1e-6f : 1e-20f;
+    no_shared_ = spec_.lfm2 || spec_.minimax;  // Lfm2MoeSparseMoeBlock, MiniMaxSparseMoeBlock
     if (!(eps_ > 0.0f) || !std::isfinite(eps_))
       throw ConfigError(where(cfg) + ": rms_norm_eps must be a finite number > 0");
     const std::string act = cfg.get_or<std::string>("hidden_act", "silu");
@@ -142,6 +144,8 @@ class QwenHybrid final : public FamilyModel {
 
     gdn_ = GatedDeltaMixer(g_, K_, eps_, spec_.gdn);
     conv_ = ShortConvMixer(D_, K_, spec_.conv_bias);
+    block_size_ = cfg.get_or<int64_t>("block_size", 256);
+    if (spec_.minimax) lightning_ = LightningMixer({D_, ad.H, ad.hd, L_, block_size_, 1e-6f}, where(cfg));
     // Weights: published VLM checkpoints keep the text model under model.language_model.
     const std::string p = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
     const bool tie = cfg.get_or<bool>("tie_word_embeddings", top.get_or<bool>("tie_word_embeddings", false));
@@ -162,6 +166,8 @@ class QwenHybrid final : public FamilyModel {
       l.post_norm = block_norm(w, lp, "post_attention_layernorm");
       if (l.linear && spec_.lfm2) {
         conv_.load(w, lp + "conv.", l.sc);
+      } else if (l.linear && spec_.minimax) {
+        l.lightning = lightning_.load(w, lp + "self_attn.", static_cast<int>(i));
       } else if (l.linear) {
         const std::string m = lp + (spec_.kimi ? "self_attn." : "linear_attn.");
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
@@ -171,15 +177,15 @@ class QwenHybrid final : public FamilyModel {
       }
       const bool moe = E > 0 && std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end() &&
                        (i + 1) % sparse_step == 0;
-      const std::string mp = lp + (spec_.kimi ? "block_sparse_moe." : spec_.lfm2 ? "feed_forward." : "mlp.");
-      const bool w123 = spec_.kimi || spec_.lfm2;  // published names: w1 gate, w3 up, w2 down
+      const std::string mp = lp + (spec_.kimi || spec_.minimax ? "block_sparse_moe." : spec_.lfm2 ? "feed_forward." : "mlp.");
+      const bool w123 = spec_.kimi || spec_.lfm2 || spec_.minimax;  // published names: w1 gate, w3 up, w2 down
       if (moe) {
         Mlp& x = l.mlp;
         x.moe = true;
         x.I = cfg.get<int64_t>("moe_intermediate_size");
-        x.Is = spec_.lfm2 ? 0 : cfg.get<int64_t>("shared_expert_intermediate_size");
+        x.Is = no_shared_ ? 0 : cfg.get<int64_t>("shared_expert_intermediate_size");
         require_positive(cfg, {{"moe_intermediate_size", x.I}});
-        if (!spec_.lfm2) require_positive(cfg, {{"shared_expert_intermediate_size", x.Is}});
+        if (!no_shared_) require_positive(cfg, {{"shared_expert_intermediate_size", x.Is}});
         x.router = w.get(mp + "gate.weight", {E, D_});
         if (spec_.kimi) x.router_bias = w.get(mp + "gate.e_score_correction_bias", {E});
         // use_expert_bias false: zero biases choose exactly as the plain top-k does.
@@ -208,7 +214,7 @@ class QwenHybrid final : public FamilyModel {
           }
         }
         const std::string sp = mp + (spec_.kimi ? "shared_experts." : "shared_expert.");
-        if (spec_.lfm2) continue;  // Lfm2MoeSparseMoeBlock has no shared expert
+        if (no_shared_) continue;
         x.shared_gate_up = cat_rows({w.get_matmul(sp + "gate_proj.weight", {x.Is, D_}),
                                      w.get_matmul(sp + "up_proj.weight", {x.Is, D_})});
         x.shared_down = w.get_matmul(sp + "down_proj.weight", {D_, x.Is});
@@ -226,7 +232,7 @@ class QwenHybrid final : public FamilyModel {
     info.num_layers = static_cast<int>(L_);
     info.hidden_size = D_;
     info.vocab_size = V_;
-    const LayerKind lin = spec_.lfm2 ? LayerKind::short_conv : LayerKind::gated_deltanet;
+    const LayerKind lin = spec_.lfm2 ? LayerKind::short_conv : spec_.minimax ? LayerKind::lightning : LayerKind::gated_deltanet;
     for (const auto& l : layers_) info.layer_kinds.push_back(l.linear ? lin : LayerKind::attention);
   }
 
@@ -235,11 +241,15 @@ class QwenHybrid final : public FamilyModel {
     for (const Layer& l : layers_) is_mixer.push_back(l.linear);
     if (spec_.lfm2)  // the conv window is the whole state (no ssm rows beyond a placeholder)
       return std::make_unique<HybridCache>(batch, is_mixer, K_, D_, Shape{1});
+    if (spec_.minimax)  // the kv state is the whole state (no conv window beyond a placeholder)
+      return std::make_unique<HybridCache>(batch, is_mixer, 1, 1, lightning_.state_shape());
     return std::make_unique<HybridCache>(batch, is_mixer, K_, g_.conv_dim(), Shape{g_.HV, g_.Dk, g_.Dv});
   }
 
   std::string kernel_for(const CacheState& cache, int64_t seq) const override {
     if (spec_.lfm2) return "recurrent";  // the one kernel (route_kernels refuses 'chunked': registry.cpp)
+    // MiniMaxLightningAttention takes its token loop on every call with a cached state (continuations too).
+    if (spec_.minimax && static_cast<const HybridCache&>(cache).has_state) return hybrid_kernel(spec_.family, cache, 1);
     return hybrid_kernel(spec_.family, cache, seq);
   }
 
@@ -274,7 +284,9 @@ class QwenHybrid final : public FamilyModel {
       // (with the GDN in_proj and the attention projections, the products its backward would otherwise recompute).
       if (ctx.tape) ctx.tape->keep(li, grad::Kept::mixer_output, out);
       if (l.post_norms) out = normed(out, l.post_norm);  // not in place: the tape keeps out
-      add_into(h, out);
+      if (spec_.minimax) scaled_residual(h, n, out, l.linear ? spec_.factors.linear_alpha : spec_.factors.full_alpha,
+                                         l.linear ? spec_.factors.linear_beta : spec_.factors.full_beta);
+      else add_into(h, out);
       if (!l.post_norms) norm_rows(h, l.post_norm, n);
       const Tensor& mlp_in = l.post_norms ? h : n;
       Tensor gu_kept;
@@ -288,7 +300,8 @@ class QwenHybrid final : public FamilyModel {
         if (ctx.tape) ctx.tape->keep(li, grad::Kept::mlp_output, m);
         m = normed(m, l.ff_norm);
       }
-      add_into(h, m);
+      if (spec_.minimax) scaled_residual(h, n, m, spec_.factors.mlp_alpha, spec_.factors.mlp_beta);
+      else add_into(h, m);
       visit_if(ls, li, Value::layer_output, h);
       watch.check(li, Value::layer_output, h);
     }
@@ -364,6 +377,8 @@ class QwenHybrid final : public FamilyModel {
       v.push_back(layer_value(i, Value::layer_input, {B, T, D_}, true, "residual stream entering the decoder layer"));
       if (layers_[static_cast<size_t>(i)].linear && spec_.lfm2) {
         conv_.values(i, B, T, v);
+      } else if (layers_[static_cast<size_t>(i)].linear && spec_.minimax) {
+        lightning_.values(i, B, T, v);
       } else if (layers_[static_cast<size_t>(i)].linear) {
         v.push_back(layer_value(i, Value::attention_queries, {B, T, HV, Dk}, true,
                                 "q after conv+SiLU and head repetition, before the in-kernel L2 norm; a write is used per value head"));
@@ -392,7 +407,7 @@ class QwenHybrid final : public FamilyModel {
       }
       const Layer& l = layers_[static_cast<size_t>(i)];
       v.push_back(layer_value(i, Value::mlp_output, {B, T, D_}, true,
-                              l.mlp.moe ? (spec_.lfm2 ? "sparse MoE output (no shared expert)" : "sparse MoE + gated shared expert output")
+                              l.mlp.moe ? (no_shared_ ? "sparse MoE output (no shared expert)" : "sparse MoE + gated shared expert output")
                               : l.post_norms ? "SwiGLU MLP output, before post_feedforward_layernorm" : "SwiGLU MLP output"));
       v.push_back(layer_value(i, Value::layer_output, {B, T, D_}, true, "residual stream leaving the decoder layer"));
     }
@@ -403,6 +418,11 @@ class QwenHybrid final : public FamilyModel {
   }
 
   void set_chunk_size(int64_t c) override {
+    if (spec_.minimax) {  // the lightning blocks' block size (0: block_size again)
+      if (c < 0) throw InputError("set_chunk_size(" + std::to_string(c) + "): must be >= 0");
+      lightning_.set_chunk(c == 0 ? block_size_ : c);
+      return;
+    }
     if (c != 0 && spec_.lfm2)
       throw UnsupportedError("set_chunk_size(" + std::to_string(c) + "): " + info.family +
                              "'s short conv has no chunks (one token loop); per-token states are served on any call");
@@ -421,6 +441,7 @@ class QwenHybrid final : public FamilyModel {
       // Kimi: the delta rule's per-key-channel variant and latent attention, named so a reader knows which.
       const std::string block = "block " + std::to_string(i) +
                                 (lin && spec_.lfm2 ? std::string(" is a short_conv block")
+                                 : lin && spec_.minimax ? std::string(" is a lightning block")
                                  : lin ? std::string(" is a gated_deltanet block") + (spec_.kimi ? " (Kimi Delta Attention)" : "")
                                      : std::string(" is an attention block") + (spec_.kimi ? " (latent attention)" : ""));
       for (int vi = 0; vi < kNumValues; ++vi) {
@@ -432,6 +453,9 @@ class QwenHybrid final : public FamilyModel {
               : spec_.lfm2 && (val == Value::betas || val == Value::decays)
                   ? block + " (LFM2's gated short conv): nothing scales its writes or decays its window, which shifts "
                     "one token a step through fixed conv weights; B and C gate per channel (attention_keys / attention_queries)"
+              : spec_.minimax && val == Value::betas
+                  ? block + " (MiniMax lightning attention): every token writes k v^T unscaled (no write strength, "
+                    "no delta rule); the decay is decays, one constant per head"
                   : "";
         else if (c == Component::self_attn)
           s["self_attn." + std::string(value_name(val))][i] =
@@ -469,18 +493,24 @@ class QwenHybrid final : public FamilyModel {
     watch.check(li, l.linear ? Value::attention_output : Value::attn_output, out);
     if (l.post_norms) out = normed(out, l.post_norm);
     Tensor hl = Tensor::uninitialized({B, 1, D_}), nl = Tensor::uninitialized({B, 1, D_});
+    const float fa = l.linear ? spec_.factors.linear_alpha : spec_.factors.full_alpha;
+    const float fb = l.linear ? spec_.factors.linear_beta : spec_.factors.full_beta;
     for (int64_t b = 0; b < B; ++b) {
-      const float* hr = h.data() + (b * T + T - 1) * D_;
+      const float* hr = (spec_.minimax ? n : h).data() + (b * T + T - 1) * D_;  // MiniMax: the normed input is the residual
       const float* orow = out.data() + (b * ot + ot - 1) * D_;
       float* y = hl.data() + b * D_;
-      for (int64_t e = 0; e < D_; ++e) y[e] = hr[e] + orow[e];  // add_into's operation
+      if (spec_.minimax)
+        for (int64_t e = 0; e < D_; ++e) y[e] = hr[e] * fa + orow[e] * fb;  // scaled_residual's operation
+      else
+        for (int64_t e = 0; e < D_; ++e) y[e] = hr[e] + orow[e];  // add_into's operation
     }
     if (!l.post_norms) norm_rows(hl, l.post_norm, nl);
     const Tensor& mlp_in = l.post_norms ? hl : nl;
     Tensor m = l.mlp.moe ? moe(l.mlp, mlp_in) : dense(l.mlp.gate_up, l.mlp.down, l.mlp.I, mlp_in.data(), B);
     watch.check(li, Value::mlp_output, m);
     if (l.post_norms) norm_rows(m, l.ff_norm, m);
-    add_into(hl, m);
+    if (spec_.minimax) scaled_residual(hl, nl, m, spec_.factors.mlp_alpha, spec_.factors.mlp_beta);
+    else add_into(hl, m);
     watch.check(li, Value::layer_output, hl);
     return hl;
   }
@@ -491,6 +521,17 @@ class QwenHybrid final : public FamilyModel {
       for (const auto& [module, stored] : spec_.norm_aliases)
         if (module == name && w.has(lp + stored + ".weight")) return w.get(lp + stored + ".weight", {D_});
     return w.get(lp + name + ".weight", {D_});
+  }
+
+  // MiniMaxDecoderLayer's residual: h = residual * alpha + x * beta, the residual being the normed
+  // block input n (not h).
+  static void scaled_residual(Tensor& h, const Tensor& n, const Tensor& x, float alpha, float beta) {
+    float* hp = h.data();
+    const float *np = n.data(), *xp = x.data();
+    const int64_t cols = h.size(-1);
+    ops::parallel_rows(h.numel() / cols, cols, [&](int64_t r0, int64_t r1) {
+      for (int64_t k = r0 * cols; k < r1 * cols; ++k) hp[k] = np[k] * alpha + xp[k] * beta;
+    });
   }
 
   static void add_into(Tensor& h, const Tensor& x) {
@@ -609,6 +650,15 @@ class QwenHybrid final : public FamilyModel {
       sc.ls = ls;
       return conv_.forward(l.sc, n_in, in, masked, sc);
     }
+    if (spec_.minimax) {
+      LightningMixerCall lc;
+      lc.layer = li;
+      lc.ssm = &cache.ssm[static_cast<size_t>(li)];
+      lc.has_state = cache.has_state;
+      lc.chunked = ctx.kernel == "chunked";
+      lc.ls = ls;
+      return lightning_.forward(l.lightning, n_in, in, masked, lc);
+    }
     GatedDeltaMixerCall call;
     call.layer = li;
     call.conv = &cache.conv[static_cast<size_t>(li)];
@@ -640,6 +690,9 @@ class QwenHybrid final : public FamilyModel {
   GdnDims g_;
   GatedDeltaMixer gdn_;
   ShortConvMixer conv_;
+  LightningMixer lightning_;
+  bool no_shared_ = false;
+  int64_t block_size_ = 256;  // MiniMax's  // the sparse block has no shared expert (LFM2-MoE, MiniMax)
   AttentionMixer attn_;
   float eps_ = 1e-6f;
   Tensor embed_, norm_, lm_head_;

@@ -15,6 +15,7 @@
 #include "io/weights.h"
 #include "mixers/attention_mixer.h"
 #include "mixers/gated_delta_mixer.h"
+#include "mixers/lightning_mixer.h"
 #include "mixers/short_conv_mixer.h"
 #include "models/family.h"
 
@@ -54,6 +55,17 @@ struct QwenHybridSpec {
   bool lfm2 = false;
   bool conv_bias = false;
   std::string final_norm = "norm";  ///< the final norm's module name (LFM2: embedding_norm)
+  /// MiniMax's block stack (minimax.cpp, which also maps its config onto the fields read here):
+  /// lightning attention blocks (mixers/lightning_mixer.h, module self_attn) where layer_types says
+  /// linear_attention, plain weight RMS norms, every MLP the Mixtral-style sparse block under
+  /// block_sparse_moe (softmax router, top-k renormalised, experts w1 / w3 / w2, no shared expert),
+  /// and MiniMaxDecoderLayer's residual: the normed input is the residual,
+  /// h = alpha * norm(h) + beta * mixer(norm(h)) (the *_attn_alpha / beta_factor of the block kind),
+  /// then h = mlp_alpha_factor * norm2(h) + mlp_beta_factor * moe(norm2(h)). No backward.
+  bool minimax = false;
+  struct Factors {
+    float linear_alpha = 1, linear_beta = 1, full_alpha = 1, full_beta = 1, mlp_alpha = 1, mlp_beta = 1;
+  } factors;
 };
 
 /// Qwen3_5GatedDeltaNet: in_proj rows [q | k | v | z | b | a] (GdnDims).

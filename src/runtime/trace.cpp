@@ -250,6 +250,9 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
     case LayerKind::rg_lru:  // RecurrentGemma: the RG-LRU token loop (rg_lru_mixer)
       id.kind = "rg_lru", id.state_op = "rg_lru_step";
       break;
+    case LayerKind::lightning:  // MiniMax: linear attention with a per-head decay, on the SSD scan (lightning_mixer)
+      id.kind = "lightning", id.state_op = "lightning_attention";
+      break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +
                              std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(layer)])) +

@@ -140,6 +140,7 @@ inline void expect_kernel_identity(const Model& m, const Trace& t, const std::st
   EXPECT_EQ(id.state_op, kind == "gated_delta"  ? "gated_delta_rule"
                          : kind == "kimi_delta" ? "kimi_delta_rule"
                          : kind == "short_conv" ? "causal_conv1d_update"
+                         : kind == "lightning"  ? "lightning_attention"
                                                 : "selective_state_update");
   EXPECT_EQ(id.prompt_kernel, t.calls()[0].kernel);
   for (const CallRecord& call : t.calls()) {

@@ -27,7 +27,8 @@ const char* const kFamilies[] = {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "
                                  "olmo_hybrid",
                                  "zamba2",
                                  "zamba",
-                                 "kimi_linear"};
+                                 "kimi_linear",
+                                 "minimax"};
 
 std::string mix(int layer, const std::string& v) { return "layers." + std::to_string(layer) + ".linear_attn." + v; }
 std::string at(int layer, int64_t t) { return mix(layer, "state") + "@t" + std::to_string(t); }
@@ -61,7 +62,8 @@ Model load_family(const std::string& family) { return Model::load(fixture(family
 // count on some cores (OpenBLAS's Haswell / Zen sgemm kernels, not SkylakeX's).
 bool routed_experts(const std::string& family) {
   return family == "jamba" || family == "qwen3_5_moe" || family == "qwen3_next" || family == "kimi_linear" ||
-         family == "granitemoehybrid" || family == "nemotron_h";
+         family == "granitemoehybrid" || family == "nemotron_h" ||
+         family == "minimax";
 }
 Model load_invariant(const std::string& family) {
   LoadOptions o;
@@ -253,8 +255,10 @@ TEST_P(ScanIdentity, ASkippedTokenKeepsTheStateExactly) {
         for (int64_t b = 0; b < v.size(0); ++b)
           std::fill(v.data() + (b * v.size(1) + w) * per, v.data() + (b * v.size(1) + w + 1) * per, 0.0f);
       };
-      // Mamba: dt = 0 (decay exp(0) = 1, input 0); gated DeltaNet: beta = 0 and g = 0.
-      t.edit(mix(l, "betas"), zero_at);
+      // Mamba: dt = 0 (decay exp(0) = 1, input 0); gated DeltaNet: beta = 0 and g = 0; lightning
+      // attention (no betas): k = 0 and its decay 0.
+      if (p.family == "minimax") t.edit(mix(l, "attention_keys"), zero_at).edit(mix(l, "decays"), zero_at);
+      else t.edit(mix(l, "betas"), zero_at);
       if (gated_delta(p.family)) t.edit(mix(l, "decays"), zero_at);
     }
     m.run({ids}, &t);
@@ -322,6 +326,7 @@ TEST_P(ScanIdentity, ARowsScanValuesAreTheSameAloneAndInAPaddedBatch) {
   const auto a = random_ids(m, Q + 3, 21), other = random_ids(m, 2 * Q + 5, 22);
   const std::vector<std::string> inputs =
       gated_delta(p.family) ? std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "betas", "decays"}
+      : p.family == "minimax" ? std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "decays"}
                             : std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "betas"};
   Trace alone;
   for (const auto& v : inputs) alone.save(mix(layer, v));

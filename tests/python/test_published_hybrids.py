@@ -4,7 +4,7 @@ tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
 allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size, moonshotai/Kimi-Linear-48B-A3B
-reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers. Built once under build/published/ (a few minutes and 1-3 GB each; later
+reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers, MiniMaxAI/MiniMax-Text-01 widths reduced to 2 layers, 2 experts and a 32000-row vocabulary. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -19,7 +19,8 @@ Memory: mixlens and transformers each hold a model in float32 (up to ~6 GB for t
 layout); they run one after the other, never at the same time. The Qwen3.5-MoE layout (2.6B parameters,
 2 x 256 experts) peaks at ~20 GB resident (transformers widening it to float32, ~4 minutes on 2 cores);
 its logits matched at 2.2e-6 relative RMS when added; the RecurrentGemma-2B layout (3 layers, ~0.9B parameters,
-~1 minute once built) at 1.2e-6."""
+~1 minute once built) at 1.2e-6; the MiniMax-Text-01 layout (2 layers, 2 experts, ~1.5B parameters, built in
+bfloat16 without the lightning decay buffers the release does not store; ~1.5 minutes) at 1.1e-6."""
 
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ SHAPES = {
                                    "layers.1.linear_attn.states": (1, 12, 4, 2560),
                                    "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
                                    "layers.2.self_attn.attention_keys": (1, 12, 1, 256)},
+    "minimax_text_01_2layers": {"layers.0.linear_attn.attention_keys": (1, 12, 64, 128),
+                                "layers.0.linear_attn.decays": (1, 12, 64),
+                                "layers.0.linear_attn.states": (1, 12, 64, 128, 128),
+                                "layers.0.linear_attn.attention_output": (1, 12, 6144),
+                                "layers.1.self_attn.attention_keys": (1, 12, 8, 128),
+                                "layers.1.mlp.output": (1, 12, 6144)},
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
@@ -139,7 +146,8 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "rwkv_4_169m_pile": "RwkvForCausalLM",
                "kimi_linear_48b_a3b_2layers": "KimiLinearForCausalLM",
                "lfm2_350m": "Lfm2ForCausalLM",
-               "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM"}
+               "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM",
+               "minimax_text_01_2layers": "MiniMaxForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
@@ -147,7 +155,8 @@ BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falco
        "rwkv_4_169m_pile",
        "kimi_linear_48b_a3b_2layers",
        "lfm2_350m",
-       "recurrent_gemma_2b_3layers"}
+       "recurrent_gemma_2b_3layers",
+       "minimax_text_01_2layers"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -176,7 +185,9 @@ def test_logits_match_transformers_float32_and_shapes_are_published(layout):
         assert got[p].shape == shape, (p, got[p].shape)
         assert np.isfinite(got[p]).all(), p
 
-    ref = getattr(transformers, MODEL_CLASS[name]).from_pretrained(str(d), dtype=torch.bfloat16).float().eval()
+    # MiniMax: loaded in float32, so the decay buffers the file lacks are computed in float32, as mixlens does.
+    dtype = torch.float32 if name == "minimax_text_01_2layers" else torch.bfloat16
+    ref = getattr(transformers, MODEL_CLASS[name]).from_pretrained(str(d), dtype=dtype).float().eval()
     with torch.no_grad():
         want = ref(input_ids=torch.tensor([PROMPT])).logits.float().numpy()
     del ref
