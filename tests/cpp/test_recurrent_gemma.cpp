@@ -205,6 +205,41 @@ TEST(RecurrentGemma, PerTokenStateReadsAndWritesFollowTheRecurrence) {
   }
 }
 
+// A state_input write of the conv window is served before the conv reads it: the call's attention_values
+// are the conv over the written window (the first K-1 tokens) and over the call's own inputs (later ones),
+// and the head outputs follow the RG-LRU from the written state.
+TEST(RecurrentGemma, AStateInputWindowWriteReachesTheServedConvOutput) {
+  GoldenCase c("recurrent_gemma", "griffin");
+  const int l = rg_layers(c.model).at(0);
+  const ExplicitRgLru rg(c, l);
+  const std::string p = mix(l, "");
+  const auto& prompt = c.prompts[0];
+  Cache cache = c.model.new_cache(1);
+  Trace first;
+  first.save(p + "state_output");
+  c.model.forward(Batch::left_padded({{prompt.begin(), prompt.begin() + 6}}, 0), cache, &first);
+  Tensor written = first.get(p + "state_output").clone();
+  const int64_t K = written.size(1), W = written.size(2), n = K * W;
+  for (int64_t i = 0; i < (K - 1) * W; ++i) written[i] = 0.5f - written[i];
+  Trace t;
+  t.set(p + "state_input", written).save(p + "attention_values").save(p + "states").save(p + "attention_head_outputs");
+  c.model.forward(Batch::left_padded({{prompt.begin() + 6, prompt.end()}}, 0), cache, &t);
+  // The cache's second call: step 1.
+  const Tensor &u = t.get(p + "attention_values", 1), &st = t.get(p + "states", 1), &ho = t.get(p + "attention_head_outputs", 1);
+  std::vector<double> h(written.data() + (K - 1) * W, written.data() + n);
+  double worst_u = 0.0, worst_h = 0.0;
+  for (int64_t tt = 0; tt < st.size(1); ++tt) {
+    const std::vector<double> want = rg.conv(tt == 0 ? written.data() : st.data() + (tt - 1) * n, st.data() + tt * n + (K - 2) * W);
+    rg.step(want, h);
+    for (int64_t ch = 0; ch < W; ++ch) {
+      worst_u = std::max(worst_u, std::fabs(u[tt * W + ch] - want[static_cast<size_t>(ch)]) / (1.0 + std::fabs(want[static_cast<size_t>(ch)])));
+      worst_h = std::max(worst_h, std::fabs(ho[tt * W + ch] - h[static_cast<size_t>(ch)]) / (1.0 + std::fabs(h[static_cast<size_t>(ch)])));
+    }
+  }
+  EXPECT_LE(worst_u, 1e-5);
+  EXPECT_LE(worst_h, 1e-5);
+}
+
 // The reset (a_t = 0 at a sequence's first token) would discard a decays write there and an h written
 // before it: both are WriteErrors, not silent no-ops; the same decays write one token later is taken.
 TEST(RecurrentGemma, WritesTheResetDiscardsAreRefused) {
