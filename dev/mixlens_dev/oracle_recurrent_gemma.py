@@ -168,7 +168,7 @@ class _Recorder(oq._Recorder):
 
     def _fix_mask(self, m, args, kwargs):
         """transformers 5.18 sizes the decode step's mask from the cache's layer 0, which a recurrent
-        block never fills: [B, 1, 1, 1] instead of [B, 1, 1, S], and left padding leaks into the
+        block 0 never fills: [B, 1, 1, 1] instead of [B, 1, 1, S], and left padding leaks into the
         attention. Such a mask is replaced by the causal, padding-masked, windowed one it stands for."""
         am, S = kwargs.get("attention_mask"), self._mask.shape[1]
         if am is None or am.shape[-1] == S:
