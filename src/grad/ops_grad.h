@@ -171,3 +171,28 @@ struct SelectiveScanGradArgs {
 void selective_scan_backward(const SelectiveScanGradArgs& a);
 
 }  // namespace mixlens::grad
+
+namespace mixlens::grad {
+
+/// Backward of the RG-LRU recurrence of one batch row (mixers/rg_lru_mixer.cpp; transformers'
+/// RecurrentGemmaRglru): per channel c, from the served values u (attention_values), i (betas) and
+/// log a (decays),  h_t = a_t h_{t-1} + m_t i_t u_t  with a_t = exp(log a_t), m_t = sqrt(1 - a_t^2), and
+/// at a reset token (a sequence's first) a_t = 0, m_t = 1. dm/d(1 - a^2) is transformers'
+/// SqrtBoundDerivative: 1 / sqrt(max(4 (1 - a^2), 1e-6)). Outputs are overwritten.
+struct RgLruGradArgs {
+  int64_t T = 0, W = 0;
+  const float* u = nullptr;        ///< [T,W]
+  const float* ig = nullptr;       ///< [T,W]
+  const float* la = nullptr;       ///< [T,W] log a_t (<= 0)
+  const uint8_t* reset = nullptr;  ///< [T] 1 at a reset token
+  const float* h0 = nullptr;       ///< [W] the state before token 0
+  const float* dy = nullptr;       ///< [T,W] dL/dh_t as the output (attention_head_outputs)
+  float* du = nullptr;             ///< [T,W] through the write m i u
+  float* dig = nullptr;            ///< [T,W]
+  float* dla = nullptr;            ///< [T,W] through a_t and m_t (0 at a reset)
+  float* dh0 = nullptr;            ///< [W]
+  float* dstates = nullptr;        ///< optional [T,W]: dL/dh_t (the output and every later token)
+};
+void rg_lru_backward(const RgLruGradArgs& a);
+
+}  // namespace mixlens::grad

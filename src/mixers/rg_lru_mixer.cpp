@@ -46,6 +46,10 @@ RgLruMixerWeights RgLruMixer::load(const io::WeightStore& w, const std::string& 
 
 void RgLruMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
   const int64_t W = d_.W, K = d_.K;
+  const std::string layout = "[K, lru_width]: rows 0..K-2 the conv window (the last conv1d_width - 1 linear_x "
+                             "outputs, oldest first), row K-1 the RG-LRU h";
+  // Served first: the conv of the call's first K-1 tokens reads the window a write leaves.
+  v.push_back(layer_value(i, Value::state_input, {B, K, W}, true, "state the call starts from " + layout + "; None on a fresh prompt"));
   v.push_back(layer_value(i, Value::attention_values, {B, T, W}, true,
                           "u = conv_1d(linear_x(x)), the RG-LRU input before the input gate (padding inputs count as 0); the "
                           "gates are computed from it first, so a write changes what the token writes, not its gates"));
@@ -55,9 +59,6 @@ void RgLruMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) 
   v.push_back(layer_value(i, Value::decays, {B, T, W}, true,
                           "log a_t = -8 * r_t * softplus(recurrent_param), r_t = sigmoid(u W_recurrent_gate + b) the "
                           "recurrence gate; <= 0 (a write sets a_t = exp(decays) and the normaliser sqrt(1 - a_t^2))"));
-  const std::string layout = "[K, lru_width]: rows 0..K-2 the conv window (the last conv1d_width - 1 linear_x "
-                             "outputs, oldest first), row K-1 the RG-LRU h";
-  v.push_back(layer_value(i, Value::state_input, {B, K, W}, true, "state the call starts from " + layout + "; None on a fresh prompt"));
   auto s = layer_value(i, Value::states, {B, T, K, W}, false, "state after every token " + layout + " (computed only when asked)");
   s.writable = false;
   v.push_back(s);
@@ -81,7 +82,12 @@ Tensor RgLruMixer::forward(const RgLruMixerWeights& l, const Tensor& x, const Ba
   if (in.has_padding()) apply_row_mask(xb, in);
 
   Tensor& S = *call.h;
-  // The window each precomputed conv reads (a state_input write is caught by run's window check).
+  // state_input before the conv: a window write reaches the served u, betas and decays of the first K-1 tokens.
+  visit_state_input(li, S, call.has_state, ls, Shape{K, W}, [](const Tensor& s) { return s.clone(); },
+                    [](const Tensor& o, Tensor& s) {
+                      std::memcpy(s.data(), o.data(), sizeof(float) * static_cast<size_t>(s.numel()));
+                    });
+  // The window each precomputed conv reads (a state@t write is caught by run's window check).
   const Tensor win0 = S.clone();
   const auto gates = [&](const float* u, float* ig, float* la) {
     for (int64_t h = 0; h < H; ++h)
@@ -123,10 +129,6 @@ Tensor RgLruMixer::forward(const RgLruMixerWeights& l, const Tensor& x, const Ba
                        std::to_string(r / T) + ", token " + std::to_string(r % T) +
                        ") changes nothing: the RG-LRU resets there (a_t = 0, transformers' RecurrentGemmaRglru)");
 
-  visit_state_input(li, S, call.has_state, ls, Shape{K, W}, [](const Tensor& s) { return s.clone(); },
-                    [](const Tensor& o, Tensor& s) {
-                      std::memcpy(s.data(), o.data(), sizeof(float) * static_cast<size_t>(s.numel()));
-                    });
   Tensor hs({B, T, W});  // zeros: padding positions read nothing
   RowScan rs;
   rs.B = B; rs.T = T; rs.row_numel = SN; rs.S = S.data(); rs.y_row_numel = T * W;

@@ -54,6 +54,30 @@ inline double rel_rms(const std::vector<float>& got, const std::vector<double>& 
 
 constexpr double kTol = 1e-5;  ///< float32 op backward vs a double reference
 
+/// The parts concatenated: one flat parameter vector for fd().
+inline std::vector<double> concat(const std::vector<std::vector<double>*>& parts) {
+  std::vector<double> all;
+  for (const auto* p : parts) all.insert(all.end(), p->begin(), p->end());
+  return all;
+}
+/// A flat vector split back into the parts' sizes.
+inline std::vector<std::vector<double>> split(const std::vector<double>& v, const std::vector<std::vector<double>*>& parts) {
+  std::vector<std::vector<double>> q;
+  size_t o = 0;
+  for (const auto* p : parts) q.emplace_back(v.begin() + o, v.begin() + o + p->size()), o += p->size();
+  return q;
+}
+/// Each got[k] within kTol of its slice of ref (the gradients concatenated in the same order).
+inline void expect_slices_match(const std::vector<std::vector<float>*>& got, const std::vector<double>& ref,
+                                const std::vector<std::string>& names) {
+  size_t o = 0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const std::vector<double> r(ref.begin() + o, ref.begin() + o + got[k]->size());
+    o += got[k]->size();
+    EXPECT_LT(rel_rms(*got[k], r), kTol) << names[k];
+  }
+}
+
 /// A tensor of N(0, scale^2) floats.
 inline Tensor random_like(const Shape& s, uint32_t seed, float scale = 1.0f) {
   std::mt19937 g(seed);

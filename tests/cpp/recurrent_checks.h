@@ -186,7 +186,8 @@ inline void expect_unchanged_writes_change_nothing(const Model& m, const std::ve
   for (const char* p : {"layers.*.linear_attn.betas", "layers.*.linear_attn.decays", "layers.*.linear_attn.attention_values",
                         "layers.*.linear_attn.attention_keys", "layers.*.linear_attn.attention_queries",
                         "layers.*.linear_attn.state_output", "layers.*.linear_attn.attention_head_outputs"}) {
-    const std::string leaf = std::string(p).substr(std::string(p).rfind('.'));
+    // The component too: RecurrentGemma's self_attn has attention_keys, its linear_attn has none.
+    const std::string leaf = std::string(p).substr(std::string(p).find(".linear_attn."));
     const auto vals = m.values(1, 1);
     if (std::none_of(vals.begin(), vals.end(), [&](const ValueInfo& v) { return v.path.ends_with(leaf); }))
       continue;  // a value the family does not have (LFM2's short conv: betas, decays)

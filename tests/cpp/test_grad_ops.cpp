@@ -327,3 +327,40 @@ TEST(GradOps, SsdChunkedBackwardMatchesRecurrent) {
       }
     }
 }
+
+// The RG-LRU recurrence (grad/rg_lru_grad.cpp): u, i, log a and h0 against central differences of
+// h_t = a_t h_{t-1} + sqrt(1 - a_t^2) i_t u_t in double, with a reset inside the row (a_t = 0, the
+// multiplier 1: no gradient to log a there, none through it to earlier tokens); dstates against a
+// perturbation added to h_t.
+TEST(GradOps, RgLruMatchesFiniteDifferences) {
+  const int64_t T = 7, W = 5;
+  auto u = rnd(T * W, 41), ig = rnd(T * W, 42, 0.05, 0.95), la = rnd(T * W, 43, -3.0, -0.05), h0 = rnd(W, 44),
+       dy = rnd(T * W, 45);
+  std::vector<uint8_t> reset(T, 0);
+  reset[3] = 1;
+  std::vector<double> bump(T * W, 0.0);
+  std::vector<std::vector<double>*> parts{&u, &ig, &la, &h0, &bump};
+  auto s = [&](const std::vector<double>& v) {
+    const auto q = split(v, parts);
+    std::vector<double> h(q[3]);
+    double acc = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < W; ++c) {
+        const int64_t e = t * W + c;
+        const double a = reset[t] ? 0.0 : std::exp(q[2][e]), m = reset[t] ? 1.0 : std::sqrt(1.0 - a * a);
+        h[c] = a * h[c] + m * q[1][e] * q[0][e] + q[4][e];
+        acc += dy[e] * h[c];
+      }
+    return acc;
+  };
+  const auto ref = fd(concat(parts), s);
+  auto uf = f32(u), igf = f32(ig), laf = f32(la), h0f = f32(h0), dyf = f32(dy);
+  std::vector<float> du(u.size()), dig(ig.size()), dla(la.size()), dh0(h0.size()), dst(bump.size());
+  grad::RgLruGradArgs g;
+  g.T = T; g.W = W;
+  g.u = uf.data(); g.ig = igf.data(); g.la = laf.data(); g.reset = reset.data(); g.h0 = h0f.data(); g.dy = dyf.data();
+  g.du = du.data(); g.dig = dig.data(); g.dla = dla.data(); g.dh0 = dh0.data(); g.dstates = dst.data();
+  grad::rg_lru_backward(g);
+  expect_slices_match({&du, &dig, &dla, &dh0, &dst}, ref, {"du", "dig", "dla", "dh0", "dstates"});
+  for (int64_t c = 0; c < W; ++c) EXPECT_EQ(dla[3 * W + c], 0.0f) << "the reset token's decay is unused";
+}

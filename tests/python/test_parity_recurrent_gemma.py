@@ -263,3 +263,19 @@ def test_writes_the_reset_discards_are_errors_not_no_ops(case):
     cache2 = m.new_cache(1)
     m.forward([row[:3]], cache=cache2)
     assert rel_rms(out, m.forward([row[3:]], cache=cache2)["logits"]) > 0
+
+
+@pytest.mark.parametrize("name", ["griffin", "attention_first", "padded_batch"])
+def test_committed_goldens_are_the_oracles_live_capture(name):
+    """tests/fixtures/recurrent_gemma (scripts/make_fixtures.py) is what the oracle captures today,
+    edits included: a transformers change, or an oracle change not rebuilt into the fixtures, fails here."""
+    from mixlens_dev import fixtures, oracle_recurrent_gemma as org
+    from mixlens_dev.fixtures import recurrent_gemma as frg
+
+    case, model, golden = fixtures.load_committed("recurrent_gemma", name, transformers.RecurrentGemmaForCausalLM)
+    live, _ = org.run(model, case["prompts"], frg.PAD, case["n_steps"])
+    feeds = case["feeds"]
+    for e in case["edits"]:
+        ev, _ = org.run(model, case["prompts"], frg.PAD, case["n_steps"], edits=[e], feeds=feeds, record=False)
+        live.update({f"edit/{e['name']}/{k}": v for k, v in ev.items() if k.startswith("logits@")})
+    fixtures.assert_matches_golden(live, golden)
