@@ -40,6 +40,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
       {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
       {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false, kRgLruOneKernel},
+      {"xlstm", "xlstm", make_xlstm, false},
   };
   return registry;
 }

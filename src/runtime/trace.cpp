@@ -250,6 +250,9 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
     case LayerKind::rg_lru:  // RecurrentGemma: the RG-LRU token loop (rg_lru_mixer)
       id.kind = "rg_lru", id.state_op = "rg_lru_step";
       break;
+    case LayerKind::mlstm:  // xLSTM: transformers' mlstm_chunkwise / mlstm_recurrent_step_native
+      id.kind = "mlstm", id.state_op = "mlstm_recurrent_step";
+      break;
     default:
       throw UnsupportedError("mixer_identity: block " + std::to_string(layer) + " is " +
                              std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(layer)])) +

@@ -20,6 +20,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::short_conv: return "short_conv";
     case LayerKind::rwkv: return "rwkv";
     case LayerKind::rg_lru: return "rg_lru";
+    case LayerKind::mlstm: return "mlstm";
   }
   return "?";
 }
