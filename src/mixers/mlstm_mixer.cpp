@@ -211,6 +211,7 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
   Listener* ls = call.ls;
   const int64_t B = in.batch, T = in.seq, BT = B * T, D = d_.D, QK = d_.qk(), V = d_.v(), NH = d_.NH;
   const int64_t W = 2 * QK + 2 * V, n = d_.row_numel();
+  Tensor& S = call.begin_state();  // state_input first: values() order, which a streaming read follows
   Tensor proj({BT, W}), gp({BT, 2 * NH});
   ops::linear(n_in.data(), BT, D, lw.qkvo, proj.data());
   ops::linear(n_in.data(), BT, D, lw.gates, gp.data(), lw.gate_bias.data());
@@ -239,7 +240,6 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
     for (int64_t r = 0; r < BT * NH; ++r) ig[r] = std::log(gate_i[r]);
   visit_if(ls, li, Value::decays, lf);
 
-  Tensor& S = call.begin_state();
   Tensor y({B, T, V});  // zeros: padded tokens read nothing
   const int64_t Q = d_.chunk;
   RowScan rs;
