@@ -233,11 +233,11 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
   visit_if(ls, li, Value::attention_keys, k);
   visit_if(ls, li, Value::attention_values, v);
   // betas is the input gate exp(i) (a write strength, >= 0, as every family's betas); the kernels take its
-  // log, which is i itself unless betas was written.
+  // log, always, so a write of the value read changes nothing (log(exp(i)) is i within an ulp).
   Tensor gate_i({B, T, NH});
   for (int64_t r = 0; r < BT * NH; ++r) gate_i[r] = std::exp(ig[r]);
-  if (visit_if(ls, li, Value::betas, gate_i))
-    for (int64_t r = 0; r < BT * NH; ++r) ig[r] = std::log(gate_i[r]);
+  visit_if(ls, li, Value::betas, gate_i);
+  for (int64_t r = 0; r < BT * NH; ++r) ig[r] = std::log(gate_i[r]);
   visit_if(ls, li, Value::decays, lf);
 
   Tensor y({B, T, V});  // zeros: padded tokens read nothing

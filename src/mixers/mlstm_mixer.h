@@ -81,6 +81,8 @@ class MlstmMixer {
   /// One call on norm_mlstm's output [B,T,D]; returns what the block adds to the residual [B,T,D].
   Tensor forward(const MlstmMixerWeights& lw, const Tensor& n_in, const Batch& in, const MlstmMixerCall& call) const;
   const MlstmMixerDims& dims() const { return d_; }
+  /// The chunkwise kernel's chunk length (Model::set_chunk_size; the config's chunk_size by default).
+  void set_chunk(int64_t c) { d_.chunk = c; }
 
  private:
   MlstmMixerDims d_;

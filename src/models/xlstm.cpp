@@ -72,6 +72,7 @@ class XlstmModel final : public FamilyModel {
     d.gate_cap = read_cap(cfg, "gate_soft_cap", 15.0);
     cap_ = read_cap(cfg, "output_logit_soft_cap", 30.0);
     require_positive(cfg, {{"chunk_size", d.chunk}});
+    chunk_ = d.chunk;
     if (!(d.eps >= 0.0f) || !(eps_ > 0.0f)) throw ConfigError(where(cfg) + ": eps must be >= 0 and norm_eps > 0");
     const std::string ff_round = "ffn_round_up_to_multiple_of";
     const int64_t r = cfg.get_or<int64_t>(ff_round, 64);
@@ -112,6 +113,8 @@ class XlstmModel final : public FamilyModel {
     info.vocab_size = V_;
     info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mlstm);
   }
+
+  void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : chunk_); }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
     auto c = std::make_unique<XlstmCache>();
@@ -216,7 +219,7 @@ class XlstmModel final : public FamilyModel {
     });
   }
 
-  int64_t D_ = 0, L_ = 0, V_ = 0, I_ = 0;
+  int64_t D_ = 0, L_ = 0, V_ = 0, I_ = 0, chunk_ = 64;
   float eps_ = 1e-6f, cap_ = 30.0f;
   Tensor embed_, out_norm_, lm_head_;
   std::vector<Tensor> norm_mlstm_, norm_ffn_;

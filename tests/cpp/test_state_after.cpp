@@ -50,7 +50,8 @@ std::vector<FamilyCase> all_cases() {
                         "zamba",
                         "kimi_linear",
                         "lfm2",
-                        "lfm2_moe"})
+                        "lfm2_moe",
+                        "xlstm"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

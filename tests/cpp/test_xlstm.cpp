@@ -121,7 +121,7 @@ TEST(Xlstm, PerTokenStateReadsAndWritesFollowTheRecurrence) {
         .save(p + "attention_values").save(p + "betas").save(p + "decays");
     c.model.run(c.prompts, &base);
     std::vector<float> log_i(base.get(p + "betas").begin(), base.get(p + "betas").end());
-    for (float& x : log_i) x = std::log(x);  // the log input gate the kernel takes from written betas
+    for (float& x : log_i) x = std::log(x);  // the log input gate the kernel takes from betas
     const Tensor& st = base.get(p + "states");
     const int64_t T = st.size(1), n = st.size(2);
     ASSERT_EQ(n, d.row_numel());
@@ -132,9 +132,7 @@ TEST(Xlstm, PerTokenStateReadsAndWritesFollowTheRecurrence) {
     for (int64_t i = 0; i < d.n_off(); ++i) written[i] = written[i] * 3.0f + 0.5f;  // C
     written[d.m_off() + 1] += 2.0f;                                                  // m of head 1
     Trace edited;
-    // betas written back as read: the kernel then takes log(betas), as the explicit run below does.
-    edited.set(p + "betas", base.get(p + "betas")).set(p + "state@t5", written).save(p + "states")
-        .save(p + "attention_head_outputs");
+    edited.set(p + "state@t5", written).save(p + "states").save(p + "attention_head_outputs");
     c.model.run(c.prompts, &edited);
     route_kernels("xlstm", "default");
     std::vector<float> s(written.data(), written.data() + n), y(static_cast<size_t>((T - t0 - 1) * d.v()));
@@ -154,7 +152,7 @@ TEST(Xlstm, PerTokenStateReadsAndWritesFollowTheRecurrence) {
     if (route == "recurrent")
       EXPECT_EQ(worst, 0.0) << route;
     else
-      EXPECT_LE(worst, 1e-5) << route;
+      EXPECT_LE(worst, 3e-5) << route;  // the chunk formula vs the step: rounding (kValueTolerance)
     // The write took effect: the outputs after t differ from the unwritten run's.
     Trace plain;
     plain.save(p + "attention_head_outputs");

@@ -85,7 +85,7 @@ def test_backward_is_a_clear_error_naming_the_family(case):
         pass
     with pytest.raises(mixlens.UnsupportedError, match="xlstm"):
         B, T = len(case["prompts"]), len(case["prompts"][0])
-        tr.backward(np.ones((B, T, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+        tr.backward(np.ones((B, T, 128), np.float32), paths=["layers.0.linear_attn.decays"])
 
 
 def test_state_after_reads_and_writes_follow_the_recurrence(case):
