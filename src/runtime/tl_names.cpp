@@ -174,10 +174,11 @@ std::string kind_phrase(int layer, LayerKind k) {
 Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
   const LayerKind kind = m.info.layer_kinds[static_cast<size_t>(layer)];
   const Slots s = slots_of(m.info.family);
-  // TransformerLens 4.3 has no RWKV adapter, so only the residual stream's names mean the same tensor.
-  if (m.info.family == "rwkv" && rest != "hook_resid_pre" && rest != "hook_in" && rest != "hook_resid_post" &&
-      rest != "hook_out")
-    return no("TransformerLens 4.3 has no RWKV adapter: only hook_resid_pre / hook_resid_post map here; read "
+  // TransformerLens 4.3 has no RWKV or xLSTM adapter, so only the residual stream's names mean the same tensor.
+  const char* no_adapter = m.info.family == "rwkv" ? "RWKV" : m.info.family == "xlstm" ? "xLSTM" : nullptr;
+  if (no_adapter && rest != "hook_resid_pre" && rest != "hook_in" && rest != "hook_resid_post" && rest != "hook_out")
+    return no("TransformerLens 4.3 has no " + std::string(no_adapter) +
+              " adapter: only hook_resid_pre / hook_resid_post map here; read "
               "mixlens names (layers.i.linear_attn.*, layers.i.mlp.output)");
   // TL's Zamba2 blocks (SSMBlockBridge) have no attention / MLP hooks, and a hybrid layer's Mamba-2 sits
   // under .mamba_decoder, which its adapter does not map: say so rather than "no MLP" on a block with one.

@@ -156,3 +156,11 @@ def test_route_kernels_both_agree(case):
     finally:
         mixlens.route_kernels("xlstm", "default")
     assert rel_rms(rec, case["ref"]["logits@step0"]) <= 1e-4
+
+
+def test_transformer_lens_names_map_the_residual_stream_only(case):
+    m = case["model"]
+    run = m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_resid_post"]).run()
+    assert np.asarray(run.saved["blocks.1.hook_resid_post"][0]).shape[-1] == 64
+    with pytest.raises(mixlens.UnknownValueError, match="no xLSTM adapter"):
+        m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_mlp_out"]).run()
