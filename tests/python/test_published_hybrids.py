@@ -4,7 +4,7 @@ tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
 allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size, moonshotai/Kimi-Linear-48B-A3B
-reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers. Built once under build/published/ (a few minutes and 1-3 GB each; later
+reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers, NX-AI/xLSTM-7b reduced to 2 blocks. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -129,6 +129,10 @@ SHAPES = {
                                    "layers.1.linear_attn.states": (1, 12, 4, 2560),
                                    "layers.2.self_attn.attention_queries": (1, 12, 10, 256),
                                    "layers.2.self_attn.attention_keys": (1, 12, 1, 256)},
+    "xlstm_7b_2blocks": {"layers.0.linear_attn.attention_queries": (1, 12, 2048),
+                         "layers.0.linear_attn.betas": (1, 12, 8),
+                         "layers.1.linear_attn.state_output": (1, 8 * (256 * 512 + 256 + 1)),
+                         "layers.1.mlp.output": (1, 12, 4096)},
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
@@ -139,7 +143,8 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "rwkv_4_169m_pile": "RwkvForCausalLM",
                "kimi_linear_48b_a3b_2layers": "KimiLinearForCausalLM",
                "lfm2_350m": "Lfm2ForCausalLM",
-               "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM"}
+               "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM",
+               "xlstm_7b_2blocks": "xLSTMForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
@@ -147,7 +152,8 @@ BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falco
        "rwkv_4_169m_pile",
        "kimi_linear_48b_a3b_2layers",
        "lfm2_350m",
-       "recurrent_gemma_2b_3layers"}
+       "recurrent_gemma_2b_3layers",
+       "xlstm_7b_2blocks"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
