@@ -19,16 +19,6 @@ namespace mixlens::detail {
 
 namespace {
 
-struct XlstmCache : CacheState {
-  bool has_state = false;
-  std::vector<Tensor> state;  ///< per layer [B, row_numel] (MlstmMixerDims), fresh zeros as xLSTMCache
-  std::unique_ptr<CacheState> clone() const override {
-    auto c = std::make_unique<XlstmCache>(*this);
-    deep_copy(c->state);
-    return c;
-  }
-};
-
 struct FeedForward {  // backbone.blocks.{i}.ffn (xLSTMFeedForward), held fused
   Tensor up_gate;     // [2 I, D]: proj_up_gate | proj_up
   Tensor down;        // [D, I]
@@ -117,10 +107,7 @@ class XlstmModel final : public FamilyModel {
   void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : chunk_); }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
-    auto c = std::make_unique<XlstmCache>();
-    c->batch = batch;
-    for (int64_t i = 0; i < L_; ++i) c->state.push_back(Tensor({batch, mixer_.dims().row_numel()}));
-    return c;
+    return std::make_unique<RowStateCache>(batch, L_, mixer_.dims().row_numel());  // zeros, as xLSTMCache
   }
 
   // transformers' inference: a prompt (or several new tokens) runs the chunkwise kernel, a one-token step the
@@ -131,12 +118,12 @@ class XlstmModel final : public FamilyModel {
       case KernelRoute::recurrent: return "recurrent";
       default: break;
     }
-    return static_cast<const XlstmCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
+    return static_cast<const RowStateCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
   }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
                  bool all_logits) const override {
-    auto& cache = static_cast<XlstmCache&>(cache_base);
+    auto& cache = static_cast<RowStateCache&>(cache_base);
     const int64_t B = in.batch, T = in.seq, BT = B * T;
     const bool chunked = kernel_for(cache, T) == "chunked";
     Tensor h = embed_tokens(embed_, in, "xlstm");
@@ -154,13 +141,8 @@ class XlstmModel final : public FamilyModel {
       call.layer = li;
       call.ls = ls;
       call.chunked = chunked;
-      const auto copy_out = [](const Tensor& s) { return s.clone(); };
-      const auto copy_in = [](const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); };
-      call.begin_state = [&]() -> Tensor& {
-        visit_state_input(li, cache.state[si], cache.has_state, ls, {mixer_.dims().row_numel()}, copy_out, copy_in);
-        return cache.state[si];
-      };
-      call.end_state = [&] { visit_state_output(li, cache.state[si], ls, copy_out, copy_in); };
+      call.begin_state = [&]() -> Tensor& { return cache.begin_state(li, ls); };
+      call.end_state = [&] { cache.end_state(li, ls); };
       Tensor out = mixer_.forward(layers_[si], n, in, call);
       watch.check(li, Value::attention_output, out);
       for (int64_t k = 0; k < BT * D_; ++k) h[k] += out[k];
