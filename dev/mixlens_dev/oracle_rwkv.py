@@ -13,19 +13,7 @@ import numpy as np
 import torch
 from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
-N_STEPS = 8
-
-
-def mix(layer: int, value: str) -> str:
-    return f"layers.{layer}.linear_attn.{value}"
-
-
-def apply_edit(t: torch.Tensor, e: dict) -> torch.Tensor:
-    t = t.clone()
-    if e["op"] == "scale":
-        return t * e["factor"]
-    t[:, e["index"]] = e["value"]
-    return t
+from mixlens_dev.oracle_util import N_STEPS, mix, recorder
 
 
 def wkv(k, v, w, u, num, den, mx):
@@ -70,12 +58,7 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
     hf_state = None
 
     for step in range(n_steps):
-        def put(path, t):
-            for e in edits:
-                if e["path"] == path and e["step"] == step:
-                    t = apply_edit(t, e)
-            vals[f"{path}@step{step}"] = t.numpy().copy()
-            return t
+        put = recorder(vals, edits, step)
 
         h = put("embed_tokens.output", rw.embeddings(ids))
         for i, blk in enumerate(rw.blocks):

@@ -17,19 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.xlstm import modeling_xlstm as mx
 
-N_STEPS = 8
-
-
-def mix(layer: int, value: str) -> str:
-    return f"layers.{layer}.linear_attn.{value}"
-
-
-def apply_edit(t: torch.Tensor, e: dict) -> torch.Tensor:
-    t = t.clone()
-    if e["op"] == "scale":
-        return t * e["factor"]
-    t[:, e["index"]] = e["value"]
-    return t
+from mixlens_dev.oracle_util import N_STEPS, mix, recorder
 
 
 def flat(c, n, m):
@@ -80,12 +68,7 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
     hf_cache = None
 
     for step in range(n_steps):
-        def put(path, t):
-            for e in edits:
-                if e["path"] == path and e["step"] == step:
-                    t = apply_edit(t, e)
-            vals[f"{path}@step{step}"] = t.numpy().copy()
-            return t
+        put = recorder(vals, edits, step)
 
         h = put("embed_tokens.output", bb.embeddings(ids))
         T = h.shape[1]

@@ -19,9 +19,11 @@ namespace mixlens::detail {
 
 namespace {
 
-struct FeedForward {  // backbone.blocks.{i}.ffn (xLSTMFeedForward), held fused
-  Tensor up_gate;     // [2 I, D]: proj_up_gate | proj_up
-  Tensor down;        // [D, I]
+struct Block {                // backbone.blocks.{i} (xLSTMBlock)
+  Tensor norm_mlstm, norm_ffn;  // [D] RMSNorm weights
+  MlstmMixerWeights mlstm;      // mlstm_layer
+  Tensor up_gate;               // [2 I, D] ffn.proj_up_gate | ffn.proj_up (xLSTMFeedForward), held fused
+  Tensor down;                  // [D, I] ffn.proj_down
 };
 
 /// A soft cap from the config: absent -> `fallback`, null -> none (0).
@@ -75,19 +77,19 @@ class XlstmModel final : public FamilyModel {
     embed_ = load_embedding(w, {"backbone.embeddings.weight"}, {V_, D_});
     for (int64_t i = 0; i < L_; ++i) {
       const std::string b = "backbone.blocks." + std::to_string(i) + ".";
-      norm_mlstm_.push_back(w.get(b + "norm_mlstm.weight", {D_}));
-      norm_ffn_.push_back(w.get(b + "norm_ffn.weight", {D_}));
-      layers_.push_back(mixer_.load(w, b + "mlstm_layer.", fused));
-      FeedForward ff;
+      Block blk;
+      blk.norm_mlstm = w.get(b + "norm_mlstm.weight", {D_});
+      blk.norm_ffn = w.get(b + "norm_ffn.weight", {D_});
+      blk.mlstm = mixer_.load(w, b + "mlstm_layer.", fused);
       if (fused) {
-        ff.up_gate = w.get_matmul(b + "ffn.proj_up_gate_z.weight", {2 * I_, D_});
+        blk.up_gate = w.get_matmul(b + "ffn.proj_up_gate_z.weight", {2 * I_, D_});
       } else {
         const Tensor g = w.get_matmul(b + "ffn.proj_up_gate.weight", {I_, D_});
         const Tensor u = w.get_matmul(b + "ffn.proj_up.weight", {I_, D_});
-        ff.up_gate = ops::assemble_rows(2 * I_, D_, {{&g, 0, I_, 0}, {&u, 0, I_, I_}});
+        blk.up_gate = ops::assemble_rows(2 * I_, D_, {{&g, 0, I_, 0}, {&u, 0, I_, I_}});
       }
-      ff.down = w.get_matmul(b + "ffn.proj_down.weight", {D_, I_});
-      ffn_.push_back(ff);
+      blk.down = w.get_matmul(b + "ffn.proj_down.weight", {D_, I_});
+      blocks_.push_back(blk);
     }
     // transformers 5.18 always applies out_norm (add_out_norm is not read by xLSTMModel).
     out_norm_ = w.get("backbone.out_norm.weight", {D_});
@@ -121,52 +123,6 @@ class XlstmModel final : public FamilyModel {
     return static_cast<const RowStateCache&>(cache).has_state && seq == 1 ? "recurrent" : "chunked";
   }
 
-  Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
-                 bool all_logits) const override {
-    auto& cache = static_cast<RowStateCache&>(cache_base);
-    const int64_t B = in.batch, T = in.seq, BT = B * T;
-    const bool chunked = kernel_for(cache, T) == "chunked";
-    Tensor h = embed_tokens(embed_, in, "xlstm");
-    visit_if(ls, -1, Value::embed_output, h);
-    FiniteWatch watch("xlstm");
-    watch.check(-1, Value::embed_output, h);
-    Tensor n({B, T, D_});
-    for (int64_t i = 0; i < L_; ++i) {
-      const int li = static_cast<int>(i);
-      const size_t si = static_cast<size_t>(i);
-      ctx.check_cancel();
-      visit_if(ls, li, Value::layer_input, h);
-      norm(h, norm_mlstm_[si], n);
-      MlstmMixerCall call;
-      call.layer = li;
-      call.ls = ls;
-      call.chunked = chunked;
-      call.begin_state = [&]() -> Tensor& { return cache.begin_state(li, ls); };
-      call.end_state = [&] { cache.end_state(li, ls); };
-      Tensor out = mixer_.forward(layers_[si], n, in, call);
-      watch.check(li, Value::attention_output, out);
-      for (int64_t k = 0; k < BT * D_; ++k) h[k] += out[k];
-      norm(h, norm_ffn_[si], n);
-      Tensor ug({BT, 2 * I_}), act({BT, I_});
-      ops::linear(n.data(), BT, D_, ffn_[si].up_gate, ug.data());
-      for (int64_t r = 0; r < BT; ++r)  // silu(gate) * up (xLSTMFeedForward)
-        for (int64_t c = 0; c < I_; ++c) act[r * I_ + c] = ops::silu(ug[r * 2 * I_ + c]) * ug[r * 2 * I_ + I_ + c];
-      Tensor mlp({B, T, D_});
-      ops::linear(act.data(), BT, I_, ffn_[si].down, mlp.data());
-      visit_if(ls, li, Value::mlp_output, mlp);
-      watch.check(li, Value::mlp_output, mlp);
-      for (int64_t k = 0; k < BT * D_; ++k) h[k] += mlp[k];
-      visit_if(ls, li, Value::layer_output, h);
-      watch.check(li, Value::layer_output, h);
-    }
-    cache.has_state = true;
-    norm(h, out_norm_, h);
-    visit_if(ls, -1, Value::ln_final_output, h);
-    Tensor logits = lm_logits(lm_head_, h, ls, all_logits, cap_);
-    watch.finish(logits);
-    return logits;
-  }
-
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     std::vector<ValueInfo> v;
     v.push_back(global_value(Value::embed_output, {B, T, D_}, "token embeddings (backbone.embeddings)"));
@@ -183,6 +139,45 @@ class XlstmModel final : public FamilyModel {
     return v;
   }
 
+  Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
+                 bool all_logits) const override {
+    auto& cache = static_cast<RowStateCache&>(cache_base);
+    const int64_t B = in.batch, T = in.seq, BT = B * T;
+    FiniteWatch watch("xlstm");
+    MlstmMixerCall call;
+    call.ls = ls;
+    call.chunked = kernel_for(cache, T) == "chunked";
+    Tensor h = embed_tokens(embed_, in, "xlstm"), n({B, T, D_});
+    visit_if(ls, -1, Value::embed_output, h);
+    watch.check(-1, Value::embed_output, h);
+    int li = 0;  // the block the loop is in: the state sites below serve its row
+    call.begin_state = [&]() -> Tensor& { return cache.begin_state(li, ls); };
+    call.end_state = [&] { cache.end_state(li, ls); };
+    for (const Block& blk : blocks_) {
+      ctx.check_cancel();
+      visit_if(ls, li, Value::layer_input, h);
+      norm(h, blk.norm_mlstm, n);
+      call.layer = li;
+      Tensor out = mixer_.forward(blk.mlstm, n, in, call);
+      watch.check(li, Value::attention_output, out);
+      for (int64_t k = 0; k < BT * D_; ++k) h[k] += out[k];
+      norm(h, blk.norm_ffn, n);
+      Tensor ug({BT, 2 * I_}), act({BT, I_});
+      ops::linear(n.data(), BT, D_, blk.up_gate, ug.data());
+      for (int64_t r = 0; r < BT; ++r)  // silu(gate) * up (xLSTMFeedForward)
+        for (int64_t c = 0; c < I_; ++c) act[r * I_ + c] = ops::silu(ug[r * 2 * I_ + c]) * ug[r * 2 * I_ + I_ + c];
+      Tensor mlp({B, T, D_});
+      ops::linear(act.data(), BT, I_, blk.down, mlp.data());
+      visit_if(ls, li, Value::mlp_output, mlp);
+      watch.check(li, Value::mlp_output, mlp);
+      for (int64_t k = 0; k < BT * D_; ++k) h[k] += mlp[k];
+      visit_if(ls, li, Value::layer_output, h);
+      watch.check(li++, Value::layer_output, h);
+    }
+    cache.has_state = true;
+    return head_logits(h, ls, all_logits, watch);
+  }
+
   std::map<std::string, std::map<int, std::string>> support() const override {
     auto s = mixer_only_support(static_cast<int>(L_), "xlstm");
     for (int i = 0; i < static_cast<int>(L_); ++i) s["mlp.output"][i] = "";
@@ -195,6 +190,15 @@ class XlstmModel final : public FamilyModel {
   }
 
  private:
+  // out_norm -> lm_head -> soft cap, serving ln_final.output and logits.
+  Tensor head_logits(Tensor& h, Listener* ls, bool all_logits, FiniteWatch& watch) const {
+    norm(h, out_norm_, h);
+    visit_if(ls, -1, Value::ln_final_output, h);
+    Tensor logits = lm_logits(lm_head_, h, ls, all_logits, cap_);
+    watch.finish(logits);
+    return logits;
+  }
+
   void norm(const Tensor& x, const Tensor& w, Tensor& y) const {
     ops::parallel_rows(x.numel() / D_, D_, [&](int64_t r0, int64_t r1) {
       ops::rmsnorm(x.data() + r0 * D_, w.data(), y.data() + r0 * D_, r1 - r0, D_, eps_);
@@ -203,11 +207,9 @@ class XlstmModel final : public FamilyModel {
 
   int64_t D_ = 0, L_ = 0, V_ = 0, I_ = 0, chunk_ = 64;
   float eps_ = 1e-6f, cap_ = 30.0f;
-  Tensor embed_, out_norm_, lm_head_;
-  std::vector<Tensor> norm_mlstm_, norm_ffn_;
   MlstmMixer mixer_;
-  std::vector<MlstmMixerWeights> layers_;
-  std::vector<FeedForward> ffn_;
+  std::vector<Block> blocks_;
+  Tensor embed_, out_norm_, lm_head_;
 };
 
 }  // namespace
