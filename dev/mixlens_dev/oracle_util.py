@@ -29,3 +29,13 @@ def recorder(vals: dict, edits, step: int):
         vals[f"{path}@step{step}"] = t.numpy().copy()
         return t
     return put
+
+
+def advance(logits: torch.Tensor, toks: list, feeds, step: int, n_steps: int):
+    """Keeps the greedy token of the last position in `toks`; the ids of call step + 1 (that token, or
+    feeds[step] when teacher-forced), None after the last call."""
+    nxt = logits[:, -1].argmax(-1)
+    toks.append(nxt)
+    if step + 1 >= n_steps:
+        return None
+    return nxt[:, None] if feeds is None else torch.tensor(feeds[step])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.xlstm import modeling_xlstm as mx
 
-from mixlens_dev.oracle_util import N_STEPS, mix, recorder
+from mixlens_dev.oracle_util import N_STEPS, advance, mix, recorder
 
 
 def flat(c, n, m):
@@ -118,10 +118,7 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
             for i in range(L):
                 ours = flat(*hf_cache.rnn_state[i])
                 assert torch.allclose(ours, state[i], rtol=1e-5, atol=1e-5), (ours - state[i]).abs().max()
-        nxt = logits[:, -1].argmax(-1)
-        toks.append(nxt)
-        if step + 1 < n_steps:
-            ids = nxt[:, None] if feeds is None else torch.tensor(feeds[step])
+        ids = advance(logits, toks, feeds, step, n_steps)
     vals["tokens"] = torch.stack(toks, 1).numpy()
     return vals
 

@@ -66,6 +66,16 @@ void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
   s["linear_attn.set_state_after"] = per_layer;
 }
 
+void one_kind_info(ModelInfo& info, const io::Config& cfg, const char* family, int64_t layers, int64_t hidden,
+                   int64_t vocab, LayerKind kind) {
+  info.family = family;
+  info.model_type = cfg.get<std::string>("model_type");
+  info.num_layers = static_cast<int>(layers);
+  info.hidden_size = hidden;
+  info.vocab_size = vocab;
+  info.layer_kinds.assign(static_cast<size_t>(layers), kind);
+}
+
 RowStateCache::RowStateCache(int64_t b, int64_t layers, int64_t row_numel) {
   batch = b;
   for (int64_t i = 0; i < layers; ++i) state.push_back(Tensor({b, row_numel}));

@@ -44,6 +44,10 @@ struct RowStateCache : CacheState {
   void end_state(int li, Listener* ls);
 };
 
+/// ModelInfo of a model of `layers` blocks of one kind (RWKV-4, xLSTM): family, the config's model_type, sizes.
+void one_kind_info(ModelInfo& info, const io::Config& cfg, const char* family, int64_t layers, int64_t hidden,
+                   int64_t vocab, LayerKind kind);
+
 /// support() for a model whose every block is one recurrent mixer: everything available,
 /// self_attn values unavailable with the reason.
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family);

@@ -68,12 +68,7 @@ class RwkvModel final : public FamilyModel {
     ln_out_w_ = w.get(p + "ln_out.weight", {D_});
     ln_out_b_ = w.get(p + "ln_out.bias", {D_});
     lm_head_ = cfg.get_or<bool>("tie_word_embeddings", false) ? embed_ : w.get_matmul("head.weight", {V_, D_});
-    info.family = "rwkv";
-    info.model_type = cfg.get<std::string>("model_type");
-    info.num_layers = static_cast<int>(L_);
-    info.hidden_size = D_;
-    info.vocab_size = V_;
-    info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::rwkv);
+    one_kind_info(info, cfg, "rwkv", L_, D_, V_, LayerKind::rwkv);
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {

@@ -98,12 +98,7 @@ class XlstmModel final : public FamilyModel {
     lm_head_ = w.has("lm_head.weight") || !cfg.get_or<bool>("tie_word_embeddings", false)
                    ? w.get_matmul("lm_head.weight", {V_, D_})
                    : embed_;
-    info.family = "xlstm";
-    info.model_type = cfg.get<std::string>("model_type");
-    info.num_layers = static_cast<int>(L_);
-    info.hidden_size = D_;
-    info.vocab_size = V_;
-    info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::mlstm);
+    one_kind_info(info, cfg, "xlstm", L_, D_, V_, LayerKind::mlstm);
   }
 
   void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : chunk_); }
