@@ -35,12 +35,13 @@ void mlstm_recurrent(const MlstmMixerDims& d, int64_t T, const float* q, const f
                      const float* ig, const float* lf, float* st, float* h, float* states, int64_t stride) {
   const int64_t QK = d.qk(), V = d.v(), NH = d.NH, Dqk = d.Dqk, Dv = d.Dv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
-  std::vector<float> qs(static_cast<size_t>(Dqk));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t hd = 0; hd < NH; ++hd) {
-      float* C = st + hd * Dqk * Dv;
-      float* n = st + d.n_off() + hd * Dqk;
-      float& m = st[d.m_off() + hd];
+  // Heads are independent: one worker per head, each head's arithmetic the same on any thread count.
+  ops::parallel_for(NH, [&](int64_t hd) {
+    std::vector<float> qs(static_cast<size_t>(Dqk));
+    float* C = st + hd * Dqk * Dv;
+    float* n = st + d.n_off() + hd * Dqk;
+    float& m = st[d.m_off() + hd];
+    for (int64_t t = 0; t < T; ++t) {
       const float* kt = k + t * QK + hd * Dqk;
       const float* vt = v + t * V + hd * Dv;
       // m' = max(log f + m, log i): both gates' exponents shifted by m' (mlstm_recurrent_step_native).
@@ -54,8 +55,13 @@ void mlstm_recurrent(const MlstmMixerDims& d, int64_t T, const float* q, const f
       m = m_new;
       for (int64_t a = 0; a < Dqk; ++a) qs[static_cast<size_t>(a)] = q[t * QK + hd * Dqk + a] * scale;
       read_head(d, qs.data(), C, n, m, h + t * V + hd * Dv);
-      if (states && hd == NH - 1) std::copy(st, st + d.row_numel(), states + t * stride);
+      if (!states) continue;
+      float* s = states + t * stride;  // this head's C, n and m after token t
+      std::copy(C, C + Dqk * Dv, s + hd * Dqk * Dv);
+      std::copy(n, n + Dqk, s + d.n_off() + hd * Dqk);
+      s[d.m_off() + hd] = m;
     }
+  });
 }
 
 namespace {
@@ -73,8 +79,8 @@ std::vector<float> cum_log_forget(const MlstmMixerDims& d, int64_t L, const floa
 void mlstm_chunk_state(const MlstmMixerDims& d, int64_t L, const float* k, const float* v, const float* ig,
                        const float* lf, const float* s0, float* out) {
   const int64_t QK = d.qk(), V = d.v(), NH = d.NH, Dqk = d.Dqk, Dv = d.Dv;
-  std::vector<float> a(static_cast<size_t>(L)), kg(static_cast<size_t>(L * Dqk));
-  for (int64_t hd = 0; hd < NH; ++hd) {
+  ops::parallel_for(NH, [&](int64_t hd) {
+    std::vector<float> a(static_cast<size_t>(L)), kg(static_cast<size_t>(L * Dqk));
     const std::vector<float> b = cum_log_forget(d, L, lf, hd);
     const float g = b[static_cast<size_t>(L - 1)], m0 = s0[d.m_off() + hd];
     // a_j = b_L - b_j + i_j: token j's log write weight at the chunk's end (mlstm_chunkwise_recurrent_fw_C).
@@ -104,15 +110,15 @@ void mlstm_chunk_state(const MlstmMixerDims& d, int64_t L, const float* k, const
       n[c] = gbar * n0[c] + ns;
     }
     out[d.m_off() + hd] = m_next;
-  }
+  });
 }
 
 void mlstm_chunk(const MlstmMixerDims& d, int64_t L, const float* q, const float* k, const float* v,
                  const float* ig, const float* lf, float* st, float* h, float* states, int64_t stride) {
   const int64_t QK = d.qk(), V = d.v(), NH = d.NH, Dqk = d.Dqk, Dv = d.Dv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
-  std::vector<float> M(static_cast<size_t>(L)), qg(static_cast<size_t>(Dqk));
-  for (int64_t hd = 0; hd < NH; ++hd) {
+  ops::parallel_for(NH, [&](int64_t hd) {
+    std::vector<float> M(static_cast<size_t>(L)), qg(static_cast<size_t>(Dqk));
     const std::vector<float> b = cum_log_forget(d, L, lf, hd);
     const float* C0 = st + hd * Dqk * Dv;
     const float* n0 = st + d.n_off() + hd * Dqk;
@@ -152,7 +158,7 @@ void mlstm_chunk(const MlstmMixerDims& d, int64_t L, const float* q, const float
         ht[e] = (num + intra) / dd;
       }
     }
-  }
+  });
   if (states)
     for (int64_t t = 0; t < L; ++t) mlstm_chunk_state(d, t + 1, k, v, ig, lf, st, states + t * stride);
   std::vector<float> end(static_cast<size_t>(d.row_numel()));
