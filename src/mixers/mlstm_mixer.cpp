@@ -99,14 +99,18 @@ void mlstm_chunk_state(const MlstmMixerDims& d, int64_t L, const float* k, const
     const float* n0 = s0 + d.n_off() + hd * Dqk;
     float* C = out + hd * Dqk * Dv;
     float* n = out + d.n_off() + hd * Dqk;
+    std::vector<float> acc(static_cast<size_t>(Dv));
     for (int64_t c = 0; c < Dqk; ++c) {
+      // sum_j kg_j[c] v_j, j ascending; rows of v walked contiguously.
+      std::fill(acc.begin(), acc.end(), 0.0f);
       float ns = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < L; ++j) acc += kg[static_cast<size_t>(j * Dqk + c)] * v[j * V + hd * Dv + e];
-        C[c * Dv + e] = gbar * C0[c * Dv + e] + acc;
+      for (int64_t j = 0; j < L; ++j) {
+        const float w = kg[static_cast<size_t>(j * Dqk + c)];
+        const float* vj = v + j * V + hd * Dv;
+        for (int64_t e = 0; e < Dv; ++e) acc[static_cast<size_t>(e)] += w * vj[e];
+        ns += w;
       }
-      for (int64_t j = 0; j < L; ++j) ns += kg[static_cast<size_t>(j * Dqk + c)];
+      for (int64_t e = 0; e < Dv; ++e) C[c * Dv + e] = gbar * C0[c * Dv + e] + acc[static_cast<size_t>(e)];
       n[c] = gbar * n0[c] + ns;
     }
     out[d.m_off() + hd] = m_next;
@@ -118,7 +122,8 @@ void mlstm_chunk(const MlstmMixerDims& d, int64_t L, const float* q, const float
   const int64_t QK = d.qk(), V = d.v(), NH = d.NH, Dqk = d.Dqk, Dv = d.Dv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dqk));
   ops::parallel_for(NH, [&](int64_t hd) {
-    std::vector<float> M(static_cast<size_t>(L)), qg(static_cast<size_t>(Dqk));
+    std::vector<float> M(static_cast<size_t>(L)), qg(static_cast<size_t>(Dqk)), num(static_cast<size_t>(Dv)),
+        intra(static_cast<size_t>(Dv));
     const std::vector<float> b = cum_log_forget(d, L, lf, hd);
     const float* C0 = st + hd * Dqk * Dv;
     const float* n0 = st + d.n_off() + hd * Dqk;
@@ -149,14 +154,20 @@ void mlstm_chunk(const MlstmMixerDims& d, int64_t L, const float* q, const float
       }
       den += qn;
       const float dd = std::max(std::fabs(den), std::exp(-mc)) + d.eps;
+      // (qg C0 + sum_j M_tj v_j) / dd, rows of C0 and v walked contiguously.
       float* ht = h + t * V + hd * Dv;
-      for (int64_t e = 0; e < Dv; ++e) {
-        float num = 0.0f;
-        for (int64_t c = 0; c < Dqk; ++c) num += qg[static_cast<size_t>(c)] * C0[c * Dv + e];
-        float intra = 0.0f;
-        for (int64_t j = 0; j <= t; ++j) intra += M[static_cast<size_t>(j)] * v[j * V + hd * Dv + e];
-        ht[e] = (num + intra) / dd;
+      std::fill(num.begin(), num.end(), 0.0f);
+      std::fill(intra.begin(), intra.end(), 0.0f);
+      for (int64_t c = 0; c < Dqk; ++c) {
+        const float g = qg[static_cast<size_t>(c)];
+        for (int64_t e = 0; e < Dv; ++e) num[static_cast<size_t>(e)] += g * C0[c * Dv + e];
       }
+      for (int64_t j = 0; j <= t; ++j) {
+        const float w = M[static_cast<size_t>(j)];
+        const float* vj = v + j * V + hd * Dv;
+        for (int64_t e = 0; e < Dv; ++e) intra[static_cast<size_t>(e)] += w * vj[e];
+      }
+      for (int64_t e = 0; e < Dv; ++e) ht[e] = (num[static_cast<size_t>(e)] + intra[static_cast<size_t>(e)]) / dd;
     }
   });
   if (states)
