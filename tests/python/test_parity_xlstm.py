@@ -133,3 +133,23 @@ def test_route_kernels_both_agree(case):
 
 def test_transformer_lens_names_map_the_residual_stream_only(case):
     check_tl_residual_only(case, "xLSTM")
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(use_bias=True), "UnsupportedError", "use_bias"),
+    (dict(num_heads=3), "ConfigError", "multiple of num_heads"),
+    (dict(embedding_dim=32), "UnsupportedError", "embedding_dim"),
+])
+def test_unsupported_or_bad_configs_are_refused_with_the_reason(tmp_path, change, error, match):
+    import shutil
+
+    from mixlens_dev.common import REPO
+
+    src = REPO / "tests/fixtures/xlstm/short_prompt"
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(src / f, tmp_path / f)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(getattr(mixlens, error), match=match):
+        mixlens.StandardizedTransformer(str(tmp_path))
