@@ -6,7 +6,7 @@
     .venv/bin/python scripts/make_fixtures.py --family qwen3_5 --out /tmp/q35   # somewhere else
 
 Families: mamba2, mamba, falcon_mamba, qwen3_5, qwen3_next, olmo_hybrid, nemotron_h, bamba, falcon_h1, rwkv,
-lfm2, lfm2_moe, minimax, recurrent_gemma; each writes
+lfm2, lfm2_moe, minimax, recurrent_gemma, xlstm; each writes
 tests/fixtures/<family>/<case>/ (config.json, model.safetensors, golden.safetensors, case.json).
 The procedure and its checks: dev/mixlens_dev/fixtures/__init__.py; the spec tables (config, seed,
 prompts, edits per case): dev/mixlens_dev/fixtures/<module>.py. A rebuild with the pinned

@@ -13,19 +13,7 @@ import numpy as np
 import torch
 from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
-N_STEPS = 8
-
-
-def mix(layer: int, value: str) -> str:
-    return f"layers.{layer}.linear_attn.{value}"
-
-
-def apply_edit(t: torch.Tensor, e: dict) -> torch.Tensor:
-    t = t.clone()
-    if e["op"] == "scale":
-        return t * e["factor"]
-    t[:, e["index"]] = e["value"]
-    return t
+from mixlens_dev.oracle_util import N_STEPS, advance, mix, recorder
 
 
 def wkv(k, v, w, u, num, den, mx):
@@ -70,12 +58,7 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
     hf_state = None
 
     for step in range(n_steps):
-        def put(path, t):
-            for e in edits:
-                if e["path"] == path and e["step"] == step:
-                    t = apply_edit(t, e)
-            vals[f"{path}@step{step}"] = t.numpy().copy()
-            return t
+        put = recorder(vals, edits, step)
 
         h = put("embed_tokens.output", rw.embeddings(ids))
         for i, blk in enumerate(rw.blocks):
@@ -129,10 +112,7 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
                     hs = out.state
                     ours = torch.cat([hs[2][:, :, i], hs[3][:, :, i], hs[4][:, :, i], hs[1][:, :, i], hs[0][:, :, i]], 1)
                     assert torch.allclose(ours, state[i][b:b + 1], rtol=1e-5, atol=1e-5)
-        nxt = logits[:, -1].argmax(-1)
-        toks.append(nxt)
-        if step + 1 < n_steps:
-            ids = nxt[:, None] if feeds is None else torch.tensor(feeds[step])
+        ids = advance(logits, toks, feeds, step, n_steps)
     vals["tokens"] = torch.stack(toks, 1).numpy()
     return vals
 

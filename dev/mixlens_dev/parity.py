@@ -150,3 +150,80 @@ class LiveCase(ParityCase):
 
     def oracle_run(self, edits, feeds):
         return self._run(self.torch_model, self.prompts, self._pad, N_STEPS, edits, feeds=feeds)[0]
+
+
+# The live-parity checks of a one-mixer family whose oracle is run(model, prompts, edits=, feeds=) (RWKV-4,
+# xLSTM): `case` is a dict with model (mixlens), torch_model, prompts, ref (the oracle's unedited run) and
+# spec["edit"].
+def check_every_value(case, label: str) -> None:
+    m = case["model"]
+    with m.generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1) as tracer:
+        got = read_every_value(m, tracer)
+    assert compare(got, case["ref"], label) > 50
+
+
+def check_greedy_tokens(case) -> None:
+    run = case["model"].generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1).run()
+    assert run.tokens == case["ref"]["tokens"].tolist()
+
+
+def check_edit(case, oracle_run, label: str) -> None:
+    """spec["edit"] in mixlens and in the oracle, teacher-forced with the unedited tokens: the same values
+    at every step, and the last step's logits moved."""
+    e = case["spec"]["edit"]
+    feeds = [[[int(t)] for t in case["ref"]["tokens"][:, k]] for k in range(N_STEPS - 1)]
+    ref = oracle_run(case["torch_model"], case["prompts"], edits=[e], feeds=feeds)
+    m = case["model"]
+    forced = case["ref"]["tokens"][:, : N_STEPS - 1].tolist()
+    with m.generate(case["prompts"], max_new_tokens=N_STEPS, forced_tokens=forced) as tracer:
+        got = read_every_value(m, tracer, e)
+    assert compare(got, ref, f"{label} {e['name']}") > 50
+    assert np.abs(ref[f"logits@step{N_STEPS - 1}"] - case["ref"][f"logits@step{N_STEPS - 1}"]).max() > 0
+
+
+def check_padded_rows_alone(case, make_prompts) -> None:
+    """Each row of a left-padded batch equals its own run (for families whose transformers ignores padding)."""
+    m = case["model"]
+    rows = make_prompts(5, [9, 4], case["torch_model"].config.vocab_size)
+    batched = m.run(rows)["logits"]
+    for r, p in enumerate(rows):
+        alone = m.run([p])["logits"]
+        assert rel_rms(batched[r, -len(p):], alone[0]) <= 1e-5
+
+
+def check_backward_refused(case, family: str) -> None:
+    import mixlens
+    import pytest
+
+    m = case["model"]
+    with m.trace(case["prompts"], grad=True) as tr:
+        pass
+    with pytest.raises(mixlens.UnsupportedError, match=family):
+        B, T = len(case["prompts"]), len(case["prompts"][0])
+        tr.backward(np.ones((B, T, case["torch_model"].config.vocab_size), np.float32),
+                    paths=["layers.0.linear_attn.decays"])
+
+
+def check_tl_residual_only(case, adapter: str) -> None:
+    """TransformerLens names without a TL adapter: the residual stream maps, every other name is refused."""
+    import mixlens
+    import pytest
+
+    m = case["model"]
+    run = m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_resid_post"]).run()
+    assert np.asarray(run.saved["blocks.1.hook_resid_post"][0]).shape[-1] == case["torch_model"].config.hidden_size
+    with pytest.raises(mixlens.UnknownValueError, match=f"no {adapter} adapter"):
+        m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_mlp_out"]).run()
+
+
+def live_case(spec: dict, name: str, tmp_path_factory, build, oracle_run, make_prompts) -> dict:
+    """The `case` dict the checks above take: build(spec) saved by transformers, reloaded by mixlens, and the
+    oracle's unedited run on spec["lens"] prompts."""
+    import mixlens
+
+    tm = build(spec)
+    path = tmp_path_factory.mktemp(name)
+    tm.save_pretrained(str(path))
+    prompts = make_prompts(spec["seed"], spec["lens"], tm.config.vocab_size)
+    return dict(spec=spec, torch_model=tm, path=path, model=mixlens.StandardizedTransformer(str(path)), prompts=prompts,
+                ref=oracle_run(tm, prompts))

@@ -255,6 +255,18 @@ MINIMAX_TEXT_01_2LAYERS = dict(
     full_attn_alpha_factor=3.5565588200778455, full_attn_beta_factor=1.0, linear_attn_alpha_factor=3.5565588200778455,
     linear_attn_beta_factor=1.0, mlp_alpha_factor=3.5565588200778455, mlp_beta_factor=1.0,
     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+# NX-AI/xLSTM-7b: exact widths, REDUCED to 2 of its 32 mLSTM blocks (~0.8B parameters, mostly the two
+# 50304-row tables; the full model is ~7B). The widths are transformers 5.18's xLSTMConfig defaults (its
+# docstring names the NX-AI/xLSTM-7b checkpoint): embedding 4096, 8 heads, qk_dim_factor 0.5 (qk heads of 256),
+# v_dim_factor 1 (v heads of 512), ffn_proj_factor 2.667 rounded up to 64 (10944), gate_soft_cap 15,
+# output_logit_soft_cap 30, norm_eps 1e-6, eps 1e-6, chunk_size 64, weight_mode single, vocab 50304, pad / bos /
+# eos 1 / 0 / 2; an xLSTM-7B architecture reference written from transformers' modeling code agrees on vocab
+# 50304, embedding 4096, 32 blocks and the logit cap of 30.
+XLSTM_7B_2BLOCKS = dict(
+    vocab_size=50304, hidden_size=4096, num_hidden_layers=2, num_heads=8, qk_dim_factor=0.5, v_dim_factor=1.0,
+    ffn_proj_factor=2.667, ffn_round_up_to_multiple_of=64, gate_soft_cap=15.0, output_logit_soft_cap=30.0,
+    norm_eps=1e-6, eps=1e-6, chunk_size=64, weight_mode="single", use_bias=False, tie_word_embeddings=False,
+    pad_token_id=1, bos_token_id=0, eos_token_id=2,
 )
 LAYOUTS = {
     "falcon_h1_0_5b": ("FalconH1ForCausalLM", "FalconH1Config", FALCON_H1_0_5B),
@@ -271,6 +283,7 @@ LAYOUTS = {
     "lfm2_350m": ("Lfm2ForCausalLM", "Lfm2Config", LFM2_350M),
     "recurrent_gemma_2b_3layers": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", RECURRENT_GEMMA_2B_3LAYERS),
     "minimax_text_01_2layers": ("MiniMaxForCausalLM", "MiniMaxConfig", MINIMAX_TEXT_01_2LAYERS),
+    "xlstm_7b_2blocks": ("xLSTMForCausalLM", "xLSTMConfig", XLSTM_7B_2BLOCKS),
 }
 
 BUILT_IN_BF16 = {"qwen3_5_moe_35b_a3b_2layers"}

@@ -51,7 +51,7 @@ enum class Component : uint8_t { global, block, linear_attn, self_attn, mlp };
 /// The kind of a block's sequence mixer.
 /// A block's kind: its recurrent mixer, softmax attention, an MLP-only or MoE-only block
 /// (Nemotron-H '-' / 'E'), or a Falcon-H1 hybrid block (Mamba-2 and attention side by side).
-enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention, mlp, hybrid, moe, short_conv, rwkv, rg_lru, lightning };
+enum class LayerKind : uint8_t { mamba2, mamba, gated_deltanet, attention, mlp, hybrid, moe, short_conv, rwkv, rg_lru, lightning, mlstm };
 std::string_view layer_kind_name(LayerKind k);
 
 /// A typed site: layer -1 for global values.

@@ -66,6 +66,48 @@ void add_state_methods(std::map<std::string, std::map<int, std::string>>& s) {
   s["linear_attn.set_state_after"] = per_layer;
 }
 
+void one_kind_info(ModelInfo& info, const io::Config& cfg, const char* family, int64_t layers, int64_t hidden,
+                   int64_t vocab, LayerKind kind) {
+  info.family = family;
+  info.model_type = cfg.get<std::string>("model_type");
+  info.num_layers = static_cast<int>(layers);
+  info.hidden_size = hidden;
+  info.vocab_size = vocab;
+  info.layer_kinds.assign(static_cast<size_t>(layers), kind);
+}
+
+RowStateCache::RowStateCache(int64_t b, int64_t layers, int64_t row_numel) {
+  batch = b;
+  for (int64_t i = 0; i < layers; ++i) state.push_back(Tensor({b, row_numel}));
+}
+
+std::unique_ptr<CacheState> RowStateCache::clone() const {
+  auto c = std::make_unique<RowStateCache>(*this);
+  deep_copy(c->state);
+  return c;
+}
+
+namespace {
+Tensor copy_state(const Tensor& s) { return s.clone(); }
+void lay_back(const Tensor& o, Tensor& s) { std::copy(o.begin(), o.end(), s.data()); }
+}  // namespace
+
+Tensor& RowStateCache::begin_state(int li, Listener* ls, const WriteCheck& check) {
+  Tensor& S = state[static_cast<size_t>(li)];
+  visit_state_input(li, S, has_state, ls, {S.size(1)}, copy_state, [&](const Tensor& o, Tensor& s) {
+    if (check) check(o, "state_input");
+    lay_back(o, s);
+  });
+  return S;
+}
+
+void RowStateCache::end_state(int li, Listener* ls, const WriteCheck& check) {
+  visit_state_output(li, state[static_cast<size_t>(li)], ls, copy_state, [&](const Tensor& o, Tensor& s) {
+    if (check) check(o, "state_output");
+    lay_back(o, s);
+  });
+}
+
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family) {
   std::map<std::string, std::map<int, std::string>> s;
   for (int v = 0; v < kNumValues; ++v) {

@@ -15,6 +15,7 @@
 #include "io/weights.h"
 #include "mixlens/model.h"
 #include "models/config.h"
+#include "models/family.h"
 
 namespace mixlens::detail {
 
@@ -28,6 +29,27 @@ Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family);
 Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits, float soft_cap = 0.0f);
 /// support() entries for the per-token state methods (state_after, set_state_after): as "state".
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
+
+/// The cache of a family whose every layer keeps one flat state row per sequence (RWKV-4, xLSTM): per layer
+/// [B, row_numel], served as is at state_input / state_output (copies; a write laid back in place).
+struct RowStateCache : CacheState {
+  bool has_state = false;
+  std::vector<Tensor> state;  ///< per layer [B, row_numel]
+  /// `layers` zeroed [batch, row_numel] rows.
+  RowStateCache(int64_t batch, int64_t layers, int64_t row_numel);
+  std::unique_ptr<CacheState> clone() const override;
+  /// Checks a written state [B, row_numel] before it is stored (`what`: "state_input" / "state_output");
+  /// raises WriteError for a state outside the kind's domain (RWKV-4: a negative den). Optional.
+  using WriteCheck = std::function<void(const Tensor& written, const char* what)>;
+  /// Serves layer `li`'s state_input (None while !has_state) and returns the live state the call updates.
+  Tensor& begin_state(int li, Listener* ls, const WriteCheck& check = {});
+  /// Serves layer `li`'s state_output.
+  void end_state(int li, Listener* ls, const WriteCheck& check = {});
+};
+
+/// ModelInfo of a model of `layers` blocks of one kind (RWKV-4, xLSTM): family, the config's model_type, sizes.
+void one_kind_info(ModelInfo& info, const io::Config& cfg, const char* family, int64_t layers, int64_t hidden,
+                   int64_t vocab, LayerKind kind);
 
 /// support() for a model whose every block is one recurrent mixer: everything available,
 /// self_attn values unavailable with the reason.

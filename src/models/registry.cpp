@@ -41,6 +41,7 @@ const std::vector<FamilyEntry>& family_registry() {
       {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
       {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false, kRgLruOneKernel},
       {"minimax", "minimax", make_minimax, false, ""},  // two kernels: route_kernels takes either
+      {"xlstm", "xlstm", make_xlstm, false},
   };
   return registry;
 }

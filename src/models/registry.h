@@ -56,6 +56,7 @@ std::unique_ptr<FamilyModel> make_zamba2(const io::Config& config, const io::Wei
 std::unique_ptr<FamilyModel> make_zamba(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_kimi_linear(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_rwkv(const io::Config& config, const io::WeightStore& weights);
+std::unique_ptr<FamilyModel> make_xlstm(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_lfm2(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_lfm2_moe(const io::Config& config, const io::WeightStore& weights);
 std::unique_ptr<FamilyModel> make_minimax(const io::Config& config, const io::WeightStore& weights);

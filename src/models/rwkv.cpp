@@ -22,16 +22,6 @@ namespace mixlens::detail {
 
 namespace {
 
-struct RwkvCache : CacheState {
-  bool has_state = false;
-  std::vector<Tensor> state;  ///< per layer [B, row_numel] (RwkvMixerDims)
-  std::unique_ptr<CacheState> clone() const override {
-    auto c = std::make_unique<RwkvCache>(*this);
-    deep_copy(c->state);
-    return c;
-  }
-};
-
 struct FeedForward {  // rwkv.blocks.{i}.feed_forward (RwkvFeedForward)
   Tensor mix_k, mix_r, key, receptance, value;  // value [D, I] rescaled as the mixer's output
 };
@@ -78,24 +68,15 @@ class RwkvModel final : public FamilyModel {
     ln_out_w_ = w.get(p + "ln_out.weight", {D_});
     ln_out_b_ = w.get(p + "ln_out.bias", {D_});
     lm_head_ = cfg.get_or<bool>("tie_word_embeddings", false) ? embed_ : w.get_matmul("head.weight", {V_, D_});
-    info.family = "rwkv";
-    info.model_type = cfg.get<std::string>("model_type");
-    info.num_layers = static_cast<int>(L_);
-    info.hidden_size = D_;
-    info.vocab_size = V_;
-    info.layer_kinds.assign(static_cast<size_t>(L_), LayerKind::rwkv);
+    one_kind_info(info, cfg, "rwkv", L_, D_, V_, LayerKind::rwkv);
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
-    auto c = std::make_unique<RwkvCache>();
-    c->batch = batch;
     const RwkvMixerDims& d = mixer_.dims();
-    for (int64_t i = 0; i < L_; ++i) {
-      Tensor s({batch, d.row_numel()});  // zeros: num, den and both shift states
+    auto c = std::make_unique<RowStateCache>(batch, L_, d.row_numel());  // zeros: num, den and both shift states
+    for (Tensor& s : c->state)
       for (int64_t b = 0; b < batch; ++b)
         for (int64_t a = 0; a < d.A; ++a) s[b * d.row_numel() + 2 * d.A + a] = kRwkvFreshMax;
-      c->state.push_back(s);
-    }
     return c;
   }
 
@@ -104,7 +85,7 @@ class RwkvModel final : public FamilyModel {
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
                  bool all_logits) const override {
-    auto& cache = static_cast<RwkvCache&>(cache_base);
+    auto& cache = static_cast<RowStateCache&>(cache_base);
     const int64_t B = in.batch, T = in.seq, BT = B * T;
     const std::vector<int64_t> first = first_real_tokens(in);
     Tensor h = embed_tokens(embed_, in, "rwkv");
@@ -123,23 +104,9 @@ class RwkvModel final : public FamilyModel {
       RwkvMixerCall call;
       call.layer = li;
       call.ls = ls;
-      call.begin_state = [&]() -> Tensor& {
-        Tensor& S = cache.state[si];
-        visit_state_input(li, S, cache.has_state, ls, {mixer_.dims().row_numel()},
-                          [](const Tensor& s) { return s.clone(); },
-                          [&](const Tensor& o, Tensor& s) {
-                            mixer_.check_state_write(o.begin(), B, li, "state_input");
-                            std::copy(o.begin(), o.end(), s.data());
-                          });
-        return S;
-      };
-      call.end_state = [&] {
-        visit_state_output(li, cache.state[si], ls, [](const Tensor& s) { return s.clone(); },
-                           [&](const Tensor& o, Tensor& s) {
-                             mixer_.check_state_write(o.begin(), B, li, "state_output");
-                             std::copy(o.begin(), o.end(), s.data());
-                           });
-      };
+      const auto den_check = [&](const Tensor& o, const char* what) { mixer_.check_state_write(o.begin(), B, li, what); };
+      call.begin_state = [&]() -> Tensor& { return cache.begin_state(li, ls, den_check); };
+      call.end_state = [&] { cache.end_state(li, ls, den_check); };
       call.ffn_shift = [&](int64_t b, int64_t t, const float* att_out, float* x) {
         const float* hr = h.data() + (b * T + t) * D_;
         for (int64_t d = 0; d < D_; ++d) x[d] = hr[d] + att_out[d];

@@ -174,10 +174,13 @@ std::string kind_phrase(int layer, LayerKind k) {
 Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
   const LayerKind kind = m.info.layer_kinds[static_cast<size_t>(layer)];
   const Slots s = slots_of(m.info.family);
-  // TransformerLens 4.3 has no RWKV or MiniMax adapter, so only the residual stream's names mean the same tensor.
-  const bool no_adapter = m.info.family == "rwkv" || m.info.family == "minimax";
+  // TransformerLens 4.3 has no RWKV, MiniMax or xLSTM adapter, so only the residual stream's names mean the same tensor.
+  const char* no_adapter = m.info.family == "rwkv"      ? "RWKV"
+                           : m.info.family == "minimax" ? "MiniMax"
+                           : m.info.family == "xlstm"   ? "xLSTM"
+                                                        : nullptr;
   if (no_adapter && rest != "hook_resid_pre" && rest != "hook_in" && rest != "hook_resid_post" && rest != "hook_out")
-    return no("TransformerLens 4.3 has no " + std::string(m.info.family == "rwkv" ? "RWKV" : "MiniMax") +
+    return no("TransformerLens 4.3 has no " + std::string(no_adapter) +
               " adapter: only hook_resid_pre / hook_resid_post map here; read mixlens names (layers.i.linear_attn.*, "
               "layers.i.self_attn.*, layers.i.mlp.output)");
   // TL's Zamba2 blocks (SSMBlockBridge) have no attention / MLP hooks, and a hybrid layer's Mamba-2 sits

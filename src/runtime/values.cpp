@@ -21,6 +21,7 @@ std::string_view layer_kind_name(LayerKind k) {
     case LayerKind::rwkv: return "rwkv";
     case LayerKind::rg_lru: return "rg_lru";
     case LayerKind::lightning: return "lightning";
+    case LayerKind::mlstm: return "mlstm";
   }
   return "?";
 }

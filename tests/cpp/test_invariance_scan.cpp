@@ -28,7 +28,7 @@ const char* const kFamilies[] = {"mamba2", "mamba", "falcon_mamba", "qwen3_5", "
                                  "zamba2",
                                  "zamba",
                                  "kimi_linear",
-                                 "minimax"};
+                                 "minimax", "xlstm"};
 
 std::string mix(int layer, const std::string& v) { return "layers." + std::to_string(layer) + ".linear_attn." + v; }
 std::string at(int layer, int64_t t) { return mix(layer, "state") + "@t" + std::to_string(t); }
@@ -256,10 +256,10 @@ TEST_P(ScanIdentity, ASkippedTokenKeepsTheStateExactly) {
           std::fill(v.data() + (b * v.size(1) + w) * per, v.data() + (b * v.size(1) + w + 1) * per, 0.0f);
       };
       // Mamba: dt = 0 (decay exp(0) = 1, input 0); gated DeltaNet: beta = 0 and g = 0; lightning
-      // attention (no betas): k = 0 and its decay 0.
+      // attention (no betas): k = 0 and its decay 0; mLSTM: input gate 0 and log forget gate 0 (m, C, n kept).
       if (p.family == "minimax") t.edit(mix(l, "attention_keys"), zero_at).edit(mix(l, "decays"), zero_at);
       else t.edit(mix(l, "betas"), zero_at);
-      if (gated_delta(p.family)) t.edit(mix(l, "decays"), zero_at);
+      if (gated_delta(p.family) || p.family == "xlstm") t.edit(mix(l, "decays"), zero_at);
     }
     m.run({ids}, &t);
     for (int l : layers) {
@@ -325,7 +325,7 @@ TEST_P(ScanIdentity, ARowsScanValuesAreTheSameAloneAndInAPaddedBatch) {
   const int layer = mixer_layers(m).front();
   const auto a = random_ids(m, Q + 3, 21), other = random_ids(m, 2 * Q + 5, 22);
   const std::vector<std::string> inputs =
-      gated_delta(p.family) ? std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "betas", "decays"}
+      gated_delta(p.family) || p.family == "xlstm" ? std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "betas", "decays"}
       : p.family == "minimax" ? std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "decays"}
                             : std::vector<std::string>{"attention_queries", "attention_keys", "attention_values", "betas"};
   Trace alone;

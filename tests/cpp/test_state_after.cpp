@@ -52,7 +52,8 @@ std::vector<FamilyCase> all_cases() {
                         "lfm2",
                         "lfm2_moe",
                         "minimax",
-                        "recurrent_gemma"})
+                        "recurrent_gemma",
+                        "xlstm"})
     for (const auto& n : fixture_cases(f)) out.push_back({f, n});
   return out;
 }

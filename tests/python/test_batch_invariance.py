@@ -38,6 +38,7 @@ MODELS = {
     "zamba2": REPO / "tests/fixtures/zamba2/shared_lora_edits",
     "zamba": REPO / "tests/fixtures/zamba/shared_edits",
     "kimi_linear": REPO / "tests/fixtures/kimi_linear/padded_batch",
+    "xlstm": REPO / "tests/fixtures/xlstm/basic",
 }
 _models: dict = {}
 

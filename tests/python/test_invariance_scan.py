@@ -29,6 +29,7 @@ FAMILIES = {
     "zamba2": "zamba2/shared_lora_edits",
     "zamba": "zamba/shared_edits",
     "kimi_linear": "kimi_linear/kda_mla_moe_chunks",
+    "xlstm": "xlstm/basic",
 }
 _models: dict = {}
 # A MoE product gathers every row's routed tokens, so a write on one row can move another row's

@@ -13,7 +13,8 @@ import pytest
 
 import mixlens
 from mixlens_dev.common import rel_rms
-from mixlens_dev.parity import N_STEPS, compare, read_every_value
+from mixlens_dev.parity import (check_backward_refused, check_edit, check_every_value, check_greedy_tokens,
+                                check_padded_rows_alone, check_tl_residual_only, live_case)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -33,55 +34,27 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
-    spec = CASES[request.param]
-    tm = frw.build_model(spec)
-    path = tmp_path_factory.mktemp(request.param)
-    tm.save_pretrained(str(path))
-    prompts = make_prompts(spec["seed"], spec["lens"], tm.config.vocab_size)
-    return dict(spec=spec, torch_model=tm, model=mixlens.StandardizedTransformer(str(path)), prompts=prompts,
-                ref=orw.run(tm, prompts))
+    return live_case(CASES[request.param], request.param, tmp_path_factory, frw.build_model, orw.run, make_prompts)
 
 
 def test_every_value_every_step(case):
-    m = case["model"]
-    with m.generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1) as tracer:
-        got = read_every_value(m, tracer)
-    assert compare(got, case["ref"], "rwkv") > 50
+    check_every_value(case, "rwkv")
 
 
 def test_greedy_tokens(case):
-    run = case["model"].generate(case["prompts"], max_new_tokens=N_STEPS, eos_token_id=-1).run()
-    assert run.tokens == case["ref"]["tokens"].tolist()
+    check_greedy_tokens(case)
 
 
 def test_edit_matches_transformers_with_the_same_edit(case):
-    e = case["spec"]["edit"]
-    feeds = [[[int(t)] for t in case["ref"]["tokens"][:, k]] for k in range(N_STEPS - 1)]
-    ref = orw.run(case["torch_model"], case["prompts"], edits=[e], feeds=feeds)
-    m = case["model"]
-    forced = case["ref"]["tokens"][:, : N_STEPS - 1].tolist()
-    with m.generate(case["prompts"], max_new_tokens=N_STEPS, forced_tokens=forced) as tracer:
-        got = read_every_value(m, tracer, e)
-    assert compare(got, ref, f"rwkv {e['name']}") > 50
-    assert np.abs(ref[f"logits@step{N_STEPS - 1}"] - case["ref"][f"logits@step{N_STEPS - 1}"]).max() > 0
+    check_edit(case, orw.run, "rwkv")
 
 
 def test_left_padded_rows_equal_their_own_runs(case):
-    m = case["model"]
-    rows = make_prompts(5, [9, 4], case["torch_model"].config.vocab_size)
-    batched = m.run(rows)["logits"]
-    for r, p in enumerate(rows):
-        alone = m.run([p])["logits"]
-        assert rel_rms(batched[r, -len(p):], alone[0]) <= 1e-5
+    check_padded_rows_alone(case, make_prompts)
 
 
 def test_backward_is_a_clear_error_naming_the_family(case):
-    m = case["model"]
-    with m.trace(case["prompts"], grad=True) as tr:
-        pass
-    with pytest.raises(mixlens.UnsupportedError, match="rwkv"):
-        B, T = len(case["prompts"]), len(case["prompts"][0])
-        tr.backward(np.ones((B, T, 96), np.float32), paths=["layers.0.linear_attn.decays"])
+    check_backward_refused(case, "rwkv")
 
 
 def test_state_after_reads_and_writes_follow_the_recurrence(case):
@@ -122,8 +95,4 @@ def test_attention_hidden_size_other_than_hidden_size(tmp_path):
 
 
 def test_transformer_lens_names_map_the_residual_stream_only(case):
-    m = case["model"]
-    run = m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_resid_post"]).run()
-    assert np.asarray(run.saved["blocks.1.hook_resid_post"][0]).shape[-1] == 32
-    with pytest.raises(mixlens.UnknownValueError, match="no RWKV adapter"):
-        m.generate(case["prompts"], max_new_tokens=1, saves=["blocks.1.hook_mlp_out"]).run()
+    check_tl_residual_only(case, "RWKV")

@@ -4,7 +4,7 @@ tiiuae/Falcon-H1-0.5B-Base at full size, nvidia/Nemotron-H-8B-Base-8K reduced to
 blocks, ibm-ai-platform/Bamba-9B reduced to 2 layers, tiiuae/falcon-mamba-7b reduced to 2 layers,
 ibm-granite/granite-4.0-h-350m at full size, an ai21labs/Jamba-tiny-dev class layout (16 layers), Qwen/Qwen3.5-35B-A3B (Qwen3.5-MoE) reduced to 2 layers,
 allenai/Olmo-Hybrid-7B reduced to 4 layers, Zyphra/Zamba2-1.2B at full size, moonshotai/Kimi-Linear-48B-A3B
-reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers, MiniMaxAI/MiniMax-Text-01 widths reduced to 2 layers, 2 experts and a 32000-row vocabulary. Built once under build/published/ (a few minutes and 1-3 GB each; later
+reduced to 2 layers and 16 of its 256 experts (~1B parameters, mostly the two 163840-row tables), LiquidAI/LFM2-350M at full size, google/recurrentgemma-2b reduced to 3 layers, MiniMaxAI/MiniMax-Text-01 widths reduced to 2 layers, 2 experts and a 32000-row vocabulary, NX-AI/xLSTM-7b reduced to 2 blocks. Built once under build/published/ (a few minutes and 1-3 GB each; later
 runs reuse them). mixlens loads each, matches transformers' float32 logits (both sides widen the same bf16 weights)
 and serves the published value shapes.
 
@@ -20,7 +20,8 @@ layout); they run one after the other, never at the same time. The Qwen3.5-MoE l
 2 x 256 experts) peaks at ~20 GB resident (transformers widening it to float32, ~4 minutes on 2 cores);
 its logits matched at 2.2e-6 relative RMS when added; the RecurrentGemma-2B layout (3 layers, ~0.9B parameters,
 ~1 minute once built) at 1.2e-6; the MiniMax-Text-01 layout (2 layers, 2 experts, ~1.5B parameters, built in
-bfloat16 without the lightning decay buffers the release does not store; ~1.5 minutes) at 1.1e-6."""
+bfloat16 without the lightning decay buffers the release does not store; ~1.5 minutes) at 1.1e-6; the xLSTM-7B layout (2 blocks, ~0.8B parameters, ~1 minute to build on 2 cores)
+at 1.5e-6."""
 
 from __future__ import annotations
 
@@ -136,6 +137,10 @@ SHAPES = {
                                 "layers.0.linear_attn.attention_output": (1, 12, 6144),
                                 "layers.1.self_attn.attention_keys": (1, 12, 8, 128),
                                 "layers.1.mlp.output": (1, 12, 6144)},
+    "xlstm_7b_2blocks": {"layers.0.linear_attn.attention_queries": (1, 12, 2048),
+                         "layers.0.linear_attn.betas": (1, 12, 8),
+                         "layers.1.linear_attn.state_output": (1, 8 * (256 * 512 + 256 + 1)),
+                         "layers.1.mlp.output": (1, 12, 4096)},
 }
 MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks": "NemotronHForCausalLM",
                "bamba_9b_2layers": "BambaForCausalLM", "granite_4_0_h_350m": "GraniteMoeHybridForCausalLM",
@@ -147,7 +152,8 @@ MODEL_CLASS = {"falcon_h1_0_5b": "FalconH1ForCausalLM", "nemotron_h_8b_8blocks":
                "kimi_linear_48b_a3b_2layers": "KimiLinearForCausalLM",
                "lfm2_350m": "Lfm2ForCausalLM",
                "recurrent_gemma_2b_3layers": "RecurrentGemmaForCausalLM",
-               "minimax_text_01_2layers": "MiniMaxForCausalLM"}
+               "minimax_text_01_2layers": "MiniMaxForCausalLM",
+               "xlstm_7b_2blocks": "xLSTMForCausalLM"}
 
 
 BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falcon_mamba_7b_2layers",
@@ -156,7 +162,7 @@ BIG = {"nemotron_h_8b_8blocks", "bamba_9b_2layers", "granite_4_0_h_350m", "falco
        "kimi_linear_48b_a3b_2layers",
        "lfm2_350m",
        "recurrent_gemma_2b_3layers",
-       "minimax_text_01_2layers"}
+       "minimax_text_01_2layers", "xlstm_7b_2blocks"}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
