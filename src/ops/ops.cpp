@@ -193,7 +193,10 @@ void mul_silu(const float* x, const float* g, float* y, int64_t n) { kernels().m
 
 void norm_overflow(const float* x, int64_t dim, const char* who) {
   float big = 0.0f;
-  for (int64_t i = 0; i < dim; ++i) big = std::max(big, std::fabs(x[i]));
+  for (int64_t i = 0; i < dim; ++i) {
+    if (!std::isfinite(x[i])) return;
+    big = std::max(big, std::fabs(x[i]));
+  }
   char mag[32];
   std::snprintf(mag, sizeof mag, "%.3g", static_cast<double>(big));
   throw NumericError(std::string(who) + ": the mean of squares of a row overflows float32 (values up to " + mag +

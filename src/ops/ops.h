@@ -59,10 +59,11 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps,
              bool zero_centred = false);
 
-/// Raises NumericError for a norm row x[dim] whose mean of squares overflows float32 (|x| beyond ~1e19,
-/// only from an extreme write or input): the row would normalise to all zeros, as transformers' float32
-/// norms do, finite and silently wrong. rmsnorm / layernorm and the mixers' gated norms call it.
-[[noreturn]] void norm_overflow(const float* x, int64_t dim, const char* who);
+/// Called for a norm row x[dim] whose mean of squares overflowed float32: raises NumericError when every
+/// entry is finite (|x| beyond ~1e19, only from an extreme write or input: the row would normalise to
+/// all zeros, as transformers' float32 norms do, finite and silently wrong). A row already holding inf
+/// or NaN returns: its NaN output reaches FiniteWatch, which names the value where it first appeared.
+void norm_overflow(const float* x, int64_t dim, const char* who);
 
 /// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
 /// variance, sums in double. In place allowed (y == x).

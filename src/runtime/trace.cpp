@@ -252,6 +252,7 @@ MixerIdentity mixer_identity(const Model& model, int layer, int64_t prompt_seq) 
       break;
     case LayerKind::lightning:  // MiniMax: linear attention with a per-head decay, on the SSD scan (lightning_mixer)
       id.kind = "lightning", id.state_op = "lightning_attention";
+      break;
     case LayerKind::mlstm:  // xLSTM: transformers' mlstm_chunkwise / mlstm_recurrent_step_native
       id.kind = "mlstm", id.state_op = "mlstm_recurrent_step";
       break;
