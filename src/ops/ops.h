@@ -67,6 +67,8 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
 /// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
 /// variance, sums in double. In place allowed (y == x).
 void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps);
+/// The mean of x [dim] (returned) and the sum of its squared deviations (ss), in double: LayerNorm's statistics.
+double mean_ss(const float* x, int64_t dim, double& ss);
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }

@@ -156,8 +156,10 @@ inline void embeddings_fd(const std::string& fixture, const std::string& family,
 }
 
 /// The gradient of value `path` along a random direction v against differences of an additive edit
-/// (value + h v) on the prompt `batch`; `label` names the case in failures.
-inline void edit_fd(Model& m, const Batch& batch, const std::string& path, double tol, const std::string& label = "") {
+/// (value + h v) on the prompt `batch`; `label` names the case in failures; `step`: the largest h (a
+/// value read through exp, RWKV's keys, needs a larger step than float32 noise).
+inline void edit_fd(Model& m, const Batch& batch, const std::string& path, double tol, const std::string& label = "",
+                    float step = 2e-3f) {
   Trace tr;
   tr.save(path).enable_grad();
   const Tensor logits = m.run(batch, &tr);
@@ -170,15 +172,16 @@ inline void edit_fd(Model& m, const Batch& batch, const std::string& path, doubl
     t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
     return dot(W, m.run(batch, &t));
   };
-  const double fd = richardson(f, 2e-3f);
+  const double fd = richardson(f, step);
   EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << path << " " << label;
 }
 
 /// A call continuing a cached prompt (one row): each of `paths` (e.g. a state_input) along a random
 /// direction against differences of an additive edit in that call; the call runs `kernel`. Every
-/// state_output's gradient is zero (it feeds only the next call).
+/// state_output's gradient is zero (it feeds only the next call). `step` as edit_fd's.
 inline void continuation_fd(Model& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& cont,
-                            const std::vector<std::string>& paths, double tol, const std::string& kernel) {
+                            const std::vector<std::string>& paths, double tol, const std::string& kernel,
+                            float step = 2e-3f) {
   Cache cache = m.new_cache(1);
   m.forward(Batch::left_padded({prompt}, 0), cache);
   const Batch next = Batch::left_padded({cont}, 0);
@@ -198,7 +201,7 @@ inline void continuation_fd(Model& m, const std::vector<int32_t>& prompt, const 
       t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
       return dot(W, m.forward(next, c, &t));
     };
-    const double fd = richardson(f, 2e-3f);
+    const double fd = richardson(f, step);
     EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << path;
     const std::string layer = path.substr(0, path.rfind('.'));
     if (path.size() > 12 && path.compare(path.size() - 12, 12, ".state_input") == 0) {
