@@ -43,7 +43,7 @@ class RwkvMixerGrad {
   int li_;
   const Tape& tape_;
   std::vector<int64_t> first_;
-  Tensor n_, S0_, k_, v_, r_, w_dec_, y_, out_;
+  Tensor k_, v_, r_, w_dec_, y_, out_;
   Tensor before_;  ///< [B,T,3A] num | den | max before each real token
 };
 

@@ -48,7 +48,7 @@ void shift_state_adjoint(const Tensor& dprev, const Tensor& dstart, const std::v
 
 RwkvMixerGrad::RwkvMixerGrad(const detail::RwkvMixer& mixer, const detail::RwkvMixerWeights& w, int li,
                              const Tensor& n, const Tensor& S0, const Tape& tape)
-    : d_(mixer.dims()), w_(w), li_(li), tape_(tape), n_(n), S0_(S0) {
+    : d_(mixer.dims()), w_(w), li_(li), tape_(tape) {
   const Batch& in = tape.batch;
   const int64_t B = in.batch, T = in.seq, BT = B * T, D = d_.D, A = d_.A, rn = d_.row_numel();
   first_ = detail::first_real_tokens(in);
