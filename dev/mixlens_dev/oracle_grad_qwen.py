@@ -1,6 +1,11 @@
-"""Gradient oracle for Qwen3.5 / Qwen3-Next / Qwen3.5-MoE / OLMo-Hybrid / Kimi-Linear (issue 12): torch autograd on
-transformers' pure-torch Qwen3_5ForCausalLM / Qwen3NextForCausalLM / OlmoHybridForCausalLM / KimiLinearForCausalLM with
-every value of values.md kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
+"""Gradient oracle for Qwen3.5 / Qwen3-Next / Qwen3.5-MoE / OLMo-Hybrid / Kimi-Linear (issue 12) and LFM2 /
+LFM2-MoE (issue 25): torch autograd on transformers' pure-torch Qwen3_5ForCausalLM / Qwen3NextForCausalLM /
+OlmoHybridForCausalLM / KimiLinearForCausalLM / Lfm2ForCausalLM / Lfm2MoeForCausalLM with every value of values.md
+kept (``retain_grad``), so its ``.grad`` can be compared with mixlens' native backward.
+
+LFM2's short conv (``layers.{i}.linear_attn``) runs written out during the differentiated call
+(B | C | x from in_proj, the window shifted token by token with every window retained as ``states``, the
+cached window a leaf as ``state_input``); on a prompt it is checked against Lfm2ShortConv.forward itself.
 
 The gated-delta kernels are module globals of ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe`` / ``modeling_qwen3_next``
 (oracle_qwen.py relies on the same); the wrapper makes the kernel's inputs (q, k per value head before
@@ -108,9 +113,11 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
     keep, states = {}, {}
     cur = {"layer": None, "grad": False}
     edits = list(edits)
+    lfm2 = hasattr(text, "embedding_norm")  # LFM2 / LFM2-MoE: short conv blocks, their module names
     chunk_name, rec_name = (("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention") if kimi else
                             ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
-    orig = {n: getattr(mod, n) for n in (chunk_name, rec_name, *(() if kimi else ("apply_rotary_pos_emb",)))}
+    orig = {n: getattr(mod, n) for n in (*(() if lfm2 else (chunk_name, rec_name)),
+                                         *(() if kimi else ("apply_rotary_pos_emb",)))}
 
     def edit(path, t):
         for e in edits:
@@ -140,6 +147,39 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
         out = k_("attention_head_outputs", out)
         return out, S
 
+    def short_conv(conv, i, hidden_states, past_key_values=None, attention_mask=None, **kw):
+        """Lfm2ShortConv.forward written out: the window shifted token by token, each window retained
+        (``states``), the window before the call a leaf (``state_input``)."""
+        base = f"layers.{i}.linear_attn."
+
+        def k_(name, t):
+            return _keep(keep, base + name, edit(base + name, t))
+
+        BCx = conv.in_proj(mod.apply_mask_to_padding_states(hidden_states, attention_mask))
+        D = BCx.shape[-1] // 3
+        Bg, Cg, xg = k_("attention_keys", BCx[..., :D]), k_("attention_queries", BCx[..., D:2 * D]), \
+            k_("attention_values", BCx[..., 2 * D:])
+        u = Bg * xg
+        b, T, K = u.shape[0], u.shape[1], conv.conv_kernel_size
+        if past_key_values is not None and past_key_values.has_previous_state(i):
+            S = k_("state_input", past_key_values.layers[i].conv_states[0].detach().clone().requires_grad_(True))
+        else:
+            S = torch.zeros(b, D, K)
+        sts = states[base + "states"] = []
+        w = conv.conv.weight[:, 0, :]
+        acc = []
+        for t in range(T):
+            S = torch.cat([S[..., 1:], u[:, t, :, None]], -1)
+            S.retain_grad()
+            sts.append(S)
+            acc.append((S * w).sum(-1) + (conv.conv.bias if conv.conv.bias is not None else 0.0))
+        y = k_("attention_head_outputs", Cg * torch.stack(acc, 1))
+        if not edits and (past_key_values is None or not past_key_values.has_previous_state(i)):  # as transformers'
+            with torch.no_grad():
+                ref = type(conv).forward(conv, hidden_states, None, attention_mask)
+            assert torch.allclose(conv.out_proj(y), ref, atol=1e-5), f"layer {i}: short conv written out != transformers"
+        return conv.out_proj(y)
+
     def rope(q, k, cos, sin, *a, **kw):
         qe, ke = orig["apply_rotary_pos_emb"](q, k, cos, sin, *a, **kw)
         if cur["grad"]:
@@ -148,7 +188,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             ke = _keep(keep, base + "attention_keys", ke)
         return qe, ke
 
-    handles = []
+    handles, patched = [], []
 
     def hook(module, fn, **kw):
         handles.append(module.register_forward_hook(fn, **kw))
@@ -177,8 +217,8 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
                 return o
             return _keep(keep, f"layers.{i}.mlp.output", edit(f"layers.{i}.mlp.output", o))
 
-        hook(layer.mlp, mlp_post)
-        linear = layer.block_type == "linear_attention" if kimi else hasattr(layer, "linear_attn")
+        hook(layer.feed_forward if lfm2 else layer.mlp, mlp_post)
+        linear = layer.block_type == "linear_attention" if kimi else hasattr(layer, "conv" if lfm2 else "linear_attn")
         if linear:
             def lin_post(m, a, o, i=i):
                 if not cur["grad"]:
@@ -186,7 +226,14 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
                 p = f"layers.{i}.linear_attn.attention_output"
                 return _keep(keep, p, edit(p, o))
 
-            hook(layer.self_attn if kimi else layer.linear_attn, lin_post)
+            lin = layer.self_attn if kimi else layer.conv if lfm2 else layer.linear_attn
+            hook(lin, lin_post)
+            if lfm2:  # the instance's forward, during the differentiated call only
+                def conv_fwd(*a, conv=lin, i=i, **kw):
+                    return short_conv(conv, i, *a, **kw) if cur["grad"] else type(conv).forward(conv, *a, **kw)
+
+                lin.forward = conv_fwd
+                patched.append(lin)
         elif kimi:
             _hook_latent_attention(layer.self_attn, i, cur, keep, edit, hook, handles)
         else:
@@ -215,10 +262,11 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
                 hook(at.k_norm, qk_normed("attention_keys"))
             hook(at.v_proj, vproj)
             hook(at, att_post)
-    hook(text.norm, lambda m, a, o: _keep(keep, "ln_final.output", o) if cur["grad"] else o)
+    hook(text.embedding_norm if lfm2 else text.norm, lambda m, a, o: _keep(keep, "ln_final.output", o) if cur["grad"] else o)
 
-    setattr(mod, chunk_name, delta_rule)
-    setattr(mod, rec_name, lambda *a, **kw: delta_rule(*a, _name=rec_name, **kw))
+    if not lfm2:
+        setattr(mod, chunk_name, delta_rule)
+        setattr(mod, rec_name, lambda *a, **kw: delta_rule(*a, _name=rec_name, **kw))
     if not kimi:
         mod.apply_rotary_pos_emb = rope
     try:
@@ -245,6 +293,8 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             h.remove()
         for layer in text.layers if kimi else ():  # the latent attention's wrapped expand_kv (an instance attribute)
             layer.self_attn.__dict__.pop("expand_kv", None)
+        for module in patched:
+            del module.forward
     grads = collect(keep, states, m)
     hd = next(layer.self_attn.qk_head_dim if kimi else layer.self_attn.head_dim for layer in text.layers
               if (layer.block_type != "linear_attention" if kimi else hasattr(layer, "self_attn")))

@@ -16,9 +16,10 @@ from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 from mixlens_dev.oracle_util import N_STEPS, advance, mix, recorder
 
 
-def wkv(k, v, w, u, num, den, mx):
+def wkv(k, v, w, u, num, den, mx, kept=None):
     """rwkv_linear_attention_cpu's loop, w [B,T,A] per token (log decay, <= 0); returns y, per-token
-    (num, den, max) [B,T,3A] and the final state."""
+    (num, den, max) [B,T,3A] and the final state. ``kept`` (a list): each token's (num, den, max) tensors,
+    retained for their ``.grad`` (the graph runs through them)."""
     T = k.shape[1]
     y = torch.zeros_like(k)
     per = []
@@ -34,6 +35,10 @@ def wkv(k, v, w, u, num, den, mx):
         num = e1 * num + e2 * cv
         den = e1 * den + e2
         mx = ms
+        if kept is not None and num.requires_grad:
+            for t_ in (num, den, mx):
+                t_.retain_grad()
+            kept.append((num, den, mx))
         per.append(torch.cat([num, den, mx], -1))
     return y, torch.stack(per, 1), (num, den, mx)
 
@@ -44,9 +49,11 @@ def shift(x, start):
 
 
 @torch.no_grad()
-def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: bool = True):
+def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: bool = True, keep=None):
     """Every value of a greedy run (prompt rows of equal length) of `n_steps` calls; `feeds` teacher-forces
-    steps 1.. (else greedy). Keys '<path>@step<k>', plus 'tokens' [B, n_steps]."""
+    steps 1.. (else greedy). Keys '<path>@step<k>', plus 'tokens' [B, n_steps]. ``keep`` (a dict): the last
+    step runs with autograd and ``keep`` receives its values as tensors (``retain_grad``; the embeddings,
+    decays and state_input as leaves) and, under ``<path>#per``, each token's retained (num, den, max)."""
     rw = model.rwkv
     rw._rescale_layers()
     cfg = model.config
@@ -58,8 +65,20 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
     hf_state = None
 
     for step in range(n_steps):
-        put = recorder(vals, edits, step)
+        grad = keep is not None and step == n_steps - 1
+        record = recorder(vals, edits, step)
 
+        def put(path, t, record=record, grad=grad):
+            t = record(path, t)
+            if grad:
+                if path == "embed_tokens.output" or path.endswith(("decays", "state_input")):
+                    t = t.detach().requires_grad_(True)
+                if t.requires_grad:
+                    t.retain_grad()
+                keep[path] = t
+            return t
+
+        torch.set_grad_enabled(grad)
         h = put("embed_tokens.output", rw.embeddings(ids))
         for i, blk in enumerate(rw.blocks):
             h = put(f"layers.{i}.layer_input", h)
@@ -79,7 +98,8 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
             w = put(mix(i, "decays"), (-torch.exp(att.time_decay)).expand(B, T, A).contiguous())
             r = put(mix(i, "attention_queries"),
                     torch.sigmoid(att.receptance(x * att.time_mix_receptance + s * (1 - att.time_mix_receptance))))
-            y, per, (num, den, mx) = wkv(k, v, w, att.time_first, num, den, mx)
+            y, per, (num, den, mx) = wkv(k, v, w, att.time_first, num, den, mx,
+                                         keep.setdefault(mix(i, "states") + "#per", []) if grad else None)
             if check and not edits:  # the WKV loop is transformers' own function
                 ry, rs = rwkv_linear_attention_cpu(att.time_decay, att.time_first, k, v, state=[
                     st[:, :A], st[:, A:2 * A], st[:, 2 * A:3 * A]], return_state=True)
@@ -88,7 +108,7 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
             out = put(mix(i, "attention_output"), att.output(r * y))
             h = h + out
             x2 = blk.ln2(h)
-            vals[f"{mix(i, 'states')}@step{step}"] = torch.cat([per, x, x2], -1).numpy().copy()
+            vals[f"{mix(i, 'states')}@step{step}"] = torch.cat([per, x, x2], -1).detach().numpy().copy()
             state[i] = torch.cat([num, den, mx, x[:, -1], x2[:, -1]], 1)
             state[i] = put(mix(i, "state_output"), state[i])
             s2 = shift(x2, xf)
@@ -115,6 +135,42 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
         ids = advance(logits, toks, feeds, step, n_steps)
     vals["tokens"] = torch.stack(toks, 1).numpy()
     return vals
+
+
+def grads(model, prompts, metric, edits=(), continuation=None):
+    """torch autograd of ``metric(logits)`` for every value of the prompt's call, or (``continuation``:
+    [B, n] ids) of the call continuing it: {path: numpy gradient} in mixlens' layouts, ``states`` as its
+    num | den | max part [B,T,3A] (the shift parts of a state are the ln outputs themselves, not tensors of
+    their own here), plus ``metric``. ``edits``: set_index writes ({path, index, value}) in that call.
+
+    The max entries' gradients (``states`` and ``state_input``) are the exact partials ``g_num num + g_den den``
+    (a state stands for (num e^max, den e^max)), not autograd's: through ``torch.maximum`` and
+    ``exp(max - maximum(max, .))`` autograd returns 0 for them, which central differences contradict
+    (test_grad_rwkv.py::test_max_entry_gradient_is_the_exact_partial)."""
+    n = 1 if continuation is None else 2
+    eds = [dict(e, op="set", step=n - 1) for e in edits]
+    keep: dict = {}
+    with torch.enable_grad():
+        run(model, prompts, edits=eds, feeds=None if continuation is None else [continuation], n_steps=n,
+            check=False, keep=keep)
+        m = metric(keep["logits"])
+        m.backward()
+    out = {}
+
+    def g_of(x):
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    for path, t in keep.items():
+        if path.endswith("#per"):
+            g = [torch.cat([g_of(n), g_of(d), g_of(n) * n + g_of(d) * d], -1) for n, d, _ in t]
+            out[path[:-4]] = torch.stack(g, 1).detach().numpy()
+        else:
+            out[path] = g_of(t).detach().numpy().copy()
+            if path.endswith("state_input"):
+                A = model.config.attention_hidden_size
+                out[path][:, 2 * A:3 * A] = (g_of(t)[:, :A] * t[:, :A] + g_of(t)[:, A:2 * A] * t[:, A:2 * A]).detach().numpy()
+    out["metric"] = np.array(float(m.detach()))
+    return out
 
 
 def check_generate(model, prompts, values, n_steps: int = N_STEPS) -> None:

@@ -26,7 +26,7 @@ def recorder(vals: dict, edits, step: int):
         for e in edits:
             if e["path"] == path and e["step"] == step:
                 t = apply_edit(t, e)
-        vals[f"{path}@step{step}"] = t.numpy().copy()
+        vals[f"{path}@step{step}"] = t.detach().numpy().copy()
         return t
     return put
 

@@ -270,16 +270,6 @@ class HybridBackward {
     }
   }
 
-  // relu2 with explicit weights (experts, shared expert): dx (+)= d/dx of dy . down(relu(up x)^2).
-  static void relu2_backward(const Tensor& up_w, const Tensor& down_w, const float* x, const float* dy, int64_t rows,
-                             int64_t in, int64_t I, float* dx, bool accumulate) {
-    Tensor u({rows, I}), du({rows, I});
-    ops::linear(x, rows, in, up_w, u.data());
-    linear_backward(dy, rows, down_w.size(0), down_w, du.data(), false);
-    for (int64_t k = 0; k < rows * I; ++k) du[k] *= 2.0f * std::max(u[k], 0.0f);
-    linear_backward(du.data(), rows, I, up_w, dx, accumulate);
-  }
-
   // SwiGLU with explicit weights (Granite experts): dx (+)= d/dx of dy . down(up x * silu(gate x)).
   static void swiglu_backward(const Tensor& gate_w, const Tensor& up_w, const Tensor& down_w, const float* x,
                               const float* dy, int64_t rows, int64_t in, int64_t I, float* dx, bool accumulate) {
@@ -335,7 +325,7 @@ class HybridBackward {
       if (s_.moe_kind != detail::HybridMoeKind::nemotron_h)
         swiglu_backward(m.gate[ei], m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
       else
-        relu2_backward(m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
+        relu2_mlp_backward(m.up[ei], m.down[ei], xs.data(), dys.data(), nt, in, s_.moe_I, dxs.data(), false);
       for (int64_t j = 0; j < nt; ++j) {
         const int64_t r = toks[static_cast<size_t>(j)].first;
         for (int64_t c = 0; c < in; ++c) dxe[r * in + c] += dxs[j * in + c];
@@ -375,7 +365,7 @@ class HybridBackward {
     linear_backward(dlog.data(), rows, E, m.router, dx.data(), false);
     if (lat > 0) linear_backward(dxe.data(), rows, in, m.fc1, dx.data(), true);
     else add_into(dx, dxe);
-    relu2_backward(m.shared_up, m.shared_down, x, dout, rows, D, s_.shared_I, dx.data(), true);
+    relu2_mlp_backward(m.shared_up, m.shared_down, x, dout, rows, D, s_.shared_I, dx.data(), true);
   }
 
   Tensor branch_mlp_forward(int li, const HybridBlock& b, const HybridBlockWeights& w, const Tensor& n) const {

@@ -49,6 +49,14 @@ inline float softplus_grad(float v) { return v > 20.0f ? 1.0f : 1.0f / (1.0f + s
 void sigmoid_topk_weights_backward(const float* s, const int64_t* chosen, int64_t K, const float* dw, bool norm,
                                    float eps, float scale, float* dlog);
 
+/// y = (x - mean) / sqrt(var + eps) * w + b per row (ops::layernorm, nn.LayerNorm): dx (+)= from dy.
+void layernorm_backward(const float* x, const float* w, const float* dy, float* dx, int64_t rows, int64_t dim, float eps,
+                        bool accumulate);
+/// y = down(relu(up x)^2) (NemotronH's relu2 experts, RWKV's channel-mix value(relu(key x)^2)), x [rows, in]:
+/// dx (+)= from dy [rows, down rows].
+void relu2_mlp_backward(const Tensor& up_w, const Tensor& down_w, const float* x, const float* dy, int64_t rows,
+                        int64_t in, int64_t I, float* dx, bool accumulate);
+
 /// Backward of the Mamba-2 SSD scan of one batch row (mixers/ssd.h, either kernel): per head h
 /// (group g = h / (H/G))  S_t = exp(A dt_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t.
 /// Outputs are overwritten. dstates (optional) receives dL/dS_t in the served layout [T,H,N,P]

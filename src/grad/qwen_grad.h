@@ -1,8 +1,9 @@
 // Backward of the Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; issue 12, docs/gradients.md):
 // the pieces FamilyModel::backward runs on a QwenHybridParts (views of a QwenHybrid's weights,
 // models/qwen_hybrid.h). The attention layers' backward is the attention mixer's
-// (AttentionMixerGrad, grad/families.h). Each mixer is recomputed from its normed input with the tape's writes
-// re-applied (output() is the mixer output as the forward added it), then differentiated.
+// (AttentionMixerGrad, grad/families.h); LFM2's short conv layers' is ShortConvMixerGrad. Each mixer
+// is recomputed from its normed input with the tape's writes re-applied (output() is the mixer output
+// as the forward added it), then differentiated.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -41,6 +42,31 @@ class GdnMixerGrad {
   Tensor zk_, fa_;  ///< kda: the gate logits g_b(g_a(x)) [BT,HV*Dv] and f_b(f_a(x)) [BT,HV*Dk]
   /// Row `row`, value head j's gate logits (z in in_proj's output, or kda's zk_).
   const float* gate_logits(int64_t row, int64_t j) const;
+};
+
+/// LFM2's gated short conv mixer of one layer (mixers/short_conv_mixer.h), recomputed for its backward
+/// from the normed input with the tape's writes re-applied; the window the call starts from is a
+/// constant of the call (its gradient is served as state_input).
+class ShortConvMixerGrad {
+ public:
+  ShortConvMixerGrad(const detail::ShortConvMixer& mixer, const detail::ShortConvMixerWeights& w, int layer,
+                     const Tensor& n, const detail::HybridCache& before, const Tape& tape);
+  /// The mixer output as the forward added it (attention_output, writes applied).
+  const Tensor& output() const { return out_; }
+  /// dn [B,T,D] (overwritten) from dL/d(output); puts the linear_attn values' gradients.
+  void backward(const Tensor& dout, Tensor& dn, GradSink& sink) const;
+
+ private:
+  const detail::ShortConvMixerWeights& w_;
+  int li_;
+  const Tape& tape_;
+  int64_t D_ = 0, K_ = 0;
+  bool masked_ = false, has_state_ = false;
+  std::vector<int64_t> first_;  ///< per row, its first real token (left padding is skipped by the scan)
+  Tensor Bg_, Cg_, xg_;         ///< [B,T,D] in_proj's B | C | x (writes applied)
+  Tensor S0_;                   ///< [B,D,K] the window before the call, served layout (writes applied)
+  Tensor acc_;                  ///< [B,T,D] the conv output (before * C)
+  Tensor out_;
 };
 
 /// Backward of one layer's MLP at x [B,T,D] (recomputed): dx (overwritten) from dL/d(output).

@@ -4,8 +4,9 @@
 //   h1 = h0 + norm1(mixer(h0)),  h2 = h1 + norm2(mlp(h1))  (OLMo-Hybrid's post-norm attention blocks),
 // with the SwiGLU MLP or the sparse MoE (the router's top-k choice is a constant; the gradient flows
 // through the chosen experts, their routing weights (softmax over all experts, optionally renormalised
-// over the chosen; Kimi: the chosen experts' sigmoid scores, renormalised and scaled) and the shared
-// expert (sigmoid-gated; Kimi: ungated)).
+// over the chosen; Kimi, LFM2-MoE: the chosen experts' sigmoid scores, renormalised and scaled) and the
+// shared expert (sigmoid-gated; Kimi: ungated; LFM2-MoE: none). LFM2's short conv blocks are
+// differentiated where a GDN would be (ShortConvMixerGrad).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -94,7 +95,9 @@ void gated_shared_expert_backward(const MlpView& m, const Tensor& x, const Tenso
 void moe_backward(const MlpView& m, const Tensor& x, const Tensor& dout, Tensor& dx) {
   const int64_t D = m.D, rows = x.numel() / D, E = m.router->size(0), K = m.topk;
   const bool sigmoid_router = m.router_bias && m.router_bias->defined();  // KimiLinearTopkRouter
-  if (m.shared_gate->defined())
+  if (m.Is == 0)  // Lfm2MoeSparseMoeBlock: no shared expert
+    std::memset(dx.data(), 0, sizeof(float) * static_cast<size_t>(dx.numel()));
+  else if (m.shared_gate->defined())
     gated_shared_expert_backward(m, x, dout, dx);
   else  // KimiLinearMoE: the shared experts are added ungated
     swiglu_backward(*m.shared_gate_up, *m.shared_down, m.Is, D, x.data(), rows, dout.data(), dx.data(), false);
@@ -262,11 +265,13 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
     }
     ops::rmsnorm(h0.data(), l.in_norm->data(), n1.data(), BT, D, bb.eps, c);
     std::unique_ptr<GdnMixerGrad> gdn;
+    std::unique_ptr<ShortConvMixerGrad> sc;
     std::unique_ptr<AttentionMixerGrad> att;
-    if (l.linear) gdn = std::make_unique<GdnMixerGrad>(l.gdn, li, n1, before, tape);
+    if (l.sc) sc = std::make_unique<ShortConvMixerGrad>(*bb.conv, *l.sc, li, n1, before, tape);
+    else if (l.linear) gdn = std::make_unique<GdnMixerGrad>(l.gdn, li, n1, before, tape);
     else att = std::make_unique<AttentionMixerGrad>(*bb.attn, *l.attn, li, n1,
                                                     AttentionCallState{&before.kv[static_cast<size_t>(i)], &before.key_mask, &pos}, tape);
-    const Tensor& out = l.linear ? gdn->output() : att->output();
+    const Tensor& out = sc ? sc->output() : l.linear ? gdn->output() : att->output();
     for (int64_t k = 0; k < h1.numel(); ++k) h1[k] = h0[k] + out[k];
     // MLP: h2 = h1 + mlp(norm2(h1)).
     std::memcpy(dm.data(), dh.data(), sizeof(float) * static_cast<size_t>(dh.numel()));
@@ -277,7 +282,9 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
     mlp_backward(l.mlp, n2, dm, dn, gu);
     rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, true);
     // Mixer: h1 = h0 + mixer(norm1(h0)).
-    if (l.linear) gdn->backward(dh, dn, sink); else att->backward(dh, dn, sink);
+    if (sc) sc->backward(dh, dn, sink);
+    else if (l.linear) gdn->backward(dh, dn, sink);
+    else att->backward(dh, dn, sink);
     rmsnorm_backward(h0.data(), l.in_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, true);
     sink.put(li, Value::layer_input, dh);
     tape.block(li, Value::layer_input, dh);

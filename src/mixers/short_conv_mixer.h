@@ -3,7 +3,7 @@
 // families (models/lfm2.cpp over models/qwen_hybrid.cpp) run it in their conv blocks. Reference:
 // transformers models/lfm2/modeling_lfm2.py Lfm2ShortConv.forward. Its state is the conv window
 // (the last L_cache values of B * x), served [B, hidden, L_cache] as transformers' conv_states.
-// One kernel (a token loop): the window shift is the whole recurrence. No backward.
+// One kernel (a token loop): the window shift is the whole recurrence. Backward: grad/short_conv_mixer_grad.cpp.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -39,6 +39,8 @@ class ShortConvMixer {
   /// `D`: hidden_size; `K`: conv_L_cache; `bias`: conv_bias (in_proj, conv and out_proj biases).
   ShortConvMixer(int64_t D, int64_t K, bool bias) : D_(D), K_(K), bias_(bias) {}
   int64_t width() const { return K_; }
+  int64_t hidden() const { return D_; }
+  bool bias() const { return bias_; }
   void load(const io::WeightStore& w, const std::string& m, ShortConvMixerWeights& l) const;
   /// The linear_attn values of layer `layer`, in forward order.
   void values(int layer, int64_t B, int64_t T, std::vector<ValueInfo>& out) const;

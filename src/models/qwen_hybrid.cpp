@@ -325,6 +325,7 @@ class QwenHybrid final : public FamilyModel {
     bb.L = L_;
     bb.V = V_;
     bb.attn = &attn_;
+    if (spec_.lfm2) bb.conv = &conv_;
     for (const Layer& l : layers_) {
       QwenLayerView v;
       v.linear = l.linear;
@@ -332,7 +333,9 @@ class QwenHybrid final : public FamilyModel {
       v.in_norm = &l.in_norm;
       v.post_norm = &l.post_norm;
       v.ff_norm = &l.ff_norm;
-      if (l.linear) {
+      if (l.linear && spec_.lfm2) {
+        v.sc = &l.sc;
+      } else if (l.linear) {
         v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, gdn_.norm_eps(), gdn_.beta_scale(), &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
         v.gdn.kda = g_.kda;
         v.gdn.f_b = &l.f_b;
@@ -355,7 +358,7 @@ class QwenHybrid final : public FamilyModel {
       v.mlp.shared_gate_up = &m.shared_gate_up;
       v.mlp.shared_down = &m.shared_down;
       v.mlp.shared_gate = &m.shared_gate;
-      if (spec_.kimi && m.moe) {  // KimiLinearTopkRouter (route_sigmoid)
+      if ((spec_.kimi || spec_.lfm2) && m.moe) {  // KimiLinearTopkRouter (route_sigmoid); LFM2-MoE's is its one-group case
         v.mlp.router_bias = &m.router_bias;
         v.mlp.n_group = n_group_;
         v.mlp.topk_group = topk_group_;

@@ -51,7 +51,7 @@ struct QwenHybridSpec {
   /// norms (norm_aliases: operator_norm / ffn_norm), final norm `final_norm`, SwiGLU MLPs as
   /// feed_forward.w1 / w3 / w2, and LFM2-MoE's sparse block (sigmoid router, expert_bias chooses the
   /// experts and does not weight them, top-k renormalised with + 1e-6, routed_scaling_factor, no shared
-  /// expert). conv_bias: the short conv's biases. No backward.
+  /// expert). conv_bias: the short conv's biases. Backward: grad/short_conv_mixer_grad.cpp, qwen_hybrid_grad.cpp.
   bool lfm2 = false;
   bool conv_bias = false;
   std::string final_norm = "norm";  ///< the final norm's module name (LFM2: embedding_norm)
@@ -115,6 +115,7 @@ struct QwenLayerView {
   bool post_norms = false;
   const Tensor *in_norm = nullptr, *post_norm = nullptr, *ff_norm = nullptr;
   GdnView gdn;
+  const ShortConvMixerWeights* sc = nullptr;    ///< LFM2's short conv layers (instead of gdn)
   const AttentionMixerWeights* attn = nullptr;  ///< attention layers
   MlpView mlp;
 };
@@ -127,6 +128,7 @@ struct QwenHybridParts : BackwardParts {
   float eps = 1e-6f;
   int64_t D = 0, L = 0, V = 0;
   const AttentionMixer* attn = nullptr;  ///< the attention layers' mixer
+  const ShortConvMixer* conv = nullptr;  ///< LFM2: the short conv layers' mixer
   std::vector<QwenLayerView> layers;
 };
 

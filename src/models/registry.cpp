@@ -36,9 +36,9 @@ const std::vector<FamilyEntry>& family_registry() {
       {"zamba2", "zamba2", make_zamba2, true},
       {"zamba", "zamba", make_zamba, true},
       {"kimi_linear", "kimi_linear", make_kimi_linear, true},
-      {"rwkv", "rwkv", make_rwkv, false, kWkvOneKernel},
-      {"lfm2", "lfm2", make_lfm2, false, kShortConvOneKernel},
-      {"lfm2_moe", "lfm2_moe", make_lfm2_moe, false, kShortConvOneKernel},
+      {"rwkv", "rwkv", make_rwkv, true, kWkvOneKernel},
+      {"lfm2", "lfm2", make_lfm2, true, kShortConvOneKernel},
+      {"lfm2_moe", "lfm2_moe", make_lfm2_moe, true, kShortConvOneKernel},
       {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false, kRgLruOneKernel},
       {"minimax", "minimax", make_minimax, false, ""},  // two kernels: route_kernels takes either
       {"xlstm", "xlstm", make_xlstm, false},

@@ -16,15 +16,14 @@
 #include "models/config.h"
 #include "models/mamba2_hybrid.h"
 #include "models/registry.h"
+#include "models/rwkv.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
 
 namespace {
 
-struct FeedForward {  // rwkv.blocks.{i}.feed_forward (RwkvFeedForward)
-  Tensor mix_k, mix_r, key, receptance, value;  // value [D, I] rescaled as the mixer's output
-};
+using FeedForward = RwkvFeedForward;
 
 class RwkvModel final : public FamilyModel {
  public:
@@ -170,6 +169,16 @@ class RwkvModel final : public FamilyModel {
           "own read), so the log write strength is layers." + std::to_string(i) + ".linear_attn.attention_keys";
     }
     return s;
+  }
+
+  // Gradients (src/grad/rwkv_grad.cpp, docs/gradients.md).
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto p = std::make_unique<RwkvParts>();
+    p->D = D_; p->L = L_; p->I = I_; p->rescale_every = rescale_every_; p->eps = eps_;
+    p->mixer = &mixer_; p->layers = &layers_; p->ffn = &ffn_;
+    p->pre_ln_w = &pre_ln_w_; p->pre_ln_b = &pre_ln_b_; p->ln_w = &ln_w_; p->ln_b = &ln_b_;
+    p->ln_out_w = &ln_out_w_; p->lm_head = &lm_head_;
+    return p;
   }
 
   Head head() const override {

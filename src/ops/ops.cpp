@@ -215,15 +215,21 @@ float inv_rms(double ss, int64_t dim, float eps, const float* xr, const char* wh
 
 }  // namespace
 
+double mean_ss(const float* x, int64_t dim, double& ss) {
+  double s = 0.0;
+  for (int64_t i = 0; i < dim; ++i) s += x[i];
+  const double mean = s / static_cast<double>(dim);
+  ss = 0.0;
+  for (int64_t i = 0; i < dim; ++i) ss += (x[i] - mean) * (x[i] - mean);
+  return mean;
+}
+
 void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
     float* yr = y + r * dim;
-    double s = 0.0;
-    for (int64_t i = 0; i < dim; ++i) s += xr[i];
-    const double mean = s / static_cast<double>(dim);
     double ss = 0.0;
-    for (int64_t i = 0; i < dim; ++i) ss += (xr[i] - mean) * (xr[i] - mean);
+    const double mean = mean_ss(xr, dim, ss);
     const float m = static_cast<float>(mean);
     const float inv = inv_rms(ss, dim, eps, xr, "LayerNorm");
     for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] - m) * inv * w[i] + b[i];

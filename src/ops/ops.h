@@ -68,6 +68,8 @@ void norm_overflow(const float* x, int64_t dim, const char* who);
 /// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
 /// variance, sums in double. In place allowed (y == x).
 void layernorm(const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t dim, float eps);
+/// The mean of x [dim] (returned) and the sum of its squared deviations (ss), in double: LayerNorm's statistics.
+double mean_ss(const float* x, int64_t dim, double& ss);
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }

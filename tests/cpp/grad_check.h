@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "fixture_util.h"
 #include "grad/tape.h"
 #include "mixlens/model.h"
 #include "mixlens/tensor.h"
@@ -100,12 +101,115 @@ inline Tensor axpy(const Tensor& x, float h, const Tensor& v) {
   return o;
 }
 
+/// A random direction with the RMS of `like` (a step relative to the value's own scale).
+inline Tensor direction(const Tensor& like, uint32_t seed) {
+  double ss = 0;
+  for (float x : like) ss += static_cast<double>(x) * x;
+  return random_like(like.shape(), seed, static_cast<float>(std::sqrt(ss / static_cast<double>(like.numel()))));
+}
+
+/// Central differences with one Richardson step (error O(h^4)): the tiny random fixtures are sharply
+/// curved, so a plain central difference needs steps so small that float32 noise dominates.
+inline double richardson(const std::function<double(float)>& f, float h) {
+  const double d1 = (f(h) - f(-h)) / (2.0 * h), d2 = (f(h / 2) - f(-h / 2)) / static_cast<double>(h);
+  return (4.0 * d2 - d1) / 3.0;
+}
+
+/// n token ids in [1, 90] (every fixture's vocabulary holds them).
+inline std::vector<int32_t> ids(int n, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::vector<int32_t> v;
+  for (int i = 0; i < n; ++i) v.push_back(static_cast<int32_t>(1 + g() % 90));
+  return v;
+}
+
 /// Forces a kernel route for a family while in scope (route_kernels), back to default after.
 struct RouteGuard {
   std::string family;
   RouteGuard(std::string f, const char* route) : family(std::move(f)) { route_kernels(family, route); }
   ~RouteGuard() { route_kernels(family, "default"); }
 };
+
+/// d/dh <W, logits(E + h v)> at 0 == <grad(embed_tokens.output), v> for a random direction v, on each
+/// kernel route of `routes` (the call must run the route asked for).
+inline void embeddings_fd(const std::string& fixture, const std::string& family, int n_tokens, double tol,
+                          const std::vector<const char*>& routes) {
+  Model m = Model::load(test::fixture(fixture).string());
+  Trace probe;
+  probe.save("embed_tokens.output");
+  m.run({ids(n_tokens, 7)}, &probe);
+  const Tensor E = probe.get("embed_tokens.output");
+  for (const char* route : routes) {
+    RouteGuard guard(family, route);
+    Trace tr;
+    tr.save("embed_tokens.output").enable_grad();
+    const Tensor logits = m.run(Batch::from_embeddings(E), &tr);
+    EXPECT_EQ(tr.calls().back().kernel, route);
+    const Tensor W = random_like(logits.shape(), 3);
+    tr.backward(W);
+    const Tensor g = tr.grad("embed_tokens.output");
+    const Tensor v = direction(E, 4);
+    const double fd =
+        richardson([&](float h) { return dot(W, m.run(Batch::from_embeddings(axpy(E, h, v)))); }, 2e-3f);
+    EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << fixture << " " << route;
+  }
+}
+
+/// The gradient of value `path` along a random direction v against differences of an additive edit
+/// (value + h v) on the prompt `batch`; `label` names the case in failures; `step`: the largest h (a
+/// value read through exp, RWKV's keys, needs a larger step than float32 noise).
+inline void edit_fd(Model& m, const Batch& batch, const std::string& path, double tol, const std::string& label = "",
+                    float step = 2e-3f) {
+  Trace tr;
+  tr.save(path).enable_grad();
+  const Tensor logits = m.run(batch, &tr);
+  const Tensor W = random_like(logits.shape(), 5);
+  tr.backward(W);
+  const Tensor g = tr.grad(path);
+  const Tensor v = direction(tr.get(path), 6);
+  auto f = [&](float h) {
+    Trace t;
+    t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
+    return dot(W, m.run(batch, &t));
+  };
+  const double fd = richardson(f, step);
+  EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << path << " " << label;
+}
+
+/// A call continuing a cached prompt (one row): each of `paths` (e.g. a state_input) along a random
+/// direction against differences of an additive edit in that call; the call runs `kernel`. Every
+/// state_output's gradient is zero (it feeds only the next call). `step` as edit_fd's.
+inline void continuation_fd(Model& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& cont,
+                            const std::vector<std::string>& paths, double tol, const std::string& kernel,
+                            float step = 2e-3f) {
+  Cache cache = m.new_cache(1);
+  m.forward(Batch::left_padded({prompt}, 0), cache);
+  const Batch next = Batch::left_padded({cont}, 0);
+  for (const std::string& path : paths) {
+    Cache c1 = cache.copy();
+    Trace tr;
+    tr.save(path).enable_grad();
+    const Tensor logits = m.forward(next, c1, &tr);
+    EXPECT_EQ(tr.calls().back().kernel, kernel);
+    const Tensor W = random_like(logits.shape(), 5);
+    tr.backward(W);
+    const Tensor g = tr.grad(path);
+    const Tensor v = direction(tr.get(path, 1), 6);  // the cache's second call
+    auto f = [&](float h) {
+      Cache c = cache.copy();
+      Trace t;
+      t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
+      return dot(W, m.forward(next, c, &t));
+    };
+    const double fd = richardson(f, step);
+    EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << path;
+    const std::string layer = path.substr(0, path.rfind('.'));
+    if (path.size() > 12 && path.compare(path.size() - 12, 12, ".state_input") == 0) {
+      tr.backward(W, {layer + ".state_output"});
+      for (float s : tr.grad(layer + ".state_output")) EXPECT_EQ(s, 0.0f) << layer;
+    }
+  }
+}
 
 /// The backward of one recorded call twice: with the products the forward kept on the tape
 /// (grad::Kept), then with them dropped (recomputed from the block inputs). Both must give the same

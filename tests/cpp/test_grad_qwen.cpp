@@ -22,50 +22,10 @@ using namespace mixlens::grad_check;
 
 namespace {
 
-// A random direction with the RMS of `like` (a step relative to the value's own scale).
-Tensor direction(const Tensor& like, uint32_t seed) {
-  double ss = 0;
-  for (float x : like) ss += static_cast<double>(x) * x;
-  return random_like(like.shape(), seed, static_cast<float>(std::sqrt(ss / static_cast<double>(like.numel()))));
-}
-
-// Central differences with one Richardson step (error O(h^4)): the tiny random fixtures are sharply
-// curved, so a plain central difference needs steps so small that float32 noise dominates.
-double richardson(const std::function<double(float)>& f, float h) {
-  const double d1 = (f(h) - f(-h)) / (2.0 * h), d2 = (f(h / 2) - f(-h / 2)) / static_cast<double>(h);
-  return (4.0 * d2 - d1) / 3.0;
-}
-
 using Route = grad_check::RouteGuard;
 
-std::vector<int32_t> ids(int n, uint32_t seed) {
-  std::mt19937 g(seed);
-  std::vector<int32_t> v;
-  for (int i = 0; i < n; ++i) v.push_back(static_cast<int32_t>(1 + g() % 90));
-  return v;
-}
-
-// d/dh <W, logits(E + h v)> at 0 == <grad(embed_tokens.output), v> on both kernel paths.
 void embeddings_fd(const std::string& fixture, const std::string& family, int n_tokens, double tol) {
-  Model m = Model::load(test::fixture(fixture).string());
-  Trace probe;
-  probe.save("embed_tokens.output");
-  m.run({ids(n_tokens, 7)}, &probe);
-  const Tensor E = probe.get("embed_tokens.output");
-  for (const char* route : {"chunked", "recurrent"}) {
-    Route guard(family, route);
-    Trace tr;
-    tr.save("embed_tokens.output").enable_grad();
-    const Tensor logits = m.run(Batch::from_embeddings(E), &tr);
-    EXPECT_EQ(tr.calls().back().kernel, route);
-    const Tensor W = random_like(logits.shape(), 3);
-    tr.backward(W);
-    const Tensor g = tr.grad("embed_tokens.output");
-    const Tensor v = direction(E, 4);
-    const double fd =
-        richardson([&](float h) { return dot(W, m.run(Batch::from_embeddings(axpy(E, h, v)))); }, 2e-3f);
-    EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << fixture << " " << route;
-  }
+  grad_check::embeddings_fd(fixture, family, n_tokens, tol, {"chunked", "recurrent"});
 }
 
 }  // namespace
@@ -135,50 +95,14 @@ TEST(GradQwen, GatedDeltaValuesMatchFiniteDifferencesOfAnEdit) {
     for (const std::string path : {"layers.0.linear_attn.betas", "layers.0.linear_attn.decays",
                                    "layers.2.linear_attn.attention_keys", "layers.0.linear_attn.attention_queries",
                                    "layers.2.linear_attn.attention_head_outputs", "layers.1.self_attn.attention_keys",
-                                   "layers.1.self_attn.gate"}) {
-      Trace tr;
-      tr.save(path).enable_grad();
-      const Tensor logits = m.run({x}, &tr);
-      const Tensor W = random_like(logits.shape(), 5);
-      tr.backward(W);
-      const Tensor g = tr.grad(path);
-      const Tensor v = direction(tr.get(path), 6);
-      auto f = [&](float h) {
-        Trace t;
-        t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
-        return dot(W, m.run({x}, &t));
-      };
-      const double fd = richardson(f, 2e-3f);
-      EXPECT_NEAR(dot(g, v), fd, 1e-2 * std::abs(fd)) << path << " " << route;
-    }
+                                   "layers.1.self_attn.gate"})
+      edit_fd(m, Batch::left_padded({x}, 0), path, 1e-2, route);
   }
 }
 
 TEST(GradQwen, ContinuationStateInputMatchesFiniteDifferences) {
   Model m = Model::load(test::fixture("qwen3_5/continuation").string());
-  Cache cache = m.new_cache(1);
-  m.forward(Batch::left_padded({ids(10, 1)}, 0), cache);
-  const Batch cont = Batch::left_padded({ids(7, 2)}, 0);
-  const char* path = "layers.2.linear_attn.state_input";
-  Cache c1 = cache.copy();
-  Trace tr;
-  tr.save(path).enable_grad();
-  const Tensor logits = m.forward(cont, c1, &tr);
-  EXPECT_EQ(tr.calls().back().kernel, "chunked");
-  const Tensor W = random_like(logits.shape(), 5);
-  tr.backward(W);
-  const Tensor g = tr.grad(path);
-  const Tensor v = direction(tr.get(path, 1), 6);  // the cache's second call
-  auto f = [&](float h) {
-    Cache c = cache.copy();
-    Trace t;
-    t.edit(path, [&](Tensor& s, const SiteContext&) { s = axpy(s, h, v); });
-    return dot(W, m.forward(cont, c, &t));
-  };
-  const double fd = richardson(f, 2e-3f);
-  EXPECT_NEAR(dot(g, v), fd, 1e-2 * std::abs(fd));
-  tr.backward(W, {"layers.2.linear_attn.state_output"});
-  for (float s : tr.grad("layers.2.linear_attn.state_output")) EXPECT_EQ(s, 0.0f);
+  continuation_fd(m, ids(10, 1), ids(7, 2), {"layers.2.linear_attn.state_input"}, 1e-2, "chunked");
 }
 
 // The gated delta rule's backward (grad::gated_delta_backward, its own checkpoint pass, several

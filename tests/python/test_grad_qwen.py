@@ -1,6 +1,7 @@
 """Native gradients (issue 12) against torch autograd on transformers' pure-torch Qwen3.5, Qwen3-Next,
 Qwen3.5-MoE, OLMo-Hybrid and Kimi-Linear (the committed fixtures tests/fixtures/qwen3_5, qwen3_next, qwen3_5_moe,
-olmo_hybrid, kimi_linear: Kimi Delta Attention, latent attention, KimiLinearMoE): every value's gradient (residual
+olmo_hybrid, kimi_linear: Kimi Delta Attention, latent attention, KimiLinearMoE), and LFM2 / LFM2-MoE (issue 25:
+tests/fixtures/lfm2, lfm2_moe; the short conv as linear_attn): every value's gradient (residual
 stream, gated DeltaNet values incl. per-token states, gated attention values, MLP / MoE outputs), both
 kernel paths (mixlens chunked vs transformers' torch_chunk_gated_delta_rule, mixlens routed to the token
 recurrence vs torch_recurrent_gated_delta_rule, both vs an explicit recurrence for the states), a padded
@@ -25,19 +26,26 @@ FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
          "qwen3_next/moe_hv_2hk", "qwen3_next/padded_batch", "qwen3_5_moe/moe_hv_2hk", "qwen3_5_moe/padded_batch",
          "olmo_hybrid/hv_2hk_chunks", "olmo_hybrid/padded_batch", "olmo_hybrid/continuation",
-         "kimi_linear/kda_mla_moe_chunks", "kimi_linear/padded_batch", "kimi_linear/continuation"]
+         "kimi_linear/kda_mla_moe_chunks", "kimi_linear/padded_batch", "kimi_linear/continuation",
+         "lfm2/conv_attn", "lfm2/padded_batch", "lfm2/bias_short_prompt", "lfm2/continuation",
+         "lfm2_moe/moe_conv_attn", "lfm2_moe/padded_batch"]
 CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
            "olmo_hybrid": "OlmoHybridForCausalLM",
-           "kimi_linear": "KimiLinearForCausalLM"}
-UNGATED = ("olmo_hybrid", "kimi_linear")  # attention without Qwen's output gate
+           "kimi_linear": "KimiLinearForCausalLM",
+           "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"}
+UNGATED = ("olmo_hybrid", "kimi_linear", "lfm2", "lfm2_moe")  # attention without Qwen's output gate
 GDN = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "states",
        "attention_head_outputs", "attention_output")
+# LFM2's short conv (C, B, x; the window after every token; C * conv; out_proj).
+SHORT_CONV = ("attention_queries", "attention_keys", "attention_values", "states", "attention_head_outputs",
+              "attention_output")
 ATTN = ("attention_queries", "attention_keys", "attention_values", "gate", "attention_output")
 
 
 class Case:
     def __init__(self, name):
         self.family, self.case = name.split("/")
+        self.lfm2 = self.family.startswith("lfm2")  # one kernel (the token loop); every window retained
         d = FIX / self.family / self.case
         spec = json.loads((d / "case.json").read_text())
         cls = getattr(transformers, CLASSES[self.family])
@@ -46,7 +54,7 @@ class Case:
         self.prompts = spec["prompts"]
         self.cont = spec["feeds"][0] if self.case == "continuation" else None
         cfg = self.torch_model.config
-        self.types = cfg.layer_types
+        self.types = ["linear_attention" if t == "conv" else t for t in cfg.layer_types]
         B = len(self.prompts)
         T = len(self.cont[0]) if self.cont else max(map(len, self.prompts))
         rng = np.random.default_rng(sum(map(ord, name)))
@@ -63,7 +71,7 @@ class Case:
         for i, t in enumerate(self.types):
             out += [f"layers.{i}.layer_input", f"layers.{i}.layer_output", f"layers.{i}.mlp.output"]
             if t == "linear_attention":
-                out += [f"layers.{i}.linear_attn.{v}" for v in GDN]
+                out += [f"layers.{i}.linear_attn.{v}" for v in (SHORT_CONV if self.lfm2 else GDN)]
                 if self.cont:
                     out.append(f"layers.{i}.linear_attn.state_input")
             else:
@@ -100,9 +108,9 @@ def route(request, case):
 
 def test_every_gradient_matches_torch_autograd(case, route):
     got, tr = case.mixlens_grads()
-    assert tr.calls[-1]["kernel"] == ("recurrent" if route == "recurrent" else "chunked")
+    assert tr.calls[-1]["kernel"] == ("recurrent" if route == "recurrent" or case.lfm2 else "chunked")
     scan = "recurrent" if route == "recurrent" else "chunk"
-    n_states = sum(t == "linear_attention" for t in case.types)
+    n_states = 0 if case.lfm2 else sum(t == "linear_attention" for t in case.types)  # LFM2: windows always kept
     assert compare(got, case.torch_grads(scan), scan) == len(case.paths()) - n_states
     assert compare(got, case.torch_grads("explicit"), "explicit recurrence") == len(case.paths())
     for p in case.paths():  # the metric's gradient is not vacuous anywhere
@@ -112,9 +120,13 @@ def test_every_gradient_matches_torch_autograd(case, route):
 def test_gradients_through_edits_match_torch(case, route):
     lin = [i for i, t in enumerate(case.types) if t == "linear_attention"]
     att = [i for i, t in enumerate(case.types) if t != "linear_attention"]
-    edits = [dict(path=f"layers.{lin[0]}.linear_attn.betas", index=2, value=0.0),
+    if case.targets.shape[1] < 4:
+        pytest.skip("the edits write tokens 0..3 (lfm2/bias_short_prompt has two)")
+    first = "attention_keys" if case.lfm2 else "betas"
+    edits = [dict(path=f"layers.{lin[0]}.linear_attn.{first}", index=2, value=0.0),
              dict(path=f"layers.{lin[-1]}.linear_attn.attention_values", index=1, value=0.25),
-             dict(path=f"layers.{lin[0]}.linear_attn.decays", index=0, value=-0.5),
+             dict(path=f"layers.{lin[0]}.linear_attn.{'attention_queries' if case.lfm2 else 'decays'}", index=0,
+                  value=-0.5),
              dict(path=f"layers.{lin[0]}.linear_attn.attention_output", index=3, value=0.0),
              dict(path=f"layers.{att[0]}.self_attn.attention_output", index=1, value=0.1),
              dict(path=f"layers.{lin[-1]}.mlp.output", index=0, value=0.0)]
@@ -125,10 +137,11 @@ def test_gradients_through_edits_match_torch(case, route):
     ref = case.torch_grads("explicit", edits)
     compare(got, ref, "edited")
     # A written element is a constant: its own gradient is served, nothing flows through it upstream.
-    assert np.all(got[f"layers.{lin[0]}.linear_attn.betas"][0, 2] != 0)  # row 0 is never padded there
+    assert np.all(got[f"layers.{lin[0]}.linear_attn.{first}"][0, 2] != 0)  # row 0 is never padded there
     unedited = case.torch_grads("explicit")
-    assert rel_rms(got[f"layers.{lin[0]}.linear_attn.attention_queries"],
-                   unedited[f"layers.{lin[0]}.linear_attn.attention_queries"]) > 1e-3
+    upstream = "attention_values" if case.lfm2 else "attention_queries"  # reads the written elements
+    assert rel_rms(got[f"layers.{lin[0]}.linear_attn.{upstream}"],
+                   unedited[f"layers.{lin[0]}.linear_attn.{upstream}"]) > 1e-3
 
 
 def test_state_output_gradient_is_zero():
@@ -144,7 +157,8 @@ def test_state_output_gradient_is_zero():
 
 
 @pytest.mark.parametrize("name", ["qwen3_5/continuation", "qwen3_next/moe_hv_2hk",
-                                  "kimi_linear/continuation", "kimi_linear/kda_mla_moe_chunks"])
+                                  "kimi_linear/continuation", "kimi_linear/kda_mla_moe_chunks", "lfm2/continuation",
+                                  "lfm2_moe/moe_conv_attn"])
 def test_decode_step_gradients_match_torch(name):
     """A one-token call over a cache (the decode kernel, the token recurrence), state_input included."""
     c = Case(name)
