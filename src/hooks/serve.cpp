@@ -66,7 +66,7 @@ void FiniteWatch::finish(const Tensor& logits) const {
     msg += "; the first non-finite value was " + first_;
     if (last_finite_) msg += " (" + site_path(*last_finite_) + " before it was finite)";
   } else {
-    msg += "; every value before the lm_head was finite (logits overflowed float32)";
+    msg += "; every value checked before the lm_head was finite (the final norm or the logits overflowed float32)";
   }
   msg += ". A written value or input of extreme magnitude (e.g. 3e38) overflows float32; check the edits of this call";
   throw NumericError(msg);

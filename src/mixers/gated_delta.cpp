@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <cblas.h>
@@ -19,8 +20,8 @@ namespace {
 inline void l2norm_row(const float* x, int64_t n, float scale, float* out) {
   float ss = 0.0f;
   ops::kernels().matvec_f32(x, n, x, &ss, 1, n);  // sum of squares: x . x on the vector kernels
-  if (std::isinf(ss)) ops::norm_overflow(x, n, "l2norm of q / k");
-  const float inv = scale / std::sqrt(ss + 1e-6f);
+  // NaN when the sum of squares overflowed (ops::inv_rms: transformers' 0 would be silently wrong).
+  const float inv = std::isinf(ss) ? std::numeric_limits<float>::quiet_NaN() : scale / std::sqrt(ss + 1e-6f);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }
 

@@ -211,8 +211,7 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
         float* yj = y.data() + row * vd + j * Dv;
         float ss = 0.0f;
         for (int64_t e = 0; e < Dv; ++e) ss += oj[e] * oj[e];
-        if (std::isinf(ss)) ops::norm_overflow(oj, Dv, "RMSNormGated");
-        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(Dv) + eps_);
+        const float inv = ops::inv_rms(ss / static_cast<float>(Dv), eps_);
         for (int64_t e = 0; e < Dv; ++e) yj[e] = l.gnorm[e] * (oj[e] * inv);
         if (g_.kda) {
           const float* z = zk.data() + row * vd + j * Dv;

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -191,30 +190,6 @@ void silu(const float* x, float* y, int64_t n) { kernels().mul_silu(nullptr, x, 
 void sigmoid(const float* x, float* y, int64_t n) { kernels().sigmoid(x, y, n); }
 void mul_silu(const float* x, const float* g, float* y, int64_t n) { kernels().mul_silu(x, g, y, n); }
 
-void norm_overflow(const float* x, int64_t dim, const char* who) {
-  float big = 0.0f;
-  for (int64_t i = 0; i < dim; ++i) {
-    if (!std::isfinite(x[i])) return;
-    big = std::max(big, std::fabs(x[i]));
-  }
-  char mag[32];
-  std::snprintf(mag, sizeof mag, "%.3g", static_cast<double>(big));
-  throw NumericError(std::string(who) + ": the mean of squares of a row overflows float32 (values up to " + mag +
-                     " reached the norm, which would output zeros there, as transformers' float32 norm does). "
-                     "A written value or input of extreme magnitude overflows float32; check the edits of this call");
-}
-
-namespace {
-
-// 1/sqrt(mean of squares + eps) of a norm's row (norm_overflow when the mean overflows float32).
-float inv_rms(double ss, int64_t dim, float eps, const float* xr, const char* who) {
-  const float ms = static_cast<float>(ss / static_cast<double>(dim));
-  if (std::isinf(ms)) norm_overflow(xr, dim, who);
-  return 1.0f / std::sqrt(ms + eps);
-}
-
-}  // namespace
-
 double mean_ss(const float* x, int64_t dim, double& ss) {
   double s = 0.0;
   for (int64_t i = 0; i < dim; ++i) s += x[i];
@@ -231,7 +206,7 @@ void layernorm(const float* x, const float* w, const float* b, float* y, int64_t
     double ss = 0.0;
     const double mean = mean_ss(xr, dim, ss);
     const float m = static_cast<float>(mean);
-    const float inv = inv_rms(ss, dim, eps, xr, "LayerNorm");
+    const float inv = inv_rms(static_cast<float>(ss / static_cast<double>(dim)), eps);
     for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] - m) * inv * w[i] + b[i];
   }
 }
@@ -248,7 +223,7 @@ void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim
       for (int64_t j = 0; j < 4; ++j) s4[j] += static_cast<double>(xr[k + j]) * xr[k + j];
     for (; k < dim; ++k) s4[0] += static_cast<double>(xr[k]) * xr[k];
     const double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-    const float inv = inv_rms(ss, dim, eps, xr, "RMSNorm");
+    const float inv = inv_rms(static_cast<float>(ss / static_cast<double>(dim)), eps);
     if (zero_centred)
       for (int64_t i = 0; i < dim; ++i) yr[i] = (xr[i] * inv) * (1.0f + w[i]);
     else

@@ -1,6 +1,7 @@
 // Dense building blocks (float32 activations). Matrix products run our ISA-dispatched kernels
 // (ops/kernels.h) or BLAS; the rest are simple loops the compiler vectorizes.
 #pragma once
+#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -59,11 +60,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 void rmsnorm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps,
              bool zero_centred = false);
 
-/// Called for a norm row x[dim] whose mean of squares overflowed float32: raises NumericError when every
-/// entry is finite (|x| beyond ~1e19, only from an extreme write or input: the row would normalise to
-/// all zeros, as transformers' float32 norms do, finite and silently wrong). A row already holding inf
-/// or NaN returns: its NaN output reaches FiniteWatch, which names the value where it first appeared.
-void norm_overflow(const float* x, int64_t dim, const char* who);
+/// 1 / sqrt(mean_sq + eps) of a norm's row, or NaN when its mean of squares overflowed float32 (|x|
+/// beyond ~1e19, only from an extreme write or input). transformers' float32 norms give 0 there: a row
+/// of zeros, finite and silently wrong; NaN reaches FiniteWatch, which raises NumericError naming the
+/// value where it appeared. Every norm (rmsnorm, layernorm, the mixers' gated and l2 norms) uses it.
+inline float inv_rms(float mean_sq, float eps) {
+  return std::isinf(mean_sq) ? std::numeric_limits<float>::quiet_NaN() : 1.0f / std::sqrt(mean_sq + eps);
+}
 
 /// LayerNorm over the last axis (torch.nn.LayerNorm): y = (x - mean) / sqrt(var + eps) * w + b, biased
 /// variance, sums in double. In place allowed (y == x).
