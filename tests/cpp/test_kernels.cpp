@@ -440,26 +440,22 @@ TEST(NarrowModelCli, DtypeFlag) {
   };
   const fs::path out = dir / "v.safetensors";
   ASSERT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype bfloat16 --save logits --out " + out.string()), 0);
-  LoadOptions bf;
-  bf.dtype = "bfloat16";
-  Trace t;
-  t.save("logits");
-  Model::load(model, bf).run({{3, 4, 5}}, &t);
-  EXPECT_EQ(test::rel_rms(io::SafetensorsFile(out).get_f32("logits"), t.get("logits")), 0.0);
-  Trace t32;
-  t32.save("logits");
-  Model::load(model).run({{3, 4, 5}}, &t32);
-  EXPECT_GT(test::rel_rms(t.get("logits"), t32.get("logits")), 0.0) << "bfloat16 must not silently be float32";
+  const auto logits_of = [](const std::string& path, const char* dtype) {
+    LoadOptions o;
+    o.dtype = dtype;
+    Trace t;
+    t.save("logits");
+    Model::load(path, o).run({{3, 4, 5}}, &t);
+    return t.get("logits").to_vector();
+  };
+  const std::vector<float> bf16 = logits_of(model, "bfloat16");
+  EXPECT_EQ(io::SafetensorsFile(out).get_f32("logits").to_vector(), bf16);
+  EXPECT_NE(logits_of(model, "float32"), bf16) << "bfloat16 must not silently be float32";
   EXPECT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype int8 --save logits --out " + out.string()), 2);
   // mixlens convert: bfloat16 by default; float32 is not a conversion (usage error, nothing written).
   const fs::path conv = dir / "bf16";
   ASSERT_EQ(cli("convert --model " + model + " --out " + conv.string()), 0);
-  LoadOptions au;
-  au.dtype = "auto";
-  Trace tc;
-  tc.save("logits");
-  Model::load(conv.string(), au).run({{3, 4, 5}}, &tc);
-  EXPECT_EQ(tc.get("logits").to_vector(), t.get("logits").to_vector());
+  EXPECT_EQ(logits_of(conv.string(), "auto"), bf16);
   EXPECT_EQ(cli("convert --model " + model + " --dtype float32 --out " + (dir / "f32").string()), 2);
   EXPECT_FALSE(fs::exists(dir / "f32"));
   EXPECT_EQ(cli("convert --model " + model + " --out " + conv.string()), 1) << "a non-empty --out is refused";
