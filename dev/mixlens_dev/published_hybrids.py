@@ -255,6 +255,7 @@ MINIMAX_TEXT_01_2LAYERS = dict(
     full_attn_alpha_factor=3.5565588200778455, full_attn_beta_factor=1.0, linear_attn_alpha_factor=3.5565588200778455,
     linear_attn_beta_factor=1.0, mlp_alpha_factor=3.5565588200778455, mlp_beta_factor=1.0,
     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+)
 # NX-AI/xLSTM-7b: exact widths, REDUCED to 2 of its 32 mLSTM blocks (~0.8B parameters, mostly the two
 # 50304-row tables; the full model is ~7B). The widths are transformers 5.18's xLSTMConfig defaults (its
 # docstring names the NX-AI/xLSTM-7b checkpoint): embedding 4096, 8 heads, qk_dim_factor 0.5 (qk heads of 256),
