@@ -94,7 +94,7 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   const int li = call.layer;
   Listener* ls = call.ls;
   const int64_t B = in.batch, T = in.seq, BT = B * T;
-  const int64_t HK = g_.HK, HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv, r = HV / HK;
+  const int64_t HK = g_.HK, HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv, rep = HV / HK;
   const int64_t cd = g_.conv_dim(), vd = g_.value_dim(), pr = g_.proj_rows();
   const Tensor nm = masked_input(n_in, in, masked);
   const float* n = nm.data();
@@ -104,14 +104,14 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   Tensor qkv = Tensor::uninitialized({B, T, cd});
   ops::causal_conv1d(proj.data(), pr, B, T, cd, K_, l.conv_wT.data(), nullptr,
                      call.conv->data(), qkv.data(), true);
-  // Split, repeating q/k heads for value heads (value head j reads key head j / r).
+  // Split, repeating q/k heads for value heads (value head j reads key head j / rep).
   Tensor q = Tensor::uninitialized({B, T, HV, Dk}), k = Tensor::uninitialized({B, T, HV, Dk}), v = Tensor::uninitialized({B, T, HV, Dv});
   ops::parallel_rows(BT, 2 * HV * Dk + vd, [&](int64_t row0, int64_t row1) {
     for (int64_t row = row0; row < row1; ++row) {
       const float* src = qkv.data() + row * cd;
       for (int64_t j = 0; j < HV; ++j) {
-        std::memcpy(q.data() + (row * HV + j) * Dk, src + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
-        std::memcpy(k.data() + (row * HV + j) * Dk, src + g_.key_dim() + (j / r) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+        std::memcpy(q.data() + (row * HV + j) * Dk, src + (j / rep) * Dk, sizeof(float) * static_cast<size_t>(Dk));
+        std::memcpy(k.data() + (row * HV + j) * Dk, src + g_.key_dim() + (j / rep) * Dk, sizeof(float) * static_cast<size_t>(Dk));
       }
       std::memcpy(v.data() + row * vd, src + 2 * g_.key_dim(), sizeof(float) * static_cast<size_t>(vd));
     }

@@ -22,10 +22,15 @@
 namespace mixlens::detail {
 
 struct QwenHybridSpec {
+  using GdnInProj = std::function<Tensor(const io::WeightStore&, const std::string& prefix, const GdnDims&)>;
+  QwenHybridSpec() = default;
+  /// The two fields every family sets; the options below keep their defaults unless it sets them.
+  QwenHybridSpec(std::string family_name, GdnInProj in_proj)
+      : family(std::move(family_name)), load_gdn_in_proj(std::move(in_proj)) {}
   std::string family;  ///< route_kernels family name ("qwen3_5", "qwen3_next")
   /// Returns layer `prefix`'s GDN input projections as one [proj_rows, D] matrix with rows in the
   /// order q (HK*Dk, head-major) | k | v (HV*Dv) | z (HV*Dv) | b (HV) | a (HV).
-  std::function<Tensor(const io::WeightStore&, const std::string& prefix, const GdnDims&)> load_gdn_in_proj;
+  GdnInProj load_gdn_in_proj;
   /// RMSNorm weights (input / post / final norms) are zero-centred, applied as (1 + w) (Qwen), else
   /// plain w (OLMo-Hybrid).
   bool centred_norms = true;

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/json.h"
@@ -16,6 +17,10 @@ namespace mixlens::detail {
 using FamilyFactory = std::function<std::unique_ptr<FamilyModel>(const io::Config&, const io::WeightStore&)>;
 
 struct FamilyEntry {
+  FamilyEntry(std::string type, std::string family_name, FamilyFactory factory, bool has_backward,
+              std::string one_kernel_reason = "")
+      : model_type(std::move(type)), family(std::move(family_name)), make(std::move(factory)),
+        backward(has_backward), one_kernel(std::move(one_kernel_reason)) {}
   std::string model_type;  ///< config.json model_type
   std::string family;      ///< ModelInfo::family, the route_kernels name (several model_types may share one)
   FamilyFactory make;

@@ -21,7 +21,9 @@
 namespace mixlens::detail {
 
 std::unique_ptr<FamilyModel> make_zamba(const io::Config& cfg, const io::WeightStore& w) {
-  Mamba2HybridSpec s{.family = "zamba", .pretty = "Zamba"};
+  Mamba2HybridSpec s;
+  s.family = "zamba";
+  s.pretty = "Zamba";
   std::vector<std::string> types;
   std::string field;
   // Absent, ZambaConfig.__post_init__ builds [mamba, mamba, hybrid] + hybrid where

@@ -23,7 +23,9 @@
 namespace mixlens::detail {
 
 std::unique_ptr<FamilyModel> make_zamba2(const io::Config& cfg, const io::WeightStore& w) {
-  Mamba2HybridSpec s{.family = "zamba2", .pretty = "Zamba2"};
+  Mamba2HybridSpec s;
+  s.family = "zamba2";
+  s.pretty = "Zamba2";
   std::vector<std::string> types;
   std::string field;
   if (!read_zamba_layers(cfg, s, types, field))
