@@ -124,21 +124,23 @@ def route_kernels(family: str, route: str) -> None:
     _core.route_kernels(_check_str("route_kernels: family", family), _check_str("route_kernels: route", route))
 
 
-def convert(model: str, out_dir, dtype: str = "bfloat16") -> dict:
-    """Write `out_dir`, a copy of the checkpoint `model` (folder or hub id in the local cache) whose
-    matmul weights (projections, embeddings, lm_head, experts: ``info()["matmul_weights"]``) are stored
-    in `dtype` ("bfloat16" or "float16"), rounded to nearest even from float32 exactly as
-    ``load(model, dtype=dtype)`` rounds them; every other tensor keeps its own dtype, and config /
-    tokenizer files are copied. ``load(out_dir, dtype="auto")`` then gives bitwise the numbers of
-    ``load(model, dtype=dtype)`` without converting at every load (CLI: ``mixlens convert``).
+def convert(path: str, out_dir, dtype="bfloat16") -> dict:
+    """Write `out_dir`, a copy of the checkpoint `path` (folder or hub id in the local cache) whose
+    matmul weights (projections, embeddings, lm_head, experts: ``model.info["matmul_weights"]``) are
+    stored in `dtype` ("bfloat16" or "float16", or the torch dtype), rounded to nearest even from
+    float32 exactly as ``load(path, dtype=dtype)`` rounds them; every other tensor keeps its own dtype,
+    and config / tokenizer files are copied. ``load(out_dir, dtype="auto")`` then gives bitwise the
+    numbers of ``load(path, dtype=dtype)`` without converting at every load (CLI: ``mixlens convert``).
 
     Returns ``{out_dir, converted, kept, bytes_before, bytes_after, copied_files}``. Errors: those of
-    :func:`load`; InputError for another dtype or an `out_dir` that exists and is not an empty folder;
-    CheckpointError when writing fails (the partial folder is removed)."""
+    :func:`load`; InputError for another dtype or an `out_dir` that exists and is not an empty folder
+    (or is the source); CheckpointError when writing fails (the partial folder is removed)."""
     import os
 
-    return _core.convert_checkpoint(_check_str("convert: model", model), os.fspath(out_dir),
-                                    _check_str("convert: dtype", dtype))
+    from ._inputs import _dtype_name
+
+    return _core.convert_checkpoint(_check_str("convert: path", os.fspath(path)), os.fspath(out_dir),
+                                    _dtype_name(dtype))
 
 
 def kernel_route(family: str) -> str:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "mixlens/errors.h"
@@ -9,21 +10,23 @@
 namespace mixlens::detail {
 
 namespace {
-// Index of the first NaN / inf in p[0, n), or -1. Blocks are screened with an integer OR over the
-// exponent bits (vectorizes without -ffast-math, unlike a float test); only a hit is located.
-int64_t first_non_finite(const float* p, int64_t n) {
+// Index of the first NaN / inf in p[0, n) (with `huge`: or |x| >= 2^64), or -1. Blocks are screened
+// with an integer OR over the exponent bits (vectorizes without -ffast-math, unlike a float test);
+// only a hit is located.
+int64_t first_non_finite(const float* p, int64_t n, bool huge = false) {
   constexpr int64_t kBlock = 4096;
+  const uint32_t limit = huge ? (127u + 64u) << 23 : 0x7f800000u;  // biased exponent of 2^64 / of inf
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = std::min(n, b + kBlock);
     uint32_t hit = 0;
     for (int64_t i = b; i < e; ++i) {
       uint32_t bits;
       std::memcpy(&bits, p + i, sizeof bits);
-      hit |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+      hit |= static_cast<uint32_t>((bits & 0x7f800000u) >= limit);
     }
     if (hit)
       for (int64_t i = b; i < e; ++i)
-        if (!std::isfinite(p[i])) return i;
+        if (!(std::fabs(p[i]) < (huge ? 0x1p64f : INFINITY))) return i;
   }
   return -1;
 }
@@ -32,7 +35,9 @@ int64_t first_non_finite(const float* p, int64_t n) {
 void FiniteWatch::check(int layer, Value v, const Tensor& t) {
   if (!first_.empty() || !t.defined()) return;
   const float* p = t.begin();
-  const int64_t bad = first_non_finite(p, t.numel());
+  // |x| >= 2^64 counts too: no real activation comes near it, and beyond it float32 sums absorb
+  // every later addition and norms' squares overflow (a 3e38 residual in RWKV-4 gave finite logits).
+  const int64_t bad = first_non_finite(p, t.numel(), true);
   if (bad < 0) {
     last_finite_ = Site{layer, v};  // its path only for the message (every layer passes here)
     return;
@@ -48,7 +53,10 @@ void FiniteWatch::check(int layer, Value v, const Tensor& t) {
   }
   for (size_t d = 0; d < idx.size(); ++d) at += (d ? ", " : "") + std::to_string(idx[d]);
   const float x = p[bad];
-  first_ = path + " = " + (std::isnan(x) ? "NaN" : x > 0 ? "inf" : "-inf") + " at [" + at + "]";
+  char mag[32];
+  std::snprintf(mag, sizeof mag, "%.3g", static_cast<double>(x));
+  first_ = path + " = " + (std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "inf" : "-inf") : mag) + " at [" + at + "]" +
+           (std::isfinite(x) ? " (finite, but |x| >= 2^64 is beyond float32's reach for sums and norms)" : "");
 }
 
 void FiniteWatch::finish(const Tensor& logits) const {
@@ -61,7 +69,7 @@ void FiniteWatch::finish(const Tensor& logits) const {
   if (bad == 0 && first_.empty()) return;
   std::string msg = bad ? family_ + ": forward produced non-finite logits (" + std::to_string(bad) + " of " +
                               std::to_string(logits.numel()) + " entries are NaN or inf)"
-                        : family_ + ": forward produced a non-finite value (the logits computed stayed finite)";
+                        : family_ + ": forward produced a non-finite or out-of-range value (the logits computed stayed finite)";
   if (!first_.empty()) {
     msg += "; the first non-finite value was " + first_;
     if (last_finite_) msg += " (" + site_path(*last_finite_) + " before it was finite)";

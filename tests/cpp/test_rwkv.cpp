@@ -197,3 +197,22 @@ TEST(RwkvWkv, MaxShiftedAccumulatorsStayFiniteOnALongPrompt) {
 }
 
 }  // namespace
+
+// A constant 3e38 written into the residual stream: LayerNorm of a constant row is its bias, and
+// 3e38 + x rounds back to 3e38, so no value ever turns non-finite and the logits came out finite and
+// the same for every prompt. The watch treats |x| >= 2^64 as out of range and raises, naming the value.
+TEST(Rwkv, HugeFiniteResidualWriteRaisesNumericError) {
+  GoldenCase c("rwkv", "basic");
+  Trace t;
+  t.set("layers.1.layer_input", Tensor({1, static_cast<int64_t>(c.prompts[0].size()), c.model.info().hidden_size}, 3e38f));
+  try {
+    c.model.run({c.prompts[0]}, &t);
+    ADD_FAILURE() << "a 3e38 residual was accepted";
+  } catch (const NumericError& e) {
+    EXPECT_NE(std::string(e.what()).find("the first non-finite value was layers.1.layer_output = 1.5e+38 at [0, 0, 0] "
+                                         "(finite, but |x| >= 2^64"), std::string::npos) << e.what();  // halved: rescale
+  }
+  Trace ok;
+  ok.set("layers.1.layer_input", Tensor({1, static_cast<int64_t>(c.prompts[0].size()), c.model.info().hidden_size}, 1e6f));
+  EXPECT_NO_THROW(c.model.run({c.prompts[0]}, &ok));
+}

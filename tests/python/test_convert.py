@@ -37,6 +37,13 @@ def test_converted_folder_loads_as_converting_at_load(tmp_path, dtype):
     assert tokens[0] == tokens[1] and len(tokens[0]) == 5
 
 
+def test_convert_takes_keywords_and_torch_dtypes(tmp_path):
+    torch = pytest.importorskip("torch")
+    rep = mixlens.convert(path=str(SHIPPED), out_dir=tmp_path / "k", dtype=torch.bfloat16)
+    assert rep["converted"] > 0
+    assert mixlens.load(str(tmp_path / "k"), dtype="auto").info["weight_dtypes"] == ["bfloat16"]
+
+
 def test_convert_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(mixlens.InputError, match="not one of bfloat16, float16"):
         mixlens.convert(str(SHIPPED), tmp_path / "x", dtype="float32")
