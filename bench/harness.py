@@ -249,8 +249,8 @@ def convert(name: str, ckpt: Path, outtype: str) -> tuple[Path | None, str]:
     log(f"convert_hf_to_gguf.py {name} --outtype {outtype}")
     env = dict(os.environ, PYTHONPATH=str(CACHE / "src" / "gguf-py"))
     tmp = out.with_suffix(".partial")
-    # The random Qwen3.5 layout has no multi-token-prediction tensors (mixlens does not run MTP).
-    extra = ["--no-mtp"] if name == "qwen3_5" else []
+    # The random Qwen3.5 layouts have no multi-token-prediction tensors (mixlens does not run MTP).
+    extra = ["--no-mtp"] if name in ("qwen3_5", "qwen3_5_moe") else []
     r = subprocess.run([PY, str(CACHE / "src" / "convert_hf_to_gguf.py"), str(gguf_source(name, ckpt)),
                         "--outtype", outtype, "--outfile", str(tmp), *extra], capture_output=True, text=True, env=env)
     if r.returncode != 0 or not tmp.exists():
