@@ -505,7 +505,7 @@ void write_safetensors_streamed(const std::filesystem::path& path, const std::ve
   f.write(text.data(), static_cast<std::streamsize>(text.size()));
   std::vector<uint8_t> buf;
   for (const StreamedTensor* t : order) {
-    buf.assign(span[t].second - span[t].first, 0);
+    buf.resize(span[t].second - span[t].first);  // fill writes every byte
     t->fill(buf.data());
     f.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
   }

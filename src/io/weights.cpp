@@ -232,6 +232,10 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
   return Tensor::narrow(expected, out, dst, std::shared_ptr<const void>(buf, dst));
 }
 
+std::span<const uint8_t> WeightStore::bytes(const std::string& name) const { return files_[entry(name).file].bytes(name); }
+
+void WeightStore::release(const std::string& name) const { files_[entry(name).file].release(name); }
+
 std::vector<int64_t> WeightStore::get_i64(const std::string& name) const {
   return files_[entry(name).file].get_i64(name);
 }

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <set>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -54,6 +55,10 @@ class WeightStore {
   std::vector<std::string> matmul_dtypes_kept() const;
   /// The tensors get_matmul has served so far, sorted: the weights a LoadOptions::dtype applies to.
   std::vector<std::string> matmul_names() const { return {matmul_names_.begin(), matmul_names_.end()}; }
+  /// The raw little-endian bytes of a tensor inside its file's mapping (SafetensorsFile::bytes).
+  std::span<const uint8_t> bytes(const std::string& name) const;
+  /// Gives a tensor's mapped pages back to the OS once its bytes were copied (SafetensorsFile::release).
+  void release(const std::string& name) const;
   /// Integer tensors as int64 (see SafetensorsFile::get_i64).
   std::vector<int64_t> get_i64(const std::string& name) const;
   /// All tensor names, sorted.

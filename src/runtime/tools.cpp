@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -9,7 +10,6 @@
 #include "io/hub.h"
 #include "io/safetensors.h"
 #include "io/weights.h"
-#include "ops/dtype.h"
 #include "mixlens/errors.h"
 
 #ifndef MIXLENS_DEFAULT_MODEL_DIR
@@ -155,36 +155,32 @@ ConvertReport convert_checkpoint(const std::string& path_or_hub_id, const std::s
     const Model m = Model::load(src.string(), LoadOptions{dtype, std::nullopt});
     matmul = m.info().matmul_weights;
   }
-  const io::WeightStore store = io::WeightStore::open(src);
-  const io::DType target = dtype == "bfloat16" ? io::DType::BF16 : io::DType::F16;
+  // The weights go through the load's own conversion (get_matmul: same rounding, same range checks),
+  // the other tensors byte for byte, each only when the writer reaches it.
+  io::WeightStore store = io::WeightStore::open(src);
+  store.set_matmul_dtype(dtype);
   ConvertReport r;
   r.out_dir = dst.string();
   std::vector<io::StreamedTensor> tensors;
   for (const std::string& name : store.names()) {
     const io::TensorInfo& info = store.info(name);
     r.bytes_before += info.nbytes;
-    const bool is_matmul = std::binary_search(matmul.begin(), matmul.end(), name);
-    if (!is_matmul || info.dtype == target) {  // copied byte for byte
-      ++(is_matmul ? r.converted : r.kept);
+    if (!std::binary_search(matmul.begin(), matmul.end(), name)) {
+      ++r.kept;
       r.bytes_after += info.nbytes;
       tensors.push_back({name, info.dtype, info.shape, [&store, name](uint8_t* out) {
-                           for (const io::SafetensorsFile& f : store.files())
-                             if (f.path() == store.info(name).file) {
-                               const std::span<const uint8_t> b = f.bytes(name);
-                               std::copy(b.begin(), b.end(), out);
-                               f.release(name);
-                             }
+                           const std::span<const uint8_t> b = store.bytes(name);
+                           std::copy(b.begin(), b.end(), out);
+                           store.release(name);
                          }});
       continue;
     }
     ++r.converted;
     r.bytes_after += static_cast<uint64_t>(shape_numel(info.shape)) * 2;
-    tensors.push_back({name, target, info.shape, [&store, name, target](uint8_t* out) {
-                         const Tensor f = store.get(name);  // float32, finiteness of every weight checked at the load above
-                         auto* o = reinterpret_cast<uint16_t*>(out);
-                         const float* p = f.begin();
-                         for (int64_t i = 0; i < f.numel(); ++i)
-                           o[i] = target == io::DType::BF16 ? ops::f32_to_bf16(p[i]) : ops::f32_to_f16(p[i]);
+    tensors.push_back({name, dtype == "bfloat16" ? io::DType::BF16 : io::DType::F16, info.shape,
+                       [&store, name, shape = info.shape](uint8_t* out) {
+                         const Tensor t = store.get_matmul(name, shape);
+                         std::memcpy(out, t.raw(), static_cast<size_t>(t.numel()) * 2);
                        }});
   }
   fs::create_directories(dst, ec);
