@@ -109,6 +109,12 @@ bench-families: setup-dev build
 	$(PY) bench/harness.py --models mamba2,mamba,qwen3_5,falcon_h1,nemotron_h,bamba,granitemoehybrid,falcon_mamba,jamba,qwen3_5_moe,olmo_hybrid,zamba2,kimi_linear --routes recurrent,chunked \
 	  --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/families.md
 
+# The mixer kinds of issue 25 (LFM2, RWKV-4, RecurrentGemma, MiniMax, xLSTM) on their published layouts;
+# bench/results/kinds.md.
+bench-kinds: setup-dev build
+	$(PY) bench/harness.py --models lfm2,rwkv,recurrent_gemma,minimax,xlstm --routes recurrent,chunked \
+	  --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/kinds.md
+
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.
 bench-state-after: setup-dev build

@@ -71,7 +71,10 @@ HYBRID_LAYOUTS = {"falcon_h1": "falcon_h1_0_5b", "nemotron_h": "nemotron_h_8b_8b
                   "jamba": "jamba_tiny_dev_class",
                   "qwen3_5_moe": "qwen3_5_moe_35b_a3b_2layers", "olmo_hybrid": "olmo_hybrid_7b_4layers",
                   "zamba2": "zamba2_1_2b",
-                  "kimi_linear": "kimi_linear_48b_a3b_2layers"}
+                  "kimi_linear": "kimi_linear_48b_a3b_2layers",
+                  # issue 25's mixer kinds (llama.cpp runs LFM2 only: its converter takes RWKV 6 / 7, not RWKV-4)
+                  "lfm2": "lfm2_350m", "rwkv": "rwkv_4_169m_pile", "recurrent_gemma": "recurrent_gemma_2b_3layers",
+                  "minimax": "minimax_text_01_2layers", "xlstm": "xlstm_7b_2blocks"}
 MODELS = ("mamba2", "mamba", "qwen3_5", *HYBRID_LAYOUTS)
 ROUTES = ("chunked", "recurrent")
 
@@ -385,6 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out (no build, no GGUFs)")
     ap.add_argument("--no-long", action="store_true", help="skip the 32k mamba2 prompt")
+    ap.add_argument("--decode", type=int, default=None, help="decode tokens per run (default 64; --quick 16)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "harness.md"))
     ap.add_argument("--checkpoints-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -395,7 +399,8 @@ def main(argv=None) -> int:
     if set(routes) - set(ROUTES) or set(a.models.split(",")) - set(MODELS) - {""}:
         ap.error(f"--routes takes {','.join(ROUTES)}; --models takes {','.join(MODELS)}")
     repeats = a.repeats or (2 if a.quick else 5)
-    decode = 16 if a.quick else 32
+    # llama.cpp's users time generation over 64+ tokens (llama-bench's default tg is 128).
+    decode = a.decode or (16 if a.quick else 64)
     prompts = [128, 1024]
     started = time.time()
 
