@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 # clang + its runtime libraries: the ASan/UBSan/TSan builds and the libFuzzer harnesses (make test).
 APT_PACKAGES=(build-essential cmake pkg-config libopenblas-dev nlohmann-json3-dev libpcre2-dev
               libutf8proc-dev libgtest-dev python3-venv clang libclang-rt-dev)
+# Headless Chromium: tests/python/test_plot.py opens the HTML plots offline and screenshots them.
+APT_PACKAGES+=(chromium)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
