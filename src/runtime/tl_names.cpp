@@ -66,9 +66,10 @@ const std::string kFalconScaled =
 
 // The recurrent mixer's hooks (TL's SSMMixerBridge, SSM2MixerBridge, GatedDeltaNetBridge).
 Mapped recurrent_hook(const FamilyModel& m, LayerKind kind, std::string_view h) {
+  if (h == "hook_in" || h == "hook_linear_attn_in")
+    return no("the mixer's input (the normed residual stream) is not a mixlens value; read layer_input");
   if (kind == LayerKind::short_conv) {  // TL's Lfm2ShortConvBridge: hook_in / hook_out and three submodule aliases
     if (h == "hook_out") return to("linear_attn.attention_output");
-    if (h == "hook_in") return no("the mixer's input (the normed residual stream) is not a mixlens value; read layer_input");
     if (h == "hook_gated") return to("linear_attn.attention_head_outputs");  // out_proj's input: C * conv(B * x)
     if (h == "hook_in_proj")
       return no("in_proj's output is B | C | x in one tensor; mixlens serves the three chunks as "
@@ -89,8 +90,6 @@ Mapped recurrent_hook(const FamilyModel& m, LayerKind kind, std::string_view h) 
                                              "linear_attn.attention_output (= hook_out * residual_multiplier)");
     return to("linear_attn.attention_output");
   }
-  if (h == "hook_in" || h == "hook_linear_attn_in")
-    return no("the mixer's input (the normed residual stream) is not a mixlens value; read layer_input");
   if (kind == LayerKind::gated_deltanet) {
     const int64_t r = m.key_head_repeat();
     const auto qk = [&](const std::string& name, const std::string& value) {

@@ -91,6 +91,17 @@ def test_wildcard_and_interleaved_read():
             model.blocks[0].linear_attn.hook_beta_logit
 
 
+# docs/transformer_lens.md's hook_ssm_* table: the names TL 4.3 does not define on a mixer are refused saying so.
+SSM_NOT_IN_TL = ([("mamba/basic", f"blocks.0.mixer.{h}", f"has no {h} on Mamba-1") for h in
+                  ("hook_ssm_B", "hook_ssm_C", "hook_ssm_decay")] +
+                 [("qwen3_5/hv_eq_hk_chunks", "blocks.0.linear_attn.hook_ssm_dt", "no hook_ssm_dt on a gated DeltaNet")] +
+                 [("lfm2/conv_attn", f"blocks.0.conv.{h}", f"LFM2 short conv has no {h}") for h in
+                  ("hook_ssm_out", "hook_ssm_state", "hook_ssm_write", "hook_ssm_B", "hook_ssm_C", "hook_ssm_decay",
+                   "hook_ssm_dt")] +
+                 [("rwkv/basic", "blocks.0.time_mix.hook_ssm_state", "RWKV-4 blocks have no mixlens alias"),
+                  ("recurrent_gemma/griffin", "blocks.0.mixer.hook_ssm_state", "wraps each layer whole")])
+
+
 @pytest.mark.parametrize("case,name,part", [
     ("mamba2/short_prompt", "blocks.0.mixer.hook_ssm_state", "states.transpose(-1, -2)"),
     ("mamba/basic", "blocks.0.mixer.hook_ssm_dt", "softplus(hook_ssm_dt)"),
@@ -100,7 +111,13 @@ def test_wildcard_and_interleaved_read():
     ("zamba2/nope_padded", "blocks.0.hook_mlp_out", "(SSMBlockBridge) have no hook_mlp_out"),
     ("zamba2/nope_padded", "blocks.0.mixer.hook_out", "on the Mamba layers only"),
     ("kimi_linear/padded_batch", "blocks.0.hook_resid_post", "no Kimi-Linear adapter"),
-])
+    ("rwkv/basic", "blocks.1.hook_resid_post", "2 * layers.1.layer_output"),  # a block followed by the halving
+    ("rwkv/basic", "blocks.0.hook_resid_mid", "layer_input plus"),
+    ("lfm2/conv_attn", "blocks.0.conv.hook_in_proj", "B | C | x"),
+    ("lfm2/conv_attn", "blocks.1.conv.hook_out", "its components: attn,mlp"),
+    ("recurrent_gemma/griffin", "hook_embed", "normalizer"),
+    ("recurrent_gemma/griffin", "hook_unembed", "logits_soft_cap"),
+] + SSM_NOT_IN_TL)
 def test_unmapped_tl_names_say_why(case, name, part):
     model, prompts = load(case)
     with pytest.raises(mixlens.UnknownValueError) as e:
@@ -181,39 +198,9 @@ def test_tl_4_3_adapters_name_the_module_outputs(case, pairs):
         assert rel_rms(got, want[tl]) <= 1e-5, (tl, rel_rms(got, want[tl]))
 
 
-def test_tl_names_that_differ_on_rwkv_lfm2_recurrent_gemma_say_why():
-    cases = [("rwkv/basic", "blocks.1.hook_resid_post", "2 * layers.1.layer_output"),  # a halving block
-             ("rwkv/basic", "blocks.0.hook_resid_mid", "layer_input plus"),
-             ("lfm2/conv_attn", "blocks.0.conv.hook_ssm_state", "has no hook_ssm_state"),
-             ("lfm2/conv_attn", "blocks.0.conv.hook_in_proj", "B | C | x"),
-             ("lfm2/conv_attn", "blocks.1.conv.hook_out", "its components: attn,mlp"),
-             ("recurrent_gemma/griffin", "blocks.0.mixer.hook_ssm_out", "wraps each layer whole"),
-             ("recurrent_gemma/griffin", "hook_embed", "normalizer"),
-             ("recurrent_gemma/griffin", "hook_unembed", "logits_soft_cap")]
-    for case, name, part in cases:
-        model, prompts = load(case)
-        with pytest.raises(mixlens.UnknownValueError) as e:
-            model.run(prompts, saves=[name])
-        assert part in str(e.value), (name, str(e.value))
+def test_recurrent_gemma_maps_the_residual_stream():
+    """TL 4.3's RecurrentGemma adapter is residual-only (the other names: test_unmapped_tl_names_say_why)."""
     model, prompts = load("recurrent_gemma/griffin")
     out = model.run(prompts, saves=["blocks.1.hook_resid_post", "layers.1.layer_output", "ln_final.hook_out"])
     assert np.array_equal(out["blocks.1.hook_resid_post"], out["layers.1.layer_output"])
 
-
-# docs/transformer_lens.md's hook_ssm_* table: the names TL 4.3 does not define on a mixer are refused saying so.
-SSM_NOT_IN_TL = ([("mamba/basic", f"blocks.0.mixer.{h}", f"has no {h} on Mamba-1") for h in
-                  ("hook_ssm_B", "hook_ssm_C", "hook_ssm_decay")] +
-                 [("qwen3_5/hv_eq_hk_chunks", "blocks.0.linear_attn.hook_ssm_dt", "no hook_ssm_dt on a gated DeltaNet")] +
-                 [("lfm2/conv_attn", f"blocks.0.conv.{h}", f"LFM2 short conv has no {h}") for h in
-                  ("hook_ssm_out", "hook_ssm_state", "hook_ssm_write", "hook_ssm_B", "hook_ssm_C", "hook_ssm_decay",
-                   "hook_ssm_dt")] +
-                 [("rwkv/basic", "blocks.0.time_mix.hook_ssm_state", "RWKV-4 blocks have no mixlens alias"),
-                  ("recurrent_gemma/griffin", "blocks.0.mixer.hook_ssm_state", "wraps each layer whole")])
-
-
-@pytest.mark.parametrize("case,name,part", SSM_NOT_IN_TL)
-def test_ssm_names_tl_does_not_define_are_refused(case, name, part):
-    model, prompts = load(case)
-    with pytest.raises(mixlens.UnknownValueError) as e:
-        model.run(prompts, saves=[name])
-    assert part in str(e.value), str(e.value)
