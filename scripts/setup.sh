@@ -25,7 +25,8 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements-build.txt
 if [ "${1:-}" = "--dev" ]; then
-  .venv/bin/python -m pip install -q -r requirements-dev.txt
+  # sae-lens (the SAELens recipe's test) resolved together with the pins, so it cannot move them.
+  .venv/bin/python -m pip install -q -r requirements-dev.txt -r requirements-sae.txt
   # The dev package (dev/mixlens_dev: oracles, fixture generator, bench timer) for scripts/ and bench/:
   # a .pth naming this checkout's dev/ (pytest finds it through pyproject.toml's pythonpath).
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
