@@ -39,6 +39,11 @@ inline float silu_grad(float v) {
 /// backward's elementwise loops then need no scalar exp).
 inline float silu_s(float v, float s) { return v * s; }
 inline float silu_grad_s(float v, float s) { return s * (1.0f + v * (1.0f - s)); }
+/// d gelu_tanh(v) / dv (transformers' gelu_pytorch_tanh: 0.5 v (1 + tanh(s (v + 0.044715 v^3))), s = sqrt(2 / pi)).
+inline float gelu_tanh_grad(float v) {
+  const float s = 0.7978845608028654f, th = std::tanh(s * (v + 0.044715f * v * v * v));
+  return 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * s * (1.0f + 3.0f * 0.044715f * v * v);
+}
 /// d softplus(v) / dv for torch's softplus (beta 1, threshold 20: linear above 20).
 inline float softplus_grad(float v) { return v > 20.0f ? 1.0f : 1.0f / (1.0f + std::exp(-v)); }
 

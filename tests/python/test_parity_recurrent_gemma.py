@@ -1,8 +1,8 @@
 """Live parity of RecurrentGemma (RG-LRU recurrent blocks + local MQA attention) with transformers
 5.18 (pure torch) on tiny random checkpoints transformers writes here: prompt logits, greedy decode
 through the cache, a continuation, the RG-LRU values and per-token states against an explicit
-recurrence over transformers' own conv output, state writes, padding, the window refusal and the
-backward refusal.
+recurrence over transformers' own conv output, state writes, padding and the window refusal (gradients:
+test_grad_recurrent_gemma.py).
 
 Padding: transformers runs the recurrent block's conv over the padding positions' linear_x outputs
 (nothing masks them), so in transformers a left-padded row differs from the same row alone; mixlens
@@ -218,13 +218,6 @@ def test_support_and_state_layout(case):
     assert "diagonal" in s["linear_attn.attention_queries"][i]
     assert "local attention block" in s["linear_attn.decays"][j]
     assert "RG-LRU" in s["self_attn.attention_output"][i]
-
-
-def test_backward_is_a_clear_error_naming_the_family(case):
-    with case["model"].trace([[5, 6, 7]], grad=True) as tr:
-        pass
-    with pytest.raises(mixlens.UnsupportedError, match="recurrent_gemma family"):
-        tr.backward(np.ones((1, 3, 96), np.float32), paths=[f"layers.{rec_layers(case)[0]}.linear_attn.decays"])
 
 
 def test_writes_the_reset_discards_are_errors_not_no_ops(case):
