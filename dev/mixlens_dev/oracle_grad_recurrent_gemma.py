@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 from torch import nn
 
 from mixlens_dev import oracle_qwen as oq
-from mixlens_dev.grad_common import keep as _keep, leaf as _leaf, set_index as _set_index
+from mixlens_dev.grad_common import collect, differentiate, keep as _keep, leaf as _leaf, set_index as _set_index
 from mixlens_dev.oracle_recurrent_gemma import windowed_mask
 
 
@@ -171,21 +170,16 @@ def run(model, prompts, metric, edits=(), pad_id=0, continuation=None, check=Tru
             pos = pos[:, -1:] + torch.arange(1, ids.shape[1] + 1)[None]
             mask = torch.cat([mask, torch.ones_like(ids)], 1)
         cur["grad"] = True
-        with torch.enable_grad():
-            logits = _keep(keep, "logits", call(ids, mask, pos).logits.float())
-            m = metric(logits)
-            m.backward()
+        m = differentiate(keep, metric, lambda: call(ids, mask, pos).logits)
     finally:
         mod.apply_rotary_pos_emb = orig_rope
         for h in handles:
             h.remove()
         for blk in patched:
             del blk.forward
-    grads = {p: (t.grad if t.grad is not None else torch.zeros_like(t)).detach().float().contiguous().numpy().copy()
-             for p, t in keep.items()}
+    grads = collect(keep, {}, m)
     for p, (wins, hs) in states.items():  # [B,T,K,W]: window rows then h, zeros where nothing flowed
         g = [torch.cat([w.grad if w.grad is not None else torch.zeros_like(w),
                         (h.grad if h.grad is not None else torch.zeros_like(h))[:, None]], 1) for w, h in zip(wins, hs)]
         grads[p] = torch.stack(g, 1).numpy().copy()
-    grads["metric"] = np.array(float(m.detach()))
     return grads

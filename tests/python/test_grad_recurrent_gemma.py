@@ -14,7 +14,7 @@ import pytest
 
 import mixlens
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.grad_common import compare, mixlens_edits, mixlens_grads
+from mixlens_dev.grad_common import call_grads, compare, mixlens_edits, split_call_grads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,12 +55,7 @@ class Case:
         return lp.sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
 
     def mixlens_grads(self, edits=None):
-        if not self.cont:
-            return mixlens_grads(self.model, self.prompts, self.paths(), self.metric, edits)
-        cache = self.model.new_cache(len(self.prompts))
-        with self.model.trace(self.prompts, cache=cache):
-            pass
-        return mixlens_grads(self.model, self.cont, self.paths(), self.metric, edits, cache=cache)
+        return call_grads(self.model, self.prompts, self.cont, self.paths(), self.metric, edits)
 
     def torch_grads(self, edits=()):
         return org.run(self.torch_model, self.prompts, self.metric, edits, continuation=self.cont)
@@ -88,15 +83,12 @@ def test_every_gradient_matches_torch_autograd(case):
 
 def test_gradients_through_edits_match_torch():
     c = Case("griffin", [[5, 17, 40, 9, 22]])
-    edits = [dict(path="layers.0.linear_attn.attention_values", index=2, value=0.5),
-             dict(path="layers.1.linear_attn.betas", index=1, value=0.9),
-             dict(path="layers.0.linear_attn.decays", index=3, value=-0.05),
-             dict(path="layers.1.linear_attn.attention_head_outputs", index=0, value=0.0),
-             dict(path="layers.3.linear_attn.attention_output", index=4, value=0.0),
-             dict(path="layers.2.self_attn.attention_values", index=1, value=0.25),
-             dict(path="layers.2.self_attn.attention_keys", index=2, value=0.0),
-             dict(path="layers.1.mlp.output", index=0, value=0.0),
-             dict(path="layers.3.linear_attn.state_input", index=1, value=0.0)]
+    table = {"0.linear_attn.attention_values": (2, 0.5), "1.linear_attn.betas": (1, 0.9),
+             "0.linear_attn.decays": (3, -0.05), "1.linear_attn.attention_head_outputs": (0, 0.0),
+             "3.linear_attn.attention_output": (4, 0.0), "2.self_attn.attention_values": (1, 0.25),
+             "2.self_attn.attention_keys": (2, 0.0), "1.mlp.output": (0, 0.0),
+             "3.linear_attn.state_input": (1, 0.0)}  # state_input: window row 1
+    edits = [dict(path="layers." + p, index=i, value=v) for p, (i, v) in table.items()]
     got, _ = c.mixlens_grads(mixlens_edits(edits))
     compare(got, c.torch_grads(edits), "edited", paths=c.paths())
     # A written element is a constant: its own gradient is served, nothing flows through it upstream.
@@ -115,26 +107,14 @@ def test_states_gradient_is_the_next_calls_state_input_gradient():
     cont, j = [[5, 17, 40, 9, 22, 31]], 3
     W = torch.as_tensor(np.random.default_rng(3).standard_normal((1, len(cont[0]), 96)).astype(np.float32))
 
-    def primed():
-        cache = c.model.new_cache(1)
-        with c.model.trace(c.prompts, cache=cache):
-            pass
-        return cache
-
     rec = [i for i, k in enumerate(c.kinds) if k == "recurrent"]
-    paths = [f"layers.{i}.linear_attn.states" for i in rec]
-    whole, _ = mixlens_grads(c.model, cont, paths, lambda z: (z[:, j:] * W[:, j:]).sum(), cache=primed())
-    cache = primed()
-    with c.model.trace([cont[0][:j]], cache=cache):
-        pass
-    paths_in = [f"layers.{i}.linear_attn.state_input" for i in rec]
-    split, _ = mixlens_grads(c.model, [cont[0][j:]], paths_in, lambda z: (z * W[:, j:]).sum(), cache=cache)
+    whole, split = split_call_grads(c.model, c.prompts, cont, j, rec, W)
     last_attention = max(i for i, k in enumerate(c.kinds) if k == "attention")
     assert rec[-1] > last_attention  # the fixture has a block whose h the check covers
-    for i, p, q in zip(rec, paths, paths_in):
+    for i, g, g_in in zip(rec, whole, split):
         rows = slice(None) if i > last_attention else slice(None, -1)
-        assert rel_rms(whole[p][:, j - 1, rows], split[q][:, rows]) <= 1e-5, p
-        assert np.abs(split[q][:, rows]).max() > 0, q
+        assert rel_rms(g[:, j - 1, rows], g_in[:, rows]) <= 1e-5, i
+        assert np.abs(g_in[:, rows]).max() > 0, i
 
 
 def test_report_worst_relative_rms():
