@@ -144,9 +144,13 @@ def run(model, prompts, metric, edits=(), pad_id=0, continuation=None, check=Tru
             hook(blk.v_proj, vproj)
             def att_mask(m, args, kwargs):
                 T = (args[0] if args else kwargs["hidden_states"]).shape[1]
-                if T == cur["mask"].shape[1]:  # a prompt: transformers' own mask
+                S = cur["mask"].shape[1]
+                if T == S:  # a prompt: transformers' own mask
                     return None
-                kwargs["attention_mask"] = windowed_mask(m.sliding_window, T, cur["mask"])
+                # The sliding-window cache layer returns its last window - 1 keys and the call's: the mask's last
+                # columns (the keys before them lie outside every query's window).
+                keys = min(S - T, m.sliding_window - 1) + T
+                kwargs["attention_mask"] = windowed_mask(m.sliding_window, T, cur["mask"])[..., -keys:]
                 return args, kwargs
 
             handles.append(blk.register_forward_pre_hook(att_mask, with_kwargs=True))

@@ -96,7 +96,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a);
 void ssd_backward_chunked(const SsdGradArgs& a);
 
 /// Backward of detail::causal_attention (GQA, softmax scale `scale` (0: 1/sqrt(d)), causal over the cache, key padding
-/// mask; a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw
+/// mask (key_mask[b][kv.offset + j]), sliding `window` (0: none); a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw
 /// them: q [B,T,H,d] (after RoPE), `kv` holding past + T tokens per row (the cache before the call
 /// with the call's k / v [B,T,Hkv,d] appended, after any writes), key_mask[b] of length >= past + T,
 /// dout [B,T,H,d]. Writes (overwrites) dq [B,T,H,d] and dk, dv [B,T,Hkv,d] for the call's T new
@@ -105,7 +105,8 @@ void ssd_backward_chunked(const SsdGradArgs& a);
 /// not a multiple of Hkv.
 void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                                const detail::KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask,
-                               const float* dout, float* dq, float* dk, float* dv, float scale = 0.0f);
+                               const float* dout, float* dq, float* dk, float* dv, float scale = 0.0f,
+                               int64_t window = 0);
 
 /// Backward of detail::apply_rope (rotate-half on the first rotary_dim dims of each head of
 /// [rows, heads, head_dim], the rest passing through), in place: g := R(pos)^T g, the inverse

@@ -8,6 +8,8 @@ decode steps, and set_index edits; relative RMS <= 1e-4 in float32."""
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,11 +29,17 @@ WORST: dict[str, float] = {}  # value name -> worst relative RMS over the cases 
 
 
 class Case:
-    def __init__(self, name, cont=None):
+    def __init__(self, name, cont=None, window=None):
         d = FIX / name
-        self.torch_model = transformers.RecurrentGemmaForCausalLM.from_pretrained(str(d)).eval()
-        self.model = mixlens.StandardizedTransformer(str(d), output="torch")
         self.prompts = json.loads((d / "case.json").read_text())["prompts"]
+        if window:  # the fixture with a smaller attention_window_size, saved by transformers
+            self.torch_model = transformers.RecurrentGemmaForCausalLM.from_pretrained(
+                str(d), attention_window_size=window).eval()
+            d = Path(tempfile.mkdtemp(prefix=f"rgemma_window{window}_"))
+            self.torch_model.save_pretrained(d)
+        else:
+            self.torch_model = transformers.RecurrentGemmaForCausalLM.from_pretrained(str(d)).eval()
+        self.model = mixlens.StandardizedTransformer(str(d), output="torch")
         self.cont = cont
         cfg = self.torch_model.config
         self.kinds = cfg.layers_block_type[: cfg.num_hidden_layers]
@@ -62,10 +70,16 @@ class Case:
 
 
 CASES = [("griffin", None), ("padded_batch", None), ("attention_first", None), ("griffin", [[5, 17, 40, 9]]),
-         ("griffin", [[7]]), ("attention_first", [[3, 8, 1]]), ("attention_first", [[4]])]
+         ("griffin", [[7]]), ("attention_first", [[3, 8, 1]]), ("attention_first", [[4]]),
+         # attention_window_size 5: the 12-token prompt, the continuation and the decode step run past it
+         ("griffin", None, 5), ("griffin", [[5, 17, 40, 9, 22, 31, 8]], 5), ("griffin", [[7]], 5)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0] + (f"/continuation{len(c[1][0])}" if c[1] else ""))
+def case_id(c):
+    return c[0] + (f"/continuation{len(c[1][0])}" if c[1] else "") + (f"/window{c[2]}" if len(c) > 2 else "")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
 def case(request):
     return Case(*request.param)
 
