@@ -8,8 +8,6 @@ decode steps, and set_index edits; relative RMS <= 1e-4 in float32."""
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,13 +27,13 @@ WORST: dict[str, float] = {}  # value name -> worst relative RMS over the cases 
 
 
 class Case:
-    def __init__(self, name, cont=None, window=None):
+    def __init__(self, name, cont=None, window=None, tmp=None):
         d = FIX / name
         self.prompts = json.loads((d / "case.json").read_text())["prompts"]
-        if window:  # the fixture with a smaller attention_window_size, saved by transformers
+        if window:  # the fixture with a smaller attention_window_size, saved by transformers under tmp
             self.torch_model = transformers.RecurrentGemmaForCausalLM.from_pretrained(
                 str(d), attention_window_size=window).eval()
-            d = Path(tempfile.mkdtemp(prefix=f"rgemma_window{window}_"))
+            d = tmp.mktemp(f"{name}_window{window}")
             self.torch_model.save_pretrained(d)
         else:
             self.torch_model = transformers.RecurrentGemmaForCausalLM.from_pretrained(str(d)).eval()
@@ -80,8 +78,8 @@ def case_id(c):
 
 
 @pytest.fixture(scope="module", params=CASES, ids=case_id)
-def case(request):
-    return Case(*request.param)
+def case(request, tmp_path_factory):
+    return Case(*request.param, tmp=tmp_path_factory)
 
 
 def test_every_gradient_matches_torch_autograd(case):
