@@ -73,6 +73,15 @@ def hook_ssm_backbone(bb, store: dict, handles: list, mixer_pre, mixer_post) -> 
     handles.append(bb.norm_f.register_forward_hook(lambda mod, args, out: keep(store, "ln_final.output", out)))
 
 
+def differentiate(store: dict, metric, forward) -> torch.Tensor:
+    """Runs ``forward()`` (returning logits) with autograd, keeps its logits (float32) in ``store`` and
+    backpropagates ``metric(logits)``; returns the metric."""
+    with torch.enable_grad():
+        m = metric(keep(store, "logits", forward().float()))
+        m.backward()
+    return m
+
+
 def collect(store: dict, states: dict, metric: torch.Tensor, transpose_states: bool = False) -> dict[str, np.ndarray]:
     """The gradients as numpy (zeros where nothing flowed): every kept tensor, each per-token state list
     stacked on axis 1 (``transpose_states``: its last two axes swapped, to the served key-side-first
@@ -94,6 +103,35 @@ def mixlens_grads(model, prompts, paths, metric, edits=None, **trace_kwargs):
         pass
     tr.backward(metric(tr.logits))
     return {p: tr.grad(p).numpy() for p in paths}, tr
+
+
+def primed_cache(model, prompts):
+    """A cache that has run ``prompts`` (no gradients): what a continuation starts from."""
+    cache = model.new_cache(len(prompts))
+    with model.trace(prompts, cache=cache):
+        pass
+    return cache
+
+
+def call_grads(model, prompts, cont, paths, metric, edits=None):
+    """mixlens_grads of the prompt (``cont`` None) or of the call continuing it with ``cont`` ([B, n] ids)."""
+    if not cont:
+        return mixlens_grads(model, prompts, paths, metric, edits)
+    return mixlens_grads(model, cont, paths, metric, edits, cache=primed_cache(model, prompts))
+
+
+def split_call_grads(model, prompts, cont, j, layers, W):
+    """For the call continuing ``prompts`` (one row) with ``cont``, the metric <W, logits> at positions j..:
+    ``layers.{i}.linear_attn.states``' gradients of the whole call, and ``state_input``'s when tokens j.. run as
+    a call of their own after tokens ..j-1 (whole, split: [path per layer])."""
+    paths = [f"layers.{i}.linear_attn.states" for i in layers]
+    whole, _ = mixlens_grads(model, cont, paths, lambda z: (z[:, j:] * W[:, j:]).sum(), cache=primed_cache(model, prompts))
+    cache = primed_cache(model, prompts)
+    with model.trace([cont[0][:j]], cache=cache):
+        pass
+    paths_in = [f"layers.{i}.linear_attn.state_input" for i in layers]
+    split, _ = mixlens_grads(model, [cont[0][j:]], paths_in, lambda z: (z * W[:, j:]).sum(), cache=cache)
+    return [whole[p] for p in paths], [split[p] for p in paths_in]
 
 
 def compare(got: dict, ref: dict, label: str, paths=None, skip=()) -> int:

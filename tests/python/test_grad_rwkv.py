@@ -14,7 +14,7 @@ import pytest
 
 import mixlens
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.grad_common import compare, mixlens_edits, mixlens_grads
+from mixlens_dev.grad_common import call_grads, compare, mixlens_edits, split_call_grads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,13 +53,7 @@ class Case:
         return lp.sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
 
     def mixlens_grads(self, edits=None):
-        if not self.cont:
-            got, tr = mixlens_grads(self.model, self.prompts, self.paths(), self.metric, edits)
-        else:
-            cache = self.model.new_cache(len(self.prompts))
-            with self.model.trace(self.prompts, cache=cache):
-                pass
-            got, tr = mixlens_grads(self.model, self.cont, self.paths(), self.metric, edits, cache=cache)
+        got, tr = call_grads(self.model, self.prompts, self.cont, self.paths(), self.metric, edits)
         for i in range(self.L):  # the oracle's states: num | den | max (its shift parts are the ln outputs)
             p = f"layers.{i}.linear_attn.states"
             got[p] = np.ascontiguousarray(got[p][..., : 3 * self.A])
@@ -126,22 +120,10 @@ def test_states_gradient_is_the_next_calls_state_input_gradient():
     cont, j = [[5, 17, 40, 9, 22, 31]], 3
     W = torch.as_tensor(np.random.default_rng(3).standard_normal((1, len(cont[0]), 96)).astype(np.float32))
 
-    def primed():
-        cache = c.model.new_cache(1)
-        with c.model.trace(c.prompts, cache=cache):
-            pass
-        return cache
-
-    paths = [f"layers.{i}.linear_attn.states" for i in range(c.L)]
-    whole, _ = mixlens_grads(c.model, cont, paths, lambda z: (z[:, j:] * W[:, j:]).sum(), cache=primed())
-    cache = primed()
-    with c.model.trace([cont[0][:j]], cache=cache):
-        pass
-    paths_in = [f"layers.{i}.linear_attn.state_input" for i in range(c.L)]
-    split, _ = mixlens_grads(c.model, [cont[0][j:]], paths_in, lambda z: (z * W[:, j:]).sum(), cache=cache)
-    for p, q in zip(paths, paths_in):
-        assert rel_rms(whole[p][:, j - 1], split[q]) <= 1e-5, p
-        assert np.abs(split[q]).max() > 0
+    whole, split = split_call_grads(c.model, c.prompts, cont, j, range(c.L), W)
+    for i, (g, g_in) in enumerate(zip(whole, split)):
+        assert rel_rms(g[:, j - 1], g_in) <= 1e-5, i
+        assert np.abs(g_in).max() > 0
 
 
 def test_gradients_through_edits_match_torch():
