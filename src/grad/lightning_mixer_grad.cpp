@@ -74,6 +74,10 @@ LightningMixerGrad::LightningMixerGrad(const detail::LightningMixer& mixer, cons
   sg_ = Tensor::uninitialized({BT, E});
   ops::linear(n.data(), BT, D, w.output_gate, sg_.data());
   ops::sigmoid(sg_.data(), sg_.data(), BT * E);
+  if (const Tensor* kept = tape.kept_of(li, Kept::mixer_output)) {
+    out_ = *kept;  // as the forward added it (writes applied): no norm / gate / out_proj recompute
+    return;
+  }
   Tensor gn = Tensor::uninitialized({BT, E});
   ops::rmsnorm(y_.data(), w.norm.data(), gn.data(), BT, E, eps_);
   for (int64_t k = 0; k < BT * E; ++k) gn[k] = sg_[k] * gn[k];

@@ -92,3 +92,19 @@ TEST(GradMinimax, DecodeAndContinuationMatchDirectionalFiniteDifferences) {
   continuation_fd(c, ids(9, 7), ids(7, 8), paths, 1e-2, "recurrent");
   continuation_fd(c, ids(9, 7), ids(1, 8), paths, 1e-2, "recurrent");
 }
+
+// The forward keeps each mixer's output (grad::Kept::mixer_output); dropping it (the lightning norm, gate and
+// out_proj recomputed) changes no gradient, through an edit of the head outputs, on both kernels.
+TEST(GradMinimax, KeptForwardProductsGiveTheRecomputedGradients) {
+  Model m = Model::load(test::fixture("minimax/lightning_attn").string());
+  const std::vector<std::string> paths{"embed_tokens.output", "layers.*.layer_input", "layers.0.linear_attn.decays",
+                                       "layers.2.linear_attn.attention_output", "layers.1.self_attn.attention_values"};
+  for (const char* route : kRoutes) {
+    RouteGuard guard("minimax", route);
+    expect_kept_equals_recomputed(m, Batch::left_padded({ids(18, 9)}, 0), paths, [](Trace& tr) {
+      tr.edit("layers.0.linear_attn.attention_head_outputs", [](Tensor& v, const SiteContext&) {
+        for (int64_t i = 0; i < v.numel(); i += 7) v[i] *= 0.5f;
+      });
+    });
+  }
+}
