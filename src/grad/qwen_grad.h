@@ -2,9 +2,8 @@
 // the pieces FamilyModel::backward runs on a QwenHybridParts (views of a QwenHybrid's weights,
 // models/qwen_hybrid.h). The attention layers' backward is the attention mixer's
 // (AttentionMixerGrad, grad/families.h); LFM2's short conv layers' is ShortConvMixerGrad, MiniMax's
-// lightning layers' LightningMixerGrad. Each mixer
-// is recomputed from its normed input with the tape's writes re-applied (output() is the mixer output
-// as the forward added it), then differentiated.
+// lightning layers' LightningMixerGrad. Each mixer is recomputed from its normed input with the tape's
+// writes re-applied (output() is the mixer output as the forward added it), then differentiated.
 #pragma once
 #include <cstdint>
 #include <memory>
