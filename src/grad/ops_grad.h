@@ -63,7 +63,8 @@ void relu2_mlp_backward(const Tensor& up_w, const Tensor& down_w, const float* x
                         int64_t in, int64_t I, float* dx, bool accumulate);
 
 /// Backward of the Mamba-2 SSD scan of one batch row (mixers/ssd.h, either kernel): per head h
-/// (group g = h / (H/G))  S_t = exp(A dt_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t.
+/// (group g = h / (H/G))  S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t, with the log
+/// decay a_t = A dt_t, or da[t] where given (SsdArgs::da: lightning attention's per-token decays).
 /// Outputs are overwritten. dstates (optional) receives dL/dS_t in the served layout [T,H,N,P]
 /// (the adjoint of the state that y_t reads and later tokens continue from).
 struct SsdGradArgs {
@@ -73,6 +74,9 @@ struct SsdGradArgs {
   const float* C = nullptr;   ///< [T,G,N]
   const float* dt = nullptr;  ///< [T,H]
   const float* A = nullptr;   ///< [H]
+  /// [T,H] optional: each token's log decay in place of A dt (as SsdArgs::da; dt then only scales the
+  /// write, and ddA is d/d(da)).
+  const float* da = nullptr;
   const float* D = nullptr;   ///< [H]
   const float* S0 = nullptr;  ///< [H,P,N] initial state (kernel layout)
   const float* dy = nullptr;  ///< [T,H,P]
@@ -80,7 +84,7 @@ struct SsdGradArgs {
   float* dB = nullptr;        ///< [T,G,N]
   float* dC = nullptr;        ///< [T,G,N]
   float* ddt = nullptr;       ///< [T,H] through dt x B^T only (the write strength)
-  float* ddA = nullptr;       ///< [T,H] through exp(A dt) only (the decay, d/d(A dt))
+  float* ddA = nullptr;       ///< [T,H] through exp(A dt) only (the decay, d/d(A dt); d/d(da) with da)
   float* dS0 = nullptr;       ///< [H,P,N]
   float* dstates = nullptr;   ///< optional [T,H,N,P]
   int64_t chunk = 64;         ///< recurrent: checkpoint interval; chunked: chunk length Q
