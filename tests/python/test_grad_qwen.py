@@ -20,7 +20,7 @@ import transformers
 import mixlens
 from mixlens_dev import oracle_grad_qwen as og
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads
+from mixlens_dev.grad_common import TOL, compare, continued_grads, mixlens_edits, mixlens_grads
 
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
@@ -83,12 +83,7 @@ class Case:
         return (lp * self.mask).sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
 
     def mixlens_grads(self, edits=None):
-        if not self.cont:
-            return mixlens_grads(self.model, self.prompts, self.paths(), self.metric, edits)
-        cache = self.model.new_cache(len(self.prompts))
-        with self.model.trace(self.prompts, cache=cache):
-            pass
-        return mixlens_grads(self.model, self.cont, self.paths(), self.metric, edits, cache=cache)
+        return continued_grads(self.model, self.prompts, self.cont, self.paths(), self.metric, edits)
 
     def torch_grads(self, scan, edits=()):
         return og.run(self.torch_model, self.prompts, self.metric, scan=scan, edits=edits, continuation=self.cont)
