@@ -148,3 +148,40 @@ def compare(got: dict, ref: dict, label: str, paths=None, skip=()) -> int:
             bad.append(f"{path}: rel RMS {err:.2e}")
     assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
     return n
+
+
+class FixtureCase:
+    """A committed fixture (directory ``d``): transformers' model ``cls`` (eval, weights frozen: the graph starts at
+    the values), mixlens' (torch output), its prompts, an optional continuation ``cont`` and random target ids of
+    the differentiated call (seeded by ``name``)."""
+
+    def __init__(self, cls, d, name, cont=None):
+        import json
+
+        import mixlens
+
+        self.torch_model = cls.from_pretrained(str(d)).eval()
+        for p in self.torch_model.parameters():
+            p.requires_grad_(False)
+        self.model = mixlens.StandardizedTransformer(str(d), output="torch")
+        self.prompts = json.loads((d / "case.json").read_text())["prompts"]
+        self.cont = cont
+        B, T = len(self.prompts), len(cont[0]) if cont else len(self.prompts[0])
+        vocab = self.torch_model.config.vocab_size
+        self.targets = torch.as_tensor(np.random.default_rng(len(name)).integers(0, vocab, size=(B, T)))
+
+    def block_paths(self, n_layers, mixer_values):
+        """The embeddings, the head's values and every block's residual stream, mlp.output and the linear_attn
+        ``mixer_values`` (with state_input on a continuation)."""
+        out = ["embed_tokens.output", "ln_final.output", "logits"]
+        for i in range(n_layers):
+            out += [f"layers.{i}.layer_input", f"layers.{i}.layer_output", f"layers.{i}.mlp.output"]
+            out += [f"layers.{i}.linear_attn.{v}" for v in mixer_values]
+            if self.cont:
+                out.append(f"layers.{i}.linear_attn.state_input")
+        return out
+
+    def metric(self, logits):
+        """log p(target) summed over the call, plus a logit difference at its last position."""
+        lp = torch.log_softmax(logits, -1).gather(-1, self.targets[..., None])[..., 0]
+        return lp.sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()

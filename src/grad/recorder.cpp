@@ -189,19 +189,19 @@ Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_h
   }
   if (scale != 1.0f)  // logits are served after the multiplier
     for (int64_t k = 0; k < rows.numel(); ++k) rows[k] *= scale;
-  if (soft_cap > 0.0f) {  // served c tanh(z / c): d/dz = 1 - tanh(z / c)^2, z recomputed from the head's input
+  if (soft_cap > 0.0f) {  // served logits = cap tanh(z / cap): dz = (1 - tanh^2) dlogits, z from the head's input
     if (!tape.final_normed.defined())
       throw UnsupportedError("backward: the call's record has no ln_final.output (the soft cap's input)");
-    Tensor in({B * P, D}), z({B * P, V});
+    if (rows.data() == dlogits.data()) rows = dlogits.clone();
+    Tensor x({B * P, D}), z({B * P, V});
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < P; ++i)
-        std::memcpy(in.data() + (b * P + i) * D, tape.final_normed.data() + (b * T + pos[static_cast<size_t>(i)]) * D,
+        std::memcpy(x.data() + (b * P + i) * D, tape.final_normed.data() + (b * T + pos[static_cast<size_t>(i)]) * D,
                     sizeof(float) * static_cast<size_t>(D));
-    if (B * P > 0) ops::linear(in.data(), B * P, D, lm_head, z.data());
-    if (rows.data() == dlogits.data()) rows = dlogits.clone();
-    for (int64_t k = 0; k < rows.numel(); ++k) {
-      const float th = std::tanh(z[k] / soft_cap);
-      rows[k] *= 1.0f - th * th;
+    if (B * P > 0) ops::linear(x.data(), B * P, D, lm_head, z.data());
+    for (int64_t k = 0; k < rows.numel(); ++k) {  // in double: 1 - tanh^2 cancels near saturation
+      const double th = std::tanh(static_cast<double>(z[k]) / soft_cap);
+      rows[k] = static_cast<float>(rows[k] * (1.0 - th * th));
     }
   }
   Tensor dhf({B, T, D});

@@ -7,14 +7,11 @@ a continuation from a cache (state_input included), a decode step, and set_index
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-import mixlens
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.grad_common import call_grads, compare, mixlens_edits, split_call_grads
+from mixlens_dev.grad_common import FixtureCase, call_grads, compare, mixlens_edits, split_call_grads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,32 +22,14 @@ MIX = ("attention_keys", "attention_values", "decays", "attention_queries", "sta
        "attention_output")
 
 
-class Case:
+class Case(FixtureCase):
     def __init__(self, name, cont=None):
-        d = FIX / name
-        self.torch_model = transformers.RwkvForCausalLM.from_pretrained(str(d)).eval()
-        for p in self.torch_model.parameters():
-            p.requires_grad_(False)
-        self.model = mixlens.StandardizedTransformer(str(d), output="torch")
-        self.prompts = json.loads((d / "case.json").read_text())["prompts"]
-        self.cont = cont
+        super().__init__(transformers.RwkvForCausalLM, FIX / name, name, cont)
         cfg = self.torch_model.config
         self.L, self.A = cfg.num_hidden_layers, cfg.attention_hidden_size
-        B, T = len(self.prompts), len(cont[0]) if cont else len(self.prompts[0])
-        self.targets = torch.as_tensor(np.random.default_rng(len(name)).integers(0, cfg.vocab_size, size=(B, T)))
 
     def paths(self):
-        out = ["embed_tokens.output", "ln_final.output", "logits"]
-        for i in range(self.L):
-            out += [f"layers.{i}.layer_input", f"layers.{i}.layer_output", f"layers.{i}.mlp.output"]
-            out += [f"layers.{i}.linear_attn.{v}" for v in MIX]
-            if self.cont:
-                out.append(f"layers.{i}.linear_attn.state_input")
-        return out
-
-    def metric(self, logits):
-        lp = torch.log_softmax(logits, -1).gather(-1, self.targets[..., None])[..., 0]
-        return lp.sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
+        return self.block_paths(self.L, MIX)
 
     def mixlens_grads(self, edits=None):
         got, tr = call_grads(self.model, self.prompts, self.cont, self.paths(), self.metric, edits)
