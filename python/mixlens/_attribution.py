@@ -156,26 +156,28 @@ class AttributionMixin:
         return to_plain(_core.logit_attrs(self._core, _core_stack(stack), toks, bad,
                                           check_bool("exact", exact)), self._output)
 
-    def attribution_patching(self, clean, corrupt, metric, *, nodes: Optional[Sequence[str]] = None,
-                             positions=None, ig_steps: int = 0, attention_mask=None) -> AtpResult:
+    def attribution_patching(self, clean=None, corrupt=None, metric=None, *, nodes: Optional[Sequence[str]] = None,
+                             positions=None, ig_steps: int = 0, attention_mask=None, clean_embeds=None,
+                             corrupt_embeds=None) -> AtpResult:
         """Node attribution patching (Nanda): for every node at every position, ``(clean - corrupt) . dmetric/dnode``
         at the corrupt run, the first-order estimate of patching the clean value into the corrupt run.
         `clean` / `corrupt`: prompts of equal token length (ids or text; one padding). `metric`: a
         :mod:`mixlens.metrics` metric (``LogitDiff(good, bad)``). `nodes`: kinds among ``layer_output``,
         ``linear_attn.attention_output``, ``self_attn.attention_output``, ``mlp.output``, ``linear_attn.state``
         (default: all). `positions`: call positions (default: every one). ``ig_steps=k >= 1``: EAP-IG, the
-        gradient averaged over k points between the corrupt and clean embeddings."""
-        rc, _, mask = self._input_args(clean, None, attention_mask)
-        rx, _, mask_x = self._input_args(corrupt, None, attention_mask)
+        gradient averaged over k points between the corrupt and clean embeddings. ``clean_embeds`` /
+        ``corrupt_embeds`` ``[B,T,hidden]`` instead of `clean` / `corrupt`, as ``inputs_embeds`` of :meth:`run`."""
+        rc, ec, mask = self._input_args(clean, clean_embeds, attention_mask)
+        rx, ex, mask_x = self._input_args(corrupt, corrupt_embeds, attention_mask)
         if mask != mask_x:
             raise InputError("attribution_patching: clean and corrupt need the same attention_mask")
-        seq = max(len(r) for r in rc)
+        seq = ec.shape[1] if ec is not None else max(len(r) for r in rc)
         fn, mpos = _metric_fn(metric, seq)
         default_nodes = ["layer_output", "linear_attn.attention_output", "self_attn.attention_output", "mlp.output",
                          "linear_attn.state"]
         kinds = default_nodes if nodes is None else [nodes] if isinstance(nodes, str) else list(nodes)
         pos = [] if positions is None else _int_list("positions", positions)
-        d = _core.attribution_patching(self._core, rc, rx, fn, kinds, mask, None, None, pos, mpos,
+        d = _core.attribution_patching(self._core, rc, rx, fn, kinds, mask, ec, ex, pos, mpos,
                                        check_int("ig_steps", ig_steps, 0, 1 << 16))
         return AtpResult(self, d)
 

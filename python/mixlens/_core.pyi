@@ -344,7 +344,7 @@ def apply_ln_to_stack(model: Model, stack: ResidStack) -> object:
 def logit_attrs(model: Model, stack: ResidStack, tokens: Sequence[int], incorrect: Sequence[int] = [], exact: bool = False) -> object:
     """mixlens::logit_attrs: [C,B,P]."""
 
-def attribution_patching(model: Model, clean: Sequence[Sequence[int]], corrupt: Sequence[Sequence[int]], mask: Sequence[int] = [], clean_embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, corrupt_embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, metric: Callable, nodes: Sequence[str], positions: Sequence[int] = [], metric_positions: Sequence[int] = [], ig_steps: int = 0) -> dict:
+def attribution_patching(model: Model, clean: Sequence[Sequence[int]], corrupt: Sequence[Sequence[int]], metric: Callable, nodes: Sequence[str], mask: Sequence[int] = [], clean_embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, corrupt_embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, positions: Sequence[int] = [], metric_positions: Sequence[int] = [], ig_steps: int = 0) -> dict:
     """
     mixlens::attribution_patching: {nodes, layers, positions, estimates [N,B,P], clean_metric, corrupt_metric, ranked [(node, position, estimate)]}. metric(logits [B,P,V]) -> (value, dlogits).
     """

@@ -350,6 +350,9 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
     throw InputError("attribution_patching: clean and corrupt batches have different left padding");
   if (clean.embeds.defined() != corrupt.embeds.defined())
     throw InputError("attribution_patching: give both batches as ids or both as embeddings");
+  for (const Batch* b : {&clean, &corrupt})
+    if (b->ids.size() != static_cast<size_t>(b->batch * b->seq) || b->mask.size() != b->ids.size())
+      throw InputError("attribution_patching: a batch's ids / mask do not have batch x seq entries");
   if (opt.ig_steps < 0) throw InputError("attribution_patching: ig_steps must be >= 0");
   if (!metric) throw InputError("attribution_patching: no metric");
   const int64_t T = clean.seq, B = clean.batch;
@@ -466,6 +469,11 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
     for (int64_t p = 0; p < P; ++p) {
       const int64_t t = res.positions[static_cast<size_t>(p)];
       if (t >= last_metric) continue;  // nothing the metric reads comes after: the estimate is 0
+      const Batch rest = slice(corrupt, t + 1, T);
+      if (rest.has_padding())
+        throw UnsupportedError("attribution_patching: a state node at position " + std::to_string(t) +
+                               " of a row that is still left padding after it (its continuation would be padded); "
+                               "give positions past every row's padding");
       std::vector<int64_t> cpos;
       for (int64_t m : mpos)
         if (m > t) cpos.push_back(m - t - 1);
@@ -478,7 +486,7 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
         Trace tr;
         set_embeds(tr, j, t + 1, T);
         tr.enable_grad();
-        model.forward(slice(corrupt, t + 1, T), cache, &tr, false);
+        model.forward(rest, cache, &tr, false);
         // A metric over positions before t + 1 as well sees zeros there: they do not depend on the state.
         const Tensor part = tr.logits_at(cpos);
         Tensor lg({B, static_cast<int64_t>(mpos.size()), part.size(2)});
