@@ -64,12 +64,11 @@ Tensor run_saving(const Model& model, const Batch& batch, Trace& tr, const std::
   return logits_at(logits, pos, batch.seq);
 }
 
-ResidStack stack_header(ResidStack::Kind kind, const Model& model, const Batch& batch,
-                        const std::vector<int64_t>& positions, const char* what) {
+ResidStack stack_header(ResidStack::Kind kind, const Batch& batch, const std::vector<int64_t>& positions,
+                        const char* what) {
   ResidStack s;
   s.kind = kind;
   s.positions = resolve_positions(positions, batch.seq, what);
-  (void)model;
   return s;
 }
 
@@ -116,7 +115,7 @@ struct Norm {
 
 ResidStack decompose_resid(const Model& model, const Batch& batch, const std::vector<int64_t>& positions) {
   const detail::FamilyModel& fam = detail::ModelAccess::family(model);
-  ResidStack s = stack_header(ResidStack::Kind::decomposed, model, batch, positions, "decompose_resid");
+  ResidStack s = stack_header(ResidStack::Kind::decomposed, batch, positions, "decompose_resid");
   const int L = model.info().num_layers;
   std::vector<detail::FamilyModel::ResidualWrite> rules;
   std::vector<std::string> paths = {"layers.0.layer_input", layer_path(L - 1, "layer_output")};
@@ -186,7 +185,7 @@ ResidStack decompose_resid(const Model& model, const Batch& batch, const std::ve
 }
 
 ResidStack accumulated_resid(const Model& model, const Batch& batch, const std::vector<int64_t>& positions) {
-  ResidStack s = stack_header(ResidStack::Kind::accumulated, model, batch, positions, "accumulated_resid");
+  ResidStack s = stack_header(ResidStack::Kind::accumulated, batch, positions, "accumulated_resid");
   const int L = model.info().num_layers;
   std::vector<std::string> paths = {"layers.0.layer_input"};
   for (int i = 0; i < L; ++i) paths.push_back(layer_path(i, "layer_output"));

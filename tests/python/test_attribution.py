@@ -23,8 +23,8 @@ CASES = ["mamba2/padded_batch", "mamba/padded_batch", "falcon_mamba/basic", "qwe
          "qwen3_5_moe/padded_batch", "qwen3_next/padded_batch", "nemotron_h/padded_batch", "bamba/padded_batch",
          "falcon_h1/no_rms_norm_padded", "granitemoehybrid/nope_dense_padded", "jamba/padded_bias",
          "zamba/padded_bias", "olmo_hybrid/padded_batch", "kimi_linear/padded_batch", "lfm2/padded_batch",
-         "lfm2_moe/padded_batch", "minimax/padded_batch", "recurrent_gemma/padded_batch", "rwkv/batch_eps_tied", "rwkv/basic",
-         "xlstm/batch_eps_tied"]
+         "lfm2_moe/padded_batch", "minimax/padded_batch", "recurrent_gemma/padded_batch", "rwkv/batch_eps_tied",
+         "rwkv/basic", "xlstm/batch_eps_tied"]  # rwkv/basic: rescale_every 2 of 3 blocks
 # Families whose head project_on_vocab does not declare: logit_attrs refuses them.
 NO_HEAD = {"rwkv", "xlstm", "recurrent_gemma"}
 
@@ -205,7 +205,8 @@ def test_atp_tracks_activation_patching(path):
     est = res.estimates
     assert est.shape == (len(res.nodes), 1, T)
     base = metric.value(m.run([corrupt])["logits"])
-    assert abs(base - res.corrupt_metric) < 1e-4 and abs(metric.value(m.run([clean])["logits"]) - res.clean_metric) < 1e-4
+    assert abs(base - res.corrupt_metric) < 1e-4
+    assert abs(metric.value(m.run([clean])["logits"]) - res.clean_metric) < 1e-4
     saves = sorted({n if not n.endswith(".state") else n + "s" for n in res.nodes})
     cl, co = m.run([clean], saves=saves), m.run([corrupt], saves=saves)
     real = np.zeros_like(est)
@@ -268,7 +269,8 @@ def test_eap_ig_and_errors():
     # The last block's output at the last position is all the metric reads: real effect = clean - corrupt.
     delta = atp.clean_metric - atp.corrupt_metric
     last = ig.nodes.index(f"layers.{L - 1}.layer_output")
-    print(f"last block output: EAP-IG(3) {float(ig.estimates[last, 0, 1]):.4f}, AtP {float(atp.estimates[last, 0, 1]):.4f}, "
+    print(f"last block output: EAP-IG(3) {float(ig.estimates[last, 0, 1]):.4f}, "
+          f"AtP {float(atp.estimates[last, 0, 1]):.4f}, "
           f"real {delta:.4f}")
     # A state after the last token changes nothing this call reads.
     assert (atp.estimates[[n for n, x in enumerate(atp.nodes) if x.endswith(".state")], :, 1] == 0).all()
