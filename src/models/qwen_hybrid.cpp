@@ -380,6 +380,16 @@ class QwenHybrid final : public FamilyModel {
   }
 
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, spec_.centred_norms}; }
+  ResidualWrite residual_write(int layer) const override {
+    ResidualWrite w = FamilyModel::residual_write(layer);
+    if (spec_.minimax)
+      w.why = "MiniMaxDecoderLayer re-norms the residual (h = alpha * norm(h) + beta * branch): the block's change "
+              "is not a sum of its outputs";
+    else if (layers_[static_cast<size_t>(layer)].post_norms)
+      w.why = "a post-norm attention block adds post_attention_layernorm(self_attn.attention_output) and "
+              "post_feedforward_layernorm(mlp.output), not the served outputs";
+    return w;
+  }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv;
