@@ -84,7 +84,7 @@ class HybridBackward {
     const Tensor* h0 = tape_.kept_of(-1, Kept::embeddings);
     if (!h0) {  // not kept: recomputed as the forward made them (lookup, multiplier, the write)
       if (!h0_.defined()) {
-        h0_ = detail::hybrid_embeddings(s_, *tape_.head.embed, in_);
+        h0_ = detail::hybrid_embeddings(s_, *m_.embed, in_);
         tape_.apply(-1, Value::embed_output, h0_);
       }
       h0 = &h0_;

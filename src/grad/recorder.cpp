@@ -116,7 +116,7 @@ std::map<std::string, Tensor> run_backward(const Tape& tape, const Tensor& dlogi
                                            const std::vector<int64_t>& positions) {
   if (!tape.unsupported.empty()) throw UnsupportedError("backward: " + tape.unsupported);
   const int64_t B = tape.batch.batch, T = tape.batch.seq, V = tape.logits_shape.back();
-  const bool lazy = tape.final_normed.defined() && tape.head.lm_head;  // logits of any position can be formed
+  const bool lazy = tape.final_normed.defined() && tape.unembed.lm_head;  // logits of any position can be formed
   GradSink sink(wanted);
   if (!positions.empty()) {
     if (!lazy) throw InputError("backward: this call's record cannot give logits by position (pass dlogits for every position)");
@@ -145,10 +145,10 @@ std::map<std::string, Tensor> run_backward(const Tape& tape, const Tensor& dlogi
 }
 
 Tensor logits_at(const Tape& tape, const std::vector<int64_t>& positions) {
-  if (!tape.final_normed.defined() || !tape.head.lm_head)
+  if (!tape.final_normed.defined() || !tape.unembed.lm_head)
     throw UnsupportedError("logits_at: this call's record has no LM head input (a family without a declared head)");
   const int64_t B = tape.batch.batch, T = tape.batch.seq, D = tape.final_normed.size(2),
-                V = tape.head.lm_head->size(0), P = static_cast<int64_t>(positions.size());
+                V = tape.unembed.lm_head->size(0), P = static_cast<int64_t>(positions.size());
   for (int64_t t : positions)
     if (t < 0 || t >= T) throw InputError("logits_at: position " + std::to_string(t) + " is outside the call [0, " + std::to_string(T) + ")");
   Tensor rows({B, P, D}), out({B, P, V});
@@ -156,9 +156,12 @@ Tensor logits_at(const Tape& tape, const std::vector<int64_t>& positions) {
     for (int64_t i = 0; i < P; ++i)
       std::memcpy(rows.data() + (b * P + i) * D, tape.final_normed.data() + (b * T + positions[static_cast<size_t>(i)]) * D,
                   sizeof(float) * static_cast<size_t>(D));
-  if (B * P > 0) ops::linear(rows.data(), B * P, D, *tape.head.lm_head, out.data());
-  if (tape.head.logit_scale != 1.0f)
-    for (int64_t k = 0; k < out.numel(); ++k) out[k] *= tape.head.logit_scale;
+  if (B * P > 0) ops::linear(rows.data(), B * P, D, *tape.unembed.lm_head, out.data());
+  const float scale = tape.unembed.logit_scale, cap = tape.unembed.soft_cap;
+  if (scale != 1.0f)
+    for (int64_t k = 0; k < out.numel(); ++k) out[k] *= scale;
+  if (cap > 0.0f)  // as lm_logits' soft cap, so the metric reads the served logits
+    for (int64_t k = 0; k < out.numel(); ++k) out[k] = cap * std::tanh(out[k] / cap);
   return out;
 }
 

@@ -42,7 +42,7 @@ struct Tape : KeptTensors {
   /// ln_final_output as the LM head read it (after writes): the logits of any position are
   /// recomputed from it (logits_at), so the forward need not form every position's logits.
   Tensor final_normed;
-  detail::FamilyModel::Head head;    ///< the family's LM head (lm_head, logit scale); lm_head null: none declared
+  detail::FamilyModel::Unembed unembed;  ///< the family's lm_head, scale, soft cap; lm_head null: none declared
   std::map<std::pair<int, int>, Written> writes;
   std::string unsupported;           ///< non-empty: why backward cannot run for this call
   Shape logits_shape;                ///< the call's returned logits: [B,T,V], or [B,1,V] (last position)

@@ -111,6 +111,17 @@ class FamilyModel {
   /// with a wrong norm.
   virtual Head head() const;
 
+  /// The head's last step, ln_final.output x -> served logits: z = logit_scale * lm_head(x), then
+  /// soft_cap * tanh(z / soft_cap) when soft_cap > 0 (RecurrentGemma, xLSTM). What logits_at forms for a
+  /// metric (attribution patching); declared apart from head() because it needs no final norm (RWKV's is
+  /// a LayerNorm). Default: head()'s lm_head and scale, UnsupportedError when the family has no head().
+  struct Unembed {
+    const Tensor* lm_head = nullptr;  ///< [V, D]
+    float logit_scale = 1.0f;
+    float soft_cap = 0.0f;
+  };
+  virtual Unembed unembed() const;
+
   /// How block `layer` changes the residual stream, for decompose_resid (runtime/attribution.cpp): when
   /// `why` is empty, layer_output = scale * (layer_input + the sum of the `added` values of the block);
   /// otherwise `why` says why not, and the block is one component (layer_output - layer_input).

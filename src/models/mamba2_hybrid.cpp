@@ -562,6 +562,7 @@ class Mamba2Hybrid final : public FamilyModel {
     p->attn = &attn_;
     p->norm_f = &norm_f_;
     p->lm_head = &lm_head_;
+    p->embed = &embed_;
     p->blocks = &blocks_;
     return p;
   }

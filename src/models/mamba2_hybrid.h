@@ -194,6 +194,7 @@ struct Mamba2HybridParts : BackwardParts {
   const AttentionMixer* attn = nullptr;
   const Tensor* norm_f = nullptr;
   const Tensor* lm_head = nullptr;
+  const Tensor* embed = nullptr;  ///< [V, D] token embeddings: the backward re-forms the embeddings the blocks read
   const std::vector<HybridBlockWeights>* blocks = nullptr;
 };
 

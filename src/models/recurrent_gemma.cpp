@@ -185,6 +185,8 @@ class RecurrentGemma final : public FamilyModel {
     return v;
   }
 
+  Unembed unembed() const override { return {&lm_head_, 1.0f, cap_}; }
+
   std::unique_ptr<BackwardParts> backward_parts() const override {
     auto p = std::make_unique<RecurrentGemmaParts>();
     p->D = D_; p->L = L_; p->I = I_;

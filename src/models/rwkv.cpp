@@ -193,6 +193,7 @@ class RwkvModel final : public FamilyModel {
     throw UnsupportedError("rwkv: project_on_vocab / head() assume an RMSNorm final norm; RWKV's ln_out is a "
                            "LayerNorm with a bias (read ln_final.output and logits instead)");
   }
+  Unembed unembed() const override { return {&lm_head_, 1.0f, 0.0f}; }
 
  private:
   void norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor& y, float eps = 0.0f) const {

@@ -184,6 +184,7 @@ class XlstmModel final : public FamilyModel {
     throw UnsupportedError("xlstm: project_on_vocab / head() do not apply output_logit_soft_cap (read ln_final.output "
                            "and logits instead)");
   }
+  Unembed unembed() const override { return {&lm_head_, 1.0f, cap_}; }
 
  private:
   // out_norm -> lm_head -> soft cap, serving ln_final.output and logits.

@@ -284,23 +284,25 @@ const std::vector<std::string>& node_kinds() {
   return k;
 }
 
-// Tokens [t0, t1) of `b` as a batch of their own (a continuation's input).
-Batch slice(const Batch& b, int64_t t0, int64_t t1) {
+// Call positions t0 .. t1-1; with `repeat_last`, t1-1 once more.
+std::vector<int64_t> span(int64_t t0, int64_t t1, bool repeat_last = false) {
+  std::vector<int64_t> pos(static_cast<size_t>(t1 - t0));
+  std::iota(pos.begin(), pos.end(), t0);
+  if (repeat_last) pos.push_back(t1 - 1);
+  return pos;
+}
+
+// The tokens of `b` at `pos` as a batch of their own (a prefix or a continuation).
+Batch slice(const Batch& b, const std::vector<int64_t>& pos) {
   Batch out;
   out.batch = b.batch;
-  out.seq = t1 - t0;
+  out.seq = static_cast<int64_t>(pos.size());
   for (int64_t r = 0; r < b.batch; ++r)
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : pos) {
       out.ids.push_back(b.ids[static_cast<size_t>(r * b.seq + t)]);
       out.mask.push_back(b.mask[static_cast<size_t>(r * b.seq + t)]);
     }
-  if (b.embeds.defined()) {
-    const int64_t D = b.embeds.size(2);
-    Tensor e({b.batch, out.seq, D});
-    for (int64_t r = 0; r < b.batch; ++r)
-      std::copy_n(b.embeds.data() + (r * b.seq + t0) * D, out.seq * D, e.data() + r * out.seq * D);
-    out.embeds = e;
-  }
+  if (b.embeds.defined()) out.embeds = gather(b.embeds, pos);
   return out;
 }
 
@@ -309,13 +311,6 @@ Tensor lerp(const Tensor& x, const Tensor& y, double a) {
   Tensor out(x.shape());
   for (int64_t k = 0; k < x.numel(); ++k) out[k] = static_cast<float>(x[k] + a * (static_cast<double>(y[k]) - x[k]));
   return out;
-}
-
-// Tokens [t0, t1) of a served [B, T, ...] value.
-Tensor token_range(const Tensor& x, int64_t t0, int64_t t1) {
-  std::vector<int64_t> pos(static_cast<size_t>(t1 - t0));
-  std::iota(pos.begin(), pos.end(), t0);
-  return gather(x, pos);
 }
 
 void accumulate(Tensor& sum, const Tensor& g, double w) {
@@ -413,9 +408,9 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
   const int K = std::max(opt.ig_steps, 1);
   // Interpolation point j of K (EAP-IG), or the corrupt run itself (AtP).
   const auto alpha = [&](int j) { return opt.ig_steps == 0 ? 0.0 : static_cast<double>(j + 1) / K; };
-  const auto set_embeds = [&](Trace& tr, int j, int64_t t0, int64_t t1) {
+  const auto set_embeds = [&](Trace& tr, int j, const std::vector<int64_t>& pos) {
     if (opt.ig_steps == 0) return;
-    tr.set("embed_tokens.output", token_range(lerp(e_corrupt, e_clean, alpha(j)), t0, t1));
+    tr.set("embed_tokens.output", gather(lerp(e_corrupt, e_clean, alpha(j)), pos));
   };
 
   // Block nodes: the gradient at the corrupt run (AtP) or its mean over the interpolation (EAP-IG).
@@ -426,7 +421,7 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
   if (!block_paths.empty())
     for (int j = 0; j < K; ++j) {
       Trace tr;
-      set_embeds(tr, j, 0, T);
+      set_embeds(tr, j, span(0, T));
       tr.enable_grad();
       model.run(corrupt, &tr, nullptr, false);
       const metrics::MetricGrad mg = metric(tr.logits_at(mpos));
@@ -468,7 +463,10 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
     for (int64_t p = 0; p < P; ++p) {
       const int64_t t = res.positions[static_cast<size_t>(p)];
       if (t >= last_metric) continue;  // nothing the metric reads comes after: the estimate is 0
-      const Batch rest = slice(corrupt, t + 1, T);
+      // A one-token continuation would be a decode step, which some families compute unlike a prompt
+      // (transformers' dt clamp on prompts only): the last token goes twice, the copy after every metric position.
+      const std::vector<int64_t> prefix = span(0, t + 1), after = span(t + 1, T, t + 2 == T);
+      const Batch rest = slice(corrupt, after);
       if (rest.has_padding())
         throw UnsupportedError("attribution_patching: a state node at position " + std::to_string(t) +
                                " of a row that is still left padding after it (its continuation would be padded); "
@@ -480,10 +478,10 @@ AtpResult attribution_patching(const Model& model, const Batch& clean, const Bat
       for (int j = 0; j < K; ++j) {
         Cache cache = model.new_cache(B);
         Trace pre;
-        set_embeds(pre, j, 0, t + 1);
-        model.forward(slice(corrupt, 0, t + 1), cache, &pre, false);
+        set_embeds(pre, j, prefix);
+        model.forward(slice(corrupt, prefix), cache, &pre, false);
         Trace tr;
-        set_embeds(tr, j, t + 1, T);
+        set_embeds(tr, j, after);
         tr.enable_grad();
         model.forward(rest, cache, &tr, false);
         // A metric over positions before t + 1 as well sees zeros there: they do not depend on the state.

@@ -340,6 +340,11 @@ detail::FamilyModel::Head detail::FamilyModel::head() const {
                          "head weights are unavailable (read 'logits' instead)");
 }
 
+detail::FamilyModel::Unembed detail::FamilyModel::unembed() const {
+  const Head h = head();
+  return {h.lm_head, h.logit_scale, 0.0f};
+}
+
 Tensor Model::project_on_vocab(const Tensor& hidden) const {
   const detail::FamilyModel::Head h = impl_->family->head();
   const int64_t D = info().hidden_size, V = info().vocab_size;
@@ -438,7 +443,7 @@ Tensor detail::ModelAccess::forward(const Model& m, const Batch& in, Cache& cach
     // The LM head's input is recorded (Tape::final_normed): logits_at forms the logits a metric reads,
     // so the call returns every position's only when asked (at 248k vocab they cost as much as the blocks).
     try {
-      tape->head = impl.family->head();
+      tape->unembed = impl.family->unembed();
     } catch (const UnsupportedError&) {
       all_logits = true;  // no declared head: backward takes dMetric/dLogits of every position
     }

@@ -293,43 +293,73 @@ def test_eap_ig_and_errors():
         m.attribution_patching([clean], [corrupt[:-1]], metric)
     with pytest.raises(InputError):
         m.attribution_patching([clean], [corrupt], metric, nodes=["resid_mid"])
-    rg = mixlens.StandardizedTransformer(str(FIX / "recurrent_gemma/padded_batch"))
-    with pytest.raises(UnsupportedError):
-        rg.attribution_patching([[1, 2, 3]], [[1, 4, 3]], metrics.LogitDiff(1, 2))
+
+
+# The step between the runs: small enough that AtP's first-order term dominates (at 1e-2 the second-order
+# term reaches 10-20% on the qwen3_5 / jamba fixtures), large enough for float32.
+STEP = 1e-3
+# Fixtures whose MoE router has a near-tie that the step flips (a top-k choice is piecewise constant: no
+# gradient sees the jump; measured 35% / 6% off on layer_output, every other node kind within 1%).
+ROUTER_FLIPS = {"jamba/padded_bias", "qwen3_5_moe/padded_batch"}
+
+
+def _first_order(m, ids, name):
+    """With clean embeddings a small step from the corrupt ones, AtP is the first-order term of every node's
+    real patch effect: estimate and real patching agree to O(step^2) on every node and
+    position, the states included (which a gradient holding token t's own read of state_after(t) would miss)."""
+    corrupt = m.run([ids], saves=["embed_tokens.output"])["embed_tokens.output"]
+    if m.info["family"] in ("granitemoehybrid", "falcon_h1"):  # the served rows carry embedding_multiplier
+        corrupt = np.asarray(m.embed_tokens.weight)[ids][None].astype(np.float32)
+    step = STEP * np.abs(corrupt).mean() * np.random.default_rng(3).standard_normal(corrupt.shape)
+    clean = (corrupt + step).astype(np.float32)
+    T = len(ids)
+    metric = metrics.LogitDiff(ids[1], ids[2])
+    res = m.attribution_patching(metric=metric, clean_embeds=clean, corrupt_embeds=corrupt)
+    est = res.estimates
+    saves = sorted({n if not n.endswith(".state") else n + "s" for n in res.nodes})
+    co = m.run(inputs_embeds=corrupt, saves=saves)
+    base = metric.value(co["logits"])
+
+    def patched(src):
+        out = np.zeros_like(est)
+        for n, node in enumerate(res.nodes):
+            for p in range(T):
+                if node.endswith(".state"):
+                    edit = {f"{node}@t{p}": src[node + "s"][:, p]}
+                else:
+                    v = co[node].copy()
+                    v[:, p] = src[node][:, p]
+                    edit = {node: v}
+                out[n, 0, p] = metric.value(m.run(inputs_embeds=corrupt, edits=edit)["logits"]) - base
+        return out
+
+    # RWKV-4's state node holds the token-shift parts too, which a per-token write may not set (WriteError);
+    # its state estimates are state_input gradients, checked against torch autograd in test_grad_rwkv.
+    kinds = ("layer_output", "attention_output", "mlp.output") + (() if m.info["family"] == "rwkv" else (".state",))
+    keep = [n for n, x in enumerate(res.nodes) if x.endswith(kinds)]
+    res.nodes[:] = [res.nodes[n] for n in keep]
+    est = est[keep]
+    real = patched(m.run(inputs_embeds=clean, saves=saves))
+    # Float32 rounding of the two metric values (a few ulps of the largest logit): below it no relative error means much.
+    floor = 8 * np.finfo(np.float32).eps * float(np.abs(co["logits"]).max())
+    for kind in kinds:
+        idx = [n for n, x in enumerate(res.nodes) if x.endswith(kind)]
+        if idx:
+            scale = float(np.abs(real[idx]).max())
+            diff = float(np.abs(est[idx] - real[idx]).max())
+            print(f"{name} {kind}: max |AtP - patching| / max |patching| = {diff / scale:.2e} (max effect {scale:.2e}, "
+                  f"rounding floor {floor:.1e})")
+            assert diff < 0.05 * scale or diff < floor, kind
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_atp_is_first_order_exact(path):
-    """With clean embeddings a small step from the corrupt ones, AtP is the first-order term of every node's
-    real patch effect: estimate and real patching agree to O(step^2) on every node and position, the states
-    included (which a gradient holding token t's own read of state_after(t) would miss)."""
     m = mixlens.StandardizedTransformer(str(path))
-    ids = _repeated(m)[0]
-    emb = np.asarray(m.embed_tokens.weight)[ids][None].astype(np.float32)  # these families do not scale embeddings
-    rng = np.random.default_rng(3)
-    corrupt = emb
-    clean = (emb + 1e-3 * np.abs(emb).mean() * rng.standard_normal(emb.shape)).astype(np.float32)
-    T = len(ids)
-    metric = metrics.LogitDiff(ids[5], ids[6])
-    res = m.attribution_patching(metric=metric, clean_embeds=clean, corrupt_embeds=corrupt)
-    est = res.estimates
-    saves = sorted({n if not n.endswith(".state") else n + "s" for n in res.nodes})
-    cl, co = m.run(inputs_embeds=clean, saves=saves), m.run(inputs_embeds=corrupt, saves=saves)
-    base = metric.value(co["logits"])
-    real = np.zeros_like(est)
-    for n, node in enumerate(res.nodes):
-        for p in range(T):
-            if node.endswith(".state"):
-                edit = {f"{node}@t{p}": cl[node + "s"][:, p]}
-            else:
-                v = co[node].copy()
-                v[:, p] = cl[node][:, p]
-                edit = {node: v}
-            real[n, 0, p] = metric.value(m.run(inputs_embeds=corrupt, edits=edit)["logits"]) - base
-    for kind in ("layer_output", "attention_output", "mlp.output", ".state"):
-        idx = [n for n, x in enumerate(res.nodes) if x.endswith(kind)]
-        if idx:
-            scale = float(np.abs(real[idx]).max())
-            err = float(np.abs(est[idx] - real[idx]).max() / scale)
-            print(f"{path.name} {kind}: max |AtP - patching| / max |patching| = {err:.2e} (max effect {scale:.2e})")
-            assert err < 0.05, kind
+    _first_order(m, _repeated(m)[0], path.name)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ROUTER_FLIPS])
+def test_atp_is_first_order_exact_on_fixtures(case):
+    d = FIX / case
+    rows = _rows(d)
+    _first_order(mixlens.StandardizedTransformer(str(d)), max(rows, key=len), case)
