@@ -46,7 +46,8 @@ def write_html(fig, out: str) -> None:
                                     texttemplate="%{text}" if p.text is not None else None,
                                     customdata=np.array([[f"{yy} / {xx}" for xx in p.x] for yy in p.y]),
                                     hovertemplate="%{customdata}: %{z:.3g}<extra></extra>",
-                                    zmin=p.zmin, zmax=p.zmax, colorscale="Viridis", showscale=k == 0,
+                                    zmin=p.zmin, zmax=p.zmax, colorscale="RdBu" if p.diverging else "Viridis",
+                                    zmid=0.0 if p.diverging else None, showscale=k == 0,
                                     colorbar={"title": {"text": p.zlabel}}), row=r + 1, col=c + 1)
             ticks = {"tickvals": list(range(len(p.y))), "ticktext": [str(v) for v in p.y]} if len(p.y) <= MAX_TICKS else {}
             pf.update_yaxes(autorange="reversed", row=r + 1, col=c + 1, **ticks)
@@ -73,7 +74,7 @@ def write_png(fig, out: str) -> None:
     for p, r, c in _cells(fig):
         ax = axes[r][c]
         if _is_heatmap(p):
-            im = ax.imshow(p.z, aspect="auto", cmap="viridis", vmin=p.zmin, vmax=p.zmax, interpolation="nearest")
+            im = ax.imshow(p.z, aspect="auto", cmap="RdBu" if p.diverging else "viridis", vmin=p.zmin, vmax=p.zmax, interpolation="nearest")
             f.colorbar(im, ax=ax, label=p.zlabel)
             if len(p.y) <= MAX_TICKS:  # else (channels) matplotlib's own numeric ticks
                 ax.set_yticks(range(len(p.y)), [str(v) for v in p.y], fontsize=6)

@@ -17,7 +17,9 @@ with an ImportError naming the extra when they are missing.
 Kinds (docs/plots.md): ``logit-lens`` (layers x positions, the top next token and its probability, as
 nnterp's), ``state-norm`` / ``decay`` / ``beta`` (per layer, one timeline per head: ``linear_attn.states``
 norms, ``decays``, ``betas``), ``attention`` (``self_attn.attention_probabilities`` per attention layer and
-head).
+head), ``token-mixing`` (``model.token_mixing`` per recurrent layer, the mean over heads),
+``attribution-patching`` (AtP estimates, layers x positions per node kind, for the prompt against
+``corrupt=``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Heatmap:
     text: Optional[list] = None
     zmin: Optional[float] = None
     zmax: Optional[float] = None
+    diverging: bool = False  # signed values: a red-blue scale centred on 0 (give zmin = -zmax)
 
 
 @dataclass
@@ -179,23 +182,98 @@ def attention(model, prompt: str, layers=None) -> Figure:
     return Figure(f"attention: {prompt!r}", panels)
 
 
-# The registry: kind name -> function(model, prompt, layers) -> Figure. A new kind is a function and a line.
+def token_mixing(model, prompt: str, layers=None) -> Figure:
+    """Per recurrent layer: queries x sources of the exact token mixing (``model.token_mixing``, docs/values.md
+    "Token mixing"), the mean over its heads (channels for Mamba-1), red-blue around 0 (the delta rule's
+    key removal makes entries negative)."""
+    ok = _serving_layers(model, "token-mixing", "linear_attn.token_mixing", layers)
+    ids = model.tokenizer.encode(prompt)
+    if not ids:
+        raise InputError(f"plot: prompt {prompt!r} encodes to no tokens")
+    x = _tokens(model, prompt)
+    panels = []
+    for i in ok:
+        mix = as_float32(model.token_mixing([ids], i)["mixing"], "token_mixing")[0]  # [H, T, T]
+        z = mix.mean(0)
+        lim = float(np.abs(z).max()) or 1.0
+        panels.append(Heatmap(f"layer {i} token_mixing (mean of {mix.shape[0]})", z, x, x, "source token",
+                              "query token", "mixing weight", zmin=-lim, zmax=lim, diverging=True))
+    return Figure(f"token mixing: {prompt!r}", panels)
+
+
+def _top2(logits_row: np.ndarray) -> tuple:
+    order = np.argsort(-logits_row)
+    return int(order[0]), int(order[1])
+
+
+def attribution_patching(model, prompt: str, layers=None, corrupt: Optional[str] = None) -> Figure:
+    """Per node kind (block output, mixer / attention / MLP output, the state after each token): layers x
+    positions of the attribution-patching estimates (``model.attribution_patching``) of patching `prompt`'s
+    values into the run of `corrupt` (same token length). The metric is the logit difference, at the last
+    position, between the prompt's top next token and the corrupt prompt's (its second when both agree)."""
+    if corrupt is None:
+        raise InputError("plot attribution-patching: give the corrupt prompt (corrupt=..., CLI --corrupt TEXT)")
+    clean_ids = model.tokenizer.encode(prompt)
+    corrupt_ids = model.tokenizer.encode(check_str("plot: corrupt", corrupt))
+    if len(clean_ids) != len(corrupt_ids) or not clean_ids:
+        raise InputError(f"plot attribution-patching: the prompt and the corrupt prompt must encode to the same "
+                         f"number of tokens, got {len(clean_ids)} and {len(corrupt_ids)}")
+    asked = set(layer_list("layers", layers, model.num_layers) if layers is not None else range(model.num_layers))
+    from .metrics import LogitDiff  # the metric only; attribution runs in the core
+
+    last = model.run([clean_ids, corrupt_ids], logits="last")["logits"]
+    last = as_float32(last, "logits")[:, -1]
+    good, second = _top2(last[0])
+    bad = _top2(last[1])[0]
+    if bad == good:
+        bad = second
+    res = model.attribution_patching([clean_ids], [corrupt_ids], LogitDiff(good, bad))
+    est = as_float32(res.estimates, "estimates")[:, 0]  # [N, P]: one row
+    x = _tokens(model, prompt)
+    kinds: dict = {}
+    for n, (node, layer) in enumerate(zip(res.nodes, res.layers)):
+        if layer in asked:
+            kinds.setdefault(node.split(".", 2)[2], []).append((layer, est[n]))
+    if not kinds:
+        raise UnsupportedError("plot attribution-patching: no asked layer has a node")
+    panels = []
+    for kind, rows in kinds.items():
+        z = np.stack([r for _, r in rows])
+        lim = float(np.abs(z).max()) or 1.0
+        panels.append(Heatmap(kind, z, x, [f"layer {i}" for i, _ in rows], "position", "layer", "AtP estimate",
+                              zmin=-lim, zmax=lim, diverging=True))
+    tok = model.tokenizer.decode
+    return Figure(f"attribution patching: {prompt!r} vs {corrupt!r}, metric logit({tok([good])!r}) - "
+                  f"logit({tok([bad])!r}) = {res.clean_metric:.3g} clean, {res.corrupt_metric:.3g} corrupt", panels)
+
+
+# The registry: kind name -> function(model, prompt, layers) -> Figure. A new kind is a function and a line;
+# a kind comparing two prompts takes the second as `corrupt`.
 KINDS: dict = {
     "logit-lens": logit_lens,
     "state-norm": _timelines("state-norm", "linear_attn.states", "norm", "state norm (Frobenius, per head)"),
     "decay": _timelines("decay", "linear_attn.decays", "mean", "decay (log kept, mean per head)"),
     "beta": _timelines("beta", "linear_attn.betas", "mean", "beta (write strength, mean per head)"),
     "attention": attention,
+    "token-mixing": token_mixing,
+    "attribution-patching": attribution_patching,
 }
+TWO_PROMPT_KINDS = ("attribution-patching",)
 
 
-def figure(kind: str, model, prompt: str, layers: Union[None, int, Sequence[int]] = None) -> Figure:
-    """The :class:`Figure` of `kind` (a key of :data:`KINDS`) for one text prompt, computed by the core; no
-    plotting library is imported. InputError for an unknown kind; UnsupportedError (with support()'s reason)
+def figure(kind: str, model, prompt: str, layers: Union[None, int, Sequence[int]] = None,
+           corrupt: Optional[str] = None) -> Figure:
+    """The :class:`Figure` of `kind` (a key of :data:`KINDS`) for one text prompt (and `corrupt`, the second
+    prompt of ``attribution-patching``), computed by the core; no plotting library is imported. InputError
+    for an unknown kind or a `corrupt` the kind does not take; UnsupportedError (with support()'s reason)
     when no asked layer serves the kind's value."""
     check_str("plot: kind", kind)
     if kind not in KINDS:
         raise InputError(f"plot: unknown kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    if kind in TWO_PROMPT_KINDS:
+        return KINDS[kind](model, check_str("plot: prompt", prompt), layers, corrupt=corrupt)
+    if corrupt is not None:
+        raise InputError(f"plot {kind}: takes one prompt (corrupt= is for {', '.join(TWO_PROMPT_KINDS)})")
     return KINDS[kind](model, check_str("plot: prompt", prompt), layers)
 
 
@@ -213,14 +291,14 @@ def save(fig: Figure, out) -> str:
     return out
 
 
-def plot(kind: str, model, prompt: str, out, layers=None) -> str:
+def plot(kind: str, model, prompt: str, out, layers=None, corrupt: Optional[str] = None) -> str:
     """:func:`figure` then :func:`save`."""
-    return save(figure(kind, model, prompt, layers), out)
+    return save(figure(kind, model, prompt, layers, corrupt), out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``mixlens plot`` / ``python -m mixlens.plot``: KIND PROMPT --out FILE [--model M] [--dtype D]
-    [--layers 0,2]. Errors print ``mixlens: error: ...`` and return 1; usage errors exit 2."""
+    [--layers 0,2] [--corrupt TEXT]. Errors print ``mixlens: error: ...`` and return 1; usage errors exit 2."""
     p = argparse.ArgumentParser(prog="mixlens plot", description="Draw one kind of picture for one prompt: "
                                 "HTML (interactive, self-contained) or PNG, from --out's extension.")
     p.add_argument("kind", choices=list(KINDS))
@@ -229,6 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: as `mixlens run`)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
     p.add_argument("--layers", default=None, help="comma-separated layer indices (default: every layer)")
+    p.add_argument("--corrupt", default=None, help="attribution-patching: the corrupt prompt (same token length)")
     a = p.parse_args(argv)
     try:
         layers = None if a.layers is None else [int(s) for s in a.layers.split(",") if s.strip()]
@@ -236,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--layers takes comma-separated integers, got {a.layers!r}")
     try:
         model = load(a.model, output="numpy", dtype=a.dtype)
-        path = plot(a.kind, model, a.prompt, a.out, layers)
+        path = plot(a.kind, model, a.prompt, a.out, layers, a.corrupt)
     except (MixlensError, ImportError, ValueError, OSError) as e:
         print(f"mixlens: error: {e}", file=sys.stderr)
         return 1

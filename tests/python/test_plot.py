@@ -26,10 +26,11 @@ from test_import_graph import PACKAGE, _imports, _modules
 
 MODELS = REPO / "models"
 PROMPT = "Once upon a time, there was a little girl"
+CORRUPT = "Once upon a time, there was a little boy"  # attribution-patching's second prompt (same length)
 # model -> the kinds it serves (the others are refused: test_unserved_kind_says_why).
-SERVED = {"mamba2-tinystories": ["logit-lens", "state-norm", "decay", "beta"],
-          "mamba-tinystories": ["logit-lens", "state-norm", "decay", "beta"],
-          "qwen3_5-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attention"]}
+SERVED = {"mamba2-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attribution-patching"],
+          "mamba-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attribution-patching"],
+          "qwen3_5-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attention", "attribution-patching"]}
 PLOT_LIBS = ("plotly", "matplotlib", "kaleido")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Chromium's own background services, which call home whatever page is open (the flags below silence the
@@ -123,7 +124,7 @@ def ink(png: Path) -> float:
 
 @pytest.mark.parametrize("name,kind", [(m, k) for m, kinds in SERVED.items() for k in kinds])
 def test_each_kind_renders_to_html_and_png(name, kind, tmp_path):
-    fig = mp.figure(kind, model(name), PROMPT)
+    fig = mp.figure(kind, model(name), PROMPT, corrupt=CORRUPT if kind in mp.TWO_PROMPT_KINDS else None)
     assert fig.panels
     for p in fig.panels:
         data = p.z if hasattr(p, "z") else np.stack(list(p.series.values()))
@@ -187,6 +188,38 @@ def test_timelines_are_the_served_values():
     d = m1.run([PROMPT], saves=["layers.0.linear_attn.decays"])["layers.0.linear_attn.decays"][0]
     hm = mp.figure("decay", m1, PROMPT, layers=[0]).panels[0]
     np.testing.assert_allclose(hm.z, d.mean(-1).T, rtol=1e-6)
+
+
+def test_attribution_patching_grid_is_the_estimates():
+    """Each panel is one node kind's estimates (layers x positions) from model.attribution_patching with the
+    logit difference of the two prompts' top next tokens; a state after the last token changes nothing."""
+    m = model("qwen3_5-tinystories")
+    a, b = m.tokenizer.encode(PROMPT), m.tokenizer.encode(CORRUPT)
+    assert len(a) == len(b)
+    last = m.run([a, b], logits="last")["logits"][:, -1]
+    good, bad = int(np.argmax(last[0])), int(np.argmax(last[1]))
+    if bad == good:  # both prompts agree on the next token: the metric contrasts the clean prompt's second
+        bad = int(np.argsort(-last[0])[1])
+    fig = mp.figure("attribution-patching", m, PROMPT, corrupt=CORRUPT)
+    res = m.attribution_patching([a], [b], mixlens.metrics.LogitDiff(good, bad))
+    panels = {p.title: p for p in fig.panels}
+    assert set(panels) == {"layer_output", "linear_attn.attention_output", "self_attn.attention_output",
+                           "mlp.output", "linear_attn.state"}
+    state = panels["linear_attn.state"]
+    assert state.y == [f"layer {i}" for i in range(m.num_layers) if m.support(layer=i).get("linear_attn.states") is None]
+    n = res.nodes.index("layers.1.linear_attn.state")
+    np.testing.assert_allclose(state.z[1], res.estimates[n, 0], rtol=1e-6)
+    assert (state.z[:, -1] == 0).all() and state.diverging and state.zmin == -state.zmax
+    out = panels["layer_output"]
+    assert out.z.shape == (m.num_layers, len(a))
+    assert [p.title for p in mp.figure("attribution-patching", m, PROMPT, layers=[2], corrupt=CORRUPT).panels] == \
+        ["layer_output", "self_attn.attention_output", "mlp.output"]  # layer 2 is an attention block
+    with pytest.raises(mixlens.InputError, match="corrupt prompt"):
+        mp.figure("attribution-patching", m, PROMPT)
+    with pytest.raises(mixlens.InputError, match="same number of tokens"):
+        mp.figure("attribution-patching", m, PROMPT, corrupt="Once upon a time")
+    with pytest.raises(mixlens.InputError, match="takes one prompt"):
+        mp.figure("logit-lens", m, PROMPT, corrupt=CORRUPT)
 
 
 def test_unserved_kind_says_why():
@@ -254,6 +287,8 @@ def test_cli_runs_the_python_renderer(tmp_path):
     assert png_size(tmp_path / "betas.png") == (fig.width, fig.height)
     r = cli("plot", "attention", PROMPT, "--out", tmp_path / "a.html")  # the shipped Mamba-2 has no attention
     assert r.returncode == 1 and "mixlens: error: plot attention" in r.stderr, r.stderr
+    r = cli("plot", "attribution-patching", PROMPT, "--corrupt", CORRUPT, "--out", tmp_path / "atp.png")
+    assert r.returncode == 0 and png_size(tmp_path / "atp.png")[0] > 0, r.stderr
     r = cli("plot", "no-such-kind", PROMPT, "--out", tmp_path / "a.html")
     assert r.returncode == 2 and "invalid choice" in r.stderr, r.stderr
     assert "plot" in cli("--help").stdout and "mixlens[plot]" in cli("help", "plot").stdout
