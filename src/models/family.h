@@ -97,6 +97,14 @@ class FamilyModel {
     return Tensor();
   }
 
+  /// The per-head skip weight of layer `layer`'s mixer (Mamba-2's D [H]: attention_head_outputs add
+  /// D x_t), read by token_mixing (include/mixlens/mixing.h); undefined where the head outputs have
+  /// no skip (lightning attention, gated DeltaNet) or the layer has no such mixer.
+  virtual Tensor mixer_skip(int layer) const {
+    (void)layer;
+    return Tensor();
+  }
+
   /// The LM head around the blocks, for nnterp's project_on_vocab and read access to the weights
   /// (Model::project_on_vocab, Model::head_weight). Pointers into the family's own tensors.
   struct Head {

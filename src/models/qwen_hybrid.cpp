@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "hooks/mixing.h"
 #include "mixers/attention_mixer.h"
 #include "mixers/gated_delta_mixer.h"
 #include "mixlens/errors.h"
@@ -402,6 +403,7 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(s);
         v.push_back(layer_value(i, Value::state_output, {B, HV, Dk, Dv}, true, "recurrent state after the call's last token (goes to the cache)"));
         v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, HV, Dv}, true, "gated delta rule output per value head, before the gated RMSNorm"));
+        add_mixing_values(i, B, T, HV, Dk, "nothing (no skip)", v);
         v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(o, z)), added to the residual"));
       } else {
         attn_.values(i, B, T, v);
