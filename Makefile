@@ -27,7 +27,7 @@ $(VENV)/.setup-done: scripts/setup.sh requirements-build.txt
 	bash scripts/setup.sh
 	touch $@
 setup-dev: $(VENV)/.setup-dev-done
-$(VENV)/.setup-dev-done: scripts/setup.sh requirements-build.txt requirements-dev.txt
+$(VENV)/.setup-dev-done: scripts/setup.sh requirements-build.txt requirements-dev.txt requirements-sae.txt
 	bash scripts/setup.sh --dev
 	touch $(VENV)/.setup-done $@
 

@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <cerrno>
+#include <cstring>
+#include <unistd.h>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -43,6 +46,14 @@ constexpr const char* kUseExtract = R"(  mixlens extract  [--model DIR|HUB_ID] [
                    [--shard-bytes N] [--max-bytes N] [--hash-prompts]
 )";
 constexpr const char* kUseConvert = R"(  mixlens convert  [--model DIR|HUB_ID] [--dtype bfloat16|float16] --out DIR
+)";
+constexpr const char* kUsePlot = R"(  mixlens plot     KIND PROMPT --out FILE.html|FILE.png [--model DIR|HUB_ID] [--dtype D] [--layers 0,2]
+)";
+constexpr const char* kPlot = R"(plot: draw KIND (logit-lens, state-norm, decay, beta, attention) for PROMPT into --out: interactive
+self-contained HTML (plotly, opens offline) or PNG (matplotlib), by the extension. The pictures are drawn
+by the Python package (python -m mixlens.plot, with the optional extra: pip install 'mixlens[plot]'),
+run with the Python beside this executable, $MIXLENS_PYTHON to choose another; `mixlens plot --help`
+prints its options (docs/plots.md).
 )";
 constexpr const char* kConvert = R"(convert: write DIR, a copy of the checkpoint whose matmul weights (projections, embeddings, lm_head,
 experts) are stored in --dtype (default bfloat16; rounded to nearest even, as a load with that dtype
@@ -102,8 +113,8 @@ std::string help_text(const std::string& command) {
   const std::string head = kHead;
   if (command.empty())
     return head + kUseGenerate + kUseRun + kUsePrompts + kUseInspect + kUseTokenize + kUseExtract + kUseConvert +
-           "  mixlens --version\n\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptDeterministic + kOptPrompts + "\n" +
-           kExtract + "\n" + kConvert;
+           kUsePlot + "  mixlens --version\n\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype + kOptDeterministic + kOptPrompts + "\n" +
+           kExtract + "\n" + kConvert + "\n" + kPlot;
   if (command == "generate")
     return head + kUseGenerate + kUsePrompts + "\n" + kOptModel + kOptGenerate + kOptSaveOut + kOptDtype +
            kOptDeterministic + kOptPrompts;
@@ -113,6 +124,7 @@ std::string help_text(const std::string& command) {
   if (command == "tokenize") return head + kUseTokenize + "\n" + kOptModel + kOptDtype;
   if (command == "extract") return head + kUseExtract + "\n" + kOptModel + kOptDtype + kOptDeterministic + "\n" + kExtract;
   if (command == "convert") return head + kUseConvert + "\n" + kOptModel + "\n" + kConvert;
+  if (command == "plot") return head + kUsePlot + "\n" + kPlot;
   return {};
 }
 
@@ -203,6 +215,36 @@ const std::set<std::string>* command_flags(const std::string& command) {
   return nullptr;
 }
 
+// The Python side of `mixlens plot`: import the renderer (saying which Python lacks it, and how to get it)
+// and run its main on the arguments after "plot".
+constexpr const char* kPlotBootstrap = R"(import sys
+try:
+    from mixlens.plot import main
+except ImportError as e:
+    sys.exit(f"mixlens: error: `mixlens plot` draws with the Python package (mixlens.plot), which {sys.executable} "
+             f"cannot import ({e}): install it there with its plot extra (pip install 'mixlens[plot]') or set "
+             "$MIXLENS_PYTHON to a Python that has it")
+sys.exit(main(sys.argv[1:]))
+)";
+
+// `mixlens plot ...`: replaces this process with the Python renderer (plotting is not reimplemented in C++).
+[[noreturn]] void run_plot(int argc, char** argv) {
+  const std::string python = mixlens::plot_python();
+  std::vector<std::string> args = {python, "-c", kPlotBootstrap};
+  for (int i = 2; i < argc; ++i) args.emplace_back(argv[i]);
+  std::vector<char*> cargs;
+  for (std::string& a : args) cargs.push_back(a.data());
+  cargs.push_back(nullptr);
+  std::fflush(stdout);
+  execvp(python.c_str(), cargs.data());
+  std::fprintf(stderr,
+               "mixlens: error: `mixlens plot` draws with the Python package (python -m mixlens.plot) and cannot "
+               "run the Python '%s' (%s): install Python 3 with mixlens and its plot extra (pip install "
+               "'mixlens[plot]') or set $MIXLENS_PYTHON\n",
+               python.c_str(), std::strerror(errno));
+  std::exit(1);
+}
+
 Args parse(int argc, char** argv) {
   Args a;
   if (argc < 2) usage_error("no command given");
@@ -215,10 +257,11 @@ Args parse(int argc, char** argv) {
     if (argc > 3) usage_error("help takes one command, e.g. `mixlens help generate`");
     const std::string topic = a.command == "help" && argc > 2 ? argv[2] : "";
     const std::string text = help_text(topic);
-    if (text.empty()) usage_error("no help for '" + topic + "': the commands are generate, run, inspect, tokenize, extract, convert");
+    if (text.empty()) usage_error("no help for '" + topic + "': the commands are generate, run, inspect, tokenize, extract, convert, plot");
     std::fputs(text.c_str(), stdout);
     std::exit(0);
   }
+  if (a.command == "plot") run_plot(argc, argv);  // its flags are the Python renderer's
   const std::set<std::string>* flags = command_flags(a.command);
   bool only_positional = false;  // after "--": a prompt may start with '-'
   std::string inline_value;       // "--flag=value"

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 # clang + its runtime libraries: the ASan/UBSan/TSan builds and the libFuzzer harnesses (make test).
 APT_PACKAGES=(build-essential cmake pkg-config libopenblas-dev nlohmann-json3-dev libpcre2-dev
               libutf8proc-dev libgtest-dev python3-venv clang libclang-rt-dev)
+# Headless Chromium: tests/python/test_plot.py opens the HTML plots offline and screenshots them.
+APT_PACKAGES+=(chromium)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,7 +25,8 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements-build.txt
 if [ "${1:-}" = "--dev" ]; then
-  .venv/bin/python -m pip install -q -r requirements-dev.txt
+  # sae-lens (the SAELens recipe's test) resolved together with the pins, so it cannot move them.
+  .venv/bin/python -m pip install -q -r requirements-dev.txt -r requirements-sae.txt
   # The dev package (dev/mixlens_dev: oracles, fixture generator, bench timer) for scripts/ and bench/:
   # a .pth naming this checkout's dev/ (pytest finds it through pyproject.toml's pythonpath).
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -73,6 +73,15 @@ def hook_ssm_backbone(bb, store: dict, handles: list, mixer_pre, mixer_post) -> 
     handles.append(bb.norm_f.register_forward_hook(lambda mod, args, out: keep(store, "ln_final.output", out)))
 
 
+def differentiate(store: dict, metric, forward) -> torch.Tensor:
+    """Runs ``forward()`` (returning logits) with autograd, keeps its logits (float32) in ``store`` and
+    backpropagates ``metric(logits)``; returns the metric."""
+    with torch.enable_grad():
+        m = metric(keep(store, "logits", forward().float()))
+        m.backward()
+    return m
+
+
 def collect(store: dict, states: dict, metric: torch.Tensor, transpose_states: bool = False) -> dict[str, np.ndarray]:
     """The gradients as numpy (zeros where nothing flowed): every kept tensor, each per-token state list
     stacked on axis 1 (``transpose_states``: its last two axes swapped, to the served key-side-first
@@ -96,6 +105,35 @@ def mixlens_grads(model, prompts, paths, metric, edits=None, **trace_kwargs):
     return {p: tr.grad(p).numpy() for p in paths}, tr
 
 
+def primed_cache(model, prompts):
+    """A cache that has run ``prompts`` (no gradients): what a continuation starts from."""
+    cache = model.new_cache(len(prompts))
+    with model.trace(prompts, cache=cache):
+        pass
+    return cache
+
+
+def call_grads(model, prompts, cont, paths, metric, edits=None):
+    """mixlens_grads of the prompt (``cont`` None) or of the call continuing it with ``cont`` ([B, n] ids)."""
+    if not cont:
+        return mixlens_grads(model, prompts, paths, metric, edits)
+    return mixlens_grads(model, cont, paths, metric, edits, cache=primed_cache(model, prompts))
+
+
+def split_call_grads(model, prompts, cont, j, layers, W):
+    """For the call continuing ``prompts`` (one row) with ``cont``, the metric <W, logits> at positions j..:
+    ``layers.{i}.linear_attn.states``' gradients of the whole call, and ``state_input``'s when tokens j.. run as
+    a call of their own after tokens ..j-1 (whole, split: [path per layer])."""
+    paths = [f"layers.{i}.linear_attn.states" for i in layers]
+    whole, _ = mixlens_grads(model, cont, paths, lambda z: (z[:, j:] * W[:, j:]).sum(), cache=primed_cache(model, prompts))
+    cache = primed_cache(model, prompts)
+    with model.trace([cont[0][:j]], cache=cache):
+        pass
+    paths_in = [f"layers.{i}.linear_attn.state_input" for i in layers]
+    split, _ = mixlens_grads(model, [cont[0][j:]], paths_in, lambda z: (z * W[:, j:]).sum(), cache=cache)
+    return [whole[p] for p in paths], [split[p] for p in paths_in]
+
+
 def compare(got: dict, ref: dict, label: str, paths=None, skip=()) -> int:
     """Assert every gradient of ``ref`` (or of ``paths``) matches ``got`` to TOL relative RMS; returns
     how many were compared."""
@@ -110,3 +148,40 @@ def compare(got: dict, ref: dict, label: str, paths=None, skip=()) -> int:
             bad.append(f"{path}: rel RMS {err:.2e}")
     assert not bad, f"{label}: {len(bad)} gradients differ from torch autograd: {bad[:8]}"
     return n
+
+
+class FixtureCase:
+    """A committed fixture (directory ``d``): transformers' model ``cls`` (eval, weights frozen: the graph starts at
+    the values), mixlens' (torch output), its prompts, an optional continuation ``cont`` and random target ids of
+    the differentiated call (seeded by ``name``)."""
+
+    def __init__(self, cls, d, name, cont=None):
+        import json
+
+        import mixlens
+
+        self.torch_model = cls.from_pretrained(str(d)).eval()
+        for p in self.torch_model.parameters():
+            p.requires_grad_(False)
+        self.model = mixlens.StandardizedTransformer(str(d), output="torch")
+        self.prompts = json.loads((d / "case.json").read_text())["prompts"]
+        self.cont = cont
+        B, T = len(self.prompts), len(cont[0]) if cont else len(self.prompts[0])
+        vocab = self.torch_model.config.vocab_size
+        self.targets = torch.as_tensor(np.random.default_rng(len(name)).integers(0, vocab, size=(B, T)))
+
+    def block_paths(self, n_layers, mixer_values):
+        """The embeddings, the head's values and every block's residual stream, mlp.output and the linear_attn
+        ``mixer_values`` (with state_input on a continuation)."""
+        out = ["embed_tokens.output", "ln_final.output", "logits"]
+        for i in range(n_layers):
+            out += [f"layers.{i}.layer_input", f"layers.{i}.layer_output", f"layers.{i}.mlp.output"]
+            out += [f"layers.{i}.linear_attn.{v}" for v in mixer_values]
+            if self.cont:
+                out.append(f"layers.{i}.linear_attn.state_input")
+        return out
+
+    def metric(self, logits):
+        """log p(target) summed over the call, plus a logit difference at its last position."""
+        lp = torch.log_softmax(logits, -1).gather(-1, self.targets[..., None])[..., 0]
+        return lp.sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()

@@ -24,6 +24,15 @@ attention output (the module's: before OLMo-Hybrid's post-norm). Edits are ``set
 A continuation runs the prompt without gradients first (its cache is a constant) and differentiates
 the second call, with the GDN ``state_input`` a leaf.
 
+MiniMax (issue 25): the lightning blocks (``self_attn`` modules, served as ``layers.{i}.linear_attn``) run
+transformers' own MiniMaxLightningAttention.forward (``scan`` "chunk" / "recurrent": its block form on a prompt,
+its token loop over a cache, whichever the call takes) with q | k | v retained after ``act_fn``, the cached kv
+state a leaf (``state_input``), the norm's input (``attention_head_outputs``) and the module's output retained;
+``decays`` (-slope_rate, a buffer) and ``states`` are not tensors of that graph, so only ``scan="explicit"``
+serves them: the module written out with the decays a [B,T,H] leaf and the token recurrence
+S_t = exp(decays_t) S_{t-1} + k_t^T v_t, every S_t retained (checked against the module itself on a prompt).
+The cache is oracle_minimax's MaskSizedCache (transformers 5.18's causal-mask bug on continuations).
+
 Kimi-Linear: the wrapped kernels are ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``
 (decays [B,T,H,Dk], one per key channel; the explicit recurrence decays each key row of S by its own
 factor); both block kinds are ``self_attn`` modules (``block_type`` says which); the latent attention's
@@ -39,6 +48,7 @@ import sys
 import numpy as np
 import torch
 
+from mixlens_dev import oracle_minimax as om
 from mixlens_dev import oracle_qwen as oq
 from mixlens_dev.grad_common import collect, keep as _keep, set_index as _set_index
 
@@ -99,6 +109,86 @@ def _hook_latent_attention(at, i, cur, keep, edit, hook, handles):
     hook(at, att_post)
 
 
+class _Fn(torch.nn.Module):
+    """A function as a module (to stand in for a submodule such as act_fn)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
+def _hook_lightning(at, i, cur, k_, states, mod, scan, handles, patched, edited):
+    """MiniMaxLightningAttention of layer i during the differentiated call (module doc): ``scan`` "explicit"
+    replaces the instance's forward with the written-out recurrence; otherwise transformers' forward runs with
+    its values retained (a wrapped act_fn, the cache's kv state swapped for a leaf, norm / output hooks).
+    ``edited``: the call has edits (the written-out form is then not compared with transformers')."""
+    H, hd = at.num_attention_heads, at.head_dim
+
+    def written_out(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
+        b, T, _ = hidden_states.shape
+        q, k, v = torch.split(at.act_fn(at.qkv_proj(hidden_states)).reshape(b, T, H, 3 * hd), hd, dim=3)
+        # Retained and edited before the padding mask, as in the wrapped act_fn below (oracle_minimax's edits).
+        q, k, v = k_("attention_queries", q), k_("attention_keys", k), k_("attention_values", v)
+        qkv = mod.apply_mask_to_padding_states(torch.cat([q, k, v], 3).reshape(b, T, -1), attention_mask)
+        q, k, v = torch.split(qkv.reshape(b, T, H, 3 * hd), hd, dim=3)
+        dec = k_("decays", (-at.slope_rate.reshape(1, 1, H)).expand(b, T, H).clone().requires_grad_(True))
+        st = past_key_values.get_linear_cache(i) if past_key_values is not None else None
+        cached = isinstance(st, torch.Tensor)
+        S = k_("state_input", st.detach().clone().requires_grad_(True)) if cached else torch.zeros(b, H, hd, hd)
+        sts = states[f"layers.{i}.linear_attn.states"] = []
+        outs = []
+        for t in range(T):
+            S = dec[:, t].exp()[..., None, None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+            S.retain_grad()
+            sts.append(S)
+            outs.append((q[:, t, :, :, None] * S).sum(-2))
+        o = k_("attention_head_outputs", torch.stack(outs, 1))
+        out = at.out_proj(torch.sigmoid(at.output_gate(hidden_states)) * at.norm(o.reshape(b, T, H * hd)))
+        if not cached and not edited:  # a prompt: the same as transformers' block form
+            with torch.no_grad():
+                ref = type(at).forward(at, hidden_states, None, attention_mask)[0]
+            assert torch.allclose(out, ref, atol=1e-5), f"layer {i}: lightning attention written out != transformers"
+        if past_key_values is not None:
+            past_key_values.set_linear_cache(i, S)
+        return out, S
+
+    if scan == "explicit":
+        at.forward = lambda *a, **kw: written_out(*a, **kw) if cur["grad"] else type(at).forward(at, *a, **kw)
+        patched.append(at)
+        return
+    orig_act = at.act_fn
+
+    def act(x):
+        y = orig_act(x)
+        if not cur["grad"]:
+            return y
+        b, T, _ = y.shape
+        q, k, v = torch.split(y.view(b, T, H, 3 * hd), hd, dim=3)
+        q, k, v = k_("attention_queries", q), k_("attention_keys", k), k_("attention_values", v)
+        return torch.cat([q, k, v], dim=3).reshape(b, T, -1)
+
+    at.act_fn = _Fn(act)  # a submodule attribute takes a module
+    patched.append((at, "act_fn", orig_act))
+
+    def pre(m, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        st = cache.get_linear_cache(i) if cache is not None and cur["grad"] else None
+        if isinstance(st, torch.Tensor):
+            cache.set_linear_cache(i, k_("state_input", st.detach().clone().requires_grad_(True)))
+
+    def norm_pre(m, a):
+        if not cur["grad"]:
+            return None
+        b, T, _ = a[0].shape
+        return (k_("attention_head_outputs", a[0].view(b, T, H, hd)).reshape(b, T, H * hd),)
+
+    handles.append(at.register_forward_pre_hook(pre, with_kwargs=True))
+    handles.append(at.norm.register_forward_pre_hook(norm_pre))
+
+
 def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=None):
     """Gradients (numpy, served layouts) of ``metric(logits)`` for every value of the differentiated call:
     the prompt, or (``continuation``: [B, n] ids) the call continuing it."""
@@ -110,13 +200,14 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
     text = model.model.language_model if hasattr(model.model, "language_model") else model.model
     nope = getattr(text, "rotary_emb", True) is None  # OLMo-Hybrid with rope_theta null
     kimi = mod.__name__.endswith("modeling_kimi_linear")
+    minimax = mod.__name__.endswith("modeling_minimax")  # lightning blocks as self_attn (block_type says which)
     keep, states = {}, {}
     cur = {"layer": None, "grad": False}
     edits = list(edits)
     lfm2 = hasattr(text, "embedding_norm")  # LFM2 / LFM2-MoE: short conv blocks, their module names
     chunk_name, rec_name = (("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention") if kimi else
                             ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
-    orig = {n: getattr(mod, n) for n in (*(() if lfm2 else (chunk_name, rec_name)),
+    orig = {n: getattr(mod, n) for n in (*(() if lfm2 or minimax else (chunk_name, rec_name)),
                                          *(() if kimi else ("apply_rotary_pos_emb",)))}
 
     def edit(path, t):
@@ -218,15 +309,23 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             return _keep(keep, f"layers.{i}.mlp.output", edit(f"layers.{i}.mlp.output", o))
 
         hook(layer.feed_forward if lfm2 else layer.mlp, mlp_post)
-        linear = layer.block_type == "linear_attention" if kimi else hasattr(layer, "conv" if lfm2 else "linear_attn")
+        linear = (layer.block_type == "linear_attention" if kimi or minimax
+                  else hasattr(layer, "conv" if lfm2 else "linear_attn"))
         if linear:
             def lin_post(m, a, o, i=i):
                 if not cur["grad"]:
                     return o
                 p = f"layers.{i}.linear_attn.attention_output"
+                if minimax:  # (output, kv state)
+                    return (_keep(keep, p, edit(p, o[0])),) + tuple(o[1:])
                 return _keep(keep, p, edit(p, o))
 
-            lin = layer.self_attn if kimi else layer.conv if lfm2 else layer.linear_attn
+            lin = layer.self_attn if kimi or minimax else layer.conv if lfm2 else layer.linear_attn
+            if minimax:
+                def k_lin(name, t, i=i):
+                    return _keep(keep, f"layers.{i}.linear_attn.{name}", edit(f"layers.{i}.linear_attn.{name}", t))
+
+                _hook_lightning(lin, i, cur, k_lin, states, mod, scan, handles, patched, bool(edits))
             hook(lin, lin_post)
             if lfm2:  # the instance's forward, during the differentiated call only
                 def conv_fwd(*a, conv=lin, i=i, **kw):
@@ -264,7 +363,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
             hook(at, att_post)
     hook(text.embedding_norm if lfm2 else text.norm, lambda m, a, o: _keep(keep, "ln_final.output", o) if cur["grad"] else o)
 
-    if not lfm2:
+    if not lfm2 and not minimax:
         setattr(mod, chunk_name, delta_rule)
         setattr(mod, rec_name, lambda *a, **kw: delta_rule(*a, _name=rec_name, **kw))
     if not kimi:
@@ -272,7 +371,7 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
     try:
         ids, mask = oq.pad_prompts(prompts, pad_id)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        cache = oq.mq35.DynamicCache(config=model.config.get_text_config())
+        cache = om.MaskSizedCache() if minimax else oq.mq35.DynamicCache(config=model.config.get_text_config())
         if continuation is not None:
             with torch.no_grad():
                 model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
@@ -294,10 +393,13 @@ def run(model, prompts, metric, scan="chunk", edits=(), pad_id=0, continuation=N
         for layer in text.layers if kimi else ():  # the latent attention's wrapped expand_kv (an instance attribute)
             layer.self_attn.__dict__.pop("expand_kv", None)
         for module in patched:
-            del module.forward
+            if isinstance(module, tuple):  # (module, attribute, original): a wrapped instance attribute
+                setattr(*module)
+            else:
+                del module.forward
     grads = collect(keep, states, m)
     hd = next(layer.self_attn.qk_head_dim if kimi else layer.self_attn.head_dim for layer in text.layers
-              if (layer.block_type != "linear_attention" if kimi else hasattr(layer, "self_attn")))
+              if (layer.block_type != "linear_attention" if kimi or minimax else hasattr(layer, "self_attn")))
     for path in [p for p in grads if p != "metric"]:
         g, mt = grads[path], _PATH.match(path)
         if path.endswith("#q_proj"):  # per head [query | gate]: the gate half is the gate logits' gradient

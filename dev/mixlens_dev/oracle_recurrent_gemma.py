@@ -48,6 +48,29 @@ def explicit_states(x, a, nx, reset, mask, S0):
     return out
 
 
+def windowed_mask(window: int, T: int, mask):
+    """The additive [B, 1, T, S] mask of a call's T last queries over S keys: causal, the padding of
+    ``mask`` ([B, S] attention mask) masked, keys within ``window`` of the query (its own included)."""
+    S = mask.shape[1]
+    q = torch.arange(S - T, S)[:, None]
+    s = torch.arange(S)[None]
+    ok = (s <= q) & (s > q - window) & mask[:, None, None, :].bool()
+    return torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min)
+
+
+def fix_mask(m, args, kwargs, mask):
+    """A RecurrentGemmaAttention pre-hook's fix (``mask``: the call's whole [B, S] attention mask).
+    transformers 5.18 sizes the decode step's mask from the cache's layer 0, which a recurrent
+    block 0 never fills: [B, 1, 1, 1] instead of [B, 1, 1, S], and left padding leaks into the
+    attention. Such a mask is replaced by the causal, padding-masked, windowed one it stands for."""
+    am, S = kwargs.get("attention_mask"), mask.shape[1]
+    if am is None or am.shape[-1] == S:
+        return None
+    T = (args[0] if args else kwargs["hidden_states"]).shape[1]
+    kwargs["attention_mask"] = windowed_mask(m.sliding_window, T, mask)
+    return args, kwargs
+
+
 class _Recorder(oq._Recorder):
     """oracle_qwen's recorder protocol (put, _edit, begin_step are its own) over RecurrentGemma's modules."""
 
@@ -167,18 +190,7 @@ class _Recorder(oq._Recorder):
         H.append(tm.final_norm.register_forward_hook(lambda m, a, o: self.put("ln_final.output", o)))
 
     def _fix_mask(self, m, args, kwargs):
-        """transformers 5.18 sizes the decode step's mask from the cache's layer 0, which a recurrent
-        block 0 never fills: [B, 1, 1, 1] instead of [B, 1, 1, S], and left padding leaks into the
-        attention. Such a mask is replaced by the causal, padding-masked, windowed one it stands for."""
-        am, S = kwargs.get("attention_mask"), self._mask.shape[1]
-        if am is None or am.shape[-1] == S:
-            return None
-        T = (args[0] if args else kwargs["hidden_states"]).shape[1]
-        q = torch.arange(S - T, S)[:, None]
-        s = torch.arange(S)[None]
-        ok = (s <= q) & (s > q - m.sliding_window) & self._mask[:, None, None, :].bool()
-        kwargs["attention_mask"] = torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min)
-        return args, kwargs
+        return fix_mask(m, args, kwargs, self._mask)
 
     def _read_mask(self, m, args, kwargs):
         self._mask = kwargs["attention_mask"]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
-from mixlens_dev.oracle_util import N_STEPS, advance, mix, recorder
+from mixlens_dev.oracle_util import N_STEPS, advance, grad_recorder, mix
 
 
 def wkv(k, v, w, u, num, den, mx, kept=None):
@@ -66,17 +66,8 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
 
     for step in range(n_steps):
         grad = keep is not None and step == n_steps - 1
-        record = recorder(vals, edits, step)
-
-        def put(path, t, record=record, grad=grad):
-            t = record(path, t)
-            if grad:
-                if path == "embed_tokens.output" or path.endswith(("decays", "state_input")):
-                    t = t.detach().requires_grad_(True)
-                if t.requires_grad:
-                    t.retain_grad()
-                keep[path] = t
-            return t
+        put = grad_recorder(vals, edits, step, keep if grad else None,
+                            lambda p: p == "embed_tokens.output" or p.endswith(("decays", "state_input")))
 
         torch.set_grad_enabled(grad)
         h = put("embed_tokens.output", rw.embeddings(ids))

@@ -31,6 +31,25 @@ def recorder(vals: dict, edits, step: int):
     return put
 
 
+def grad_recorder(vals: dict, edits, step: int, keep, leaf):
+    """recorder's put for a step run under autograd (``keep`` a dict, else None: recorder's put): each value
+    after its edits is kept in ``keep`` with ``retain_grad``; a value ``leaf(path)`` names becomes a leaf (the
+    graph's inputs: the embeddings, a cached state)."""
+    record = recorder(vals, edits, step)
+    if keep is None:
+        return record
+
+    def put(path, t):
+        t = record(path, t)
+        if leaf(path):
+            t = t.detach().requires_grad_(True)
+        if t.requires_grad:
+            t.retain_grad()
+        keep[path] = t
+        return t
+    return put
+
+
 def advance(logits: torch.Tensor, toks: list, feeds, step: int, n_steps: int):
     """Keeps the greedy token of the last position in `toks`; the ids of call step + 1 (that token, or
     feeds[step] when teacher-forced), None after the last call."""

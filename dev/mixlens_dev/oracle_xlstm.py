@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.xlstm import modeling_xlstm as mx
 
-from mixlens_dev.oracle_util import N_STEPS, advance, mix, recorder
+from mixlens_dev.oracle_util import N_STEPS, advance, grad_recorder, mix
 
 
 def flat(c, n, m):
@@ -38,14 +38,31 @@ def fgate_of(lf):
     return (d - torch.log(-torch.expm1(d))).float()
 
 
-def step_states(q, k, v, ig, fg, c, n, m, eps):
-    """transformers' mlstm_recurrent_step_native token by token ([B,NH,T,.] inputs): per-token flat states."""
-    per = []
+def step_states(q, k, v, ig, fg, c, n, m, eps, kept=None):
+    """transformers' mlstm_recurrent_step_native token by token ([B,NH,T,.] inputs): per-token flat states,
+    the outputs h [B,NH,T,Dv] and the last state. ``kept`` (a list): each token's (c, n, m) tensors, retained
+    for their ``.grad`` (the graph runs through them). There m is a node of its own after the step (m + 0)
+    and h is the step's read again from (c, n, that m): the step's own m is also the stabiliser its C and n
+    were just formed with, so its ``.grad`` would hold those in-step paths (which cancel up to eps) rather
+    than dL/dm with C and n held, the gradient of the state entry (C's and n's ``.grad`` are that already)."""
+    per, hs = [], []
     for t in range(q.shape[2]):
-        _, (c, n, m) = mx.mlstm_recurrent_step_native(q[:, :, t], k[:, :, t], v[:, :, t], ig[:, :, t, None],
-                                                       fg[:, :, t, None], c, n, m, eps=eps)
+        h, (c, n, m) = mx.mlstm_recurrent_step_native(q[:, :, t], k[:, :, t], v[:, :, t], ig[:, :, t, None],
+                                                       fg[:, :, t, None], c, n, m, eps=eps,
+                                                       dtype_state=q.dtype)
+        if kept is not None and c.requires_grad:
+            m = m + 0.0
+            qs = q[:, :, t] * (q.shape[-1] ** -0.5)  # the step's read (lines h_num .. h = h_num / h_denom)
+            qn = (qs[:, :, None, :] @ n[:, :, :, None]).squeeze(2)
+            read = (qs[:, :, None, :] @ c).squeeze(2) / (torch.maximum(qn.abs(), torch.exp(-m)) + eps)
+            assert torch.allclose(read, h, rtol=1e-6, atol=1e-7), (read - h).abs().max()
+            h = read
+            for x in (c, n, m):
+                x.retain_grad()
+            kept.append((c, n, m))
         per.append(flat(c, n, m))
-    return torch.stack(per, 1)
+        hs.append(h)
+    return torch.stack(per, 1), torch.stack(hs, 2), (c, n, m)
 
 
 def dims(cfg):
@@ -54,9 +71,15 @@ def dims(cfg):
 
 
 @torch.no_grad()
-def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: bool = True):
+def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: bool = True, keep=None,
+        route: str = "default"):
     """Every value of a greedy run (prompt rows of equal length) of `n_steps` calls; `feeds` teacher-forces
-    steps 1.. (else greedy). Keys '<path>@step<k>', plus 'tokens' [B, n_steps]."""
+    steps 1.. (else greedy). Keys '<path>@step<k>', plus 'tokens' [B, n_steps]. ``keep`` (a dict): the last
+    step runs with autograd and ``keep`` receives its values as tensors (``retain_grad``; the embeddings and
+    state_input as leaves; betas and decays always enter the backend, as their log / the pre-activation whose
+    logsigmoid they are) and, under ``<path>#per``, each token's retained (c, n, m). ``route``: "recurrent"
+    runs that step's mLSTM by transformers' recurrent step token by token (every token's state in the
+    graph); else by its backend (chunkwise over whole chunks, the recurrent step for the rest)."""
     bb = model.backbone
     cfg = model.config
     NH, Dqk, Dv = dims(cfg)
@@ -68,7 +91,11 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
     hf_cache = None
 
     for step in range(n_steps):
-        put = recorder(vals, edits, step)
+        grad = keep is not None and step == n_steps - 1
+        put = grad_recorder(vals, edits, step, keep if grad else None,
+                            lambda p: p == "embed_tokens.output" or p.endswith("state_input"))
+
+        torch.set_grad_enabled(grad)
 
         h = put("embed_tokens.output", bb.embeddings(ids))
         T = h.shape[1]
@@ -87,11 +114,11 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
             k = put(mix(i, "attention_keys"), k)
             v = put(mix(i, "attention_values"), v)
             gi = put(mix(i, "betas"), torch.exp(ig))
-            if not torch.equal(gi, torch.exp(ig)):
+            if grad or not torch.equal(gi, torch.exp(ig)):
                 ig = torch.log(gi)
             lf0 = F.logsigmoid(fp)
             lf = put(mix(i, "decays"), lf0)
-            if not torch.equal(lf, lf0):
+            if grad or not torch.equal(lf, lf0):
                 fp = fgate_of(lf)
             if state[i] is None:
                 st = torch.zeros(B, NH * Dqk * Dv + NH * Dqk + NH)
@@ -100,9 +127,14 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
             c0, n0, m0 = unflat(st, NH, Dqk, Dv)
             heads = lambda t: t.reshape(B, T, NH, -1).transpose(1, 2)  # noqa: E731
             qh, kh, vh, ih, fh = heads(q), heads(k), heads(v), ig.transpose(1, 2), fp.transpose(1, 2)
-            y, (c1, n1, m1) = lay.mlstm_backend(query=qh, key=kh, value=vh, igate=ih, fgate=fh, c_initial=c0,
-                                                n_initial=n0, m_initial=m0)
-            vals[f"{mix(i, 'states')}@step{step}"] = step_states(qh, kh, vh, ih, fh, c0, n0, m0, cfg.eps).numpy()
+            kept = keep.setdefault(mix(i, "states") + "#per", []) if grad and route == "recurrent" else None
+            per, ys, last = step_states(qh, kh, vh, ih, fh, c0, n0, m0, cfg.eps, kept)
+            if kept is not None:
+                y, (c1, n1, m1) = ys, last
+            else:
+                y, (c1, n1, m1) = lay.mlstm_backend(query=qh, key=kh, value=vh, igate=ih, fgate=fh, c_initial=c0,
+                                                    n_initial=n0, m_initial=m0)
+            vals[f"{mix(i, 'states')}@step{step}"] = per.detach().numpy()
             y = put(mix(i, "attention_head_outputs"), y.transpose(1, 2).reshape(B, T, -1))
             out = lay.out_proj(torch.sigmoid(o) * lay.multihead_norm(y.reshape(B, T, NH, Dv)))
             h = h + put(mix(i, "attention_output"), out)
@@ -121,6 +153,35 @@ def run(model, prompts, edits=(), feeds=None, n_steps: int = N_STEPS, check: boo
         ids = advance(logits, toks, feeds, step, n_steps)
     vals["tokens"] = torch.stack(toks, 1).numpy()
     return vals
+
+
+def grads(model, prompts, metric, edits=(), continuation=None, route="default"):
+    """torch autograd of ``metric(logits)`` for every value of the prompt's call, or (``continuation``:
+    [B, n] ids) of the call continuing it: {path: numpy gradient} in mixlens' layouts, plus ``metric``.
+    ``route`` "recurrent": transformers' recurrent step per token, ``states`` [B,T,row] (C | n | m) as the
+    retained per-token states' gradients; else its backend (no per-token states in the graph, no ``states``).
+    ``edits``: set_index writes ({path, index, value}) in that call."""
+    n = 1 if continuation is None else 2
+    eds = [dict(e, op="set", step=n - 1) for e in edits]
+    keep: dict = {}
+    with torch.enable_grad():
+        run(model, prompts, edits=eds, feeds=None if continuation is None else [continuation], n_steps=n,
+            check=False, keep=keep, route=route)
+        m = metric(keep["logits"])
+        m.backward()
+
+    def g_of(x):
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    out = {}
+    for path, t in keep.items():
+        if path.endswith("#per"):
+            if t:
+                out[path[:-4]] = torch.stack([flat(g_of(c), g_of(n_), g_of(m_)) for c, n_, m_ in t], 1).numpy()
+        else:
+            out[path] = g_of(t).detach().numpy().copy()
+    out["metric"] = np.array(float(m.detach()))
+    return out
 
 
 def check_generate(model, prompts, values, n_steps: int = N_STEPS) -> None:

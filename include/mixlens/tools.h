@@ -18,6 +18,13 @@ std::string version();
 /// models/mamba2-tinystories (development builds).
 std::string default_model_path();
 
+/// The Python interpreter `mixlens plot` runs its renderer with (`python -m mixlens.plot`: the pictures are
+/// drawn by the Python package's optional plot extra, never in C++): $MIXLENS_PYTHON when set; else
+/// python3 (then python) beside this executable (PREFIX/bin of a venv or an install); else, for a wheel
+/// repaired by auditwheel (PREFIX/lib/python3.X/site-packages/mixlens.scripts/EXE), PREFIX/bin/python3;
+/// else "python3", for the caller to look up on PATH. Only checks that the file exists.
+std::string plot_python();
+
 /// The one hub resolver (also behind Model::load and mixlens.hub.resolve): the snapshot folder of
 /// "owner/name[@revision]" in the local HuggingFace cache `cache_dir` (empty: $HF_HUB_CACHE,
 /// $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub,

@@ -66,6 +66,7 @@ from . import metrics
 from ._model import Cache, StandardizedTransformer, Tokenizer, Tracer, ValueArray, default_model_path, load
 from ._args import check_bool as _check_bool, check_model as _check_model, check_str as _check_str
 from ._extract import Extraction, extract, extract_ray, open_extraction
+from ._attribution import AtpResult, ResidStack
 
 # One source: CMakeLists.txt's project(VERSION), compiled into the core (and read by the package metadata).
 __version__: str = _core.version()
@@ -85,6 +86,8 @@ __all__ = [
     "extract_ray",
     "open_extraction",
     "Extraction",
+    "ResidStack",
+    "AtpResult",
     "route_kernels",
     "chunk_per_token",
     "convert",

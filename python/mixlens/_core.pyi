@@ -2,7 +2,7 @@
 mixlens native core: models, traces and the interleaving Session (use the `mixlens` package)
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import numpy
@@ -300,6 +300,53 @@ def plan_extraction(model: Model, prompts: Sequence[tuple[str, Sequence[int], Se
 def extract(model: Model, plan: ExtractPlan, out: str, only_shards: Sequence[int] | None = None, write_index: bool = True, on_progress: object | None = None) -> dict:
     """
     mixlens::extract: runs the plan into folder `out` (resumes; Ctrl-C stops it between layers).
+    """
+
+class ResidStack:
+    """mixlens::ResidStack (mixlens/attribution.h)"""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def components(self) -> object: ...
+
+    @property
+    def labels(self) -> list[str]: ...
+
+    @property
+    def sources(self) -> list[str]: ...
+
+    @property
+    def layers(self) -> list[int]: ...
+
+    @property
+    def positions(self) -> list[int]: ...
+
+    @property
+    def resid(self) -> object: ...
+
+    @property
+    def logits(self) -> object: ...
+
+    @property
+    def max_rel_error(self) -> float: ...
+
+def decompose_resid(model: Model, prompts: Sequence[Sequence[int]], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], positions: Sequence[int] = [-1]) -> object:
+    """mixlens::decompose_resid / accumulated_resid -> ResidStack."""
+
+def accumulated_resid(model: Model, prompts: Sequence[Sequence[int]], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = [], positions: Sequence[int] = [-1]) -> object:
+    """mixlens::decompose_resid / accumulated_resid -> ResidStack."""
+
+def apply_ln_to_stack(model: Model, stack: ResidStack) -> object:
+    """mixlens::apply_ln_to_stack: [C,B,P,hidden]."""
+
+def logit_attrs(model: Model, stack: ResidStack, tokens: Sequence[int], incorrect: Sequence[int] = [], exact: bool = False) -> object:
+    """mixlens::logit_attrs: [C,B,P]."""
+
+def attribution_patching(model: Model, clean: Sequence[Sequence[int]], corrupt: Sequence[Sequence[int]], metric: Callable, nodes: Sequence[str], mask: Sequence[int] = [], clean_embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, corrupt_embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, positions: Sequence[int] = [], metric_positions: Sequence[int] = [], ig_steps: int = 0) -> dict:
+    """
+    mixlens::attribution_patching: {nodes, layers, positions, estimates [N,B,P], clean_metric, corrupt_metric, ranked [(node, position, estimate)]}. metric(logits [B,P,V]) -> (value, dlogits).
     """
 
 def version() -> str:

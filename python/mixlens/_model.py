@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _core, _extract, _invoke, _nnterp, hub
+from . import _attribution, _core, _extract, _invoke, _nnterp, hub
 from ._args import ModelBase, check_bool as _check_bool, check_float as _check_float, check_int as _check_int
 from ._cache import Cache
 from ._convert import ValueArray, resolve_output, to_plain
@@ -32,7 +32,7 @@ def _generic_reason(reason: str, layer: int) -> str:
     return re.sub(rf"(?<![\w.]){layer}(?![\w])|(?<=layers\.){layer}(?=\.)", "{i}", reason)
 
 
-class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin):
+class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin, _attribution.AttributionMixin):
     """A recurrent LM (Mamba-2, ...) loaded natively, with nnterp's standardized names.
 
     ``StandardizedTransformer(path_or_hub_id)`` loads a checkpoint folder (config.json, *.safetensors,

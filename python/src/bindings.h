@@ -15,6 +15,7 @@ void set_python_error(const std::exception_ptr& p);
 void init_model(nb::module_& m);
 void init_session(nb::module_& m);
 void init_extract(nb::module_& m);
+void init_attribution(nb::module_& m);
 
 GenerateOptions make_options(int max_new_tokens, bool greedy, float temperature, int top_k, float top_p,
                              uint64_t seed, std::optional<int32_t> eos_token_id);

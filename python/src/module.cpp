@@ -9,6 +9,7 @@ NB_MODULE(_core, m) {
   mixlens::py::init_model(m);
   mixlens::py::init_session(m);
   mixlens::py::init_extract(m);
+  mixlens::py::init_attribution(m);
   m.attr("__version__") = mixlens::version();
   m.def("version", &mixlens::version, "mixlens::version(): CMakeLists.txt's project(VERSION), the one version source.");
 }

@@ -17,7 +17,7 @@ namespace mixlens::grad {
 
 void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                                const detail::KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask,
-                               const float* dout, float* dq, float* dk, float* dv, float scale_in) {
+                               const float* dout, float* dq, float* dk, float* dv, float scale_in, int64_t window) {
   if (Hkv <= 0 || H % Hkv != 0) throw InputError("causal_attention_backward: heads must be a multiple of kv heads");
   if (kv.len != past + T || static_cast<int64_t>(kv.k.size()) < B || static_cast<int64_t>(key_mask.size()) < B)
     throw InputError("causal_attention_backward: the KV cache must hold past + T tokens for every row (the call's "
@@ -36,7 +36,7 @@ void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, 
     const int64_t b = job / Hkv, g = job % Hkv;
     const float* K = kv.k[static_cast<size_t>(b)].data() + g * d;
     const float* V = kv.v[static_cast<size_t>(b)].data() + g * d;
-    const uint8_t* m = key_mask[static_cast<size_t>(b)].data();
+    const uint8_t* m = key_mask[static_cast<size_t>(b)].data() + kv.offset;
     std::vector<float> P(static_cast<size_t>(QB * (past + T))), dP(P.size());
     for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
       for (int64_t t0 = 0; t0 < T; t0 += QB) {
@@ -49,8 +49,9 @@ void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, 
           float* p = P.data() + i * n;
           float* dp = dP.data() + i * n;
           const int64_t lim = past + t0 + i + 1;  // causal: keys j < lim
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, lim - window) : 0;  // sliding window: j >= lo
           float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < lim; ++j)
+          for (int64_t j = lo; j < lim; ++j)
             if (m[j]) mx = std::max(mx, p[j]);
           if (mx == -std::numeric_limits<float>::infinity()) {  // no visible key: output 0, a constant
             std::fill(p, p + n, 0.0f);
@@ -59,7 +60,7 @@ void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, 
           }
           double sum = 0.0;
           for (int64_t j = 0; j < n; ++j) {
-            const float e = (j < lim && m[j]) ? std::exp(p[j] - mx) : 0.0f;
+            const float e = (j >= lo && j < lim && m[j]) ? std::exp(p[j] - mx) : 0.0f;
             p[j] = e;
             sum += e;
           }

@@ -116,7 +116,7 @@ AttentionMixerGrad::AttentionMixerGrad(const detail::AttentionMixer& mixer, cons
   }
   att_ = Tensor::uninitialized({B, T, H, d});
   detail::causal_attention(std::as_const(q_).data(), B, T, H, Hkv, d, past_, kv_, *call.key_mask, att_.data(), nullptr,
-                           d_.scale);
+                           d_.scale, d_.window);
   Tensor ag = att_;
   if (d_.gate) {
     ag = Tensor::uninitialized({BT, H * d});
@@ -162,7 +162,7 @@ void AttentionMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& s
   Tensor dq = Tensor::uninitialized({B, T, H, d}), dk = Tensor::uninitialized({B, T, Hkv, d}),
          dv = Tensor::uninitialized({B, T, Hkv, d});
   causal_attention_backward(q_.data(), B, T, H, Hkv, d, past_, kv_, *call_.key_mask, datt.data(), dq.data(),
-                            dk.data(), dv.data(), d_.scale);
+                            dk.data(), dv.data(), d_.scale, d_.window);
   if (dvh != d) dv = detail::unpad_heads(dv, dvh);
   sink.put(li, Value::attn_queries, dq);
   sink.put(li, Value::attn_keys, dk);

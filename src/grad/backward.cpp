@@ -8,8 +8,10 @@
 #include "grad/families.h"
 #include "grad/mamba2_hybrid_grad.h"
 #include "grad/qwen_grad.h"
+#include "grad/recurrent_gemma_grad.h"
 #include "grad/rwkv_grad.h"
 #include "grad/tape.h"
+#include "grad/xlstm_grad.h"
 #include "mixlens/errors.h"
 #include "models/registry.h"
 
@@ -44,6 +46,9 @@ void detail::FamilyModel::backward(const grad::Tape& tape, const Tensor& dlogits
   if (const auto* p = dynamic_cast<const detail::QwenHybridParts*>(parts.get()))
     return grad::qwen_hybrid_backward(*p, tape, dlogits, sink);
   if (const auto* p = dynamic_cast<const detail::RwkvParts*>(parts.get())) return grad::rwkv_backward(*p, tape, dlogits, sink);
+  if (const auto* p = dynamic_cast<const detail::RecurrentGemmaParts*>(parts.get()))
+    return grad::recurrent_gemma_backward(*p, tape, dlogits, sink);
+  if (const auto* p = dynamic_cast<const detail::XlstmParts*>(parts.get())) return grad::xlstm_backward(*p, tape, dlogits, sink);
   throw UnsupportedError("backward: gradients are not implemented for the " + info.family + " family yet (done: " +
                          detail::join_names(done) + "; see docs/gradients.md)");
 }

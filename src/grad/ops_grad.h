@@ -39,6 +39,11 @@ inline float silu_grad(float v) {
 /// backward's elementwise loops then need no scalar exp).
 inline float silu_s(float v, float s) { return v * s; }
 inline float silu_grad_s(float v, float s) { return s * (1.0f + v * (1.0f - s)); }
+/// d gelu_tanh(v) / dv (transformers' gelu_pytorch_tanh: 0.5 v (1 + tanh(s (v + 0.044715 v^3))), s = sqrt(2 / pi)).
+inline float gelu_tanh_grad(float v) {
+  const float s = 0.7978845608028654f, th = std::tanh(s * (v + 0.044715f * v * v * v));
+  return 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * s * (1.0f + 3.0f * 0.044715f * v * v);
+}
 /// d softplus(v) / dv for torch's softplus (beta 1, threshold 20: linear above 20).
 inline float softplus_grad(float v) { return v > 20.0f ? 1.0f : 1.0f / (1.0f + std::exp(-v)); }
 
@@ -58,7 +63,8 @@ void relu2_mlp_backward(const Tensor& up_w, const Tensor& down_w, const float* x
                         int64_t in, int64_t I, float* dx, bool accumulate);
 
 /// Backward of the Mamba-2 SSD scan of one batch row (mixers/ssd.h, either kernel): per head h
-/// (group g = h / (H/G))  S_t = exp(A dt_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t.
+/// (group g = h / (H/G))  S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,  y_t = S_t C_t + D x_t, with the log
+/// decay a_t = A dt_t, or da[t] where given (SsdArgs::da: lightning attention's per-token decays).
 /// Outputs are overwritten. dstates (optional) receives dL/dS_t in the served layout [T,H,N,P]
 /// (the adjoint of the state that y_t reads and later tokens continue from).
 struct SsdGradArgs {
@@ -68,6 +74,9 @@ struct SsdGradArgs {
   const float* C = nullptr;   ///< [T,G,N]
   const float* dt = nullptr;  ///< [T,H]
   const float* A = nullptr;   ///< [H]
+  /// [T,H] optional: each token's log decay in place of A dt (as SsdArgs::da; dt then only scales the
+  /// write, and ddA is d/d(da)).
+  const float* da = nullptr;
   const float* D = nullptr;   ///< [H]
   const float* S0 = nullptr;  ///< [H,P,N] initial state (kernel layout)
   const float* dy = nullptr;  ///< [T,H,P]
@@ -75,7 +84,7 @@ struct SsdGradArgs {
   float* dB = nullptr;        ///< [T,G,N]
   float* dC = nullptr;        ///< [T,G,N]
   float* ddt = nullptr;       ///< [T,H] through dt x B^T only (the write strength)
-  float* ddA = nullptr;       ///< [T,H] through exp(A dt) only (the decay, d/d(A dt))
+  float* ddA = nullptr;       ///< [T,H] through exp(A dt) only (the decay, d/d(A dt); d/d(da) with da)
   float* dS0 = nullptr;       ///< [H,P,N]
   float* dstates = nullptr;   ///< optional [T,H,N,P]
   int64_t chunk = 64;         ///< recurrent: checkpoint interval; chunked: chunk length Q
@@ -91,7 +100,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a);
 void ssd_backward_chunked(const SsdGradArgs& a);
 
 /// Backward of detail::causal_attention (GQA, softmax scale `scale` (0: 1/sqrt(d)), causal over the cache, key padding
-/// mask; a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw
+/// mask (key_mask[b][kv.offset + j]), sliding `window` (0: none); a query with no visible key has output 0 and gets dq = 0). Inputs as the forward saw
 /// them: q [B,T,H,d] (after RoPE), `kv` holding past + T tokens per row (the cache before the call
 /// with the call's k / v [B,T,Hkv,d] appended, after any writes), key_mask[b] of length >= past + T,
 /// dout [B,T,H,d]. Writes (overwrites) dq [B,T,H,d] and dk, dv [B,T,Hkv,d] for the call's T new
@@ -100,7 +109,8 @@ void ssd_backward_chunked(const SsdGradArgs& a);
 /// not a multiple of Hkv.
 void causal_attention_backward(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                                const detail::KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask,
-                               const float* dout, float* dq, float* dk, float* dv, float scale = 0.0f);
+                               const float* dout, float* dq, float* dk, float* dv, float scale = 0.0f,
+                               int64_t window = 0);
 
 /// Backward of detail::apply_rope (rotate-half on the first rotary_dim dims of each head of
 /// [rows, heads, head_dim], the rest passing through), in place: g := R(pos)^T g, the inverse

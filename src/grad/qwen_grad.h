@@ -1,9 +1,9 @@
 // Backward of the Qwen gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next; issue 12, docs/gradients.md):
 // the pieces FamilyModel::backward runs on a QwenHybridParts (views of a QwenHybrid's weights,
 // models/qwen_hybrid.h). The attention layers' backward is the attention mixer's
-// (AttentionMixerGrad, grad/families.h); LFM2's short conv layers' is ShortConvMixerGrad. Each mixer
-// is recomputed from its normed input with the tape's writes re-applied (output() is the mixer output
-// as the forward added it), then differentiated.
+// (AttentionMixerGrad, grad/families.h); LFM2's short conv layers' is ShortConvMixerGrad, MiniMax's
+// lightning layers' LightningMixerGrad. Each mixer is recomputed from its normed input with the tape's
+// writes re-applied (output() is the mixer output as the forward added it), then differentiated.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -66,6 +66,36 @@ class ShortConvMixerGrad {
   Tensor Bg_, Cg_, xg_;         ///< [B,T,D] in_proj's B | C | x (writes applied)
   Tensor S0_;                   ///< [B,D,K] the window before the call, served layout (writes applied)
   Tensor acc_;                  ///< [B,T,D] the conv output (before * C)
+  Tensor out_;
+};
+
+/// MiniMax's lightning attention mixer of one layer (mixers/lightning_mixer.h), recomputed for its
+/// backward from the normed input with the tape's writes re-applied (the kernel the call ran: block
+/// form or token loop); the kv state the call starts from is a constant of the call (its gradient is
+/// served as state_input). The scan's backward is the SSD's (ssd_backward with SsdGradArgs::da).
+class LightningMixerGrad {
+ public:
+  LightningMixerGrad(const detail::LightningMixer& mixer, const detail::LightningMixerWeights& w, int layer,
+                     const Tensor& n, const detail::HybridCache& before, const Tape& tape);
+  /// The mixer output as the forward added it (attention_output, writes applied; before the block's beta).
+  const Tensor& output() const { return out_; }
+  /// dn [B,T,D] (overwritten) from dL/d(output); puts the linear_attn values' gradients.
+  void backward(const Tensor& dout, Tensor& dn, GradSink& sink) const;
+
+ private:
+  const detail::LightningMixerWeights& w_;
+  int li_;
+  const Tape& tape_;
+  int64_t D_ = 0, H_ = 0, Dh_ = 0;
+  float eps_ = 1e-6f;
+  bool masked_ = false, has_state_ = false;
+  std::vector<int64_t> first_;  ///< per row, its first real token (the scan starts there, as the forward's)
+  Tensor qkv_;                  ///< [BT, 3 H Dh] qkv_proj's output before the SiLU
+  Tensor q_, k_, v_;            ///< [B,T,H,Dh] after the SiLU (writes applied)
+  Tensor da_;                   ///< [B,T,H] the log decay per token (decays, writes applied)
+  Tensor S0_;                   ///< [B,H,Dh(v),Dh(k)] the state before the call, kernel layout (writes applied)
+  Tensor y_;                    ///< [B,T,H,Dh] the scan's output (attention_head_outputs, writes applied)
+  Tensor sg_;                   ///< [BT, H Dh] sigmoid(output_gate(n))
   Tensor out_;
 };
 

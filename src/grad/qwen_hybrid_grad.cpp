@@ -5,8 +5,10 @@
 // with the SwiGLU MLP or the sparse MoE (the router's top-k choice is a constant; the gradient flows
 // through the chosen experts, their routing weights (softmax over all experts, optionally renormalised
 // over the chosen; Kimi, LFM2-MoE: the chosen experts' sigmoid scores, renormalised and scaled) and the
-// shared expert (sigmoid-gated; Kimi: ungated; LFM2-MoE: none). LFM2's short conv blocks are
-// differentiated where a GDN would be (ShortConvMixerGrad).
+// shared expert (sigmoid-gated; Kimi: ungated; LFM2-MoE, MiniMax: none). LFM2's short conv blocks are
+// differentiated where a GDN would be (ShortConvMixerGrad), MiniMax's lightning blocks likewise
+// (LightningMixerGrad), with MiniMaxDecoderLayer's residual: h1 = a1 n1 + b1 mixer(n1),
+// h2 = a2 n2 + b2 moe(n2) (QwenHybridParts::normed_residual).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -266,26 +268,39 @@ void qwen_hybrid_backward(const detail::QwenHybridParts& bb, const Tape& tape, c
     ops::rmsnorm(h0.data(), l.in_norm->data(), n1.data(), BT, D, bb.eps, c);
     std::unique_ptr<GdnMixerGrad> gdn;
     std::unique_ptr<ShortConvMixerGrad> sc;
+    std::unique_ptr<LightningMixerGrad> lt;
     std::unique_ptr<AttentionMixerGrad> att;
     if (l.sc) sc = std::make_unique<ShortConvMixerGrad>(*bb.conv, *l.sc, li, n1, before, tape);
+    else if (l.lightning) lt = std::make_unique<LightningMixerGrad>(*bb.lightning, *l.lightning, li, n1, before, tape);
     else if (l.linear) gdn = std::make_unique<GdnMixerGrad>(l.gdn, li, n1, before, tape);
     else att = std::make_unique<AttentionMixerGrad>(*bb.attn, *l.attn, li, n1,
                                                     AttentionCallState{&before.kv[static_cast<size_t>(i)], &before.key_mask, &pos}, tape);
-    const Tensor& out = sc ? sc->output() : l.linear ? gdn->output() : att->output();
-    for (int64_t k = 0; k < h1.numel(); ++k) h1[k] = h0[k] + out[k];
+    const Tensor& out = sc ? sc->output() : lt ? lt->output() : l.linear ? gdn->output() : att->output();
+    const bool sr = bb.normed_residual;  // MiniMax: h1 = a n1 + b out, h2 = a' n2 + b' mlp(n2)
+    if (sr) for (int64_t k = 0; k < h1.numel(); ++k) h1[k] = n1[k] * l.mix_alpha + out[k] * l.mix_beta;
+    else for (int64_t k = 0; k < h1.numel(); ++k) h1[k] = h0[k] + out[k];
     // MLP: h2 = h1 + mlp(norm2(h1)).
     std::memcpy(dm.data(), dh.data(), sizeof(float) * static_cast<size_t>(dh.numel()));
+    if (sr) for (int64_t k = 0; k < dm.numel(); ++k) dm[k] *= l.mlp_beta;
     sink.put(li, Value::mlp_output, dm);
     tape.block(li, Value::mlp_output, dm);
     const Tensor* gu = l.mlp.moe ? nullptr : tape.kept_of(li, Kept::mlp_gate_up);
     if (!gu) ops::rmsnorm(h1.data(), l.post_norm->data(), n2.data(), BT, D, bb.eps, c);  // the MLP's input
     mlp_backward(l.mlp, n2, dm, dn, gu);
-    rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, true);
-    // Mixer: h1 = h0 + mixer(norm1(h0)).
-    if (sc) sc->backward(dh, dn, sink);
-    else if (l.linear) gdn->backward(dh, dn, sink);
-    else att->backward(dh, dn, sink);
-    rmsnorm_backward(h0.data(), l.in_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, true);
+    if (sr) for (int64_t k = 0; k < dn.numel(); ++k) dn[k] += l.mlp_alpha * dh[k];  // the residual n2
+    rmsnorm_backward(h1.data(), l.post_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, !sr);
+    // Mixer: h1 = h0 + mixer(norm1(h0)) (MiniMax: the scaled branch and residual n1).
+    const Tensor* dmix = &dh;
+    if (sr) {
+      for (int64_t k = 0; k < dm.numel(); ++k) dm[k] = l.mix_beta * dh[k];
+      dmix = &dm;
+    }
+    if (sc) sc->backward(*dmix, dn, sink);
+    else if (lt) lt->backward(*dmix, dn, sink);
+    else if (l.linear) gdn->backward(*dmix, dn, sink);
+    else att->backward(*dmix, dn, sink);
+    if (sr) for (int64_t k = 0; k < dn.numel(); ++k) dn[k] += l.mix_alpha * dh[k];
+    rmsnorm_backward(h0.data(), l.in_norm->data(), dn.data(), dh.data(), BT, D, bb.eps, c, !sr);
     sink.put(li, Value::layer_input, dh);
     tape.block(li, Value::layer_input, dh);
   }

@@ -1,6 +1,7 @@
 // The tape of one forward call (grad/tape.h): a listener wrapped around the trace / session
 // listener that keeps each block's input and every write the call makes.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -161,7 +162,8 @@ Tensor logits_at(const Tape& tape, const std::vector<int64_t>& positions) {
   return out;
 }
 
-Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_head, float scale, GradSink& sink) {
+Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_head, float scale, GradSink& sink,
+                     float soft_cap) {
   const int64_t B = tape.batch.batch, T = tape.batch.seq, V = lm_head.size(0), D = lm_head.size(1);
   const std::vector<int64_t>& pos = sink.positions;
   const int64_t P = static_cast<int64_t>(pos.size());
@@ -187,6 +189,21 @@ Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_h
   }
   if (scale != 1.0f)  // logits are served after the multiplier
     for (int64_t k = 0; k < rows.numel(); ++k) rows[k] *= scale;
+  if (soft_cap > 0.0f) {  // served logits = cap tanh(z / cap): dz = (1 - tanh^2) dlogits, z from the head's input
+    if (!tape.final_normed.defined())
+      throw UnsupportedError("backward: the call's record has no ln_final.output (the soft cap's input)");
+    if (rows.data() == dlogits.data()) rows = dlogits.clone();
+    Tensor x({B * P, D}), z({B * P, V});
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < P; ++i)
+        std::memcpy(x.data() + (b * P + i) * D, tape.final_normed.data() + (b * T + pos[static_cast<size_t>(i)]) * D,
+                    sizeof(float) * static_cast<size_t>(D));
+    if (B * P > 0) ops::linear(x.data(), B * P, D, lm_head, z.data());
+    for (int64_t k = 0; k < rows.numel(); ++k) {  // in double: 1 - tanh^2 cancels near saturation
+      const double th = std::tanh(static_cast<double>(z[k]) / soft_cap);
+      rows[k] = static_cast<float>(rows[k] * (1.0 - th * th));
+    }
+  }
   Tensor dhf({B, T, D});
   if (P == T) {
     linear_backward(std::as_const(rows).data(), B * T, V, lm_head, dhf.data(), false);

@@ -1,5 +1,6 @@
 // RgLruMixerGrad (grad/rg_lru_grad.h): the recompute mirrors RgLruMixer::forward (values in its serve
 // order: state_input, attention_values, betas, decays, attention_head_outputs, attention_output).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -11,14 +12,6 @@
 #include "ops/ops.h"
 
 namespace mixlens::grad {
-
-namespace {
-// d gelu_tanh(v) / dv (transformers' gelu_pytorch_tanh: 0.5 v (1 + tanh(s (v + 0.044715 v^3)))).
-float gelu_tanh_grad(float v) {
-  const float s = 0.7978845608028654f, th = std::tanh(s * (v + 0.044715f * v * v * v));
-  return 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * s * (1.0f + 3.0f * 0.044715f * v * v);
-}
-}  // namespace
 
 RgLruMixerGrad::RgLruMixerGrad(const detail::RgLruMixer& mixer, const detail::RgLruMixerWeights& w, int layer,
                                const Tensor& n, const RgLruCallState& call, const Tape& tape)
@@ -43,11 +36,14 @@ RgLruMixerGrad::RgLruMixerGrad(const detail::RgLruMixer& mixer, const detail::Rg
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t r = b * T + t;
+      // ext = window (K-1 rows) ++ the row's inputs from its first real token (the scan's window: padding
+      // pushes nothing), so a window written on a padded row reaches the first real tokens as in the forward.
+      const int64_t f = std::min(first_[static_cast<size_t>(b)], t);
       for (int64_t c = 0; c < W; ++c) {
         float s = 0.0f;
         for (int64_t j = 0; j < K; ++j) {
-          const int64_t e = t + j;  // ext = window (K-1 rows) ++ inputs
-          const float v = e < K - 1 ? S0_[(b * K + e) * W + c] : xb[(b * T + e - (K - 1)) * W + c];
+          const int64_t e = t - f + j;
+          const float v = e < K - 1 ? S0_[(b * K + e) * W + c] : xb[(b * T + f + e - (K - 1)) * W + c];
           s += w.conv_wT[j * W + c] * v;
         }
         u_[r * W + c] = s + w.conv_bias[c];
@@ -96,8 +92,6 @@ RgLruMixerGrad::RgLruMixerGrad(const detail::RgLruMixer& mixer, const detail::Rg
 void RgLruMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink) const {
   const Batch& in = tape_.batch;
   const int64_t B = in.batch, T = in.seq, BT = B * T, D = d_.D, W = d_.W, H = d_.H, bw = W / H, K = d_.K;
-  if (sink.wants(li_, Value::states))
-    throw UnsupportedError("backward: layers." + std::to_string(li_) + ".linear_attn.states has no gradient yet (RG-LRU)");
   // A value's gradient as served, then cut where a write replaced the value (upstream of it: constants).
   const auto serve = [&](Value v, Tensor& g) {
     sink.put(li_, v, g);
@@ -114,6 +108,10 @@ void RgLruMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink)
   }
   serve(Value::attention_head_outputs, dhs);
   Tensor du({B, T, W}), dig({B, T, W}), dla({B, T, W}), dS0({B, K, W});
+  const bool want_states = sink.wants(li_, Value::states);
+  Tensor dstates;  // [B,T,K,W]: the window rows' adjoint is filled after the conv's, the h row here
+  Tensor dh;       // [B,T,W] dL/dh_t
+  if (want_states) dstates = Tensor({B, T, K, W}), dh = Tensor({B, T, W});
   for (int64_t b = 0; b < B; ++b) {
     const int64_t t0 = first_[static_cast<size_t>(b)], n = T - t0, o = (b * T + t0) * W;
     if (n <= 0) continue;
@@ -124,6 +122,7 @@ void RgLruMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink)
     a.u = uw_.data() + o; a.ig = ig_.data() + o; a.la = la_.data() + o; a.reset = reset.data();
     a.h0 = S0_.data() + (b * K + K - 1) * W; a.dy = dhs.data() + o;
     a.du = du.data() + o; a.dig = dig.data() + o; a.dla = dla.data() + o; a.dh0 = dS0.data() + (b * K + K - 1) * W;
+    if (want_states) a.dstates = dh.data() + o;
     rg_lru_backward(a);
   }
   serve(Value::attention_values, du);
@@ -140,14 +139,36 @@ void RgLruMixerGrad::backward(const Tensor& dout_in, Tensor& dn, GradSink& sink)
       }
   Tensor dxb({B, T, W});
   causal_conv1d_backward(du.data(), B, T, W, K, w_.conv_wT.data(), dxb.data(), W);
-  // The window rows: token t reads window row e through tap j = e - t.
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t e = 0; e < K - 1; ++e)
-      for (int64_t c = 0; c < W; ++c) {
-        float s = 0.0f;
-        for (int64_t t = 0; t <= e && t < T; ++t) s += w_.conv_wT[(e - t) * W + c] * du[(b * T + t) * W + c];
-        dS0[(b * K + e) * W + c] = s;
+  // The window after token t (rows 0..K-2), read by token t + 1 through taps 0..K-2 and shifted one row
+  // up into the next window: lam_{t-1}[j] = w_j du_t + lam_t[j - 1], from lam_{T-1} = 0 back to the
+  // window the row started from (state_input's; padding tokens read and push nothing).
+  std::vector<float> lam(static_cast<size_t>((K - 1) * W));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t f = first_[static_cast<size_t>(b)];
+    std::fill(lam.begin(), lam.end(), 0.0f);
+    for (int64_t t = T - 1; t >= f; --t) {
+      if (want_states)
+        std::copy(lam.begin(), lam.end(), dstates.data() + (b * T + t) * K * W);
+      for (int64_t j = K - 2; j >= 0; --j)  // descending: lam[j - 1] is still token t's
+        for (int64_t c = 0; c < W; ++c)
+          lam[static_cast<size_t>(j * W + c)] =
+              w_.conv_wT[j * W + c] * du[(b * T + t) * W + c] + (j > 0 ? lam[static_cast<size_t>((j - 1) * W + c)] : 0.0f);
+    }
+    std::copy(lam.begin(), lam.end(), dS0.data() + b * K * W);
+  }
+  if (want_states) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t f = first_[static_cast<size_t>(b)];
+      for (int64_t t = 0; t < T; ++t) {
+        float* st = dstates.data() + (b * T + t) * K * W;
+        if (t < f) std::copy_n(dS0.data() + b * K * W, K * W, st);  // padding: the state the row starts from
+        else std::copy_n(dh.data() + (b * T + t) * W, W, st + (K - 1) * W);
       }
+    }
+    sink.put(li_, Value::states, dstates);
+  }
+  // state_output feeds only the next call: this call's metric does not depend on it.
+  if (sink.wants(li_, Value::state_output)) sink.put(li_, Value::state_output, Tensor({B, K, W}));
   if (call_.has_state || tape_.write(li_, Value::state_input)) {
     sink.put(li_, Value::state_input, dS0);
   }

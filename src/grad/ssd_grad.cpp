@@ -32,6 +32,11 @@ void reduce_groups(const SsdGradArgs& a, const std::vector<float>& dBh, const st
   }
 }
 
+// Token t's log decay for head h: SsdGradArgs::da where given, else A dt (as the forward's log_decay).
+inline float log_decay(const SsdGradArgs& a, int64_t t, int64_t h) {
+  return a.da ? a.da[t * a.H + h] : a.A[h] * a.dt[t * a.H + h];
+}
+
 }  // namespace
 
 void ssd_backward_recurrent(const SsdGradArgs& a) {
@@ -43,7 +48,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a) {
   std::vector<float> dBh(static_cast<size_t>(H * T * N), 0.0f), dCh(static_cast<size_t>(H * T * N), 0.0f);
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / hpg;
-    const float A = a.A[h], Dh = a.D[h];
+    const float Dh = a.D[h];
     std::vector<float> ckpt(static_cast<size_t>(nchunks * PN)), S(static_cast<size_t>((Q + 1) * PN)),
         lam(static_cast<size_t>(PN), 0.0f), lb(static_cast<size_t>(P));
     // Forward: the state entering every chunk.
@@ -51,7 +56,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a) {
     for (int64_t c = 0; c < nchunks; ++c) {
       std::copy(cur.begin(), cur.end(), ckpt.begin() + c * PN);
       for (int64_t t = c * Q; t < std::min(T, (c + 1) * Q); ++t) {
-        const float dt = a.dt[t * H + h], e = std::exp(A * dt);
+        const float dt = a.dt[t * H + h], e = std::exp(log_decay(a, t, h));
         const float* x = a.x + (t * H + h) * P;
         const float* Bv = a.B + (t * G + g) * N;
         for (int64_t p = 0; p < P; ++p)
@@ -64,7 +69,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a) {
       std::copy(ckpt.begin() + c * PN, ckpt.begin() + (c + 1) * PN, S.begin());
       for (int64_t l = 0; l < L; ++l) {
         const int64_t t = t0 + l;
-        const float dt = a.dt[t * H + h], e = std::exp(A * dt);
+        const float dt = a.dt[t * H + h], e = std::exp(log_decay(a, t, h));
         const float* x = a.x + (t * H + h) * P;
         const float* Bv = a.B + (t * G + g) * N;
         const float* prev = S.data() + l * PN;
@@ -74,7 +79,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a) {
       }
       for (int64_t l = L - 1; l >= 0; --l) {
         const int64_t t = t0 + l;
-        const float dt = a.dt[t * H + h], e = std::exp(A * dt);
+        const float dt = a.dt[t * H + h], e = std::exp(log_decay(a, t, h));
         const float* x = a.x + (t * H + h) * P;
         const float* Bv = a.B + (t * G + g) * N;
         const float* Cv = a.C + (t * G + g) * N;
@@ -117,7 +122,7 @@ void ssd_backward_recurrent(const SsdGradArgs& a) {
   reduce_groups(a, dBh, dCh);
 }
 
-// Per chunk (tokens t0..t0+L-1, a_l = A dt_l, acum_l = a_0 + .. + a_l, xdt_l = dt_l x_l, S_in the
+// Per chunk (tokens t0..t0+L-1, a_l = A dt_l (or da_l), acum_l = a_0 + .. + a_l, xdt_l = dt_l x_l, S_in the
 // state entering the chunk, Lam the adjoint of the state leaving it from later tokens) the forward is
 //   y_l = sum_{s<=l} M[l,s] xdt_s + exp(acum_l) S_in C_l + D x_l,   M = (C B^T) o Md,
 //   S_out = exp(acum_last) S_in + sum_s exp(acum_last - acum_s) xdt_s B_s^T,
@@ -142,7 +147,7 @@ void ssd_backward_chunked(const SsdGradArgs& a) {
   std::vector<float> dBh(static_cast<size_t>(H * T * N)), dCh(static_cast<size_t>(H * T * N));
   ops::parallel_for(H, [&](int64_t h) {
     const int64_t g = h / hpg;
-    const float A = a.A[h], Dh = a.D[h];
+    const float Dh = a.D[h];
     const auto sz = [](int64_t n) { return static_cast<size_t>(n); };
     std::vector<float> acum(sz(T)), Sin(sz(nchunks * PN)), lam(sz(PN), 0.0f), S(a.S0 + h * PN, a.S0 + (h + 1) * PN),
         Md(sz(Q * Q)), Gm(sz(Q * Q)), xdt(sz(Q * P)), tP(sz(Q * P)), dxdt(sz(Q * P)), tN(sz(Q * N)), segs(sz(Q)),
@@ -159,7 +164,7 @@ void ssd_backward_chunked(const SsdGradArgs& a) {
     for (int64_t c = 0; c < nchunks; ++c) {
       const int64_t t0 = c * Q, L = std::min(Q, T - t0);
       float run = 0.0f;
-      for (int64_t l = 0; l < L; ++l) acum[sz(t0 + l)] = run += A * a.dt[(t0 + l) * H + h];
+      for (int64_t l = 0; l < L; ++l) acum[sz(t0 + l)] = run += log_decay(a, t0 + l, h);
       std::copy(S.begin(), S.end(), Sin.begin() + c * PN);
       if (c == nchunks - 1) break;
       load_chunk(t0, L);
@@ -189,7 +194,7 @@ void ssd_backward_chunked(const SsdGradArgs& a) {
       // Md as ssd_chunked builds M: segment sums accumulated in increasing k, then exp.
       for (int64_t s = 0; s < L; ++s) {
         float seg = 0.0f;
-        for (int64_t l = s + 1; l < L; ++l) segs[sz(l)] = seg += A * a.dt[(t0 + l) * H + h];
+        for (int64_t l = s + 1; l < L; ++l) segs[sz(l)] = seg += log_decay(a, t0 + l, h);
         ops::exp(segs.data() + s + 1, segs.data() + s + 1, L - s - 1);
         Md[sz(s * Q + s)] = 1.0f;
         for (int64_t l = s + 1; l < L; ++l) Md[sz(l * Q + s)] = segs[sz(l)];
@@ -258,7 +263,7 @@ void ssd_backward_chunked(const SsdGradArgs& a) {
           const float* dy = dyc + l * ldx;
           const float* Cl = Cc + l * ldbc;
           if (next) {
-            const float e = std::exp(A * a.dt[(t0 + l + 1) * H + h]);
+            const float e = std::exp(log_decay(a, t0 + l + 1, h));
             for (int64_t n = 0; n < N; ++n)
               for (int64_t p = 0; p < P; ++p) o[n * P + p] = next[n * P + p] * e + dy[p] * Cl[n];
           } else {

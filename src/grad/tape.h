@@ -109,8 +109,11 @@ Tensor logits_at(const Tape& tape, const std::vector<int64_t>& positions);
 /// The LM head's backward, shared by the families: dL/d(ln_final_output) [B,T,D] from dlogits
 /// [B,P,V] at sink.positions (rows elsewhere get 0). Puts the logits' and ln_final_output's
 /// gradients into the sink (a full [B,T,V] only when the logits gradient is asked for or a write
-/// changed logits) and blocks written elements. `scale`: the served logits' multiplier.
-Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_head, float scale, GradSink& sink);
+/// changed logits) and blocks written elements. `scale`: the served logits' multiplier. `soft_cap` > 0: the
+/// served logits are soft_cap * tanh(z / soft_cap) (RecurrentGemma's logits_soft_cap, xLSTM's soft_cap), z recomputed from
+/// tape.final_normed.
+Tensor head_backward(const Tape& tape, const Tensor& dlogits, const Tensor& lm_head, float scale, GradSink& sink,
+                     float soft_cap = 0.0f);
 
 }  // namespace mixlens::grad
 

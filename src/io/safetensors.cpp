@@ -391,6 +391,18 @@ void SafetensorsFile::release(const std::string& name, bool borrowed_too) const 
   madvise(reinterpret_cast<void*>(lo), static_cast<size_t>(hi - lo), MADV_DONTNEED);  // advice: failure is harmless
 }
 
+Tensor SafetensorsFile::borrow16(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16)
+    throw CheckpointError("tensor '" + name + "' in '" + state_->path + "' is " + dtype_name(t.dtype) +
+                          ", not bfloat16 / float16");
+  const uint8_t* src = state_->mapping->data() + t.offset;
+  if (t.nbytes == 0 || reinterpret_cast<uintptr_t>(src) % alignof(uint16_t) != 0) return {};
+  std::shared_ptr<const void> owner(state_->mapping, src);
+  return Tensor::narrow(t.shape, t.dtype == DType::BF16 ? ScalarType::bfloat16 : ScalarType::float16, src,
+                        std::move(owner));
+}
+
 Tensor SafetensorsFile::get_f32(const std::string& name) const {
   const TensorInfo& t = info(name);
   const uint8_t* src = state_->mapping->data() + t.offset;

@@ -85,6 +85,11 @@ class SafetensorsFile {
   /// BF16 / F16: widened copy. F64: narrowed copy (out-of-range -> +-inf).
   /// Integer / bool dtypes: CheckpointError.
   Tensor get_f32(const std::string& name) const;
+  /// A BF16 / F16 tensor as a bfloat16 / float16 Tensor that borrows the mapping (zero copy: it
+  /// keeps the file mapped; its pages are the file's page cache, read on first touch). Returns an
+  /// undefined Tensor when the data is not 2-byte aligned (the caller copies). Other dtypes:
+  /// CheckpointError.
+  Tensor borrow16(const std::string& name) const;
   /// Integer tensors (I64, I32, I16, I8, U8, BOOL) as int64, flattened in row-major order.
   /// Float dtypes: CheckpointError.
   std::vector<int64_t> get_i64(const std::string& name) const;

@@ -207,16 +207,28 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
   if (e.info->shape != expected) return get(name, expected);  // raises the shape error
   const mixlens::ScalarType out = target == DType::BF16 ? mixlens::ScalarType::bfloat16 : mixlens::ScalarType::float16;
   const int64_t n = shape_numel(expected);
+  const auto check16 = [&](const uint16_t* w) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = target == DType::BF16 ? ops::bf16_to_f32(w[i]) : ops::f16_to_f32(w[i]);
+      if (!(std::fabs(x) < kMaxWeight)) check_weight(name, folder_, i, x);
+    }
+  };
+  if (e.info->dtype == target) {
+    // Served from the file's mapping: no copy, the pages are the page cache's (issue 27). The check
+    // below is their first touch.
+    Tensor t = files_[e.file].borrow16(name);
+    if (t.defined()) {  // its shape is the header's, equal to `expected` (checked above)
+      check16(static_cast<const uint16_t*>(t.raw()));
+      return t;
+    }
+  }
   std::shared_ptr<uint16_t> buf = ops::alloc_weights16(n);
   uint16_t* dst = buf.get();
-  if (e.info->dtype == target) {
+  if (e.info->dtype == target) {  // not 2-byte aligned in the file: copied
     const std::span<const uint8_t> src = files_[e.file].bytes(name);
     std::memcpy(dst, src.data(), static_cast<size_t>(n) * 2);
     files_[e.file].release(name);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = target == DType::BF16 ? ops::bf16_to_f32(dst[i]) : ops::f16_to_f32(dst[i]);
-      if (!(std::fabs(x) < kMaxWeight)) check_weight(name, folder_, i, x);
-    }
+    check16(dst);
   } else {  // convert through float32 (checked there), rounding to nearest even
     const Tensor f = get(name, expected);
     const float* p = f.data();

@@ -53,12 +53,24 @@ void KvCache::append(const float* kn, const float* vn, int64_t B, int64_t T, int
   len += T;
 }
 
+void KvCache::keep_last(int64_t n) {
+  const int64_t drop = len - n;
+  if (drop <= 0) return;
+  for (size_t b = 0; b < k.size(); ++b) {
+    const auto w = static_cast<std::ptrdiff_t>(k[b].size() / static_cast<size_t>(len));  // floats per key
+    k[b].erase(k[b].begin(), k[b].begin() + drop * w);
+    v[b].erase(v[b].begin(), v[b].begin() + drop * w);
+  }
+  len = n;
+  offset += drop;
+}
+
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                      float* probs, float scale_in) {
+                      float* probs, float scale_in, int64_t window) {
   // The output always comes from the tiled kernel, so asking for the probabilities never changes
   // it; the explicit softmax below only materializes them.
-  flash_causal_attention(q, B, T, H, Hkv, d, past, kv, key_mask, out, scale_in);
+  flash_causal_attention(q, B, T, H, Hkv, d, past, kv, key_mask, out, scale_in, window);
   if (!probs) return;
   const int64_t Tk = past + T;
   const int64_t rep = H / Hkv, width = Hkv * d;
@@ -66,14 +78,14 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
   ops::parallel_for(B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H, g = h / rep;
     const float* K = kv.k[static_cast<size_t>(b)].data();
-    const auto& m = key_mask[static_cast<size_t>(b)];
+    const uint8_t* m = key_mask[static_cast<size_t>(b)].data() + kv.offset;
     std::vector<float> w(static_cast<size_t>(past + T));
     for (int64_t t = 0; t < T; ++t) {
       const float* qt = q + ((b * T + t) * H + h) * d;
-      const int64_t n = past + t + 1;
+      const int64_t n = past + t + 1, lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
-        if (!m[static_cast<size_t>(j)]) continue;
+      for (int64_t j = lo; j < n; ++j) {
+        if (!m[j]) continue;
         const float* kj = K + j * width + g * d;
         float s = 0.0f;
         for (int64_t e = 0; e < d; ++e) s += qt[e] * kj[e];
@@ -82,14 +94,14 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
       }
       if (mx == -std::numeric_limits<float>::infinity()) continue;  // fully masked row -> 0
       float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        if (!m[static_cast<size_t>(j)]) continue;
+      for (int64_t j = lo; j < n; ++j) {
+        if (!m[j]) continue;
         w[static_cast<size_t>(j)] = std::exp(w[static_cast<size_t>(j)] - mx);
         sum += w[static_cast<size_t>(j)];
       }
       float* prow = probs + ((b * H + h) * T + t) * Tk;  // zero-filled by the caller
-      for (int64_t j = 0; j < n; ++j) {
-        if (!m[static_cast<size_t>(j)]) continue;
+      for (int64_t j = lo; j < n; ++j) {
+        if (!m[j]) continue;
         prow[j] = w[static_cast<size_t>(j)] / sum;
       }
     }
@@ -98,7 +110,7 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                             const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                            float scale_in) {
+                            float scale_in, int64_t window) {
   // Per query tile and head: a [kBq, kBk] tile of scores (register-blocked dots, each in an order
   // that does not depend on the tile, so a prompt split into calls gives the same outputs), an
   // online softmax per query (running max and sum, rescaling the partial output) and O += P V for
@@ -117,7 +129,7 @@ void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int
     const float* K = kv.k[static_cast<size_t>(b)].data() + g * d;
     const float* V = kv.v[static_cast<size_t>(b)].data() + g * d;
     const float* Q = q + ((b * T + t0) * H + h) * d;  // query i at Q + i * H * d
-    const uint8_t* m = key_mask[static_cast<size_t>(b)].data();
+    const uint8_t* m = key_mask[static_cast<size_t>(b)].data() + kv.offset;
     thread_local std::vector<float> S, O, mx, sum;
     S.resize(static_cast<size_t>(kBq * kBk));
     O.assign(static_cast<size_t>(nq * d), 0.0f);
@@ -127,7 +139,10 @@ void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int
     // Key tiles start at the row's first real key, not at key 0: the left padding of a batch then
     // moves no tile boundary (each boundary rescales the online softmax), so a row's outputs are
     // bitwise the same alone and in any batch (issue 23). The pads before it add nothing anyway.
-    int64_t first = 0;
+    // A sliding window: query i sees keys j >= lo(i) = past + t0 + i + 1 - window; the tile's first query
+    // the fewest.
+    const auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, past + t0 + i + 1 - window) : 0; };
+    int64_t first = lo(0);
     while (first < kend && !m[first]) ++first;
     for (int64_t k0 = first; k0 < kend; k0 += kBk) {
       const int64_t nk = std::min(kBk, kend - k0);
@@ -136,10 +151,11 @@ void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int
       tk.dots(Q + i0 * H * d, H * d, nq - i0, K + k0 * width, width, nk, d, S.data() + i0 * kBk, kBk);
       for (int64_t i = i0; i < nq; ++i) {
         const int64_t limit = std::min(nk, past + t0 + i + 1 - k0);  // causal: keys j < limit
+        const int64_t from = lo(i) - k0;                                // window: keys j >= from
         float* s = S.data() + i * kBk;
         float rmax = kNegInf;
         for (int64_t j = 0; j < limit; ++j) {
-          s[j] = m[k0 + j] ? s[j] * scale : kNegInf;
+          s[j] = m[k0 + j] && j >= from ? s[j] * scale : kNegInf;
           rmax = std::max(rmax, s[j]);
         }
         if (rmax == kNegInf) {  // nothing visible in this tile: the row adds nothing

@@ -19,9 +19,15 @@ void apply_rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t
 /// Keys and values of one attention layer for a batch, per row [len, kv_heads, head_dim].
 struct KvCache {
   int64_t len = 0;
+  /// Keys dropped before row 0 (a sliding window keeps the last ones): kv row j is the row's key
+  /// offset + j, whose key_mask entry is key_mask[b][offset + j].
+  int64_t offset = 0;
   std::vector<std::vector<float>> k, v;
   /// Appends T tokens per row from k/v [B,T,kv_heads,head_dim].
   void append(const float* kn, const float* vn, int64_t B, int64_t T, int64_t width);
+  /// Drops the oldest keys and values until at most n remain (transformers' sliding-window cache
+  /// layer keeps sliding_window - 1).
+  void keep_last(int64_t n);
 };
 
 /// The softmax scale the attention kernels use: `scale` when > 0, else 1/sqrt(d) (SDPA's default).
@@ -30,7 +36,9 @@ inline float attention_scale(int64_t d, float scale) {
 }
 
 /// Causal GQA softmax attention: query t of row b sits at cache position past + t and attends
-/// the cached keys j <= past + t whose key_mask[b][j] is 1 (left padding is masked out).
+/// the cached keys j <= past + t whose key_mask[b][kv.offset + j] is 1 (left padding is masked out)
+/// and, with `window` > 0, j > past + t - window (a sliding window of `window` keys, the query's own
+/// included: transformers' sliding_window_overlay).
 /// q [B,T,H,d] (RoPE applied), out [B,T,H,d]. Query head h reads KV head h / (H / Hkv).
 /// A query with no visible key (a padded position of a left-padded row) gets 0, as torch's SDPA
 /// (safe softmax) returns for a fully masked row.
@@ -41,7 +49,7 @@ inline float attention_scale(int64_t d, float scale) {
 /// `scale`: the softmax scale (attention_scale: 0 is 1/sqrt(d)).
 void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                       const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                      float* probs = nullptr, float scale = 0.0f);
+                      float* probs = nullptr, float scale = 0.0f, int64_t window = 0);
 
 /// The attention output, tiled (flash-attention style): per query tile and head, key tiles of
 /// scores (register-blocked dots, ops/tile_kernels.h), an online softmax (running max and sum,
@@ -51,6 +59,6 @@ void causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t H
 /// behind any left padding, gives bitwise the same outputs. Same results as the explicit softmax to float32 rounding.
 void flash_causal_attention(const float* q, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t d, int64_t past,
                             const KvCache& kv, const std::vector<std::vector<uint8_t>>& key_mask, float* out,
-                            float scale = 0.0f);
+                            float scale = 0.0f, int64_t window = 0);
 
 }  // namespace mixlens::detail

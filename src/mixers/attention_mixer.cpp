@@ -208,12 +208,6 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   const std::vector<int64_t>& pos = *call.pos;
   const int64_t B = in.batch, T = in.seq, BT = B * T, d = d_.hd, H = d_.H, Hkv = d_.Hkv, D = d_.D, Din = d_.in_dim();
   const int64_t Tq = last_only ? 1 : T, BTq = B * Tq;  // query rows
-  // Until a query's window ends before key 0 the sliding mask equals the causal one; past that, the
-  // kernels have no window yet: refused rather than attending too far.
-  if (d_.window > 0 && call.kv->len + T > d_.window)
-    throw UnsupportedError("layers." + std::to_string(li) + ".self_attn: " + std::to_string(call.kv->len + T) +
-                           " positions exceed the sliding window of " + std::to_string(d_.window) +
-                           " (attention_window_size); windowed attention past it is not implemented");
   const bool norm = d_.qk_norm != AttentionQkNorm::none;
   const float* x = x_in.data();
   Tensor xm;
@@ -300,8 +294,11 @@ Tensor AttentionMixer::forward(const AttentionMixerWeights& w, const Tensor& x_i
   // Attention probabilities cost [B,H,T,T_k]: made only when someone asks (nnterp's attention_probabilities).
   Tensor probs = ls && ls->wants(li, Value::attn_probs) ? Tensor({B, H, T, past + T}) : Tensor();
   causal_attention(q.data(), B, Tq, H, Hkv, d, past + T - Tq, kv, *call.key_mask, att.data(),
-                   probs.defined() ? probs.data() : nullptr, d_.scale);
+                   probs.defined() ? probs.data() : nullptr, d_.scale, d_.window);
   if (probs.defined()) visit_if(ls, li, Value::attn_probs, probs);
+  // A sliding window: later queries never read keys older than the last window - 1 (transformers'
+  // sliding-window cache layer keeps as many).
+  if (d_.window > 0) kv.keep_last(d_.window - 1);
   if (tape) tape->keep(li, grad::Kept::attn_core, d_.gate ? att.clone() : att);  // gated in place below
   if (d_.gate) {
     visit_if(ls, li, Value::attn_gate, gate);

@@ -19,8 +19,9 @@
 //    the plain w (OLMo-Hybrid).
 //  - bias: q / k / v / o_proj biases (attention_bias: Bamba, Falcon-H1, Granite, OLMo-Hybrid);
 //    out_bias: an o_proj bias without the others (RecurrentGemma's o_proj always has one).
-//  - window: sliding-window attention (RecurrentGemma's attention_window_size); a call whose keys
-//    would reach past the window raises UnsupportedError (every key is inside it until then).
+//  - window: sliding-window attention (RecurrentGemma's attention_window_size, transformers'
+//    sliding_window_overlay): a query sees the last `window` keys, its own included; after each call
+//    the KV cache keeps the last window - 1 (KvCache::keep_last; transformers' sliding-window layer).
 //  - in_multiplier, key_multiplier, out_multiplier: Falcon-H1 µP (input, keys after k_proj, output).
 //  - in_width: the width of the projections' input when it is not D (Zamba / Zamba2: the
 //    concatenated [h, embeddings] of width 2 * hidden_size); the output stays D wide.

@@ -6,7 +6,7 @@
 // D = 0 and the per-token log decay -s_h as SsdArgs::da: transformers' block-wise form (intra-block
 // (Q K^T * decay) V plus the inter-block Q (K^T V)) is the SSD chunk form with chunk = block_size, and
 // its decode loop is the SSD token step. Reference: transformers 5.18 models/minimax/modeling_minimax.py.
-// No backward.
+// Backward: grad/lightning_mixer_grad.cpp (LightningMixerGrad, grad/qwen_grad.h).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -201,6 +201,39 @@ MlstmMixerWeights MlstmMixer::load(const io::WeightStore& w, const std::string& 
   return l;
 }
 
+void MlstmMixer::project(const MlstmMixerWeights& lw, const float* x, int64_t rows, float* q, float* k, float* v,
+                         float* og, float* gp, float* ig, float* lf) const {
+  const int64_t D = d_.D, QK = d_.qk(), V = d_.v(), NH = d_.NH, W = 2 * QK + 2 * V;
+  Tensor proj({rows, W});
+  ops::linear(x, rows, D, lw.qkvo, proj.data());
+  ops::linear(x, rows, D, lw.gates, gp, lw.gate_bias.data());
+  const float cap = d_.gate_cap;
+  const auto soft_cap = [cap](float a) { return cap > 0.0f ? cap * std::tanh(a / cap) : a; };
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = proj.data() + r * W;
+    std::copy_n(p, QK, q + r * QK);
+    std::copy_n(p + QK, QK, k + r * QK);
+    std::copy_n(p + 2 * QK, V, v + r * V);
+    std::copy_n(p + 2 * QK + V, V, og + r * V);
+    for (int64_t hd = 0; hd < NH; ++hd) {
+      ig[r * NH + hd] = soft_cap(gp[r * 2 * NH + hd]);
+      lf[r * NH + hd] = log_sigmoid(soft_cap(gp[r * 2 * NH + NH + hd]));
+    }
+  }
+}
+
+void MlstmMixer::head_norm(const MlstmMixerWeights& lw, const float* y, int64_t rows, float* out) const {
+  const int64_t V = d_.v(), NH = d_.NH, Dv = d_.Dv;
+  const std::vector<float> zero(static_cast<size_t>(Dv), 0.0f);
+  ops::parallel_rows(rows, V, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t hd = 0; hd < NH; ++hd) {
+        const int64_t o = r * V + hd * Dv;
+        ops::layernorm(y + o, lw.norm_w.data() + hd * Dv, zero.data(), out + o, 1, Dv, d_.norm_eps);
+      }
+  });
+}
+
 void MlstmMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const {
   const int64_t QK = d_.qk(), V = d_.v(), NH = d_.NH, n = d_.row_numel();
   v.push_back(layer_value(i, Value::state_input, {B, n}, true,
@@ -227,25 +260,10 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
   const int li = call.layer;
   Listener* ls = call.ls;
   const int64_t B = in.batch, T = in.seq, BT = B * T, D = d_.D, QK = d_.qk(), V = d_.v(), NH = d_.NH;
-  const int64_t W = 2 * QK + 2 * V, n = d_.row_numel();
+  const int64_t n = d_.row_numel();
   Tensor& S = call.begin_state();  // state_input first: values() order, which a streaming read follows
-  Tensor proj({BT, W}), gp({BT, 2 * NH});
-  ops::linear(n_in.data(), BT, D, lw.qkvo, proj.data());
-  ops::linear(n_in.data(), BT, D, lw.gates, gp.data(), lw.gate_bias.data());
-  Tensor q({B, T, QK}), k({B, T, QK}), v({B, T, V}), og({B, T, V}), ig({B, T, NH}), lf({B, T, NH});
-  const float cap = d_.gate_cap;
-  const auto soft_cap = [cap](float x) { return cap > 0.0f ? cap * std::tanh(x / cap) : x; };
-  for (int64_t r = 0; r < BT; ++r) {
-    const float* p = proj.data() + r * W;
-    std::copy_n(p, QK, q.data() + r * QK);
-    std::copy_n(p + QK, QK, k.data() + r * QK);
-    std::copy_n(p + 2 * QK, V, v.data() + r * V);
-    std::copy_n(p + 2 * QK + V, V, og.data() + r * V);
-    for (int64_t hd = 0; hd < NH; ++hd) {
-      ig[r * NH + hd] = soft_cap(gp[r * 2 * NH + hd]);
-      lf[r * NH + hd] = log_sigmoid(soft_cap(gp[r * 2 * NH + NH + hd]));
-    }
-  }
+  Tensor q({B, T, QK}), k({B, T, QK}), v({B, T, V}), og({B, T, V}), gp({BT, 2 * NH}), ig({B, T, NH}), lf({B, T, NH});
+  project(lw, n_in.data(), BT, q.data(), k.data(), v.data(), og.data(), gp.data(), ig.data(), lf.data());
   visit_if(ls, li, Value::attention_queries, q);
   visit_if(ls, li, Value::attention_keys, k);
   visit_if(ls, li, Value::attention_values, v);
@@ -297,17 +315,10 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
     ls->recycle_stack(std::move(states));
   }
   visit_if(ls, li, Value::attention_head_outputs, y);
-  // multihead_norm: a LayerNorm over each head's Dv (no bias), then the [V] weight; sigmoid output gate.
-  const std::vector<float> zero(static_cast<size_t>(d_.Dv), 0.0f);
+  // multihead_norm, then the sigmoid output gate.
   Tensor g({BT, V}), out({B, T, D});
-  ops::parallel_rows(BT, V, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t hd = 0; hd < NH; ++hd) {
-        const int64_t o = r * V + hd * d_.Dv;
-        ops::layernorm(y.data() + o, lw.norm_w.data() + hd * d_.Dv, zero.data(), g.data() + o, 1, d_.Dv, d_.norm_eps);
-        for (int64_t e = 0; e < d_.Dv; ++e) g[o + e] *= ops::sigmoid(og[o + e]);
-      }
-  });
+  head_norm(lw, y.data(), BT, g.data());
+  for (int64_t e = 0; e < BT * V; ++e) g[e] *= ops::sigmoid(og[e]);
   ops::linear(g.data(), BT, V, lw.out, out.data());
   visit_if(ls, li, Value::attention_output, out);
   call.end_state();

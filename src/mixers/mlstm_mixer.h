@@ -78,6 +78,13 @@ class MlstmMixer {
   /// One layer's weights under `p` ("backbone.blocks.3.mlstm_layer."); fused: weight_mode "fused".
   MlstmMixerWeights load(const io::WeightStore& w, const std::string& p, bool fused) const;
   void values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) const;
+  /// The projections of `rows` normed tokens x [rows, D] (xLSTMLayer): q, k [rows, qk], v and og (the output
+  /// gate pre-activation) [rows, v], gp [rows, 2 NH] the input | forget gate pre-activations, ig (the
+  /// soft-capped input gate: log betas) and lf (logsigmoid of the soft-capped forget gate: decays) [rows, NH].
+  void project(const MlstmMixerWeights& lw, const float* x, int64_t rows, float* q, float* k, float* v, float* og,
+               float* gp, float* ig, float* lf) const;
+  /// multihead_norm of y [rows, v]: a LayerNorm (no bias, norm_eps) over each head's Dv, times the weight.
+  void head_norm(const MlstmMixerWeights& lw, const float* y, int64_t rows, float* out) const;
   /// One call on norm_mlstm's output [B,T,D]; returns what the block adds to the residual [B,T,D].
   Tensor forward(const MlstmMixerWeights& lw, const Tensor& n_in, const Batch& in, const MlstmMixerCall& call) const;
   const MlstmMixerDims& dims() const { return d_; }

@@ -119,6 +119,18 @@ class FamilyModel {
   /// with a wrong norm.
   virtual Head head() const;
 
+  /// How block `layer` changes the residual stream, for decompose_resid (runtime/attribution.cpp): when
+  /// `why` is empty, layer_output = scale * (layer_input + the sum of the `added` values of the block);
+  /// otherwise `why` says why not, and the block is one component (layer_output - layer_input).
+  struct ResidualWrite {
+    std::vector<std::string> added;  ///< paths after "layers.{i}." ("linear_attn.attention_output", "mlp.output")
+    float scale = 1.0f;
+    std::string why;
+  };
+  /// Default: the block adds whichever of linear_attn.attention_output, self_attn.attention_output and
+  /// mlp.output it serves (runtime/attribution.cpp). A family whose blocks differ overrides it.
+  virtual ResidualWrite residual_write(int layer) const;
+
   /// The parts its skeleton's backward reads; null (the default) for a skeleton without one.
   virtual std::unique_ptr<BackwardParts> backward_parts() const { return nullptr; }
   /// Trace::backward (issue 12, docs/gradients.md): given dMetric/dLogits of the call recorded in

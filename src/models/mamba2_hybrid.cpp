@@ -571,6 +571,12 @@ class Mamba2Hybrid final : public FamilyModel {
   }
 
   Head head() const override { return {&embed_, &norm_f_, &lm_head_, s_.eps, false, s_.lm_head_multiplier}; }
+  ResidualWrite residual_write(int layer) const override {
+    ResidualWrite w = FamilyModel::residual_write(layer);
+    // Zamba / Zamba2 hybrid layer: the shared block feeds the mixer's input; only the mixer reaches the residual.
+    if (s_.blocks[static_cast<size_t>(layer)].shared) w.added = {"linear_attn.attention_output"};
+    return w;
+  }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t D = s_.D;

@@ -327,6 +327,8 @@ class QwenHybrid final : public FamilyModel {
     bb.V = V_;
     bb.attn = &attn_;
     if (spec_.lfm2) bb.conv = &conv_;
+    if (spec_.minimax) bb.lightning = &lightning_;
+    bb.normed_residual = spec_.minimax;
     for (const Layer& l : layers_) {
       QwenLayerView v;
       v.linear = l.linear;
@@ -336,6 +338,8 @@ class QwenHybrid final : public FamilyModel {
       v.ff_norm = &l.ff_norm;
       if (l.linear && spec_.lfm2) {
         v.sc = &l.sc;
+      } else if (l.linear && spec_.minimax) {
+        v.lightning = &l.lightning;
       } else if (l.linear) {
         v.gdn = {D_, g_.HK, g_.HV, g_.Dk, g_.Dv, K_, gdn_.norm_eps(), gdn_.beta_scale(), &l.in_proj, &l.conv_wT, &l.neg_A, &l.dt_bias, &l.gnorm, &l.out_proj};
         v.gdn.kda = g_.kda;
@@ -344,6 +348,11 @@ class QwenHybrid final : public FamilyModel {
       } else {
         v.attn = &l.attn;
       }
+      const auto& f = spec_.factors;
+      v.mix_alpha = l.linear ? f.linear_alpha : f.full_alpha;
+      v.mix_beta = l.linear ? f.linear_beta : f.full_beta;
+      v.mlp_alpha = f.mlp_alpha;
+      v.mlp_beta = f.mlp_beta;
       const Mlp& m = l.mlp;
       v.mlp.moe = m.moe;
       v.mlp.D = D_;
@@ -372,6 +381,16 @@ class QwenHybrid final : public FamilyModel {
   }
 
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, spec_.centred_norms}; }
+  ResidualWrite residual_write(int layer) const override {
+    ResidualWrite w = FamilyModel::residual_write(layer);
+    if (spec_.minimax)
+      w.why = "MiniMaxDecoderLayer re-norms the residual (h = alpha * norm(h) + beta * branch): the block's change "
+              "is not a sum of its outputs";
+    else if (layers_[static_cast<size_t>(layer)].post_norms)
+      w.why = "a post-norm attention block adds post_attention_layernorm(self_attn.attention_output) and "
+              "post_feedforward_layernorm(mlp.output), not the served outputs";
+    return w;
+  }
 
   std::vector<ValueInfo> values(int64_t B, int64_t T) const override {
     const int64_t HV = g_.HV, Dk = g_.Dk, Dv = g_.Dv;

@@ -66,7 +66,8 @@ struct QwenHybridSpec {
   /// block_sparse_moe (softmax router, top-k renormalised, experts w1 / w3 / w2, no shared expert),
   /// and MiniMaxDecoderLayer's residual: the normed input is the residual,
   /// h = alpha * norm(h) + beta * mixer(norm(h)) (the *_attn_alpha / beta_factor of the block kind),
-  /// then h = mlp_alpha_factor * norm2(h) + mlp_beta_factor * moe(norm2(h)). No backward.
+  /// then h = mlp_alpha_factor * norm2(h) + mlp_beta_factor * moe(norm2(h)). Backward:
+  /// grad/lightning_mixer_grad.cpp, qwen_hybrid_grad.cpp.
   bool minimax = false;
   struct Factors {
     float linear_alpha = 1, linear_beta = 1, full_alpha = 1, full_beta = 1, mlp_alpha = 1, mlp_beta = 1;
@@ -121,8 +122,11 @@ struct QwenLayerView {
   const Tensor *in_norm = nullptr, *post_norm = nullptr, *ff_norm = nullptr;
   GdnView gdn;
   const ShortConvMixerWeights* sc = nullptr;    ///< LFM2's short conv layers (instead of gdn)
+  const LightningMixerWeights* lightning = nullptr;  ///< MiniMax's lightning layers (instead of gdn)
   const AttentionMixerWeights* attn = nullptr;  ///< attention layers
   MlpView mlp;
+  /// QwenHybridParts::normed_residual: h1 = mix_alpha n1 + mix_beta mixer(n1), h2 = mlp_alpha n2 + mlp_beta mlp(n2).
+  float mix_alpha = 1, mix_beta = 1, mlp_alpha = 1, mlp_beta = 1;
 };
 
 /// What the backward (src/grad/qwen_hybrid_grad.cpp) reads of a loaded model (pointers into it).
@@ -134,6 +138,10 @@ struct QwenHybridParts : BackwardParts {
   int64_t D = 0, L = 0, V = 0;
   const AttentionMixer* attn = nullptr;  ///< the attention layers' mixer
   const ShortConvMixer* conv = nullptr;  ///< LFM2: the short conv layers' mixer
+  const LightningMixer* lightning = nullptr;  ///< MiniMax: the lightning layers' mixer
+  /// MiniMaxDecoderLayer's residual (QwenHybridSpec::minimax): each branch adds to its normed input,
+  /// scaled by the layer's factors (QwenLayerView::mix_alpha ...), instead of to the block input.
+  bool normed_residual = false;
   std::vector<QwenLayerView> layers;
 };
 

@@ -7,7 +7,7 @@
 // always biased, attention_window_size). The MLP is gelu_tanh(gate_proj(x)) * up_proj(x) ->
 // down_proj, all biased, intermediate_size / 2 wide. Embeddings are scaled by sqrt(hidden_size)
 // rounded to bfloat16 (RecurrentGemmaModel.normalizer is a bf16 buffer); logits are soft-capped.
-// No backward (the registry line says so).
+// Backward: src/grad/recurrent_gemma_grad.cpp (from backward_parts()).
 #include <cmath>
 #include <memory>
 #include <string>
@@ -19,6 +19,7 @@
 #include "models/common.h"
 #include "models/config.h"
 #include "models/hybrid_cache.h"
+#include "models/recurrent_gemma.h"
 #include "models/registry.h"
 #include "ops/dtype.h"
 #include "ops/ops.h"
@@ -27,13 +28,7 @@ namespace mixlens::detail {
 
 namespace {
 
-struct Layer {
-  bool recurrent = true;
-  Tensor temporal_norm, channel_norm;
-  RgLruMixerWeights rg;
-  AttentionMixerWeights attn;
-  Tensor gate, up, down, gate_b, up_b, down_b;  // [I, D], [I, D], [D, I], [I], [I], [D]
-};
+using Layer = RecurrentGemmaLayer;
 
 class RecurrentGemma final : public FamilyModel {
  public:
@@ -188,6 +183,16 @@ class RecurrentGemma final : public FamilyModel {
     v.push_back(global_value(Value::ln_final_output, {B, T, D_}, "final (1 + w) RMSNorm output (final_norm)"));
     v.push_back(global_value(Value::logits, {B, T, V_}, "soft-capped logits: logits_soft_cap * tanh(lm_head(h) / logits_soft_cap)"));
     return v;
+  }
+
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto p = std::make_unique<RecurrentGemmaParts>();
+    p->D = D_; p->L = L_; p->I = I_;
+    p->eps = eps_; p->cap = cap_;
+    p->rg = &rg_; p->attn = &attn_;
+    p->norm = &norm_; p->lm_head = &lm_head_;
+    p->layers = &layers_;
+    return p;
   }
 
   std::map<std::string, std::map<int, std::string>> support() const override {

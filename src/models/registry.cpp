@@ -39,9 +39,9 @@ const std::vector<FamilyEntry>& family_registry() {
       {"rwkv", "rwkv", make_rwkv, true, kWkvOneKernel},
       {"lfm2", "lfm2", make_lfm2, true, kShortConvOneKernel},
       {"lfm2_moe", "lfm2_moe", make_lfm2_moe, true, kShortConvOneKernel},
-      {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, false, kRgLruOneKernel},
-      {"minimax", "minimax", make_minimax, false},  // two kernels: route_kernels takes either
-      {"xlstm", "xlstm", make_xlstm, false},  // two kernels: route_kernels takes either
+      {"recurrent_gemma", "recurrent_gemma", make_recurrent_gemma, true, kRgLruOneKernel},
+      {"minimax", "minimax", make_minimax, true},  // two kernels: route_kernels takes either
+      {"xlstm", "xlstm", make_xlstm, true},  // two kernels: route_kernels takes either
   };
   return registry;
 }

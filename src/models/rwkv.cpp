@@ -181,6 +181,14 @@ class RwkvModel final : public FamilyModel {
     return p;
   }
 
+  ResidualWrite residual_write(int layer) const override {
+    ResidualWrite w = FamilyModel::residual_write(layer);
+    if (layer == 0) w.why = "block 0 applies pre_ln to the embeddings before its branches";
+    // transformers' inference rescale: h /= 2 after every rescale_every-th block.
+    if (rescale_every_ > 0 && (layer + 1) % rescale_every_ == 0) w.scale = 0.5f;
+    return w;
+  }
+
   Head head() const override {
     throw UnsupportedError("rwkv: project_on_vocab / head() assume an RMSNorm final norm; RWKV's ln_out is a "
                            "LayerNorm with a bias (read ln_final.output and logits instead)");

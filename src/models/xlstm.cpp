@@ -13,18 +13,12 @@
 #include "models/common.h"
 #include "models/config.h"
 #include "models/registry.h"
+#include "models/xlstm.h"
 #include "ops/ops.h"
 
 namespace mixlens::detail {
 
 namespace {
-
-struct Block {                // backbone.blocks.{i} (xLSTMBlock)
-  Tensor norm_mlstm, norm_ffn;  // [D] RMSNorm weights
-  MlstmMixerWeights mlstm;      // mlstm_layer
-  Tensor up_gate;               // [2 I, D] ffn.proj_up_gate | ffn.proj_up (xLSTMFeedForward), held fused
-  Tensor down;                  // [D, I] ffn.proj_down
-};
 
 /// A soft cap from the config: absent -> `fallback`, null -> none (0).
 float read_cap(const io::Config& cfg, const char* key, double fallback) {
@@ -77,7 +71,7 @@ class XlstmModel final : public FamilyModel {
     embed_ = load_embedding(w, {"backbone.embeddings.weight"}, {V_, D_});
     for (int64_t i = 0; i < L_; ++i) {
       const std::string b = "backbone.blocks." + std::to_string(i) + ".";
-      Block blk;
+      XlstmBlock blk;
       blk.norm_mlstm = w.get(b + "norm_mlstm.weight", {D_});
       blk.norm_ffn = w.get(b + "norm_ffn.weight", {D_});
       blk.mlstm = mixer_.load(w, b + "mlstm_layer.", fused);
@@ -148,7 +142,7 @@ class XlstmModel final : public FamilyModel {
     int li = 0;  // the block the loop is in: the state sites below serve its row
     call.begin_state = [&]() -> Tensor& { return cache.begin_state(li, ls); };
     call.end_state = [&] { cache.end_state(li, ls); };
-    for (const Block& blk : blocks_) {
+    for (const XlstmBlock& blk : blocks_) {
       ctx.check_cancel();
       visit_if(ls, li, Value::layer_input, h);
       norm(h, blk.norm_mlstm, n);
@@ -179,6 +173,13 @@ class XlstmModel final : public FamilyModel {
     return s;
   }
 
+  std::unique_ptr<BackwardParts> backward_parts() const override {
+    auto p = std::make_unique<XlstmParts>();
+    p->D = D_, p->L = L_, p->I = I_, p->eps = eps_, p->cap = cap_;
+    p->mixer = &mixer_, p->blocks = &blocks_, p->out_norm = &out_norm_, p->lm_head = &lm_head_;
+    return p;
+  }
+
   Head head() const override {
     throw UnsupportedError("xlstm: project_on_vocab / head() do not apply output_logit_soft_cap (read ln_final.output "
                            "and logits instead)");
@@ -203,7 +204,7 @@ class XlstmModel final : public FamilyModel {
   int64_t D_ = 0, L_ = 0, V_ = 0, I_ = 0, chunk_ = 64;
   float eps_ = 1e-6f, cap_ = 30.0f;
   MlstmMixer mixer_;
-  std::vector<Block> blocks_;
+  std::vector<XlstmBlock> blocks_;
   Tensor embed_, out_norm_, lm_head_;
 };
 

@@ -5,6 +5,7 @@
 
 #include "mixlens/errors.h"
 #include "models/family.h"
+#include "models/rwkv.h"
 
 namespace mixlens::detail {
 namespace {
@@ -36,13 +37,15 @@ Slots slots_of(const std::string& family) {
   if (family == "nemotron_h") return {"mixer", "mixer", "mixer"};  // one mixer slot per block, any kind
   // Jamba: TL's JambaArchitectureAdapter, a BlockBridge with the Mamba-1 `mixer`, `attn` and `mlp` (dense or MoE).
   if (family == "jamba") return {"mixer", "attn", "mlp"};
+  // LFM2 / LFM2-MoE: TL's Lfm2(Moe)ArchitectureAdapter, a BlockBridge with the short conv `conv`, `attn`, `mlp`.
+  if (family == "lfm2" || family == "lfm2_moe") return {"conv", "attn", "mlp"};
   // Zamba2: TL's SSMBlockBridge, `mixer` on the Mamba layers only (block_name below).
   return {"mixer", "", ""};                                         // mamba, mamba2
 }
 
 bool recurrent(LayerKind k) {
   return k == LayerKind::mamba2 || k == LayerKind::mamba || k == LayerKind::gated_deltanet || k == LayerKind::hybrid ||
-         k == LayerKind::rg_lru;
+         k == LayerKind::rg_lru || k == LayerKind::short_conv;
 }
 bool has_attention(LayerKind k) { return k == LayerKind::attention || k == LayerKind::hybrid; }
 bool is_falcon(const FamilyModel& m) { return m.info.family == "falcon_h1"; }
@@ -63,6 +66,23 @@ const std::string kFalconScaled =
 
 // The recurrent mixer's hooks (TL's SSMMixerBridge, SSM2MixerBridge, GatedDeltaNetBridge).
 Mapped recurrent_hook(const FamilyModel& m, LayerKind kind, std::string_view h) {
+  if (h == "hook_in" || h == "hook_linear_attn_in")
+    return no("the mixer's input (the normed residual stream) is not a mixlens value; read layer_input");
+  if (kind == LayerKind::short_conv) {  // TL's Lfm2ShortConvBridge: hook_in / hook_out and three submodule aliases
+    if (h == "hook_out") return to("linear_attn.attention_output");
+    if (h == "hook_gated") return to("linear_attn.attention_head_outputs");  // out_proj's input: C * conv(B * x)
+    if (h == "hook_in_proj")
+      return no("in_proj's output is B | C | x in one tensor; mixlens serves the three chunks as "
+                "linear_attn.attention_keys, attention_queries, attention_values");
+    if (h == "hook_conv")
+      return no("the conv output conv(B * x), before C and the cut to the sequence, is not a mixlens value; "
+                "linear_attn.attention_head_outputs is C * conv(B * x)");
+    if (starts(h, "hook_ssm_"))
+      return no("TransformerLens 4.3's LFM2 short conv has no " + std::string(h) + " (its hooks: hook_in, "
+                "hook_in_proj, hook_conv, hook_gated, hook_out); mixlens serves the conv window as linear_attn.states, "
+                "B as attention_keys, C as attention_queries, the output as attention_output");
+    return no("TransformerLens's LFM2 short conv has no hook '" + std::string(h) + "'");
+  }
   if (h == "hook_out" || h == "hook_ssm_out" || (kind == LayerKind::gated_deltanet && h == "hook_linear_attn_out")) {
     if (is_falcon(m)) return no("its hook_out is the mixer's output before ssm_out_multiplier; " + kFalconScaled +
                                 ": read linear_attn.attention_output (= hook_out * ssm_out_multiplier)");
@@ -70,8 +90,6 @@ Mapped recurrent_hook(const FamilyModel& m, LayerKind kind, std::string_view h) 
                                              "linear_attn.attention_output (= hook_out * residual_multiplier)");
     return to("linear_attn.attention_output");
   }
-  if (h == "hook_in" || h == "hook_linear_attn_in")
-    return no("the mixer's input (the normed residual stream) is not a mixlens value; read layer_input");
   if (kind == LayerKind::gated_deltanet) {
     const int64_t r = m.key_head_repeat();
     const auto qk = [&](const std::string& name, const std::string& value) {
@@ -170,13 +188,48 @@ std::string kind_phrase(int layer, LayerKind k) {
   return "block " + std::to_string(layer) + (name[0] == 'a' ? " is an " : " is a ") + name + " block";
 }
 
+// RWKV-4: TL 4.3's RwkvArchitectureAdapter (_RwkvBlockBridge): time_mix (HF's attention) and channel_mix (its
+// feed_forward), hooked on their outputs' first element; transformers halves the residual stream *between*
+// blocks (after every rescale_every-th), outside the block whose hook_out TL reads.
+Mapped rwkv_block_name(const FamilyModel& m, int layer, std::string_view rest) {
+  if (rest == "hook_resid_pre" || rest == "hook_in") return to("layer_input");
+  if (rest == "hook_resid_post" || rest == "hook_out") {
+    const auto parts = m.backward_parts();
+    const auto* rp = dynamic_cast<const RwkvParts*>(parts.get());
+    const int64_t every = rp ? rp->rescale_every : 0;
+    if (every > 0 && (layer + 1) % every == 0)
+      return no("it is the block's output before transformers halves the residual stream (after every "
+                "rescale_every-th block, outside the block), and mixlens's layer_output is after: hook_resid_post = "
+                "2 * layers." + std::to_string(layer) + ".layer_output");
+    return to("layer_output");
+  }
+  if (rest == "hook_time_mix_out" || rest == "time_mix.hook_out") return to("linear_attn.attention_output");
+  if (rest == "hook_channel_mix_out" || rest == "channel_mix.hook_out") return to("mlp.output");
+  if (rest == "hook_resid_mid")
+    return no("the residual between time and channel mixing is not a mixlens value; it is layer_input plus "
+              "linear_attn.attention_output");
+  if (rest == "hook_time_mix_in" || rest == "hook_channel_mix_in" || rest == "time_mix.hook_in" ||
+      rest == "channel_mix.hook_in")
+    return no("a mixer's input (the LayerNorm's output) is not a mixlens value; read layer_input");
+  return no("TransformerLens 4.3's RWKV-4 blocks have no mixlens alias for '" + std::string(rest) + "' (mapped: "
+            "hook_resid_pre, hook_resid_post, hook_time_mix_out / time_mix.hook_out, hook_channel_mix_out / "
+            "channel_mix.hook_out); read mixlens names (layers.i.linear_attn.*, layers.i.mlp.output)");
+}
+
 // `rest`: the name after "blocks.{i}.".
 Mapped block_name(const FamilyModel& m, int layer, std::string_view rest) {
   const LayerKind kind = m.info.layer_kinds[static_cast<size_t>(layer)];
   const Slots s = slots_of(m.info.family);
-  // TransformerLens 4.3 has no RWKV, MiniMax or xLSTM adapter, so only the residual stream's names mean the same tensor.
-  const char* no_adapter = m.info.family == "rwkv"      ? "RWKV"
-                           : m.info.family == "minimax" ? "MiniMax"
+  if (m.info.family == "rwkv") return rwkv_block_name(m, layer, rest);
+  // TL 4.3's RecurrentGemma adapter wraps each decoder layer whole (RecurrentGemmaBlockBridge): residual hooks only.
+  if (m.info.family == "recurrent_gemma" && rest != "hook_resid_pre" && rest != "hook_in" &&
+      rest != "hook_resid_post" && rest != "hook_out")
+    return no("TransformerLens 4.3's RecurrentGemma adapter wraps each layer whole: only hook_resid_pre / "
+              "hook_resid_post map here; read mixlens names (layers.i.linear_attn.*, layers.i.self_attn.*, "
+              "layers.i.mlp.output)");
+  // TransformerLens 4.3 has no MiniMax (MiniMaxForCausalLM; its minimax_m2 is another model) or xLSTM adapter, so
+  // only the residual stream's names mean the same tensor.
+  const char* no_adapter = m.info.family == "minimax" ? "MiniMax"
                            : m.info.family == "xlstm"   ? "xLSTM"
                                                         : nullptr;
   if (no_adapter && rest != "hook_resid_pre" && rest != "hook_in" && rest != "hook_resid_post" && rest != "hook_out")
@@ -259,6 +312,9 @@ Mapped global_name(const FamilyModel& m, std::string_view p) {
                                 ": read embed_tokens.output (= hook_embed * embedding_multiplier)");
     if (is_granite(m)) return granite_scaled("its hook_embed is the embedding before embedding_multiplier",
                                              "embed_tokens.output (= hook_embed * embedding_multiplier)");
+    if (m.info.family == "recurrent_gemma")
+      return no("its hook_embed is embed_tokens' output before RecurrentGemma's normalizer; mixlens's "
+                "embed_tokens.output is after it (= hook_embed * sqrt(hidden_size), the factor rounded to bfloat16)");
     return to("embed_tokens.output");
   }
   if (p == "ln_final.hook_out") return to("ln_final.output");
@@ -270,6 +326,9 @@ Mapped global_name(const FamilyModel& m, std::string_view p) {
   if (p == "hook_unembed" || p == "unembed.hook_out") {
     if (is_falcon(m)) return no("it is lm_head's output before lm_head_multiplier; mixlens's logits include it");
     if (is_granite(m)) return no("it is lm_head's output before the division by logits_scaling; mixlens's logits include it");
+    if (m.info.family == "recurrent_gemma")
+      return no("it is lm_head's output before RecurrentGemma's logits_soft_cap; mixlens's logits are soft-capped "
+                "(= cap * tanh(hook_unembed / cap))");
     return to("logits");
   }
   return no("TransformerLens name '" + std::string(p) + "' is not a mixlens value (embedding: hook_embed, final "

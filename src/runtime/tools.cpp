@@ -53,6 +53,20 @@ std::string default_model_path() {
   return MIXLENS_DEFAULT_MODEL_DIR;  // the source tree of a development build
 }
 
+std::string plot_python() {
+  if (const char* env = std::getenv("MIXLENS_PYTHON"); env && *env) return env;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    // PREFIX/bin/EXE, or SITE/mixlens.scripts/EXE with SITE = PREFIX/lib/python3.X/site-packages.
+    for (const fs::path& bin : {exe.parent_path(), exe.parent_path().parent_path().parent_path().parent_path().parent_path() / "bin"})
+      for (const char* name : {"python3", "python"})
+        if (fs::exists(bin / name, ec)) return (bin / name).lexically_normal().string();
+  }
+  return "python3";
+}
+
 std::string resolve_hub_id(const std::string& hub_id, const std::string& cache_dir) {
   return io::resolve_hub_id(hub_id, cache_dir).string();
 }

@@ -178,10 +178,11 @@ inline void edit_fd(Model& m, const Batch& batch, const std::string& path, doubl
 
 /// A call continuing a cached prompt (one row): each of `paths` (e.g. a state_input) along a random
 /// direction against differences of an additive edit in that call; the call runs `kernel`. Every
-/// state_output's gradient is zero (it feeds only the next call). `step` as edit_fd's.
+/// state_output's gradient is zero (it feeds only the next call). `step` as edit_fd's. `direction_of`: the
+/// direction for a path's value (default: random with the value's RMS).
 inline void continuation_fd(Model& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& cont,
                             const std::vector<std::string>& paths, double tol, const std::string& kernel,
-                            float step = 2e-3f) {
+                            float step = 2e-3f, const std::function<Tensor(const Tensor&)>& direction_of = {}) {
   Cache cache = m.new_cache(1);
   m.forward(Batch::left_padded({prompt}, 0), cache);
   const Batch next = Batch::left_padded({cont}, 0);
@@ -194,7 +195,7 @@ inline void continuation_fd(Model& m, const std::vector<int32_t>& prompt, const 
     const Tensor W = random_like(logits.shape(), 5);
     tr.backward(W);
     const Tensor g = tr.grad(path);
-    const Tensor v = direction(tr.get(path, 1), 6);  // the cache's second call
+    const Tensor v = direction_of ? direction_of(tr.get(path, 1)) : direction(tr.get(path, 1), 6);  // the cache's second call
     auto f = [&](float h) {
       Cache c = cache.copy();
       Trace t;

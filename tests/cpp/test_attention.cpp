@@ -3,6 +3,7 @@
 // several query / key tiles and odd head dims (issue 9 item 3).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -22,7 +23,7 @@ struct Case {
 
 // `scale` 0: SDPA's default 1/sqrt(d).
 void reference(const std::vector<float>& q, const Case& c, const KvCache& kv, const std::vector<std::vector<uint8_t>>& mask,
-               std::vector<double>& out, double scale = 0.0) {
+               std::vector<double>& out, double scale = 0.0, int64_t window = 0) {
   const int64_t rep = c.H / c.Hkv, width = c.Hkv * c.d;
   out.assign(static_cast<size_t>(c.B * c.T * c.H * c.d), 0.0);
   for (int64_t b = 0; b < c.B; ++b)
@@ -32,7 +33,7 @@ void reference(const std::vector<float>& q, const Case& c, const KvCache& kv, co
         std::vector<double> w;
         std::vector<int64_t> js;
         double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j <= c.past + t; ++j) {
+        for (int64_t j = window > 0 ? std::max<int64_t>(0, c.past + t + 1 - window) : 0; j <= c.past + t; ++j) {
           if (!mask[static_cast<size_t>(b)][static_cast<size_t>(j)]) continue;
           const float* kj = kv.k[static_cast<size_t>(b)].data() + j * width + (h / rep) * c.d;
           double s = 0;
@@ -121,6 +122,75 @@ TEST(FlashAttention, MatchesExplicitAndDoubleReference) {
       for (int64_t e = 0; e < c.d; ++e) EXPECT_EQ(flash[static_cast<size_t>((1 * c.T + 0) * c.H * c.d + e)], 0.0f);
     }
   }
+}
+
+// A sliding window (RecurrentGemma's attention_window_size): each query sees its last `window` keys, on a
+// prompt longer than the window (several query and key tiles), a continuation and decode steps over a
+// cache, with left padding; the probabilities span only the window; and a cache trimmed to the last
+// window - 1 keys before the call (KvCache::keep_last, its offset into the key mask) gives bitwise the
+// same outputs as the whole cache.
+TEST(FlashAttention, SlidingWindowMatchesReferenceAndTrimmedCache) {
+  const Case cases[] = {{2, 300, 4, 2, 16, 0}, {2, 40, 2, 1, 8, 90}, {2, 1, 4, 2, 8, 200}, {1, 3, 2, 2, 5, 4}};
+  std::mt19937 gen(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const Case& c : cases)
+    for (int64_t window : {int64_t{5}, int64_t{33}, int64_t{150}}) {
+      const int64_t Tk = c.past + c.T, width = c.Hkv * c.d;
+      std::vector<float> q(static_cast<size_t>(c.B * c.T * c.H * c.d));
+      for (float& v : q) v = 2.0f * nd(gen);
+      std::vector<float> k(static_cast<size_t>(c.B * Tk * width)), v(k.size());
+      for (float& x : k) x = nd(gen);
+      for (float& x : v) x = nd(gen);
+      KvCache kv;
+      kv.append(k.data(), v.data(), c.B, Tk, width);
+      std::vector<std::vector<uint8_t>> mask(static_cast<size_t>(c.B), std::vector<uint8_t>(static_cast<size_t>(Tk), 1));
+      if (c.B > 1)
+        for (int64_t j = 0; j < std::min<int64_t>(Tk - 1, c.past + 3); ++j) mask[1][static_cast<size_t>(j)] = 0;
+      std::vector<float> flash(q.size()), probs(static_cast<size_t>(c.B * c.H * c.T * Tk), 0.0f), expl(q.size());
+      flash_causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, flash.data(), 0.0f, window);
+      causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, c.past, kv, mask, expl.data(), probs.data(), 0.0f, window);
+      std::vector<double> ref, causal;
+      reference(q, c, kv, mask, ref, 0.0, window);
+      reference(q, c, kv, mask, causal);
+      double worst = 0, moved = 0;
+      for (size_t i = 0; i < q.size(); ++i) {
+        worst = std::max(worst, std::fabs(flash[i] - ref[i]));
+        moved = std::max(moved, std::fabs(ref[i] - causal[i]));
+        ASSERT_EQ(expl[i], flash[i]);
+      }
+      EXPECT_LT(worst, 5e-6) << "T" << c.T << " past" << c.past << " window" << window;
+      if (Tk > window + 3) {
+        EXPECT_GT(moved, 1e-3) << "the window must matter here";
+      }
+      for (int64_t r = 0; r < c.B * c.H * c.T; ++r) {
+        const int64_t t = r % c.T;
+        for (int64_t j = 0; j < Tk; ++j)
+          if (j <= c.past + t - window) {
+            EXPECT_EQ(probs[static_cast<size_t>(r * Tk + j)], 0.0f) << "outside the window";
+          }
+      }
+      if (c.past < window) continue;
+      KvCache trimmed;
+      trimmed.append(k.data(), v.data(), c.B, c.past, width);  // the cache before the call
+      for (int64_t b = 0; b < c.B; ++b)  // per-row layout [len, width]: rebuild it from the rows of each batch row
+        for (int64_t side = 0; side < 2; ++side) {
+          auto& dst = side == 0 ? trimmed.k[static_cast<size_t>(b)] : trimmed.v[static_cast<size_t>(b)];
+          const auto& src = side == 0 ? k : v;
+          dst.assign(src.begin() + b * Tk * width, src.begin() + (b * Tk + c.past) * width);
+        }
+      trimmed.keep_last(window - 1);
+      EXPECT_EQ(trimmed.len, window - 1);
+      EXPECT_EQ(trimmed.offset, c.past - (window - 1));
+      std::vector<float> kn(static_cast<size_t>(c.B * c.T * width)), vn(kn.size());
+      for (int64_t b = 0; b < c.B; ++b) {
+        std::copy_n(k.begin() + (b * Tk + c.past) * width, c.T * width, kn.begin() + b * c.T * width);
+        std::copy_n(v.begin() + (b * Tk + c.past) * width, c.T * width, vn.begin() + b * c.T * width);
+      }
+      trimmed.append(kn.data(), vn.data(), c.B, c.T, width);
+      std::vector<float> out2(q.size());
+      flash_causal_attention(q.data(), c.B, c.T, c.H, c.Hkv, c.d, window - 1, trimmed, mask, out2.data(), 0.0f, window);
+      for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(out2[i], flash[i]) << "trimmed cache, window " << window;
+    }
 }
 
 // The tile kernels compute each element in one order whatever the block shape: a tile equals the

@@ -20,9 +20,11 @@ using namespace mixlens::grad_check;
 
 // Causal GQA attention over a cache: the past keys / values are constants, the call's q, k, v are
 // the inputs. Row 1's padding hides its whole cache and first new token: that query sees no key
-// (output 0, gradient 0) and the masked keys get no gradient.
+// (output 0, gradient 0) and the masked keys get no gradient. window 3: a sliding window of 3 keys
+// (RecurrentGemma's attention_window_size), shorter than the call.
 TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
   // scale 0: the default 1/sqrt(d); 0.7: an explicit softmax scale (the attention mixer's `scale`).
+  for (int64_t window : {0, 3})
   for (double scale : {0.0, 0.7})
   for (int64_t past : {0, 3}) {
     const int64_t B = 2, T = 5, H = 4, Hkv = 2, d = 3, rep = H / Hkv, Tk = past + T, W = Hkv * d;
@@ -50,17 +52,18 @@ TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
         for (int64_t h = 0; h < H; ++h)
           for (int64_t t = 0; t < T; ++t) {
             const int64_t g = h / rep, n = past + t + 1;
+            const auto seen = [&](int64_t j) { return mask[b][j] && (window == 0 || j >= n - window); };
             std::vector<double> w(n, 0.0);
             double mx = -1e300, sum = 0;
             for (int64_t j = 0; j < n; ++j) {
-              if (!mask[b][j]) continue;
+              if (!seen(j)) continue;
               double sc = 0;
               for (int64_t e = 0; e < d; ++e) sc += qq[((b * T + t) * H + h) * d + e] * key(b, j, g, e);
               w[j] = scale > 0.0 ? sc * scale : sc / std::sqrt(static_cast<double>(d));
               mx = std::max(mx, w[j]);
             }
             if (mx == -1e300) continue;
-            for (int64_t j = 0; j < n; ++j) sum += mask[b][j] ? (w[j] = std::exp(w[j] - mx)) : (w[j] = 0);
+            for (int64_t j = 0; j < n; ++j) sum += seen(j) ? (w[j] = std::exp(w[j] - mx)) : (w[j] = 0);
             for (int64_t e = 0; e < d; ++e) {
               double o = 0;
               for (int64_t j = 0; j < n; ++j) o += w[j] / sum * val(b, j, g, e);
@@ -75,8 +78,8 @@ TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
     kv.append(f32(kn).data(), f32(vn).data(), B, T, W);
     std::vector<float> dq(q.size()), dk(kn.size()), dv(vn.size());
     grad::causal_attention_backward(f32(q).data(), B, T, H, Hkv, d, past, kv, mask, f32(dout).data(), dq.data(),
-                                    dk.data(), dv.data(), static_cast<float>(scale));
-    EXPECT_LT(rel_rms(dq, std::vector<double>(ref.begin(), ref.begin() + q.size())), kTol) << "dq past " << past;
+                                    dk.data(), dv.data(), static_cast<float>(scale), window);
+    EXPECT_LT(rel_rms(dq, std::vector<double>(ref.begin(), ref.begin() + q.size())), kTol) << "dq past " << past << " window " << window;
     EXPECT_LT(rel_rms(dk, std::vector<double>(ref.begin() + q.size(), ref.begin() + q.size() + kn.size())), kTol)
         << "dk past " << past;
     EXPECT_LT(rel_rms(dv, std::vector<double>(ref.begin() + q.size() + kn.size(), ref.end())), kTol) << "dv past " << past;
@@ -84,7 +87,7 @@ TEST(GradAttention, CausalAttentionMatchesFiniteDifferences) {
     // The forward it inverts: flash_causal_attention's output matches the double reference.
     std::vector<float> out(q.size());
     detail::causal_attention(f32(q).data(), B, T, H, Hkv, d, past, kv, mask, out.data(), nullptr,
-                             static_cast<float>(scale));
+                             static_cast<float>(scale), window);
     double lhs = 0;
     for (size_t i = 0; i < out.size(); ++i) lhs += dout[i] * out[i];
     EXPECT_NEAR(lhs, s(all), 1e-4 * std::abs(lhs) + 1e-5);

@@ -148,7 +148,9 @@ TEST(GradOps, ActivationsMatchFiniteDifferences) {
 }
 
 // S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t, per head; a = A dt is an input of
-// its own here so the decay path (ddA) and the write path (ddt) are checked separately.
+// its own here so the decay path (ddA) and the write path (ddt) are checked separately. With
+// SsdGradArgs::da (lightning attention's per-token decays) the backward reads a itself, with an A that
+// does not give a (so a backward that ignored da would fail).
 TEST(GradOps, SsdScanMatchesFiniteDifferences) {
   const int64_t T = 9, H = 4, P = 3, G = 2, N = 2, hpg = H / G;
   auto x = rnd(T * H * P, 11), Bv = rnd(T * G * N, 12), Cv = rnd(T * G * N, 13), dt = rnd(T * H, 14, 0.05, 0.8),
@@ -185,6 +187,8 @@ TEST(GradOps, SsdScanMatchesFiniteDifferences) {
     return acc;
   };
   const auto ref = fd(all, s);
+  const auto af = f32(a), A_other = f32(rnd(H, 19, -2.0, -0.2));
+  for (bool use_da : {false, true})
   for (int64_t chunk : {1, 4, 64})
   for (bool chunked : {false, true}) {
     std::vector<float> dx(x.size()), dB(Bv.size()), dC(Cv.size()), ddt(dt.size()), ddA(a.size()), dS0(S0.size());
@@ -192,6 +196,7 @@ TEST(GradOps, SsdScanMatchesFiniteDifferences) {
     grad::SsdGradArgs g;
     g.T = T; g.H = H; g.P = P; g.G = G; g.N = N;
     g.x = xf.data(); g.B = Bf.data(); g.C = Cf.data(); g.dt = dtf.data(); g.A = Af.data(); g.D = Df.data();
+    if (use_da) g.da = af.data(), g.A = A_other.data();
     g.S0 = S0f.data(); g.dy = dyf.data();
     g.dx = dx.data(); g.dB = dB.data(); g.dC = dC.data(); g.ddt = ddt.data(); g.ddA = ddA.data(); g.dS0 = dS0.data();
     g.chunk = chunk;
@@ -202,7 +207,8 @@ TEST(GradOps, SsdScanMatchesFiniteDifferences) {
     for (size_t k = 0; k < got.size(); ++k) {
       std::vector<double> r(ref.begin() + o, ref.begin() + o + got[k]->size());
       o += got[k]->size();
-      EXPECT_LT(rel_rms(*got[k], r), kTol) << names[k] << " chunk " << chunk << (chunked ? " chunked" : " recurrent");
+      EXPECT_LT(rel_rms(*got[k], r), kTol) << names[k] << " chunk " << chunk << (chunked ? " chunked" : " recurrent")
+                                           << (use_da ? " da" : "");
     }
   }
 }

@@ -2,7 +2,7 @@
 // forward (RgLruMixer::forward) on random weights: the normed input's gradient along random directions
 // (through linear_x, the conv, both gates, the recurrence with its reset, the gelu_tanh(linear_y) gate
 // and linear_out), on a fresh left-padded call and on a continuation from a state, whose state_input
-// gradient is checked the same way. Not yet reached from tr.backward (RecurrentGemma's skeleton has none).
+// gradient is checked the same way. The whole model: test_grad_recurrent_gemma.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -45,16 +45,18 @@ struct Setup {
   }
 };
 
-void check(bool continuation) {
+// padded: row 1 is left-padded by 2 (on a continuation its window, written or cached, reaches its first
+// real tokens: the scan's window, not the padding's zeros).
+void check(bool continuation, bool padded) {
   Setup s;
   const int64_t B = 2, T = 5, D = s.d.D, K = s.d.K, W = s.d.W;
-  const Batch in = continuation ? Batch::left_padded({{1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}}, 0)
-                                : Batch::left_padded({{1, 2, 3, 4, 5}, {6, 7, 8}}, 0);
+  const Batch in = padded ? Batch::left_padded({{1, 2, 3, 4, 5}, {6, 7, 8}}, 0)
+                          : Batch::left_padded({{1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}}, 0);
   std::vector<int64_t> pos(static_cast<size_t>(B * T));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t first = continuation || b == 0 ? 0 : 2;
-      pos[static_cast<size_t>(b * T + t)] = continuation ? 4 + t : std::max<int64_t>(0, t - first);
+      const int64_t first = padded && b == 1 ? 2 : 0;
+      pos[static_cast<size_t>(b * T + t)] = t < first ? 0 : continuation ? 4 + t - first : t - first;
     }
   const Tensor S0 = continuation ? random_like({B, K, W}, 20, 0.5f) : Tensor({B, K, W});
   const Tensor n = random_like({B, T, D}, 21), dout = random_like({B, T, D}, 22);
@@ -69,7 +71,7 @@ void check(bool continuation) {
   const float h = 1e-2f;
   for (uint32_t k = 0; k < 3; ++k) {
     const Tensor v = random_like({B, T, D}, 30 + k);
-    if (!continuation) {  // the padded row's padding inputs are zeroed: the direction there changes nothing
+    if (padded) {  // the padded row's padding inputs are zeroed: the direction there changes nothing
       for (int64_t t = 0; t < 2; ++t)
         for (int64_t i = 0; i < D; ++i) EXPECT_EQ(dn[(T + t) * D + i], 0.0f);
     }
@@ -90,5 +92,6 @@ void check(bool continuation) {
 
 }  // namespace
 
-TEST(GradRgLru, FreshLeftPaddedCallMatchesFiniteDifferences) { check(false); }
-TEST(GradRgLru, ContinuationAndStateInputMatchFiniteDifferences) { check(true); }
+TEST(GradRgLru, FreshLeftPaddedCallMatchesFiniteDifferences) { check(false, true); }
+TEST(GradRgLru, ContinuationAndStateInputMatchFiniteDifferences) { check(true, false); }
+TEST(GradRgLru, LeftPaddedContinuationAndStateInputMatchFiniteDifferences) { check(true, true); }

@@ -1,7 +1,9 @@
 """Native gradients (issue 12) against torch autograd on transformers' pure-torch Qwen3.5, Qwen3-Next,
 Qwen3.5-MoE, OLMo-Hybrid and Kimi-Linear (the committed fixtures tests/fixtures/qwen3_5, qwen3_next, qwen3_5_moe,
 olmo_hybrid, kimi_linear: Kimi Delta Attention, latent attention, KimiLinearMoE), and LFM2 / LFM2-MoE (issue 25:
-tests/fixtures/lfm2, lfm2_moe; the short conv as linear_attn): every value's gradient (residual
+tests/fixtures/lfm2, lfm2_moe; the short conv as linear_attn) and MiniMax (issue 25: tests/fixtures/minimax; lightning
+attention as linear_attn, its decays and states against the written-out recurrence only, the softmax-routed MoE,
+the scaled residuals): every value's gradient (residual
 stream, gated DeltaNet values incl. per-token states, gated attention values, MLP / MoE outputs), both
 kernel paths (mixlens chunked vs transformers' torch_chunk_gated_delta_rule, mixlens routed to the token
 recurrence vs torch_recurrent_gated_delta_rule, both vs an explicit recurrence for the states), a padded
@@ -20,7 +22,7 @@ import transformers
 import mixlens
 from mixlens_dev import oracle_grad_qwen as og
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.grad_common import TOL, compare, mixlens_edits, mixlens_grads
+from mixlens_dev.grad_common import TOL, call_grads, compare, mixlens_edits, mixlens_grads
 
 FIX = REPO / "tests" / "fixtures"
 CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "qwen3_5/continuation",
@@ -28,17 +30,23 @@ CASES = ["qwen3_5/hv_eq_hk_chunks", "qwen3_5/hv_2hk", "qwen3_5/padded_batch", "q
          "olmo_hybrid/hv_2hk_chunks", "olmo_hybrid/padded_batch", "olmo_hybrid/continuation",
          "kimi_linear/kda_mla_moe_chunks", "kimi_linear/padded_batch", "kimi_linear/continuation",
          "lfm2/conv_attn", "lfm2/padded_batch", "lfm2/bias_short_prompt", "lfm2/continuation",
-         "lfm2_moe/moe_conv_attn", "lfm2_moe/padded_batch"]
+         "lfm2_moe/moe_conv_attn", "lfm2_moe/padded_batch",
+         "minimax/lightning_attn", "minimax/padded_batch", "minimax/continuation", "minimax/default_layout"]
 CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
            "olmo_hybrid": "OlmoHybridForCausalLM",
            "kimi_linear": "KimiLinearForCausalLM",
-           "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM"}
-UNGATED = ("olmo_hybrid", "kimi_linear", "lfm2", "lfm2_moe")  # attention without Qwen's output gate
+           "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM",
+           "minimax": "MiniMaxForCausalLM"}
+UNGATED = ("olmo_hybrid", "kimi_linear", "lfm2", "lfm2_moe", "minimax")  # attention without Qwen's output gate
 GDN = ("attention_queries", "attention_keys", "attention_values", "betas", "decays", "states",
        "attention_head_outputs", "attention_output")
 # LFM2's short conv (C, B, x; the window after every token; C * conv; out_proj).
 SHORT_CONV = ("attention_queries", "attention_keys", "attention_values", "states", "attention_head_outputs",
               "attention_output")
+# MiniMax's lightning attention (q, k, v; the constant per-head decay; the kv state after every token; o before the
+# norm and gate; out_proj): decays and states only in the written-out recurrence (transformers' graph has neither).
+LIGHTNING = ("attention_queries", "attention_keys", "attention_values", "decays", "states", "attention_head_outputs",
+             "attention_output")
 ATTN = ("attention_queries", "attention_keys", "attention_values", "gate", "attention_output")
 
 
@@ -46,6 +54,7 @@ class Case:
     def __init__(self, name):
         self.family, self.case = name.split("/")
         self.lfm2 = self.family.startswith("lfm2")  # one kernel (the token loop); every window retained
+        self.minimax = self.family == "minimax"
         d = FIX / self.family / self.case
         spec = json.loads((d / "case.json").read_text())
         cls = getattr(transformers, CLASSES[self.family])
@@ -71,7 +80,8 @@ class Case:
         for i, t in enumerate(self.types):
             out += [f"layers.{i}.layer_input", f"layers.{i}.layer_output", f"layers.{i}.mlp.output"]
             if t == "linear_attention":
-                out += [f"layers.{i}.linear_attn.{v}" for v in (SHORT_CONV if self.lfm2 else GDN)]
+                out += [f"layers.{i}.linear_attn.{v}" for v in (SHORT_CONV if self.lfm2 else LIGHTNING if self.minimax
+                                                               else GDN)]
                 if self.cont:
                     out.append(f"layers.{i}.linear_attn.state_input")
             else:
@@ -83,12 +93,7 @@ class Case:
         return (lp * self.mask).sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
 
     def mixlens_grads(self, edits=None):
-        if not self.cont:
-            return mixlens_grads(self.model, self.prompts, self.paths(), self.metric, edits)
-        cache = self.model.new_cache(len(self.prompts))
-        with self.model.trace(self.prompts, cache=cache):
-            pass
-        return mixlens_grads(self.model, self.cont, self.paths(), self.metric, edits, cache=cache)
+        return call_grads(self.model, self.prompts, self.cont, self.paths(), self.metric, edits)
 
     def torch_grads(self, scan, edits=()):
         return og.run(self.torch_model, self.prompts, self.metric, scan=scan, edits=edits, continuation=self.cont)
@@ -108,9 +113,12 @@ def route(request, case):
 
 def test_every_gradient_matches_torch_autograd(case, route):
     got, tr = case.mixlens_grads()
-    assert tr.calls[-1]["kernel"] == ("recurrent" if route == "recurrent" or case.lfm2 else "chunked")
+    # MiniMax takes the token loop on every call over a cache (transformers' too).
+    recurrent = route == "recurrent" or case.lfm2 or (case.minimax and case.cont is not None)
+    assert tr.calls[-1]["kernel"] == ("recurrent" if recurrent else "chunked")
     scan = "recurrent" if route == "recurrent" else "chunk"
-    n_states = 0 if case.lfm2 else sum(t == "linear_attention" for t in case.types)  # LFM2: windows always kept
+    # LFM2: windows always kept; MiniMax: transformers' graph has no per-token states or decays tensors.
+    n_states = 0 if case.lfm2 else (2 if case.minimax else 1) * sum(t == "linear_attention" for t in case.types)
     assert compare(got, case.torch_grads(scan), scan) == len(case.paths()) - n_states
     assert compare(got, case.torch_grads("explicit"), "explicit recurrence") == len(case.paths())
     for p in case.paths():  # the metric's gradient is not vacuous anywhere
@@ -122,7 +130,7 @@ def test_gradients_through_edits_match_torch(case, route):
     att = [i for i, t in enumerate(case.types) if t != "linear_attention"]
     if case.targets.shape[1] < 4:
         pytest.skip("the edits write tokens 0..3 (lfm2/bias_short_prompt has two)")
-    first = "attention_keys" if case.lfm2 else "betas"
+    first = "attention_keys" if case.lfm2 or case.minimax else "betas"  # neither has betas
     edits = [dict(path=f"layers.{lin[0]}.linear_attn.{first}", index=2, value=0.0),
              dict(path=f"layers.{lin[-1]}.linear_attn.attention_values", index=1, value=0.25),
              dict(path=f"layers.{lin[0]}.linear_attn.{'attention_queries' if case.lfm2 else 'decays'}", index=0,
@@ -158,7 +166,7 @@ def test_state_output_gradient_is_zero():
 
 @pytest.mark.parametrize("name", ["qwen3_5/continuation", "qwen3_next/moe_hv_2hk",
                                   "kimi_linear/continuation", "kimi_linear/kda_mla_moe_chunks", "lfm2/continuation",
-                                  "lfm2_moe/moe_conv_attn"])
+                                  "lfm2_moe/moe_conv_attn", "minimax/continuation", "minimax/default_layout"])
 def test_decode_step_gradients_match_torch(name):
     """A one-token call over a cache (the decode kernel, the token recurrence), state_input included."""
     c = Case(name)

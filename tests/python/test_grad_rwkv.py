@@ -7,14 +7,11 @@ a continuation from a cache (state_input included), a decode step, and set_index
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-import mixlens
 from mixlens_dev.common import REPO, rel_rms
-from mixlens_dev.grad_common import compare, mixlens_edits, mixlens_grads
+from mixlens_dev.grad_common import FixtureCase, call_grads, compare, mixlens_edits, split_call_grads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,41 +22,17 @@ MIX = ("attention_keys", "attention_values", "decays", "attention_queries", "sta
        "attention_output")
 
 
-class Case:
+class Case(FixtureCase):
     def __init__(self, name, cont=None):
-        d = FIX / name
-        self.torch_model = transformers.RwkvForCausalLM.from_pretrained(str(d)).eval()
-        for p in self.torch_model.parameters():
-            p.requires_grad_(False)
-        self.model = mixlens.StandardizedTransformer(str(d), output="torch")
-        self.prompts = json.loads((d / "case.json").read_text())["prompts"]
-        self.cont = cont
+        super().__init__(transformers.RwkvForCausalLM, FIX / name, name, cont)
         cfg = self.torch_model.config
         self.L, self.A = cfg.num_hidden_layers, cfg.attention_hidden_size
-        B, T = len(self.prompts), len(cont[0]) if cont else len(self.prompts[0])
-        self.targets = torch.as_tensor(np.random.default_rng(len(name)).integers(0, cfg.vocab_size, size=(B, T)))
 
     def paths(self):
-        out = ["embed_tokens.output", "ln_final.output", "logits"]
-        for i in range(self.L):
-            out += [f"layers.{i}.layer_input", f"layers.{i}.layer_output", f"layers.{i}.mlp.output"]
-            out += [f"layers.{i}.linear_attn.{v}" for v in MIX]
-            if self.cont:
-                out.append(f"layers.{i}.linear_attn.state_input")
-        return out
-
-    def metric(self, logits):
-        lp = torch.log_softmax(logits, -1).gather(-1, self.targets[..., None])[..., 0]
-        return lp.sum() + 0.5 * (logits[:, -1, 3] - logits[:, -1, 7]).sum()
+        return self.block_paths(self.L, MIX)
 
     def mixlens_grads(self, edits=None):
-        if not self.cont:
-            got, tr = mixlens_grads(self.model, self.prompts, self.paths(), self.metric, edits)
-        else:
-            cache = self.model.new_cache(len(self.prompts))
-            with self.model.trace(self.prompts, cache=cache):
-                pass
-            got, tr = mixlens_grads(self.model, self.cont, self.paths(), self.metric, edits, cache=cache)
+        got, tr = call_grads(self.model, self.prompts, self.cont, self.paths(), self.metric, edits)
         for i in range(self.L):  # the oracle's states: num | den | max (its shift parts are the ln outputs)
             p = f"layers.{i}.linear_attn.states"
             got[p] = np.ascontiguousarray(got[p][..., : 3 * self.A])
@@ -126,22 +99,10 @@ def test_states_gradient_is_the_next_calls_state_input_gradient():
     cont, j = [[5, 17, 40, 9, 22, 31]], 3
     W = torch.as_tensor(np.random.default_rng(3).standard_normal((1, len(cont[0]), 96)).astype(np.float32))
 
-    def primed():
-        cache = c.model.new_cache(1)
-        with c.model.trace(c.prompts, cache=cache):
-            pass
-        return cache
-
-    paths = [f"layers.{i}.linear_attn.states" for i in range(c.L)]
-    whole, _ = mixlens_grads(c.model, cont, paths, lambda z: (z[:, j:] * W[:, j:]).sum(), cache=primed())
-    cache = primed()
-    with c.model.trace([cont[0][:j]], cache=cache):
-        pass
-    paths_in = [f"layers.{i}.linear_attn.state_input" for i in range(c.L)]
-    split, _ = mixlens_grads(c.model, [cont[0][j:]], paths_in, lambda z: (z * W[:, j:]).sum(), cache=cache)
-    for p, q in zip(paths, paths_in):
-        assert rel_rms(whole[p][:, j - 1], split[q]) <= 1e-5, p
-        assert np.abs(split[q]).max() > 0
+    whole, split = split_call_grads(c.model, c.prompts, cont, j, range(c.L), W)
+    for i, (g, g_in) in enumerate(zip(whole, split)):
+        assert rel_rms(g[:, j - 1], g_in) <= 1e-5, i
+        assert np.abs(g_in).max() > 0
 
 
 def test_gradients_through_edits_match_torch():

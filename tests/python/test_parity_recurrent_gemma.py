@@ -1,8 +1,8 @@
 """Live parity of RecurrentGemma (RG-LRU recurrent blocks + local MQA attention) with transformers
 5.18 (pure torch) on tiny random checkpoints transformers writes here: prompt logits, greedy decode
 through the cache, a continuation, the RG-LRU values and per-token states against an explicit
-recurrence over transformers' own conv output, state writes, padding, the window refusal and the
-backward refusal.
+recurrence over transformers' own conv output, state writes, padding, and local attention past
+attention_window_size (a window_8 case runs every test past it; gradients: test_grad_recurrent_gemma.py).
 
 Padding: transformers runs the recurrent block's conv over the padding positions' linear_x outputs
 (nothing masks them), so in transformers a left-padded row differs from the same row alone; mixlens
@@ -29,6 +29,8 @@ CASES = {
     # lru_width = hidden_size, conv width 3, attention first, untied head.
     "attention_first": dict(seed=11, config=dict(BASE, num_hidden_layers=3, lru_width=32, conv1d_width=3,
                                                   block_types=["attention", "recurrent"], tie_word_embeddings=False)),
+    # A window of 8 keys: the prompts (up to 30 tokens) and decode steps of every test run past it.
+    "window_8": dict(seed=5, config=dict(BASE, num_hidden_layers=4, attention_window_size=8)),
 }
 
 
@@ -187,9 +189,29 @@ def test_state_write_equals_a_continuation_from_that_state(case):
     assert rel_rms(out[:, :8], m.run([row])["logits"][:, :8]) == 0.0  # and changed nothing before
 
 
-def test_the_attention_window_is_refused_past_its_end(case):
-    with pytest.raises(mixlens.UnsupportedError, match="sliding window of 48"):
-        case["model"].run(prompts(6, [49]))
+def test_attention_past_the_window_matches_transformers(case):
+    """Local attention sees the last attention_window_size keys (its own included) on a prompt longer than
+    the window and on decode steps continuing it; the cache keeps the last window - 1 keys (a decode
+    step's attention probabilities span window keys), as transformers' sliding-window cache layer."""
+    w = case["config"].attention_window_size
+    row = prompts(6, [w + 13])[0]
+    tm, tkv = case["torch_model"], transformers.DynamicCache(config=case["config"])
+    with torch.no_grad():
+        out = tm(input_ids=torch.tensor([row]), position_ids=torch.arange(len(row))[None], past_key_values=tkv,
+                 use_cache=True)
+    assert rel_rms(case["model"].run([row])["logits"][0], out.logits.numpy()[0]) <= 1e-4
+    cache = case["model"].new_cache(1)
+    case["model"].forward([row], cache=cache)
+    j = case["config"].layers_block_type.index("attention")
+    tok = int(out.logits[0, -1].argmax())
+    for step in range(6):
+        with torch.no_grad():
+            want = tm(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(row) + step]]),
+                      past_key_values=tkv, use_cache=True).logits.numpy()[0]
+        got = case["model"].forward([[tok]], cache=cache, saves=[f"layers.{j}.self_attn.attention_probabilities"])
+        assert rel_rms(got["logits"][0], want) <= 1e-4, step
+        assert got[f"layers.{j}.self_attn.attention_probabilities"].shape[-1] == w, step
+        tok = int(want[-1].argmax())
 
 
 def test_the_chunked_route_is_refused_not_ignored(case):
@@ -218,13 +240,6 @@ def test_support_and_state_layout(case):
     assert "diagonal" in s["linear_attn.attention_queries"][i]
     assert "local attention block" in s["linear_attn.decays"][j]
     assert "RG-LRU" in s["self_attn.attention_output"][i]
-
-
-def test_backward_is_a_clear_error_naming_the_family(case):
-    with case["model"].trace([[5, 6, 7]], grad=True) as tr:
-        pass
-    with pytest.raises(mixlens.UnsupportedError, match="recurrent_gemma family"):
-        tr.backward(np.ones((1, 3, 96), np.float32), paths=[f"layers.{rec_layers(case)[0]}.linear_attn.decays"])
 
 
 def test_writes_the_reset_discards_are_errors_not_no_ops(case):

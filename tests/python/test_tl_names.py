@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mixlens
-from mixlens_dev.common import REPO
+from mixlens_dev.common import REPO, rel_rms
 
 FIX = REPO / "tests" / "fixtures"
 
@@ -91,6 +91,17 @@ def test_wildcard_and_interleaved_read():
             model.blocks[0].linear_attn.hook_beta_logit
 
 
+# docs/transformer_lens.md's hook_ssm_* table: the names TL 4.3 does not define on a mixer are refused saying so.
+SSM_NOT_IN_TL = ([("mamba/basic", f"blocks.0.mixer.{h}", f"has no {h} on Mamba-1") for h in
+                  ("hook_ssm_B", "hook_ssm_C", "hook_ssm_decay")] +
+                 [("qwen3_5/hv_eq_hk_chunks", "blocks.0.linear_attn.hook_ssm_dt", "no hook_ssm_dt on a gated DeltaNet")] +
+                 [("lfm2/conv_attn", f"blocks.0.conv.{h}", f"LFM2 short conv has no {h}") for h in
+                  ("hook_ssm_out", "hook_ssm_state", "hook_ssm_write", "hook_ssm_B", "hook_ssm_C", "hook_ssm_decay",
+                   "hook_ssm_dt")] +
+                 [("rwkv/basic", "blocks.0.time_mix.hook_ssm_state", "RWKV-4 blocks have no mixlens alias"),
+                  ("recurrent_gemma/griffin", "blocks.0.mixer.hook_ssm_state", "wraps each layer whole")])
+
+
 @pytest.mark.parametrize("case,name,part", [
     ("mamba2/short_prompt", "blocks.0.mixer.hook_ssm_state", "states.transpose(-1, -2)"),
     ("mamba/basic", "blocks.0.mixer.hook_ssm_dt", "softplus(hook_ssm_dt)"),
@@ -100,7 +111,13 @@ def test_wildcard_and_interleaved_read():
     ("zamba2/nope_padded", "blocks.0.hook_mlp_out", "(SSMBlockBridge) have no hook_mlp_out"),
     ("zamba2/nope_padded", "blocks.0.mixer.hook_out", "on the Mamba layers only"),
     ("kimi_linear/padded_batch", "blocks.0.hook_resid_post", "no Kimi-Linear adapter"),
-])
+    ("rwkv/basic", "blocks.1.hook_resid_post", "2 * layers.1.layer_output"),  # a block followed by the halving
+    ("rwkv/basic", "blocks.0.hook_resid_mid", "layer_input plus"),
+    ("lfm2/conv_attn", "blocks.0.conv.hook_in_proj", "B | C | x"),
+    ("lfm2/conv_attn", "blocks.1.conv.hook_out", "its components: attn,mlp"),
+    ("recurrent_gemma/griffin", "hook_embed", "normalizer"),
+    ("recurrent_gemma/griffin", "hook_unembed", "logits_soft_cap"),
+] + SSM_NOT_IN_TL)
 def test_unmapped_tl_names_say_why(case, name, part):
     model, prompts = load(case)
     with pytest.raises(mixlens.UnknownValueError) as e:
@@ -127,3 +144,63 @@ def test_cli_save_takes_tl_names(tmp_path, text_model_dir):
     r = cli("run", "--model", text_model_dir, "Once upon a time", "--save", "blocks.0.mixer.hook_ssm_state",
             "--out", tmp_path / "x.safetensors")
     assert r.returncode != 0 and "states.transpose(-1, -2)" in r.stderr, r.stderr
+
+
+def _hf_module_outputs(case, modules):
+    """transformers' own forward of a fixture's first prompt with forward hooks: {name: the module's output (the
+    first element of a tuple: TransformerLens 4.3's GeneralizedComponent hooks output[0], base.py), or its input
+    for a path ending in ':in' (TL's `.hook_in`)} for `modules` = {name: module path}."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = FIX / case
+    tm = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    got, handles = {}, []
+    for name, path in modules.items():
+        mod = tm.get_submodule(path.removesuffix(":in"))
+        pick = (lambda inp, out: inp[0]) if path.endswith(":in") else (
+            lambda inp, out: out[0] if isinstance(out, tuple) else out)
+        hook = (lambda n, f: lambda _m, inp, out: got.__setitem__(n, f(inp, out).detach()))
+        handles.append(mod.register_forward_hook(hook(name, pick)))
+    prompt = json.loads((d / "case.json").read_text())["prompts"][0]
+    with torch.no_grad():
+        tm(torch.tensor([prompt]), use_cache=False)
+    for h in handles:
+        h.remove()
+    return {k: v.numpy() for k, v in got.items()}, [prompt]
+
+
+@pytest.mark.parametrize("case,pairs", [
+    # LFM2 (TL's Lfm2ArchitectureAdapter: `conv`, `attn`, `mlp`); conv_attn's blocks: conv, attention, conv.
+    ("lfm2/conv_attn", {"blocks.0.conv.hook_out": "model.layers.0.conv",
+                        "blocks.0.conv.hook_gated": "model.layers.0.conv.out_proj:in",
+                        "blocks.1.attn.hook_out": "model.layers.1.self_attn",
+                        "blocks.1.hook_attn_out": "model.layers.1.self_attn",
+                        "blocks.2.mlp.hook_out": "model.layers.2.feed_forward",
+                        "blocks.2.hook_mlp_out": "model.layers.2.feed_forward"}),
+    # RWKV-4 (TL's RwkvArchitectureAdapter: time_mix = attention, channel_mix = feed_forward); rescale_every 2.
+    ("rwkv/basic", {"blocks.1.hook_time_mix_out": "rwkv.blocks.1.attention",
+                    "blocks.1.time_mix.hook_out": "rwkv.blocks.1.attention",
+                    "blocks.2.hook_channel_mix_out": "rwkv.blocks.2.feed_forward",
+                    "blocks.1.channel_mix.hook_out": "rwkv.blocks.1.feed_forward",
+                    "blocks.0.hook_resid_post": "rwkv.blocks.0",
+                    "blocks.2.hook_resid_post": "rwkv.blocks.2"}),
+])
+def test_tl_4_3_adapters_name_the_module_outputs(case, pairs):
+    """TL 4.3's LFM2 and RWKV-4 adapters hook transformers' module outputs: mixlens's values saved under those TL
+    names equal them (float32 rounding)."""
+    want, prompts = _hf_module_outputs(case, pairs)
+    model = mixlens.StandardizedTransformer(str(FIX / case))
+    out = model.run(prompts, saves=list(pairs))
+    for tl in pairs:
+        got = np.asarray(out[tl])
+        assert got.shape == want[tl].shape, (tl, got.shape, want[tl].shape)
+        assert rel_rms(got, want[tl]) <= 1e-5, (tl, rel_rms(got, want[tl]))
+
+
+def test_recurrent_gemma_maps_the_residual_stream():
+    """TL 4.3's RecurrentGemma adapter is residual-only (the other names: test_unmapped_tl_names_say_why)."""
+    model, prompts = load("recurrent_gemma/griffin")
+    out = model.run(prompts, saves=["blocks.1.hook_resid_post", "layers.1.layer_output", "ln_final.hook_out"])
+    assert np.array_equal(out["blocks.1.hook_resid_post"], out["layers.1.layer_output"])
+
