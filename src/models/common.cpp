@@ -115,9 +115,9 @@ void add_mixing_support(std::map<std::string, std::map<int, std::string>>& s, co
     for (int i = 0; i < info.num_layers; ++i) {
       std::string& r = per_layer[i];
       if (!r.empty() || table.at.count(site_path({i, v}))) continue;
+      // Every recurrent kind serves it; softmax attention has attention_probabilities instead.
       r = "block " + std::to_string(i) + " is a " + std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(i)])) +
-          " block: its exact token mixing is not derived yet (issue 26: Mamba-2 SSD, lightning attention and gated "
-          "DeltaNet serve it); read its states / attention_keys / decays instead";
+          " block: it has no recurrent mixer (self_attn serves attention_probabilities)";
     }
   }
 }

@@ -97,12 +97,18 @@ class FamilyModel {
     return Tensor();
   }
 
-  /// The per-head skip weight of layer `layer`'s mixer (Mamba-2's D [H]: attention_head_outputs add
-  /// D x_t), read by token_mixing (include/mixlens/mixing.h); undefined where the head outputs have
-  /// no skip (lightning attention, gated DeltaNet) or the layer has no such mixer.
-  virtual Tensor mixer_skip(int layer) const {
+  /// The weights of layer `layer`'s mixer that token_mixing (include/mixlens/mixing.h) reads besides
+  /// the served values; each undefined where the kind has none.
+  struct MixerConsts {
+    Tensor skip;       ///< Mamba-2's D [H], Mamba-1's D [E]: attention_head_outputs add skip * values
+    Tensor conv_wT;    ///< LFM2's short conv taps [K, D] (index K-1 = the token's own)
+    Tensor conv_bias;  ///< LFM2's conv bias [D] (conv_bias)
+    Tensor bonus;      ///< RWKV-4's time_first [A]
+    float eps = 0.0f;  ///< mLSTM's eps (added to the read's denominator)
+  };
+  virtual MixerConsts mixer_consts(int layer) const {
     (void)layer;
-    return Tensor();
+    return {};
   }
 
   /// The LM head around the blocks, for nnterp's project_on_vocab and read access to the weights

@@ -452,9 +452,11 @@ class Mamba2Hybrid final : public FamilyModel {
     if (mamba1()) return mixer1_.betas_for_decays(li, bw.mamba1, betas_before, decays);
     return mixer_.betas_for_decays(bw.mamba, betas_before, decays);
   }
-  Tensor mixer_skip(int li) const override {
+  MixerConsts mixer_consts(int li) const override {
     const HybridBlock& b = s_.blocks[static_cast<size_t>(li)];
-    return b.mamba && !mamba1() ? blocks_[static_cast<size_t>(li)].mamba.D : Tensor();
+    const BlockW& bw = blocks_[static_cast<size_t>(li)];
+    if (!b.mamba) return {};
+    return {mamba1() ? bw.mamba1.D : bw.mamba.D, {}, {}, {}};
   }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {

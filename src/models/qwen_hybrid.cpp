@@ -380,6 +380,11 @@ class QwenHybrid final : public FamilyModel {
     return parts;
   }
 
+  MixerConsts mixer_consts(int li) const override {
+    const Layer& l = layers_[static_cast<size_t>(li)];
+    if (!spec_.lfm2 || !l.linear) return {};
+    return {{}, l.sc.conv_wT, conv_.bias() ? l.sc.conv_bias : Tensor(), {}};
+  }
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, spec_.centred_norms}; }
   ResidualWrite residual_write(int layer) const override {
     ResidualWrite w = FamilyModel::residual_write(layer);
