@@ -11,6 +11,11 @@
 #include "fixture_util.h"
 #include "hooks/mixing.h"
 #include "mixers/gated_delta.h"
+#include "mixers/mlstm_mixer.h"
+#include "mixers/rg_lru_mixer.h"
+#include "mixers/rwkv_mixer.h"
+#include "mixers/selective_scan.h"
+#include "mixers/short_conv_mixer.h"
 #include "mixers/ssd.h"
 #include "mixlens/errors.h"
 #include "mixlens/mixing.h"
@@ -179,7 +184,9 @@ TEST(TokenMixing, SsdContributionsSumToTheStates) {
       for (int64_t s = 0; s < T; ++s)
         for (int64_t e = 0; e < N * P; ++e) {
           const float v = contrib[static_cast<size_t>((h * T + s) * N * P + e)];
-          if (s > t) ASSERT_EQ(v, 0.0f);
+          if (s > t) {
+            ASSERT_EQ(v, 0.0f);
+          }
           sum[static_cast<size_t>(h * N * P + e)] += v;
         }
     for (size_t e = 0; e < want.size(); ++e) want[e] = states[static_cast<size_t>(t * H * N * P) + e];
@@ -190,7 +197,9 @@ TEST(TokenMixing, SsdContributionsSumToTheStates) {
 TEST(TokenMixing, ApiBlockEqualsTheTraceValueAndRebuildsTheHeadOutputs) {
   // Mamba-2 (with D), MiniMax lightning, Qwen3.5's gated DeltaNet and Kimi's KDA (no skip) fixtures: the block API against the trace's
   // token_mixing and the head outputs (rel RMS <= 1e-5), and a refused write.
-  for (const char* fx : {"mamba2/g2_clamp", "minimax/lightning_attn", "qwen3_5/padded_batch", "kimi_linear/padded_batch"}) {
+  for (const char* fx : {"mamba2/g2_clamp", "minimax/lightning_attn", "qwen3_5/padded_batch", "kimi_linear/padded_batch",
+                         "mamba/padded_bias", "zamba/padded_bias", "lfm2/bias_short_prompt", "recurrent_gemma/padded_batch",
+                         "rwkv/batch_eps_tied", "xlstm/batch_eps_tied"}) {
     if (!std::filesystem::exists(test::fixture(fx) / "config.json")) continue;
     Model m = Model::load(test::fixture(fx).string());
     int layer = -1;
@@ -207,8 +216,9 @@ TEST(TokenMixing, ApiBlockEqualsTheTraceValueAndRebuildsTheHeadOutputs) {
     const TokenMixing full = token_mixing(m, batch, {layer, {}, {}, {}});
     ASSERT_EQ(full.mixing.shape(), M.shape());
     EXPECT_LE(test::max_abs_diff(full.mixing, M), 0.0) << fx;
-    const int64_t B = x.size(0), T = x.size(1), H = x.size(2), P = x.size(3);
-    Tensor rebuilt({B, T, H, P});
+    // Per-channel kinds serve [B,T,channels] (one value per "head"), xLSTM [B,T,NH*Dv].
+    const int64_t B = x.size(0), T = x.size(1), H = M.size(1), P = x.numel() / (B * T * H);
+    Tensor rebuilt(y.shape());
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < H; ++h)
@@ -231,20 +241,20 @@ TEST(TokenMixing, ApiBlockEqualsTheTraceValueAndRebuildsTheHeadOutputs) {
   }
 }
 
-TEST(TokenMixing, KindsWithoutADerivedMixingAreRefusedWithTheReason) {
-  Model m = Model::load(test::fixture("mamba/short_prompt").string());
+TEST(TokenMixing, BlocksWithoutARecurrentMixerAreRefusedWithTheReason) {
+  Model m = Model::load(test::fixture("lfm2/conv_attn").string());
+  int attn = -1;
+  for (int i = 0; i < m.info().num_layers && attn < 0; ++i)
+    if (m.info().layer_kinds[static_cast<size_t>(i)] == LayerKind::attention) attn = i;
+  ASSERT_GE(attn, 0);
   const auto s = m.support();
-  ASSERT_NE(s.at("linear_attn.token_mixing").at(0).find("not derived yet"), std::string::npos);
+  ASSERT_NE(s.at("linear_attn.token_mixing").at(attn).find("attention"), std::string::npos);
   const Batch batch = Batch::left_padded({{5, 6, 7}}, m.pad_token_id());
-  EXPECT_THROW(token_mixing(m, batch, {0, {}, {}, {}}), UnsupportedError);
+  EXPECT_THROW(token_mixing(m, batch, {attn, {}, {}, {}}), UnsupportedError);
+  EXPECT_THROW(token_mixing(m, batch, {m.info().num_layers, {}, {}, {}}), InputError);
   Trace tr;
-  tr.save("layers.0.linear_attn.token_mixing");
-  try {
-    m.run({{5, 6, 7}}, &tr);
-    FAIL() << "a Mamba-1 token_mixing save ran";
-  } catch (const UnknownValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("not derived yet"), std::string::npos) << e.what();
-  }
+  tr.save("layers." + std::to_string(attn) + ".linear_attn.token_mixing");
+  EXPECT_THROW(m.run({{5, 6, 7}}, &tr), UnknownValueError);
 }
 
 namespace {
@@ -384,5 +394,266 @@ TEST(TokenMixing, DeltaRuleBlocksAndContributions) {
       for (size_t e = 0; e < want.size(); ++e) want[e] = states[static_cast<size_t>(t * H * Dk * Dv) + e];
       EXPECT_LE(rel(sum, want), 1e-5) << "t=" << t << " per_key=" << per_key;
     }
+  }
+}
+
+// ---- The per-channel kinds: Mamba-1, RG-LRU, the short conv, RWKV-4 ------------------------------
+
+namespace {
+
+std::vector<float> randn(std::mt19937& g, int64_t n, float lo = 0.0f, float hi = 0.0f) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(lo, hi);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& e : v) e = lo == hi ? nd(g) : ud(g);
+  return v;
+}
+
+template <class F>
+double rel_to(const std::vector<float>& got, int64_t n, F&& want) {
+  std::vector<double> a(got.begin(), got.end()), b(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) b[static_cast<size_t>(i)] = want(i);
+  return rel(a, b);
+}
+
+}  // namespace
+
+TEST(TokenMixing, MambaOneMatchesAFloat64RecurrenceAndBothKernels) {
+  // Per channel: M[e] against the selective scan run one source at a time in double; y = M u + Sin
+  // S0 + D u against the token loop and the chunked scan (chunk 4) from a start state.
+  const int64_t E = 3, N = 4;
+  for (int64_t T = 1; T <= 9; ++T) {
+    std::mt19937 g(static_cast<uint32_t>(300 + T));
+    std::vector<float> u = randn(g, T * E), dt = randn(g, T * E, 0.05f, 0.8f), Bm = randn(g, T * N), C = randn(g, T * N);
+    std::vector<float> A = randn(g, E * N, -1.5f, -0.1f), D = randn(g, E), S0 = randn(g, E * N), dec(static_cast<size_t>(T * E * N));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t n = 0; n < N; ++n) dec[static_cast<size_t>((t * E + e) * N + n)] = A[static_cast<size_t>(e * N + n)] * dt[static_cast<size_t>(t * E + e)];
+    detail::SelectiveMixArgs ma;
+    ma.B = 1; ma.T = T; ma.E = E; ma.N = N; ma.u = u.data(); ma.dt = dt.data(); ma.Bm = Bm.data(); ma.C = C.data(); ma.decay = dec.data();
+    std::vector<float> M(static_cast<size_t>(E * T * T)), Sin(static_cast<size_t>(E * T * N));
+    detail::mamba_token_mixing(ma, {0}, detail::MixBlock::whole(T, E), M.data(), Sin.data());
+    // The recurrence with only source s writing (u_s = 1), read at every t.
+    std::vector<double> ref(M.size(), 0.0);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t s = 0; s < T; ++s) {
+        std::vector<double> S(static_cast<size_t>(N), 0.0);
+        for (int64_t t = 0; t < T; ++t) {
+          double y = 0;
+          for (int64_t n = 0; n < N; ++n) {
+            double& x = S[static_cast<size_t>(n)];
+            x = x * std::exp(static_cast<double>(dec[static_cast<size_t>((t * E + e) * N + n)])) + (t == s ? dt[static_cast<size_t>(t * E + e)] * static_cast<double>(Bm[static_cast<size_t>(t * N + n)]) : 0.0);
+            y += x * C[static_cast<size_t>(t * N + n)];
+          }
+          ref[static_cast<size_t>((e * T + t) * T + s)] = y;
+        }
+      }
+    ASSERT_LE(rel(std::vector<double>(M.begin(), M.end()), ref), 1e-6) << "T=" << T;
+    for (bool chunked : {true, false}) {
+      std::vector<float> S(S0), y(static_cast<size_t>(T * E));
+      detail::SelectiveScanArgs a;
+      a.T = T; a.E = E; a.N = N; a.u = u.data(); a.dt = dt.data(); a.B = Bm.data(); a.C = C.data(); a.A = A.data(); a.D = D.data();
+      a.S = S.data(); a.y = y.data(); a.chunk = 4;
+      if (chunked) detail::selective_scan_chunked(a); else detail::selective_scan_recurrent(a);
+      const double err = rel_to(y, T * E, [&](int64_t i) {
+        const int64_t t = i / E, e = i % E;
+        double acc = D[static_cast<size_t>(e)] * static_cast<double>(u[static_cast<size_t>(i)]);
+        for (int64_t s = 0; s < T; ++s) acc += M[static_cast<size_t>((e * T + t) * T + s)] * static_cast<double>(u[static_cast<size_t>(s * E + e)]);
+        for (int64_t n = 0; n < N; ++n) acc += Sin[static_cast<size_t>((e * T + t) * N + n)] * static_cast<double>(S0[static_cast<size_t>(e * N + n)]);
+        return acc;
+      });
+      EXPECT_LE(err, 1e-5) << "T=" << T << " chunked=" << chunked;
+    }
+    // From a zero start the contributions sum to the state after t (the token loop's states).
+    std::vector<float> S(static_cast<size_t>(E * N), 0.0f), y(static_cast<size_t>(T * E)), states(static_cast<size_t>(T * E * N));
+    detail::SelectiveScanArgs a;
+    a.T = T; a.E = E; a.N = N; a.u = u.data(); a.dt = dt.data(); a.B = Bm.data(); a.C = C.data(); a.A = A.data(); a.D = D.data();
+    a.S = S.data(); a.y = y.data(); a.states = states.data();
+    detail::selective_scan_recurrent(a);
+    const int64_t t = T / 2;
+    std::vector<float> c(static_cast<size_t>(E * T * N));
+    detail::mamba_state_contributions(ma, {0}, t, {0, 0, 0, T, 0, E}, c.data());
+    std::vector<float> got(static_cast<size_t>(E * N), 0.0f);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t s = 0; s < T; ++s)
+        for (int64_t n = 0; n < N; ++n) got[static_cast<size_t>(e * N + n)] += c[static_cast<size_t>((e * T + s) * N + n)];
+    EXPECT_LE(rel_to(got, E * N, [&](int64_t i) { return states[static_cast<size_t>(t * E * N + i)]; }), 1e-5) << "T=" << T;
+  }
+}
+
+TEST(TokenMixing, RgLruMatchesAFloat64Recurrence) {
+  // h_t = a_t h_{t-1} + sqrt(1 - a_t^2) i_t u_t (a reset at position 0: a = 0, multiplier 1), in
+  // double from a start h: M u + Sin h0, with and without a reset in the call; a block is a slice.
+  const int64_t W = 3;
+  for (bool reset : {true, false})
+    for (int64_t T = 1; T <= 9; ++T) {
+      std::mt19937 g(static_cast<uint32_t>(400 + T + (reset ? 50 : 0)));
+      std::vector<float> u = randn(g, T * W), ig = randn(g, T * W, 0.05f, 0.95f), la = randn(g, T * W, -2.0f, -1e-4f), h0 = randn(g, W);
+      std::vector<int64_t> pos(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = reset ? t : t + 5;
+      detail::RgLruMixArgs ma;
+      ma.B = 1; ma.T = T; ma.W = W; ma.u = u.data(); ma.ig = ig.data(); ma.la = la.data(); ma.pos = pos.data();
+      std::vector<float> M(static_cast<size_t>(W * T * T)), Sin(static_cast<size_t>(W * T));
+      detail::rg_lru_token_mixing(ma, {0}, detail::MixBlock::whole(T, W), M.data(), Sin.data());
+      std::vector<double> y(static_cast<size_t>(T * W));
+      for (int64_t c = 0; c < W; ++c) {
+        double h = h0[static_cast<size_t>(c)];
+        for (int64_t t = 0; t < T; ++t) {
+          const double lg = la[static_cast<size_t>(t * W + c)];
+          const bool r = pos[static_cast<size_t>(t)] == 0;
+          h = (r ? 0.0 : std::exp(lg)) * h + (r ? 1.0 : std::sqrt(1.0 - std::exp(2.0 * lg))) * ig[static_cast<size_t>(t * W + c)] * u[static_cast<size_t>(t * W + c)];
+          y[static_cast<size_t>(t * W + c)] = h;
+        }
+      }
+      std::vector<float> mix(static_cast<size_t>(T * W));
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < W; ++c) {
+          double acc = Sin[static_cast<size_t>(c * T + t)] * static_cast<double>(h0[static_cast<size_t>(c)]);
+          for (int64_t s = 0; s < T; ++s) acc += M[static_cast<size_t>((c * T + t) * T + s)] * static_cast<double>(u[static_cast<size_t>(s * W + c)]);
+          mix[static_cast<size_t>(t * W + c)] = static_cast<float>(acc);
+        }
+      EXPECT_LE(rel_to(mix, T * W, [&](int64_t i) { return y[static_cast<size_t>(i)]; }), 1e-5) << "T=" << T << " reset=" << reset;
+      if (T >= 5) {
+        const detail::MixBlock blk{2, 5, 1, 4, 1, 2};
+        std::vector<float> part(static_cast<size_t>(blk.rows() * blk.cols()));
+        detail::rg_lru_token_mixing(ma, {0}, blk, part.data(), nullptr);
+        for (int64_t i = 0; i < blk.rows(); ++i)
+          for (int64_t j = 0; j < blk.cols(); ++j)
+            ASSERT_EQ(part[static_cast<size_t>(i * blk.cols() + j)], M[static_cast<size_t>((1 * T + 2 + i) * T + 1 + j)]);
+      }
+    }
+}
+
+TEST(TokenMixing, ShortConvMatchesAFloat64ConvFromAWindow) {
+  // y_t = C_t (sum_k w[k] u_{t-K+1+k}) with u = B x and the first K window values from a start
+  // window (served [D, K], oldest first); M x + Sin . window against it in double.
+  const int64_t D = 2, K = 3;
+  for (int64_t T = 1; T <= 7; ++T) {
+    std::mt19937 g(static_cast<uint32_t>(500 + T));
+    std::vector<float> Bg = randn(g, T * D), Cg = randn(g, T * D), x = randn(g, T * D), w = randn(g, K * D), win = randn(g, D * K);
+    detail::ShortConvMixArgs ma;
+    ma.B = 1; ma.T = T; ma.D = D; ma.K = K; ma.Bg = Bg.data(); ma.Cg = Cg.data(); ma.x = x.data(); ma.conv_wT = w.data();
+    std::vector<float> M(static_cast<size_t>(D * T * T)), Sin(static_cast<size_t>(D * T * K));
+    detail::short_conv_token_mixing(ma, {0}, detail::MixBlock::whole(T, D), M.data(), Sin.data());
+    std::vector<float> mix(static_cast<size_t>(T * D));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (int64_t s = 0; s < T; ++s) acc += M[static_cast<size_t>((d * T + t) * T + s)] * static_cast<double>(x[static_cast<size_t>(s * D + d)]);
+        for (int64_t j = 0; j < K; ++j) acc += Sin[static_cast<size_t>((d * T + t) * K + j)] * static_cast<double>(win[static_cast<size_t>(d * K + j)]);
+        mix[static_cast<size_t>(t * D + d)] = static_cast<float>(acc);
+      }
+    const double err = rel_to(mix, T * D, [&](int64_t i) {
+      const int64_t t = i / D, d = i % D;
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t p = t - K + 1 + k;  // position; < 0: the start window's column K + p
+        const double uv = p >= 0 ? static_cast<double>(Bg[static_cast<size_t>(p * D + d)]) * x[static_cast<size_t>(p * D + d)] : win[static_cast<size_t>(d * K + K + p)];
+        acc += w[static_cast<size_t>(k * D + d)] * uv;
+      }
+      return Cg[static_cast<size_t>(t * D + d)] * acc;
+    });
+    EXPECT_LE(err, 1e-6) << "T=" << T;
+  }
+}
+
+TEST(TokenMixing, RwkvMatchesTheKernelFromAStateAndAFloat64Sum) {
+  // wkv from a non-fresh (num, den, max) state with large keys (the max shift matters): M v + Sin
+  // num_in against wkv_recurrent; contributions (num, den) from a fresh state against its states.
+  const int64_t A = 3;
+  for (int64_t T = 1; T <= 9; ++T) {
+    std::mt19937 g(static_cast<uint32_t>(600 + T));
+    std::vector<float> k = randn(g, T * A, -3.0f, 40.0f), v = randn(g, T * A), w = randn(g, T * A, -2.0f, -0.01f), u = randn(g, A);
+    std::vector<float> st = {0.7f, -1.2f, 0.3f, 1.5f, 0.4f, 2.0f, 12.0f, -4.0f, 30.0f};  // num | den | max
+    detail::RwkvMixArgs ma;
+    ma.B = 1; ma.T = T; ma.A = A; ma.k = k.data(); ma.v = v.data(); ma.w = w.data(); ma.u = u.data(); ma.start = st.data(); ma.row_stride = 3 * A;
+    std::vector<float> M(static_cast<size_t>(A * T * T)), Sin(static_cast<size_t>(A * T));
+    detail::rwkv_token_mixing(ma, {0}, detail::MixBlock::whole(T, A), M.data(), Sin.data());
+    std::vector<float> S(st), y(static_cast<size_t>(T * A));
+    detail::wkv_recurrent(T, A, k.data(), v.data(), w.data(), u.data(), S.data(), y.data(), nullptr, 3 * A);
+    std::vector<float> mix(static_cast<size_t>(T * A));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t c = 0; c < A; ++c) {
+        double acc = Sin[static_cast<size_t>(c * T + t)] * static_cast<double>(st[static_cast<size_t>(c)]);
+        for (int64_t s = 0; s < T; ++s) acc += M[static_cast<size_t>((c * T + t) * T + s)] * static_cast<double>(v[static_cast<size_t>(s * A + c)]);
+        mix[static_cast<size_t>(t * A + c)] = static_cast<float>(acc);
+      }
+    EXPECT_LE(rel_to(mix, T * A, [&](int64_t i) { return y[static_cast<size_t>(i)]; }), 1e-5) << "T=" << T;
+    // A read's weights are a convex combination: its sources' plus the start state's (Sin den_in) sum to 1.
+    for (int64_t c = 0; c < A; ++c)
+      for (int64_t t = 0; t < T; ++t) {
+        double sum = Sin[static_cast<size_t>(c * T + t)] * static_cast<double>(st[static_cast<size_t>(A + c)]);
+        for (int64_t s = 0; s <= t; ++s) sum += M[static_cast<size_t>((c * T + t) * T + s)];
+        EXPECT_NEAR(sum, 1.0, 1e-6) << "T=" << T << " t=" << t;
+      }
+    std::vector<float> fresh(static_cast<size_t>(3 * A), 0.0f), states(static_cast<size_t>(T * 3 * A));
+    for (int64_t c = 0; c < A; ++c) fresh[static_cast<size_t>(2 * A + c)] = detail::kRwkvFreshMax;
+    ma.start = fresh.data();
+    std::vector<float> S2(fresh);
+    detail::wkv_recurrent(T, A, k.data(), v.data(), w.data(), u.data(), S2.data(), y.data(), states.data(), 3 * A);
+    const int64_t t = T - 1;
+    std::vector<float> c(static_cast<size_t>(A * T * 2));
+    detail::rwkv_state_contributions(ma, {0}, t, {0, 0, 0, T, 0, A}, c.data());
+    std::vector<float> got(static_cast<size_t>(2 * A), 0.0f);
+    for (int64_t ch = 0; ch < A; ++ch)
+      for (int64_t s = 0; s < T; ++s)
+        for (int64_t q = 0; q < 2; ++q) got[static_cast<size_t>(q * A + ch)] += c[static_cast<size_t>((ch * T + s) * 2 + q)];
+    EXPECT_LE(rel_to(got, 2 * A, [&](int64_t i) { return states[static_cast<size_t>(t * 3 * A + i)]; }), 1e-5) << "T=" << T;
+  }
+}
+
+TEST(TokenMixing, MlstmMatchesBothKernelsFromAStateAndSplitsTheMemory) {
+  // h = M v + Sin C_in against the recurrent step and the chunkwise form (chunk 4, then the step for
+  // the tail, as the mixer runs them) from a non-zero (C, n, m); large input gates so m matters; the
+  // (C, n) contributions from a zero state sum to the recurrent step's states.
+  detail::MlstmMixerDims d;
+  d.D = 4; d.NH = 2; d.Dqk = 3; d.Dv = 2; d.chunk = 4; d.eps = 1e-6f;
+  const int64_t NH = d.NH, QK = d.qk(), V = d.v(), n = d.row_numel();
+  for (int64_t T = 1; T <= 9; ++T) {
+    std::mt19937 g(static_cast<uint32_t>(700 + T));
+    // q, k > 0: the read's q . n cannot cancel towards 0, where the float kernels' own rounding (divided
+    // by eps) would dominate; the large input gates keep the stabiliser m in play.
+    std::vector<float> q = randn(g, T * QK, 0.1f, 1.0f), k = randn(g, T * QK, 0.1f, 1.0f), v = randn(g, T * V), li = randn(g, T * NH, -3.0f, 25.0f);
+    std::vector<float> lf = randn(g, T * NH, -1.5f, -0.01f), betas(li.size()), ig(li.size()), st = randn(g, n);
+    for (size_t i = 0; i < li.size(); ++i) betas[i] = std::exp(li[i]), ig[i] = std::log(betas[i]);
+    for (int64_t h = 0; h < NH; ++h) st[static_cast<size_t>(d.m_off() + h)] = 0.5f + static_cast<float>(h);
+    detail::MlstmMixArgs ma;
+    ma.d = d; ma.B = 1; ma.T = T; ma.q = q.data(); ma.k = k.data(); ma.v = v.data(); ma.betas = betas.data(); ma.lf = lf.data(); ma.start = st.data();
+    std::vector<float> M(static_cast<size_t>(NH * T * T)), Sin(static_cast<size_t>(NH * T * d.Dqk));
+    detail::mlstm_token_mixing(ma, {0}, detail::MixBlock::whole(T, NH), M.data(), Sin.data());
+    std::vector<float> mix(static_cast<size_t>(T * V));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < NH; ++h)
+        for (int64_t e = 0; e < d.Dv; ++e) {
+          double acc = 0;
+          for (int64_t s2 = 0; s2 < T; ++s2) acc += M[static_cast<size_t>((h * T + t) * T + s2)] * static_cast<double>(v[static_cast<size_t>(s2 * V + h * d.Dv + e)]);
+          for (int64_t c = 0; c < d.Dqk; ++c)
+            acc += Sin[static_cast<size_t>((h * T + t) * d.Dqk + c)] * static_cast<double>(st[static_cast<size_t>((h * d.Dqk + c) * d.Dv + e)]);
+          mix[static_cast<size_t>(t * V + h * d.Dv + e)] = static_cast<float>(acc);
+        }
+    for (bool chunked : {true, false}) {
+      std::vector<float> S(st), h(static_cast<size_t>(T * V));
+      int64_t t = 0;
+      for (; chunked && t + d.chunk <= T; t += d.chunk)
+        detail::mlstm_chunk(d, d.chunk, q.data() + t * QK, k.data() + t * QK, v.data() + t * V, ig.data() + t * NH, lf.data() + t * NH, S.data(), h.data() + t * V);
+      if (t < T)
+        detail::mlstm_recurrent(d, T - t, q.data() + t * QK, k.data() + t * QK, v.data() + t * V, ig.data() + t * NH, lf.data() + t * NH, S.data(), h.data() + t * V);
+      EXPECT_LE(rel_to(mix, T * V, [&](int64_t i) { return h[static_cast<size_t>(i)]; }), 1e-5) << "T=" << T << " chunked=" << chunked;
+    }
+    std::vector<float> zero(static_cast<size_t>(n), 0.0f), S(zero), h(static_cast<size_t>(T * V)), states(static_cast<size_t>(T * n));
+    detail::mlstm_recurrent(d, T, q.data(), k.data(), v.data(), ig.data(), lf.data(), S.data(), h.data(), states.data(), n);
+    ma.start = zero.data();
+    const int64_t t = T - 1, per = d.Dqk * (d.Dv + 1);
+    std::vector<float> c(static_cast<size_t>(NH * T * per));
+    detail::mlstm_state_contributions(ma, {0}, t, {0, 0, 0, T, 0, NH}, c.data());
+    std::vector<float> got(static_cast<size_t>(d.m_off()), 0.0f);  // C | n of every head, served order
+    for (int64_t hd = 0; hd < NH; ++hd)
+      for (int64_t s2 = 0; s2 < T; ++s2)
+        for (int64_t a = 0; a < d.Dqk; ++a) {
+          const float* o = c.data() + (hd * T + s2) * per + a * (d.Dv + 1);
+          for (int64_t e = 0; e < d.Dv; ++e) got[static_cast<size_t>((hd * d.Dqk + a) * d.Dv + e)] += o[e];
+          got[static_cast<size_t>(d.n_off() + hd * d.Dqk + a)] += o[d.Dv];
+        }
+    EXPECT_LE(rel_to(got, d.m_off(), [&](int64_t i) { return states[static_cast<size_t>(t * n + i)]; }), 1e-5) << "T=" << T;
   }
 }
