@@ -279,9 +279,11 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
 
   Tensor y({B, T, V});  // zeros: padded tokens read nothing
   const int64_t Q = d_.chunk;
-  // The state the call starts from, kept for the mixing (the scan overwrites S in place).
-  const bool mixing = ls && (ls->wants(li, Value::token_mixing) || ls->wants(li, Value::state_input_mixing));
-  const Tensor start = mixing ? S.clone() : Tensor();
+  // The n and m the call starts from, kept for the mixing (the scan overwrites S in place). Always: an
+  // interleaved reader may first want token_mixing after the scan; C (the large part) is not needed.
+  const int64_t nm = NH * d_.Dqk + NH;
+  Tensor start_nm = Tensor::uninitialized({B, nm});
+  for (int64_t b = 0; b < B; ++b) std::copy_n(S.data() + b * n + d_.n_off(), nm, start_nm.data() + b * nm);
   RowScan rs;
   rs.B = B, rs.T = T, rs.row_numel = n, rs.S = S.data(), rs.y_row_numel = T * V;
   rs.first = first_real_tokens(in);
@@ -323,7 +325,7 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
   visit_mixing(ls, li, B, T, NH, d_.Dqk, [&](const MixBlock& blk, float* M, float* Sin) {
     MlstmMixArgs ma;
     ma.d = d_; ma.B = B; ma.T = T; ma.q = q.data(); ma.k = k.data(); ma.v = v.data(); ma.betas = gate_i.data();
-    ma.lf = lf.data(); ma.start = start.data();
+    ma.lf = lf.data(); ma.n_in = start_nm.data(); ma.m_in = start_nm.data() + NH * d_.Dqk; ma.stride = nm;
     mlstm_token_mixing(ma, rs.first, blk, M, Sin);
   });
   // multihead_norm, then the sigmoid output gate.

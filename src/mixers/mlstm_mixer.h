@@ -104,7 +104,10 @@ struct MlstmMixArgs {
   const float *q = nullptr, *k = nullptr, *v = nullptr;  ///< [B,T,NH*Dqk] / [B,T,NH*Dqk] / [B,T,NH*Dv]
   const float* betas = nullptr;  ///< [B,T,NH] exp(i): the kernels read log(betas)
   const float* lf = nullptr;     ///< [B,T,NH] decays, log sigmoid(f)
-  const float* start = nullptr;  ///< [B, row_numel] the state the call starts from (C | n | m)
+  /// The n [NH*Dqk] and m [NH] the call starts from, row b at + b * stride (C is not read: the
+  /// mixing's rows do not depend on it).
+  const float *n_in = nullptr, *m_in = nullptr;
+  int64_t stride = 0;
 };
 /// Per head, with F_t = sum_{r=first..t} lf_r, the stabiliser m_t = max(F_t + m_in, max_{s<=t} F_t - F_s
 /// + i_s) (the recurrent step's, which the chunkwise form reaches too) and the read's denominator

@@ -25,7 +25,7 @@ Head head_gates(const MlstmMixArgs& a, int64_t b, int64_t h, int64_t f) {
   g.li.assign(static_cast<size_t>(T), 0.0);
   g.F.assign(static_cast<size_t>(T), 0.0);
   g.m.assign(static_cast<size_t>(T), 0.0);
-  g.m_in = a.start[b * a.d.row_numel() + a.d.m_off() + h];
+  g.m_in = a.m_in[b * a.stride + h];
   double F = 0.0, m = g.m_in;
   for (int64_t t = f; t < T; ++t) {
     const int64_t r = (b * T + t) * NH + h;
@@ -55,7 +55,7 @@ void mlstm_token_mixing(const MlstmMixArgs& a, const std::vector<int64_t>& first
     const int64_t b = bh / Hn, h = blk.h0 + bh % Hn;
     const int64_t f = std::min(first[static_cast<size_t>(b)], T);
     const Head g = head_gates(a, b, h, f);
-    const float* n_in = a.start + b * a.d.row_numel() + a.d.n_off() + h * Dqk;
+    const float* n_in = a.n_in + b * a.stride + h * Dqk;
     std::vector<double> w(static_cast<size_t>(T));
     for (int64_t i = 0; i < R; ++i) {
       const int64_t t = blk.r0 + i;

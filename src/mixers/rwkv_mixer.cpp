@@ -138,9 +138,9 @@ Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const 
   visit_if(ls, li, Value::attention_queries, r);
 
   Tensor y({B, T, A});  // zeros: padded tokens read nothing
-  // The state the call starts from, kept for the mixing (the scan overwrites S in place).
-  const bool mixing = ls && (ls->wants(li, Value::token_mixing) || ls->wants(li, Value::state_input_mixing));
-  const Tensor start = mixing ? S.clone() : Tensor();
+  // The state the call starts from, kept for the mixing (the scan overwrites S in place). Always: an
+  // interleaved reader may first want token_mixing after the scan; one row is 3A + 2D floats.
+  const Tensor start = S.clone();
   // The channel-mix shift after token t: ln2 of the residual plus output(r * y) of that token alone.
   const auto ffn_at = [&](int64_t b, int64_t t, const float* ybuf, float* dst) {
     std::vector<float> g(static_cast<size_t>(A)), o(static_cast<size_t>(D));

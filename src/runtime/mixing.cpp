@@ -176,8 +176,10 @@ detail::MlstmMixArgs mlstm_args(const Inputs& in, Tensor& start) {
   a.d.NH = in.H; a.d.Dqk = in.q.size(2) / in.H; a.d.Dv = in.P; a.d.eps = in.consts.eps;
   a.B = in.B; a.T = in.T;
   a.q = in.q.data(); a.k = in.k.data(); a.v = in.v.data(); a.betas = in.beta.data(); a.lf = in.decay.data();
-  start = Tensor({in.B, a.d.row_numel()});
-  a.start = start.data();
+  start = Tensor({in.B, a.d.NH * (a.d.Dqk + 1)});
+  a.n_in = start.data();
+  a.m_in = start.data() + a.d.NH * a.d.Dqk;
+  a.stride = a.d.NH * (a.d.Dqk + 1);
   return a;
 }
 

@@ -618,7 +618,8 @@ TEST(TokenMixing, MlstmMatchesBothKernelsFromAStateAndSplitsTheMemory) {
     for (size_t i = 0; i < li.size(); ++i) betas[i] = std::exp(li[i]), ig[i] = std::log(betas[i]);
     for (int64_t h = 0; h < NH; ++h) st[static_cast<size_t>(d.m_off() + h)] = 0.5f + static_cast<float>(h);
     detail::MlstmMixArgs ma;
-    ma.d = d; ma.B = 1; ma.T = T; ma.q = q.data(); ma.k = k.data(); ma.v = v.data(); ma.betas = betas.data(); ma.lf = lf.data(); ma.start = st.data();
+    ma.d = d; ma.B = 1; ma.T = T; ma.q = q.data(); ma.k = k.data(); ma.v = v.data(); ma.betas = betas.data(); ma.lf = lf.data();
+    ma.n_in = st.data() + d.n_off(); ma.m_in = st.data() + d.m_off(); ma.stride = n;
     std::vector<float> M(static_cast<size_t>(NH * T * T)), Sin(static_cast<size_t>(NH * T * d.Dqk));
     detail::mlstm_token_mixing(ma, {0}, detail::MixBlock::whole(T, NH), M.data(), Sin.data());
     std::vector<float> mix(static_cast<size_t>(T * V));
@@ -642,7 +643,7 @@ TEST(TokenMixing, MlstmMatchesBothKernelsFromAStateAndSplitsTheMemory) {
     }
     std::vector<float> zero(static_cast<size_t>(n), 0.0f), S(zero), h(static_cast<size_t>(T * V)), states(static_cast<size_t>(T * n));
     detail::mlstm_recurrent(d, T, q.data(), k.data(), v.data(), ig.data(), lf.data(), S.data(), h.data(), states.data(), n);
-    ma.start = zero.data();
+    ma.n_in = zero.data() + d.n_off(); ma.m_in = zero.data() + d.m_off();
     const int64_t t = T - 1, per = d.Dqk * (d.Dv + 1);
     std::vector<float> c(static_cast<size_t>(NH * T * per));
     detail::mlstm_state_contributions(ma, {0}, t, {0, 0, 0, T, 0, NH}, c.data());
