@@ -95,6 +95,9 @@ struct SelectiveMixArgs {
   const float* Bm = nullptr;     ///< [B,T,groups,N] attention_keys
   const float* C = nullptr;      ///< [B,T,groups,N] attention_queries
   const float* decay = nullptr;  ///< [B,T,E,N] decays (A dt, the exponent the scan takes)
+  /// Blocks of the mixing's token grid (from each row's first token): across blocks the decay is
+  /// factored through the block ends, so a T x T matrix costs T^2 N products and O(T N) exps.
+  int64_t chunk = 32;
 };
 /// Mamba-1's mixing is per channel (A is [E,N]: every channel decays its own way), so the "heads"
 /// of MixBlock are the E channels: M [B, channels, rows, cols] with

@@ -431,8 +431,18 @@ TEST(TokenMixing, MambaOneMatchesAFloat64RecurrenceAndBothKernels) {
         for (int64_t n = 0; n < N; ++n) dec[static_cast<size_t>((t * E + e) * N + n)] = A[static_cast<size_t>(e * N + n)] * dt[static_cast<size_t>(t * E + e)];
     detail::SelectiveMixArgs ma;
     ma.B = 1; ma.T = T; ma.E = E; ma.N = N; ma.u = u.data(); ma.dt = dt.data(); ma.Bm = Bm.data(); ma.C = C.data(); ma.decay = dec.data();
+    ma.chunk = 4;  // blocks of 4: the factored path across blocks is covered from T = 5
     std::vector<float> M(static_cast<size_t>(E * T * T)), Sin(static_cast<size_t>(E * T * N));
     detail::mamba_token_mixing(ma, {0}, detail::MixBlock::whole(T, E), M.data(), Sin.data());
+    if (T >= 7) {  // a block is the slice, whatever block boundaries it cuts
+      const detail::MixBlock blk{3, 7, 1, 6, 1, 3};
+      std::vector<float> part(static_cast<size_t>(blk.heads() * blk.rows() * blk.cols()));
+      detail::mamba_token_mixing(ma, {0}, blk, part.data(), nullptr);
+      for (int64_t h = 0; h < blk.heads(); ++h)
+        for (int64_t i = 0; i < blk.rows(); ++i)
+          for (int64_t j = 0; j < blk.cols(); ++j)
+            ASSERT_EQ(part[static_cast<size_t>((h * blk.rows() + i) * blk.cols() + j)], M[static_cast<size_t>(((blk.h0 + h) * T + blk.r0 + i) * T + blk.c0 + j)]);
+    }
     // The recurrence with only source s writing (u_s = 1), read at every t.
     std::vector<double> ref(M.size(), 0.0);
     for (int64_t e = 0; e < E; ++e)
