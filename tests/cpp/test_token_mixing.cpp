@@ -589,6 +589,20 @@ TEST(TokenMixing, RwkvMatchesTheKernelFromAStateAndAFloat64Sum) {
         mix[static_cast<size_t>(t * A + c)] = static_cast<float>(acc);
       }
     EXPECT_LE(rel_to(mix, T * A, [&](int64_t i) { return y[static_cast<size_t>(i)]; }), 1e-5) << "T=" << T;
+    // The explicit float64 recurrence on the real (unshifted) num and den.
+    std::vector<double> y64(static_cast<size_t>(T * A));
+    for (int64_t c = 0; c < A; ++c) {
+      const double mx = st[static_cast<size_t>(2 * A + c)];
+      double num = st[static_cast<size_t>(c)] * std::exp(mx), den = st[static_cast<size_t>(A + c)] * std::exp(mx);
+      for (int64_t t = 0; t < T; ++t) {
+        const size_t r = static_cast<size_t>(t * A + c);
+        const double bonus = std::exp(static_cast<double>(u[static_cast<size_t>(c)]) + k[r]);
+        y64[r] = (num + bonus * v[r]) / (den + bonus);
+        num = std::exp(static_cast<double>(w[r])) * num + std::exp(static_cast<double>(k[r])) * v[r];
+        den = std::exp(static_cast<double>(w[r])) * den + std::exp(static_cast<double>(k[r]));
+      }
+    }
+    EXPECT_LE(rel_to(mix, T * A, [&](int64_t i) { return y64[static_cast<size_t>(i)]; }), 1e-6) << "T=" << T;
     // A read's weights are a convex combination: its sources' plus the start state's (Sin den_in) sum to 1.
     for (int64_t c = 0; c < A; ++c)
       for (int64_t t = 0; t < T; ++t) {
@@ -642,6 +656,36 @@ TEST(TokenMixing, MlstmMatchesBothKernelsFromAStateAndSplitsTheMemory) {
             acc += Sin[static_cast<size_t>((h * T + t) * d.Dqk + c)] * static_cast<double>(st[static_cast<size_t>((h * d.Dqk + c) * d.Dv + e)]);
           mix[static_cast<size_t>(t * V + h * d.Dv + e)] = static_cast<float>(acc);
         }
+    {  // The explicit float64 recurrence (the recurrent step's stabilised form, in double).
+      std::vector<double> h64(static_cast<size_t>(T * V));
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d.Dqk));
+      for (int64_t hd = 0; hd < NH; ++hd) {
+        std::vector<double> C(st.begin() + hd * d.Dqk * d.Dv, st.begin() + (hd + 1) * d.Dqk * d.Dv);
+        std::vector<double> nv(st.begin() + d.n_off() + hd * d.Dqk, st.begin() + d.n_off() + (hd + 1) * d.Dqk);
+        double m = st[static_cast<size_t>(d.m_off() + hd)];
+        for (int64_t t = 0; t < T; ++t) {
+          const double fl = lf[static_cast<size_t>(t * NH + hd)], il = std::log(static_cast<double>(betas[static_cast<size_t>(t * NH + hd)]));
+          const double mn = std::max(fl + m, il), fa = std::exp(fl + m - mn), ia = std::exp(il - mn);
+          const float* kt = k.data() + t * QK + hd * d.Dqk;
+          const float* vt = v.data() + t * V + hd * d.Dv;
+          const float* qt = q.data() + t * QK + hd * d.Dqk;
+          double qn = 0;
+          for (int64_t a = 0; a < d.Dqk; ++a) {
+            for (int64_t e = 0; e < d.Dv; ++e) C[static_cast<size_t>(a * d.Dv + e)] = fa * C[static_cast<size_t>(a * d.Dv + e)] + ia * kt[a] * vt[e];
+            nv[static_cast<size_t>(a)] = fa * nv[static_cast<size_t>(a)] + ia * kt[a];
+            qn += qt[a] * scale * nv[static_cast<size_t>(a)];
+          }
+          m = mn;
+          const double den = std::max(std::fabs(qn), std::exp(-m)) + d.eps;
+          for (int64_t e = 0; e < d.Dv; ++e) {
+            double acc = 0;
+            for (int64_t a = 0; a < d.Dqk; ++a) acc += qt[a] * scale * C[static_cast<size_t>(a * d.Dv + e)];
+            h64[static_cast<size_t>(t * V + hd * d.Dv + e)] = acc / den;
+          }
+        }
+      }
+      EXPECT_LE(rel_to(mix, T * V, [&](int64_t i) { return h64[static_cast<size_t>(i)]; }), 1e-6) << "T=" << T;
+    }
     for (bool chunked : {true, false}) {
       std::vector<float> S(st), h(static_cast<size_t>(T * V));
       int64_t t = 0;
