@@ -43,15 +43,20 @@ struct TokenMixing {
 ///   M[t,s] = (C_t . B_s) exp(sum_{r=s+1..t} A dt_r) dt_s  (Dao & Gu 2024, SSD's L o C B^T with dt),
 /// gated DeltaNet (Qwen3.5 / Qwen3-Next / OLMo-Hybrid, Kimi Delta Attention)
 ///   M[t,s] = beta_s q_t^T A_t ... A_{s+1} k_s,  A_r = (I - beta_r k_r k_r^T) exp(g_r)
-/// (q, k L2-normalised, q scaled by 1/sqrt(Dk), as transformers' torch_chunk_gated_delta_rule).
-/// Errors: InputError (layer or range out of range, an empty batch), UnsupportedError (a block
-/// without a recurrent mixer, or a kind whose mixing is not derived yet: support() says why).
+/// (q, k L2-normalised, q scaled by 1/sqrt(Dk), as transformers' torch_chunk_gated_delta_rule);
+/// per channel ("heads" = channels, values [B,T,channels]): Mamba-1, the RG-LRU, LFM2's short conv
+/// and RWKV-4 (given its denominator); per head: xLSTM's mLSTM (given its denominator). The skip
+/// (D x, D u, C * conv_bias) is `skip`. Errors: InputError (layer or range out of range, an empty
+/// batch), UnsupportedError (a block without a recurrent mixer: support() says why).
 TokenMixing token_mixing(const Model& model, const Batch& batch, const MixingQuery& q);
 
 /// state_after(t) of layer `q.layer` split by source token: [B, heads, cols, *state] float32 (the
 /// served state layout, key side first), entry s = what token s wrote that survives to t (0 for
 /// s > t and padding). Over a fresh prompt the sum over every s equals state_after(t) (the
-/// `states` value at t). `q.rows` is ignored; `t` may be negative (from the end).
+/// `states` value at t). Where the state is not a sum of writes, the part that is: RG-LRU
+/// [B, channels, cols] (h only), RWKV-4 [B, channels, cols, 2] (num, den in the served max's frame),
+/// mLSTM [B, heads, cols, Dqk, Dv + 1] (C | n with m given); docs/values.md "Token mixing".
+/// `q.rows` is ignored; `t` may be negative (from the end).
 /// Errors as token_mixing().
 Tensor state_contributions(const Model& model, const Batch& batch, const MixingQuery& q, int64_t t);
 
