@@ -386,8 +386,9 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin, _attribution.Attri
         (docs/values.md "token_mixing"; the C++ ``mixlens::token_mixing``): ``{"mixing": [B,h,r,c], "skip":
         [B,r,h,P], "skip_meaning": str}`` with ``attention_head_outputs[:, rows, heads] = mixing @ values +
         skip`` (all columns). ``rows`` / ``cols`` (tokens) and ``heads``: a ``slice`` (step 1), an int, or
-        None (all), so a long prompt never holds ``[B,H,T,T]`` at once. UnsupportedError for a kind not
-        derived yet (``support()`` says why)."""
+        None (all), so a long prompt never holds ``[B,H,T,T]`` at once. Per-channel kinds (Mamba-1, RG-LRU,
+        short conv, RWKV-4): heads are channels, values ``[B,T,channels]`` read as ``[B,T,channels,1]``.
+        UnsupportedError for a block without a recurrent mixer (``support()`` says why)."""
         rows_, mask, _ = _ids_input(self, inputs, attention_mask)
         m, skip, meaning = self._core.token_mixing(rows_, mask, _check_int("layer", layer, 0, self._num_layers - 1),
                                                    _span("rows", rows), _span("cols", cols), _span("heads", heads))
@@ -397,8 +398,9 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin, _attribution.Attri
                             attention_mask=None):
         """``state_after(t)`` of ``layers[layer].linear_attn`` split by source token over a fresh prompt:
         ``[B, h, c, *state]`` (served state layout), entry s what token s wrote that survives to t (0 after
-        t and on padding); summed over every s it is the state after t. ``cols`` / ``heads`` as in
-        :meth:`token_mixing`; ``t`` negative counts from the end."""
+        t and on padding); summed over every s it is the state after t (RG-LRU: its h; RWKV-4: num, den;
+        mLSTM: C | n; docs/values.md "Token mixing"). ``cols`` / ``heads`` as in :meth:`token_mixing`; ``t``
+        negative counts from the end."""
         rows_, mask, _ = _ids_input(self, inputs, attention_mask)
         return to_plain(self._core.state_contributions(rows_, mask, _check_int("layer", layer, 0, self._num_layers - 1),
                                                        int(t), _span("cols", cols), _span("heads", heads)),
