@@ -41,6 +41,9 @@ enum class Value : uint8_t {
   attn_probs,    ///< "attention_probabilities": softmax weights [B,heads,T,T_k], read-only, computed on demand
   // feed-forward ("layers.{i}.mlp.output")
   mlp_output,    ///< "output": MLP / MoE output added to the residual [B,T,hidden]
+  // derived from a recurrent mixer's values (issue 26; "layers.{i}.linear_attn.<name>"), read-only
+  token_mixing,        ///< "token_mixing": exact token-to-token mixing [B,H,T,T], computed on demand
+  state_input_mixing,  ///< "state_input_mixing": rows of the state_input term [B,H,T,state key dim]
   kCount
 };
 constexpr int kNumValues = static_cast<int>(Value::kCount);
@@ -68,6 +71,11 @@ struct Site {
 std::optional<int64_t> split_token(std::string& path);
 /// Resolves a possibly negative token against a call of `seq` tokens; InputError when out of range.
 int64_t resolve_token(int64_t t, int64_t seq, const std::string& path);
+
+/// Values derived from others and recomputed from them (attention_probabilities, token_mixing,
+/// state_input_mixing): why a write of `v` is refused and what to write instead; empty for every
+/// other value. The one wording of WriteError for them (Trace, Session).
+std::string derived_value_reason(Value v);
 
 /// Name of a value inside its component ("betas", "layer_input", "output" for embed/ln_final, "logits").
 std::string_view value_name(Value v);

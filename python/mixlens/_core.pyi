@@ -171,6 +171,16 @@ class Model:
         One forward of token rows (left-padded here, or already padded with a 0/1 left-padding mask) or of inputs_embeds [B,T,hidden] with an optional 0/1 mask: (logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.
         """
 
+    def token_mixing(self, prompts: Sequence[Sequence[int]], mask: Sequence[int], layer: int, rows: tuple[int, int], cols: tuple[int, int], heads: tuple[int, int]) -> tuple:
+        """
+        mixlens::token_mixing (include/mixlens/mixing.h): (mixing [B,h,r,c], skip [B,r,h,P], skip meaning); each range (begin, end) as a Python slice, end 2**63-1 = to the end.
+        """
+
+    def state_contributions(self, prompts: Sequence[Sequence[int]], mask: Sequence[int], layer: int, t: int, cols: tuple[int, int], heads: tuple[int, int]) -> object:
+        """
+        mixlens::state_contributions: [B,h,c,*state] per source token of the state after token t.
+        """
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, saves: Sequence[tuple[str, int, int]] = [], edits: Sequence[tuple[str, int, int, object]] = [], embeds: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None = None, mask: Sequence[int] = []) -> tuple:
         """
         (new tokens per prompt, steps, {'path@step{k}': array}). Ctrl-C stops it between layers.

@@ -380,6 +380,32 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin, _attribution.Attri
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
 
+    def token_mixing(self, inputs: Prompt, layer: int, *, rows=None, cols=None, heads=None,
+                     attention_mask=None) -> dict:
+        """Exact token-to-token mixing of ``layers[layer].linear_attn`` over a fresh prompt, by block
+        (docs/values.md "token_mixing"; the C++ ``mixlens::token_mixing``): ``{"mixing": [B,h,r,c], "skip":
+        [B,r,h,P], "skip_meaning": str}`` with ``attention_head_outputs[:, rows, heads] = mixing @ values +
+        skip`` (all columns). ``rows`` / ``cols`` (tokens) and ``heads``: a ``slice`` (step 1), an int, or
+        None (all), so a long prompt never holds ``[B,H,T,T]`` at once. Per-channel kinds (Mamba-1, RG-LRU,
+        short conv, RWKV-4): heads are channels, values ``[B,T,channels]`` read as ``[B,T,channels,1]``.
+        UnsupportedError for a block without a recurrent mixer (``support()`` says why)."""
+        rows_, mask, _ = _ids_input(self, inputs, attention_mask)
+        m, skip, meaning = self._core.token_mixing(rows_, mask, _check_int("layer", layer, 0, self._num_layers - 1),
+                                                   _span("rows", rows), _span("cols", cols), _span("heads", heads))
+        return {"mixing": to_plain(m, self._output), "skip": to_plain(skip, self._output), "skip_meaning": meaning}
+
+    def state_contributions(self, inputs: Prompt, layer: int, t: int, *, cols=None, heads=None,
+                            attention_mask=None):
+        """``state_after(t)`` of ``layers[layer].linear_attn`` split by source token over a fresh prompt:
+        ``[B, h, c, *state]`` (served state layout), entry s what token s wrote that survives to t (0 after
+        t and on padding); summed over every s it is the state after t (RG-LRU: its h; RWKV-4: num, den;
+        mLSTM: C | n; docs/values.md "Token mixing"). ``cols`` / ``heads`` as in :meth:`token_mixing`; ``t``
+        negative counts from the end."""
+        rows_, mask, _ = _ids_input(self, inputs, attention_mask)
+        return to_plain(self._core.state_contributions(rows_, mask, _check_int("layer", layer, 0, self._num_layers - 1),
+                                                       int(t), _span("cols", cols), _span("heads", heads)),
+                        self._output)
+
     def extract(self, inputs, values, out, **kwargs) -> dict:
         """Dataset-scale extraction to sharded safetensors + index.json (resumable; ``ray=True`` for a Ray
         cluster): see :func:`mixlens.extract` for the arguments, docs/extract.md for the layout."""
@@ -409,6 +435,18 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin, _attribution.Attri
         out = {"logits": to_plain(logits, self._output)}
         out.update({_STEP_KEY.match(k).group("path"): to_plain(v, self._output) for k, v in saved.items()})
         return out
+
+
+def _span(name: str, s) -> tuple:
+    """A slice / int / None as the core's (begin, end) range (end 2**63 - 1: to the end, mixlens::kSpanEnd)."""
+    end = 2**63 - 1
+    if s is None:
+        return (0, end)
+    if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+        return (int(s), end if int(s) == -1 else int(s) + 1)
+    if isinstance(s, slice) and s.step in (None, 1):
+        return (0 if s.start is None else int(s.start), end if s.stop is None else int(s.stop))
+    raise InputError(f"{name}: give a slice with step 1, an int or None, got {s!r}")
 
 
 def default_model_path() -> str:

@@ -1,12 +1,14 @@
 // Model, Cache, kernel routing: the non-interleaved API (pre-registered saves and edits).
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings.h"
 #include "interrupt.h"
+#include "mixlens/mixing.h"
 #include "mixlens/model.h"
 #include "mixlens/tools.h"
 #include "mixlens/trace.h"
@@ -249,6 +251,35 @@ void init_model(nb::module_& m) {
           "One forward of token rows (left-padded here, or already padded with a 0/1 left-padding mask) or of "
           "inputs_embeds [B,T,hidden] with an optional 0/1 mask: "
           "(logits [B,T,V] or, all_logits=False, [B,1,V], {'path@step0': array}). Ctrl-C stops it between layers.")
+      .def(
+          "token_mixing",
+          [](const Model& mo, const Rows& prompts, const std::vector<uint8_t>& mask, int layer, std::pair<int64_t, int64_t> rows,
+             std::pair<int64_t, int64_t> cols, std::pair<int64_t, int64_t> heads) {
+            const Batch b = prompt_batch(mo, prompts, std::nullopt, mask);
+            TokenMixing r;
+            {
+              nb::gil_scoped_release release;
+              r = token_mixing(mo, b, {layer, {rows.first, rows.second}, {cols.first, cols.second}, {heads.first, heads.second}});
+            }
+            return nb::make_tuple(to_numpy(std::move(r.mixing)), to_numpy(std::move(r.skip)), r.skip_meaning);
+          },
+          nb::arg("prompts"), nb::arg("mask"), nb::arg("layer"), nb::arg("rows"), nb::arg("cols"), nb::arg("heads"),
+          "mixlens::token_mixing (include/mixlens/mixing.h): (mixing [B,h,r,c], skip [B,r,h,P], skip meaning); "
+          "each range (begin, end) as a Python slice, end 2**63-1 = to the end.")
+      .def(
+          "state_contributions",
+          [](const Model& mo, const Rows& prompts, const std::vector<uint8_t>& mask, int layer, int64_t t,
+             std::pair<int64_t, int64_t> cols, std::pair<int64_t, int64_t> heads) {
+            const Batch b = prompt_batch(mo, prompts, std::nullopt, mask);
+            Tensor r;
+            {
+              nb::gil_scoped_release release;
+              r = state_contributions(mo, b, {layer, {}, {cols.first, cols.second}, {heads.first, heads.second}}, t);
+            }
+            return to_numpy(std::move(r));
+          },
+          nb::arg("prompts"), nb::arg("mask"), nb::arg("layer"), nb::arg("t"), nb::arg("cols"), nb::arg("heads"),
+          "mixlens::state_contributions: [B,h,c,*state] per source token of the state after token t.")
       .def(
           "generate",
           [](const Model& mo, const Rows& prompts, int max_new_tokens, bool greedy, float temperature, int top_k,

@@ -51,7 +51,7 @@ bool Recorder::visit(int layer, Value v, Tensor& value, const Shape& shape) {
   if (inner_ && inner_->wants(layer, v)) {
     // The value before the visit (to find what a write changed) goes into one reused buffer: most
     // visits are saves. Read-only sites (a states stack: T states) are never copied.
-    const bool read_only = v == Value::states || v == Value::attn_probs;
+    const bool read_only = v == Value::states || !derived_value_reason(v).empty();
     const bool had = value.defined() && !read_only;
     const Shape before_shape = had ? value.shape() : Shape{};
     if (had) before_.assign(std::as_const(value).begin(), std::as_const(value).end());

@@ -9,6 +9,9 @@
 // (transformers chunk_kimi_delta_attention / recurrent_kimi_delta_attention).
 #pragma once
 #include <cstdint>
+#include <vector>
+
+#include "hooks/mixing.h"
 
 namespace mixlens::detail {
 
@@ -51,5 +54,22 @@ void gated_delta_chunked(const GatedDeltaArgs& a);
 /// gated_delta_chunked call (over [a.t_begin, chunk end)) left them: the kernel's own arithmetic
 /// for that chunk's states and end state, so the three agree bitwise (a read computed on the side).
 void gated_delta_state_at(const GatedDeltaArgs& a, int64_t t, float* out);
+
+// ---- Token mixing (issue 26; docs/values.md "token_mixing"), mixers/gated_delta_mixing.cpp ---------
+/// The delta rule's exact mixing over the block `blk` of every row of `a` (a.B rows [T,H,...],
+/// row b from its first real token `first[b]`), the key removal included:
+///   M[b,h,t,s] = beta_s q_t^T A_t ... A_{s+1} k_s,  A_r = (I - beta_r k_r k_r^T) exp(g_r)
+/// (q, k L2-normalised, q scaled by 1/sqrt(Dk), as the kernels; exp(g_r) = diag(exp(g_r[d])) with
+/// g_per_key), so o_t = sum_s M[t,s] v_s + Sin[t]^T state_input, Sin[b,h,t] = (A_t ... A_first)^T q_t
+/// ([B,heads,rows,Dk]). Computed chunk by chunk of a.chunk tokens in float64: the UT form inside a
+/// chunk (its mixing P (I + A)^-1 beta, the entry state's query q e^G - P W), the chunk's transition
+/// F = e^{G_L} - Kd^T W carrying the source keys of earlier chunks; never a T^2 loop of products.
+void gated_delta_token_mixing(const GatedDeltaArgs& a, const std::vector<int64_t>& first, const MixBlock& blk,
+                              float* M, float* Sin);
+/// What each source token s in [blk.c0, blk.c1) wrote that survives in the state after token t:
+/// out [B, heads, cols, Dk, Dv] = (A_t ... A_{s+1} beta_s k_s) v_s^T for first[b] <= s <= t, else 0;
+/// their sum plus (A_t ... A_first) state_input is the state after t.
+void gated_delta_state_contributions(const GatedDeltaArgs& a, const std::vector<int64_t>& first, int64_t t,
+                                     const MixBlock& blk, float* out);
 
 }  // namespace mixlens::detail

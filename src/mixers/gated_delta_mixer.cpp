@@ -195,6 +195,11 @@ Tensor GatedDeltaMixer::forward(const GatedDeltaMixerWeights& l, const Tensor& n
   }
   visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
   visit_if(ls, li, Value::attention_head_outputs, o);
+  visit_mixing(ls, li, B, T, HV, Dk, [&](const MixBlock& blk, float* M, float* Sin) {
+    GatedDeltaArgs all = row_args(0, nullptr);
+    all.B = B;
+    gated_delta_token_mixing(all, rs.first, blk, M, Sin);
+  });
   if (entry.defined()) {  // o as the gated norm reads it (after writes)
     call.tape->keep(li, grad::Kept::chunk_states, entry);
     call.tape->keep(li, grad::Kept::head_outputs, o);

@@ -53,6 +53,7 @@ void LightningMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>&
   v.push_back(s);
   v.push_back(layer_value(i, Value::state_output, {B, H, Dh, Dh}, true, "kv state after the call's last token (goes to the cache)"));
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, H, Dh}, true, "o = q S per head, before the RMSNorm and output gate"));
+  add_mixing_values(i, B, T, H, Dh, "nothing (no skip: D = 0)", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, d_.D}, true,
                           "out_proj(norm(o) * sigmoid(output_gate(x))), before the block's linear_attn_beta_factor"));
 }
@@ -107,6 +108,7 @@ Tensor LightningMixer::forward(const LightningMixerWeights& lw, const Tensor& x_
   }
   visit_state_output(li, S, ls, serve, store);
   visit_if(ls, li, Value::attention_head_outputs, y);
+  visit_mixing(ls, li, B, T, H, Dh, [&](const MixBlock& blk, float* M, float* Sin) { ssd_token_mixing(sb, rs.first, blk, M, Sin); });
 
   // norm (over all heads) * sigmoid(output_gate(x)), then out_proj.
   Tensor g = Tensor::uninitialized({BT, E}), out = Tensor::uninitialized({B, T, D});

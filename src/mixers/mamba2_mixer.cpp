@@ -68,6 +68,8 @@ void Mamba2Mixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v)
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, H, P}, true,
                           d_.norm == Mamba2Norm::none ? "y = C.S + D*x per head; on a decode step already * silu(z) (transformers gates inside the decode kernel when mamba_rms_norm is off)"
                                                       : "y = C.S + D*x per head, before the gated norm"));
+  add_mixing_values(i, B, T, H, N,
+                    d_.norm == Mamba2Norm::none ? "D x (per head; on a decode step the head outputs are also gated)" : "D x (per head)", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, d_.D}, true,
                           d_.out_multiplier != 1.0f ? "out_proj(gated norm(y, z)) * the µP output multiplier (Falcon-H1 ssm_out_multiplier, Granite residual_multiplier), added to the residual"
                                                     : "out_proj(gated RMSNorm(y, z)), added to the residual"));
@@ -179,6 +181,9 @@ Tensor Mamba2Mixer::forward(const Mamba2MixerWeights& lw, const Tensor& n_in, co
   };
   if (gate_in_kernel) gate_rows(y.data(), y.data(), 0, BT);
   visit_if(ls, li, Value::attention_head_outputs, y);
+  // The mixing of the call's (possibly written) scan inputs: exact for the head outputs unless a
+  // per-token state or the head outputs themselves were written.
+  visit_mixing(ls, li, B, T, H, N, [&](const MixBlock& blk, float* M, float* Sin) { ssd_token_mixing(sb, rs.first, blk, M, Sin); });
   if (call.tape && !gate_in_kernel) call.tape->keep(li, grad::Kept::head_outputs, y);  // as written; read-only
 
   // The gate and the norm per block of rows on the pool (they were a serial pass per layer).

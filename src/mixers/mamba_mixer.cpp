@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "hooks/mixing.h"
 #include "hooks/serve.h"
 #include "mixers/selective_scan.h"
 #include "mixers/ssm_kernels.h"
@@ -133,6 +134,8 @@ void MambaMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) 
   v.push_back(s);
   v.push_back(layer_value(i, Value::state_output, {B, E_, N_}, true, "SSM state after the call's last token (goes to the cache)"));
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, E_}, true, "y = C.S + D*u per channel, before the silu(z) gate"));
+  // Per channel (A is [E,N]): the mixing's "heads" are the d_inner channels, its state rows [N].
+  add_mixing_values(i, B, T, E_, N_, "D u (per channel)", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(y * silu(z)), added to the residual"));
 }
 
@@ -240,6 +243,14 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
         if (u[r * E_ + e] != 0.0f) y[r * E_ + e] = lw.D[e] * u[r * E_ + e];
   call.end_state();
   visit_if(ls, li, Value::attention_head_outputs, y);
+  // The mixing of the scan inputs as the scan read them (after writes): decays = A dt as served.
+  visit_mixing(ls, li, B, T, E_, N_, [&](const MixBlock& blk, float* M, float* Sin) {
+    const Tensor dec = decays_of(lw, dt);
+    SelectiveMixArgs ma;
+    ma.B = B; ma.T = T; ma.E = E_; ma.N = N_; ma.groups = H;
+    ma.u = u.data(); ma.dt = dt.data(); ma.Bm = Bm.data(); ma.C = Cm.data(); ma.decay = dec.data();
+    mamba_token_mixing(ma, rs.first, blk, M, Sin);
+  });
 
   Tensor g({B, T, E_});
   for_rows(BT, [&](int64_t r) { ops::mul_silu(y.data() + r * E_, xz.data() + r * 2 * E_ + E_, g.data() + r * E_, E_); });

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "hooks/mixing.h"
 #include "hooks/serve.h"
 #include "mixlens/errors.h"
 #include "ops/ops.h"
@@ -250,6 +251,7 @@ void MlstmMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) 
   v.push_back(s);
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, V}, true,
                           "h = (q C / sqrt(Dqk)) / (max(|q n| / sqrt(Dqk), exp(-m)) + eps) per head, before multihead_norm"));
+  add_mixing_values(i, B, T, d_.NH, d_.Dqk, "nothing (no skip); state_input_mixing reads state_input's C per head", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, d_.D}, true,
                           "out_proj(sigmoid(ogate_preact) * multihead_norm(h)), added to the residual"));
   v.push_back(layer_value(i, Value::state_output, {B, n}, true, "state after the call's last token (goes to the cache)"));
@@ -277,6 +279,11 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
 
   Tensor y({B, T, V});  // zeros: padded tokens read nothing
   const int64_t Q = d_.chunk;
+  // The n and m the call starts from, kept for the mixing (the scan overwrites S in place). Always: an
+  // interleaved reader may first want token_mixing after the scan; C (the large part) is not needed.
+  const int64_t nm = NH * d_.Dqk + NH;
+  Tensor start_nm = Tensor::uninitialized({B, nm});
+  for (int64_t b = 0; b < B; ++b) std::copy_n(S.data() + b * n + d_.n_off(), nm, start_nm.data() + b * nm);
   RowScan rs;
   rs.B = B, rs.T = T, rs.row_numel = n, rs.S = S.data(), rs.y_row_numel = T * V;
   rs.first = first_real_tokens(in);
@@ -315,6 +322,12 @@ Tensor MlstmMixer::forward(const MlstmMixerWeights& lw, const Tensor& n_in, cons
     ls->recycle_stack(std::move(states));
   }
   visit_if(ls, li, Value::attention_head_outputs, y);
+  visit_mixing(ls, li, B, T, NH, d_.Dqk, [&](const MixBlock& blk, float* M, float* Sin) {
+    MlstmMixArgs ma;
+    ma.d = d_; ma.B = B; ma.T = T; ma.q = q.data(); ma.k = k.data(); ma.v = v.data(); ma.betas = gate_i.data();
+    ma.lf = lf.data(); ma.n_in = start_nm.data(); ma.m_in = start_nm.data() + NH * d_.Dqk; ma.stride = nm;
+    mlstm_token_mixing(ma, rs.first, blk, M, Sin);
+  });
   // multihead_norm, then the sigmoid output gate.
   Tensor g({BT, V}), out({B, T, D});
   head_norm(lw, y.data(), BT, g.data());

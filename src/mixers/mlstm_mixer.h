@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "hooks/listener.h"
+#include "hooks/mixing.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
 #include "mixlens/values.h"
@@ -94,5 +95,32 @@ class MlstmMixer {
  private:
   MlstmMixerDims d_;
 };
+
+// ---- Token mixing (issue 26; docs/values.md "Token mixing"), mixers/mlstm_mixing.cpp --------------
+/// One call's mLSTM inputs over a batch, served layouts (what the kernels read), and where each row starts.
+struct MlstmMixArgs {
+  MlstmMixerDims d;
+  int64_t B = 0, T = 0;
+  const float *q = nullptr, *k = nullptr, *v = nullptr;  ///< [B,T,NH*Dqk] / [B,T,NH*Dqk] / [B,T,NH*Dv]
+  const float* betas = nullptr;  ///< [B,T,NH] exp(i): the kernels read log(betas)
+  const float* lf = nullptr;     ///< [B,T,NH] decays, log sigmoid(f)
+  /// The n [NH*Dqk] and m [NH] the call starts from, row b at + b * stride (C is not read: the
+  /// mixing's rows do not depend on it).
+  const float *n_in = nullptr, *m_in = nullptr;
+  int64_t stride = 0;
+};
+/// Per head, with F_t = sum_{r=first..t} lf_r, the stabiliser m_t = max(F_t + m_in, max_{s<=t} F_t - F_s
+/// + i_s) (the recurrent step's, which the chunkwise form reaches too) and the read's denominator
+/// den_t = max(|q_t . n_t| / sqrt(Dqk), exp(-m_t)) + eps:
+///   M[b,h,t,s] = (q_t . k_s / sqrt(Dqk)) exp(F_t - F_s + i_s - m_t) / den_t   (first[b] <= s <= t),
+///   Sin [B, heads, rows, Dqk] = q_t exp(F_t + m_in - m_t) / (sqrt(Dqk) den_t), the rows C_in is read with,
+/// so h_t = sum_s M[t,s] v_s + Sin[t] C_in exactly; den_t (through n_t) depends on the keys and gates,
+/// not on v. Double sums.
+void mlstm_token_mixing(const MlstmMixArgs& a, const std::vector<int64_t>& first, const MixBlock& blk, float* M,
+                        float* Sin);
+/// out [B, heads, cols, Dqk, Dv + 1]: token s's share of the served C (columns 0..Dv-1) and n (column Dv)
+/// after t, exp(F_t - F_s + i_s - m_t) k_s (v_s, 1), in the frame of the stabiliser m_t (not split).
+void mlstm_state_contributions(const MlstmMixArgs& a, const std::vector<int64_t>& first, int64_t t,
+                               const MixBlock& blk, float* out);
 
 }  // namespace mixlens::detail

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "hooks/mixing.h"
 #include "hooks/serve.h"
 #include "mixlens/errors.h"
 #include "ops/ops.h"
@@ -65,6 +66,8 @@ void RgLruMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) 
   v.push_back(layer_value(i, Value::state_output, {B, K, W}, true, "state after the call's last token " + layout + " (goes to the cache)"));
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, W}, true,
                           "RG-LRU output h_t per channel, before the gelu(linear_y(x)) gate"));
+  // Diagonal per channel: the mixing's "heads" are the lru_width channels; its state side is h alone.
+  add_mixing_values(i, B, T, W, 1, "nothing (no skip); state_input_mixing multiplies state_input's h row (K-1)", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, d_.D}, true, "linear_out(h * gelu(linear_y(x))), added to the residual"));
 }
 
@@ -186,6 +189,11 @@ Tensor RgLruMixer::forward(const RgLruMixerWeights& l, const Tensor& x, const Ba
   }
   visit_if(ls, li, Value::state_output, S);  // served layout is the cache layout: writes land in place
   visit_if(ls, li, Value::attention_head_outputs, hs);
+  visit_mixing(ls, li, B, T, W, 1, [&](const MixBlock& blk, float* M, float* Sin) {
+    RgLruMixArgs ma;
+    ma.B = B; ma.T = T; ma.W = W; ma.u = u.data(); ma.ig = ig.data(); ma.la = la.data(); ma.pos = pos.data();
+    rg_lru_token_mixing(ma, rs.first, blk, M, Sin);
+  });
   for (int64_t e = 0; e < BT * W; ++e) hs[e] *= y[e];
   Tensor out = Tensor::uninitialized({B, T, D});
   ops::linear(hs.data(), BT, W, l.linear_out, out.data(), l.out_bias.data());

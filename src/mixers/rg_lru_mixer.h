@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "hooks/listener.h"
+#include "hooks/mixing.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
 
@@ -57,5 +58,25 @@ class RgLruMixer {
  private:
   RgLruMixerDims d_;
 };
+
+// ---- Token mixing (issue 26; docs/values.md "Token mixing"), mixers/rg_lru_mixing.cpp -------------
+/// One call's RG-LRU inputs over a batch, served layouts [B,T,W] (what the recurrence read).
+struct RgLruMixArgs {
+  int64_t B = 0, T = 0, W = 0;
+  const float* u = nullptr;       ///< attention_values
+  const float* ig = nullptr;      ///< betas (input gate i_t)
+  const float* la = nullptr;      ///< decays (log a_t)
+  const int64_t* pos = nullptr;   ///< [B*T] position ids: 0 at a real token is a reset (a_t = 0, multiplier 1)
+};
+/// The RG-LRU is diagonal per channel, so MixBlock's "heads" are the W channels: M [B, channels,
+/// rows, cols] with M[b,c,t,s] = w_s prod_{r=s+1..t} a_r (first[b] <= s <= t), w_s = i_s
+/// sqrt(1 - a_s^2) (i_s at a reset), a_r = exp(la_r) (0 at a reset); Sin [B, channels, rows, 1] =
+/// prod_{r=first..t} a_r, the factor on state_input's h row (row K-1), so h_t = sum_s M u_s + Sin h_in.
+void rg_lru_token_mixing(const RgLruMixArgs& a, const std::vector<int64_t>& first, const MixBlock& blk, float* M,
+                         float* Sin);
+/// out [B, channels, cols]: M[b,c,t,s] u_s, token s's share of h after t (the h row of the state;
+/// the conv-window rows are copies of the last K-1 linear_x outputs, not a mixture, so not split).
+void rg_lru_state_contributions(const RgLruMixArgs& a, const std::vector<int64_t>& first, int64_t t,
+                                const MixBlock& blk, float* out);
 
 }  // namespace mixlens::detail

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "hooks/mixing.h"
 #include "hooks/serve.h"
 #include "mixlens/errors.h"
 #include "ops/ops.h"
@@ -90,6 +91,8 @@ void RwkvMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>& v) c
   v.push_back(s);
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, A}, true,
                           "wkv = (num + exp(u + k) v) / (den + exp(u + k)), the state's read before receptance"));
+  // Per channel: the mixing's "heads" are the A channels; its state side the num entry.
+  add_mixing_values(i, B, T, A, 1, "nothing (no skip); state_input_mixing multiplies state_input's num [A]", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, D}, true, "output(r * wkv), added to the residual"));
   v.push_back(layer_value(i, Value::state_output, {B, n}, true, "state after the call's last token (goes to the cache)"));
 }
@@ -135,6 +138,9 @@ Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const 
   visit_if(ls, li, Value::attention_queries, r);
 
   Tensor y({B, T, A});  // zeros: padded tokens read nothing
+  // The state the call starts from, kept for the mixing (the scan overwrites S in place). Always: an
+  // interleaved reader may first want token_mixing after the scan; one row is 3A + 2D floats.
+  const Tensor start = S.clone();
   // The channel-mix shift after token t: ln2 of the residual plus output(r * y) of that token alone.
   const auto ffn_at = [&](int64_t b, int64_t t, const float* ybuf, float* dst) {
     std::vector<float> g(static_cast<size_t>(A)), o(static_cast<size_t>(D));
@@ -177,6 +183,12 @@ Tensor RwkvMixer::forward(const RwkvMixerWeights& lw, const Tensor& n_in, const 
     ls->recycle_stack(std::move(states));
   }
   const bool y_written = visit_if(ls, li, Value::attention_head_outputs, y);
+  visit_mixing(ls, li, B, T, A, 1, [&](const MixBlock& blk, float* M, float* Sin) {
+    RwkvMixArgs ma;
+    ma.B = B; ma.T = T; ma.A = A; ma.k = k.data(); ma.v = v.data(); ma.w = w.data(); ma.u = lw.time_first.data();
+    ma.start = start.data(); ma.row_stride = n;
+    rwkv_token_mixing(ma, first, blk, M, Sin);
+  });
   Tensor g({B, T, A}), out({B, T, D});
   for (int64_t q = 0; q < BT * A; ++q) g[q] = r[q] * y[q];
   ops::linear(g.data(), BT, A, lw.output, out.data());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "hooks/listener.h"
+#include "hooks/mixing.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
 #include "mixlens/values.h"
@@ -80,5 +81,29 @@ class RwkvMixer {
  private:
   RwkvMixerDims d_;
 };
+
+// ---- Token mixing (issue 26; docs/values.md "Token mixing"), mixers/rwkv_mixing.cpp ---------------
+/// One call's WKV inputs over a batch, served layouts [B,T,A], and where each row starts.
+struct RwkvMixArgs {
+  int64_t B = 0, T = 0, A = 0;
+  const float *k = nullptr, *v = nullptr, *w = nullptr;  ///< attention_keys, attention_values, decays
+  const float* u = nullptr;       ///< [A] time_first (the bonus of a token's own write)
+  const float* start = nullptr;   ///< [B, row_stride] the state the call starts from (num | den | max ...)
+  int64_t row_stride = 0;
+};
+/// WKV is diagonal per channel, so MixBlock's "heads" are the A channels. With the call's own
+/// denominator den_t = e^{m_in + W(f..t-1)} den_in + sum_{s<t} e^{k_s + W(s+1..t-1)} + e^{u + k_t}
+/// (W(a..b) = sum of decays_r over r in [a, b], f = first[b]):
+///   M[b,c,t,s] = e^{k_s + W(s+1..t-1)} / den_t (f <= s < t),  e^{u + k_t} / den_t (s = t),
+///   Sin [B, channels, rows, 1] = e^{m_in + W(f..t-1)} / den_t, the factor on state_input's num,
+/// so wkv_t = sum_s M[t,s] v_s + Sin num_in exactly; den_t does not depend on v (a linear map of v
+/// given the keys and decays), computed in log space in double.
+void rwkv_token_mixing(const RwkvMixArgs& a, const std::vector<int64_t>& first, const MixBlock& blk, float* M,
+                       float* Sin);
+/// out [B, channels, cols, 2]: token s's share of (num, den) after t in the frame of the served max
+/// (e^{k_s + W(s+1..t) - max_t} (v_s, 1), max_t by the kernel's own float recurrence). From a fresh
+/// state they sum to the served num and den; max is a stabiliser, not a sum, and is not split.
+void rwkv_state_contributions(const RwkvMixArgs& a, const std::vector<int64_t>& first, int64_t t, const MixBlock& blk,
+                              float* out);
 
 }  // namespace mixlens::detail

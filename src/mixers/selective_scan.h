@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <vector>
+
+#include "hooks/mixing.h"
 
 namespace mixlens::detail {
 
@@ -82,5 +85,31 @@ void selective_scan_chunked(const SelectiveScanArgs& a);
 /// selective_scan_chunked from a.S (the state entering that chunk, not changed): that kernel's
 /// arithmetic for the chunk's per-token states and end state, so the three agree bitwise.
 void selective_scan_state_at(const SelectiveScanArgs& a, int64_t upto, float* out);
+
+// ---- Token mixing (issue 26; docs/values.md "Token mixing"), mixers/mamba_mixing.cpp --------------
+/// One Mamba-1 call's scan inputs over a batch, served layouts [B,T,...] (what the scan read).
+struct SelectiveMixArgs {
+  int64_t B = 0, T = 0, E = 0, N = 0, groups = 1;  ///< groups: Zamba's Mamba heads (B / C per head)
+  const float* u = nullptr;      ///< [B,T,E] attention_values
+  const float* dt = nullptr;     ///< [B,T,E] betas
+  const float* Bm = nullptr;     ///< [B,T,groups,N] attention_keys
+  const float* C = nullptr;      ///< [B,T,groups,N] attention_queries
+  const float* decay = nullptr;  ///< [B,T,E,N] decays (A dt, the exponent the scan takes)
+  /// Blocks of the mixing's token grid (from each row's first token): across blocks the decay is
+  /// factored through the block ends, so a T x T matrix costs T^2 N products and O(T N) exps.
+  int64_t chunk = 32;
+};
+/// Mamba-1's mixing is per channel (A is [E,N]: every channel decays its own way), so the "heads"
+/// of MixBlock are the E channels: M [B, channels, rows, cols] with
+///   M[b,e,t,s] = dt_s[e] sum_n C_t[n] B_s[n] exp(sum_{r=s+1..t} decay_r[e,n])   (first[b] <= s <= t),
+/// and Sin [B, channels, rows, N] = C_t[n] exp(sum_{r=first..t} decay_r[e,n]), so that
+/// y_t[e] = sum_s M[e,t,s] u_s[e] + sum_n Sin[e,t,n] state_input[e,n] + D[e] u_t[e]. Double sums.
+void mamba_token_mixing(const SelectiveMixArgs& a, const std::vector<int64_t>& first, const MixBlock& blk, float* M,
+                        float* Sin);
+/// out [B, channels, cols, N]: exp(sum_{r=s+1..t} decay_r[e,n]) dt_s[e] B_s[n] u_s[e] for
+/// first[b] <= s <= t, else 0 (the state is linear in the writes: they sum to the state after t
+/// from a zero start).
+void mamba_state_contributions(const SelectiveMixArgs& a, const std::vector<int64_t>& first, int64_t t,
+                               const MixBlock& blk, float* out);
 
 }  // namespace mixlens::detail

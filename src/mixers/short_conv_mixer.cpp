@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "hooks/mixing.h"
 #include "hooks/serve.h"
 #include "ops/ops.h"
 
@@ -30,6 +31,8 @@ void ShortConvMixer::values(int i, int64_t B, int64_t T, std::vector<ValueInfo>&
   v.push_back(s);
   v.push_back(layer_value(i, Value::state_output, {B, D, K}, true, "conv window after the call's last token (goes to the cache)"));
   v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, D}, true, "C * conv(B * x), before out_proj"));
+  // Depthwise: the mixing's "heads" are the D channels; its state side the K window columns.
+  add_mixing_values(i, B, T, D, K, bias_ ? "C * conv_bias" : "nothing (no conv bias)", v);
   v.push_back(layer_value(i, Value::attention_output, {B, T, D}, true, "out_proj(C * conv(B * x)), added to the residual"));
 }
 
@@ -108,6 +111,12 @@ Tensor ShortConvMixer::forward(const ShortConvMixerWeights& l, const Tensor& n_i
   }
   visit_state_output(li, S, ls, serve_all, store_all);
   visit_if(ls, li, Value::attention_head_outputs, o);
+  visit_mixing(ls, li, B, T, D, K, [&](const MixBlock& blk, float* M, float* Sin) {
+    ShortConvMixArgs ma;
+    ma.B = B; ma.T = T; ma.D = D; ma.K = K;
+    ma.Bg = Bg.data(); ma.Cg = Cg.data(); ma.x = xg.data(); ma.conv_wT = l.conv_wT.data();
+    short_conv_token_mixing(ma, rs.first, blk, M, Sin);
+  });
   Tensor out = Tensor::uninitialized({B, T, D});
   ops::linear(o.data(), BT, D, l.out_proj, out.data(), bias_ ? l.out_bias.data() : nullptr);
   visit_if(ls, li, Value::attention_output, out);

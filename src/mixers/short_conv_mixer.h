@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "hooks/listener.h"
+#include "hooks/mixing.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
 
@@ -53,5 +54,24 @@ class ShortConvMixer {
   int64_t D_ = 0, K_ = 3;
   bool bias_ = false;
 };
+
+// ---- Token mixing (issue 26; docs/values.md "Token mixing"), mixers/short_conv_mixing.cpp ---------
+/// One call's short conv inputs over a batch, served layouts [B,T,D], and the layer's conv weights.
+struct ShortConvMixArgs {
+  int64_t B = 0, T = 0, D = 0, K = 0;
+  const float *Bg = nullptr, *Cg = nullptr, *x = nullptr;  ///< attention_keys, attention_queries, attention_values
+  const float* conv_wT = nullptr;                          ///< [K, D], index K-1 = the token's own tap
+};
+/// Per channel (depthwise conv), so MixBlock's "heads" are the D channels, and the mixing is of
+/// the served values x (B is folded into the columns): M[b,d,t,s] = C_t[d] w[K-1-(t-s), d] B_s[d]
+/// for first[b] <= s <= t < s + K (a band); Sin [B, channels, rows, K] = C_t[d] w[j-1-(t-first), d]
+/// on window column j >= t - first + 1 (state_input [D, K], oldest first), so
+/// y_t = sum_s M[t,s] x_s + Sin[t] . state_input + C_t conv_bias.
+void short_conv_token_mixing(const ShortConvMixArgs& a, const std::vector<int64_t>& first, const MixBlock& blk,
+                             float* M, float* Sin);
+/// out [B, channels, cols, K]: the window after t (served [D, K] per channel) split by source: token
+/// s's B_s x_s sits in column s - t + K - 1 while it is in the window (first[b] <= s <= t), else 0.
+void short_conv_state_contributions(const ShortConvMixArgs& a, const std::vector<int64_t>& first, int64_t t,
+                                    const MixBlock& blk, float* out);
 
 }  // namespace mixlens::detail

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hooks/listener.h"
+#include "hooks/mixing.h"
 
 namespace mixlens::detail {
 
@@ -59,5 +60,19 @@ struct SsdBatch {
 /// padding: the chunk grid is the row's own; the padded tokens' y are zeroed here): the Mamba-2 and
 /// lightning mixers hand it to scan_rows, which serves the per-token states.
 RowScan ssd_row_scan(const SsdBatch& sb, std::vector<int64_t> first);
+
+// ---- Token mixing (issue 26; docs/values.md "token_mixing"), mixers/ssd_mixing.cpp ----------------
+/// SSD's mixing matrix over the block `blk` of every row of `sb` (row b scanned from `first[b]`):
+///   M[b,h,t,s] = (C_t . B_s) exp(sum_{r=s+1..t} da_r) dt_s   for first[b] <= s <= t, else 0,
+/// da_r = SsdBatch::da or A dt_r (the kernel's log decay), so y_t = sum_s M[t,s] x_s + D x_t +
+/// Sin[t] . state_input with Sin[b,h,t,n] = exp(sum_{r=first..t} da_r) C_t[n] ([B,heads,rows,N]; the
+/// served state_input is [N,P]). Cumulative decays in double; `M` [B,heads,rows,cols] or null.
+void ssd_token_mixing(const SsdBatch& sb, const std::vector<int64_t>& first, const MixBlock& blk, float* M, float* Sin);
+/// What each source token s in [blk.c0, blk.c1) wrote that survives in the state after token t
+/// (heads [blk.h0, blk.h1)): out [B, heads, cols, N, P] (served layout) = exp(sum_{r=s+1..t} da_r)
+/// dt_s B_s x_s^T for first[b] <= s <= t, else 0. Their sum over s in [first, t] plus
+/// exp(sum_{r=first..t} da_r) state_input is the state after t.
+void ssd_state_contributions(const SsdBatch& sb, const std::vector<int64_t>& first, int64_t t, const MixBlock& blk,
+                             float* out);
 
 }  // namespace mixlens::detail

@@ -108,6 +108,27 @@ void RowStateCache::end_state(int li, Listener* ls, const WriteCheck& check) {
   });
 }
 
+void add_mixing_support(std::map<std::string, std::map<int, std::string>>& s, const ModelInfo& info,
+                        const FamilyModel::ValueTable& table) {
+  for (Value v : {Value::token_mixing, Value::state_input_mixing}) {
+    auto& per_layer = s["linear_attn." + std::string(value_name(v))];
+    for (int i = 0; i < info.num_layers; ++i) {
+      std::string& r = per_layer[i];
+      if (!r.empty() || table.at.count(site_path({i, v}))) continue;
+      // Every recurrent kind serves it; softmax attention has attention_probabilities instead.
+      r = "block " + std::to_string(i) + " is a " + std::string(layer_kind_name(info.layer_kinds[static_cast<size_t>(i)])) +
+          " block: it has no recurrent mixer (self_attn serves attention_probabilities)";
+    }
+  }
+}
+
+std::map<std::string, std::map<int, std::string>> served_support(const FamilyModel& family) {
+  auto s = family.support();
+  add_state_methods(s);  // every family, hybrids included: as linear_attn.state
+  add_mixing_support(s, family.info, family.value_table());
+  return s;
+}
+
 std::map<std::string, std::map<int, std::string>> mixer_only_support(int num_layers, const std::string& family) {
   std::map<std::string, std::map<int, std::string>> s;
   for (int v = 0; v < kNumValues; ++v) {

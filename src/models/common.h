@@ -29,6 +29,13 @@ Tensor embed_tokens(const Tensor& embed, const Batch& in, const char* family);
 Tensor lm_logits(const Tensor& lm_head, const Tensor& h, Listener* ls, bool all_logits, float soft_cap = 0.0f);
 /// support() entries for the per-token state methods (state_after, set_state_after): as "state".
 void add_state_methods(std::map<std::string, std::map<int, std::string>>& s);
+/// token_mixing / state_input_mixing (issue 26): a block whose values do not list them in `table` (no
+/// recurrent mixer: every recurrent kind serves them) gets a reason naming its kind, unless the family gave one.
+void add_mixing_support(std::map<std::string, std::map<int, std::string>>& s, const ModelInfo& info,
+                        const FamilyModel::ValueTable& table);
+/// Model::support(): the family's support() with the per-token state methods and the token mixing
+/// reasons added (what path resolution and Model::support both read).
+std::map<std::string, std::map<int, std::string>> served_support(const FamilyModel& family);
 
 /// The cache of a family whose every layer keeps one flat state row per sequence (RWKV-4, xLSTM): per layer
 /// [B, row_numel], served as is at state_input / state_output (copies; a write laid back in place).

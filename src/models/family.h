@@ -97,6 +97,20 @@ class FamilyModel {
     return Tensor();
   }
 
+  /// The weights of layer `layer`'s mixer that token_mixing (include/mixlens/mixing.h) reads besides
+  /// the served values; each undefined where the kind has none.
+  struct MixerConsts {
+    Tensor skip;       ///< Mamba-2's D [H], Mamba-1's D [E]: attention_head_outputs add skip * values
+    Tensor conv_wT;    ///< LFM2's short conv taps [K, D] (index K-1 = the token's own)
+    Tensor conv_bias;  ///< LFM2's conv bias [D] (conv_bias)
+    Tensor bonus;      ///< RWKV-4's time_first [A]
+    float eps = 0.0f;  ///< mLSTM's eps (added to the read's denominator)
+  };
+  virtual MixerConsts mixer_consts(int layer) const {
+    (void)layer;
+    return {};
+  }
+
   /// The LM head around the blocks, for nnterp's project_on_vocab and read access to the weights
   /// (Model::project_on_vocab, Model::head_weight). Pointers into the family's own tensors.
   struct Head {

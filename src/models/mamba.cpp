@@ -88,6 +88,7 @@ class MambaModel final : public SsmLm {
   Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& dec) const override {
     return mixer_.betas_for_decays(li, layers_[static_cast<size_t>(li)], betas_before, dec);
   }
+  MixerConsts mixer_consts(int li) const override { return {layers_[static_cast<size_t>(li)].D, {}, {}, {}}; }
 
   int64_t N_ = 0, E_ = 0, R_ = 0;
   MambaMixer mixer_;

@@ -51,6 +51,7 @@ class Mamba2Model final : public SsmLm {
   Tensor betas_for_decays(int li, const Tensor& betas_before, const Tensor& decays) const override {
     return mixer_.betas_for_decays(layers_[static_cast<size_t>(li)], betas_before, decays);
   }
+  MixerConsts mixer_consts(int li) const override { return {layers_[static_cast<size_t>(li)].D, {}, {}, {}}; }
 
   // Gradients (src/grad/ssm_lm_grad.cpp and src/grad/mamba2_mixer_grad.cpp, docs/gradients.md).
   std::unique_ptr<BackwardParts> backward_parts() const override {

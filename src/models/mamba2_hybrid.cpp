@@ -452,6 +452,12 @@ class Mamba2Hybrid final : public FamilyModel {
     if (mamba1()) return mixer1_.betas_for_decays(li, bw.mamba1, betas_before, decays);
     return mixer_.betas_for_decays(bw.mamba, betas_before, decays);
   }
+  MixerConsts mixer_consts(int li) const override {
+    const HybridBlock& b = s_.blocks[static_cast<size_t>(li)];
+    const BlockW& bw = blocks_[static_cast<size_t>(li)];
+    if (!b.mamba) return {};
+    return {mamba1() ? bw.mamba1.D : bw.mamba.D, {}, {}, {}};
+  }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
     std::vector<bool> is_mixer;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "hooks/mixing.h"
 #include "mixers/attention_mixer.h"
 #include "mixers/gated_delta_mixer.h"
 #include "mixlens/errors.h"
@@ -379,6 +380,11 @@ class QwenHybrid final : public FamilyModel {
     return parts;
   }
 
+  MixerConsts mixer_consts(int li) const override {
+    const Layer& l = layers_[static_cast<size_t>(li)];
+    if (!spec_.lfm2 || !l.linear) return {};
+    return {{}, l.sc.conv_wT, conv_.bias() ? l.sc.conv_bias : Tensor(), {}};
+  }
   Head head() const override { return {&embed_, &norm_, &lm_head_, eps_, spec_.centred_norms}; }
   ResidualWrite residual_write(int layer) const override {
     ResidualWrite w = FamilyModel::residual_write(layer);
@@ -421,6 +427,7 @@ class QwenHybrid final : public FamilyModel {
         v.push_back(s);
         v.push_back(layer_value(i, Value::state_output, {B, HV, Dk, Dv}, true, "recurrent state after the call's last token (goes to the cache)"));
         v.push_back(layer_value(i, Value::attention_head_outputs, {B, T, HV, Dv}, true, "gated delta rule output per value head, before the gated RMSNorm"));
+        add_mixing_values(i, B, T, HV, Dk, "nothing (no skip)", v);
         v.push_back(layer_value(i, Value::attention_output, {B, T, D_}, true, "out_proj(gated RMSNorm(o, z)), added to the residual"));
       } else {
         attn_.values(i, B, T, v);

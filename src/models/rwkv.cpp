@@ -81,6 +81,7 @@ class RwkvModel final : public FamilyModel {
 
   // One kernel (route_kernels refuses 'chunked' for this family: its registry line).
   std::string kernel_for(const CacheState&, int64_t) const override { return "recurrent"; }
+  MixerConsts mixer_consts(int li) const override { return {{}, {}, {}, layers_[static_cast<size_t>(li)].time_first}; }
 
   Tensor forward(const Batch& in, CacheState& cache_base, Listener* ls, const CallCtx& ctx,
                  bool all_logits) const override {

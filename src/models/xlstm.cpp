@@ -96,6 +96,11 @@ class XlstmModel final : public FamilyModel {
   }
 
   void set_chunk_size(int64_t c) override { mixer_.set_chunk(c > 0 ? c : chunk_); }
+  MixerConsts mixer_consts(int) const override {
+    MixerConsts c;
+    c.eps = mixer_.dims().eps;
+    return c;
+  }
 
   std::unique_ptr<CacheState> new_cache(int64_t batch) const override {
     return std::make_unique<RowStateCache>(batch, L_, mixer_.dims().row_numel());  // zeros, as xLSTMCache

@@ -304,9 +304,7 @@ std::optional<int32_t> Model::eos_token_id() const { return impl_->eos_id; }
 
 std::vector<ValueInfo> Model::values(int64_t batch, int64_t seq) const { return impl_->family->values(batch, seq); }
 std::map<std::string, std::map<int, std::string>> Model::support() const {
-  auto s = impl_->family->support();
-  detail::add_state_methods(s);  // every family, hybrids included: as linear_attn.state
-  return s;
+  return detail::served_support(*impl_->family);
 }
 void Model::set_chunk_size(int64_t c) {
   if (c < 0 || c > detail::kMaxChunkSize)

@@ -726,10 +726,8 @@ void Session::Impl::write_at(const Target& t, std::string_view path, const Tenso
   if (t.site.value == Value::states)
     throw WriteError("'" + site_path(t.site) + "' is read-only (the per-token state stack); write one token's state ('" +
                      site_path({t.site.layer, Value::state}) + "@t<t>') or state_input / state_output instead");
-  if (t.site.value == Value::attn_probs)
-    throw WriteError("'" + site_path(t.site) +
-                     "' is read-only (the softmax weights are recomputed from the queries and keys); write "
-                     "self_attn.attention_queries / attention_keys instead");
+  if (!derived_value_reason(t.site.value).empty())
+    throw WriteError("'" + site_path(t.site) + "' is read-only (" + derived_value_reason(t.site.value) + ")");
   settle_handed(&t);
   std::unique_lock<std::mutex> lk(mu);
   kept_stack = {};

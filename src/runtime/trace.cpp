@@ -9,6 +9,7 @@
 #include "mixers/rwkv_mixer.h"
 #include "mixlens/errors.h"
 #include "mixlens/trace.h"
+#include "models/common.h"
 #include "models/family.h"
 #include "ops/env.h"
 #include "runtime/model_access.h"
@@ -342,7 +343,7 @@ std::vector<Site> resolve_path(const FamilyModel& model, const std::string& patt
     // A component this block does not have: name the block's kind (values.md).
     const std::string rest = starred.substr(9);  // after "layers.*."
     const std::string comp = rest.substr(0, rest.find('.'));
-    const auto support = model.support();
+    const auto support = served_support(model);
     auto it = support.find(rest);
     if (it != support.end()) {
       auto r = it->second.find(li);
@@ -418,9 +419,8 @@ TraceListener::TraceListener(Trace& trace, const FamilyModel& model)
         throw WriteError("'" + site_path(s) +
                          "' is read-only (the per-token state stack); write one token's state with '" +
                          site_path({s.layer, Value::state}) + "@t<t>', or state_input / state_output");
-      if (r.kind != Trace::Impl::Kind::save && s.value == Value::attn_probs)
-        throw WriteError("'" + site_path(s) + "' is read-only (the softmax weights are recomputed from the queries "
-                         "and keys); write self_attn.attention_queries / attention_keys instead");
+      if (r.kind != Trace::Impl::Kind::save && !derived_value_reason(s.value).empty())
+        throw WriteError("'" + site_path(s) + "' is read-only (" + derived_value_reason(s.value) + ")");
       if (s.value == Value::state && !r.token)
         throw UnknownValueError("value path '" + r.path + "': 'state' is addressed per token, e.g. '" +
                                 site_path(s) + "@t5' (the state after token 5; '@t-1' is the last token)");

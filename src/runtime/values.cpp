@@ -51,6 +51,8 @@ std::string_view value_name(Value v) {
     case Value::attn_output: return "attention_output";
     case Value::attn_probs: return "attention_probabilities";
     case Value::mlp_output: return "output";
+    case Value::token_mixing: return "token_mixing";
+    case Value::state_input_mixing: return "state_input_mixing";
     case Value::kCount: break;
   }
   return "?";
@@ -89,6 +91,19 @@ std::string site_path(const Site& s) {
     default: break;
   }
   return p + std::string(value_name(s.value));
+}
+
+std::string derived_value_reason(Value v) {
+  switch (v) {
+    case Value::attn_probs:
+      return "the softmax weights are recomputed from the queries and keys; write self_attn.attention_queries / "
+             "attention_keys instead";
+    case Value::token_mixing:
+    case Value::state_input_mixing:
+      return "it is derived: computed from the mixer's attention_queries / attention_keys / betas / decays; write "
+             "those instead";
+    default: return "";
+  }
 }
 
 std::optional<int64_t> split_token(std::string& path) {
