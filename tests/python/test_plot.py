@@ -28,9 +28,9 @@ MODELS = REPO / "models"
 PROMPT = "Once upon a time, there was a little girl"
 CORRUPT = "Once upon a time, there was a little boy"  # attribution-patching's second prompt (same length)
 # model -> the kinds it serves (the others are refused: test_unserved_kind_says_why).
-SERVED = {"mamba2-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attribution-patching"],
-          "mamba-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attribution-patching"],
-          "qwen3_5-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attention", "attribution-patching"]}
+SERVED = {"mamba2-tinystories": ["logit-lens", "state-norm", "decay", "beta", "token-mixing", "attribution-patching"],
+          "mamba-tinystories": ["logit-lens", "state-norm", "decay", "beta", "token-mixing", "attribution-patching"],
+          "qwen3_5-tinystories": ["logit-lens", "state-norm", "decay", "beta", "attention", "token-mixing", "attribution-patching"]}
 PLOT_LIBS = ("plotly", "matplotlib", "kaleido")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Chromium's own background services, which call home whatever page is open (the flags below silence the
@@ -190,6 +190,17 @@ def test_timelines_are_the_served_values():
     np.testing.assert_allclose(hm.z, d.mean(-1).T, rtol=1e-6)
 
 
+def test_token_mixing_is_the_core_value():
+    """One panel per recurrent layer: the mean over heads of model.token_mixing, causal, red-blue around 0."""
+    m = model("qwen3_5-tinystories")
+    (p,) = mp.figure("token-mixing", m, PROMPT, layers=[0, 2]).panels  # layer 2 is an attention block: left out
+    ids = m.tokenizer.encode(PROMPT)
+    mix = m.token_mixing([ids], 0)["mixing"][0]  # [H, T, T]
+    np.testing.assert_allclose(p.z, mix.mean(0), rtol=1e-6)
+    assert p.z.shape == (len(ids), len(ids)) and p.diverging and p.zmin == -p.zmax
+    assert np.triu(p.z, 1).max() == 0 and np.triu(p.z, 1).min() == 0  # no token mixes in a later one
+
+
 def test_attribution_patching_grid_is_the_estimates():
     """Each panel is one node kind's estimates (layers x positions) from model.attribution_patching with the
     logit difference of the two prompts' top next tokens; a state after the last token changes nothing."""
@@ -244,7 +255,7 @@ def test_only_the_renderer_imports_plotting_libraries():
             assert not [m for m in mods if m.split(".")[0] in PLOT_LIBS], f"{name} imports {mods}"
     code = ("import sys, mixlens, mixlens.plot as mp\n"
             f"m = mixlens.load({str(MODELS / 'qwen3_5-tinystories')!r}, output='numpy')\n"
-            "for k in mp.KINDS: mp.figure(k, m, 'Once upon a time')\n"
+            f"for k in mp.KINDS: mp.figure(k, m, {PROMPT!r}, corrupt={CORRUPT!r} if k in mp.TWO_PROMPT_KINDS else None)\n"
             f"print(sorted(x for x in sys.modules if x.split('.')[0] in {PLOT_LIBS!r}))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
