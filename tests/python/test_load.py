@@ -62,7 +62,8 @@ def one_round(model, ref, n_traces: int, n_aborted: int, n_interrupted: int) -> 
         try:
             # Started inside the try: on a loaded machine the interrupt can land before start() returns.
             threading.Thread(target=ctrl_c).start()
-            model.generate(PROMPT, max_new_tokens=10**9, eos_token_id=-1).run()
+            # Bounded (~seconds) so a missed interrupt fails the count below instead of hanging the suite.
+            model.generate(PROMPT, max_new_tokens=2000, eos_token_id=-1).run()
         except KeyboardInterrupt:
             interrupted += 1
         finally:
