@@ -72,8 +72,9 @@ constexpr const char* kOptSaveOut = R"(  --save PATH  a value path, e.g. layers.
                with a JSON "mixlens" metadata entry (model, prompts, token ids)
   --ids        PROMPT is comma-separated token ids instead of text
 )";
-constexpr const char* kOptDtype = R"(  --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16 or auto
-               (the checkpoint's dtype); values are float32 whatever the dtype
+constexpr const char* kOptDtype = R"(  --dtype D    weights kept and multiplied as float32 (default), bfloat16, float16, int8
+               (quantized at load in blocks of 32, as llama.cpp's Q8_0) or auto (the
+               checkpoint's dtype); values are float32 whatever the dtype
 )";
 constexpr const char* kOptDeterministic = R"(  --deterministic  batch-invariant numerics: a prompt's values are bitwise the same alone or
                batched with others, on any thread count (slower prompts; LoadOptions::deterministic)
@@ -321,8 +322,9 @@ Args parse(int argc, char** argv) {
     else if (f == "--dtype") {
       a.load.dtype = value();
       a.dtype_given = true;
-      if (a.load.dtype != "float32" && a.load.dtype != "bfloat16" && a.load.dtype != "float16" && a.load.dtype != "auto")
-        usage_error("--dtype must be float32, bfloat16, float16 or auto, not '" + a.load.dtype + "'");
+      if (a.load.dtype != "float32" && a.load.dtype != "bfloat16" && a.load.dtype != "float16" && a.load.dtype != "int8" &&
+          a.load.dtype != "auto")
+        usage_error("--dtype must be float32, bfloat16, float16, int8 or auto, not '" + a.load.dtype + "'");
     }
     else if (f == "--prompt-file") a.prompts.push_back({PromptArg::text_file, value()});
     else if (f == "--ids-file") a.prompts.push_back({PromptArg::ids_file, value()});

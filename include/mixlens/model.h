@@ -122,7 +122,7 @@ struct ModelInfo {
   int64_t vocab_size = 0;
   std::vector<LayerKind> layer_kinds;
   std::string dtype = "float32";  ///< LoadOptions::dtype the model was loaded with
-  /// The dtypes its matmul weights are kept in, sorted ("bfloat16", "float16", "float32"): what
+  /// The dtypes its matmul weights are kept in, sorted ("bfloat16", "float16", "float32", "int8"): what
   /// "auto" resolved to (several when the checkpoint mixes them).
   std::vector<std::string> weight_dtypes;
   /// The checkpoint tensors read as matmul weights, sorted: those LoadOptions::dtype narrows (every
@@ -137,7 +137,9 @@ class FamilyModel;  // internal
 struct LoadOptions {
   /// Dtype the matmul weights (projections, embedding, lm_head, experts) are kept in and multiplied
   /// as, always with float32 accumulation: "float32" (default: widened at load, exact parity with
-  /// transformers in float32), "bfloat16", "float16", or "auto" (each weight's checkpoint dtype).
+  /// transformers in float32), "bfloat16", "float16", "int8" (quantized at load: ScalarType::int8,
+  /// blocks of 32 weights with a float32 scale max|w| / 127, as llama.cpp's Q8_0), or "auto" (each
+  /// weight's checkpoint dtype).
   /// Recurrent state, A_log, dt_bias, D, norm and conv weights, gates, decays, activations and
   /// every served value stay float32 whatever this says. InputError for any other string.
   std::string dtype = "float32";

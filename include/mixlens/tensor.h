@@ -1,6 +1,6 @@
 // A minimal dense tensor: row-major, contiguous, shared storage.
 // All mixlens activations and served values are float32; only matmul weights loaded with a
-// narrow `dtype` load option (LoadOptions::dtype) hold bfloat16 / float16.
+// narrow `dtype` load option (LoadOptions::dtype) hold bfloat16 / float16 / blocked int8.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -11,9 +11,11 @@ namespace mixlens {
 
 using Shape = std::vector<int64_t>;
 
-/// Element type of a Tensor. Everything but narrow matmul weights is f32.
-enum class ScalarType : uint8_t { float32, bfloat16, float16 };
-/// "float32", "bfloat16", "float16" (torch's spelling).
+/// Element type of a Tensor. Everything but narrow matmul weights is f32. int8 is blocked along the
+/// last axis: each block of 32 weights is a float32 scale s then 32 int8 values q, weight = q * s
+/// (ops/dtype.h; llama.cpp's Q8_0 with a float32 scale), a row padded with zeros to whole blocks.
+enum class ScalarType : uint8_t { float32, bfloat16, float16, int8 };
+/// "float32", "bfloat16", "float16", "int8" (torch's spelling).
 const char* dtype_str(ScalarType d);
 
 /// "[2, 3, 4]"
@@ -35,7 +37,7 @@ class Tensor {
   static Tensor from(Shape shape, const std::vector<float>& values);
   /// Non-owning view over external memory kept alive by `owner` (e.g. a memory-mapped file).
   static Tensor borrow(Shape shape, const float* data, std::shared_ptr<const void> owner);
-  /// Read-only bf16 / f16 tensor over `data` (numel 16-bit values) kept alive by `owner`.
+  /// Read-only bf16 / f16 / int8 tensor over `data` (nbytes() bytes) kept alive by `owner`.
   /// Only matmul weights are narrow: data() / operator[] throw Error on them (use raw() in the
   /// kernels of ops::linear, or to_f32()).
   static Tensor narrow(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner);
@@ -57,8 +59,10 @@ class Tensor {
   int64_t size(int64_t i) const;
   int64_t numel() const { return numel_; }
   ScalarType dtype() const { return dtype_; }
-  /// The storage whatever the dtype (numel elements of dtype()).
+  /// The storage whatever the dtype (nbytes() bytes).
   const void* raw() const { return data_; }
+  /// Bytes of the storage: numel x 4 or 2; int8: rows x whole blocks of 36 bytes.
+  int64_t nbytes() const;
 
   /// Mutable data. Throws Error if the tensor borrows read-only memory (call clone() first) or is
   /// not float32.

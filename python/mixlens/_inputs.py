@@ -203,12 +203,12 @@ def _edit_specs(edits: Union[None, Mapping[str, Any], Iterable[tuple]], fmt: str
 
 
 def _dtype_name(dtype: Any) -> str:
-    """'float32' / 'bfloat16' / 'float16' / 'auto' from a string or a torch dtype."""
+    """'float32' / 'bfloat16' / 'float16' / 'int8' / 'auto' from a string or a torch dtype."""
     if isinstance(dtype, str):
         name = dtype
     else:
         name = str(dtype).replace("torch.", "")  # torch.bfloat16 -> "bfloat16" without importing torch
-    if name not in ("float32", "bfloat16", "float16", "auto"):
-        raise InputError(f"dtype {dtype!r} is not one of 'float32', 'bfloat16', 'float16', 'auto' "
-                         "(or torch.float32 / torch.bfloat16 / torch.float16)")
+    if name not in ("float32", "bfloat16", "float16", "int8", "auto"):
+        raise InputError(f"dtype {dtype!r} is not one of 'float32', 'bfloat16', 'float16', 'int8', 'auto' "
+                         "(or torch.float32 / torch.bfloat16 / torch.float16 / torch.int8)")
     return name

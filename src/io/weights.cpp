@@ -182,8 +182,8 @@ Tensor WeightStore::get(const std::string& name, const Shape& expected) const {
 }
 
 void WeightStore::set_matmul_dtype(const std::string& dtype) {
-  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "auto")
-    throw InputError("dtype '" + dtype + "' is not one of float32, bfloat16, float16, auto");
+  if (dtype != "float32" && dtype != "bfloat16" && dtype != "float16" && dtype != "int8" && dtype != "auto")
+    throw InputError("dtype '" + dtype + "' is not one of float32, bfloat16, float16, int8, auto");
   matmul_dtype_ = dtype;
 }
 
@@ -196,6 +196,7 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
     return get(name, expected);
   }
   const Entry& e = entry(name);
+  if (matmul_dtype_ == "int8") return get_int8(name, expected);
   DType target = DType::BF16;
   if (matmul_dtype_ == "float16") target = DType::F16;
   else if (matmul_dtype_ == "auto") target = e.info->dtype;
@@ -244,6 +245,38 @@ Tensor WeightStore::get_matmul(const std::string& name, const Shape& expected) c
   return Tensor::narrow(expected, out, dst, std::shared_ptr<const void>(buf, dst));
 }
 
+Tensor WeightStore::get_int8(const std::string& name, const Shape& expected) const {
+  kept_.insert("int8");
+  const Entry& e = entry(name);
+  if (e.info->shape != expected || expected.empty()) return get(name, expected);  // raises the shape error
+  // Through float32 (the finiteness checks of get), a tile of rows at a time when the file is 16-bit
+  // so a 9B checkpoint never holds a widened copy of a whole weight.
+  const int64_t cols = expected.back(), rows = shape_numel(expected) / std::max<int64_t>(cols, 1);
+  const auto rb = static_cast<size_t>(ops::q8_row_bytes(cols));
+  auto* dst = static_cast<uint8_t*>(ops::alloc_weights(static_cast<size_t>(rows) * rb));
+  std::shared_ptr<uint8_t> owner(dst, std::free);
+  if (e.info->dtype == DType::BF16 || e.info->dtype == DType::F16) {
+    const std::span<const uint8_t> src = files_[e.file].bytes(name);
+    std::vector<float> row(static_cast<size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        uint16_t h;
+        std::memcpy(&h, src.data() + 2 * static_cast<size_t>(r * cols + c), 2);  // may be unaligned in the file
+        const float x = e.info->dtype == DType::BF16 ? ops::bf16_to_f32(h) : ops::f16_to_f32(h);
+        if (!(std::fabs(x) < kMaxWeight)) check_weight(name, folder_, r * cols + c, x);
+        row[static_cast<size_t>(c)] = x;
+      }
+      ops::quantize_q8_row(row.data(), cols, dst + static_cast<size_t>(r) * rb);
+    }
+    files_[e.file].release(name, true);
+  } else {
+    const Tensor f = get(name, expected);
+    for (int64_t r = 0; r < rows; ++r) ops::quantize_q8_row(f.data() + r * cols, cols, dst + static_cast<size_t>(r) * rb);
+    files_[e.file].release(name, true);
+  }
+  return Tensor::narrow(expected, ScalarType::int8, dst, std::shared_ptr<const void>(owner, dst));
+}
+
 std::span<const uint8_t> WeightStore::bytes(const std::string& name) const { return files_[entry(name).file].bytes(name); }
 
 void WeightStore::release(const std::string& name) const { files_[entry(name).file].release(name); }
@@ -267,8 +300,7 @@ namespace mixlens::detail {
 Tensor row_block(const Tensor& t, int64_t first, Shape shape) {
   const int64_t cols = shape.back();
   auto owner = std::make_shared<const Tensor>(t);
-  const size_t elem = t.dtype() == ScalarType::float32 ? sizeof(float) : sizeof(uint16_t);
-  const void* p = static_cast<const char*>(t.raw()) + static_cast<size_t>(first * cols) * elem;
+  const void* p = static_cast<const char*>(t.raw()) + static_cast<size_t>(first * ops::row_bytes(t.dtype(), cols));
   return t.dtype() == ScalarType::float32 ? Tensor::borrow(std::move(shape), static_cast<const float*>(p), owner)
                                           : Tensor::narrow(std::move(shape), t.dtype(), p, owner);
 }

@@ -42,7 +42,8 @@ class WeightStore {
   /// and CheckpointError "... contains NaN" for a tensor with a NaN (model loading uses this form).
   Tensor get(const std::string& name, const Shape& expected) const;
   /// Which dtype get_matmul keeps matmul weights in: "float32" (widen, the default), "bfloat16",
-  /// "float16", or "auto" (each tensor's checkpoint dtype; F64 -> float32). InputError otherwise.
+  /// "float16", "int8" (quantized at load: ScalarType::int8, ops::quantize_q8_row), or "auto" (each
+  /// tensor's checkpoint dtype; F64 -> float32). InputError otherwise.
   void set_matmul_dtype(const std::string& dtype);
   const std::string& matmul_dtype() const { return matmul_dtype_; }
   /// A weight only ever multiplied by ops::linear (or looked up row-wise as an embedding): as
@@ -50,7 +51,7 @@ class WeightStore {
   /// set_matmul_dtype (float32 -> bf16 / f16 rounds to nearest even, as torch's .to()). The same
   /// shape and finiteness checks as get(name, expected).
   Tensor get_matmul(const std::string& name, const Shape& expected) const;
-  /// The dtypes get_matmul has returned so far ("bfloat16", "float16", "float32"), sorted: what "auto"
+  /// The dtypes get_matmul has returned so far ("bfloat16", "float16", "float32", "int8"), sorted: what "auto"
   /// resolved to (ModelInfo::weight_dtypes).
   std::vector<std::string> matmul_dtypes_kept() const;
   /// The tensors get_matmul has served so far, sorted: the weights a LoadOptions::dtype applies to.
@@ -70,6 +71,7 @@ class WeightStore {
     const TensorInfo* info;  // points into files_[file]'s shared, immutable header
   };
   const Entry& entry(const std::string& name) const;
+  Tensor get_int8(const std::string& name, const Shape& expected) const;
   void add_file(const std::filesystem::path& path);
 
   std::filesystem::path folder_;

@@ -1,10 +1,11 @@
-// Scalar conversions between float32 and the 16-bit weight types (bfloat16, IEEE half).
+// Scalar conversions between float32 and the narrow weight types (bfloat16, IEEE half, blocked int8).
 #pragma once
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
 #include "mixlens/tensor.h"
+#include "ops/q8_layout.h"
 
 namespace mixlens::ops {
 
@@ -63,15 +64,24 @@ std::shared_ptr<uint16_t> alloc_weights16(int64_t n);
 /// The same storage for any weight of `bytes` bytes (free with std::free).
 void* alloc_weights(size_t bytes);
 
-/// dst[i] = float(src[i]) for n 16-bit (bf16 / f16) or float32 values.
-inline void widen(ScalarType t, const void* src, float* dst, int64_t n) {
-  const auto* s = static_cast<const uint16_t*>(src);
-  if (t == ScalarType::bfloat16)
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-  else if (t == ScalarType::float16)
-    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
-  else
-    std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(n));
+inline int64_t q8_row_bytes(int64_t in) { return (in + kQ8Block - 1) / kQ8Block * kQ8BlockBytes; }
+/// Bytes of one row of `cols` weights of dtype t.
+inline int64_t row_bytes(ScalarType t, int64_t cols) {
+  switch (t) {
+    case ScalarType::float32: return 4 * cols;
+    case ScalarType::bfloat16:
+    case ScalarType::float16: return 2 * cols;
+    case ScalarType::int8: return q8_row_bytes(cols);
+  }
+  return 0;
 }
+/// Quantizes one row: per block s = max|w| / 127 and q = w / s rounded to nearest even (|q| <= 127;
+/// a block of zeros has s = 0), as llama.cpp's Q8_0 but with a float32 scale (no float16 rounding
+/// of s). `w` must be finite. Writes q8_row_bytes(in) bytes.
+void quantize_q8_row(const float* w, int64_t in, uint8_t* dst);
+
+/// dst[r * cols + c] = float(W[r0 + r, c]) for rows [r0, r0 + n) of a 2-D-or-more tensor of any dtype
+/// (rows: every axis but the last). Exact for bf16 / f16; q * s for int8.
+void widen_rows(const Tensor& W, int64_t r0, int64_t n, float* dst);
 
 }  // namespace mixlens::ops

@@ -50,6 +50,14 @@ struct KernelTable {
   /// o[e] += sum_j p[j] * V[j*ld + e] for e < d, j < n, summed in increasing j (a row's result
   /// depends on nothing but its inputs: attention outputs do not change with the tiling).
   void (*acc_rows)(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o);
+  /// int8 blocks (ops/dtype.h), row o at W + o * ld bytes: y[o] = sum over blocks of s * (sum of q * x),
+  /// each block's products summed in float32 before its scale multiplies them; a partial last block
+  /// one fused multiply-add at a time. gemm_q8 sums each element in matvec_q8's order (batch invariance).
+  void (*matvec_q8)(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
+  void (*gemm_q8)(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+                  int64_t n, int64_t in);
+  /// dst[r * in + k] = float(q * s) for `rows` rows of `in` weights, row r at W + r * ld bytes.
+  void (*widen_q8)(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in);
 };
 
 /// The table of the level in use.
@@ -61,5 +69,11 @@ const KernelTable* kernels_for(Isa i);
 extern const KernelTable kScalarKernels;
 extern const KernelTable kAvx2Kernels;
 extern const KernelTable kAvx512Kernels;
+
+// The AVX2 level's int8 kernels, which the AVX-512 levels reuse (kernels_avx2.cpp).
+void q8_matvec_avx2(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
+void q8_gemm_avx2(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+                  int64_t n, int64_t in);
+void q8_widen_avx2(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in);
 
 }  // namespace mixlens::ops

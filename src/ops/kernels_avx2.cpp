@@ -10,8 +10,9 @@
 
 #include <cstdint>
 
-#include "ops/kernels.h"
 #include "ops/avx2_inline.h"
+#include "ops/kernels.h"
+#include "ops/q8_layout.h"
 
 namespace mixlens::ops {
 namespace {
@@ -191,10 +192,101 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
   }
 }
 
+// int8 blocks (ops/dtype.h): 8 int8 values sign-extended and converted, exactly.
+inline __m256 q8load(const uint8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+inline float q8scale(const uint8_t* b) {
+  float s;
+  __builtin_memcpy(&s, b, 4);
+  return s;
+}
+
+// One (row, output) sum over int8 blocks: per block two partial products of 16 values each,
+// added, then scaled into one of two accumulators (even / odd blocks) by a fused multiply-add; one
+// fixed horizontal sum; a partial last block one fused multiply-add at a time, then scaled. R rows
+// share the weight loads, each in exactly this order (the matvec is R = 1: batch invariance).
+template <int R>
+void q8_tile(const uint8_t* w, const float* X, int64_t ldx, float* Y, int64_t ldy, int64_t in) {
+  const int64_t full = in / kQ8Block;
+  __m256 a[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < full; ++b) {
+    const uint8_t* blk = w + b * kQ8BlockBytes;
+    const __m256 s = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk));
+    __m256 q[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      q[i] = q8load(blk + 4 + 8 * i);
+      if constexpr (R > 1) __asm__("" : "+v"(q[i]));  // converted once for the R rows
+    }
+    const int64_t k = b * kQ8Block;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* x = X + r * ldx + k;
+      __m256 p0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+      __m256 p1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(x + 8));
+      p0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), p0);
+      p1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), p1);
+      a[r][b & 1] = _mm256_fmadd_ps(s, _mm256_add_ps(p0, p1), a[r][b & 1]);
+    }
+  }
+  const uint8_t* tail = w + full * kQ8BlockBytes;
+  const auto* tq = reinterpret_cast<const int8_t*>(tail + 4);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float acc = hsum(_mm256_add_ps(a[r][0], a[r][1]));
+    if (full * kQ8Block < in) {
+      float t = 0.0f;
+      for (int64_t k = full * kQ8Block; k < in; ++k)
+        t = __builtin_fmaf(static_cast<float>(tq[k - full * kQ8Block]), X[r * ldx + k], t);
+      acc = __builtin_fmaf(q8scale(tail), t, acc);
+    }
+    Y[r * ldy] = acc;
+  }
+}
+
 }  // namespace
 
+void q8_matvec_avx2(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  for (int64_t o = 0; o < n; ++o) q8_tile<1>(W + o * ld, x, 0, y + o, 0, in);
+}
+
+void q8_gemm_avx2(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+                  int64_t n, int64_t in) {
+  for (int64_t o0 = 0; o0 < n; o0 += kGemmNB) {
+    const int64_t o1 = n - o0 < kGemmNB ? n : o0 + kGemmNB;
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3)
+      for (int64_t o = o0; o < o1; ++o) q8_tile<3>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+    if (rows - r == 2)
+      for (int64_t o = o0; o < o1; ++o) q8_tile<2>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+    if (rows - r == 1)
+      for (int64_t o = o0; o < o1; ++o) q8_tile<1>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+  }
+}
+
+void q8_widen_avx2(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in) {
+  const int64_t full = in / kQ8Block;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = W + r * ld;
+    float* d = dst + r * in;
+    for (int64_t b = 0; b < full; ++b) {
+      const uint8_t* blk = row + b * kQ8BlockBytes;
+      const __m256 s = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk));
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(d + b * kQ8Block + 8 * i, _mm256_mul_ps(q8load(blk + 4 + 8 * i), s));
+    }
+    const uint8_t* tail = row + full * kQ8BlockBytes;
+    for (int64_t k = full * kQ8Block; k < in; ++k)
+      d[k] = static_cast<float>(reinterpret_cast<const int8_t*>(tail + 4)[k - full * kQ8Block]) * q8scale(tail);
+  }
+}
+
 const KernelTable kAvx2Kernels = {mv_f32,     mv_bf16, mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen<BF16>,
-                                  widen<F16>, exp_,    mul_silu, sigmoid,  acc_rows};
+                                  widen<F16>, exp_,    mul_silu, sigmoid,  acc_rows, q8_matvec_avx2, q8_gemm_avx2,
+                                  q8_widen_avx2};
 
 }  // namespace mixlens::ops
 #endif  // __x86_64__

@@ -335,7 +335,8 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
 }  // namespace
 
 const KernelTable kAvx512Kernels = {mv_f32,  mv_bf16,  mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen<BF16>,
-                                    widen<F16>, exp_, mul_silu, sigmoid, acc_rows};
+                                    widen<F16>, exp_, mul_silu, sigmoid, acc_rows, q8_matvec_avx2, q8_gemm_avx2,
+                                    q8_widen_avx2};
 
 }  // namespace mixlens::ops
 #endif  // __x86_64__

@@ -1,6 +1,7 @@
 // Scalar kernels: the portable fallback level and the reference the vector levels are tested
 // against (exp here is std::exp, so this level is bit-identical to the pre-dispatch code).
 #include <cmath>
+#include <cstring>
 
 #include "ops/dtype.h"
 #include "ops/kernels.h"
@@ -67,9 +68,41 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
     for (int64_t e = 0; e < d; ++e) o[e] += p[j] * V[j * ld + e];
 }
 
+float q8_scale(const uint8_t* block) {
+  float s;
+  std::memcpy(&s, block, 4);
+  return s;
+}
+void mv_q8(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
+  for (int64_t o = 0; o < n; ++o) {
+    const uint8_t* row = W + o * ld;
+    float acc = 0.0f;
+    for (int64_t k0 = 0; k0 < in; k0 += kQ8Block) {
+      const uint8_t* b = row + k0 / kQ8Block * kQ8BlockBytes;
+      const auto* q = reinterpret_cast<const int8_t*>(b + 4);
+      const int64_t m = in - k0 < kQ8Block ? in - k0 : kQ8Block;
+      float t = 0.0f;
+      for (int64_t j = 0; j < m; ++j) t += static_cast<float>(q[j]) * x[k0 + j];
+      acc += q8_scale(b) * t;
+    }
+    y[o] = acc;
+  }
+}
+void gemm_q8(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
+             int64_t n, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) mv_q8(W, ld, X + r * ldx, Y + r * ldy, n, in);
+}
+void widen_q8(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < in; ++k) {
+      const uint8_t* b = W + r * ld + k / kQ8Block * kQ8BlockBytes;
+      dst[r * in + k] = static_cast<float>(reinterpret_cast<const int8_t*>(b + 4)[k % kQ8Block]) * q8_scale(b);
+    }
+}
+
 }  // namespace
 
 const KernelTable kScalarKernels = {mv_f32,     mv_bf16, mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen_bf16,
-                                    widen_f16, exp_,    mul_silu, sigmoid,  acc_rows};
+                                    widen_f16, exp_,    mul_silu, sigmoid,  acc_rows, mv_q8, gemm_q8, widen_q8};
 
 }  // namespace mixlens::ops

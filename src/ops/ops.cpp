@@ -64,6 +64,11 @@ void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t
       case ScalarType::float32: kt.matvec_f32(static_cast<const float*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
       case ScalarType::bfloat16: kt.matvec_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
       case ScalarType::float16: kt.matvec_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
+      case ScalarType::int8: {
+        const int64_t ld = q8_row_bytes(in);
+        kt.matvec_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, xr, yr, n, in);
+        break;
+      }
     }
   }
 }
@@ -108,6 +113,11 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
         case ScalarType::float32: kt.gemm_f32(static_cast<const float*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
         case ScalarType::bfloat16: kt.gemm_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
         case ScalarType::float16: kt.gemm_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
+        case ScalarType::int8: {
+          const int64_t ld = q8_row_bytes(in);
+          kt.gemm_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, x, in, rows, y + o0, out, n, in);
+          break;
+        }
       }
     });
   } else {
@@ -117,8 +127,8 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
     // (bench/results/gemm16.md), else widened (exactly) a tile at a time for sgemm.
     const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
     const int64_t per = (out + nblocks - 1) / nblocks;
-    const Gemm16Fn g16 =
-        W.dtype() == ScalarType::float32 || (rows >= kGemm16MaxRows && in > kGemm16KBlock) ? nullptr : gemm16();
+    const bool w16 = W.dtype() == ScalarType::bfloat16 || W.dtype() == ScalarType::float16;
+    const Gemm16Fn g16 = !w16 || (rows >= kGemm16MaxRows && in > kGemm16KBlock) ? nullptr : gemm16();
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t o0 = blk * per, n = std::min(per, out - o0);
       if (n <= 0) return;
@@ -134,12 +144,9 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
       thread_local std::vector<float> buf;
       const int64_t tile = std::min(std::max(kTile, kTileFloats / in), n);
       if (buf.size() < static_cast<size_t>(tile * in)) buf.resize(static_cast<size_t>(tile * in));
-      const auto* w16 = static_cast<const uint16_t*>(W.raw());
       for (int64_t t0 = 0; t0 < n; t0 += tile) {
         const int64_t nt = std::min(tile, n - t0);
-        const uint16_t* src = w16 + (o0 + t0) * in;
-        if (W.dtype() == ScalarType::bfloat16) kt.widen_bf16(src, buf.data(), nt * in);
-        else kt.widen_f16(src, buf.data(), nt * in);
+        widen_rows(W, o0 + t0, nt, buf.data());
         gemm(false, true, rows, nt, in, 1.0f, x, in, buf.data(), in, 0.0f, y + o0 + t0, out);
       }
     });
@@ -165,24 +172,49 @@ Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& bl
       std::memcpy(out.data() + b.to * cols, b.src->data() + b.from * cols, sizeof(float) * static_cast<size_t>(b.n * cols));
     return out;
   }
-  const size_t n = static_cast<size_t>(rows * cols);
-  std::shared_ptr<uint16_t> buf = alloc_weights16(rows * cols);
-  std::memset(buf.get(), 0, n * 2);
+  const auto rb = static_cast<size_t>(row_bytes(t, cols));  // whole rows: an int8 row's blocks move with it
+  auto* buf = static_cast<uint8_t*>(alloc_weights(rows * rb));
+  std::shared_ptr<uint8_t> owner(buf, std::free);
+  std::memset(buf, 0, rows * rb);
   for (const RowBlock& b : blocks)
-    std::memcpy(buf.get() + b.to * cols, static_cast<const uint16_t*>(b.src->raw()) + b.from * cols,
-                2 * static_cast<size_t>(b.n * cols));
-  return Tensor::narrow({rows, cols}, t, buf.get(), std::shared_ptr<const void>(buf, buf.get()));
+    std::memcpy(buf + static_cast<size_t>(b.to) * rb, static_cast<const uint8_t*>(b.src->raw()) + static_cast<size_t>(b.from) * rb,
+                rb * static_cast<size_t>(b.n));
+  return Tensor::narrow({rows, cols}, t, buf, std::shared_ptr<const void>(owner, buf));
 }
 
-void copy_row(const Tensor& W, int64_t r, float* out) {
-  const int64_t cols = W.size(1);
-  if (W.dtype() == ScalarType::float32) {
-    std::memcpy(out, W.data() + r * cols, sizeof(float) * static_cast<size_t>(cols));
-    return;
+void copy_row(const Tensor& W, int64_t r, float* out) { widen_rows(W, r, 1, out); }
+
+void widen_rows(const Tensor& W, int64_t r0, int64_t n, float* dst) {
+  const int64_t cols = W.shape().back();
+  const KernelTable& kt = kernels();
+  switch (W.dtype()) {
+    case ScalarType::float32:
+      std::memcpy(dst, W.data() + r0 * cols, sizeof(float) * static_cast<size_t>(n * cols));
+      return;
+    case ScalarType::bfloat16: kt.widen_bf16(static_cast<const uint16_t*>(W.raw()) + r0 * cols, dst, n * cols); return;
+    case ScalarType::float16: kt.widen_f16(static_cast<const uint16_t*>(W.raw()) + r0 * cols, dst, n * cols); return;
+    case ScalarType::int8: {
+      const int64_t ld = q8_row_bytes(cols);
+      kt.widen_q8(static_cast<const uint8_t*>(W.raw()) + r0 * ld, ld, dst, n, cols);
+      return;
+    }
   }
-  const auto* src = static_cast<const uint16_t*>(W.raw()) + r * cols;
-  if (W.dtype() == ScalarType::bfloat16) kernels().widen_bf16(src, out, cols);
-  else kernels().widen_f16(src, out, cols);
+}
+
+void quantize_q8_row(const float* w, int64_t in, uint8_t* dst) {
+  for (int64_t k0 = 0; k0 < in; k0 += kQ8Block, dst += kQ8BlockBytes) {
+    const int64_t m = std::min(kQ8Block, in - k0);
+    float amax = 0.0f;
+    for (int64_t j = 0; j < m; ++j) amax = std::max(amax, std::fabs(w[k0 + j]));
+    const float s = amax / 127.0f;
+    std::memcpy(dst, &s, 4);
+    auto* q = reinterpret_cast<int8_t*>(dst + 4);
+    for (int64_t j = 0; j < kQ8Block; ++j) {
+      // nearbyint rounds to nearest even in the default mode; s > 0 keeps |w / s| <= 127 up to rounding.
+      const float v = j < m && s > 0.0f ? std::nearbyint(w[k0 + j] / s) : 0.0f;
+      q[j] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+    }
+  }
 }
 
 void exp(const float* x, float* y, int64_t n) { kernels().exp(x, y, n); }

@@ -90,7 +90,7 @@ Tensor Tensor::borrow(Shape shape, const float* data, std::shared_ptr<const void
 }
 
 Tensor Tensor::narrow(Shape shape, ScalarType dtype, const void* data, std::shared_ptr<const void> owner) {
-  if (dtype == ScalarType::float32) throw InputError("Tensor::narrow: dtype must be bfloat16 or float16");
+  if (dtype == ScalarType::float32) throw InputError("Tensor::narrow: dtype must be bfloat16, float16 or int8");
   return read_only_view(std::move(shape), dtype, data, std::move(owner));
 }
 
@@ -139,6 +139,7 @@ const char* dtype_str(ScalarType d) {
     case ScalarType::float32: return "float32";
     case ScalarType::bfloat16: return "bfloat16";
     case ScalarType::float16: return "float16";
+    case ScalarType::int8: return "int8";
   }
   return "?";
 }
@@ -151,8 +152,14 @@ void Tensor::not_f32() const {
 Tensor Tensor::to_f32() const {
   if (!defined() || dtype_ == ScalarType::float32) return *this;
   Tensor t(shape_);
-  ops::widen(dtype_, data_, t.data(), numel_);
+  const int64_t cols = shape_.empty() ? 1 : shape_.back();
+  if (numel_ > 0) ops::widen_rows(*this, 0, numel_ / cols, t.data());
   return t;
+}
+
+int64_t Tensor::nbytes() const {
+  const int64_t cols = shape_.empty() ? 1 : shape_.back();
+  return cols == 0 ? 0 : numel_ / cols * ops::row_bytes(dtype_, cols);
 }
 
 std::vector<float> Tensor::to_vector() const {
@@ -176,8 +183,9 @@ void Tensor::not_writable_f32() const {
 Tensor Tensor::clone() const {
   if (!defined()) return Tensor();
   if (dtype_ != ScalarType::float32) {
-    auto buf = std::shared_ptr<uint16_t[]>(new uint16_t[static_cast<size_t>(numel_ > 0 ? numel_ : 1)]);
-    if (numel_) std::memcpy(buf.get(), data_, sizeof(uint16_t) * static_cast<size_t>(numel_));
+    const auto n = static_cast<size_t>(nbytes());
+    auto buf = std::shared_ptr<uint8_t[]>(new uint8_t[n > 0 ? n : 1]);
+    if (n) std::memcpy(buf.get(), data_, n);
     return narrow(shape_, dtype_, buf.get(), std::shared_ptr<const void>(buf, buf.get()));
   }
   Tensor t(shape_);

@@ -13,6 +13,7 @@
 #include "mixlens/trace.h"
 #include "models/family.h"
 #include "ops/dtype.h"
+#include "ops/ops.h"
 #include "runtime/model_access.h"
 
 namespace mixlens {
@@ -104,9 +105,7 @@ struct Norm {
   }
   std::vector<float> head_row(int32_t tok) const {
     std::vector<float> row(static_cast<size_t>(D));
-    const size_t bytes = lm_head->dtype() == ScalarType::float32 ? 4 : 2;
-    ops::widen(lm_head->dtype(), static_cast<const char*>(lm_head->raw()) + static_cast<size_t>(tok * D) * bytes,
-               row.data(), D);
+    ops::copy_row(*lm_head, tok, row.data());
     return row;
   }
 };

@@ -159,7 +159,8 @@ ConvertReport convert_checkpoint(const std::string& path_or_hub_id, const std::s
                                  const std::string& dtype) {
   namespace fs = std::filesystem;
   if (dtype != "bfloat16" && dtype != "float16")
-    throw InputError("convert: dtype '" + dtype + "' is not one of bfloat16, float16");
+    throw InputError("convert: dtype '" + dtype + "' is not one of bfloat16, float16" +
+                     (dtype == "int8" ? std::string(" (int8 is quantized at load, in seconds: load the source with dtype int8)") : ""));
   const fs::path src = io::resolve_model(path_or_hub_id), dst(out_dir);
   std::error_code ec;
   if (fs::exists(dst, ec) && (fs::equivalent(src, dst, ec) || !fs::is_directory(dst) || !fs::is_empty(dst)))

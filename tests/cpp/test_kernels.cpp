@@ -419,12 +419,12 @@ INSTANTIATE_TEST_SUITE_P(Families, NarrowModel,
 
 TEST(NarrowModelErrors, UnknownDtypeIsAnInputError) {
   LoadOptions o;
-  o.dtype = "int8";
+  o.dtype = "int4";
   try {
     (void)Model::load(test::fixture("mamba2/short_prompt").string(), o);
-    FAIL() << "int8 accepted";
+    FAIL() << "int4 accepted";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("int8"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("int4"), std::string::npos);
   }
 }
 
@@ -451,7 +451,11 @@ TEST(NarrowModelCli, DtypeFlag) {
   const std::vector<float> bf16 = logits_of(model, "bfloat16");
   EXPECT_EQ(io::SafetensorsFile(out).get_f32("logits").to_vector(), bf16);
   EXPECT_NE(logits_of(model, "float32"), bf16) << "bfloat16 must not silently be float32";
-  EXPECT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype int8 --save logits --out " + out.string()), 2);
+  EXPECT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype int4 --save logits --out " + out.string()), 2);
+  ASSERT_EQ(cli("run --model " + model + " 3,4,5 --ids --dtype int8 --save logits --out " + out.string()), 0);
+  const std::vector<float> q8 = logits_of(model, "int8");
+  EXPECT_EQ(io::SafetensorsFile(out).get_f32("logits").to_vector(), q8);
+  EXPECT_NE(q8, bf16);
   // mixlens convert: bfloat16 by default; float32 is not a conversion (usage error, nothing written).
   const fs::path conv = dir / "bf16";
   ASSERT_EQ(cli("convert --model " + model + " --out " + conv.string()), 0);
