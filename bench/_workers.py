@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", default="128,1024")
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     ap.add_argument("--route", default="default", choices=["default", "chunked", "recurrent"])
     a = ap.parse_args()
     a.prompts = [int(x) for x in a.prompts.split(",") if x]

@@ -362,7 +362,21 @@ def base_of(system: str, systems: list[str]) -> str:
     """The mixlens column a ratio compares with: equal weight dtype where mixlens has it."""
     if ("BF16" in system or "bf16" in system) and "mixlens bf16" in systems:
         return "mixlens bf16"
+    if ("Q8_0" in system or "int8" in system) and "mixlens int8" in systems:
+        return "mixlens int8"
     return "mixlens f32"
+
+
+def weight_format(system: str) -> str:
+    """The GGUF outtype / mixlens dtype a column's weights are in: f32, bf16 or q8_0 (int8)."""
+    if "BF16" in system or system.endswith("bf16"):
+        return "bf16"
+    if "Q8_0" in system or system.endswith("int8"):
+        return "q8_0"
+    return "f32"
+
+
+MIXLENS_DTYPE = {"f32": "float32", "bf16": "bfloat16", "q8_0": "int8"}
 
 
 def summarize(samples: list[float]) -> tuple[float, float]:
@@ -388,6 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out (no build, no GGUFs)")
     ap.add_argument("--no-long", action="store_true", help="skip the 32k mamba2 prompt")
+    ap.add_argument("--int8", action="store_true", help="add mixlens int8 and llama.cpp Q8_0 columns (issue 27)")
     ap.add_argument("--decode", type=int, default=None, help="decode tokens per run (default 64; --quick 16)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "harness.md"))
     ap.add_argument("--checkpoints-only", action="store_true", help=argparse.SUPPRESS)
@@ -417,15 +432,17 @@ def main(argv=None) -> int:
     gguf_notes: dict[tuple[str, str], str] = {}
     if bench:
         for n in names:
-            for t in ("f32", "bf16"):
+            for t in ("f32", "bf16") + (("q8_0",) if a.int8 else ()):
                 ggufs[(n, t)], gguf_notes[(n, t)] = convert(n, ckpts[n], t)
 
     systems = ["mixlens f32"]
     if mixlens_has_dtype():  # issue 9 item 1 (weights kept in bf16), where this build has it
         systems += ["mixlens bf16"]
+    if a.int8:
+        systems += ["mixlens int8"]
     systems += [f"mixlens f32 {r}" for r in routes]
     if bench:
-        systems += ["llama.cpp F32", "llama.cpp BF16"]
+        systems += ["llama.cpp F32", "llama.cpp BF16"] + (["llama.cpp Q8_0"] if a.int8 else [])
     if not a.no_transformers:
         systems += ["transformers f32"]
     # samples[(model, system, metric)] -> list; rss[(model, system)] -> max
@@ -437,15 +454,14 @@ def main(argv=None) -> int:
             for s in systems:
                 log(f"round {r + 1}/{repeats}: {n} / {s}")
                 if s.startswith("mixlens"):
-                    route = s.split()[2] if len(s.split()) > 2 else "default"
-                    res, m = worker("mixlens", ckpts[n], a.threads, prompts, decode,
-                                    "bfloat16" if s.endswith("bf16") else "float32", route)
+                    route = s.split()[2] if s.startswith("mixlens f32 ") else "default"
+                    res, m = worker("mixlens", ckpts[n], a.threads, prompts, decode, MIXLENS_DTYPE[weight_format(s)], route)
                 elif s.startswith("transformers"):
                     res, m = worker("transformers", ckpts[n], a.threads, prompts, decode, "float32")
                 else:
-                    g = ggufs.get((n, "f32" if "F32" in s else "bf16"))
+                    g = ggufs.get((n, weight_format(s)))
                     if g is None:
-                        errors[(n, s)] = "GGUF conversion failed: " + gguf_notes.get((n, "f32" if "F32" in s else "bf16"), "")
+                        errors[(n, s)] = "GGUF conversion failed: " + gguf_notes.get((n, weight_format(s)), "")
                         continue
                     res, m = llama_bench(bench, g, a.threads, prompts, decode)
                 if "error" in res:
