@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--families", default="mamba2,qwen3_5", help="comma list of mamba2, qwen3_5")
+    p.add_argument("--families", default="mamba2,qwen3_5,mamba", help="comma list of mamba2, qwen3_5, mamba")
     p.add_argument("--tokens", default="1024,4096", help="comma list of prompt lengths")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="MIXLENS_NUM_THREADS (0: leave as is)")
@@ -47,7 +47,14 @@ def layout(family: str) -> Path:
 
     if family == "mamba2":
         return mpl.cached_layout(REPO / "build")
+    if family == "mamba":
+        return mpl.cached_mamba1_130m(REPO / "build" / "published")
     return mpl.cached_qwen3_5_0_8b(REPO / "build" / "published")
+
+
+# Per-channel kinds (Mamba-1: H = d_inner = 1,536 channels) would need H x T^2 floats (6 GiB at 1,024
+# tokens): they are read by block, here 64 channels (heads=slice(0, 64)) and every channel's last row.
+PER_CHANNEL_BLOCK = 64
 
 
 def bench(path: Path, tokens: list[int], repeats: int) -> list[dict]:
@@ -61,12 +68,16 @@ def bench(path: Path, tokens: list[int], repeats: int) -> list[dict]:
     rows = []
     for n in tokens:
         ids = np.random.default_rng(n).integers(3, min(5000, m.vocab_size), size=n).tolist()
+        per_channel = m._core.info["model_type"] in ("mamba", "falcon_mamba")
+        heads = slice(0, PER_CHANNEL_BLOCK) if per_channel else None
         cells = {"plain": lambda: m.run([ids], logits="last"),
-                 "token_mixing": lambda: m.token_mixing([ids], layer),
+                 "token_mixing": lambda: m.token_mixing([ids], layer, heads=heads),
                  "token_mixing_row": lambda: m.token_mixing([ids], layer, rows=-1)}
         got = {k: timing.repeat(fn, repeats, warmup=1) for k, fn in cells.items()}
         walls = {k: min(s.wall for s in v) for k, v in got.items()}
-        rows.append({"model": path.name, "layer": layer, "tokens": n, **{f"{k}_s": round(v, 4) for k, v in walls.items()},
+        rows.append({"model": path.name, "layer": layer, "tokens": n,
+                     "heads": f"0:{PER_CHANNEL_BLOCK}" if per_channel else "all",
+                     **{f"{k}_s": round(v, 4) for k, v in walls.items()},
                      "ratio": round(walls["token_mixing"] / walls["plain"], 2)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
