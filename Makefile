@@ -18,7 +18,7 @@ export ASAN_OPTIONS  ?= detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 export TSAN_OPTIONS  ?= halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-families bench-state-after bench-grad clean docs wheel stubs
+.PHONY: demo test test-sanitize test-asan test-tsan fuzz-smoke fuzz setup setup-dev build bench bench-families bench-big bench-state-after bench-grad clean docs wheel stubs
 
 # `setup`: what building and `make demo` need (requirements-build.txt: no torch / transformers);
 # `setup-dev`: the test dependencies on top (requirements-dev.txt), for make test / docs / bench.
@@ -114,6 +114,13 @@ bench-families: setup-dev build
 bench-kinds: setup-dev build
 	$(PY) bench/harness.py --models lfm2,rwkv,recurrent_gemma,minimax,xlstm --routes recurrent,chunked \
 	  --no-long $(if $(BENCH_QUICK),--quick) --out bench/results/kinds.md
+
+# 7-9B layouts (issue 27 item 3; opt-in, hours at full size, never part of `make test`): random-weight Qwen3.5-9B,
+# Nemotron-H-8B and FalconMamba-7B checkpoints streamed to build/big/ (one model at a time, ~15-19 GB each plus its
+# GGUFs), mixlens bf16 / int8 vs llama.cpp BF16 / Q8_0 vs transformers bf16 where it fits; bench/results/big.{md,json}.
+# BIG_ARGS passes flags, e.g. BIG_ARGS="--models falcon_mamba_7b --repeats 2"; --layers 2 checks the bench in minutes.
+bench-big: setup-dev build
+	$(PY) bench/bench_big.py $(BIG_ARGS)
 
 # Per-token state cost (issue 7): states / state_after / set_state_after against a plain forward and
 # transformers' token loop, 1,024 tokens, 3 layouts (~30 min on 2 quiet cores). BENCH_ARGS passes flags.
