@@ -1,11 +1,13 @@
 // Helpers for tests that compare against the committed golden fixtures (tests/fixtures/).
 #pragma once
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -21,6 +23,29 @@ inline std::filesystem::path fixture(const std::string& rel) { return source_dir
 inline nlohmann::json read_json(const std::filesystem::path& p) {
   std::ifstream f(p);
   return nlohmann::json::parse(f);
+}
+
+/// A copy of fixture `rel` in a fresh temporary folder (`tag` in its name) whose matmul weights (those a
+/// float32 load lists in ModelInfo::matmul_weights) are replaced by fn(weight) (float32), with every other
+/// tensor and the JSON files as they were: the reference a narrow-dtype load is compared with.
+inline std::filesystem::path weight_transformed_copy(const std::string& rel, const std::string& tag,
+                                                     const std::function<Tensor(const Tensor&)>& fn) {
+  namespace fs = std::filesystem;
+  const fs::path src = fixture(rel);
+  const std::vector<std::string> mm = Model::load(src.string()).info().matmul_weights;
+  const fs::path dst = fs::temp_directory_path() / ("mixlens_" + tag + "_" + std::to_string(::getpid()) + "_" +
+                                                    std::to_string(std::hash<std::string>{}(rel)));
+  fs::create_directories(dst);
+  for (const auto& e : fs::directory_iterator(src))
+    if (e.path().extension() == ".json") fs::copy_file(e.path(), dst / e.path().filename(), fs::copy_options::overwrite_existing);
+  io::SafetensorsFile f(src / "model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const io::TensorInfo& t : f.tensors()) {
+    const Tensor v = f.get_f32(t.name).clone();
+    out.emplace_back(t.name, std::binary_search(mm.begin(), mm.end(), t.name) ? fn(v) : v);
+  }
+  io::write_safetensors(dst / "model.safetensors", out);
+  return dst;
 }
 
 /// ||a - b|| / ||b|| (relative RMS error); 0 when both are zero.

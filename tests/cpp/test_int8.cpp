@@ -168,35 +168,19 @@ TEST(Int8, LinearEqualsDequantizedOnEveryPath) {
 
 namespace {
 
-// A copy of fixture `rel` whose matmul weights (Model::info().matmul_weights) are replaced by their
-// int8 dequantization q * s (or, with bf16, first rounded to bfloat16), stored as float32.
+// A copy of fixture `rel` whose matmul weights are replaced by their int8 dequantization q * s (or, with
+// bf16_first, first rounded to bfloat16), stored as float32.
 fs::path transformed_copy(const std::string& rel, bool to_int8, bool bf16_first) {
-  const fs::path src = test::fixture(rel);
-  const std::vector<std::string> mm = Model::load(src.string()).info().matmul_weights;
-  const fs::path dst = fs::temp_directory_path() / ("mixlens_int8_" + std::to_string(::getpid()) + "_" +
-                                                    std::to_string(std::hash<std::string>{}(rel)) + (to_int8 ? "q" : "") +
-                                                    (bf16_first ? "b" : ""));
-  fs::create_directories(dst);
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.path().extension() == ".json") fs::copy_file(e.path(), dst / e.path().filename(), fs::copy_options::overwrite_existing);
-  io::SafetensorsFile f(src / "model.safetensors");
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (const io::TensorInfo& t : f.tensors()) {
-    Tensor v = f.get_f32(t.name).clone();
-    if (std::binary_search(mm.begin(), mm.end(), t.name)) {
-      if (bf16_first)
-        for (int64_t i = 0; i < v.numel(); ++i) v[i] = ops::bf16_to_f32(ops::f32_to_bf16(v[i]));
-      if (to_int8) {
-        const int64_t in = v.shape().back(), rows = v.numel() / in;
-        const std::vector<uint8_t> q = quantize(v.to_vector(), rows, in);
-        const Tensor qt = Tensor::narrow(v.shape(), ScalarType::int8, q.data(), unowned(q.data()));
-        v = qt.to_f32();
-      }
-    }
-    out.emplace_back(t.name, v);
-  }
-  io::write_safetensors(dst / "model.safetensors", out);
-  return dst;
+  return test::weight_transformed_copy(rel, std::string("int8") + (to_int8 ? "q" : "") + (bf16_first ? "b" : ""),
+                                       [&](const Tensor& w) {
+                                         Tensor v = w.clone();
+                                         if (bf16_first)
+                                           for (int64_t i = 0; i < v.numel(); ++i) v[i] = ops::bf16_to_f32(ops::f32_to_bf16(v[i]));
+                                         if (!to_int8) return v;
+                                         const int64_t in = v.shape().back(), rows = v.numel() / in;
+                                         const std::vector<uint8_t> q = quantize(v.to_vector(), rows, in);
+                                         return Tensor::narrow(v.shape(), ScalarType::int8, q.data(), unowned(q.data())).to_f32();
+                                       });
 }
 
 std::vector<std::vector<int32_t>> prompts_for(const Model& m) {

@@ -292,34 +292,14 @@ TEST(Kernels, ParallelForOpsOfEverySizeNeverMix) {
 
 namespace {
 
-// Matmul weights of the fixture families (what WeightStore::get_matmul serves narrow).
-bool is_matmul_weight(const std::string& name) {
-  if (name.find("dt_proj") != std::string::npos) return false;  // Mamba-1's dt_proj stays float32
-  for (const char* s : {"proj.weight", "proj_qkv.weight", "proj_z.weight", "proj_a.weight", "proj_b.weight", "proj_qkvz.weight", "proj_ba.weight",
-                        "embeddings.weight", "embedding.weight", "embed_tokens.weight", "lm_head.weight"})
-    if (name.size() >= std::strlen(s) && name.compare(name.size() - std::strlen(s), std::strlen(s), s) == 0) return true;
-  return false;
-}
-
 // A copy of fixture `rel`'s checkpoint whose matmul weights are rounded to bf16 and stored as
 // float32: a float32 load of it must equal a bfloat16 load of the original (to float32 rounding).
 fs::path rounded_copy(const std::string& rel) {
-  const fs::path src = test::fixture(rel);
-  const fs::path dst = fs::temp_directory_path() / ("mixlens_bf16_" + std::to_string(::getpid()) + "_" +
-                                                    std::to_string(std::hash<std::string>{}(rel)));
-  fs::create_directories(dst);
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.path().extension() == ".json") fs::copy_file(e.path(), dst / e.path().filename(), fs::copy_options::overwrite_existing);
-  io::SafetensorsFile f(src / "model.safetensors");
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (const io::TensorInfo& t : f.tensors()) {
-    Tensor v = f.get_f32(t.name).clone();
-    if (is_matmul_weight(t.name))
-      for (int64_t i = 0; i < v.numel(); ++i) v[i] = ops::bf16_to_f32(ops::f32_to_bf16(v[i]));
-    out.emplace_back(t.name, v);
-  }
-  io::write_safetensors(dst / "model.safetensors", out);
-  return dst;
+  return test::weight_transformed_copy(rel, "bf16", [](const Tensor& w) {
+    Tensor v = w.clone();
+    for (int64_t i = 0; i < v.numel(); ++i) v[i] = ops::bf16_to_f32(ops::f32_to_bf16(v[i]));
+    return v;
+  });
 }
 
 std::vector<std::vector<int32_t>> prompts_for(const Model& m) {
