@@ -33,9 +33,8 @@ void product(const float* dy, int64_t ldy, int64_t rows, int64_t out, const floa
   });
 }
 
-}  // namespace
-
-void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W, float* dx, bool accumulate) {
+// linear_backward for dy's columns [0, out) in rows of ldy floats.
+void backward(const float* dy, int64_t ldy, int64_t rows, int64_t out, const Tensor& W, float* dx, bool accumulate) {
   const int64_t in = W.size(1);
   // Narrow (bf16/f16) weights are widened for the product: the gradient of the model as loaded.
   const Tensor w = W.to_f32();  // shares W when already float32
@@ -45,18 +44,18 @@ void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W
   std::vector<int64_t> live;
   live.reserve(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
-    const float* g = dy + r * out;
+    const float* g = dy + r * ldy;
     if (std::any_of(g, g + out, [](float v) { return v != 0.0f; })) live.push_back(r);
   }
   const int64_t nl = static_cast<int64_t>(live.size());
   if (nl == rows || nl * 2 > rows) {  // dense enough: one product over every row
-    product(dy, out, rows, out, w.data(), in, beta, dx, in);
+    product(dy, ldy, rows, out, w.data(), in, beta, dx, in);
     return;
   }
   if (!accumulate) std::fill(dx, dx + rows * in, 0.0f);
   if (nl == 0) return;
   std::vector<float> gdy(static_cast<size_t>(nl * out)), gdx(static_cast<size_t>(nl * in));
-  for (int64_t k = 0; k < nl; ++k) std::memcpy(gdy.data() + k * out, dy + live[static_cast<size_t>(k)] * out,
+  for (int64_t k = 0; k < nl; ++k) std::memcpy(gdy.data() + k * out, dy + live[static_cast<size_t>(k)] * ldy,
                                                sizeof(float) * static_cast<size_t>(out));
   product(gdy.data(), out, nl, out, w.data(), in, 0.0f, gdx.data(), in);
   for (int64_t k = 0; k < nl; ++k) {
@@ -64,6 +63,19 @@ void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W
     const float* s = gdx.data() + k * in;
     for (int64_t i = 0; i < in; ++i) o[i] += s[i];
   }
+}
+
+}  // namespace
+
+void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W, float* dx, bool accumulate) {
+  backward(dy, out, rows, out, W, dx, accumulate);
+}
+
+void linear_backward(const float* dy, int64_t rows, int64_t out, const ops::RowStack& W, float* dx, bool accumulate) {
+  // One part at a time (dx summed over them): no widened or stacked copy of the whole weight.
+  const auto& parts = W.parts();
+  for (size_t p = 0; p < parts.size(); ++p)
+    backward(dy + W.starts()[p], out, rows, parts[p].size(0), parts[p], dx, accumulate || p > 0);
 }
 
 void lora_backward(const float* dy, int64_t rows, int64_t out, const Tensor& down, const Tensor& up, float* dx) {

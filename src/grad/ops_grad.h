@@ -9,11 +9,14 @@
 
 #include "mixers/attention.h"
 #include "mixlens/tensor.h"
+#include "ops/ops.h"
 
 namespace mixlens::grad {
 
 /// y[rows,out] = x[rows,in] W[out,in]^T (+ b): dx[rows,in] (+)= dy[rows,out] W.
 void linear_backward(const float* dy, int64_t rows, int64_t out, const Tensor& W, float* dx, bool accumulate);
+/// The same for W stacked from parts (ops::RowStack).
+void linear_backward(const float* dy, int64_t rows, int64_t out, const ops::RowStack& W, float* dx, bool accumulate);
 
 /// y += up(down(x)) (a LoRA adapter, detail::add_lora): dx[rows,in] += dy[rows,out] up down.
 void lora_backward(const float* dy, int64_t rows, int64_t out, const Tensor& down, const Tensor& up, float* dx);

@@ -34,7 +34,7 @@ void swiglu_out(const Tensor& gu, const Tensor& down, int64_t I, int64_t rows, f
 
 // SwiGLU down(silu(gate x) * up x) with gate | up fused: dx (+)= from dy [rows, D].
 // `gu_kept`: the forward's gate|up product (x is then not read).
-void swiglu_backward(const Tensor& gate_up, const Tensor& down, int64_t I, int64_t D, const float* x, int64_t rows,
+void swiglu_backward(const ops::RowStack& gate_up, const Tensor& down, int64_t I, int64_t D, const float* x, int64_t rows,
                      const float* dy, float* dx, bool accumulate, float* y_out = nullptr,
                      const Tensor* gu_kept = nullptr) {
   // Written whole below (by the products and the row pass): no zero-fill pass over fresh pages.

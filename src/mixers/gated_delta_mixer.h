@@ -14,6 +14,7 @@
 #include "hooks/listener.h"
 #include "io/weights.h"
 #include "mixlens/model.h"
+#include "ops/ops.h"
 
 namespace mixlens::detail {
 
@@ -50,7 +51,7 @@ struct GdnOptions {
 
 /// One layer's weights.
 struct GatedDeltaMixerWeights {
-  Tensor in_proj;  // [proj_rows, D]
+  ops::RowStack in_proj;  // [proj_rows, D], as the family stacks it (QwenHybridSpec::load_gdn_in_proj)
   Tensor conv_wT;  // [K, conv_dim]
   Tensor neg_A;    // [HV] -exp(A_log)
   Tensor dt_bias;  // [HV], [HV * Dk] with kda

@@ -188,10 +188,9 @@ MlstmMixerWeights MlstmMixer::load(const io::WeightStore& w, const std::string& 
   } else {
     const Tensor q = w.get_matmul(p + "q.weight", {QK, D}), k = w.get_matmul(p + "k.weight", {QK, D});
     const Tensor v = w.get_matmul(p + "v.weight", {V, D}), o = w.get_matmul(p + "ogate_preact.weight", {V, D});
-    l.qkvo = ops::assemble_rows(2 * QK + 2 * V, D, {{&q, 0, QK, 0}, {&k, 0, QK, QK}, {&v, 0, V, 2 * QK},
-                                                    {&o, 0, V, 2 * QK + V}});
+    l.qkvo = ops::RowStack({q, k, v, o});
     const Tensor i = w.get_matmul(p + "igate_preact.weight", {NH, D}), f = w.get_matmul(p + "fgate_preact.weight", {NH, D});
-    l.gates = ops::assemble_rows(2 * NH, D, {{&i, 0, NH, 0}, {&f, 0, NH, NH}});
+    l.gates = ops::RowStack({i, f});
     const Tensor ib = w.get(p + "igate_preact.bias", {NH}), fb = w.get(p + "fgate_preact.bias", {NH});
     l.gate_bias = Tensor({2 * NH});
     std::copy_n(ib.data(), NH, l.gate_bias.data());

@@ -16,6 +16,7 @@
 #include "io/weights.h"
 #include "mixlens/model.h"
 #include "mixlens/values.h"
+#include "ops/ops.h"
 
 namespace mixlens::detail {
 
@@ -36,11 +37,11 @@ struct MlstmMixerDims {
   int64_t m_off() const { return NH * Dqk * Dv + NH * Dqk; }
 };
 
-/// One layer's weights (HF names under "backbone.blocks.{i}.mlstm_layer."), held fused whatever
-/// weight_mode: "single" q / k / v / ogate_preact and igate_preact / fgate_preact are stacked at load.
+/// One layer's weights (HF names under "backbone.blocks.{i}.mlstm_layer."), used fused whatever
+/// weight_mode: "single" q / k / v / ogate_preact and igate_preact / fgate_preact are stacked (no copy).
 struct MlstmMixerWeights {
-  Tensor qkvo;       ///< [2 qk + 2 v, D]: q | k | v | output-gate pre-activation (qkv_opreact)
-  Tensor gates;      ///< [2 NH, D]: input | forget gate pre-activations (ifgate_preact)
+  ops::RowStack qkvo;   ///< [2 qk + 2 v, D]: q | k | v | output-gate pre-activation (qkv_opreact)
+  ops::RowStack gates;  ///< [2 NH, D]: input | forget gate pre-activations (ifgate_preact)
   Tensor gate_bias;  ///< [2 NH]
   Tensor norm_w;     ///< [v] multihead_norm.weight
   Tensor out;        ///< [D, v] out_proj.weight

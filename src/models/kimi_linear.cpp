@@ -18,18 +18,12 @@ namespace {
 
 // KimiLinearDeltaAttention's input projections as the stack's in_proj, rows
 // [q | k | v | g_a (the output gate's latent) | b | f_a (the forget gate's latent)] (GdnDims::kda).
-Tensor load_kda_in_proj(const io::WeightStore& w, const std::string& m, const GdnDims& g) {
-  std::vector<ops::RowBlock> blocks;
+ops::RowStack load_kda_in_proj(const io::WeightStore& w, const std::string& m, const GdnDims& g) {
   std::vector<Tensor> parts;
   for (const auto& [name, rows] : {std::pair{"q_proj", g.key_dim()}, {"k_proj", g.key_dim()}, {"v_proj", g.value_dim()},
                                    {"g_a_proj", g.Dk}, {"b_proj", g.HV}, {"f_a_proj", g.Dk}})
     parts.push_back(w.get_matmul(m + name + ".weight", {rows, g.D}));
-  int64_t row = 0;
-  for (const Tensor& p : parts) {
-    blocks.push_back({&p, 0, p.size(0), row});
-    row += p.size(0);
-  }
-  return ops::assemble_rows(row, g.D, blocks);
+  return ops::RowStack(std::move(parts));
 }
 
 // KimiLinearConfig onto the fields the stack reads: one head count and size for q / k / v

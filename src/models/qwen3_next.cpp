@@ -14,24 +14,23 @@ namespace mixlens::detail {
 
 namespace {
 
-Tensor load_fused(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
+ops::RowStack load_fused(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
   const int64_t D = g.D, Dk = g.Dk, r = g.HV / g.HK, rv = r * g.Dv;
   const int64_t group = 2 * Dk + 2 * rv;
   const Tensor qkvz = w.get_matmul(p + "in_proj_qkvz.weight", {g.HK * group, D});
   const Tensor ba = w.get_matmul(p + "in_proj_ba.weight", {g.HK * 2 * r, D});
-  std::vector<ops::RowBlock> blocks;  // any dtype: narrow weights stay narrow
-  auto rows = [&](const Tensor& src, int64_t from, int64_t n, int64_t to) { blocks.push_back({&src, from, n, to}); };
-  const int64_t kd = g.key_dim(), vd = g.value_dim(), cd = g.conv_dim();
-  for (int64_t h = 0; h < g.HK; ++h) {
-    const int64_t base = h * group;
-    rows(qkvz, base, Dk, h * Dk);                           // q
-    rows(qkvz, base + Dk, Dk, kd + h * Dk);                 // k
-    rows(qkvz, base + 2 * Dk, rv, 2 * kd + h * rv);         // v: value heads h*r .. h*r+r-1
-    rows(qkvz, base + 2 * Dk + rv, rv, cd + h * rv);        // z
-    rows(ba, h * 2 * r, r, cd + vd + h * r);                // b
-    rows(ba, h * 2 * r + r, r, cd + vd + g.HV + h * r);     // a
-  }
-  return ops::assemble_rows(g.proj_rows(), D, blocks);
+  // Views of the file's rows in the shared order (no copy): q of every key head, then k, v, z, b, a.
+  std::vector<Tensor> parts;
+  auto rows = [&](const Tensor& src, int64_t first, int64_t stride, int64_t n) {
+    for (int64_t h = 0; h < g.HK; ++h) parts.push_back(row_block(src, h * stride + first, {n, D}));
+  };
+  rows(qkvz, 0, group, Dk);                // q
+  rows(qkvz, Dk, group, Dk);               // k
+  rows(qkvz, 2 * Dk, group, rv);           // v: value heads h*r .. h*r+r-1
+  rows(qkvz, 2 * Dk + rv, group, rv);      // z
+  rows(ba, 0, 2 * r, r);                   // b
+  rows(ba, r, 2 * r, r);                   // a
+  return ops::RowStack(std::move(parts));
 }
 
 }  // namespace

@@ -25,11 +25,14 @@ namespace {
 struct Mlp {
   bool moe = false;
   int64_t I = 0;             // dense / per-expert intermediate width
-  Tensor gate_up, down;      // dense: [2I, D], [D, I]
+  ops::RowStack gate_up;     // dense: [2I, D] (gate | up, unstacked in memory)
+  Tensor down;               // dense: [D, I]
   Tensor router;             // [E, D]
   Tensor router_bias;        // Kimi: [E] e_score_correction_bias, LFM2-MoE: expert_bias (choose experts, do not weight them)
-  std::vector<Tensor> expert_gate_up, expert_down;  // per expert [2I, D], [D, I]
-  Tensor shared_gate_up, shared_down, shared_gate;  // [2Is, D], [D, Is], [1, D]
+  std::vector<ops::RowStack> expert_gate_up;  // per expert [2I, D]
+  std::vector<Tensor> expert_down;            // per expert [D, I]
+  ops::RowStack shared_gate_up;     // [2Is, D]
+  Tensor shared_down, shared_gate;  // [D, Is], [1, D]
   int64_t Is = 0;
 };
 
@@ -172,6 +175,10 @@ class QwenHybrid final : public FamilyModel {
       } else if (l.linear) {
         const std::string m = lp + (spec_.kimi ? "self_attn." : "linear_attn.");
         l.in_proj = spec_.load_gdn_in_proj(w, m, g_);
+        // Each part was read at its checked shape; the stack must cover the mixer's rows exactly.
+        if (l.in_proj.size(0) != g_.proj_rows())
+          throw Error(m + ": the input projections stack to " + std::to_string(l.in_proj.size(0)) + " rows, not " +
+                      std::to_string(g_.proj_rows()));
         gdn_.load(w, m, l);
       } else {
         l.attn = attn_.load(w, lp + "self_attn.");
@@ -194,17 +201,15 @@ class QwenHybrid final : public FamilyModel {
         // transformers 5.18 save_pretrained and the published files store one tensor per expert;
         // fused [E, 2I, D] / [E, D, I] tensors (the in-memory layout) are accepted too.
         const bool fused = w.has(mp + "experts.gate_up_proj");
-        Tensor gu_all, down_all;
+        Tensor gu_all, down_all;  // fused: each expert a view of its rows (narrow weights stay narrow)
         if (fused) {
-          gu_all = w.get(mp + "experts.gate_up_proj", {E, 2 * x.I, D_});
-          down_all = w.get(mp + "experts.down_proj", {E, D_, x.I});
+          gu_all = w.get_matmul(mp + "experts.gate_up_proj", {E, 2 * x.I, D_});
+          down_all = w.get_matmul(mp + "experts.down_proj", {E, D_, x.I});
         }
         for (int64_t e = 0; e < E; ++e) {
           if (fused) {
-            x.expert_gate_up.push_back(Tensor::from({2 * x.I, D_}, std::vector<float>(gu_all.begin() + e * 2 * x.I * D_,
-                                                                                        gu_all.begin() + (e + 1) * 2 * x.I * D_)));
-            x.expert_down.push_back(Tensor::from({D_, x.I}, std::vector<float>(down_all.begin() + e * D_ * x.I,
-                                                                                 down_all.begin() + (e + 1) * D_ * x.I)));
+            x.expert_gate_up.emplace_back(row_block(gu_all, e * 2 * x.I, {2 * x.I, D_}));
+            x.expert_down.push_back(row_block(down_all, e * D_, {D_, x.I}));
           } else {
             const std::string ep = mp + "experts." + std::to_string(e) + ".";
             const char* gate = w123 ? "w1.weight" : "gate_proj.weight";
@@ -590,7 +595,7 @@ class QwenHybrid final : public FamilyModel {
 
   // SwiGLU with gate|up fused in one product: down(silu(gate x) * up x).
   // `gu_out`: receives the gate|up product (kept for a backward).
-  Tensor dense(const Tensor& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows,
+  Tensor dense(const ops::RowStack& gate_up, const Tensor& down, int64_t I, const float* x, int64_t rows,
                Tensor* gu_out = nullptr) const {
     Tensor gu = Tensor::uninitialized({rows, 2 * I}), act = Tensor::uninitialized({rows, I}), out = Tensor::uninitialized({rows, D_});
     if (gu_out) *gu_out = gu;
@@ -730,16 +735,7 @@ class QwenHybrid final : public FamilyModel {
 
 }  // namespace
 
-Tensor cat_rows(std::initializer_list<Tensor> parts) {
-  // Any dtype (narrow matmul weights stay narrow).
-  int64_t rows = 0;
-  std::vector<ops::RowBlock> blocks;
-  for (const auto& p : parts) {
-    blocks.push_back({&p, 0, p.size(0), rows});
-    rows += p.size(0);
-  }
-  return ops::assemble_rows(rows, parts.begin()->size(1), blocks);
-}
+ops::RowStack cat_rows(std::initializer_list<Tensor> parts) { return ops::RowStack(std::vector<Tensor>(parts)); }
 
 std::vector<int64_t> sigmoid_topk_route(const float* lg, const float* bias, int64_t E, int64_t n_group,
                                         int64_t topk_group, int64_t topk, bool norm, float eps, float scale, float* s,

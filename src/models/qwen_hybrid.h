@@ -22,13 +22,13 @@
 namespace mixlens::detail {
 
 struct QwenHybridSpec {
-  using GdnInProj = std::function<Tensor(const io::WeightStore&, const std::string& prefix, const GdnDims&)>;
+  using GdnInProj = std::function<ops::RowStack(const io::WeightStore&, const std::string& prefix, const GdnDims&)>;
   QwenHybridSpec() = default;
   /// The two fields every family sets; the options below keep their defaults unless it sets them.
   QwenHybridSpec(std::string family_name, GdnInProj in_proj)
       : family(std::move(family_name)), load_gdn_in_proj(std::move(in_proj)) {}
   std::string family;  ///< route_kernels family name ("qwen3_5", "qwen3_next")
-  /// Returns layer `prefix`'s GDN input projections as one [proj_rows, D] matrix with rows in the
+  /// Returns layer `prefix`'s GDN input projections as one [proj_rows, D] stack (no copy) with rows in the
   /// order q (HK*Dk, head-major) | k | v (HV*Dv) | z (HV*Dv) | b (HV) | a (HV).
   GdnInProj load_gdn_in_proj;
   /// RMSNorm weights (input / post / final norms) are zero-centred, applied as (1 + w) (Qwen), else
@@ -79,7 +79,7 @@ struct GdnView {
   int64_t D = 0, HK = 0, HV = 0, Dk = 0, Dv = 0, K = 0;
   float eps = 1e-6f;                 ///< the gated norm's
   float beta_scale = 1.0f;           ///< beta = beta_scale * sigmoid(b)
-  const Tensor* in_proj = nullptr;   ///< [proj_rows, D]
+  const ops::RowStack* in_proj = nullptr;   ///< [proj_rows, D]
   const Tensor* conv_wT = nullptr;   ///< [K, conv_dim]
   const Tensor* neg_A = nullptr;     ///< [HV] -exp(A_log)
   const Tensor* dt_bias = nullptr;   ///< [HV]
@@ -96,11 +96,13 @@ struct MlpView {
   bool moe = false;
   int64_t D = 0, I = 0, Is = 0, topk = 0;
   bool norm_topk = true;
-  const Tensor *gate_up = nullptr, *down = nullptr;  ///< dense: [2I, D] (gate | up), [D, I]
+  const ops::RowStack* gate_up = nullptr;           ///< dense: [2I, D] (gate | up)
+  const Tensor* down = nullptr;                      ///< dense: [D, I]
   const Tensor* router = nullptr;                    ///< [E, D]
-  const std::vector<Tensor>* expert_gate_up = nullptr;
+  const std::vector<ops::RowStack>* expert_gate_up = nullptr;
   const std::vector<Tensor>* expert_down = nullptr;
-  const Tensor *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;  ///< shared_gate undefined: ungated (Kimi)
+  const ops::RowStack* shared_gate_up = nullptr;
+  const Tensor *shared_down = nullptr, *shared_gate = nullptr;  ///< shared_gate undefined: ungated (Kimi)
   /// Kimi's sigmoid router (sigmoid_topk_route) when defined: e_score_correction_bias [E]; else Qwen's softmax.
   const Tensor* router_bias = nullptr;
   int64_t n_group = 1, topk_group = 1;
@@ -145,9 +147,9 @@ struct QwenHybridParts : BackwardParts {
   std::vector<QwenLayerView> layers;
 };
 
-/// Row blocks of 2-D tensors with one column count stacked in order (any dtype: narrow matmul
-/// weights stay narrow); the GDN input projections of the families with separate q / k / v / z / b / a.
-Tensor cat_rows(std::initializer_list<Tensor> parts);
+/// 2-D tensors with one column count stacked in order, without a copy (ops::RowStack): gate_proj |
+/// up_proj, and the GDN input projections of the families with separate q / k / v / z / b / a.
+ops::RowStack cat_rows(std::initializer_list<Tensor> parts);
 
 /// Builds the model. `text` is the text-model config (text_config of a VLM config, else the
 /// config itself); `top` the file's top-level config (tie_word_embeddings fallback).

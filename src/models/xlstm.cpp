@@ -80,7 +80,7 @@ class XlstmModel final : public FamilyModel {
       } else {
         const Tensor g = w.get_matmul(b + "ffn.proj_up_gate.weight", {I_, D_});
         const Tensor u = w.get_matmul(b + "ffn.proj_up.weight", {I_, D_});
-        blk.up_gate = ops::assemble_rows(2 * I_, D_, {{&g, 0, I_, 0}, {&u, 0, I_, I_}});
+        blk.up_gate = ops::RowStack({g, u});
       }
       blk.down = w.get_matmul(b + "ffn.proj_down.weight", {D_, I_});
       blocks_.push_back(blk);

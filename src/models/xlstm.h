@@ -5,13 +5,14 @@
 
 #include "mixers/mlstm_mixer.h"
 #include "models/family.h"
+#include "ops/ops.h"
 
 namespace mixlens::detail {
 
 struct XlstmBlock {             // backbone.blocks.{i} (xLSTMBlock)
   Tensor norm_mlstm, norm_ffn;  // [D] RMSNorm weights
   MlstmMixerWeights mlstm;      // mlstm_layer
-  Tensor up_gate;               // [2 I, D] ffn.proj_up_gate | ffn.proj_up (xLSTMFeedForward), held fused
+  ops::RowStack up_gate;        // [2 I, D] ffn.proj_up_gate | ffn.proj_up (xLSTMFeedForward), used fused
   Tensor down;                  // [D, I] ffn.proj_down
 };
 

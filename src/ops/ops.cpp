@@ -55,11 +55,12 @@ constexpr int64_t kTileFloats = int64_t{1} << 20;
 // sgemm measured 8-17% faster (bench/results/gemm16.md).
 constexpr int64_t kGemm16MaxRows = 512;
 
+// Rows [o0, o0 + n) of W times each of x's rows, into y[r * ldy .. + n).
 void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
-                 int64_t out, int64_t o0, int64_t n) {
+                 int64_t ldy, int64_t o0, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * in;
-    float* yr = y + r * out + o0;
+    float* yr = y + r * ldy;
     switch (W.dtype()) {
       case ScalarType::float32: kt.matvec_f32(static_cast<const float*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
       case ScalarType::bfloat16: kt.matvec_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
@@ -87,12 +88,25 @@ void set_deterministic_state(int state) { tl_deterministic = state; }
 DeterministicScope::DeterministicScope(bool on) : prev_(tl_deterministic) { tl_deterministic = on ? 1 : 0; }
 DeterministicScope::~DeterministicScope() { tl_deterministic = prev_; }
 
-void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y, const float* bias) {
-  if (W.dim() != 2) throw InputError("linear: weight " + shape_str(W.shape()) + " is not a matrix");
-  const int64_t out = W.size(0);
-  if (W.size(1) != in) throw InputError("linear: weight " + shape_str(W.shape()) + " does not take " +
-                                        std::to_string(in) + " inputs");
+namespace {
+
+// y[rows, out] = x @ W^T for W the rows of `nparts` parts stacked, part p at rows [starts[p], starts[p+1]).
+// Work is split in blocks of output rows over the pool; a block that straddles parts runs a kernel
+// call per part, so the split (and each element's sum order) does not depend on the stacking.
+void linear_parts(const float* x, int64_t rows, int64_t in, const Tensor* parts, const int64_t* starts, int64_t nparts,
+                  float* y, const float* bias) {
+  const int64_t out = starts[nparts];
   if (rows == 0 || out == 0) return;
+  const ScalarType dt = parts[0].dtype();
+  // Runs f(part, first row in the part, n, first output column) over rows [o0, o0 + n) of the stack.
+  auto for_parts = [&](int64_t o0, int64_t n, auto&& f) {
+    int64_t p = std::upper_bound(starts, starts + nparts + 1, o0) - starts - 1;
+    for (int64_t o = o0, end = o0 + n; o < end; ++p) {
+      const int64_t m = std::min(end, starts[p + 1]) - o;
+      if (m > 0) f(parts[p], o - starts[p], m, o);
+      o += std::max<int64_t>(m, 0);
+    }
+  };
   const KernelTable& kt = kernels();
   const int64_t work = rows * out * in;
   if (rows <= kMatvecRows || deterministic()) {
@@ -103,22 +117,24 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
     const int64_t nblocks = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(4 * num_threads(), (out + 15) / 16);
     const int64_t per = (out + nblocks - 1) / nblocks;
     parallel_for(nblocks, [&](int64_t blk) {
-      const int64_t o0 = blk * per, n = std::min(per, out - o0);
-      if (n <= 0) return;
-      if (rows <= kMatvecRows) {
-        matvec_rows(kt, W, x, rows, in, y, out, o0, n);
-        return;
-      }
-      switch (W.dtype()) {
-        case ScalarType::float32: kt.gemm_f32(static_cast<const float*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
-        case ScalarType::bfloat16: kt.gemm_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
-        case ScalarType::float16: kt.gemm_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + o0, out, n, in); break;
-        case ScalarType::int8: {
-          const int64_t ld = q8_row_bytes(in);
-          kt.gemm_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, x, in, rows, y + o0, out, n, in);
-          break;
+      const int64_t b0 = blk * per, bn = std::min(per, out - b0);
+      if (bn <= 0) return;
+      for_parts(b0, bn, [&](const Tensor& W, int64_t o0, int64_t n, int64_t col) {
+        if (rows <= kMatvecRows) {
+          matvec_rows(kt, W, x, rows, in, y + col, out, o0, n);
+          return;
         }
-      }
+        switch (W.dtype()) {
+          case ScalarType::float32: kt.gemm_f32(static_cast<const float*>(W.raw()) + o0 * in, in, x, in, rows, y + col, out, n, in); break;
+          case ScalarType::bfloat16: kt.gemm_bf16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + col, out, n, in); break;
+          case ScalarType::float16: kt.gemm_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + col, out, n, in); break;
+          case ScalarType::int8: {
+            const int64_t ld = q8_row_bytes(in);
+            kt.gemm_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, x, in, rows, y + col, out, n, in);
+            break;
+          }
+        }
+      });
     });
   } else {
     // Prompt: compute-bound, OpenBLAS sgemm per block of output features, each block a
@@ -127,28 +143,30 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
     // (bench/results/gemm16.md), else widened (exactly) a tile at a time for sgemm.
     const int64_t nblocks = work < (int64_t{1} << 20) ? 1 : std::min<int64_t>(num_threads(), out);
     const int64_t per = (out + nblocks - 1) / nblocks;
-    const bool w16 = W.dtype() == ScalarType::bfloat16 || W.dtype() == ScalarType::float16;
+    const bool w16 = dt == ScalarType::bfloat16 || dt == ScalarType::float16;
     const Gemm16Fn g16 = !w16 || (rows >= kGemm16MaxRows && in > kGemm16KBlock) ? nullptr : gemm16();
     parallel_for(nblocks, [&](int64_t blk) {
-      const int64_t o0 = blk * per, n = std::min(per, out - o0);
-      if (n <= 0) return;
-      if (W.dtype() == ScalarType::float32) {
-        gemm(false, true, rows, n, in, 1.0f, x, in, static_cast<const float*>(W.raw()) + o0 * in, in, 0.0f, y + o0, out);
-        return;
-      }
-      if (g16) {  // widened while packed (ops/gemm16.h): one pass over the 16-bit weights
-        g16(x, in, rows, static_cast<const uint16_t*>(W.raw()) + o0 * in, in, W.dtype() == ScalarType::float16, n, in,
-            y + o0, out);
-        return;
-      }
-      thread_local std::vector<float> buf;
-      const int64_t tile = std::min(std::max(kTile, kTileFloats / in), n);
-      if (buf.size() < static_cast<size_t>(tile * in)) buf.resize(static_cast<size_t>(tile * in));
-      for (int64_t t0 = 0; t0 < n; t0 += tile) {
-        const int64_t nt = std::min(tile, n - t0);
-        widen_rows(W, o0 + t0, nt, buf.data());
-        gemm(false, true, rows, nt, in, 1.0f, x, in, buf.data(), in, 0.0f, y + o0 + t0, out);
-      }
+      const int64_t b0 = blk * per, bn = std::min(per, out - b0);
+      if (bn <= 0) return;
+      for_parts(b0, bn, [&](const Tensor& W, int64_t o0, int64_t n, int64_t col) {
+        if (W.dtype() == ScalarType::float32) {
+          gemm(false, true, rows, n, in, 1.0f, x, in, static_cast<const float*>(W.raw()) + o0 * in, in, 0.0f, y + col, out);
+          return;
+        }
+        if (g16) {  // widened while packed (ops/gemm16.h): one pass over the 16-bit weights
+          g16(x, in, rows, static_cast<const uint16_t*>(W.raw()) + o0 * in, in, W.dtype() == ScalarType::float16, n, in,
+              y + col, out);
+          return;
+        }
+        thread_local std::vector<float> buf;
+        const int64_t tile = std::min(std::max(kTile, kTileFloats / in), n);
+        if (buf.size() < static_cast<size_t>(tile * in)) buf.resize(static_cast<size_t>(tile * in));
+        for (int64_t t0 = 0; t0 < n; t0 += tile) {
+          const int64_t nt = std::min(tile, n - t0);
+          widen_rows(W, o0 + t0, nt, buf.data());
+          gemm(false, true, rows, nt, in, 1.0f, x, in, buf.data(), in, 0.0f, y + col + t0, out);
+        }
+      });
     });
   }
   if (bias)
@@ -156,30 +174,46 @@ void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
       for (int64_t o = 0; o < out; ++o) y[r * out + o] += bias[o];
 }
 
-Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& blocks) {
-  if (blocks.empty()) return Tensor({rows, cols});
-  const ScalarType t = blocks.front().src->dtype();
-  for (const RowBlock& b : blocks) {
-    if (b.src->dtype() != t) throw InputError("assemble_rows: sources of different dtypes");
-    if (b.src->dim() != 2 || b.src->size(1) != cols || b.from < 0 || b.n < 0 || b.from + b.n > b.src->size(0) ||
-        b.to < 0 || b.to + b.n > rows)
-      throw InputError("assemble_rows: block out of range for source " + shape_str(b.src->shape()));
+}  // namespace
+
+void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y, const float* bias) {
+  if (W.dim() != 2) throw InputError("linear: weight " + shape_str(W.shape()) + " is not a matrix");
+  if (W.size(1) != in) throw InputError("linear: weight " + shape_str(W.shape()) + " does not take " +
+                                        std::to_string(in) + " inputs");
+  const int64_t starts[2] = {0, W.size(0)};
+  linear_parts(x, rows, in, &W, starts, 1, y, bias);
+}
+
+RowStack::RowStack(Tensor whole) {
+  if (whole.defined()) *this = RowStack(std::vector<Tensor>{std::move(whole)});  // undefined: an undefined stack
+}
+
+RowStack::RowStack(std::vector<Tensor> parts) : parts_(std::move(parts)) {
+  if (parts_.empty()) throw InputError("RowStack: no parts");
+  const Tensor& first = parts_.front();
+  for (const Tensor& p : parts_) {
+    if (p.dim() != 2) throw InputError("RowStack: part " + shape_str(p.shape()) + " is not a matrix");
+    if (p.size(1) != first.size(1))
+      throw InputError("RowStack: parts of " + std::to_string(first.size(1)) + " and " + std::to_string(p.size(1)) +
+                       " columns");
+    if (p.dtype() != first.dtype())
+      throw InputError(std::string("RowStack: parts of dtypes ") + dtype_str(first.dtype()) + " and " + dtype_str(p.dtype()));
+    starts_.push_back(starts_.back() + p.size(0));
   }
-  if (t == ScalarType::float32) {
-    Tensor out = Tensor::weight({rows, cols});  // a fused weight: huge pages, outside the activation arena
-    std::memset(out.data(), 0, sizeof(float) * static_cast<size_t>(rows * cols));
-    for (const RowBlock& b : blocks)
-      std::memcpy(out.data() + b.to * cols, b.src->data() + b.from * cols, sizeof(float) * static_cast<size_t>(b.n * cols));
-    return out;
-  }
-  const auto rb = static_cast<size_t>(row_bytes(t, cols));  // whole rows: an int8 row's blocks move with it
-  auto* buf = static_cast<uint8_t*>(alloc_weights(rows * rb));
-  std::shared_ptr<uint8_t> owner(buf, std::free);
-  std::memset(buf, 0, rows * rb);
-  for (const RowBlock& b : blocks)
-    std::memcpy(buf + static_cast<size_t>(b.to) * rb, static_cast<const uint8_t*>(b.src->raw()) + static_cast<size_t>(b.from) * rb,
-                rb * static_cast<size_t>(b.n));
-  return Tensor::narrow({rows, cols}, t, buf, std::shared_ptr<const void>(owner, buf));
+}
+
+int64_t RowStack::size(int64_t i) const {
+  if (parts_.empty()) throw InputError("RowStack: size of an undefined weight");
+  if (i == 0 || i == -2) return starts_.back();
+  if (i == 1 || i == -1) return parts_.front().size(1);
+  throw InputError("RowStack: dimension " + std::to_string(i) + " of a matrix");
+}
+
+void linear(const float* x, int64_t rows, int64_t in, const RowStack& W, float* y, const float* bias) {
+  if (!W.defined()) throw InputError("linear: undefined weight");
+  if (W.size(1) != in) throw InputError("linear: weight of " + std::to_string(W.size(1)) + " columns does not take " +
+                                        std::to_string(in) + " inputs");
+  linear_parts(x, rows, in, W.parts().data(), W.starts().data(), static_cast<int64_t>(W.parts().size()), y, bias);
 }
 
 void copy_row(const Tensor& W, int64_t r, float* out) { widen_rows(W, r, 1, out); }

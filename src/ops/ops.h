@@ -16,6 +16,32 @@ namespace mixlens::ops {
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
             const float* bias = nullptr);
 
+/// A matmul weight [rows, cols] kept as the row blocks it stacks (gate_proj over up_proj; in_proj_qkv |
+/// in_proj_z | in_proj_b | in_proj_a), each where the loader left it: a fused projection of 16-bit
+/// weights served from the mapped file costs no copy (a copy of a 9B model's fused projections was
+/// 8.9 GB). Parts are 2-D, of one dtype and one column count (else InputError); a Tensor converts to a
+/// stack of one (an undefined Tensor to an undefined stack).
+class RowStack {
+ public:
+  RowStack() = default;
+  RowStack(Tensor whole);  // NOLINT(google-explicit-constructor): a single weight is a stack of one
+  explicit RowStack(std::vector<Tensor> parts);
+  bool defined() const { return !parts_.empty(); }
+  /// size(0): the rows of all parts; size(1) / size(-1): the columns.
+  int64_t size(int64_t i) const;
+  ScalarType dtype() const { return parts_.empty() ? ScalarType::float32 : parts_.front().dtype(); }
+  const std::vector<Tensor>& parts() const { return parts_; }
+  /// starts()[p]: the first row of part p; starts().back() == size(0).
+  const std::vector<int64_t>& starts() const { return starts_; }
+
+ private:
+  std::vector<Tensor> parts_;
+  std::vector<int64_t> starts_{0};
+};
+/// ops::linear of the stacked parts: y's columns [starts[p], starts[p+1]) are part p's outputs. On the
+/// matvec and batch-invariant paths every element is bitwise what the one stacked matrix gives.
+void linear(const float* x, int64_t rows, int64_t in, const RowStack& W, float* y, const float* bias = nullptr);
+
 /// Whether ops::linear runs its batch-invariant kernels on this thread: every output element one
 /// dot product in the matvec's order (KernelTable::gemm_*), so a row's results are bitwise the same
 /// alone or in any batch, at any position, on any thread count. Otherwise more than 4 rows go to
@@ -38,14 +64,6 @@ class DeterministicScope {
 int deterministic_state();
 void set_deterministic_state(int state);
 
-/// Rows [from, from + n) of `src` placed at rows [to, to + n) of a new tensor (assemble_rows).
-struct RowBlock {
-  const Tensor* src;
-  int64_t from, n, to;
-};
-/// A [rows, cols] tensor of the sources' dtype (all equal, else InputError) filled from `blocks`
-/// (each source 2-D with `cols` columns); rows no block covers are zero. Narrow weights stay narrow.
-Tensor assemble_rows(int64_t rows, int64_t cols, const std::vector<RowBlock>& blocks);
 /// Row r of a 2-D tensor of any dtype, as float32, into out[cols] (embedding lookup).
 void copy_row(const Tensor& W, int64_t r, float* out);
 

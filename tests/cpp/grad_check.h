@@ -133,7 +133,7 @@ struct RouteGuard {
 /// d/dh <W, logits(E + h v)> at 0 == <grad(embed_tokens.output), v> for a random direction v, on each
 /// kernel route of `routes` (the call must run the route asked for).
 inline void embeddings_fd(const std::string& fixture, const std::string& family, int n_tokens, double tol,
-                          const std::vector<const char*>& routes) {
+                          const std::vector<const char*>& routes, float step = 2e-3f) {
   Model m = Model::load(test::fixture(fixture).string());
   Trace probe;
   probe.save("embed_tokens.output");
@@ -150,7 +150,7 @@ inline void embeddings_fd(const std::string& fixture, const std::string& family,
     const Tensor g = tr.grad("embed_tokens.output");
     const Tensor v = direction(E, 4);
     const double fd =
-        richardson([&](float h) { return dot(W, m.run(Batch::from_embeddings(axpy(E, h, v)))); }, 2e-3f);
+        richardson([&](float h) { return dot(W, m.run(Batch::from_embeddings(axpy(E, h, v)))); }, step);
     EXPECT_NEAR(dot(g, v), fd, tol * std::abs(fd)) << fixture << " " << route;
   }
 }

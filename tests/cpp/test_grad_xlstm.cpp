@@ -23,10 +23,14 @@ const std::vector<const char*> kRoutes{"chunked", "recurrent"};
 
 }  // namespace
 
+// Step 4e-3: float32 rounding moves xlstm/basic's differences by ~1% at 2e-3 (measured on the chunked
+// route: 5.91 at 1e-3, 5.95 at 2e-3, within 1% of the gradient's 6.0074 at 4e-3 and 8e-3; truncation
+// shows from 1.6e-2). torch autograd checks the same gradients tightly (tests/python/test_grad_xlstm.py).
 TEST(GradXlstm, EmbeddingsMatchFiniteDifferences) {
-  embeddings_fd("xlstm/basic", "xlstm", 11, 1e-2, kRoutes);           // chunk 4: two chunks and a tail
-  embeddings_fd("xlstm/batch_eps_tied", "xlstm", 17, 1e-2, kRoutes);  // eps 1e-4 (the read's m path), tied head
-  embeddings_fd("xlstm/short_prompt", "xlstm", 3, 1e-2, kRoutes);
+  constexpr float kStep = 4e-3f;
+  embeddings_fd("xlstm/basic", "xlstm", 11, 1e-2, kRoutes, kStep);           // chunk 4: two chunks and a tail
+  embeddings_fd("xlstm/batch_eps_tied", "xlstm", 17, 1e-2, kRoutes, kStep);  // eps 1e-4 (the read's m path), tied head
+  embeddings_fd("xlstm/short_prompt", "xlstm", 3, 1e-2, kRoutes, kStep);
 }
 
 TEST(GradXlstm, MlstmValuesMatchFiniteDifferencesOfAnEdit) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fixture_util.h"
+#include "grad/ops_grad.h"
 #include "io/safetensors.h"
 #include "io/weights.h"
 #include "mixlens/errors.h"
@@ -230,6 +231,70 @@ TEST(Kernels, LinearNarrowEqualsWidened) {
         }
       }
   }
+}
+
+// ops::RowStack: a weight kept as row views of its parts (no copy) gives what the one matrix gives,
+// bitwise on the matvec and batch-invariant paths (each element one dot product in one order), within
+// rounding on the BLAS path (its blocks differ); its backward likewise. Parts straddle the pool's blocks.
+TEST(Kernels, RowStackEqualsTheStackedMatrix) {
+  IsaGuard guard;
+  const int64_t in = 257;
+  const std::vector<int64_t> cuts = {5, 300, 1, 129, 64};
+  int64_t out = 0;
+  for (int64_t c : cuts) out += c;
+  const std::vector<float> w = randn(static_cast<size_t>(out * in), 3);
+  std::vector<uint16_t> wb(w.size());
+  for (size_t i = 0; i < w.size(); ++i) wb[i] = ops::f32_to_bf16(w[i]);
+  std::vector<uint8_t> wq(static_cast<size_t>(out * ops::q8_row_bytes(in)));
+  for (int64_t r = 0; r < out; ++r) ops::quantize_q8_row(w.data() + r * in, in, wq.data() + r * ops::q8_row_bytes(in));
+  const std::vector<Tensor> wholes = {Tensor::from({out, in}, w), Tensor::narrow({out, in}, ScalarType::bfloat16, wb.data(), unowned(wb.data())),
+                                      Tensor::narrow({out, in}, ScalarType::int8, wq.data(), unowned(wq.data()))};
+  for (const Tensor& whole : wholes) {
+    std::vector<Tensor> parts;
+    int64_t r0 = 0;
+    for (int64_t c : cuts) {
+      parts.push_back(detail::row_block(whole, r0, {c, in}));
+      r0 += c;
+    }
+    const ops::RowStack stack(parts);
+    ASSERT_EQ(stack.size(0), out);
+    ASSERT_EQ(stack.size(1), in);
+    ASSERT_EQ(stack.dtype(), whole.dtype());
+    for (ops::Isa isa : levels()) {
+      ops::set_isa(isa);
+      for (bool det : {false, true})
+        for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{37}, int64_t{520}}) {
+          ops::DeterministicScope scope(det);
+          const std::vector<float> x = randn(static_cast<size_t>(rows * in), 4);
+          std::vector<float> y1(static_cast<size_t>(rows * out)), y2(y1.size()), bias(static_cast<size_t>(out), 0.25f);
+          ops::linear(x.data(), rows, in, stack, y1.data(), bias.data());
+          ops::linear(x.data(), rows, in, whole, y2.data(), bias.data());
+          const bool bitwise = det || rows <= 4;
+          for (size_t i = 0; i < y1.size(); ++i) {
+            if (bitwise)
+              ASSERT_EQ(y1[i], y2[i]) << ops::isa_name(isa) << " " << dtype_str(whole.dtype()) << " rows " << rows << " i " << i;
+            else
+              ASSERT_NEAR(y1[i], y2[i], 1e-5 * (1.0 + std::fabs(y2[i])) + 1e-5) << ops::isa_name(isa) << " rows " << rows;
+          }
+        }
+    }
+    // Backward: dx = dy W summed over the parts.
+    for (int64_t rows : {int64_t{1}, int64_t{9}}) {
+      const std::vector<float> dy = randn(static_cast<size_t>(rows * out), 5);
+      std::vector<float> dx1(static_cast<size_t>(rows * in), 1.0f), dx2(dx1);
+      grad::linear_backward(dy.data(), rows, out, stack, dx1.data(), true);
+      grad::linear_backward(dy.data(), rows, out, whole, dx2.data(), true);
+      for (size_t i = 0; i < dx1.size(); ++i) ASSERT_NEAR(dx1[i], dx2[i], 1e-4 * (1.0 + std::fabs(dx2[i])));
+    }
+  }
+  // Parts that cannot stack are refused, naming what differs.
+  const Tensor a({3, 4}), b({2, 5});
+  EXPECT_THROW(ops::RowStack({a, b}), InputError);
+  EXPECT_THROW(ops::RowStack({a, wholes[1]}), InputError);
+  EXPECT_THROW(ops::RowStack(std::vector<Tensor>{}), InputError);
+  EXPECT_THROW(ops::RowStack({Tensor({3})}), InputError);
+  std::vector<float> y(8);
+  EXPECT_THROW(ops::linear(y.data(), 1, 5, ops::RowStack({a, a}), y.data()), InputError);
 }
 
 TEST(Kernels, NarrowTensorRefusesFloatAccess) {

@@ -54,15 +54,16 @@ struct KdaFixture {
     mixer = detail::GatedDeltaMixer(g, K, cfg["rms_norm_eps"].get<float>());
     const std::string m = "model.layers.0.self_attn.";
     // in_proj rows [q | k | v | z latent (g_a) | b | a latent (f_a)] (GdnDims with kda).
-    l.in_proj = Tensor({g.proj_rows(), g.D});
+    Tensor in_proj({g.proj_rows(), g.D});  // one matrix, as the mixer may be given it
     int64_t row = 0;
     for (const auto& [name, rows] : {std::pair{"q_proj", g.key_dim()}, {"k_proj", g.key_dim()}, {"v_proj", g.value_dim()},
                                      {"g_a_proj", g.Dk}, {"b_proj", g.HV}, {"f_a_proj", g.Dk}}) {
       const Tensor t = w.get(m + name + ".weight", {rows, g.D});
-      std::memcpy(l.in_proj.data() + row * g.D, t.data(), sizeof(float) * static_cast<size_t>(rows * g.D));
+      std::memcpy(in_proj.data() + row * g.D, t.data(), sizeof(float) * static_cast<size_t>(rows * g.D));
       row += rows;
     }
     EXPECT_EQ(row, g.proj_rows());
+    l.in_proj = in_proj;
     mixer.load(w, m, l);
   }
 };
