@@ -397,7 +397,7 @@ def report(a, started: float, machine: dict, load0: str, load1: str, models: dic
                                                if isinstance(v, float)) + f" GB/s; at end best {machine['bandwidth_end'] / 1e9:.1f} GB/s. "
           "A lower bound of what the memory delivers (a C streaming read may see more).",
           f"- Load at start: {load0}; at end: {load1}." + (" **Busy machine: other work was running; the numbers are "
-                                                           "noisy.**" if busy(load0) or busy(load1) else ""),
+                                                           "noisy.**" if busy(load0) or busy(load1, own=a.threads) else ""),
           f"- Nice value of the bench: {machine['nice']}" + (" (**lowered priority: under contention OpenMP engines such as "
                                                               "llama.cpp lose far more than their share; measure at nice 0 on a "
                                                               "quiet machine**)" if machine["nice"] > 0 else "") + ".",
@@ -468,8 +468,10 @@ def report(a, started: float, machine: dict, load0: str, load1: str, models: dic
     return "\n".join(L)
 
 
-def busy(load: str) -> bool:
-    return float(load.split()[2]) > 0.5 * (os.cpu_count() or 1)
+def busy(load: str, own: int = 0) -> bool:
+    """Whether a load average line shows other work: at the end, `own` (the bench's threads, whose
+    children just ran) is part of the 1-minute figure and is not counted against the machine."""
+    return float(load.split()[2]) - own > 0.5 * (os.cpu_count() or 1)
 
 
 def parse_layers(text: str | None) -> dict:
