@@ -179,9 +179,15 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
     std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
   }
   // dt_proj (each head's rows read its own dt_low) and the softplus per block of rows on the pool
-  // (one sgemm call runs on one thread).
+  // (one sgemm call runs on one thread). Decode with one head: the pool's matvec over dt_proj's rows
+  // instead, where one thread's sgemm at M = 1 read all E x R floats alone.
   const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
-  ops::parallel_for(dt_blocks, [&](int64_t blk) {
+  if (H == 1 && BT <= 4) {
+    Tensor dtl({BT, R_});
+    for (int64_t r = 0; r < BT; ++r) std::memcpy(dtl.data() + r * R_, dbc.data() + r * XR, sizeof(float) * static_cast<size_t>(R_));
+    ops::linear(dtl.data(), BT, R_, lw.dt_proj, dt.data());
+    for (int64_t r = 0; r < BT; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
+  } else ops::parallel_for(dt_blocks, [&](int64_t blk) {
     const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;
     for (int64_t h = 0; h < H; ++h)
       ops::gemm(false, true, r1 - r0, P, R_, 1.0f, dbc.data() + r0 * H * XR + h * XR, H * XR,
