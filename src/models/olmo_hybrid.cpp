@@ -27,7 +27,7 @@ namespace {
 
 // The layer's q_proj | k_proj | v_proj | g_proj | b_proj | a_proj as the stack's [q | k | v | z | b | a].
 ops::RowStack load_gdn_in_proj(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
-  return cat_rows({w.get_matmul(p + "q_proj.weight", {g.key_dim(), g.D}), w.get_matmul(p + "k_proj.weight", {g.key_dim(), g.D}),
+  return ops::RowStack({w.get_matmul(p + "q_proj.weight", {g.key_dim(), g.D}), w.get_matmul(p + "k_proj.weight", {g.key_dim(), g.D}),
                    w.get_matmul(p + "v_proj.weight", {g.value_dim(), g.D}), w.get_matmul(p + "g_proj.weight", {g.value_dim(), g.D}),
                    w.get_matmul(p + "b_proj.weight", {g.HV, g.D}), w.get_matmul(p + "a_proj.weight", {g.HV, g.D})});
 }

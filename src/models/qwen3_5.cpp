@@ -12,7 +12,7 @@
 namespace mixlens::detail {
 
 ops::RowStack load_qwen3_5_gdn_in_proj(const io::WeightStore& w, const std::string& p, const GdnDims& g) {
-  return cat_rows({w.get_matmul(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get_matmul(p + "in_proj_z.weight", {g.value_dim(), g.D}),
+  return ops::RowStack({w.get_matmul(p + "in_proj_qkv.weight", {g.conv_dim(), g.D}), w.get_matmul(p + "in_proj_z.weight", {g.value_dim(), g.D}),
                    w.get_matmul(p + "in_proj_b.weight", {g.HV, g.D}), w.get_matmul(p + "in_proj_a.weight", {g.HV, g.D})});
 }
 

@@ -10,8 +10,8 @@
 namespace mixlens::detail {
 
 /// Layer `prefix`'s GDN input projections stored separately (in_proj_qkv [conv_dim, D], in_proj_z
-/// [HV*Dv, D], in_proj_b [HV, D], in_proj_a [HV, D]) as the one [proj_rows, D] matrix the shared
-/// stack runs (rows q | k | v | z | b | a, GdnDims). CheckpointError on a missing tensor or a wrong shape.
+/// [HV*Dv, D], in_proj_b [HV, D], in_proj_a [HV, D]) as the one [proj_rows, D] stack (views, no copy) the shared
+/// block stack runs (rows q | k | v | z | b | a, GdnDims). CheckpointError on a missing tensor or a wrong shape.
 ops::RowStack load_qwen3_5_gdn_in_proj(const io::WeightStore& w, const std::string& prefix, const GdnDims& g);
 
 /// The text model's config: text_config of the published VLM config (Qwen3_5ForConditionalGeneration,

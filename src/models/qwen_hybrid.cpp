@@ -25,7 +25,7 @@ namespace {
 struct Mlp {
   bool moe = false;
   int64_t I = 0;             // dense / per-expert intermediate width
-  ops::RowStack gate_up;     // dense: [2I, D] (gate | up, unstacked in memory)
+  ops::RowStack gate_up;     // dense: [2I, D] (gate_proj | up_proj, two tensors multiplied as one)
   Tensor down;               // dense: [D, I]
   Tensor router;             // [E, D]
   Tensor router_bias;        // Kimi: [E] e_score_correction_bias, LFM2-MoE: expert_bias (choose experts, do not weight them)
@@ -215,20 +215,20 @@ class QwenHybrid final : public FamilyModel {
             const char* gate = w123 ? "w1.weight" : "gate_proj.weight";
             const char* up = w123 ? "w3.weight" : "up_proj.weight";
             const char* down = w123 ? "w2.weight" : "down_proj.weight";
-            x.expert_gate_up.push_back(cat_rows({w.get_matmul(ep + gate, {x.I, D_}), w.get_matmul(ep + up, {x.I, D_})}));
+            x.expert_gate_up.push_back(ops::RowStack({w.get_matmul(ep + gate, {x.I, D_}), w.get_matmul(ep + up, {x.I, D_})}));
             x.expert_down.push_back(w.get_matmul(ep + down, {D_, x.I}));
           }
         }
         const std::string sp = mp + (spec_.kimi ? "shared_experts." : "shared_expert.");
         if (no_shared_) continue;
-        x.shared_gate_up = cat_rows({w.get_matmul(sp + "gate_proj.weight", {x.Is, D_}),
+        x.shared_gate_up = ops::RowStack({w.get_matmul(sp + "gate_proj.weight", {x.Is, D_}),
                                      w.get_matmul(sp + "up_proj.weight", {x.Is, D_})});
         x.shared_down = w.get_matmul(sp + "down_proj.weight", {D_, x.Is});
         if (!spec_.kimi) x.shared_gate = w.get(mp + "shared_expert_gate.weight", {1, D_});
       } else {
         require_positive(cfg, {{"intermediate_size", I}});
         l.mlp.I = I;
-        l.mlp.gate_up = cat_rows({w.get_matmul(mp + (spec_.lfm2 ? "w1.weight" : "gate_proj.weight"), {I, D_}),
+        l.mlp.gate_up = ops::RowStack({w.get_matmul(mp + (spec_.lfm2 ? "w1.weight" : "gate_proj.weight"), {I, D_}),
                                   w.get_matmul(mp + (spec_.lfm2 ? "w3.weight" : "up_proj.weight"), {I, D_})});
         l.mlp.down = w.get_matmul(mp + (spec_.lfm2 ? "w2.weight" : "down_proj.weight"), {D_, I});
       }
@@ -734,8 +734,6 @@ class QwenHybrid final : public FamilyModel {
 };
 
 }  // namespace
-
-ops::RowStack cat_rows(std::initializer_list<Tensor> parts) { return ops::RowStack(std::vector<Tensor>(parts)); }
 
 std::vector<int64_t> sigmoid_topk_route(const float* lg, const float* bias, int64_t E, int64_t n_group,
                                         int64_t topk_group, int64_t topk, bool norm, float eps, float scale, float* s,

@@ -147,10 +147,6 @@ struct QwenHybridParts : BackwardParts {
   std::vector<QwenLayerView> layers;
 };
 
-/// 2-D tensors with one column count stacked in order, without a copy (ops::RowStack): gate_proj |
-/// up_proj, and the GDN input projections of the families with separate q / k / v / z / b / a.
-ops::RowStack cat_rows(std::initializer_list<Tensor> parts);
-
 /// Builds the model. `text` is the text-model config (text_config of a VLM config, else the
 /// config itself); `top` the file's top-level config (tie_word_embeddings fallback).
 std::unique_ptr<FamilyModel> make_qwen_hybrid(const QwenHybridSpec& spec, const io::Config& top,

@@ -54,16 +54,12 @@ struct KdaFixture {
     mixer = detail::GatedDeltaMixer(g, K, cfg["rms_norm_eps"].get<float>());
     const std::string m = "model.layers.0.self_attn.";
     // in_proj rows [q | k | v | z latent (g_a) | b | a latent (f_a)] (GdnDims with kda).
-    Tensor in_proj({g.proj_rows(), g.D});  // one matrix, as the mixer may be given it
-    int64_t row = 0;
+    std::vector<Tensor> parts;
     for (const auto& [name, rows] : {std::pair{"q_proj", g.key_dim()}, {"k_proj", g.key_dim()}, {"v_proj", g.value_dim()},
-                                     {"g_a_proj", g.Dk}, {"b_proj", g.HV}, {"f_a_proj", g.Dk}}) {
-      const Tensor t = w.get(m + name + ".weight", {rows, g.D});
-      std::memcpy(in_proj.data() + row * g.D, t.data(), sizeof(float) * static_cast<size_t>(rows * g.D));
-      row += rows;
-    }
-    EXPECT_EQ(row, g.proj_rows());
-    l.in_proj = in_proj;
+                                     {"g_a_proj", g.Dk}, {"b_proj", g.HV}, {"f_a_proj", g.Dk}})
+      parts.push_back(w.get(m + name + ".weight", {rows, g.D}));
+    l.in_proj = ops::RowStack(std::move(parts));
+    EXPECT_EQ(l.in_proj.size(0), g.proj_rows());
     mixer.load(w, m, l);
   }
 };
