@@ -20,9 +20,12 @@ Opt-in and long (hours at full size on 2 cores; never part of `make test`). Per 
 What each number is
 - load: wall seconds of a child that loads the model and computes the logits of a 1-token prompt, from
   spawn to exit (interpreter start and imports included for the Python engines; llama-bench -p 1 -n 0
-  -r 1 --no-warmup for llama.cpp). Page cache as the previous child left it: with 16-19 GB files on a
-  23 GB machine, the engine measured before has mostly evicted this one's file, so loads are mostly
-  from disk. mixlens' and transformers' in-process constructor time is given too.
+  -r 1 --no-warmup for llama.cpp). Cold: the engine's files are dropped from the page cache
+  (posix_fadvise DONTNEED) before its load child, so every load reads from disk and every engine's
+  pages come in as its own mapping asks (folio size matters: 2 MiB folios stream ~40% faster than 4 KiB
+  pages here; the FileHugePages after each run is recorded). The prompt / decode child that follows
+  finds the pages its load child brought in. mixlens' and transformers' in-process constructor time
+  is given too.
 - peak RSS through prompt + decode: llama-bench's wait4 ru_maxrss (it runs nothing else; this parent
   stays small, so no fork/exec high-water mark leaks in: its own peak is printed), the Python workers'
   VmHWM after the prompt and decode (per process image). mixlens also reports VmHWM after a plain
@@ -36,6 +39,9 @@ What each number is
   table, plus one row of it; from the safetensors / GGUF headers; mixlens int8: 1 byte per matmul
   weight + a float32 scale per 32) x tokens/s / the measured read bandwidth (numpy reductions over a
   1 GiB array on 1..N threads, best of 5, probed at start and end: see machine_report).
+- file pages in 2 MiB folios: /proc/meminfo FileHugePages after the engine's prompt / decode child
+  (every bench file was evicted before its load, so this is the engine's own file; int8 weights
+  live in anonymous memory and do not count). The smallest over rounds.
 Ratios: mixlens / llama.cpp at equal weight format (bf16 / BF16, int8 / Q8_0), > 1: mixlens better
 (for load and RSS: llama.cpp's over mixlens', so > 1 is still mixlens better). Medians over rounds,
 ± half the spread (max - min) / median, as bench/harness.py.
@@ -136,6 +142,16 @@ def meminfo() -> dict:
         k, v = line.split(":", 1)
         out[k] = int(v.split()[0]) * 1024
     return out
+
+
+def evict(files: list[Path]) -> None:
+    """Drops the files' clean pages from the page cache (posix_fadvise DONTNEED: advice, no root needed)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def bandwidth(threads: int) -> tuple[float, dict]:
@@ -418,18 +434,19 @@ def report(a, started: float, machine: dict, load0: str, load1: str, models: dic
               + "). GGUF: " + ", ".join(f"{k} {gib(v['bytes'])} GiB" + (f" (converted in {v['convert_s']:.0f} s)" if v.get("convert_s") else "")
                                        for k, v in m["gguf"].items()) + ".", ""]
         L += [f"| engine | load to first logits s | peak RSS through prompt + decode GiB | prompt {a.prompt} tok/s | decode ({a.decode}) tok/s | "
-              "bytes read / decode token GB | decode bandwidth |", "|---|---|---|---|---|---|---|"]
+              "bytes read / decode token GB | decode bandwidth | file pages in 2 MiB folios GiB |", "|---|---|---|---|---|---|---|---|"]
         for e in m["engines"]:
             s = m["samples"].get(e, {})
             if e in m["errors"] and not s.get("decode"):
-                L.append(f"| {e} | not measured: {m['errors'][e]} | | | | | |")
+                L.append(f"| {e} | not measured: {m['errors'][e]} | | | | | | |")
                 continue
             rb = m["read_bytes"].get(e)
             dec = med(s.get("decode", []))[0] if s.get("decode") else float("nan")
             frac = rb * dec / machine["bandwidth"] if rb and dec == dec else float("nan")
             L.append(f"| {e} | {cell(s.get('load_s', []))} | {gib(peak(s)) if peak(s) else '-'} | "
                      f"{cell(s.get('prompt', []))} | {cell(s.get('decode', []), 2)} | "
-                     f"{f'{rb / 1e9:.2f}' if rb else '-'} | {f'{frac:.0%}' if frac == frac else '-'} |")
+                     f"{f'{rb / 1e9:.2f}' if rb else '-'} | {f'{frac:.0%}' if frac == frac else '-'} | "
+                     f"{gib(min(s['file_huge'])) if s.get('file_huge') else '-'} |")
         ml = [e for e in m["engines"] if e.startswith("mixlens") and m["samples"].get(e, {}).get("plain_s")]
         if ml:
             wc = m["weights_cache"]
@@ -591,16 +608,22 @@ def main(argv=None) -> int:
                 if e in m["errors"] and not m["samples"].get(e, {}).get("decode"):
                     continue  # failed or refused in an earlier round: not tried again
                 s = m["samples"].setdefault(e, {})
+                # Each engine starts from disk: its pages come in with its own mapping advice (mixlens asks
+                # for 2 MiB folios), not in whatever folios the previous child or the layout writer left.
+                # Every engine's files go, so FileHugePages after the run counts this engine's only.
+                evict(sorted(path.glob("*.safetensors")) + list(gguf.values()))
                 for load in (True, False):
                     log(f"{name} round {r + 1}/{a.repeats}: {e} {'load' if load else 'run'}")
                     res = measure(e, a, path, gguf, load)
+                    if not load:
+                        res["file_huge"] = meminfo().get("FileHugePages", 0)
                     if "error" in res:
                         m["errors"][e] = res["error"]
                         log(f"  error: {res['error']}")
                         break
                     keys = (("load_s", "construct_s", "load_rss") if load else
                             ("prompt", "decode", "rss", "plain_s", "states_s", "hwm_states_tokens", "hwm_states",
-                             "hwm_prompt_decode"))
+                             "hwm_prompt_decode", "file_huge"))
                     for k in keys:
                         if k in res:
                             s.setdefault(k, []).append(res[k])

@@ -69,6 +69,12 @@ int main(int argc, char** argv) {
       W16[m][i] = ops::f32_to_bf16(v);
       W16h[m][i] = ops::f32_to_f16(v);
     }
+  // int8 blocks (ops/dtype.h), quantized from the f32 weights.
+  const int64_t ld8 = ops::q8_row_bytes(kIn);
+  std::vector<std::vector<uint8_t>> W8(kMats, std::vector<uint8_t>(static_cast<size_t>(kOut * ld8)));
+  for (int m = 0; m < kMats; ++m)
+    for (int64_t o = 0; o < kOut; ++o) ops::quantize_q8_row(W32[m].data() + o * kIn, kIn, W8[m].data() + o * ld8);
+  const double b8 = double(kMats) * double(kOut * ld8);
   std::vector<float> x(kIn, 0.01f), y(kOut);
   const double b32 = double(kMats) * n * 4, b16 = double(kMats) * n * 2;
 
@@ -156,12 +162,16 @@ int main(int argc, char** argv) {
     report((lvl + " matvec f16").c_str(), b16, best_of([&] {
              for (int m = 0; m < kMats; ++m) kt.matvec_f16(W16h[m].data(), kIn, x.data(), y.data(), kOut, kIn);
            }));
+    report((lvl + " matvec int8").c_str(), b8, best_of([&] {
+             for (int m = 0; m < kMats; ++m) kt.matvec_q8(W8[m].data(), ld8, x.data(), y.data(), kOut, kIn);
+           }));
   }
   // Through ops::linear on the pool (MIXLENS_NUM_THREADS, default all cores), best ISA level.
-  std::vector<Tensor> T32, T16;
+  std::vector<Tensor> T32, T16, T8;
   for (int m = 0; m < kMats; ++m) {
     T32.push_back(Tensor::borrow({kOut, kIn}, W32[m].data(), std::shared_ptr<const void>(W32[m].data(), [](const void*) {})));
     T16.push_back(Tensor::narrow({kOut, kIn}, ScalarType::bfloat16, W16[m].data(), std::shared_ptr<const void>(W16[m].data(), [](const void*) {})));
+    T8.push_back(Tensor::narrow({kOut, kIn}, ScalarType::int8, W8[m].data(), std::shared_ptr<const void>(W8[m].data(), [](const void*) {})));
   }
   const std::string pool = "mixlens ops::linear f32, " + std::to_string(ops::num_threads()) + " threads";
   report(pool.c_str(), b32, best_of([&] {
@@ -170,6 +180,10 @@ int main(int argc, char** argv) {
   const std::string pool16 = "mixlens ops::linear bf16, " + std::to_string(ops::num_threads()) + " threads";
   report(pool16.c_str(), b16, best_of([&] {
            for (int m = 0; m < kMats; ++m) ops::linear(x.data(), 1, kIn, T16[m], y.data());
+         }));
+  const std::string pool8 = "mixlens ops::linear int8, " + std::to_string(ops::num_threads()) + " threads";
+  report(pool8.c_str(), b8, best_of([&] {
+           for (int m = 0; m < kMats; ++m) ops::linear(x.data(), 1, kIn, T8[m], y.data());
          }));
   {
     const size_t big = n * kMats;

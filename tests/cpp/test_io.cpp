@@ -307,6 +307,31 @@ TEST(IoSafetensors, F32BorrowPointsIntoTheMappingAndIsReadOnly) {
   EXPECT_EQ(elem(f.get_f32("w"), 0), 1.0f);
 }
 
+// The mapping asks for 2 MiB folios (MADV_HUGEPAGE): decode streams the weights from it, and 4 KiB
+// pages cost ~30% of the read bandwidth (bench/bench_big.py). The kernel shows the advice as "hg".
+TEST(IoSafetensors, MappingAsksForHugePages) {
+  TempDir dir;
+  const fs::path p = dir / "hg.safetensors";
+  write_safetensors(p, {{"w", Tensor::from({2, 2}, {1, 2, 3, 4})}});
+  SafetensorsFile f(p);
+  const auto addr = reinterpret_cast<uintptr_t>(f.bytes("w").data());
+  std::ifstream smaps("/proc/self/smaps");
+  if (!smaps) GTEST_SKIP() << "no /proc/self/smaps";
+  std::string line, flags;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      inside = lo <= addr && addr < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      flags = line;
+      break;
+    }
+  }
+  ASSERT_FALSE(flags.empty()) << "the mapping of " << p << " is not in /proc/self/smaps";
+  EXPECT_NE((flags + " ").find(" hg "), std::string::npos) << flags;
+}
+
 TEST(IoSafetensors, UnalignedF32IsCopied) {
   // Header of 10 bytes puts the data at file offset 18: not 4-byte aligned.
   const std::string header = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
