@@ -101,7 +101,7 @@ struct MambaMixerView {
   const Tensor* conv_wT = nullptr;      ///< [K, E]
   const Tensor* conv_bias = nullptr;    ///< [E]
   const Tensor* x_proj = nullptr;       ///< [R + 2N, E]: dt_low | B | C
-  const Tensor* dt_proj = nullptr;      ///< [E, R] float32
+  const Tensor* dt_proj = nullptr;      ///< [E, R], any matmul dtype
   const Tensor* dt_proj_bias = nullptr; ///< [E]
   const Tensor* A = nullptr;            ///< [E, N] = -exp(A_log)
   const Tensor* Dskip = nullptr;        ///< [E]

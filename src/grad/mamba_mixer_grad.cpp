@@ -93,9 +93,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     std::memcpy(Bm.data() + r * N, dbc.data() + r * XR + R, sizeof(float) * static_cast<size_t>(N));
     std::memcpy(Cm.data() + r * N, dbc.data() + r * XR + R + N, sizeof(float) * static_cast<size_t>(N));
   }
-  for (int64_t h = 0; h < H; ++h)  // each head's channels read its own dt_low
-    ops::gemm(false, true, BT, P, R, 1.0f, dbc.data() + h * XR, H * XR, w.dt_proj->data() + h * P * R, R, 0.0f,
-              dt_pre.data() + h * P, E);
+  detail::dt_proj_heads(*w.dt_proj, dbc.data(), BT, H, XR, R, dt_pre.data());  // as the forward
   for (int64_t r = 0; r < BT; ++r)
     for (int64_t e = 0; e < E; ++e) {
       dt_pre[r * E + e] += (*w.dt_proj_bias)[e];
@@ -226,10 +224,17 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   // softplus' = sigmoid, vectorized (above 20, where torch's softplus is linear, sigmoid is 1.0f exactly).
   ops::sigmoid(dt_pre.data(), ddt_pre.data(), BT * E);
   for (int64_t k = 0; k < BT * E; ++k) ddt_pre[k] *= dbet[k];
-  // ddt_low[BT,R] = ddt_pre[BT,E] @ dt_proj[E,R], written into ddbc's first R columns.
-  for (int64_t h = 0; h < H; ++h)
-    ops::gemm(false, false, BT, R, P, 1.0f, ddt_pre.data() + h * P, E, w.dt_proj->data() + h * P * R, R, 0.0f,
-              ddbc.data() + h * XR, H * XR);
+  // ddt_low[BT,R] = ddt_pre[BT,E] @ dt_proj[E,R] per head, written into ddbc's first R columns.
+  {
+    Tensor dyh({BT, P}), dlow({BT, R});
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t r = 0; r < BT; ++r)
+        std::memcpy(dyh.data() + r * P, ddt_pre.data() + r * E + h * P, sizeof(float) * static_cast<size_t>(P));
+      linear_backward(dyh.data(), BT, P, H == 1 ? *w.dt_proj : detail::row_block(*w.dt_proj, h * P, {P, R}), dlow.data(), false);
+      for (int64_t r = 0; r < BT; ++r)
+        std::memcpy(ddbc.data() + (r * H + h) * XR, dlow.data() + r * R, sizeof(float) * static_cast<size_t>(R));
+    }
+  }
   sink.put(li, Value::attention_keys, dB);
   sink.put(li, Value::attention_queries, dC);
   sink.put(li, Value::attention_values, du);

@@ -76,6 +76,24 @@ void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E,
   }
 }
 
+void dt_proj_heads(const Tensor& dt_proj, const float* dbc, int64_t rows, int64_t H, int64_t XR, int64_t R, float* dt) {
+  const int64_t E = dt_proj.size(0), P = E / H;
+  Tensor low({rows, R});
+  auto gather = [&](int64_t h) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(low.data() + r * R, dbc + (r * H + h) * XR, sizeof(float) * static_cast<size_t>(R));
+  };
+  if (H == 1) {
+    gather(0);
+    return ops::linear(low.data(), rows, R, dt_proj, dt);
+  }
+  Tensor oh({rows, P});
+  for (int64_t h = 0; h < H; ++h) {
+    gather(h);
+    ops::linear(low.data(), rows, R, row_block(dt_proj, h * P, {P, R}), oh.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dt + r * E + h * P, oh.data() + r * P, sizeof(float) * static_cast<size_t>(P));
+  }
+}
+
 MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& p) const {
   MambaMixerWeights l;
   const int64_t H = dims_.heads, P = E_ / H, XR = R_ + 2 * N_;
@@ -86,12 +104,12 @@ MambaMixerWeights MambaMixer::load(const io::WeightStore& w, const std::string& 
   const Tensor A_log = dims_.per_head ? w.get(p + "A_log", {H, P, N_}) : w.get(p + "A_log", {E_, N_});
   if (dims_.per_head) {  // ZambaMambaMixer's per-head tensors: the same rows, head-major
     l.x_proj = w.get_matmul(p + "x_proj_weight", {H, XR, P}).reshape({H * XR, P});
-    l.dt_proj = w.get(p + "dt_proj_weight", {H, P, R_}).reshape({E_, R_});
+    l.dt_proj = w.get_matmul(p + "dt_proj_weight", {H, P, R_}).reshape({E_, R_});
     l.dt_proj_bias = w.get(p + "dt_proj_bias", {H, P}).reshape({E_});
     l.D = w.get(p + "D", {H, P}).reshape({E_});
   } else {
     l.x_proj = w.get_matmul(p + "x_proj.weight", {XR, E_});
-    l.dt_proj = w.get(p + "dt_proj.weight", {E_, R_});
+    l.dt_proj = w.get_matmul(p + "dt_proj.weight", {E_, R_});
     l.dt_proj_bias = w.get(p + "dt_proj.bias", {E_});
     l.D = w.get(p + "D", {E_});
   }
@@ -178,20 +196,12 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
     std::memcpy(Bm.data() + r * N_, dbc.data() + r * XR + R_, sizeof(float) * static_cast<size_t>(N_));
     std::memcpy(Cm.data() + r * N_, dbc.data() + r * XR + R_ + N_, sizeof(float) * static_cast<size_t>(N_));
   }
-  // dt_proj (each head's rows read its own dt_low) and the softplus per block of rows on the pool
-  // (one sgemm call runs on one thread). Decode with one head: the pool's matvec over dt_proj's rows
-  // instead, where one thread's sgemm at M = 1 read all E x R floats alone.
+  // dt_proj through ops::linear (decode: the pool's matvec; 16-bit / int8 weights stay narrow), then
+  // the softplus per block of rows on the pool.
+  dt_proj_heads(lw.dt_proj, dbc.data(), BT, H, XR, R_, dt.data());
   const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
-  if (H == 1 && BT <= 4) {
-    Tensor dtl({BT, R_});
-    for (int64_t r = 0; r < BT; ++r) std::memcpy(dtl.data() + r * R_, dbc.data() + r * XR, sizeof(float) * static_cast<size_t>(R_));
-    ops::linear(dtl.data(), BT, R_, lw.dt_proj, dt.data());
-    for (int64_t r = 0; r < BT; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
-  } else ops::parallel_for(dt_blocks, [&](int64_t blk) {
+  ops::parallel_for(dt_blocks, [&](int64_t blk) {
     const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;
-    for (int64_t h = 0; h < H; ++h)
-      ops::gemm(false, true, r1 - r0, P, R_, 1.0f, dbc.data() + r0 * H * XR + h * XR, H * XR,
-                lw.dt_proj.data() + h * P * R_, R_, 0.0f, dt.data() + r0 * E_ + h * P, E_);
     for (int64_t r = r0; r < r1; ++r) softplus_bias(dt.data() + r * E_, lw.dt_proj_bias.data(), dt.data() + r * E_, E_);
   });
 

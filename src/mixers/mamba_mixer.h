@@ -48,6 +48,10 @@ void interleave_xz(float* xz, int64_t rows, int64_t E);
 /// x_proj of u [rows, E] into dbc [rows, H, XR]: head h reads its channels [h E/H, (h+1) E/H)
 /// through its own [XR, E/H] block of x_proj [H * XR, E/H] (H = 1: one plain linear).
 void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc);
+/// dt_proj before its bias, into dt [rows, E]: head h's rows [h E/H, (h+1) E/H) of dt_proj [E, R]
+/// read that head's dt_low, the first R of its XR columns of dbc [rows, H, XR]. The forward and the
+/// backward's recompute both call it (MambaMixer.forward's dt_proj(dt_low)).
+void dt_proj_heads(const Tensor& dt_proj, const float* dbc, int64_t rows, int64_t H, int64_t XR, int64_t R, float* dt);
 
 /// One layer's weights (HF names under the layer's mixer prefix).
 struct MambaMixerWeights {
@@ -56,7 +60,7 @@ struct MambaMixerWeights {
   Tensor conv_wT;        // [K, E] (transposed from [E, 1, K])
   Tensor conv_bias;      // [E] (zeros when use_conv_bias is false)
   Tensor x_proj;         // [R + 2N, E]: rows -> dt_low | B | C (per_head: [H * (R + 2N), E / H], head-major)
-  Tensor dt_proj;        // [E, R] (per_head: head h's rows h*E/H ..)
+  Tensor dt_proj;        // [E, R], a matmul weight (narrow under a 16-bit / int8 dtype; per_head: head h's rows h*E/H ..)
   Tensor dt_proj_bias;   // [E]
   Tensor A;              // [E, N] = -exp(A_log)
   Tensor D;              // [E]

@@ -110,6 +110,19 @@ def test_every_value_path_under_int8_is_float32_on_the_dequantized_weights(case,
     assert _rel(outs[0][1], np.asarray(q8.run(prompts[:1])["logits"])) > 1e-6, "the write changed nothing"
 
 
+# Every projection a decode step streams is a matmul weight (narrow under int8 / bfloat16), the Mamba-1
+# mixer's dt_proj too: kept float32 it was 0.5 GB a token of FalconMamba-7B's 14 GB in bfloat16.
+@pytest.mark.parametrize("case", [c for c in CASES if c.parent.name in ("mamba", "falcon_mamba", "zamba", "jamba")],
+                         ids=lambda c: c.parent.name)
+def test_every_projection_is_a_matmul_weight(case):
+    m = mixlens.load(str(case), dtype="int8", output="numpy")
+    matmul = set(m._core.info["matmul_weights"])
+    names = safetensors_numpy.load_file(str(case / "model.safetensors")).keys()
+    proj = sorted(k for k in names if "proj" in "".join(k.split(".")[-2:]) and "bias" not in k)
+    assert any("dt_proj" in k for k in proj), proj
+    assert [k for k in proj if k not in matmul] == []
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.parent.name in ("mamba2", "qwen3_5", "mamba", "nemotron_h")],
                          ids=lambda c: f"{c.parent.name}-{c.name}")
 def test_int8_gradient_is_the_dequantized_models(case, tmp_path):
