@@ -185,7 +185,7 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
 
   // x_proj -> dt_low | B | C (FalconMamba: each RMS-normed); dt = softplus(dt_proj.weight @ dt_low +
   // dt_proj.bias). B and C are served as the scan reads them, after any norm.
-  const int64_t H = dims_.heads, P = E_ / H;
+  const int64_t H = dims_.heads;
   Tensor dbc({B, T, H * XR});  // per head: dt_low | B | C
   x_proj_heads(lw.x_proj, u.data(), BT, E_, H, XR, dbc.data());
   if (dims_.bcdt_rms_norm)

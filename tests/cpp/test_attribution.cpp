@@ -80,7 +80,9 @@ TEST(Attribution, AtpShapesRankingAndErrors) {
   for (int64_t n = 0; n < 2 * L; ++n) {
     EXPECT_EQ(r.estimates[n * 6 + 0], 0.0f);
     EXPECT_EQ(r.estimates[n * 6 + 1], 0.0f);
-    if (n % 2 == 1) EXPECT_EQ(r.estimates[n * 6 + 5], 0.0f);
+    if (n % 2 == 1) {
+      EXPECT_EQ(r.estimates[n * 6 + 5], 0.0f);
+    }
   }
   const auto rows = r.ranked();
   ASSERT_EQ(rows.size(), static_cast<size_t>(2 * L * 6));
