@@ -33,6 +33,27 @@ MambaMixerView mamba_mixer_view(const detail::MambaMixer& mixer, const detail::M
   return w;
 }
 
+// The backward of detail::linear_heads: dx's columns [h xstep, h xstep + in) (rows ldx apart) +=
+// head h's columns of dy [rows, H, out] times W's rows of head h.
+static void linear_heads_backward(const Tensor& W, const float* dy, int64_t rows, int64_t H, int64_t in, float* dx,
+                                  int64_t ldx, int64_t xstep) {
+  const int64_t out = W.size(0) / H;
+  if (H == 1 && ldx == in) return linear_backward(dy, rows, out, W, dx, true);
+  std::vector<float> dyh(static_cast<size_t>(H > 1 ? rows * out : 0));
+  Tensor dxh({rows, in});
+  for (int64_t h = 0; h < H; ++h) {
+    const float* d = dy;
+    if (H > 1) {
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(dyh.data() + r * out, dy + (r * H + h) * out, sizeof(float) * static_cast<size_t>(out));
+      d = dyh.data();
+    }
+    linear_backward(d, rows, out, H == 1 ? W : detail::row_block(W, h * out, {out, in}), dxh.data(), false);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < in; ++k) dx[r * ldx + h * xstep + k] += dxh[r * in + k];
+  }
+}
+
 static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& n_in, const MambaCallState& call,
                                  const Tape& tape, const MixerDout& dout_of, const Tensor* dout_given, Tensor& dn,
                                  GradSink& sink);
@@ -81,7 +102,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     for (int64_t e = 0; e < E; ++e) u[r * E + e] = keep ? silu_s(c[r * E + e], sc[r * E + e]) : 0.0f;
   }
   Tensor dbc({B, T, H * XR});
-  detail::x_proj_heads(*w.x_proj, u.data(), BT, E, H, XR, dbc.data());
+  detail::linear_heads(*w.x_proj, u.data(), BT, E, P, P, H, dbc.data());
   Tensor dbc_raw;  // x_proj's output before FalconMamba's norms (their backward reads it)
   if (w.bcdt_rms_norm) {
     dbc_raw = dbc.clone();
@@ -93,7 +114,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     std::memcpy(Bm.data() + r * N, dbc.data() + r * XR + R, sizeof(float) * static_cast<size_t>(N));
     std::memcpy(Cm.data() + r * N, dbc.data() + r * XR + R + N, sizeof(float) * static_cast<size_t>(N));
   }
-  detail::dt_proj_heads(*w.dt_proj, dbc.data(), BT, H, XR, R, dt_pre.data());  // as the forward
+  detail::linear_heads(*w.dt_proj, dbc.data(), BT, H * XR, XR, R, H, dt_pre.data());  // as the forward
   for (int64_t r = 0; r < BT; ++r)
     for (int64_t e = 0; e < E; ++e) {
       dt_pre[r * E + e] += (*w.dt_proj_bias)[e];
@@ -224,17 +245,8 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
   // softplus' = sigmoid, vectorized (above 20, where torch's softplus is linear, sigmoid is 1.0f exactly).
   ops::sigmoid(dt_pre.data(), ddt_pre.data(), BT * E);
   for (int64_t k = 0; k < BT * E; ++k) ddt_pre[k] *= dbet[k];
-  // ddt_low[BT,R] = ddt_pre[BT,E] @ dt_proj[E,R] per head, written into ddbc's first R columns.
-  {
-    Tensor dyh({BT, P}), dlow({BT, R});
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t r = 0; r < BT; ++r)
-        std::memcpy(dyh.data() + r * P, ddt_pre.data() + r * E + h * P, sizeof(float) * static_cast<size_t>(P));
-      linear_backward(dyh.data(), BT, P, H == 1 ? *w.dt_proj : detail::row_block(*w.dt_proj, h * P, {P, R}), dlow.data(), false);
-      for (int64_t r = 0; r < BT; ++r)
-        std::memcpy(ddbc.data() + (r * H + h) * XR, dlow.data() + r * R, sizeof(float) * static_cast<size_t>(R));
-    }
-  }
+  // ddt_low = ddt_pre @ dt_proj per head, into ddbc's first R columns of each head (zeros until here).
+  linear_heads_backward(*w.dt_proj, ddt_pre.data(), BT, H, R, ddbc.data(), H * XR, XR);
   sink.put(li, Value::attention_keys, dB);
   sink.put(li, Value::attention_queries, dC);
   sink.put(li, Value::attention_values, du);
@@ -264,18 +276,7 @@ static void mamba_mixer_backward(const MambaMixerView& w, int li, const Tensor& 
     }
   }
   // u feeds both x_proj and (unless a write replaced it) the scan.
-  if (H == 1) {
-    linear_backward(ddbc.data(), BT, XR, *w.x_proj, du.data(), true);
-  } else {  // head h's block of x_proj read channels [h P, (h+1) P)
-    Tensor dh({BT, XR}), duh({BT, P});
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t r = 0; r < BT; ++r)
-        std::memcpy(dh.data() + r * XR, ddbc.data() + (r * H + h) * XR, sizeof(float) * static_cast<size_t>(XR));
-      linear_backward(dh.data(), BT, XR, detail::row_block(*w.x_proj, h * XR, {XR, P}), duh.data(), false);
-      for (int64_t r = 0; r < BT; ++r)
-        for (int64_t k = 0; k < P; ++k) du[r * E + h * P + k] += duh[r * P + k];
-    }
-  }
+  linear_heads_backward(*w.x_proj, ddbc.data(), BT, H, P, du.data(), E, P);  // head h read channels [h P, (h+1) P)
   Tensor dc({B, T, E});
   for (int64_t r = 0; r < BT; ++r) {
     const bool keep = !masked || in.mask[static_cast<size_t>(r)];

@@ -65,32 +65,23 @@ void interleave_xz(float* xz, int64_t rows, int64_t E) {
   });
 }
 
-void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc) {
-  if (H == 1) return ops::linear(u, rows, E, x_proj, dbc);
-  const int64_t P = E / H;
-  Tensor uh({rows, P}), oh({rows, XR});
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(uh.data() + r * P, u + r * E + h * P, sizeof(float) * static_cast<size_t>(P));
-    ops::linear(uh.data(), rows, P, row_block(x_proj, h * XR, {XR, P}), oh.data());
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(dbc + (r * H + h) * XR, oh.data() + r * XR, sizeof(float) * static_cast<size_t>(XR));
-  }
-}
-
-void dt_proj_heads(const Tensor& dt_proj, const float* dbc, int64_t rows, int64_t H, int64_t XR, int64_t R, float* dt) {
-  const int64_t E = dt_proj.size(0), P = E / H;
-  Tensor low({rows, R});
+void linear_heads(const Tensor& W, const float* x, int64_t rows, int64_t ldx, int64_t xstep, int64_t in, int64_t H,
+                  float* y) {
+  if (H == 1 && ldx == in) return ops::linear(x, rows, in, W, y);
+  const int64_t out = W.size(0) / H;
+  Tensor xh({rows, in});
   auto gather = [&](int64_t h) {
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(low.data() + r * R, dbc + (r * H + h) * XR, sizeof(float) * static_cast<size_t>(R));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(xh.data() + r * in, x + r * ldx + h * xstep, sizeof(float) * static_cast<size_t>(in));
   };
   if (H == 1) {
     gather(0);
-    return ops::linear(low.data(), rows, R, dt_proj, dt);
+    return ops::linear(xh.data(), rows, in, W, y);
   }
-  Tensor oh({rows, P});
+  Tensor yh({rows, out});
   for (int64_t h = 0; h < H; ++h) {
     gather(h);
-    ops::linear(low.data(), rows, R, row_block(dt_proj, h * P, {P, R}), oh.data());
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(dt + r * E + h * P, oh.data() + r * P, sizeof(float) * static_cast<size_t>(P));
+    ops::linear(xh.data(), rows, in, row_block(W, h * out, {out, in}), yh.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (r * H + h) * out, yh.data() + r * out, sizeof(float) * static_cast<size_t>(out));
   }
 }
 
@@ -187,7 +178,7 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   // dt_proj.bias). B and C are served as the scan reads them, after any norm.
   const int64_t H = dims_.heads;
   Tensor dbc({B, T, H * XR});  // per head: dt_low | B | C
-  x_proj_heads(lw.x_proj, u.data(), BT, E_, H, XR, dbc.data());
+  linear_heads(lw.x_proj, u.data(), BT, E_, E_ / H, E_ / H, H, dbc.data());
   if (dims_.bcdt_rms_norm)
     norm_dt_b_c(dbc.data(), BT * H, R_, N_, dims_.mixer_rms_eps, opt(lw.dt_norm), opt(lw.b_norm), opt(lw.c_norm));
   Tensor Bm({B, T, H, N_}), Cm({B, T, H, N_}), dt({B, T, E_});
@@ -198,7 +189,7 @@ Tensor MambaMixer::forward(const MambaMixerWeights& lw, const Tensor& n_in, cons
   }
   // dt_proj through ops::linear (decode: the pool's matvec; 16-bit / int8 weights stay narrow), then
   // the softplus per block of rows on the pool.
-  dt_proj_heads(lw.dt_proj, dbc.data(), BT, H, XR, R_, dt.data());
+  linear_heads(lw.dt_proj, dbc.data(), BT, H * XR, XR, R_, H, dt.data());  // each head's dt_low
   const int64_t dt_blocks = BT < 16 ? 1 : std::min<int64_t>(BT / 8, 2 * ops::num_threads());
   ops::parallel_for(dt_blocks, [&](int64_t blk) {
     const int64_t r0 = BT * blk / dt_blocks, r1 = BT * (blk + 1) / dt_blocks;

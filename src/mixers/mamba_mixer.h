@@ -45,13 +45,13 @@ void norm_dt_b_c(float* dbc, int64_t rows, int64_t R, int64_t N, float eps, cons
 /// place; interleave_xz is its inverse (the backward's gradient back into in_proj's row order).
 void deinterleave_xz(float* xz, int64_t rows, int64_t E);
 void interleave_xz(float* xz, int64_t rows, int64_t E);
-/// x_proj of u [rows, E] into dbc [rows, H, XR]: head h reads its channels [h E/H, (h+1) E/H)
-/// through its own [XR, E/H] block of x_proj [H * XR, E/H] (H = 1: one plain linear).
-void x_proj_heads(const Tensor& x_proj, const float* u, int64_t rows, int64_t E, int64_t H, int64_t XR, float* dbc);
-/// dt_proj before its bias, into dt [rows, E]: head h's rows [h E/H, (h+1) E/H) of dt_proj [E, R]
-/// read that head's dt_low, the first R of its XR columns of dbc [rows, H, XR]. The forward and the
-/// backward's recompute both call it (MambaMixer.forward's dt_proj(dt_low)).
-void dt_proj_heads(const Tensor& dt_proj, const float* dbc, int64_t rows, int64_t H, int64_t XR, int64_t R, float* dt);
+/// y [rows, H, out] = per head h: x's columns [h xstep, h xstep + in) (rows ldx floats apart) times
+/// W's rows [h out, (h+1) out) transposed, W [H out, in] (ops::linear, any matmul dtype). Mamba-1's
+/// x_proj (u [rows, E] -> dbc [rows, H, XR]) and dt_proj (each head's dt_low, the first R of its XR
+/// columns of dbc -> dt [rows, E]); Zamba's heads each have their own block. The forward and the
+/// backward's recompute both call it, so the two see the same numbers.
+void linear_heads(const Tensor& W, const float* x, int64_t rows, int64_t ldx, int64_t xstep, int64_t in, int64_t H,
+                  float* y);
 
 /// One layer's weights (HF names under the layer's mixer prefix).
 struct MambaMixerWeights {
