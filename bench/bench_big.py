@@ -145,10 +145,12 @@ def meminfo() -> dict:
 
 
 def evict(files: list[Path]) -> None:
-    """Drops the files' clean pages from the page cache (posix_fadvise DONTNEED: advice, no root needed)."""
+    """Drops the files' pages from the page cache (posix_fadvise DONTNEED: advice, no root needed). It drops
+    clean pages only, so a file just written (the layout, a GGUF) is written back first."""
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
