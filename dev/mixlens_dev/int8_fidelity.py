@@ -39,8 +39,10 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def measure(path: str, tokens: int) -> dict:
     runs = {}
-    for dt in DTYPES:
-        m = mixlens.load(path, dtype=dt, output="numpy")
+    # "int8x16": int8 with deterministic=True, where every product rounds x to int16 as decode-sized
+    # ones do; against "int8" (this prompt's products multiply float32 x) it isolates that rounding.
+    for dt in DTYPES + ("int8x16",):
+        m = mixlens.load(path, dtype="int8" if dt == "int8x16" else dt, output="numpy", deterministic=dt == "int8x16")
         try:
             ids = m.tokenizer.encode(TEXT)[:tokens]
         except mixlens.TokenizerError:  # random-weight layouts may ship no tokenizer
@@ -58,6 +60,13 @@ def measure(path: str, tokens: int) -> dict:
         kl = (np.exp(lp) * (lp - lq["int8"])).sum(-1)
         out["logits"][ref] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                               "top1": float((lp.argmax(-1) == lq["int8"].argmax(-1)).mean())}
+    lp = lq["int8"]
+    lx = _log_softmax(runs["int8x16"]["logits"][0].astype(np.float64))
+    kl = (np.exp(lp) * (lp - lx)).sum(-1)
+    out["x16"] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1": float((lp.argmax(-1) == lx.argmax(-1)).mean()),
+                  "logits": _rel(runs["int8x16"]["logits"], runs["int8"]["logits"]),
+                  "values": max(_rel(runs["int8x16"][p], v) for p, v in runs["int8"].items()
+                                if np.issubdtype(v.dtype, np.floating) and p != "logits")}
     for p, ref in f32.items():
         if not np.issubdtype(ref.dtype, np.floating) or p not in runs["int8"]:
             continue
@@ -84,6 +93,13 @@ def table(results: dict) -> str:
             e = r["kinds"].get(k)
             cells.append(f"{e['int8']:.1e} / {e['bfloat16']:.1e}" if e else "")
         lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    lines += ["", "The activations' int16 rounding alone (int8 with deterministic=True, every product rounding x, "
+              "against int8, whose prompt products multiply float32 x):", "",
+              "| model | KL mean / max | top-1 the same | logits rel. RMS | largest value rel. RMS |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        x = r["x16"]
+        lines.append(f"| {name} | {x['kl_mean']:.1e} / {x['kl_max']:.1e} | {x['top1']:.3f} | {x['logits']:.1e} | "
+                     f"{x['values']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

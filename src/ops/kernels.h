@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "ops/q8_layout.h"
+
 namespace mixlens::ops {
 
 enum class Isa { scalar, avx2, avx512, avx512bf16 };
@@ -21,6 +23,22 @@ bool isa_supported(Isa i);
 void set_isa(Isa i);
 /// Parses a level name; InputError naming the choices otherwise.
 Isa parse_isa(const std::string& name);
+
+/// Activations rounded to int16 for the int8 kernels, per block of kQ8Block k (the weights' blocks):
+/// for the block's largest magnitude m, the scale s = float(m / 32767) and q = round-half-even(x *
+/// 32767 / m) in double, |q| <= 32767; the last block zero-padded. m = 0: s = 0, q = 0. A block
+/// holding an inf or NaN: s = NaN, so every output it reaches is NaN. Row r's q at q + r * nb *
+/// kQ8Block, its scales at s + r * nb.
+struct X16 {
+  const int16_t* q;
+  const float* s;
+  int64_t nb;  // blocks per row: ceil(in / kQ8Block)
+  /// Row r alone.
+  X16 row(int64_t r) const { return {q + r * nb * kQ8Block, s + r * nb, nb}; }
+};
+/// X's `rows` rows (row r at X + r * ldx) rounded, in a buffer of the calling thread's own (grown as
+/// needed, valid until that thread's next call). ops::linear rounds once per call for every thread.
+X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in);
 
 /// One ISA level's kernels. Matrices are row-major with `ld` elements between rows.
 struct KernelTable {
@@ -50,12 +68,15 @@ struct KernelTable {
   /// o[e] += sum_j p[j] * V[j*ld + e] for e < d, j < n, summed in increasing j (a row's result
   /// depends on nothing but its inputs: attention outputs do not change with the tiling).
   void (*acc_rows)(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o);
-  /// int8 blocks (ops/dtype.h), row o at W + o * ld bytes: y[o] = sum over blocks of s * (sum of q * x),
-  /// each block's products summed in float32 before its scale multiplies them; a partial last block
-  /// one fused multiply-add at a time. gemm_q8 sums each element in matvec_q8's order (batch invariance).
-  void (*matvec_q8)(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
-  void (*gemm_q8)(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
-                  int64_t n, int64_t in);
+  /// int8 blocks (ops/dtype.h), row o at W + o * ld bytes, times x rounded to int16 per block of the
+  /// same 32 k (X16, from round_x16): y[o] = sum over blocks b of float(s_w * s_x) * (sum over the
+  /// block of q_w * q_x), the products and their sums exact in integers (8 lanes of 4 products each),
+  /// each lane converted to float32 and accumulated by a fused multiply-add, even and odd blocks
+  /// apart, then one fixed horizontal sum. Every level computes bitwise the same; gemm_q8 too, for
+  /// X's `rows` rows at any row count (batch invariance). Rounding x moves an element by at most
+  /// max|x_block| / 65534; rounding the weights to int8 moved one by up to max|w_block| / 254.
+  void (*matvec_q8)(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n);
+  void (*gemm_q8)(const uint8_t* W, int64_t ld, const X16& X, int64_t rows, float* Y, int64_t ldy, int64_t n);
   /// dst[r * in + k] = float(q * s) for `rows` rows of `in` weights, row r at W + r * ld bytes.
   void (*widen_q8)(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in);
 };
@@ -71,9 +92,8 @@ extern const KernelTable kAvx2Kernels;
 extern const KernelTable kAvx512Kernels;
 
 // The AVX2 level's int8 kernels, which the AVX-512 levels reuse (kernels_avx2.cpp).
-void q8_matvec_avx2(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in);
-void q8_gemm_avx2(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
-                  int64_t n, int64_t in);
+void q8_matvec_avx2(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n);
+void q8_gemm_avx2(const uint8_t* W, int64_t ld, const X16& X, int64_t rows, float* Y, int64_t ldy, int64_t n);
 void q8_widen_avx2(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in);
 
 }  // namespace mixlens::ops

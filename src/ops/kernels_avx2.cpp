@@ -203,7 +203,7 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
   }
 }
 
-// int8 blocks (ops/dtype.h): 8 int8 values sign-extended and converted, exactly.
+// int8 blocks (ops/dtype.h): 8 int8 values sign-extended and converted, exactly (widen_q8).
 inline __m256 q8load(const uint8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
@@ -213,69 +213,55 @@ inline float q8scale(const uint8_t* b) {
   return s;
 }
 
-// One (row, output) sum over int8 blocks: per block two partial products of 16 values each,
-// added, then scaled into one of two accumulators (even / odd blocks) by a fused multiply-add; one
-// fixed horizontal sum; a partial last block one fused multiply-add at a time, then scaled. R rows
-// share the weight loads, each in exactly this order (the matvec is R = 1: batch invariance).
+// One (row, output) sum over int8 blocks times int16 x (KernelTable::matvec_q8): per block the 32
+// products in integers, lane i of the two madds holding k = 2i, 2i+1, 16+2i, 16+2i+1 (|sum| < 2^24,
+// so its float32 conversion is exact), scaled by float(s_w * s_x) into one of two accumulators
+// (even / odd blocks) by a fused multiply-add; one fixed horizontal sum (kernels_scalar.cpp does the
+// same lane by lane). Integer madds instead of widening each weight to float32: those instructions
+// bound the int8 decode here (FalconMamba-7B, 2 threads: 2.2-2.3 -> 2.6-2.8 tok/s, measured with x
+// rounded per pool block). R rows share the weight loads.
 template <int R>
-void q8_tile(const uint8_t* w, const float* X, int64_t ldx, float* Y, int64_t ldy, int64_t in) {
-  const int64_t full = in / kQ8Block;
+void q8_tile(const uint8_t* w, const X16& x, int64_t r0, float* Y, int64_t ldy) {
+  const int64_t nb = x.nb;
   __m256 a[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < full; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * kQ8BlockBytes;
     if constexpr (R == 1) _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
-    const __m256 s = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk));
-    __m256 q[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      q[i] = q8load(blk + 4 + 8 * i);
-      if constexpr (R > 1) __asm__("" : "+v"(q[i]));  // converted once for the R rows
-    }
-    const int64_t k = b * kQ8Block;
+    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 20)));
+    if constexpr (R > 1) __asm__("" : "+v"(w0), "+v"(w1));
+    const float sw = q8scale(blk);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float* x = X + r * ldx + k;
-      __m256 p0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
-      __m256 p1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(x + 8));
-      p0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), p0);
-      p1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), p1);
-      a[r][b & 1] = _mm256_fmadd_ps(s, _mm256_add_ps(p0, p1), a[r][b & 1]);
+      const int16_t* q = x.q + ((r0 + r) * nb + b) * kQ8Block;
+      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
+      const __m256 s = _mm256_set1_ps(sw * x.s[(r0 + r) * nb + b]);
+      a[r][b & 1] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), a[r][b & 1]);
     }
   }
-  const uint8_t* tail = w + full * kQ8BlockBytes;
-  const auto* tq = reinterpret_cast<const int8_t*>(tail + 4);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float acc = hsum(_mm256_add_ps(a[r][0], a[r][1]));
-    if (full * kQ8Block < in) {
-      float t = 0.0f;
-      for (int64_t k = full * kQ8Block; k < in; ++k)
-        t = __builtin_fmaf(static_cast<float>(tq[k - full * kQ8Block]), X[r * ldx + k], t);
-      acc = __builtin_fmaf(q8scale(tail), t, acc);
-    }
-    Y[r * ldy] = acc;
-  }
+  for (int r = 0; r < R; ++r) Y[r * ldy] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
 }
 
 }  // namespace
 
-void q8_matvec_avx2(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  for (int64_t o = 0; o < n; ++o) q8_tile<1>(W + o * ld, x, 0, y + o, 0, in);
+void q8_matvec_avx2(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n) {
+  for (int64_t o = 0; o < n; ++o) q8_tile<1>(W + o * ld, x, 0, y + o, 0);
 }
 
-void q8_gemm_avx2(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
-                  int64_t n, int64_t in) {
+void q8_gemm_avx2(const uint8_t* W, int64_t ld, const X16& X, int64_t rows, float* Y, int64_t ldy, int64_t n) {
   for (int64_t o0 = 0; o0 < n; o0 += kGemmNB) {
     const int64_t o1 = n - o0 < kGemmNB ? n : o0 + kGemmNB;
     int64_t r = 0;
     for (; r + 3 <= rows; r += 3)
-      for (int64_t o = o0; o < o1; ++o) q8_tile<3>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+      for (int64_t o = o0; o < o1; ++o) q8_tile<3>(W + o * ld, X, r, Y + r * ldy + o, ldy);
     if (rows - r == 2)
-      for (int64_t o = o0; o < o1; ++o) q8_tile<2>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+      for (int64_t o = o0; o < o1; ++o) q8_tile<2>(W + o * ld, X, r, Y + r * ldy + o, ldy);
     if (rows - r == 1)
-      for (int64_t o = o0; o < o1; ++o) q8_tile<1>(W + o * ld, X + r * ldx, ldx, Y + r * ldy + o, ldy, in);
+      for (int64_t o = o0; o < o1; ++o) q8_tile<1>(W + o * ld, X, r, Y + r * ldy + o, ldy);
   }
 }
 

@@ -73,24 +73,32 @@ float q8_scale(const uint8_t* block) {
   std::memcpy(&s, block, 4);
   return s;
 }
-void mv_q8(const uint8_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  for (int64_t o = 0; o < n; ++o) {
-    const uint8_t* row = W + o * ld;
-    float acc = 0.0f;
-    for (int64_t k0 = 0; k0 < in; k0 += kQ8Block) {
-      const uint8_t* b = row + k0 / kQ8Block * kQ8BlockBytes;
-      const auto* q = reinterpret_cast<const int8_t*>(b + 4);
-      const int64_t m = in - k0 < kQ8Block ? in - k0 : kQ8Block;
-      float t = 0.0f;
-      for (int64_t j = 0; j < m; ++j) t += static_cast<float>(q[j]) * x[k0 + j];
-      acc += q8_scale(b) * t;
+// KernelTable::matvec_q8 lane by lane as the AVX2 kernel computes it (bitwise the same): lane i of a
+// block sums the products at k = 2i, 2i+1, 16+2i, 16+2i+1 in integers; even and odd blocks
+// accumulate apart; then the AVX2 horizontal sum's order.
+float q8_dot(const uint8_t* row, const int16_t* xq, const float* xs, int64_t nb) {
+  float acc[2][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kQ8BlockBytes;
+    const auto* q = reinterpret_cast<const int8_t*>(blk + 4);
+    const int16_t* x = xq + b * kQ8Block;
+    const float s = q8_scale(blk) * xs[b];
+    for (int i = 0; i < 8; ++i) {
+      const int32_t d = q[2 * i] * x[2 * i] + q[2 * i + 1] * x[2 * i + 1] + q[16 + 2 * i] * x[16 + 2 * i] +
+                        q[17 + 2 * i] * x[17 + 2 * i];
+      acc[b & 1][i] = std::fma(s, static_cast<float>(d), acc[b & 1][i]);
     }
-    y[o] = acc;
   }
+  float v[8], t[4];
+  for (int i = 0; i < 8; ++i) v[i] = acc[0][i] + acc[1][i];
+  for (int i = 0; i < 4; ++i) t[i] = v[i] + v[i + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
 }
-void gemm_q8(const uint8_t* W, int64_t ld, const float* X, int64_t ldx, int64_t rows, float* Y, int64_t ldy,
-             int64_t n, int64_t in) {
-  for (int64_t r = 0; r < rows; ++r) mv_q8(W, ld, X + r * ldx, Y + r * ldy, n, in);
+void mv_q8(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n) {
+  for (int64_t o = 0; o < n; ++o) y[o] = q8_dot(W + o * ld, x.q, x.s, x.nb);
+}
+void gemm_q8(const uint8_t* W, int64_t ld, const X16& X, int64_t rows, float* Y, int64_t ldy, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) mv_q8(W, ld, X.row(r), Y + r * ldy, n);
 }
 void widen_q8(const uint8_t* W, int64_t ld, float* dst, int64_t rows, int64_t in) {
   for (int64_t r = 0; r < rows; ++r)

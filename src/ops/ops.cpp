@@ -56,8 +56,8 @@ constexpr int64_t kTileFloats = int64_t{1} << 20;
 constexpr int64_t kGemm16MaxRows = 512;
 
 // Rows [o0, o0 + n) of W times each of x's rows, into y[r * ldy .. + n).
-void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t rows, int64_t in, float* y,
-                 int64_t ldy, int64_t o0, int64_t n) {
+void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, const X16& x16, int64_t rows, int64_t in,
+                 float* y, int64_t ldy, int64_t o0, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * in;
     float* yr = y + r * ldy;
@@ -67,7 +67,7 @@ void matvec_rows(const KernelTable& kt, const Tensor& W, const float* x, int64_t
       case ScalarType::float16: kt.matvec_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, xr, yr, n, in); break;
       case ScalarType::int8: {
         const int64_t ld = q8_row_bytes(in);
-        kt.matvec_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, xr, yr, n, in);
+        kt.matvec_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, x16.row(r), yr, n);
         break;
       }
     }
@@ -115,13 +115,15 @@ void linear_parts(const float* x, int64_t rows, int64_t in, const Tensor* parts,
     // dot product in one order (KernelTable::gemm_*: the matvec's), so neither the split nor the
     // row count changes a value: the batch-invariant path (issue 23).
     const int64_t nblocks = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(4 * num_threads(), (out + 15) / 16);
+    // int8 weights multiply x rounded to int16 (KernelTable::matvec_q8): once here for every block.
+    const X16 x16 = dt == ScalarType::int8 ? round_x16(x, in, rows, in) : X16{};
     const int64_t per = (out + nblocks - 1) / nblocks;
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t b0 = blk * per, bn = std::min(per, out - b0);
       if (bn <= 0) return;
       for_parts(b0, bn, [&](const Tensor& W, int64_t o0, int64_t n, int64_t col) {
         if (rows <= kMatvecRows) {
-          matvec_rows(kt, W, x, rows, in, y + col, out, o0, n);
+          matvec_rows(kt, W, x, x16, rows, in, y + col, out, o0, n);
           return;
         }
         switch (W.dtype()) {
@@ -130,7 +132,7 @@ void linear_parts(const float* x, int64_t rows, int64_t in, const Tensor* parts,
           case ScalarType::float16: kt.gemm_f16(static_cast<const uint16_t*>(W.raw()) + o0 * in, in, x, in, rows, y + col, out, n, in); break;
           case ScalarType::int8: {
             const int64_t ld = q8_row_bytes(in);
-            kt.gemm_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, x, in, rows, y + col, out, n, in);
+            kt.gemm_q8(static_cast<const uint8_t*>(W.raw()) + o0 * ld, ld, x16, rows, y + col, out, n);
             break;
           }
         }

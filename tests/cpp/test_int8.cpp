@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,71 @@ TEST(Int8, QuantizerIsNearestWithMaxAbsScale) {
   }
 }
 
+// x as the int8 kernels round it (KernelTable::matvec_q8), computed here from the definition.
+std::vector<double> rounded_x16(const std::vector<float>& x) {
+  std::vector<double> r(x.size());
+  for (size_t b0 = 0; b0 < x.size(); b0 += ops::kQ8Block) {
+    const size_t b1 = std::min(x.size(), b0 + ops::kQ8Block);
+    double m = 0;
+    for (size_t k = b0; k < b1; ++k) m = std::max(m, std::fabs(double(x[k])));
+    const float s = static_cast<float>(m / 32767.0);
+    for (size_t k = b0; k < b1; ++k) r[k] = m == 0 ? 0.0 : std::nearbyint(double(x[k]) * 32767.0 / m) * double(s);
+  }
+  return r;
+}
+
+TEST(Int8, RoundX16FollowsItsDefinition) {
+  const int64_t in = 77;  // two whole blocks and a partial one
+  std::vector<float> x = randn(static_cast<size_t>(2 * in), 31);
+  for (int64_t k = 32; k < 64; ++k) x[static_cast<size_t>(k)] = 0.0f;  // row 0's block 1: all zero
+  x[static_cast<size_t>(in + 70)] = std::nanf("");                   // row 1's last block holds a NaN
+  const ops::X16 q = ops::round_x16(x.data(), in, 2, in);
+  ASSERT_EQ(q.nb, 3);
+  for (int64_t r = 0; r < 2; ++r)
+    for (int64_t b = 0; b < 3; ++b) {
+      const float s = q.s[r * q.nb + b];
+      if (r == 1 && b == 2) {
+        EXPECT_TRUE(std::isnan(s));
+        continue;
+      }
+      double m = 0;
+      for (int64_t k = b * 32; k < std::min(in, b * 32 + 32); ++k) m = std::max(m, std::fabs(double(x[static_cast<size_t>(r * in + k)])));
+      EXPECT_EQ(s, static_cast<float>(m / 32767.0)) << r << " " << b;
+      int peak = 0;
+      for (int64_t k = b * 32; k < b * 32 + 32; ++k) {
+        const int v = q.q[r * q.nb * 32 + k];
+        peak = std::max(peak, std::abs(v));
+        if (k >= in || m == 0) {
+          ASSERT_EQ(v, 0) << "padding / zero block";
+          continue;
+        }
+        ASSERT_LE(std::fabs(double(v) * m / 32767.0 - double(x[static_cast<size_t>(r * in + k)])), 0.5 * m / 32767.0 * (1 + 1e-9));
+      }
+      EXPECT_EQ(peak, m == 0 ? 0 : 32767) << "the block's largest magnitude maps to 32767";
+    }
+}
+
+// Every level computes the int8 products bitwise the same (integer block sums, one lane order), a
+// NaN in x reaches every output, and a NaN-free zero block adds nothing.
+TEST(Int8, EveryLevelBitwiseTheSame) {
+  const int64_t n = 23, in = 203, ld = ops::q8_row_bytes(in);
+  const std::vector<uint8_t> q = quantize(randn(static_cast<size_t>(n * in), 12), n, in);
+  std::vector<float> x = randn(static_cast<size_t>(in), 13);
+  std::vector<float> first;
+  for (ops::Isa isa : levels()) {
+    std::vector<float> y(static_cast<size_t>(n));
+    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::round_x16(x.data(), in, 1, in), y.data(), n);
+    if (first.empty()) first = y;
+    for (int64_t o = 0; o < n; ++o) ASSERT_EQ(y[static_cast<size_t>(o)], first[static_cast<size_t>(o)]) << ops::isa_name(isa) << " " << o;
+  }
+  x[200] = std::numeric_limits<float>::infinity();
+  for (ops::Isa isa : levels()) {
+    std::vector<float> y(static_cast<size_t>(n));
+    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::round_x16(x.data(), in, 1, in), y.data(), n);
+    for (float v : y) ASSERT_TRUE(std::isnan(v)) << ops::isa_name(isa);
+  }
+}
+
 TEST(Int8, MatvecEveryLevelMatchesDouble) {
   for (ops::Isa isa : levels()) {
     const ops::KernelTable& kt = *ops::kernels_for(isa);
@@ -89,16 +155,17 @@ TEST(Int8, MatvecEveryLevelMatchesDouble) {
         const std::vector<uint8_t> q = quantize(w, n, in);
         const int64_t ld = ops::q8_row_bytes(in);
         std::vector<float> y(static_cast<size_t>(n) + 1, 12345.0f);
-        kt.matvec_q8(q.data(), ld, x.data(), y.data(), n, in);
+        kt.matvec_q8(q.data(), ld, ops::round_x16(x.data(), in, 1, in), y.data(), n);
         std::vector<float> deq(static_cast<size_t>(n * in));
         kt.widen_q8(q.data(), ld, deq.data(), n, in);
+        const std::vector<double> xr = rounded_x16(x);
         for (int64_t o = 0; o < n; ++o) {
           double ref = 0, mag = 0;
           for (int64_t k = 0; k < in; ++k) {
             const double wk = double(q_of(q.data() + o * ld, k)) * double(scale_of(q.data() + o * ld, k / ops::kQ8Block));
             ASSERT_EQ(deq[static_cast<size_t>(o * in + k)], static_cast<float>(wk)) << ops::isa_name(isa) << " widen";
-            ref += wk * x[static_cast<size_t>(k)];
-            mag += std::fabs(wk * x[static_cast<size_t>(k)]);
+            ref += wk * xr[static_cast<size_t>(k)];
+            mag += std::fabs(wk * xr[static_cast<size_t>(k)]);
           }
           ASSERT_NEAR(y[static_cast<size_t>(o)], ref, 1e-6 + 6e-8 * double(in) * mag)
               << ops::isa_name(isa) << " n=" << n << " in=" << in << " row " << o;
@@ -116,10 +183,10 @@ TEST(Int8, GemmIsBitwiseTheMatvecAtEveryRowCount) {
     const std::vector<uint8_t> q = quantize(randn(static_cast<size_t>(n * in), 5), n, in);
     const std::vector<float> X = randn(static_cast<size_t>(8 * in), 6);
     std::vector<float> ref(static_cast<size_t>(8 * n));
-    for (int64_t r = 0; r < 8; ++r) kt.matvec_q8(q.data(), ld, X.data() + r * in, ref.data() + r * n, n, in);
+    for (int64_t r = 0; r < 8; ++r) kt.matvec_q8(q.data(), ld, ops::round_x16(X.data() + r * in, in, 1, in), ref.data() + r * n, n);
     for (int64_t rows = 1; rows <= 8; ++rows) {
       std::vector<float> Y(static_cast<size_t>(rows * n));
-      kt.gemm_q8(q.data(), ld, X.data() + (8 - rows) * in, in, rows, Y.data(), n, n, in);
+      kt.gemm_q8(q.data(), ld, ops::round_x16(X.data() + (8 - rows) * in, in, rows, in), rows, Y.data(), n, n);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t o = 0; o < n; ++o)
           ASSERT_EQ(Y[static_cast<size_t>(r * n + o)], ref[static_cast<size_t>((8 - rows + r) * n + o)])
@@ -147,9 +214,21 @@ TEST(Int8, LinearEqualsDequantizedOnEveryPath) {
           std::vector<float> y1(static_cast<size_t>(rows * out)), y2(y1.size()), bias(static_cast<size_t>(out), 0.5f);
           ops::linear(x.data(), rows, in, Wq, y1.data(), bias.data());
           ops::linear(x.data(), rows, in, Wf, y2.data(), bias.data());
-          for (size_t i = 0; i < y1.size(); ++i)
-            ASSERT_NEAR(y1[i], y2[i], 2e-5 * (1.0 + std::fabs(y2[i])) + 2e-6 * std::sqrt(double(in)))
+          // Plus what rounding x to int16 per block may move (the matvec and invariant gemm paths).
+          std::vector<double> xmax(static_cast<size_t>(rows * in));
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t b0 = 0; b0 < in; b0 += ops::kQ8Block) {
+              double m = 0;
+              for (int64_t k = b0; k < std::min(in, b0 + ops::kQ8Block); ++k) m = std::max(m, std::fabs(double(x[static_cast<size_t>(r * in + k)])));
+              for (int64_t k = b0; k < std::min(in, b0 + ops::kQ8Block); ++k) xmax[static_cast<size_t>(r * in + k)] = m;
+            }
+          for (size_t i = 0; i < y1.size(); ++i) {
+            const int64_t r = static_cast<int64_t>(i) / out, o = static_cast<int64_t>(i) % out;
+            double xr = 0;
+            for (int64_t k = 0; k < in; ++k) xr += std::fabs(double(Wf.data()[o * in + k])) * xmax[static_cast<size_t>(r * in + k)] / 65534.0;
+            ASSERT_NEAR(y1[i], y2[i], 2e-5 * (1.0 + std::fabs(y2[i])) + 2e-6 * std::sqrt(double(in)) + xr)
                 << ops::isa_name(isa) << (det ? " deterministic" : "") << " rows " << rows << " [" << out << "," << in << "]";
+          }
           // Row slices and row lookups keep whole blocks.
           std::vector<float> row(static_cast<size_t>(in));
           ops::copy_row(Wq, out - 1, row.data());
