@@ -88,10 +88,50 @@ void dot_tile(const typename L::T* w, const float* X, int64_t ldx, float* Y, int
   }
 }
 
-// One row at a time (one sequential stream; see kernels_avx512.cpp).
+// dot_tile<L, 1> for two weight rows at once, each summed in exactly that order (so bitwise the
+// same): two streams, far apart, for the core's memory accesses.
+template <class L>
+void dot_pair(const typename L::T* w0, const typename L::T* w1, const float* x, float* y0, float* y1, int64_t in) {
+  const int64_t in32 = in & ~int64_t{31}, in8 = in & ~int64_t{7};
+  __m256 a[2][4];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) a[0][q] = a[1][q] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k < in32; k += 32) {
+    const char* pf0 = reinterpret_cast<const char*>(w0 + k) + kPrefetchBytes;
+    const char* pf1 = reinterpret_cast<const char*>(w1 + k) + kPrefetchBytes;
+    _mm_prefetch(pf0, _MM_HINT_T0);
+    _mm_prefetch(pf1, _MM_HINT_T0);
+    if constexpr (sizeof(typename L::T) == 4) _mm_prefetch(pf0 + 64, _MM_HINT_T0), _mm_prefetch(pf1 + 64, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m256 xv = _mm256_loadu_ps(x + k + 8 * q);
+      a[0][q] = _mm256_fmadd_ps(L::load(w0 + k + 8 * q), xv, a[0][q]);
+      a[1][q] = _mm256_fmadd_ps(L::load(w1 + k + 8 * q), xv, a[1][q]);
+    }
+  }
+  for (; k < in8; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    a[0][0] = _mm256_fmadd_ps(L::load(w0 + k), xv, a[0][0]);
+    a[1][0] = _mm256_fmadd_ps(L::load(w1 + k), xv, a[1][0]);
+  }
+  const typename L::T* w[2] = {w0, w1};
+  float* y[2] = {y0, y1};
+  for (int r = 0; r < 2; ++r) {
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+    for (int64_t j = k; j < in; ++j) s = __builtin_fmaf(L::one(w[r] + j), x[j], s);
+    *y[r] = s;
+  }
+}
+
+// Rows o and o + ceil(n / 2) together (dot_pair), the middle row of an odd n alone. One core pulls
+// more from memory on two streams far apart than on one: FalconMamba-7B's bf16 weights from the page
+// cache (2 MiB folios), 2 threads: 29 -> 33 GB/s median, 1 thread 17 -> 22 (3 or 4 streams: no more).
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  for (int64_t o = 0; o < n; ++o) dot_tile<L, 1>(W + o * ld, x, 0, y + o, 0, in);
+  const int64_t h = n - n / 2;
+  for (int64_t o = 0; o < n / 2; ++o) dot_pair<L>(W + o * ld, W + (o + h) * ld, x, y + o, y + o + h, in);
+  if (n & 1) dot_tile<L, 1>(W + (h - 1) * ld, x, 0, y + h - 1, 0, in);
 }
 
 // Rows in groups of 3, outputs in blocks of kGemmNB (their weights stay in L2 while every row
@@ -246,10 +286,34 @@ void q8_tile(const uint8_t* w, const X16& x, int64_t r0, float* Y, int64_t ldy) 
   for (int r = 0; r < R; ++r) Y[r * ldy] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
 }
 
+// q8_tile<1> for two weight rows at once, each summed in exactly that order (see dot_pair).
+void q8_pair(const uint8_t* w0, const uint8_t* w1, const X16& x, float* y0, float* y1) {
+  __m256 a[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk[2] = {w0 + b * kQ8BlockBytes, w1 + b * kQ8BlockBytes};
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQ8Block));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQ8Block + 16));
+    const float xs = x.s[b];
+#pragma GCC unroll 2
+    for (int r = 0; r < 2; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk[r]) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + 4)));
+      const __m256i q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + 20)));
+      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(q0, x0), _mm256_madd_epi16(q1, x1));
+      a[r][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(q8scale(blk[r]) * xs), _mm256_cvtepi32_ps(d), a[r][b & 1]);
+    }
+  }
+  *y0 = hsum(_mm256_add_ps(a[0][0], a[0][1]));
+  *y1 = hsum(_mm256_add_ps(a[1][0], a[1][1]));
+}
+
 }  // namespace
 
+// Rows paired as in matvec (two streams per core).
 void q8_matvec_avx2(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n) {
-  for (int64_t o = 0; o < n; ++o) q8_tile<1>(W + o * ld, x, 0, y + o, 0);
+  const int64_t h = n - n / 2;
+  for (int64_t o = 0; o < n / 2; ++o) q8_pair(W + o * ld, W + (o + h) * ld, x, y + o, y + o + h);
+  if (n & 1) q8_tile<1>(W + (h - 1) * ld, x, 0, y + h - 1, 0);
 }
 
 void q8_gemm_avx2(const uint8_t* W, int64_t ld, const X16& X, int64_t rows, float* Y, int64_t ldy, int64_t n) {
