@@ -1,7 +1,7 @@
 // Prompt and decode speed of one build through the public API, timed in-process (no load or
 // start-up in the figures): bench/build_ab.py compiles this file against two builds' libraries
 // and alternates the processes. Prints one line per metric: `metric tokens wall_s cpu_s` (medians).
-//   speed_probe MODEL_DIR PROMPTS(e.g. 128,1024) DECODE_TOKENS CALLS
+//   [MIXLENS_DTYPE=D] speed_probe MODEL_DIR PROMPTS(e.g. 128,1024) DECODE_TOKENS CALLS
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -18,7 +18,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: speed_probe MODEL_DIR PROMPTS DECODE_TOKENS CALLS\n");
     return 2;
   }
-  const mixlens::Model model = mixlens::Model::load(argv[1]);
+  mixlens::LoadOptions opts;
+  if (const char* d = std::getenv("MIXLENS_DTYPE")) opts.dtype = d;  // e.g. bfloat16, int8 (7B layouts)
+  const mixlens::Model model = mixlens::Model::load(argv[1], opts);
   std::vector<int> lengths;
   std::stringstream ss(argv[2]);
   for (std::string n; std::getline(ss, n, ',');) lengths.push_back(std::atoi(n.c_str()));
