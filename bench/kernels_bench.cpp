@@ -163,8 +163,8 @@ int main(int argc, char** argv) {
              for (int m = 0; m < kMats; ++m) kt.matvec_f16(W16h[m].data(), kIn, x.data(), y.data(), kOut, kIn);
            }));
     report((lvl + " matvec int8").c_str(), b8, best_of([&] {
-             const ops::X16 x16 = ops::round_x16(x.data(), kIn, 1, kIn);  // once per call, as ops::linear
-             for (int m = 0; m < kMats; ++m) kt.matvec_q8(W8[m].data(), ld8, x16, y.data(), kOut);
+             const ops::RoundedX16 x16(x.data(), kIn, 1, kIn);  // once per call, as ops::linear
+             for (int m = 0; m < kMats; ++m) kt.matvec_q8(W8[m].data(), ld8, x16.view(), y.data(), kOut);
            }));
   }
   // Through ops::linear on the pool (MIXLENS_NUM_THREADS, default all cores), best ISA level.

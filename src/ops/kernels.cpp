@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
-#include <vector>
 
 #include "mixlens/errors.h"
 #include "ops/q8_layout.h"
@@ -111,12 +110,9 @@ void set_isa(Isa i) {
 
 const KernelTable& kernels() { return *kernels_for(isa()); }
 
-X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in) {
-  thread_local std::vector<int16_t> q;
-  thread_local std::vector<float> s;
-  const int64_t nb = (in + kQ8Block - 1) / kQ8Block;
-  q.assign(static_cast<size_t>(rows * nb * kQ8Block), 0);
-  s.resize(static_cast<size_t>(rows * nb));
+X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in, int16_t* q, float* s) {
+  const int64_t nb = q8_blocks(in);
+  std::fill(q, q + rows * nb * kQ8Block, int16_t{0});
   // Adding and subtracting 1.5 * 2^52 rounds a double below 2^51 to the nearest integer, ties to
   // even (the default mode), as nearbyint does; unlike that libm call it vectorizes (4 -> 0.5 ns an element).
   constexpr double kRound = 6755399441055744.0;
@@ -130,7 +126,7 @@ X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in) {
         finite &= std::isfinite(x[j]);
         amax = std::max(amax, std::fabs(x[j]));
       }
-      float& scale = s[static_cast<size_t>(r * nb + b)];
+      float& scale = s[r * nb + b];
       if (!finite) {
         scale = std::nanf("");
         continue;
@@ -138,10 +134,10 @@ X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in) {
       scale = static_cast<float>(double(amax) / 32767.0);
       if (amax == 0.0f) continue;
       const double inv = 32767.0 / double(amax);
-      int16_t* d = q.data() + (r * nb + b) * kQ8Block;
+      int16_t* d = q + (r * nb + b) * kQ8Block;
       for (int64_t j = 0; j < m; ++j) d[j] = static_cast<int16_t>((double(x[j]) * inv + kRound) - kRound);
     }
-  return {q.data(), s.data(), nb};
+  return {q, s, nb};
 }
 
 }  // namespace mixlens::ops

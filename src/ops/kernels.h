@@ -36,9 +36,11 @@ struct X16 {
   /// Row r alone.
   X16 row(int64_t r) const { return {q + r * nb * kQ8Block, s + r * nb, nb}; }
 };
-/// X's `rows` rows (row r at X + r * ldx) rounded, in a buffer of the calling thread's own (grown as
-/// needed, valid until that thread's next call). ops::linear rounds once per call for every thread.
-X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in);
+/// Blocks of kQ8Block k in a row of `in`.
+constexpr int64_t q8_blocks(int64_t in) { return (in + kQ8Block - 1) / kQ8Block; }
+/// X's `rows` rows (row r at X + r * ldx) rounded into q (rows * q8_blocks(in) * kQ8Block values) and
+/// s (rows * q8_blocks(in)); the view of them. ops::RoundedX16 owns such buffers.
+X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in, int16_t* q, float* s);
 
 /// One ISA level's kernels. Matrices are row-major with `ld` elements between rows.
 struct KernelTable {

@@ -116,7 +116,8 @@ void linear_parts(const float* x, int64_t rows, int64_t in, const Tensor* parts,
     // row count changes a value: the batch-invariant path (issue 23).
     const int64_t nblocks = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(4 * num_threads(), (out + 15) / 16);
     // int8 weights multiply x rounded to int16 (KernelTable::matvec_q8): once here for every block.
-    const X16 x16 = dt == ScalarType::int8 ? round_x16(x, in, rows, in) : X16{};
+    const RoundedX16 rounded(x, in, dt == ScalarType::int8 ? rows : 0, in);
+    const X16& x16 = rounded.view();
     const int64_t per = (out + nblocks - 1) / nblocks;
     parallel_for(nblocks, [&](int64_t blk) {
       const int64_t b0 = blk * per, bn = std::min(per, out - b0);
@@ -177,6 +178,10 @@ void linear_parts(const float* x, int64_t rows, int64_t in, const Tensor* parts,
 }
 
 }  // namespace
+
+RoundedX16::RoundedX16(const float* X, int64_t ldx, int64_t rows, int64_t in)
+    : q_(static_cast<size_t>(rows * q8_blocks(in) * kQ8Block)), s_(static_cast<size_t>(rows * q8_blocks(in))),
+      view_(round_x16(X, ldx, rows, in, q_.data(), s_.data())) {}
 
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y, const float* bias) {
   if (W.dim() != 2) throw InputError("linear: weight " + shape_str(W.shape()) + " is not a matrix");

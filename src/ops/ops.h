@@ -8,13 +8,28 @@
 #include <vector>
 
 #include "mixlens/tensor.h"
+#include "ops/kernels.h"
 
 namespace mixlens::ops {
 
 /// y[rows, out] = x[rows, in] @ W[out, in]^T (+ bias[out]). PyTorch nn.Linear. W may be float32,
-/// bfloat16 or float16 (a narrow matmul weight): products and sums are float32 either way.
+/// bfloat16 or float16 (a narrow matmul weight): products and sums are float32 either way. int8 W
+/// (blocks, ops/dtype.h): the same with 5+ rows; with 1-4 rows, or any under deterministic(), x is
+/// rounded to int16 per block first (KernelTable::matvec_q8).
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y,
             const float* bias = nullptr);
+
+/// X's rows rounded to int16 for the int8 kernels (ops/kernels.h round_x16), owning the buffers.
+class RoundedX16 {
+ public:
+  RoundedX16(const float* X, int64_t ldx, int64_t rows, int64_t in);
+  const X16& view() const { return view_; }
+
+ private:
+  std::vector<int16_t> q_;
+  std::vector<float> s_;
+  X16 view_;
+};
 
 /// A matmul weight [rows, cols] kept as the row blocks it stacks (gate_proj over up_proj; in_proj_qkv |
 /// in_proj_z | in_proj_b | in_proj_a), each where the loader left it: a fused projection of 16-bit

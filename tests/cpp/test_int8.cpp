@@ -98,7 +98,8 @@ TEST(Int8, RoundX16FollowsItsDefinition) {
   std::vector<float> x = randn(static_cast<size_t>(2 * in), 31);
   for (int64_t k = 32; k < 64; ++k) x[static_cast<size_t>(k)] = 0.0f;  // row 0's block 1: all zero
   x[static_cast<size_t>(in + 70)] = std::nanf("");                   // row 1's last block holds a NaN
-  const ops::X16 q = ops::round_x16(x.data(), in, 2, in);
+  const ops::RoundedX16 rounded(x.data(), in, 2, in);
+  const ops::X16& q = rounded.view();
   ASSERT_EQ(q.nb, 3);
   for (int64_t r = 0; r < 2; ++r)
     for (int64_t b = 0; b < 3; ++b) {
@@ -133,14 +134,14 @@ TEST(Int8, EveryLevelBitwiseTheSame) {
   std::vector<float> first;
   for (ops::Isa isa : levels()) {
     std::vector<float> y(static_cast<size_t>(n));
-    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::round_x16(x.data(), in, 1, in), y.data(), n);
+    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::RoundedX16(x.data(), in, 1, in).view(), y.data(), n);
     if (first.empty()) first = y;
     for (int64_t o = 0; o < n; ++o) ASSERT_EQ(y[static_cast<size_t>(o)], first[static_cast<size_t>(o)]) << ops::isa_name(isa) << " " << o;
   }
   x[200] = std::numeric_limits<float>::infinity();
   for (ops::Isa isa : levels()) {
     std::vector<float> y(static_cast<size_t>(n));
-    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::round_x16(x.data(), in, 1, in), y.data(), n);
+    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::RoundedX16(x.data(), in, 1, in).view(), y.data(), n);
     for (float v : y) ASSERT_TRUE(std::isnan(v)) << ops::isa_name(isa);
   }
 }
@@ -155,7 +156,7 @@ TEST(Int8, MatvecEveryLevelMatchesDouble) {
         const std::vector<uint8_t> q = quantize(w, n, in);
         const int64_t ld = ops::q8_row_bytes(in);
         std::vector<float> y(static_cast<size_t>(n) + 1, 12345.0f);
-        kt.matvec_q8(q.data(), ld, ops::round_x16(x.data(), in, 1, in), y.data(), n);
+        kt.matvec_q8(q.data(), ld, ops::RoundedX16(x.data(), in, 1, in).view(), y.data(), n);
         std::vector<float> deq(static_cast<size_t>(n * in));
         kt.widen_q8(q.data(), ld, deq.data(), n, in);
         const std::vector<double> xr = rounded_x16(x);
@@ -183,10 +184,10 @@ TEST(Int8, GemmIsBitwiseTheMatvecAtEveryRowCount) {
     const std::vector<uint8_t> q = quantize(randn(static_cast<size_t>(n * in), 5), n, in);
     const std::vector<float> X = randn(static_cast<size_t>(8 * in), 6);
     std::vector<float> ref(static_cast<size_t>(8 * n));
-    for (int64_t r = 0; r < 8; ++r) kt.matvec_q8(q.data(), ld, ops::round_x16(X.data() + r * in, in, 1, in), ref.data() + r * n, n);
+    for (int64_t r = 0; r < 8; ++r) kt.matvec_q8(q.data(), ld, ops::RoundedX16(X.data() + r * in, in, 1, in).view(), ref.data() + r * n, n);
     for (int64_t rows = 1; rows <= 8; ++rows) {
       std::vector<float> Y(static_cast<size_t>(rows * n));
-      kt.gemm_q8(q.data(), ld, ops::round_x16(X.data() + (8 - rows) * in, in, rows, in), rows, Y.data(), n, n);
+      kt.gemm_q8(q.data(), ld, ops::RoundedX16(X.data() + (8 - rows) * in, in, rows, in).view(), rows, Y.data(), n, n);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t o = 0; o < n; ++o)
           ASSERT_EQ(Y[static_cast<size_t>(r * n + o)], ref[static_cast<size_t>((8 - rows + r) * n + o)])
