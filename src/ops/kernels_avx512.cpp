@@ -103,7 +103,9 @@ void dot_tile(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, f
 }
 
 // One row at a time: rows are contiguous, so the weights stream as one sequential read (four
-// interleaved row streams measured 40% slower here: bench/results/kernels.md); x stays in L1.
+// interleaved row streams measured 40% slower here: bench/results/kernels.md); x stays in L1. Those
+// were adjacent rows; two rows far apart measured faster on the AVX2 level (its matvec), not yet
+// measured here (no AVX-512 machine at hand).
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
   for (int64_t o = 0; o < n; ++o) dot_tile<L, 1, 1>(W + o * ld, ld, x, 0, y + o, 0, in);
