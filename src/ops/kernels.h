@@ -25,22 +25,26 @@ void set_isa(Isa i);
 Isa parse_isa(const std::string& name);
 
 /// Activations rounded to int16 for the int8 kernels, per block of kQ8Block k (the weights' blocks):
-/// for the block's largest magnitude m, the scale s = float(m / 32767) and q = round-half-even(x *
+/// for the block's largest magnitude m, the scale s = float(m * p / 32767) and q = round-half-even(x *
 /// 32767 / m) in double, |q| <= 32767; the last block zero-padded. m = 0: s = 0, q = 0. A block
-/// holding an inf or NaN: s = NaN, so every output it reaches is NaN. Row r's q at q + r * nb *
-/// kQ8Block, its scales at s + r * nb.
+/// holding an inf or NaN: s = NaN, so every output it reaches is NaN. p = 1 and the row factor
+/// f = 1, except for a row whose largest magnitude M is below 2^-60: there p = 2^-e and f = 2^e for
+/// M = g * 2^e, g in [0.5, 1), so the scales stay normal floats (a subnormal scale lost the rounding's
+/// precision: activations of 1e-36 moved by 1%). Row r's q at q + r * nb * kQ8Block, its scales at
+/// s + r * nb, its factor f[r].
 struct X16 {
   const int16_t* q;
   const float* s;
+  const float* f;
   int64_t nb;  // blocks per row: ceil(in / kQ8Block)
   /// Row r alone.
-  X16 row(int64_t r) const { return {q + r * nb * kQ8Block, s + r * nb, nb}; }
+  X16 row(int64_t r) const { return {q + r * nb * kQ8Block, s + r * nb, f + r, nb}; }
 };
 /// Blocks of kQ8Block k in a row of `in`.
 constexpr int64_t q8_blocks(int64_t in) { return (in + kQ8Block - 1) / kQ8Block; }
-/// X's `rows` rows (row r at X + r * ldx) rounded into q (rows * q8_blocks(in) * kQ8Block values) and
-/// s (rows * q8_blocks(in)); the view of them. ops::RoundedX16 owns such buffers.
-X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in, int16_t* q, float* s);
+/// X's `rows` rows (row r at X + r * ldx) rounded into q (rows * q8_blocks(in) * kQ8Block values), s
+/// (rows * q8_blocks(in)) and f (rows); the view of them. ops::RoundedX16 owns such buffers.
+X16 round_x16(const float* X, int64_t ldx, int64_t rows, int64_t in, int16_t* q, float* s, float* f);
 
 /// One ISA level's kernels. Matrices are row-major with `ld` elements between rows.
 struct KernelTable {
@@ -71,10 +75,10 @@ struct KernelTable {
   /// depends on nothing but its inputs: attention outputs do not change with the tiling).
   void (*acc_rows)(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, float* o);
   /// int8 blocks (ops/dtype.h), row o at W + o * ld bytes, times x rounded to int16 per block of the
-  /// same 32 k (X16, from round_x16): y[o] = sum over blocks b of float(s_w * s_x) * (sum over the
+  /// same 32 k (X16, from round_x16): y[o] = f * sum over blocks b of float(s_w * s_x) * (sum over the
   /// block of q_w * q_x), the products and their sums exact in integers (8 lanes of 4 products each),
   /// each lane converted to float32 and accumulated by a fused multiply-add, even and odd blocks
-  /// apart, then one fixed horizontal sum. Every level computes bitwise the same; gemm_q8 too, for
+  /// apart, then one fixed horizontal sum times the row factor f (a power of two). Every level computes bitwise the same; gemm_q8 too, for
   /// X's `rows` rows at any row count (batch invariance). Rounding x moves an element by at most
   /// max|x_block| / 65534; rounding the weights to int8 moved one by up to max|w_block| / 254.
   void (*matvec_q8)(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n);

@@ -283,7 +283,7 @@ void q8_tile(const uint8_t* w, const X16& x, int64_t r0, float* Y, int64_t ldy) 
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) Y[r * ldy] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
+  for (int r = 0; r < R; ++r) Y[r * ldy] = hsum(_mm256_add_ps(a[r][0], a[r][1])) * x.f[r0 + r];
 }
 
 // q8_tile<1> for two weight rows at once, each summed in exactly that order (see dot_pair).
@@ -303,8 +303,8 @@ void q8_pair(const uint8_t* w0, const uint8_t* w1, const X16& x, float* y0, floa
       a[r][b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(q8scale(blk[r]) * xs), _mm256_cvtepi32_ps(d), a[r][b & 1]);
     }
   }
-  *y0 = hsum(_mm256_add_ps(a[0][0], a[0][1]));
-  *y1 = hsum(_mm256_add_ps(a[1][0], a[1][1]));
+  *y0 = hsum(_mm256_add_ps(a[0][0], a[0][1])) * x.f[0];
+  *y1 = hsum(_mm256_add_ps(a[1][0], a[1][1])) * x.f[0];
 }
 
 }  // namespace

@@ -95,7 +95,7 @@ float q8_dot(const uint8_t* row, const int16_t* xq, const float* xs, int64_t nb)
   return (t[0] + t[2]) + (t[1] + t[3]);
 }
 void mv_q8(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n) {
-  for (int64_t o = 0; o < n; ++o) y[o] = q8_dot(W + o * ld, x.q, x.s, x.nb);
+  for (int64_t o = 0; o < n; ++o) y[o] = q8_dot(W + o * ld, x.q, x.s, x.nb) * x.f[0];
 }
 void gemm_q8(const uint8_t* W, int64_t ld, const X16& X, int64_t rows, float* Y, int64_t ldy, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) mv_q8(W, ld, X.row(r), Y + r * ldy, n);

@@ -181,7 +181,7 @@ void linear_parts(const float* x, int64_t rows, int64_t in, const Tensor* parts,
 
 RoundedX16::RoundedX16(const float* X, int64_t ldx, int64_t rows, int64_t in)
     : q_(static_cast<size_t>(rows * q8_blocks(in) * kQ8Block)), s_(static_cast<size_t>(rows * q8_blocks(in))),
-      view_(round_x16(X, ldx, rows, in, q_.data(), s_.data())) {}
+      f_(static_cast<size_t>(rows)), view_(round_x16(X, ldx, rows, in, q_.data(), s_.data(), f_.data())) {}
 
 void linear(const float* x, int64_t rows, int64_t in, const Tensor& W, float* y, const float* bias) {
   if (W.dim() != 2) throw InputError("linear: weight " + shape_str(W.shape()) + " is not a matrix");

@@ -27,7 +27,7 @@ class RoundedX16 {
 
  private:
   std::vector<int16_t> q_;
-  std::vector<float> s_;
+  std::vector<float> s_, f_;
   X16 view_;
 };
 

@@ -146,6 +146,26 @@ TEST(Int8, EveryLevelBitwiseTheSame) {
   }
 }
 
+// A row of tiny activations rounds as the same row scaled up by a power of two (its block scales
+// would otherwise be subnormal floats and lose the rounding's precision): x * 2^-120, with x on a grid
+// that keeps every bit, gives y * 2^-120 exactly at every level.
+TEST(Int8, TinyActivationsRoundAsTheirScaledUpRow) {
+  const int64_t n = 9, in = 100, ld = ops::q8_row_bytes(in);
+  const std::vector<uint8_t> q = quantize(randn(static_cast<size_t>(n * in), 41), n, in);
+  std::vector<float> x = randn(static_cast<size_t>(in), 42), tiny(x.size());
+  for (size_t k = 0; k < x.size(); ++k) {
+    x[k] = std::ldexp(std::nearbyint(std::ldexp(x[k], 20)), -20);
+    tiny[k] = std::ldexp(x[k], -120);
+  }
+  for (ops::Isa isa : levels()) {
+    std::vector<float> y(static_cast<size_t>(n)), yt(y.size());
+    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::RoundedX16(x.data(), in, 1, in).view(), y.data(), n);
+    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::RoundedX16(tiny.data(), in, 1, in).view(), yt.data(), n);
+    for (int64_t o = 0; o < n; ++o)
+      ASSERT_EQ(yt[static_cast<size_t>(o)], std::ldexp(y[static_cast<size_t>(o)], -120)) << ops::isa_name(isa) << " " << o;
+  }
+}
+
 TEST(Int8, MatvecEveryLevelMatchesDouble) {
   for (ops::Isa isa : levels()) {
     const ops::KernelTable& kt = *ops::kernels_for(isa);
