@@ -138,8 +138,9 @@ struct LoadOptions {
   /// Dtype the matmul weights (projections, embedding, lm_head, experts) are kept in and multiplied
   /// as, always with float32 accumulation: "float32" (default: widened at load, exact parity with
   /// transformers in float32), "bfloat16", "float16", "int8" (quantized at load: ScalarType::int8,
-  /// blocks of 32 weights with a float32 scale max|w| / 127, as llama.cpp's Q8_0), or "auto" (each
-  /// weight's checkpoint dtype).
+  /// blocks of 32 weights with a float32 scale max|w| / 127, as llama.cpp's Q8_0; products of 1-4
+  /// token rows, or all under `deterministic`, also round the activations to int16 per block of 32:
+  /// ops::linear), or "auto" (each weight's checkpoint dtype).
   /// Recurrent state, A_log, dt_bias, D, norm and conv weights, gates, decays, activations and
   /// every served value stay float32 whatever this says. InputError for any other string.
   std::string dtype = "float32";

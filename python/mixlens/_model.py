@@ -73,7 +73,9 @@ class StandardizedTransformer(ModelBase, _nnterp.NnterpMixin, _attribution.Attri
         in and multiplied as, with float32 accumulation: ``"float32"`` (default, widened at load: exact
         parity with transformers in float32), ``"bfloat16"``, ``"float16"``, ``"int8"`` (quantized at load:
         blocks of 32 weights along the input axis, each a float32 scale max|w| / 127 and 32 int8 values,
-        as llama.cpp's Q8_0; about half the bytes of bfloat16; fidelity in docs/values.md "int8 weights"),
+        as llama.cpp's Q8_0; about half the bytes of bfloat16; products of 1-4 token rows (decode steps),
+        or all under ``deterministic``, also round the activations to int16 per block of 32; fidelity in
+        docs/values.md "int8 weights"),
         or ``"auto"`` (each weight's checkpoint dtype); ``torch.float32`` / ``torch.bfloat16`` /
         ``torch.float16`` / ``torch.int8`` are accepted too.
         States, gates, decays, norms and every value served stay float32. ValueError otherwise.
