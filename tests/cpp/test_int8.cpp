@@ -80,6 +80,16 @@ TEST(Int8, QuantizerIsNearestWithMaxAbsScale) {
   }
 }
 
+// s = 127 / 127 = 1 exactly, so w / s lands on halves: they round to the even neighbour.
+TEST(Int8, QuantizerRoundsTiesToEven) {
+  const std::vector<float> w = {127.0f, 0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 126.5f, 3.4999998f, -0.0f};
+  const std::vector<int> want = {127, 0, 2, 2, 0, -2, -2, 126, 3, 0};
+  std::vector<uint8_t> row(static_cast<size_t>(ops::q8_row_bytes(static_cast<int64_t>(w.size()))));
+  ops::quantize_q8_row(w.data(), static_cast<int64_t>(w.size()), row.data());
+  EXPECT_EQ(scale_of(row.data(), 0), 1.0f);
+  for (size_t k = 0; k < w.size(); ++k) EXPECT_EQ(q_of(row.data(), static_cast<int64_t>(k)), want[k]) << "w " << w[k];
+}
+
 // x as the int8 kernels round it (KernelTable::matvec_q8), computed here from the definition.
 std::vector<double> rounded_x16(const std::vector<float>& x) {
   std::vector<double> r(x.size());

@@ -22,6 +22,7 @@
 #include "io/weights.h"
 #include "mixlens/errors.h"
 #include "mixlens/tensor.h"
+#include "ops/dtype.h"
 
 namespace fs = std::filesystem;
 using namespace mixlens;
@@ -594,6 +595,75 @@ TEST(IoWeights, SingleFile) {
   }
   const WeightStore copy = ws;  // copies share the mapped files
   EXPECT_EQ(elem(copy.get("backbone.norm_f.weight"), 2), 1.0f);
+}
+
+// A 16-bit matmul weight big enough for several load tasks (~64k weights each): int8 quantizes it
+// row by row exactly as ops::quantize_q8_row does, and a bad weight is reported at the first flat
+// index whichever task meets it, for int8 and for the 16-bit paths alike.
+TEST(IoWeights, SixteenBitWeightsQuantizeInTasksAndNameTheFirstBadWeight) {
+  const int64_t rows = 600, cols = 256;  // 256 rows per task: three tasks
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  std::vector<uint16_t> w(static_cast<size_t>(rows * cols));
+  for (auto& h : w) h = f32_to_bf16_trunc(nd(rng));
+  TempDir dir;
+  const auto write = [&](const std::vector<uint16_t>& v, const char* dtype) {
+    write_file(dir / "model.safetensors", build_file({{"m.weight", dtype, {rows, cols}, bytes_of(v)}}));
+  };
+  write(w, "BF16");
+  {
+    WeightStore ws = WeightStore::open(dir.path());
+    ws.set_matmul_dtype("int8");
+    const Tensor q = ws.get_matmul("m.weight", {rows, cols});
+    ASSERT_EQ(q.dtype(), ScalarType::int8);
+    const int64_t rb = ops::q8_row_bytes(cols);
+    std::vector<float> row(static_cast<size_t>(cols));
+    std::vector<uint8_t> want(static_cast<size_t>(rb));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) row[static_cast<size_t>(c)] = ops::bf16_to_f32(w[static_cast<size_t>(r * cols + c)]);
+      ops::quantize_q8_row(row.data(), cols, want.data());
+      ASSERT_EQ(std::memcmp(static_cast<const uint8_t*>(q.raw()) + r * rb, want.data(), static_cast<size_t>(rb)), 0)
+          << "row " << r;
+    }
+  }
+  const int64_t late = 590 * cols + 1, mid = 300 * cols + 5, early = 10;
+  struct Case {
+    const char* dtype;
+    std::vector<std::pair<int64_t, uint16_t>> bad;
+    int64_t first;
+    const char* what;
+  };
+  const Case cases[] = {
+      {"BF16", {{late, 0x7fc0}, {mid, 0x7f80}}, mid, "contains inf"},
+      {"BF16", {{late, 0x7fc0}, {mid, 0x7f80}, {early, 0xdf80}}, early, "a weight of magnitude"},  // -2^64
+      {"BF16", {{late, 0x7fc0}}, late, "contains NaN"},
+      {"F16", {{late, 0xfc00}, {mid, 0x7e00}}, mid, "contains NaN"},
+  };
+  for (const Case& c : cases) {
+    std::vector<uint16_t> v = w;
+    if (std::string(c.dtype) == "F16")
+      for (auto& h : v) h = 0x3c00;  // 1.0
+    for (const auto& [i, h] : c.bad) v[static_cast<size_t>(i)] = h;
+    write(v, c.dtype);
+    for (const char* dtype : {"int8", "auto", "bfloat16", "float32"}) {
+      WeightStore ws = WeightStore::open(dir.path());
+      ws.set_matmul_dtype(dtype);
+      EXPECT_ERROR(ws.get_matmul("m.weight", {rows, cols}), CheckpointError,
+                   "at flat index " + std::to_string(c.first) + " ");
+      WeightStore again = WeightStore::open(dir.path());
+      again.set_matmul_dtype(dtype);
+      EXPECT_ERROR(again.get_matmul("m.weight", {rows, cols}), CheckpointError, c.what);
+    }
+  }
+  // 2^64 itself is refused and the largest bf16 below it is not.
+  std::vector<uint16_t> edge = w;
+  edge[static_cast<size_t>(mid)] = 0x5f7f;
+  write(edge, "BF16");
+  for (const char* dtype : {"int8", "auto"}) {
+    WeightStore ws = WeightStore::open(dir.path());
+    ws.set_matmul_dtype(dtype);
+    EXPECT_NO_THROW((void)ws.get_matmul("m.weight", {rows, cols})) << dtype;
+  }
 }
 
 TEST(IoWeights, ShardedIndex) {
