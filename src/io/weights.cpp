@@ -277,8 +277,8 @@ Tensor WeightStore::get_int8(const std::string& name, const Shape& expected) con
   if (e.info->dtype == DType::BF16 || e.info->dtype == DType::F16) {
     const std::span<const uint8_t> src = files_[e.file].bytes(name);
     const DType t = e.info->dtype;
-    // Tasks of ~64k weights on the pool (a 7B checkpoint quantized on one thread took 46 s); the
-    // first bad weight in flat order is reported whichever task sees it first.
+    // Tasks of ~64k weights on the pool (a 7B checkpoint quantized on one thread took 46 s). The
+    // weight named in an error is the first bad one in flat order, whatever order the tasks ran in.
     const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
     std::atomic<int64_t> bad{std::numeric_limits<int64_t>::max()};
     ops::parallel_for((rows + chunk - 1) / chunk, [&](int64_t task) {
