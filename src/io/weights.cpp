@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -161,9 +162,10 @@ namespace {
 constexpr float kMaxWeight = 0x1p64f;
 void check_weight(const std::string& name, const fs::path& folder, int64_t i, float x) {
   if (std::fabs(x) < kMaxWeight) return;  // false for NaN too
-  const std::string what = std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "inf" : "-inf") : std::to_string(x);
-  throw CheckpointError("tensor '" + name + "' in " + folder.string() + " contains " +
-                        (std::isnan(x) ? std::string("NaN") : std::isinf(x) ? what : "a weight of magnitude " + what) +
+  char mag[32];  // |x| in %g: a magnitude, never negative, without std::to_string's 20 digits
+  std::snprintf(mag, sizeof mag, "%g", static_cast<double>(std::fabs(x)));
+  const std::string what = std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "inf" : "-inf") : "a weight of magnitude " + std::string(mag);
+  throw CheckpointError("tensor '" + name + "' in " + folder.string() + " contains " + what +
                         " at flat index " + std::to_string(i) +
                         " (weights must be finite with |w| < 2^64, else every value through them overflows)");
 }

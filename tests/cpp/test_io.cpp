@@ -635,7 +635,7 @@ TEST(IoWeights, SixteenBitWeightsQuantizeInTasksAndNameTheFirstBadWeight) {
   };
   const Case cases[] = {
       {"BF16", {{late, 0x7fc0}, {mid, 0x7f80}}, mid, "contains inf"},
-      {"BF16", {{late, 0x7fc0}, {mid, 0x7f80}, {early, 0xdf80}}, early, "a weight of magnitude"},  // -2^64
+      {"BF16", {{late, 0x7fc0}, {mid, 0x7f80}, {early, 0xdf80}}, early, "a weight of magnitude 1.84467e+19 at"},  // -2^64
       {"BF16", {{late, 0x7fc0}}, late, "contains NaN"},
       {"F16", {{late, 0xfc00}, {mid, 0x7e00}}, mid, "contains NaN"},
   };
