@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -143,25 +142,6 @@ bool parse_dtype(std::string_view name, DType* out) {
   }
   return false;
 }
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    // Zero or subnormal: mant * 2^-24 is exact in float32, so let the FPU normalize it.
-    const float mag = static_cast<float>(mant) * 0x1p-24f;
-    bits = sign | std::bit_cast<uint32_t>(mag);
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf, or NaN keeping its payload
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
-  }
-  return std::bit_cast<float>(bits);
-}
-
-float bf16_to_f32(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 float f64_to_f32(double v) {
   // FLT_MAX + half an ulp: at or beyond it round-to-nearest gives inf; casting there would be UB.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mixlens/tensor.h"
+#include "ops/dtype.h"
 
 namespace mixlens::io {
 
@@ -28,10 +29,10 @@ size_t dtype_size(DType d);
 /// Parses a header dtype string; returns false for names mixlens does not know.
 bool parse_dtype(std::string_view name, DType* out);
 
-/// IEEE half (binary16) bits -> float, exact for every input (subnormals, +-inf, NaN payloads).
-float f16_to_f32(uint16_t bits);
-/// bfloat16 bits -> float (exact: bf16 is the top half of a float32).
-float bf16_to_f32(uint16_t bits);
+/// IEEE half / bfloat16 bits -> float, exact for every input (subnormals, +-inf, NaN payloads): the
+/// kernels' own conversions, so the reader and the 16-bit matmuls widen identically.
+using ops::bf16_to_f32;
+using ops::f16_to_f32;
 /// double -> float, rounding to nearest; out-of-range values become +-inf (never UB).
 float f64_to_f32(double v);
 

@@ -51,7 +51,9 @@ TEST(GradRecurrentGemma, ValuesMatchFiniteDifferencesOfAnEdit) {
                                    "layers.0.linear_attn.attention_output", "layers.2.self_attn.attention_queries",
                                    "layers.2.self_attn.attention_keys", "layers.2.self_attn.attention_values",
                                    "layers.2.self_attn.attention_output", "layers.1.mlp.output", "layers.1.layer_input"})
-      edit_fd(m, batch, path, 1e-2, fixture, kStep);
+      // 2 * kStep: at kStep layer 0's attention_values derivative (~0.07) is within float32 noise on an
+      // AVX-512 host (off by 1.1%); at 2 * kStep every path is within 0.4% of the gradient.
+      edit_fd(m, batch, path, 1e-2, fixture, 2 * kStep);
   }
 }
 

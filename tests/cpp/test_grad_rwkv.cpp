@@ -49,8 +49,10 @@ TEST(GradRwkv, ContinuationStateInputMatchesFiniteDifferences) {
   Model m = Model::load(test::fixture("rwkv/basic").string());
   const std::vector<std::string> paths{"layers.0.linear_attn.state_input", "layers.2.linear_attn.state_input",
                                        "layers.1.linear_attn.attention_keys"};
-  continuation_fd(m, ids(10, 1), ids(7, 2), paths, 1e-2, "recurrent", kStep);
-  continuation_fd(m, ids(10, 1), ids(1, 2), paths, 1e-2, "recurrent", kStep);
+  // 4 * kStep: at kStep the keys' derivative on the one-token call (~0.09) is within float32 noise on an
+  // AVX-512 host (off by 1.0%); at 4 * kStep every path is within 0.1% of the gradient.
+  continuation_fd(m, ids(10, 1), ids(7, 2), paths, 1e-2, "recurrent", 4 * kStep);
+  continuation_fd(m, ids(10, 1), ids(1, 2), paths, 1e-2, "recurrent", 4 * kStep);
 }
 
 TEST(GradRwkv, LayerNormBackwardMatchesDoubleFiniteDifferences) {

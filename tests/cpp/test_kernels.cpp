@@ -109,15 +109,11 @@ TEST(Kernels, WidenIsExact) {
 }
 
 TEST(Kernels, Half16ConversionsExactAndNearestEven) {
-  // Every half bit pattern widens as the safetensors reader does.
+  // Every finite half bit pattern survives widening and narrowing (widening itself is checked
+  // against the definition in IoDType.F16ExhaustiveAgainstDefinition).
   for (uint32_t h = 0; h < 65536; ++h) {
-    const float a = ops::f16_to_f32(static_cast<uint16_t>(h)), b = io::f16_to_f32(static_cast<uint16_t>(h));
-    if (std::isnan(b)) {
-      ASSERT_TRUE(std::isnan(a)) << h;
-      continue;
-    }
-    ASSERT_EQ(a, b) << h;
-    if (!std::isinf(b)) {
+    const float b = ops::f16_to_f32(static_cast<uint16_t>(h));
+    if (std::isfinite(b)) {
       ASSERT_EQ(ops::f32_to_f16(b), h) << "round trip " << h;
     }
   }
