@@ -17,6 +17,10 @@
 namespace mixlens::ops {
 namespace {
 
+// How far ahead a matvec prefetches each weight row: Nemotron-H-8B bf16 decode, 2-core Xeon, 4 rounds
+// each: 512 B 1.87 tok/s, 1024 B 1.85, 2048 B 1.98-2.01, 3072-4096 B 1.98.
+constexpr int64_t kPrefetchBytes = 2048;
+
 inline __mmask16 tail_mask(int64_t r) { return static_cast<__mmask16>((1u << r) - 1u); }
 
 struct F32 {
@@ -102,13 +106,35 @@ void dot_tile(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, f
           _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][n][0], a[r][n][1]), _mm512_add_ps(a[r][n][2], a[r][n][3])));
 }
 
-// One row at a time: rows are contiguous, so the weights stream as one sequential read (four
-// interleaved row streams measured 40% slower here: bench/results/kernels.md); x stays in L1. Those
-// were adjacent rows; two rows far apart measured faster on the AVX2 level (its matvec), not yet
-// measured here (no AVX-512 machine at hand).
+// Rows o and o + ceil(n / 2) together (the 1 x 2 tile with the pair's distance as its stride; each
+// row summed exactly as alone), the middle row of an odd n alone: two sequential streams far apart
+// per core, as the AVX2 level. Nemotron-H-8B bf16 decode on a 2-core Xeon (AVX-512): one stream
+// 1.67 tok/s, the AVX2 level's pairs 1.89 (four adjacent rows interleaved measured 40% slower on
+// an older host: bench/results/kernels.md).
+template <class Tile>
+void paired_rows(int64_t n, Tile tile) {
+  const int64_t h = n - n / 2;
+  float t[2];
+  for (int64_t o = 0; o < n / 2; ++o) {
+    tile(o, h, t);
+    tile.y[o] = t[0], tile.y[o + h] = t[1];
+  }
+  if (n & 1) tile(h - 1, 0, t), tile.y[h - 1] = t[0];
+}
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  for (int64_t o = 0; o < n; ++o) dot_tile<L, 1, 1>(W + o * ld, ld, x, 0, y + o, 0, in);
+  struct {
+    const typename L::T* W;
+    int64_t ld, in;
+    const float* x;
+    float* y;
+    // Row o alone (dist 0) or with row o + dist, into t[0] / t[1].
+    void operator()(int64_t o, int64_t dist, float* t) const {
+      if (dist) dot_tile<L, 1, 2>(W + o * ld, dist * ld, x, 0, t, 0, in);
+      else dot_tile<L, 1, 1>(W + o * ld, ld, x, 0, t, 0, in);
+    }
+  } tile{W, ld, in, x, y};
+  paired_rows(n, tile);
 }
 
 // Rows in groups of 3 x outputs in pairs (24 accumulators of 32 registers); outputs in blocks of
@@ -168,6 +194,12 @@ void bf16_tile(const uint16_t* W, int64_t ld, const float* XD, int64_t ldxd, con
       for (int q = 0; q < 4; ++q) a[r][n][q] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k < in64; k += 64) {
+    if constexpr (R == 1)  // a matvec: its weights come from memory (see paired_rows)
+#pragma GCC unroll 16
+      for (int n = 0; n < N; ++n) {
+        const char* pf = reinterpret_cast<const char*>(W + n * ld + k) + kPrefetchBytes;
+        _mm_prefetch(pf, _MM_HINT_T0), _mm_prefetch(pf + 64, _MM_HINT_T0);
+      }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       __m512 e[N], d[N];
@@ -219,8 +251,17 @@ void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n,
     return;
   }
   deinterleave(x, in32, xd_buf);
-  // One row at a time: one sequential stream (see matvec).
-  for (int64_t o = 0; o < n; ++o) bf16_tile<1, 1>(W + o * ld, ld, xd_buf, 0, x, 0, y + o, 0, in);
+  struct {
+    const uint16_t* W;
+    int64_t ld, in;
+    const float* x;
+    float* y;
+    void operator()(int64_t o, int64_t dist, float* t) const {  // rows paired as in matvec
+      if (dist) bf16_tile<1, 2>(W + o * ld, dist * ld, xd_buf, 0, x, 0, t, 0, in);
+      else bf16_tile<1, 1>(W + o * ld, ld, xd_buf, 0, x, 0, t, 0, in);
+    }
+  } tile{W, ld, in, x, y};
+  paired_rows(n, tile);
 }
 void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
 
@@ -334,10 +375,80 @@ void acc_rows(const float* p, const float* V, int64_t ld, int64_t n, int64_t d, 
   }
 }
 
+// int8 rows times int16 x (KernelTable::matvec_q8), bitwise the AVX2 and scalar levels' sums: per block
+// the same 8 integer lane sums (lane i: k = 2i, 2i+1, 16 + 2i, 17 + 2i; integers, so their order is
+// free), the same float scale product and fused multiply-add into the even or odd accumulator, the same
+// final sum. Two blocks per 512-bit vector: the even block in the low half (the AVX2 level's even
+// accumulator), the odd one in the high half. N rows `ld` apart share the x loads.
+inline __m512i q8_madd(const uint8_t* blk, const int16_t* xq) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 4)));
+  return _mm512_madd_epi16(w, _mm512_loadu_si512(xq));
+}
+inline float q8scale(const uint8_t* b) {
+  float s;
+  __builtin_memcpy(&s, b, 4);
+  return s;
+}
+// v[0] + ... + v[7] in the AVX2 level's order (avx2_inline.h: hsum).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+template <int N>
+void q8_rows(const uint8_t* W, int64_t ld, const X16& x, float* y) {
+  const int64_t nb = x.nb, nb2 = nb & ~int64_t{1};
+  __m512 acc[N];
+#pragma GCC unroll 4
+  for (int n = 0; n < N; ++n) acc[n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb2; b += 2) {
+    const int16_t* xq = x.q + b * kQ8Block;
+    const float xs0 = x.s[b], xs1 = x.s[b + 1];
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      const uint8_t* blk = W + n * ld + b * kQ8BlockBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes + 64, _MM_HINT_T0);
+      const __m512i p0 = q8_madd(blk, xq), p1 = q8_madd(blk + kQ8BlockBytes, xq + kQ8Block);
+      const __m512i d = _mm512_add_epi32(_mm512_shuffle_i64x2(p0, p1, 0x44), _mm512_shuffle_i64x2(p0, p1, 0xee));
+      const __m512 sc = _mm512_mask_blend_ps(static_cast<__mmask16>(0xff00), _mm512_set1_ps(q8scale(blk) * xs0),
+                                             _mm512_set1_ps(q8scale(blk + kQ8BlockBytes) * xs1));
+      acc[n] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d), acc[n]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int n = 0; n < N; ++n) {
+    __m256 a0 = _mm512_castps512_ps256(acc[n]);
+    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[n]), 1));
+    if (nb & 1) {  // the last block is even: the low half alone
+      const uint8_t* blk = W + n * ld + nb2 * kQ8BlockBytes;
+      const __m512i p = q8_madd(blk, x.q + nb2 * kQ8Block);
+      const __m256i d = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
+      a0 = _mm256_fmadd_ps(_mm256_set1_ps(q8scale(blk) * x.s[nb2]), _mm256_cvtepi32_ps(d), a0);
+    }
+    y[n] = hsum8(_mm256_add_ps(a0, a1)) * x.f[0];
+  }
+}
+
+void q8_matvec(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n) {
+  struct {
+    const uint8_t* W;
+    int64_t ld;
+    const X16& x;
+    float* y;
+    void operator()(int64_t o, int64_t dist, float* t) const {  // rows paired as in matvec
+      if (dist) q8_rows<2>(W + o * ld, dist * ld, x, t);
+      else q8_rows<1>(W + o * ld, ld, x, t);
+    }
+  } tile{W, ld, x, y};
+  paired_rows(n, tile);
+}
+
 }  // namespace
 
 const KernelTable kAvx512Kernels = {mv_f32,  mv_bf16,  mv_f16,   gemm_f32, gemm_bf16, gemm_f16, widen<BF16>,
-                                    widen<F16>, exp_, mul_silu, sigmoid, acc_rows, q8_matvec_avx2, q8_gemm_avx2,
+                                    widen<F16>, exp_, mul_silu, sigmoid, acc_rows, q8_matvec, q8_gemm_avx2,
                                     q8_widen_avx2};
 
 }  // namespace mixlens::ops

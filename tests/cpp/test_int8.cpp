@@ -138,16 +138,24 @@ TEST(Int8, RoundX16FollowsItsDefinition) {
 // Every level computes the int8 products bitwise the same (integer block sums, one lane order), a
 // NaN in x reaches every output, and a NaN-free zero block adds nothing.
 TEST(Int8, EveryLevelBitwiseTheSame) {
+  // Odd and even block counts (the AVX-512 level sums blocks in pairs), odd and even row counts (rows
+  // run in pairs far apart).
+  for (const auto& [rows, width] : {std::pair<int64_t, int64_t>{23, 203}, {2, 256}, {6, 31}, {1, 1000}}) {
+    const int64_t ldw = ops::q8_row_bytes(width);
+    const std::vector<uint8_t> qw = quantize(randn(static_cast<size_t>(rows * width), 14), rows, width);
+    const std::vector<float> xw = randn(static_cast<size_t>(width), 15);
+    std::vector<float> first;
+    for (ops::Isa isa : levels()) {
+      std::vector<float> y(static_cast<size_t>(rows));
+      ops::kernels_for(isa)->matvec_q8(qw.data(), ldw, ops::RoundedX16(xw.data(), width, 1, width).view(), y.data(), rows);
+      if (first.empty()) first = y;
+      for (int64_t o = 0; o < rows; ++o)
+        ASSERT_EQ(y[static_cast<size_t>(o)], first[static_cast<size_t>(o)]) << ops::isa_name(isa) << " " << width << " " << o;
+    }
+  }
   const int64_t n = 23, in = 203, ld = ops::q8_row_bytes(in);
   const std::vector<uint8_t> q = quantize(randn(static_cast<size_t>(n * in), 12), n, in);
   std::vector<float> x = randn(static_cast<size_t>(in), 13);
-  std::vector<float> first;
-  for (ops::Isa isa : levels()) {
-    std::vector<float> y(static_cast<size_t>(n));
-    ops::kernels_for(isa)->matvec_q8(q.data(), ld, ops::RoundedX16(x.data(), in, 1, in).view(), y.data(), n);
-    if (first.empty()) first = y;
-    for (int64_t o = 0; o < n; ++o) ASSERT_EQ(y[static_cast<size_t>(o)], first[static_cast<size_t>(o)]) << ops::isa_name(isa) << " " << o;
-  }
   x[200] = std::numeric_limits<float>::infinity();
   for (ops::Isa isa : levels()) {
     std::vector<float> y(static_cast<size_t>(n));
