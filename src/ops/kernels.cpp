@@ -87,7 +87,12 @@ const KernelTable* kernels_for(Isa i) {
 namespace {
 Isa initial_isa() {
   if (const char* s = std::getenv("MIXLENS_ISA"); s && *s) {
-    const Isa i = parse_isa(s);
+    Isa i;
+    try {
+      i = parse_isa(s);
+    } catch (const InputError& e) {
+      throw InputError(std::string("MIXLENS_ISA=") + s + ": " + e.what());
+    }
     if (!isa_supported(i))
       throw Error(std::string("MIXLENS_ISA=") + s + ": this CPU cannot run that level (best: " + isa_name(best_isa()) + ")");
     return i;

@@ -18,6 +18,7 @@
 #include "models/registry.h"
 #include "ops/arena.h"
 #include "ops/env.h"
+#include "ops/kernels.h"
 #include "ops/ops.h"
 #include "runtime/model_access.h"
 #include "runtime/sampling.h"
@@ -253,6 +254,7 @@ Model Model::load(const std::string& path_or_hub_id, const LoadOptions& options)
   (void)detail::arena_limit_bytes();
   (void)detail::big_limit_bytes();
   (void)save_budget_bytes();
+  (void)ops::isa();  // MIXLENS_ISA: a name that is not a level, or one this CPU lacks
   io::WeightStore probe;
   probe.set_matmul_dtype(options.dtype);  // an unknown dtype fails before any file is read
   const fs::path dir = io::resolve_model(path_or_hub_id);
