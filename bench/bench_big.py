@@ -84,7 +84,7 @@ PAIRS = (("mixlens bf16", "llama.cpp BF16"), ("mixlens int8", "llama.cpp Q8_0"))
 # Expected peak of transformers' bf16 load over the checkpoint's bytes (measured 1.0-1.1x on the
 # --layers runs; 1.2 leaves room) and the working memory every engine gets on top.
 HF_FACTOR, SLACK = 1.2, 1 * GiB
-# llama.cpp engines whose default run crashed: measured with `--repack 0` from then on (engine -> why).
+# GGUFs whose default llama-bench run crashed: measured with `--repack 0` from then on (path -> why).
 NO_REPACK: dict[str, str] = {}
 
 
@@ -348,16 +348,16 @@ def measure(engine: str, a, ckpt: Path, gguf: dict, load: bool) -> dict:
     else:
         g = gguf[engine]
         lb = [str(harness.CACHE / "bin" / "llama-bench"), "-m", str(g), "-t", str(a.threads), "-r", "1", "-o", "json"]
-        lb += ["--repack", "0"] if engine in NO_REPACK else []
+        lb += ["--repack", "0"] if str(g) in NO_REPACK else []
         if load:
             res, rss, wall = run_json_array(lb + ["-p", "1", "-n", "0", "--no-warmup"], env)
             return dict(res, load_s=wall, load_rss=rss)
         res, rss, wall = run_json_array(lb + ["-p", str(a.prompt), "-n", str(a.decode)], env)
-        if res.get("signal") and engine not in NO_REPACK:
+        if res.get("signal") and str(g) not in NO_REPACK:
             # llama.cpp's default repacks weights for this CPU's kernels (AMX on a Xeon); where that run
             # crashes, its users turn repacking off, and so does the bench (the caller re-measures the load).
-            NO_REPACK[engine] = f"llama-bench's default run crashed ({res['error']}); measured with --repack 0"
-            return dict(measure(engine, a, ckpt, gguf, load), repack_off=NO_REPACK[engine])
+            NO_REPACK[str(g)] = f"llama-bench's default run crashed ({res['error']}); measured with --repack 0"
+            return dict(measure(engine, a, ckpt, gguf, load), repack_off=NO_REPACK[str(g)])
         return dict(res, rss=rss, wall_s=wall)
     cmd += common + (["--load-only"] if load else [])
     res, rss, wall = run_json(cmd, env, timeout=a.timeout)
@@ -487,7 +487,7 @@ def report(a, started: float, machine: dict, load0: str, load1: str, models: dic
         bad = {e: s for e, s in m["samples"].items() if s.get("logits_ok") and not all(s["logits_ok"])}
         L += ["", "Logits finite and not constant on every measured run: "
               + ("yes" if not bad else "NO: " + ", ".join(bad)) + "."]
-        notes = {e: why_ for e, why_ in NO_REPACK.items() if e in m["engines"]}
+        notes = {e: NO_REPACK[g["path"]] for e, g in m["gguf"].items() if e in m["engines"] and g["path"] in NO_REPACK}
         if notes:
             L += ["", "Measured differently from the default:", ""] + [f"- {e}: {msg}" for e, msg in notes.items()]
         if m["errors"]:
