@@ -1,5 +1,6 @@
 // Small AVX2 + FMA helpers shared by the files compiled with those flags (ops/kernels_avx2.cpp,
-// ops/tile_kernels_avx2.cpp, mixers/ssm_kernels_avx2.cpp). Include it only there: the anonymous
+// ops/tile_kernels_avx2.cpp, mixers/ssm_kernels_avx2.cpp, and ops/kernels_avx512.cpp, whose int8 sum must
+// end as the AVX2 level's). Include it only there: the anonymous
 // namespace keeps each copy internal, so the linker never hands an AVX2 body to other callers.
 #pragma once
 #if defined(__x86_64__)

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "ops/avx2_inline.h"
 #include "ops/kernels.h"
 
 namespace mixlens::ops {
@@ -111,30 +112,23 @@ void dot_tile(const typename L::T* W, int64_t ld, const float* X, int64_t ldx, f
 // per core, as the AVX2 level. Nemotron-H-8B bf16 decode on a 2-core Xeon (AVX-512): one stream
 // 1.67 tok/s, the AVX2 level's pairs 1.89 (four adjacent rows interleaved measured 40% slower on
 // an older host: bench/results/kernels.md).
-template <class Tile>
-void paired_rows(int64_t n, Tile tile) {
+// rows(o, dist, t): row o into t[0] and, when dist > 0, row o + dist into t[1].
+template <class Rows>
+void paired_rows(int64_t n, float* y, Rows rows) {
   const int64_t h = n - n / 2;
   float t[2];
   for (int64_t o = 0; o < n / 2; ++o) {
-    tile(o, h, t);
-    tile.y[o] = t[0], tile.y[o + h] = t[1];
+    rows(o, h, t);
+    y[o] = t[0], y[o + h] = t[1];
   }
-  if (n & 1) tile(h - 1, 0, t), tile.y[h - 1] = t[0];
+  if (n & 1) rows(h - 1, 0, t), y[h - 1] = t[0];
 }
 template <class L>
 void matvec(const typename L::T* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) {
-  struct {
-    const typename L::T* W;
-    int64_t ld, in;
-    const float* x;
-    float* y;
-    // Row o alone (dist 0) or with row o + dist, into t[0] / t[1].
-    void operator()(int64_t o, int64_t dist, float* t) const {
-      if (dist) dot_tile<L, 1, 2>(W + o * ld, dist * ld, x, 0, t, 0, in);
-      else dot_tile<L, 1, 1>(W + o * ld, ld, x, 0, t, 0, in);
-    }
-  } tile{W, ld, in, x, y};
-  paired_rows(n, tile);
+  paired_rows(n, y, [&](int64_t o, int64_t dist, float* t) {
+    if (dist) dot_tile<L, 1, 2>(W + o * ld, dist * ld, x, 0, t, 0, in);
+    else dot_tile<L, 1, 1>(W + o * ld, ld, x, 0, t, 0, in);
+  });
 }
 
 // Rows in groups of 3 x outputs in pairs (24 accumulators of 32 registers); outputs in blocks of
@@ -251,17 +245,10 @@ void mv_bf16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n,
     return;
   }
   deinterleave(x, in32, xd_buf);
-  struct {
-    const uint16_t* W;
-    int64_t ld, in;
-    const float* x;
-    float* y;
-    void operator()(int64_t o, int64_t dist, float* t) const {  // rows paired as in matvec
-      if (dist) bf16_tile<1, 2>(W + o * ld, dist * ld, xd_buf, 0, x, 0, t, 0, in);
-      else bf16_tile<1, 1>(W + o * ld, ld, xd_buf, 0, x, 0, t, 0, in);
-    }
-  } tile{W, ld, in, x, y};
-  paired_rows(n, tile);
+  paired_rows(n, y, [&](int64_t o, int64_t dist, float* t) {  // rows paired as in matvec
+    if (dist) bf16_tile<1, 2>(W + o * ld, dist * ld, xd_buf, 0, x, 0, t, 0, in);
+    else bf16_tile<1, 1>(W + o * ld, ld, xd_buf, 0, x, 0, t, 0, in);
+  });
 }
 void mv_f16(const uint16_t* W, int64_t ld, const float* x, float* y, int64_t n, int64_t in) { matvec<F16>(W, ld, x, y, n, in); }
 
@@ -389,13 +376,6 @@ inline float q8scale(const uint8_t* b) {
   __builtin_memcpy(&s, b, 4);
   return s;
 }
-// v[0] + ... + v[7] in the AVX2 level's order (avx2_inline.h: hsum).
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 template <int N>
 void q8_rows(const uint8_t* W, int64_t ld, const X16& x, float* y) {
   const int64_t nb = x.nb, nb2 = nb & ~int64_t{1};
@@ -427,22 +407,15 @@ void q8_rows(const uint8_t* W, int64_t ld, const X16& x, float* y) {
       const __m256i d = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
       a0 = _mm256_fmadd_ps(_mm256_set1_ps(q8scale(blk) * x.s[nb2]), _mm256_cvtepi32_ps(d), a0);
     }
-    y[n] = hsum8(_mm256_add_ps(a0, a1)) * x.f[0];
+    y[n] = avx2::hsum(_mm256_add_ps(a0, a1)) * x.f[0];  // the AVX2 level's final sum
   }
 }
 
 void q8_matvec(const uint8_t* W, int64_t ld, const X16& x, float* y, int64_t n) {
-  struct {
-    const uint8_t* W;
-    int64_t ld;
-    const X16& x;
-    float* y;
-    void operator()(int64_t o, int64_t dist, float* t) const {  // rows paired as in matvec
-      if (dist) q8_rows<2>(W + o * ld, dist * ld, x, t);
-      else q8_rows<1>(W + o * ld, ld, x, t);
-    }
-  } tile{W, ld, x, y};
-  paired_rows(n, tile);
+  paired_rows(n, y, [&](int64_t o, int64_t dist, float* t) {  // rows paired as in matvec
+    if (dist) q8_rows<2>(W + o * ld, dist * ld, x, t);
+    else q8_rows<1>(W + o * ld, ld, x, t);
+  });
 }
 
 }  // namespace
